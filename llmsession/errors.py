@@ -1,0 +1,35 @@
+"""The exceptions llmsession raises; all share one base class."""
+
+from __future__ import annotations
+
+
+class LlmSessionError(Exception):
+    """Base class of every llmsession error."""
+
+
+class ModelLoadError(LlmSessionError):
+    """A model or projector file is missing, unreadable or not a valid GGUF."""
+
+
+class ContextOverflowError(LlmSessionError):
+    """The prompt does not fit the session's context; nothing was decoded."""
+
+
+class TemplateError(LlmSessionError):
+    """No renderer could format the messages with the model's chat template."""
+
+
+class SessionBusyError(LlmSessionError):
+    """The session is already generating in another thread."""
+
+
+class UnsupportedFeatureError(LlmSessionError):
+    """The request needs something this model lacks (for example images without a projector)."""
+
+
+class ImageError(LlmSessionError):
+    """An image could not be read or has the wrong shape."""
+
+
+class NativeError(LlmSessionError):
+    """A llama.cpp or libmtmd call reported failure."""
