@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` (a short multi-turn chat) and `make test`.
+# Both set everything up on a fresh machine: virtual environment, llama.cpp build, models.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean-venv
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(INSTALLED)
+	$(PY) scripts/fetch_models.py
+	$(PY) scripts/fetch_llama.py
+	$(PY) scripts/make_fixtures.py
+
+demo: setup
+	$(PY) scripts/demo.py
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict llmsession
+
+test: setup lint
+	$(PY) scripts/gen_bindings.py --check
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) scripts/fetch_llama.py --bench
+	$(PY) scripts/bench_sessions.py --json bench-sessions.json
+
+clean-venv:
+	rm -rf $(VENV)
