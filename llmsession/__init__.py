@@ -1,0 +1,34 @@
+"""llmsession: fast, correct multi-turn chat with local GGUF models through llama.cpp."""
+
+from .errors import (
+    ContextOverflowError,
+    ImageError,
+    LlmSessionError,
+    ModelLoadError,
+    NativeError,
+    SessionBusyError,
+    TemplateError,
+    UnsupportedFeatureError,
+)
+from .model import Model
+from .options import GenerationOptions
+from .session import Reply, Session, Snapshot, Stream, Timings, Usage
+
+__all__ = [
+    "ContextOverflowError",
+    "GenerationOptions",
+    "ImageError",
+    "LlmSessionError",
+    "Model",
+    "ModelLoadError",
+    "NativeError",
+    "Reply",
+    "Session",
+    "SessionBusyError",
+    "Snapshot",
+    "Stream",
+    "TemplateError",
+    "Timings",
+    "UnsupportedFeatureError",
+    "Usage",
+]

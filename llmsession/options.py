@@ -1,0 +1,69 @@
+"""Generation options, validated up front so a bad value fails before anything is decoded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How a reply is sampled. ``temperature == 0`` is greedy decoding."""
+
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field with a bad value."""
+        _require("max_tokens", self.max_tokens, _is_int(self.max_tokens) and self.max_tokens >= 1)
+        _require("temperature", self.temperature, _is_real(self.temperature) and self.temperature >= 0)
+        _require("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0)
+        _require("top_p", self.top_p, _is_real(self.top_p) and 0 < self.top_p <= 1)
+        _require("min_p", self.min_p, _is_real(self.min_p) and 0 <= self.min_p <= 1)
+        _require("repeat_penalty", self.repeat_penalty, _is_real(self.repeat_penalty) and self.repeat_penalty > 0)
+        _require("repeat_last_n", self.repeat_last_n, _is_int(self.repeat_last_n) and self.repeat_last_n >= -1)
+        _require("frequency_penalty", self.frequency_penalty, _is_real(self.frequency_penalty))
+        _require("presence_penalty", self.presence_penalty, _is_real(self.presence_penalty))
+        seed_ok = self.seed is None or (_is_int(self.seed) and 0 <= self.seed < LLAMA_DEFAULT_SEED)
+        _require("seed", self.seed, seed_ok)
+        stops_ok = all(isinstance(s, str) and s and "\0" not in s for s in self.stop)
+        _require("stop", self.stop, stops_ok)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(name: str, value: object, ok: bool) -> None:
+    if not ok:
+        raise ValueError(f"GenerationOptions.{name}: invalid value {value!r}")

@@ -1,0 +1,158 @@
+"""The generated cdef against the real headers and libraries: drift, struct layout, coverage."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from llama_cffi import LIBRARIES, NOT_EXPORTED, ffi, include_dir, lib_dir, load
+
+ROOT = Path(__file__).resolve().parents[1]
+API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
+BY_VALUE_STRUCTS = {
+    "llama_model_params", "llama_context_params", "llama_batch", "mtmd_context_params",
+    "mtmd_input_text", "llama_sampler_chain_params", "llama_chat_message",
+}  # fmt: skip
+
+
+def test_committed_cdef_matches_the_headers() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/gen_bindings.py"), "--check", "--include-dir", str(include_dir())],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_cdef_names_the_commit() -> None:
+    first = (ROOT / "bindings/llama_cffi/_cdef.h").read_text().splitlines()[0]
+    assert "0c1e57098" in first
+
+
+def layouts_from_cffi() -> dict[str, int]:
+    """sizeof of every non-opaque struct and offsetof of every field, as cffi computes them."""
+    _, structs, unions = ffi.list_types()
+    out: dict[str, int] = {}
+    for kind, names in (("struct", structs), ("union", unions)):
+        for name in names:
+            ctype = ffi.typeof(f"{kind} {name}")
+            if ctype.fields is None:
+                continue  # opaque
+            out[f"sizeof {kind} {name}"] = ffi.sizeof(ctype)
+            for field, info in ctype.fields:
+                out[f"offsetof {kind} {name}.{field}"] = info.offset
+    return out
+
+
+def layouts_from_compiler(keys: list[str], tmp_path: Path) -> dict[str, int]:
+    """The same numbers from the C compiler, compiled against the headers the libraries came from."""
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "mtmd-helper.h"', "int main(void) {"]
+    for key in keys:
+        op, rest = key.split(" ", 1)
+        if op == "sizeof":
+            lines.append(f'  printf("%s %zu\\n", "{key}", sizeof({rest}));')
+        else:
+            type_name, field = rest.rsplit(".", 1)
+            lines.append(f'  printf("%s %zu\\n", "{key}", offsetof({type_name}, {field}));')
+    lines += ["  return 0;", "}"]
+    source = tmp_path / "probe.c"
+    source.write_text("\n".join(lines) + "\n")
+    binary = tmp_path / "probe"
+    subprocess.run(["cc", "-I", str(include_dir()), str(source), "-o", str(binary)], check=True)
+    output = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    return {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in output.splitlines()}
+
+
+def test_every_struct_layout_matches_the_compiler(tmp_path: Path) -> None:
+    expected = layouts_from_cffi()
+    names = {key.split(" ")[2].split(".")[0] for key in expected}
+    assert BY_VALUE_STRUCTS <= names, "a struct passed by value is missing from the cdef"
+    actual = layouts_from_compiler(sorted(expected), tmp_path)
+    mismatches = {k: (v, actual.get(k)) for k, v in expected.items() if actual.get(k) != v}
+    assert not mismatches, f"cffi layout differs from the C compiler's: {mismatches}"
+
+
+def api_functions() -> set[str]:
+    """Every function the three headers declare with LLAMA_API or MTMD_API."""
+    names = set()
+    for header in API_HEADERS:
+        text = (include_dir() / header).read_text()
+        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+        for match in re.finditer(r"\b(?:LLAMA|MTMD)_API\b([^;{]*?)\(", text):
+            if text[: match.start()].rsplit("\n", 1)[-1].lstrip().startswith("#"):
+                continue  # the macro's own definition
+            names.add(re.findall(r"\w+", match.group(1))[-1])
+    return names
+
+
+def test_every_declared_function_is_in_the_cdef_and_exported() -> None:
+    declared = api_functions()
+    assert len(declared) > 250
+    handles = [ctypes.CDLL(str(lib_dir() / f"lib{name}.so")) for name in LIBRARIES]
+
+    def exported(name: str) -> bool:
+        return any(hasattr(handle, name) for handle in handles)
+
+    lib, _ = load()
+    missing_from_libs = {name for name in declared if not exported(name)}
+    assert missing_from_libs == NOT_EXPORTED, "exceptions must be listed explicitly in NOT_EXPORTED"
+    missing_from_cdef = {name for name in declared - NOT_EXPORTED if not hasattr(lib, name)}
+    assert not missing_from_cdef
+
+
+def test_tokenize_detokenize_round_trip(smollm2_path: Path) -> None:
+    from llmsession import Model
+
+    with Model(smollm2_path) as model:
+        text = "Hello, world! Ünïcödé ✓ 你好 — tabs\tand\nnewlines."
+        tokens = model.tokenize(text, add_special=False)
+        assert len(tokens) > 5
+        assert model.detokenize(tokens) == text
+
+
+def test_chat_template_is_chatml(smollm2_path: Path) -> None:
+    from llmsession import Model
+
+    with Model(smollm2_path) as model:
+        assert model.template is not None
+        assert "<|im_start|>" in model.template
+
+
+def test_short_decode_gives_finite_logits(smollm2_path: Path) -> None:
+    from llmsession.native import NativeContext, NativeModel
+
+    model = NativeModel(smollm2_path)
+    context = NativeContext(model, n_ctx=128, n_batch=32, threads=2)
+    tokens = model.tokenize("The capital of France is", add_special=True)
+    context.decode(tokens, 0)
+    logits = context.logits()
+    values = [logits[i] for i in range(model.n_vocab)]
+    assert all(math.isfinite(v) for v in values)
+    assert max(values) - min(values) > 1.0
+    context.close()
+    model.close()
+
+
+def test_gemma3_reports_its_sliding_window(gemma3_path: Path) -> None:
+    from llmsession.native import NativeModel
+
+    model = NativeModel(gemma3_path)
+    assert model.n_swa == 512
+    assert model.chat_template() is None
+    model.close()
+
+
+@pytest.mark.parametrize("level", ["warning"])
+def test_native_logs_reach_python_logging(level: str, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    from llmsession import Model, ModelLoadError
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with caplog.at_level(level.upper(), logger="llmsession.native"), pytest.raises(ModelLoadError):
+        Model(bad)
+    assert any(record.name == "llmsession.native" for record in caplog.records)

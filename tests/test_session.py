@@ -1,0 +1,311 @@
+"""Sessions and live streaming on the real library (SmolLM2-135M-Instruct; Gemma 3 where noted)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from llmsession import (
+    ContextOverflowError,
+    GenerationOptions,
+    Model,
+    ModelLoadError,
+    SessionBusyError,
+    TemplateError,
+)
+from llmsession.detokenize import IncrementalDetokenizer
+
+GREEDY = GenerationOptions(max_tokens=24, temperature=0)
+
+
+def test_respond_and_stream_agree_at_temperature_zero(smollm2: Model) -> None:
+    a = smollm2.session(system="You are terse.").respond("Name three colours.", GREEDY)
+    stream = smollm2.session(system="You are terse.").stream("Name three colours.", GREEDY)
+    deltas = [snap.delta for snap in stream]
+    assert stream.reply is not None
+    assert stream.reply.text == a.text == "".join(deltas)
+    assert a.usage == stream.reply.usage
+    assert a.text.strip()
+
+
+def test_a_fixed_seed_reproduces_a_sampled_reply(smollm2: Model) -> None:
+    sampled = GenerationOptions(max_tokens=24, temperature=1.2, top_k=100, top_p=1.0, min_p=0.0, seed=1234)
+    first = smollm2.session().respond("Tell me a story.", sampled).text
+    second = smollm2.session().respond("Tell me a story.", sampled).text
+    other = smollm2.session().respond("Tell me a story.", GenerationOptions(**{**sampled.__dict__, "seed": 99}))
+    assert first == second
+    assert other.text != first
+
+
+def test_snapshots_arrive_while_generation_is_still_running(smollm2: Model) -> None:
+    session = smollm2.session()
+    stream = session.stream("Count from one to twenty in words.", GenerationOptions(max_tokens=40, temperature=0))
+    positions, texts = [], []
+    for snap in stream:
+        positions.append(session.cached_tokens)  # what the context has decoded so far
+        texts.append(snap.text)
+    assert stream.reply is not None
+    assert len(positions) > 10
+    assert positions[0] < positions[-1], "the first snapshot must come before the later tokens decode"
+    assert positions == sorted(positions)
+    assert texts[-1] == stream.reply.text
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False))
+
+
+def multi_token_characters(model: Model) -> list[str]:
+    """Characters that SmolLM2's byte-level vocabulary splits across several tokens."""
+    found = []
+    for char in "🦙🐍🧪㊗𝔘ꙮ":
+        pieces = [model.native.piece(t) for t in model.tokenize(char, add_special=False)]
+        if len(pieces) > 1 and any(_invalid_alone(p) for p in pieces):
+            found.append(char)
+    return found
+
+
+def _invalid_alone(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def test_split_characters_never_show_replacement_characters(smollm2: Model) -> None:
+    chars = multi_token_characters(smollm2)
+    assert chars, "no multi-token character found: the test would prove nothing"
+    text = "llama " + "".join(chars) + " done"
+    detokenizer = IncrementalDetokenizer()
+    seen = ""
+    for token in smollm2.tokenize(text, add_special=False):
+        seen += detokenizer.push(smollm2.native.piece(token))
+        assert "\ufffd" not in seen
+    assert seen + detokenizer.flush() == text
+
+
+def test_generated_emoji_stream_without_replacement_characters(smollm2: Model) -> None:
+    session = smollm2.session()
+    prompt = "Repeat exactly, nothing else: 🦙🦙🦙 🐍🐍🐍"
+    stream = session.stream(prompt, GenerationOptions(max_tokens=30, temperature=0))
+    snapshots = [snap.text for snap in stream]
+    assert stream.reply is not None
+    split = [c for c in set(stream.reply.text) if c in multi_token_characters(smollm2)]
+    assert split, f"the model did not emit a multi-token character: {stream.reply.text!r}"
+    assert not any("\ufffd" in text for text in snapshots)
+
+
+def test_stop_strings_cut_exactly(smollm2: Model) -> None:
+    question = "Count from one to ten in words, separated by commas."
+    full = smollm2.session().respond(question, GenerationOptions(max_tokens=40, temperature=0)).text
+    assert "four" in full
+    stop = "four"
+    stopped = smollm2.session().stream(question, GenerationOptions(max_tokens=40, temperature=0, stop=[stop]))
+    deltas = [snap.delta for snap in stopped]
+    assert stopped.reply is not None
+    assert stopped.reply.text == full[: full.index(stop)]
+    assert "".join(deltas) == stopped.reply.text
+    assert stopped.reply.finish_reason == "stop"
+
+
+def test_end_of_generation_tokens_never_appear(smollm2: Model) -> None:
+    reply = smollm2.session().respond("Say hi.", GenerationOptions(max_tokens=64, temperature=0))
+    assert reply.finish_reason == "stop"
+    assert "<|im_end|>" not in reply.text and "<|endoftext|>" not in reply.text
+
+
+def test_length_finish_reason(smollm2: Model) -> None:
+    reply = smollm2.session().respond("Write a long essay about rivers.", GenerationOptions(max_tokens=5, temperature=0))
+    assert reply.finish_reason == "length"
+    assert reply.usage.completion_tokens == 5
+
+
+def test_cancel_mid_generation_stops_within_one_token(smollm2: Model) -> None:
+    session = smollm2.session()
+    stream = session.stream("Write a long essay about rivers.", GenerationOptions(max_tokens=200, temperature=0))
+    for i, _snap in enumerate(stream):
+        if i == 4:
+            at_cancel = session.cached_tokens
+            threading.Thread(target=stream.cancel).start()
+            time.sleep(0.05)
+    assert stream.reply is not None
+    assert stream.reply.finish_reason == "cancelled"
+    assert session.cached_tokens <= at_cancel + 1
+    assert session.messages[-1] == {"role": "assistant", "content": stream.reply.text}
+    again = session.respond("Summarise that in three words.", GenerationOptions(max_tokens=12, temperature=0))
+    assert again.finish_reason in ("stop", "length") and again.text
+
+
+def test_break_and_drop_stop_decoding(smollm2: Model) -> None:
+    session = smollm2.session()
+    for i, _snap in enumerate(session.stream("Write a long essay about rivers.", GenerationOptions(max_tokens=200))):
+        if i == 2:
+            break
+    # the for loop held the only reference: the stream is finished as cancelled and recorded
+    assert session.messages[-1]["role"] == "assistant"
+    held = session.cached_tokens
+    time.sleep(0.1)
+    assert session.cached_tokens == held
+    reply = session.respond("Thanks.", GenerationOptions(max_tokens=8, temperature=0))
+    assert reply.text
+
+
+def test_close_keeps_what_was_generated(smollm2: Model) -> None:
+    session = smollm2.session()
+    with session.stream("Write a long essay about rivers.", GenerationOptions(max_tokens=200)) as stream:
+        first = next(stream)
+    assert stream.reply is not None
+    assert stream.reply.finish_reason == "cancelled"
+    assert stream.reply.text == first.text
+    assert session.messages[-1]["content"] == first.text
+
+
+def long_prompt(model: Model, n_tokens: int) -> str:
+    words = "the river flows past the old mill and under the stone bridge toward the sea ".split()
+    text, i = "", 0
+    while len(model.tokenize(text, add_special=False)) < n_tokens:
+        text += " ".join(words[j % len(words)] for j in range(i, i + 200)) + " "
+        i += 200
+    return text
+
+
+def test_cancel_during_a_long_prefill_stops_within_about_one_batch(smollm2: Model) -> None:
+    prompt = long_prompt(smollm2, 2000)
+    session = smollm2.session(context_size=4096, batch_size=128)
+    stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
+    decoded_at_cancel: list[int] = []
+
+    def cancel_soon() -> None:
+        while session.cached_tokens < 300:
+            time.sleep(0.005)
+        decoded_at_cancel.append(session.cached_tokens)
+        stream.cancel()
+
+    canceller = threading.Thread(target=cancel_soon)
+    canceller.start()
+    snapshots = list(stream)
+    canceller.join()
+    assert stream.reply is not None
+    assert snapshots == []
+    assert stream.reply.finish_reason == "cancelled"
+    assert stream.reply.usage.prompt_tokens >= 2000
+    assert stream.reply.usage.decoded_prompt_tokens <= decoded_at_cancel[0] + 128
+    assert session.cached_tokens == stream.reply.usage.decoded_prompt_tokens
+    after = session.respond("Hello!", GenerationOptions(max_tokens=8, temperature=0))
+    assert after.text
+
+
+def test_a_session_used_from_two_threads_raises_busy(smollm2: Model) -> None:
+    session = smollm2.session()
+    stream = session.stream(long_prompt(smollm2, 1500), GenerationOptions(max_tokens=4, temperature=0))
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        started.set()
+        list(stream)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    started.wait()
+    time.sleep(0.3)  # the worker is inside the prefill
+    try:
+        session.respond("Hi", GenerationOptions(max_tokens=2))
+    except SessionBusyError as error:
+        errors.append(error)
+    worker.join()
+    assert errors, "a second thread must get SessionBusyError"
+
+
+def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
+    results: dict[int, str] = {}
+    options = GenerationOptions(max_tokens=16, temperature=0)
+    expected = smollm2.session().respond("Name a fruit.", options).text
+
+    def chat(i: int) -> None:
+        results[i] = smollm2.session().respond("Name a fruit.", options).text
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: expected, 1: expected}
+
+
+# -- errors, each from a real trigger ---------------------------------------------------------
+def test_missing_model_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        Model(tmp_path / "nope.gguf")
+
+
+def test_directory_instead_of_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError):
+        Model(tmp_path)
+
+
+def test_non_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.gguf"
+    path.write_text("just some text, not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        Model(path)
+
+
+@pytest.mark.parametrize("keep", [4, 1000, 3_000_000, 60_000_000])
+def test_truncated_gguf(tmp_path: Path, smollm2_path: Path, keep: int) -> None:
+    path = tmp_path / "truncated.gguf"
+    with smollm2_path.open("rb") as src:
+        path.write_bytes(src.read(keep))
+    with pytest.raises(ModelLoadError):
+        Model(path)
+
+
+@pytest.mark.parametrize("offset", [8, 16, 24, 200])
+def test_corrupt_gguf_header(tmp_path: Path, smollm2_path: Path, offset: int) -> None:
+    data = bytearray(smollm2_path.read_bytes()[:2_000_000])
+    data[offset : offset + 8] = b"\xff" * 8
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError):
+        Model(path)
+
+
+def test_prompt_longer_than_the_context(smollm2: Model) -> None:
+    session = smollm2.session(context_size=64)
+    with pytest.raises(ContextOverflowError):
+        session.respond(long_prompt(smollm2, 100))
+    assert session.messages == []
+    assert session.respond("Hi", GenerationOptions(max_tokens=4, temperature=0)).text is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", 0), ("temperature", -1.0), ("top_k", -3), ("top_p", 0.0), ("min_p", 2.0),
+     ("repeat_penalty", 0.0), ("repeat_last_n", -5), ("seed", -1), ("stop", ("",)),
+     ("temperature", float("nan"))],
+)  # fmt: skip
+def test_bad_option_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        GenerationOptions(**{field: value})  # type: ignore[arg-type]
+
+
+def test_unknown_template_raises_template_error(fixture_path: object) -> None:
+    with Model(fixture_path("smollm2-unknown-template.gguf")) as model:  # type: ignore[operator]
+        with pytest.raises(TemplateError):
+            model.session().respond("Hi")
+
+
+def test_nul_characters_are_never_silently_truncated(smollm2: Model) -> None:
+    session = smollm2.session()
+    with pytest.raises(ValueError, match="NUL"):
+        session.respond("before\0after", GenerationOptions(max_tokens=2))
+    assert session.messages == []
+
+
+def test_gemma3_without_a_template_chats_through_chatml(gemma3: Model) -> None:
+    assert gemma3.template is None
+    prompt = gemma3.render([{"role": "user", "content": "Hi"}])
+    assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    reply = gemma3.session().respond("Hi", GenerationOptions(max_tokens=8, temperature=0))
+    assert reply.usage.completion_tokens > 0
