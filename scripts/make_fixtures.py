@@ -1,0 +1,311 @@
+"""Write the tiny, deterministic test fixtures into the llmsession cache.
+
+Real small models cannot cover every code path (recurrent memory, vision, foreign chat
+templates), so we synthesise the missing ones: random weights, SmolLM2's tokenizer.
+
+    python scripts/make_fixtures.py [--llama-src PATH] [--force]
+
+Needs ``scripts/fetch_models.py`` to have run first (the SmolLM2 GGUF is the source of
+the tokenizer and of the template copies) and ``pip install gguf pillow``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmsession import paths
+
+# Bump when any fixture changes so that old caches are rebuilt.
+FIXTURE_VERSION = "1"
+STAMP_FILE = ".fixtures-version"
+SEED = 20240601
+GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
+# Matches none of llama_chat_detect_template's heuristics and has no Gemma 4 syntax.
+UNKNOWN_TEMPLATE = (
+    "{% for m in messages %}{{ '<<' + m.role | upper + '>> ' + m.content + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<<ASSISTANT>> ' }}{% endif %}"
+)
+
+_START = time.monotonic()
+
+
+class FixtureError(Exception):
+    """A failure worth one clear line to the user, not a traceback."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - _START:6.1f}s] {msg}", flush=True)
+
+
+class Sources:
+    """Inputs shared by the builders; the SmolLM2 GGUF is parsed once, only if needed."""
+
+    def __init__(self, smollm2: Path, llama_src: Path) -> None:
+        self.smollm2 = smollm2
+        self.llama_src = llama_src
+
+    @cached_property
+    def reader(self) -> gguf.GGUFReader:
+        if not self.smollm2.is_file():
+            raise FixtureError(f"{self.smollm2} is missing; run `python scripts/fetch_models.py` first")
+        log(f"reading {self.smollm2.name}")
+        return gguf.GGUFReader(self.smollm2)
+
+    def field(self, key: str) -> Any:
+        return self.reader.fields[key].contents()
+
+
+def copy_fields(
+    reader: gguf.GGUFReader,
+    writer: gguf.GGUFWriter,
+    keep: Callable[[str], bool] = lambda key: True,
+    overrides: dict[str, Any] | None = None,
+) -> None:
+    """Copy metadata in file order; ``overrides`` swap values but keep key order and type."""
+    overrides = overrides or {}
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name == gguf.Keys.General.ARCHITECTURE or not keep(name):
+            continue  # virtual fields, or written by GGUFWriter itself
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = overrides.get(name, field.contents())
+        writer.add_key_value(name, value, vtype, sub_type=sub_type)
+
+
+def write_gguf(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_tensors(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+
+
+def normal(rng: np.random.Generator, *shape: int, scale: float = 0.02) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+def build_mamba(out: Path, src: Sources) -> None:
+    """A 2-layer Mamba: recurrent memory, so partial ``seq_rm`` must be refused.
+
+    Shapes follow ``llama_model_mamba::load_arch_tensors`` (numpy order = reversed ggml ne).
+    """
+    n_embd, n_layer, d_inner, d_state, dt_rank, d_conv = 64, 2, 128, 16, 4, 4
+    n_vocab = len(src.reader.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(SEED)
+
+    writer = gguf.GGUFWriter(out, "mamba")
+    writer.add_name("mamba-tiny (random weights, llmsession test fixture)")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_layer_norm_rms_eps(1e-5)
+    copy_fields(src.reader, writer, keep=lambda key: key.startswith("tokenizer."))
+
+    tensors = {
+        "token_embd.weight": normal(rng, n_vocab, n_embd),  # output is tied to it
+        "output_norm.weight": ones(n_embd),
+    }
+    # Mamba's usual init: A = -[1..d_state] per channel, dt ~ 0.01 via inverse softplus.
+    a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
+    dt_bias = np.full(d_inner, np.log(np.expm1(0.01)), dtype=np.float32)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensors |= {
+            p + "attn_norm.weight": ones(n_embd),
+            p + "ssm_in.weight": normal(rng, 2 * d_inner, n_embd),
+            p + "ssm_conv1d.weight": normal(rng, d_inner, d_conv),
+            p + "ssm_conv1d.bias": normal(rng, d_inner),
+            p + "ssm_x.weight": normal(rng, dt_rank + 2 * d_state, d_inner),
+            p + "ssm_dt.weight": normal(rng, d_inner, dt_rank),
+            p + "ssm_dt.bias": dt_bias.copy(),
+            p + "ssm_a": a.copy(),
+            p + "ssm_d": ones(d_inner),
+            p + "ssm_out.weight": normal(rng, n_embd, d_inner),
+        }
+    add_tensors(writer, tensors)
+    write_gguf(writer)
+
+
+def build_mmproj(out: Path, src: Sources) -> None:
+    """A LLaVA-style ``mlp`` projector that libmtmd accepts next to SmolLM2.
+
+    32x32 image, 16px patches: 4 image tokens. Names and keys from ``clip-impl.h``,
+    layout from ``clip.cpp`` (``load_tensors``) and ``models/llava.cpp``.
+    """
+    width, n_block, n_head, n_ff, image, patch = 32, 2, 2, 64, 32, 16
+    n_text = int(src.field("llama.embedding_length"))  # mm.2 must project to this
+    n_pos = (image // patch) ** 2 + 1  # + class embedding
+    rng = np.random.default_rng(SEED + 1)
+
+    writer = gguf.GGUFWriter(out, "clip")
+    writer.add_name("mmproj-tiny (random weights, llmsession test fixture)")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.embedding_length", width)
+    writer.add_uint32("clip.vision.feed_forward_length", n_ff)
+    writer.add_uint32("clip.vision.block_count", n_block)
+    writer.add_uint32("clip.vision.projection_dim", n_text)
+    writer.add_uint32("clip.vision.attention.head_count", n_head)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    writer.add_uint32("clip.vision.image_size", image)
+    writer.add_uint32("clip.vision.patch_size", patch)
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])  # CLIP's
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+
+    def norm_pair(prefix: str, n: int) -> dict[str, np.ndarray]:
+        return {
+            prefix + ".weight": ones(n),
+            prefix + ".bias": np.zeros(n, dtype=np.float32),
+        }
+
+    tensors = {
+        "v.patch_embd.weight": normal(rng, width, 3, patch, patch),
+        "v.class_embd": normal(rng, width),
+        "v.position_embd.weight": normal(rng, n_pos, width),
+        **norm_pair("v.pre_ln", width),
+    }
+    for i in range(n_block):
+        p = f"v.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensors[p + name + ".weight"] = normal(rng, width, width)
+            tensors[p + name + ".bias"] = normal(rng, width)
+        tensors |= norm_pair(p + "ln1", width) | norm_pair(p + "ln2", width)
+        tensors |= {
+            p + "ffn_up.weight": normal(rng, n_ff, width),
+            p + "ffn_up.bias": normal(rng, n_ff),
+            p + "ffn_down.weight": normal(rng, width, n_ff),
+            p + "ffn_down.bias": normal(rng, width),
+        }
+    tensors |= {
+        "mm.0.weight": normal(rng, n_text, width),
+        "mm.0.bias": normal(rng, n_text),
+        "mm.2.weight": normal(rng, n_text, n_text),
+        "mm.2.bias": normal(rng, n_text),
+    }
+    add_tensors(writer, tensors)
+    write_gguf(writer)
+
+
+def copy_with_template(out: Path, src: Sources, template: str) -> None:
+    """SmolLM2 byte-for-byte in tensors and metadata, except ``tokenizer.chat_template``."""
+    reader = src.reader
+    writer = gguf.GGUFWriter(out, str(src.field(gguf.Keys.General.ARCHITECTURE)))
+    copy_fields(reader, writer, overrides={gguf.Keys.Tokenizer.CHAT_TEMPLATE: template})
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    write_gguf(writer)
+
+
+def build_gemma4_template(out: Path, src: Sources) -> None:
+    copy_with_template(out, src, (src.llama_src / GEMMA4_TEMPLATE).read_text(encoding="utf-8"))
+
+
+def build_unknown_template(out: Path, src: Sources) -> None:
+    copy_with_template(out, src, UNKNOWN_TEMPLATE)
+
+
+def build_red(out: Path, src: Sources) -> None:
+    Image.new("RGB", (48, 40), (255, 0, 0)).save(out, format="PNG")
+
+
+def build_blue(out: Path, src: Sources) -> None:
+    """A left-to-right blue gradient, so it is not mistaken for a flat colour."""
+    blue = np.linspace(64, 255, 48, dtype=np.uint8)
+    pixels = np.zeros((40, 48, 3), dtype=np.uint8)
+    pixels[:, :, 2] = blue
+    Image.fromarray(pixels).save(out, format="PNG")
+
+
+FIXTURES: dict[str, Callable[[Path, Sources], None]] = {
+    "mamba-tiny.gguf": build_mamba,
+    "mmproj-tiny.gguf": build_mmproj,
+    "smollm2-gemma4-template.gguf": build_gemma4_template,
+    "smollm2-unknown-template.gguf": build_unknown_template,
+    "image-red.png": build_red,
+    "image-blue.png": build_blue,
+}
+
+
+def build(name: str, out_dir: Path, src: Sources) -> None:
+    """Build one fixture into a temp file and rename it, so a crash leaves no half file."""
+    out = out_dir / name
+    tmp = out.with_name(f".{name}.tmp")
+    t0 = time.monotonic()
+    try:
+        FIXTURES[name](tmp, src)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    size = out.stat().st_size
+    log(f"wrote {name} ({size:,} bytes, {time.monotonic() - t0:.1f}s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--llama-src",
+        type=Path,
+        default=paths.llama_source_dir(),
+        help="extracted llama.cpp source (for the Gemma 4 template); default: %(default)s",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild every fixture")
+    args = parser.parse_args(argv)
+
+    out_dir = paths.fixtures_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = out_dir / STAMP_FILE
+    current = stamp.is_file() and stamp.read_text().strip() == FIXTURE_VERSION
+    todo = [n for n in FIXTURES if args.force or not current or not (out_dir / n).is_file()]
+
+    src = Sources(paths.default_model_path(), args.llama_src)
+    try:
+        if "smollm2-gemma4-template.gguf" in todo and not (args.llama_src / GEMMA4_TEMPLATE).is_file():
+            raise FixtureError(
+                f"{args.llama_src / GEMMA4_TEMPLATE} not found; pass --llama-src PATH "
+                "pointing at the extracted llama.cpp source"
+            )
+        if todo:
+            stamp.unlink(missing_ok=True)  # a half-finished run must not look current
+        for name in todo:
+            build(name, out_dir, src)
+    except FixtureError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    stamp.write_text(FIXTURE_VERSION + "\n")
+
+    state = f"built {len(todo)}" if todo else "all up to date"
+    print(f"Fixtures v{FIXTURE_VERSION} ready in {out_dir} ({state}): {', '.join(FIXTURES)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
