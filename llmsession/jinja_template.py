@@ -1,0 +1,103 @@
+"""Render any Hugging Face chat template with jinja2, the way ``apply_chat_template`` does.
+
+The environment matches transformers': a sandbox with ``trim_blocks`` and ``lstrip_blocks``,
+the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that
+does not escape HTML. Not provided: the ``{% generation %}`` tag transformers adds for
+assistant masks (templates using it fail with a TemplateError).
+
+jinja2 is optional (``pip install llmsession[jinja]``), so it is imported only when needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from llmsession.errors import TemplateError
+
+if TYPE_CHECKING:
+    import jinja2
+
+
+def _require_jinja2() -> None:
+    try:
+        import jinja2  # noqa: F401
+    except ImportError as exc:
+        raise TemplateError(
+            "rendering a chat template with jinja needs jinja2: "
+            "pip install jinja2 (or pip install llmsession[jinja])"
+        ) from exc
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson``: plain ``json.dumps``, keeping non-ASCII and ``<>&`` as they are."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    """Compiled once per template text: compiling a large template costs milliseconds."""
+    _require_jinja2()
+    import jinja2.ext
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"the chat template does not parse: {exc}") from exc
+
+
+def render_jinja(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **variables: Any,
+) -> str:
+    """``template`` rendered over ``messages``; ``variables`` become template variables
+    (``enable_thinking``, ``tools``, ...). ``tools`` and ``documents`` default to None, as in
+    transformers. Any failure while rendering is a TemplateError."""
+    compiled = _compile(template)
+    import jinja2
+
+    context = {"tools": None, "documents": None, **variables}
+    try:
+        text: str = compiled.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **context,
+        )
+    except TemplateError:
+        raise
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as exc:
+        raise TemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
+    return text
