@@ -1,0 +1,48 @@
+"""Turn streamed token pieces (raw bytes) into text as soon as they form whole characters.
+
+A token piece may end in the middle of a multi-byte UTF-8 character, so decoding each
+piece on its own would print U+FFFD for characters that are merely split. The stdlib's
+incremental UTF-8 decoder holds back an incomplete but still valid prefix and replaces
+truly invalid bytes exactly as decoding the whole stream with ``errors="replace"`` would,
+whatever the split (the tests check this property). Its one needless hold-back, an
+encoded-surrogate prefix, is released at once.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+
+class IncrementalDetokenizer:
+    """Decodes a stream of byte pieces; the concatenated output is always a prefix of the
+    whole-stream decode, and output plus :meth:`flush` equals it."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chunks: list[str] = []
+
+    def push(self, piece: bytes) -> str:
+        """Add one piece; return the text it completes (possibly "")."""
+        text = self._decoder.decode(piece)
+        held, _ = self._decoder.getstate()
+        if len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0:
+            # CPython keeps an encoded-surrogate prefix in case of "surrogatepass"; under
+            # "replace" it is already two U+FFFD, so release it now rather than a piece later.
+            text += self._decoder.decode(b"", final=True)
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """End of generation: release held bytes, an incomplete tail becoming U+FFFD."""
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text
