@@ -152,6 +152,17 @@ def extract_source(sdist: Path, dest: Path) -> None:
     partial.rename(dest)
 
 
+def git_stub(folder: Path) -> Path:
+    """ggml asks git for its commit and overwrites the one passed in (LLAMA_BUILD_COMMIT); the
+    sdist has no .git, so the libraries would report 'unknown'. This stand-in answers with the
+    pinned commit and a clean tree."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stub = folder / "git-stub"
+    stub.write_text(f'#!/bin/sh\n[ "$1" = rev-parse ] && echo {paths.LLAMA_CPP_COMMIT[:7]}\nexit 0\n')
+    stub.chmod(0o755)
+    return stub
+
+
 def build(src: Path, build_dir: Path, targets: list[str], *, tools: bool = False) -> None:
     options = {
         "CMAKE_BUILD_TYPE": "Release", "BUILD_SHARED_LIBS": "ON", "LLAMA_CURL": "OFF",
@@ -160,6 +171,7 @@ def build(src: Path, build_dir: Path, targets: list[str], *, tools: bool = False
         "LLAMA_BUILD_TOOLS": "ON" if tools else "OFF", "LLAMA_BUILD_COMMON": "ON" if tools else "OFF",
         "LLAMA_BUILD_COMMIT": paths.LLAMA_CPP_COMMIT[:7], "CMAKE_BUILD_RPATH": "$ORIGIN",
         "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON", "CMAKE_INSTALL_RPATH": "$ORIGIN",
+        "GIT_EXE": str(git_stub(build_dir.parent)),
     } | ggml_cpu_options()  # fmt: skip
     on = sorted(k.removeprefix("GGML_") for k, v in ggml_cpu_options().items() if v == "ON")
     step(f"configuring (cmake; CPU features: {', '.join(on) or 'defaults'})")
