@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmsession import paths
 
 # Bump when any fixture changes so that old caches are rebuilt.
-FIXTURE_VERSION = "1"
+FIXTURE_VERSION = "2"  # 2: the Gemma 4 copy adds BOS
 STAMP_FILE = ".fixtures-version"
 SEED = 20240601
 GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
@@ -215,18 +215,21 @@ def build_mmproj(out: Path, src: Sources) -> None:
     write_gguf(writer)
 
 
-def copy_with_template(out: Path, src: Sources, template: str) -> None:
-    """SmolLM2 byte-for-byte in tensors and metadata, except ``tokenizer.chat_template``."""
+def copy_with_template(out: Path, src: Sources, template: str, *, add_bos: bool = False) -> None:
+    """SmolLM2 byte-for-byte in tensors and metadata, except ``tokenizer.chat_template`` (and
+    ``add_bos_token``, which Gemma models set: it makes the one-BOS rule testable)."""
     reader = src.reader
     writer = gguf.GGUFWriter(out, str(src.field(gguf.Keys.General.ARCHITECTURE)))
-    copy_fields(reader, writer, overrides={gguf.Keys.Tokenizer.CHAT_TEMPLATE: template})
+    overrides = {gguf.Keys.Tokenizer.CHAT_TEMPLATE: template, gguf.Keys.Tokenizer.ADD_BOS: add_bos}
+    copy_fields(reader, writer, overrides=overrides)
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     write_gguf(writer)
 
 
 def build_gemma4_template(out: Path, src: Sources) -> None:
-    copy_with_template(out, src, (src.llama_src / GEMMA4_TEMPLATE).read_text(encoding="utf-8"))
+    template = (src.llama_src / GEMMA4_TEMPLATE).read_text(encoding="utf-8")
+    copy_with_template(out, src, template, add_bos=True)
 
 
 def build_unknown_template(out: Path, src: Sources) -> None:
