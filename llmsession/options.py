@@ -38,8 +38,12 @@ class GenerationOptions:
         _require("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0)
         _require("top_p", self.top_p, _is_real(self.top_p) and 0 < self.top_p <= 1)
         _require("min_p", self.min_p, _is_real(self.min_p) and 0 <= self.min_p <= 1)
-        _require("repeat_penalty", self.repeat_penalty, _is_real(self.repeat_penalty) and self.repeat_penalty > 0)
-        _require("repeat_last_n", self.repeat_last_n, _is_int(self.repeat_last_n) and self.repeat_last_n >= -1)
+        _require(
+            "repeat_penalty", self.repeat_penalty, _is_real(self.repeat_penalty) and self.repeat_penalty > 0
+        )
+        _require(
+            "repeat_last_n", self.repeat_last_n, _is_int(self.repeat_last_n) and self.repeat_last_n >= -1
+        )
         _require("frequency_penalty", self.frequency_penalty, _is_real(self.frequency_penalty))
         _require("presence_penalty", self.presence_penalty, _is_real(self.presence_penalty))
         seed_ok = self.seed is None or (_is_int(self.seed) and 0 <= self.seed < LLAMA_DEFAULT_SEED)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmsession import GenerationOptions, Model, paths  # noqa: E402
+from llmsession import GenerationOptions, Model, paths
 
 QUESTIONS = (
     "What is the capital of France?",

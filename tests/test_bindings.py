@@ -22,7 +22,13 @@ BY_VALUE_STRUCTS = {
 
 def test_committed_cdef_matches_the_headers() -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/gen_bindings.py"), "--check", "--include-dir", str(include_dir())],
+        [
+            sys.executable,
+            str(ROOT / "scripts/gen_bindings.py"),
+            "--check",
+            "--include-dir",
+            str(include_dir()),
+        ],
         capture_output=True,
         text=True,
     )
@@ -51,7 +57,7 @@ def layouts_from_cffi() -> dict[str, int]:
 
 def layouts_from_compiler(keys: list[str], tmp_path: Path) -> dict[str, int]:
     """The same numbers from the C compiler, compiled against the headers the libraries came from."""
-    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "mtmd-helper.h"', "int main(void) {"]
+    lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "mtmd-helper.h"', "int main(void) {"]
     for key in keys:
         op, rest = key.split(" ", 1)
         if op == "sizeof":
@@ -71,7 +77,7 @@ def layouts_from_compiler(keys: list[str], tmp_path: Path) -> dict[str, int]:
 def test_every_struct_layout_matches_the_compiler(tmp_path: Path) -> None:
     expected = layouts_from_cffi()
     names = {key.split(" ")[2].split(".")[0] for key in expected}
-    assert BY_VALUE_STRUCTS <= names, "a struct passed by value is missing from the cdef"
+    assert names >= BY_VALUE_STRUCTS, "a struct passed by value is missing from the cdef"
     actual = layouts_from_compiler(sorted(expected), tmp_path)
     mismatches = {k: (v, actual.get(k)) for k, v in expected.items() if actual.get(k) != v}
     assert not mismatches, f"cffi layout differs from the C compiler's: {mismatches}"
@@ -148,7 +154,9 @@ def test_gemma3_reports_its_sliding_window(gemma3_path: Path) -> None:
 
 
 @pytest.mark.parametrize("level", ["warning"])
-def test_native_logs_reach_python_logging(level: str, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+def test_native_logs_reach_python_logging(
+    level: str, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     from llmsession import Model, ModelLoadError
 
     bad = tmp_path / "bad.gguf"

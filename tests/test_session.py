@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -35,14 +36,18 @@ def test_a_fixed_seed_reproduces_a_sampled_reply(smollm2: Model) -> None:
     sampled = GenerationOptions(max_tokens=24, temperature=1.2, top_k=100, top_p=1.0, min_p=0.0, seed=1234)
     first = smollm2.session().respond("Tell me a story.", sampled).text
     second = smollm2.session().respond("Tell me a story.", sampled).text
-    other = smollm2.session().respond("Tell me a story.", GenerationOptions(**{**sampled.__dict__, "seed": 99}))
+    other = smollm2.session().respond(
+        "Tell me a story.", GenerationOptions(**{**sampled.__dict__, "seed": 99})
+    )
     assert first == second
     assert other.text != first
 
 
 def test_snapshots_arrive_while_generation_is_still_running(smollm2: Model) -> None:
     session = smollm2.session()
-    stream = session.stream("Count from one to twenty in words.", GenerationOptions(max_tokens=40, temperature=0))
+    stream = session.stream(
+        "Count from one to twenty in words.", GenerationOptions(max_tokens=40, temperature=0)
+    )
     positions, texts = [], []
     for snap in stream:
         positions.append(session.cached_tokens)  # what the context has decoded so far
@@ -52,7 +57,7 @@ def test_snapshots_arrive_while_generation_is_still_running(smollm2: Model) -> N
     assert positions[0] < positions[-1], "the first snapshot must come before the later tokens decode"
     assert positions == sorted(positions)
     assert texts[-1] == stream.reply.text
-    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False))
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
 
 
 def multi_token_characters(model: Model) -> list[str]:
@@ -116,14 +121,18 @@ def test_end_of_generation_tokens_never_appear(smollm2: Model) -> None:
 
 
 def test_length_finish_reason(smollm2: Model) -> None:
-    reply = smollm2.session().respond("Write a long essay about rivers.", GenerationOptions(max_tokens=5, temperature=0))
+    reply = smollm2.session().respond(
+        "Write a long essay about rivers.", GenerationOptions(max_tokens=5, temperature=0)
+    )
     assert reply.finish_reason == "length"
     assert reply.usage.completion_tokens == 5
 
 
 def test_cancel_mid_generation_stops_within_one_token(smollm2: Model) -> None:
     session = smollm2.session()
-    stream = session.stream("Write a long essay about rivers.", GenerationOptions(max_tokens=200, temperature=0))
+    stream = session.stream(
+        "Write a long essay about rivers.", GenerationOptions(max_tokens=200, temperature=0)
+    )
     for i, _snap in enumerate(stream):
         if i == 4:
             at_cancel = session.cached_tokens
@@ -139,7 +148,9 @@ def test_cancel_mid_generation_stops_within_one_token(smollm2: Model) -> None:
 
 def test_break_and_drop_stop_decoding(smollm2: Model) -> None:
     session = smollm2.session()
-    for i, _snap in enumerate(session.stream("Write a long essay about rivers.", GenerationOptions(max_tokens=200))):
+    for i, _snap in enumerate(
+        session.stream("Write a long essay about rivers.", GenerationOptions(max_tokens=200))
+    ):
         if i == 2:
             break
     # the for loop held the only reference: the stream is finished as cancelled and recorded
@@ -162,7 +173,23 @@ def test_close_keeps_what_was_generated(smollm2: Model) -> None:
 
 
 def long_prompt(model: Model, n_tokens: int) -> str:
-    words = "the river flows past the old mill and under the stone bridge toward the sea ".split()
+    words = [
+        "the",
+        "river",
+        "flows",
+        "past",
+        "the",
+        "old",
+        "mill",
+        "and",
+        "under",
+        "the",
+        "stone",
+        "bridge",
+        "toward",
+        "the",
+        "sea",
+    ]
     text, i = "", 0
     while len(model.tokenize(text, add_special=False)) < n_tokens:
         text += " ".join(words[j % len(words)] for j in range(i, i + 200)) + " "
@@ -291,9 +318,8 @@ def test_bad_option_values_name_the_field(field: str, value: object) -> None:
 
 
 def test_unknown_template_raises_template_error(fixture_path: object) -> None:
-    with Model(fixture_path("smollm2-unknown-template.gguf")) as model:  # type: ignore[operator]
-        with pytest.raises(TemplateError):
-            model.session().respond("Hi")
+    with Model(fixture_path("smollm2-unknown-template.gguf")) as model, pytest.raises(TemplateError):  # type: ignore[operator]
+        model.session().respond("Hi")
 
 
 def test_nul_characters_are_never_silently_truncated(smollm2: Model) -> None:
