@@ -10,6 +10,7 @@ from .errors import (
     TemplateError,
     UnsupportedFeatureError,
 )
+from .image import Image
 from .model import Model
 from .options import GenerationOptions
 from .session import Reply, Session, Snapshot, Stream, Timings, Usage
@@ -17,6 +18,7 @@ from .session import Reply, Session, Snapshot, Stream, Timings, Usage
 __all__ = [
     "ContextOverflowError",
     "GenerationOptions",
+    "Image",
     "ImageError",
     "LlmSessionError",
     "Model",

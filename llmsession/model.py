@@ -4,12 +4,60 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .native import NativeContext, NativeModel, default_threads
+from .errors import UnsupportedFeatureError
+from .image import message_images
+from .native import Chunks, ImageChunk, NativeContext, NativeModel, Piece, Projector, default_threads
+from .prefix import Item, image_items
 from .session import Session
 from .templates import render_prompt
+
+DEFAULT_MEDIA_MARKER = "<__media__>"
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt: text-token runs and image chunks, and the item at each position."""
+
+    pieces: list[Piece]
+    chunks: Chunks | None = None  # owns the image chunks' native memory
+    items: list[Item] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.items = []
+        for piece in self.pieces:
+            self.items += (
+                image_items(piece.digest, piece.n_tokens) if isinstance(piece, ImageChunk) else piece
+            )
+
+    @property
+    def images(self) -> list[ImageChunk]:
+        return [piece for piece in self.pieces if isinstance(piece, ImageChunk)]
+
+    @property
+    def n_positions(self) -> int:
+        """Context positions the prompt fills (an image may take other than one per token)."""
+        return len(self.items) + sum(image.n_pos - image.n_tokens for image in self.images)
+
+    @property
+    def unsafe_reuse(self) -> str:
+        """Why this prompt's KV state cannot be reused position by position ("" when it can)."""
+        if any(image.n_pos != image.n_tokens for image in self.images):
+            return "the projector's image positions are not one per token (M-RoPE)"
+        if any(image.non_causal for image in self.images):
+            return "the projector decodes images with non-causal attention"
+        return ""
+
+    def tokens(self) -> list[int]:
+        """The text tokens, in order (for repetition penalties)."""
+        return [item for item in self.items if isinstance(item, int)]
+
+    def close(self) -> None:
+        if self.chunks is not None:
+            self.chunks.close()
 
 
 class Model:
@@ -33,11 +81,18 @@ class Model:
         self.threads = threads or default_threads()
         self.use_jinja = use_jinja
         self.native = NativeModel(self.path, gpu_layers=gpu_layers)
-        self.template = self.native.chat_template()
-        self.media_marker = "<__media__>"
-        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self.projector: Projector | None = None
         if mmproj_path is not None:
-            raise NotImplementedError("projectors arrive with the images issue")
+            try:
+                self.projector = Projector(
+                    mmproj_path, self.native, threads=self.threads, use_gpu=gpu_layers != 0
+                )
+            except BaseException:
+                self.native.close()
+                raise
+        self.template = self.native.chat_template()
+        self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
     def session(
         self,
@@ -61,7 +116,11 @@ class Model:
         return session
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *, thinking: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        thinking: bool = False,
     ) -> str:
         """The exact prompt text a session would tokenize for these messages."""
         return render_prompt(
@@ -79,21 +138,44 @@ class Model:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
         tokens = self.native.tokenize(text, add_special=add_special)
-        bos = self.native.bos()
-        if add_special and self.native.add_bos and len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
-            del tokens[0]
+        if add_special:
+            self._drop_double_bos(tokens)
         return tokens
+
+    def _drop_double_bos(self, tokens: list[int]) -> None:
+        bos = self.native.bos()
+        if self.native.add_bos and len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+            del tokens[0]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.native.detokenize(tokens)
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
+        """The tokens of a text-only transcript's prompt."""
         return self.tokenize(self.render(messages, thinking=thinking))
 
+    def prompt(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> Prompt:
+        """The tokenized prompt for a transcript; images go through the projector."""
+        images = list(message_images(messages))
+        if images and self.projector is None:
+            raise UnsupportedFeatureError(
+                "this model has no multimodal projector, so it cannot take images: "
+                "load one with Model(path, mmproj_path=...)"
+            )
+        text = self.render(messages, thinking=thinking)
+        if self.projector is None or not images:
+            return Prompt([self.tokenize(text)])
+        chunks = self.projector.tokenize(text, images)
+        if chunks.pieces and isinstance(chunks.pieces[0], list):
+            self._drop_double_bos(chunks.pieces[0])
+        return Prompt(chunks.pieces, chunks)
+
     def close(self) -> None:
-        """Free every session's context, then the model."""
+        """Free every session's context, then the projector and the model."""
         for session in list(self._sessions):
             session._discard_context()
+        if self.projector is not None:
+            self.projector.close()
         self.native.close()
 
     def __enter__(self) -> Model:
@@ -103,4 +185,6 @@ class Model:
         self.close()
 
     def _new_context(self, n_ctx: int, n_batch: int, swa_full: bool) -> NativeContext:
-        return NativeContext(self.native, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads, swa_full=swa_full)
+        return NativeContext(
+            self.native, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads, swa_full=swa_full
+        )

@@ -11,12 +11,14 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import ContextOverflowError, ModelLoadError, NativeError
+from .errors import ContextOverflowError, ImageError, ModelLoadError, NativeError, UnsupportedFeatureError
+from .image import Image
 from .options import LLAMA_DEFAULT_SEED, GenerationOptions
 
 GGUF_MAGIC = b"GGUF"
@@ -80,7 +82,9 @@ class NativeModel:
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(self.ptr)
         self.n_swa: int = lib.llama_model_n_swa(self.ptr)
-        self.is_recurrent = bool(lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr))
+        self.is_recurrent = bool(
+            lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr)
+        )
         self.has_encoder = bool(lib.llama_model_has_encoder(self.ptr))
         self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
         self._piece = ffi.new("char[256]")
@@ -104,7 +108,7 @@ class NativeModel:
         lib, ffi = bindings()
         if token < 0:
             return ""
-        return ffi.string(lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", "replace")
+        return str(ffi.string(lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", "replace"))
 
     def bos(self) -> int:
         return int(bindings()[0].llama_vocab_bos(self.vocab))
@@ -130,7 +134,11 @@ class NativeModel:
         n = lib.llama_token_to_piece(self.vocab, token, self._piece, 256, 0, False)
         if n < 0:
             buf = ffi.new("char[]", -n)
-            n = check(lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, False), "token_to_piece", _non_negative)
+            n = check(
+                lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, False),
+                "token_to_piece",
+                _non_negative,
+            )
             return bytes(ffi.buffer(buf, n))
         return bytes(ffi.buffer(self._piece, n))
 
@@ -149,7 +157,9 @@ class NativeModel:
     def is_eog(self, token: int) -> bool:
         return bool(bindings()[0].llama_vocab_is_eog(self.vocab, token))
 
-    def apply_template(self, template: str | None, messages: Sequence[tuple[str, str]], add_ass: bool) -> str | None:
+    def apply_template(
+        self, template: str | None, messages: Sequence[tuple[str, str]], add_ass: bool
+    ) -> str | None:
         """llama_chat_apply_template; None when llama.cpp does not know the template."""
         lib, ffi = bindings()
         keep = [(c_string(role, "role"), c_string(content, "message")) for role, content in messages]
@@ -175,15 +185,15 @@ def _non_negative(code: int) -> bool:
     return code >= 0
 
 
-def _check_gguf_file(path: Path) -> None:
+def _check_gguf_file(path: Path, kind: str = "model") -> None:
     """Clear errors for what llama.cpp would only log: missing, unreadable, not a GGUF."""
     try:
         with path.open("rb") as f:
             magic = f.read(4)
     except FileNotFoundError:
-        raise ModelLoadError(f"model file not found: {path}") from None
+        raise ModelLoadError(f"{kind} file not found: {path}") from None
     except OSError as error:
-        raise ModelLoadError(f"cannot read model file {path}: {error.strerror}") from None
+        raise ModelLoadError(f"cannot read {kind} file {path}: {error.strerror or error}") from None
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r})")
 
@@ -232,6 +242,7 @@ class NativeContext:
         self._free = weakref.finalize(self, lib.llama_free, self.ptr)
         self.memory = lib.llama_get_memory(self.ptr)
         self.n_ctx: int = lib.llama_n_ctx(self.ptr)
+        self.n_batch = n_batch
         self.batch = Batch(n_batch)
         self.abort = threading.Event()
         self._abort_cb = ffi.callback("bool(void *)", lambda _data: self.abort.is_set())
@@ -242,18 +253,25 @@ class NativeContext:
         self._free()
 
     def decode(self, tokens: Sequence[int], start: int, *, abortable: bool = False) -> None:
-        """Decode tokens at positions start..; raise Cancelled if the abort flag stopped it."""
-        lib, ffi = bindings()
-        if abortable != self._abort_installed:  # the callback costs a GIL round trip per graph node
-            lib.llama_set_abort_callback(self.ptr, self._abort_cb if abortable else ffi.NULL, ffi.NULL)
-            self._abort_installed = abortable
+        """Decode tokens at positions start..; raise DecodeAborted if the abort flag stopped it."""
+        lib, _ = bindings()
+        self.set_abortable(abortable)
         if start + len(tokens) > self.n_ctx:
-            raise ContextOverflowError(f"position {start + len(tokens)} exceeds the context size {self.n_ctx}")
+            raise ContextOverflowError(
+                f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
+            )
         self.batch.fill(tokens, start)
         code = lib.llama_decode(self.ptr, self.batch.raw)
         if code == DECODE_ABORTED:
             raise DecodeAborted()
         check(code, "llama_decode")
+
+    def set_abortable(self, abortable: bool) -> None:
+        """Install the abort callback for prefill; it costs a GIL round trip per graph node."""
+        lib, ffi = bindings()
+        if abortable != self._abort_installed:
+            lib.llama_set_abort_callback(self.ptr, self._abort_cb if abortable else ffi.NULL, ffi.NULL)
+            self._abort_installed = abortable
 
     def logits(self) -> Any:
         return bindings()[0].llama_get_logits_ith(self.ptr, -1)
@@ -274,6 +292,140 @@ class NativeContext:
 
 class DecodeAborted(Exception):
     """llama_decode stopped because the abort flag was set."""
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    """One image's chunk of a tokenized prompt; ``ptr`` is borrowed from its ``Chunks``."""
+
+    ptr: Any
+    n_tokens: int
+    n_pos: int
+    digest: str
+    non_causal: bool
+
+
+Piece = list[int] | ImageChunk
+"""A run of text tokens, or one image chunk."""
+
+
+class Chunks:
+    """Owns an ``mtmd_input_chunks``: a prompt as text-token runs and image chunks, in order."""
+
+    def __init__(self, ptr: Any, pieces: list[Piece]) -> None:
+        self.ptr = ptr
+        self._free = weakref.finalize(self, bindings()[0].mtmd_input_chunks_free, ptr)
+        self.pieces = pieces
+
+    def close(self) -> None:
+        self._free()
+
+
+class Projector:
+    """Owns an ``mtmd_context`` (a multimodal projector loaded beside a model).
+
+    libmtmd's context is not thread-safe: ``lock`` serializes tokenizing and image evaluation.
+    """
+
+    def __init__(self, path: str | Path, model: NativeModel, *, threads: int, use_gpu: bool) -> None:
+        lib, ffi = bindings()
+        path = Path(path)
+        _check_gguf_file(path, "projector")
+        params = lib.mtmd_context_params_default()
+        params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
+        pointer = lib.mtmd_init_from_file(c_string(str(path), "projector path"), model.ptr, params)
+        self.ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
+        self._free = weakref.finalize(self, lib.mtmd_free, self.ptr)
+        self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
+        self.mrope = bool(lib.mtmd_decode_use_mrope(self.ptr))
+        self.vision = bool(lib.mtmd_support_vision(self.ptr))
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        self._free()
+
+    def tokenize(self, text: str, images: Sequence[Image]) -> Chunks:
+        """Split ``text`` at its media markers into text tokens and one image chunk per image."""
+        lib, ffi = bindings()
+        if images and not self.vision:
+            raise UnsupportedFeatureError("this projector does not take images")
+        markers = text.count(self.marker)
+        if markers != len(images):
+            raise ImageError(
+                f"the prompt has {markers} media markers ({self.marker!r}) for {len(images)} images; "
+                "a message's text may not contain the marker itself"
+            )
+        data = ffi.new("char[]", text.encode("utf-8"))  # mtmd reads text_len bytes: NULs survive
+        source = ffi.new("mtmd_input_text *", {"text": data, "text_len": len(data) - 1})
+        source.add_special, source.parse_special = True, True
+        bitmaps = ffi.new("mtmd_bitmap *[]", max(1, len(images)))
+        with self.lock:
+            try:
+                for i, image in enumerate(images):
+                    pixels = ffi.from_buffer(image.pixels)
+                    bitmaps[i] = not_null(
+                        lib.mtmd_bitmap_init(image.width, image.height, pixels), "mtmd_bitmap_init"
+                    )
+                    lib.mtmd_bitmap_set_id(bitmaps[i], image.digest.encode())
+                chunks = Chunks(not_null(lib.mtmd_input_chunks_init(), "mtmd_input_chunks_init"), [])
+                code = lib.mtmd_tokenize(self.ptr, chunks.ptr, source, bitmaps, len(images))
+                if code != 0:
+                    chunks.close()
+                    raise ImageError(
+                        f"libmtmd could not tokenize the prompt's images (mtmd_tokenize: {code})"
+                    )
+                try:
+                    chunks.pieces.extend(self._pieces(chunks.ptr))
+                except BaseException:
+                    chunks.close()
+                    raise
+                return chunks
+            finally:
+                for i in range(len(images)):
+                    if bitmaps[i] != ffi.NULL:
+                        lib.mtmd_bitmap_free(bitmaps[i])
+
+    def _pieces(self, chunks: Any) -> list[Piece]:
+        lib, ffi = bindings()
+        pieces: list[Piece] = []
+        n_tokens = ffi.new("size_t *")
+        for i in range(lib.mtmd_input_chunks_size(chunks)):
+            chunk = lib.mtmd_input_chunks_get(chunks, i)
+            kind = lib.mtmd_input_chunk_get_type(chunk)
+            if kind == lib.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                tokens = lib.mtmd_input_chunk_get_tokens_text(chunk, n_tokens)
+                pieces.append(list(ffi.unpack(tokens, n_tokens[0])))
+            elif kind == lib.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                pieces.append(
+                    ImageChunk(
+                        ptr=chunk,
+                        n_tokens=int(lib.mtmd_input_chunk_get_n_tokens(chunk)),
+                        n_pos=int(lib.mtmd_input_chunk_get_n_pos(chunk)),
+                        digest=str(ffi.string(lib.mtmd_input_chunk_get_id(chunk)).decode()),
+                        non_causal=bool(lib.mtmd_decode_use_non_causal(self.ptr, chunk)),
+                    )
+                )
+            else:
+                raise UnsupportedFeatureError("only text and image chunks are supported")
+        return pieces
+
+    def eval_image(self, context: NativeContext, chunk: ImageChunk, start: int, *, logits_last: bool) -> int:
+        """Encode an image chunk and decode its embeddings from ``start``; return the next position."""
+        lib, ffi = bindings()
+        if start + chunk.n_pos > context.n_ctx:
+            raise ContextOverflowError(
+                f"position {start + chunk.n_pos} exceeds the context size {context.n_ctx}"
+            )
+        context.set_abortable(True)
+        next_pos = ffi.new("llama_pos *", start)
+        with self.lock:
+            code = lib.mtmd_helper_eval_chunk_single(
+                self.ptr, context.ptr, chunk.ptr, start, 0, context.n_batch, logits_last, next_pos
+            )
+        if code != 0 and context.abort.is_set():
+            raise DecodeAborted()
+        check(code, "evaluating an image chunk (mtmd_helper_eval_chunk_single)")
+        return int(next_pos[0])
 
 
 class Sampler:

@@ -10,22 +10,26 @@ costs nothing. ``Stream.cancel()`` from any thread also stops a long prefill bet
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Generator, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, SessionBusyError
-from .native import DecodeAborted, NativeContext, Sampler
+from .native import DecodeAborted, ImageChunk, NativeContext, Sampler
 from .options import GenerationOptions
-from .prefix import PrefixCache
+from .prefix import PrefixCache, starts_a_chunk
 from .stops import StopMatcher
 
 if TYPE_CHECKING:
-    from .model import Model
+    from .model import Model, Prompt
+
+log = logging.getLogger("llmsession")
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Message = dict[str, Any]
@@ -115,10 +119,11 @@ class Session:
         with self._busy():
             if self._active is not None:  # an abandoned stream of this thread: finish it first
                 self._active._abandon()
-            prompt = self.model.prompt_tokens([*self.messages, user], thinking=self.thinking)
-            if len(prompt) >= self.context_size:
+            prompt = self.model.prompt([*self.messages, user], thinking=self.thinking)
+            if prompt.n_positions >= self.context_size:
+                prompt.close()
                 raise ContextOverflowError(
-                    f"the prompt has {len(prompt)} tokens; the context holds {self.context_size} "
+                    f"the prompt has {prompt.n_positions} tokens; the context holds {self.context_size} "
                     "(one more is needed to reply)"
                 )
             stream = Stream(self, user, prompt, options)
@@ -168,53 +173,79 @@ class Session:
             context.clear()
             self._cache.reset()
 
-    def _generate(self, stream: Stream) -> Iterator[Snapshot]:
+    def _generate(self, stream: Stream) -> Generator[Snapshot, None, None]:
         """The exchange itself; runs step by step inside ``Stream.__next__``."""
         started = time.perf_counter()
-        usage, timings = Usage(prompt_tokens=len(stream.prompt)), Timings()
-        text, finish = "", None
+        prompt = stream.prompt
+        usage, timings = Usage(prompt_tokens=len(prompt.items)), Timings()
+        text, cancelled = "", False
         try:
+            if prompt.unsafe_reuse:  # upstream's rule for such prompts: a fresh context
+                log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
+                self._discard_context()
             context = self._ensure_context()
             context.abort = stream.cancelled
-            plan = self._cache.prepare(stream.prompt, context)
-            usage.reused_tokens = pos = plan.reused
-            todo = stream.prompt[pos:]
-            for i in range(0, len(todo), self.batch_size):
-                if stream.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                chunk = todo[i : i + self.batch_size]
-                try:
-                    context.decode(chunk, pos, abortable=True)
-                except DecodeAborted:
-                    self._after_abort(context)
-                    finish = "cancelled"
-                    break
-                self._cache.extend(chunk)
-                pos += len(chunk)
-                usage.decoded_prompt_tokens += len(chunk)
+            plan = self._cache.prepare(prompt.items, context, can_cut=partial(starts_a_chunk, prompt.items))
+            usage.reused_tokens = plan.reused
+            pos = self._prefill(stream, context, plan.reused, usage)
             timings.prefill_s = time.perf_counter() - started
-            if finish is None:
-                for delta in self._sample(stream, context, pos, usage, timings, started):
-                    text += delta
-                    yield Snapshot(delta, text)
-                finish = stream.finish
+            cancelled = pos is None
+            if pos is not None:
+                with closing(self._sample(stream, context, pos, usage, timings, started)) as deltas:
+                    for delta in deltas:
+                        text += delta
+                        yield Snapshot(delta, text)
         except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
-            finish = "cancelled"
+            cancelled = True
         except BaseException:
             self._discard_context()  # the memory may not match the record any more
             self._active = None
+            prompt.close()
             raise
-        stream._finish(Reply(text, finish or "cancelled", usage, timings))
+        if prompt.unsafe_reuse:
+            self._discard_context()
+        stream._finish(Reply(text, "cancelled" if cancelled else stream.finish, usage, timings))
+
+    def _prefill(self, stream: Stream, context: NativeContext, reused: int, usage: Usage) -> int | None:
+        """Decode the prompt after its first ``reused`` items; the next position, None if cancelled."""
+        items, pos, end = stream.prompt.items, reused, 0
+        for piece in stream.prompt.pieces:
+            size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
+            start, end = end, end + size  # this piece holds items[start:end]
+            if end <= reused:
+                continue
+            try:
+                if isinstance(piece, ImageChunk):
+                    if stream.cancelled.is_set():
+                        return None
+                    projector = self.model.projector
+                    assert projector is not None
+                    pos = projector.eval_image(context, piece, pos, logits_last=end == len(items))
+                    self._cache.extend(items[start:end])
+                    usage.decoded_prompt_tokens += size
+                    continue
+                todo = piece[max(0, reused - start) :]
+                for i in range(0, len(todo), self.batch_size):
+                    if stream.cancelled.is_set():
+                        return None
+                    chunk = todo[i : i + self.batch_size]
+                    context.decode(chunk, pos, abortable=True)
+                    self._cache.extend(chunk)
+                    pos += len(chunk)
+                    usage.decoded_prompt_tokens += len(chunk)
+            except DecodeAborted:
+                self._after_abort(context)
+                return None
+        return pos
 
     def _sample(
         self, stream: Stream, context: NativeContext, pos: int, usage: Usage, timings: Timings, started: float
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         native, options = self.model.native, stream.options
         sampler = Sampler.from_options(options)
         try:
-            if options.penalized:
-                for token in stream.prompt[-options.repeat_last_n :] if options.repeat_last_n > 0 else ():
+            if options.penalized and options.repeat_last_n > 0:
+                for token in stream.prompt.tokens()[-options.repeat_last_n :]:
                     sampler.accept(token)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
             stream.finish = "length"
@@ -254,15 +285,15 @@ class Session:
 class Stream:
     """An iterator of ``Snapshot``s; ``reply`` holds the final ``Reply`` once it ends."""
 
-    def __init__(self, session: Session, user: Message, prompt: Sequence[int], options: GenerationOptions):
+    def __init__(self, session: Session, user: Message, prompt: Prompt, options: GenerationOptions):
         self.session = session
         self.user = user
-        self.prompt = list(prompt)
+        self.prompt = prompt
         self.options = options
         self.cancelled = threading.Event()
         self.finish: FinishReason = "length"
         self.reply: Reply | None = None
-        self._steps = session._generate(self)
+        self._steps: Generator[Snapshot, None, None] = session._generate(self)
 
     def __iter__(self) -> Stream:
         return self
@@ -294,10 +325,11 @@ class Stream:
         self.cancelled.set()
         if inspect.getgeneratorstate(self._steps) == inspect.GEN_CREATED:  # nothing decoded yet
             self._steps.close()
-            self._finish(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt)), Timings()))
+            self._finish(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt.items)), Timings()))
         self._steps.close()
 
     def _finish(self, reply: Reply) -> None:
+        self.prompt.close()
         self.reply = reply
         assistant = {"role": "assistant", "content": reply.text}
         self.session.messages += [self.user, assistant]

@@ -104,8 +104,8 @@ def test_generated_emoji_stream_without_replacement_characters(smollm2: Model) -
 def test_stop_strings_cut_exactly(smollm2: Model) -> None:
     question = "Count from one to ten in words, separated by commas."
     full = smollm2.session().respond(question, GenerationOptions(max_tokens=40, temperature=0)).text
-    assert "four" in full
-    stop = "four"
+    assert len(full) >= 12, full
+    stop = full[len(full) // 2 : len(full) // 2 + 5]  # likely to straddle a token boundary
     stopped = smollm2.session().stream(question, GenerationOptions(max_tokens=40, temperature=0, stop=[stop]))
     deltas = [snap.delta for snap in stopped]
     assert stopped.reply is not None

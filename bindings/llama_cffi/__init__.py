@@ -88,6 +88,7 @@ def _route_logs(lib: _Lib) -> Any:
 
     lib.llama_log_set(on_log, ffi.NULL)
     lib.mtmd_log_set(on_log, ffi.NULL)
+    lib.mtmd_helper_log_set(on_log, ffi.NULL)  # the helpers log on their own ("encoding image slice")
     return on_log
 
 

@@ -1,0 +1,227 @@
+"""Images through libmtmd: a tiny random-weight projector beside SmolLM2 tests the plumbing
+(chunks, positions, reuse, errors, freeing), not vision."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import gc
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from llmsession import GenerationOptions, Image, ImageError, Model, Session, UnsupportedFeatureError
+from llmsession.model import Prompt
+from llmsession.native import bindings
+
+GREEDY = GenerationOptions(max_tokens=20, temperature=0)
+IMAGE_TOKENS = (32 // 16) ** 2  # the fixture projector: 32x32 images, 16-pixel patches
+
+
+@pytest.fixture(scope="module")
+def vision(smollm2_path: Path, fixture_path: Callable[[str], Path]) -> Iterator[Model]:
+    with Model(smollm2_path, mmproj_path=fixture_path("mmproj-tiny.gguf"), threads=2) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def red(fixture_path: Callable[[str], Path]) -> Image:
+    return Image(fixture_path("image-red.png"))
+
+
+@pytest.fixture(scope="module")
+def blue(fixture_path: Callable[[str], Path]) -> Image:
+    return Image(fixture_path("image-blue.png"))
+
+
+def last_logits(session: Session) -> np.ndarray:
+    """The logits the first reply token was sampled from."""
+    _, ffi = bindings()
+    assert session._context is not None
+    n_vocab = session.model.native.n_vocab
+    return np.frombuffer(ffi.buffer(session._context.logits(), 4 * n_vocab), dtype=np.float32).copy()
+
+
+def logits_after(model: Model, content: Any) -> np.ndarray:
+    session = model.session()
+    session.respond(content, GenerationOptions(max_tokens=1, temperature=0))
+    return last_logits(session)
+
+
+def test_an_image_becomes_one_chunk_of_the_expected_size(vision: Model, red: Image) -> None:
+    prompt = vision.prompt([{"role": "user", "content": ["What is this?", red]}])
+    try:
+        assert [image.n_tokens for image in prompt.images] == [IMAGE_TOKENS]
+        assert prompt.unsafe_reuse == ""
+        text_only = vision.prompt([{"role": "user", "content": "What is this?"}])
+        assert len(prompt.items) > len(text_only.items) + IMAGE_TOKENS - 2  # the marker became the image
+    finally:
+        prompt.close()
+
+
+def test_the_same_image_gives_the_same_output_and_another_changes_the_logits(
+    vision: Model, red: Image, blue: Image, fixture_path: Callable[[str], Path]
+) -> None:
+    first = vision.session().respond(["Describe:", red], GREEDY)
+    again = vision.session().respond(["Describe:", Image(fixture_path("image-red.png"))], GREEDY)
+    assert first.usage.completion_tokens > 0 and first.text == again.text
+    red_logits = logits_after(vision, ["Describe:", red])
+    blue_logits = logits_after(vision, ["Describe:", blue])
+    assert np.all(np.isfinite(red_logits))
+    assert np.abs(red_logits - blue_logits).max() > 1e-3
+    assert np.array_equal(red_logits, logits_after(vision, ["Describe:", red]))
+
+
+def test_the_image_position_matters(vision: Model, red: Image) -> None:
+    before = logits_after(vision, [red, "Describe the picture."])
+    after = logits_after(vision, ["Describe the picture.", red])
+    assert np.abs(before - after).max() > 1e-3
+
+
+def test_respond_and_stream_agree(vision: Model, red: Image) -> None:
+    reply = vision.session().respond(["Describe:", red], GREEDY)
+    stream = vision.session().stream(["Describe:", red], GREEDY)
+    deltas = [snap.delta for snap in stream]
+    assert stream.reply is not None
+    assert "".join(deltas) == stream.reply.text == reply.text
+    assert stream.reply.usage == reply.usage
+
+
+def test_without_a_projector_images_are_refused_and_text_still_works(smollm2: Model, red: Image) -> None:
+    session = smollm2.session()
+    with pytest.raises(UnsupportedFeatureError, match="mmproj_path"):
+        session.respond(["What is this?", red], GREEDY)
+    assert session.messages == [] and session.cached_tokens == 0
+    assert session.respond("Hello!", GREEDY).text
+
+
+def test_a_follow_up_about_an_image_reuses_it_and_equals_a_fresh_session(vision: Model, red: Image) -> None:
+    session = vision.session(system="You are a helpful assistant.")
+    first = session.respond(["What colour is this?", red], GREEDY)
+    assert first.usage.reused_tokens == 0
+    history = copy.deepcopy(session.messages)
+    second = session.respond("Are you sure? Explain.", GREEDY)
+    assert second.usage.reused_tokens >= first.usage.prompt_tokens  # the image and all earlier text
+    assert second.usage.decoded_prompt_tokens == second.usage.prompt_tokens - second.usage.reused_tokens
+    fresh = vision.session()
+    fresh.messages = history
+    expected = fresh.respond("Are you sure? Explain.", GREEDY)
+    assert expected.usage.reused_tokens == 0
+    assert second.text == expected.text and second.usage.completion_tokens >= 16
+
+
+def test_editing_text_before_an_image_re_decodes_the_image(vision: Model, red: Image, blue: Image) -> None:
+    session = vision.session()
+    session.respond(["Look:", red, "What is it?"], GREEDY)
+    session.messages[0]["content"] = ["Look closely:", blue, "What is it?"]
+    edited = session.respond("And now?", GREEDY)
+    fresh = vision.session()
+    fresh.messages = copy.deepcopy(session.messages[:2])
+    assert edited.usage.reused_tokens < 10
+    assert edited.text == fresh.respond("And now?", GREEDY).text
+
+
+def test_a_cancelled_image_turn_keeps_the_session_correct(vision: Model, red: Image) -> None:
+    session = vision.session()
+    stream = session.stream(["Describe:", red], GenerationOptions(max_tokens=40, temperature=0))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            stream.cancel()
+    assert stream.reply is not None and stream.reply.finish_reason == "cancelled"
+    history = copy.deepcopy(session.messages)
+    reply = session.respond("Go on.", GREEDY)
+    assert reply.usage.reused_tokens > IMAGE_TOKENS
+    fresh = vision.session()
+    fresh.messages = history
+    assert reply.text == fresh.respond("Go on.", GREEDY).text
+
+
+def test_unsafe_projectors_fall_back_to_a_fresh_context(
+    vision: Model, red: Image, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(
+        Prompt, "unsafe_reuse", property(lambda self: "pretend M-RoPE" if self.images else "")
+    )
+    session = vision.session()
+    with caplog.at_level(logging.DEBUG, logger="llmsession"):
+        session.respond(["Describe:", red], GREEDY)
+        history = copy.deepcopy(session.messages)
+        second = session.respond("Go on.", GREEDY)
+    assert second.usage.reused_tokens == 0
+    assert "pretend M-RoPE" in caplog.text
+    fresh = vision.session()
+    fresh.messages = history
+    assert second.text == fresh.respond("Go on.", GREEDY).text
+
+
+def test_every_kind_of_source_gives_the_same_image(fixture_path: Callable[[str], Path], red: Image) -> None:
+    path = fixture_path("image-red.png")
+    data = path.read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    with PIL.Image.open(path) as pil:
+        sources = [Image(data), Image(str(path)), Image(pil), Image(np.asarray(pil.convert("RGB")))]
+    from llmsession.image import image_from_part
+
+    sources += [
+        image_from_part({"type": "image", "image": str(path)}),
+        image_from_part({"type": "image_url", "image_url": {"url": url}}),
+    ]
+    assert all(image == red and image.digest == red.digest for image in sources)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (b"definitely not a png", "not a readable image"),
+        ("/nonexistent/cat.png", "cannot read image file"),
+        (np.zeros((4, 4), dtype=np.uint8), "H×W×3 uint8"),
+        (np.zeros((4, 4, 3), dtype=np.float32), "H×W×3 uint8"),
+        (np.zeros((0, 4, 3), dtype=np.uint8), "must not be empty"),
+    ],
+)
+def test_bad_images_raise_image_error(source: Any, message: str) -> None:
+    with pytest.raises(ImageError, match=message):
+        Image(source)
+
+
+def test_a_marker_typed_by_the_user_is_refused_clearly(vision: Model, red: Image) -> None:
+    session = vision.session()
+    with pytest.raises(ImageError, match="2 media markers .* for 1 images"):
+        session.respond([f"Is {vision.media_marker} a marker?", red], GREEDY)
+    assert session.messages == []
+    assert session.respond(["Describe:", red], GREEDY).text
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_failing_and_abandoned_image_calls_leave_memory_flat(vision: Model) -> None:
+    """Every path that allocates native image objects frees them: bitmaps on a tokenize error,
+    chunks of a stream dropped before its first token. A large image (a 786 kB bitmap each
+    call) makes any leak show far above the noise."""
+    session = vision.session()
+    big = Image(np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8))
+
+    def failing_calls(n: int) -> None:
+        for i in range(n):
+            with pytest.raises(ImageError):
+                session.stream([f"{vision.media_marker} twice", big])
+            with pytest.raises(ImageError):
+                session.stream(["bad", {"type": "image", "image": b"not an image %d" % i}])
+            session.stream(["Describe:", big]).close()
+            session.messages.clear()
+
+    failing_calls(50)  # warm up allocator pools
+    gc.collect()
+    before = rss_bytes()
+    failing_calls(200)
+    gc.collect()
+    grown = rss_bytes() - before
+    assert grown < 8 * 1024 * 1024, f"resident memory grew by {grown / 1e6:.1f} MB over 200 calls"
