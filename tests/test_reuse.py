@@ -1,0 +1,295 @@
+"""Per-session KV prefix reuse on the real library, proven equal to a fresh decode."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llmsession import ContextOverflowError, GenerationOptions, Model, NativeError, Session
+from llmsession.native import NativeContext, bindings
+from llmsession.prefix import PrefixCache
+
+GREEDY = GenerationOptions(max_tokens=24, temperature=0)
+QUESTIONS = (
+    "Tell me about the history of Paris in detail.",
+    "Now describe its most famous museums, one by one.",
+    "Which rivers and bridges should a visitor see, and why?",
+    "Write a long poem about the city at night.",
+)
+
+
+def fresh_reply(model: Model, messages: list[dict[str, Any]], content: str, **session_args: Any) -> Any:
+    """What a brand-new session answers given the same transcript."""
+    session = model.session(**session_args)
+    session.messages = copy.deepcopy(messages)
+    return session.respond(content, GREEDY)
+
+
+def assert_same_as_fresh(session: Session, content: str, **session_args: Any) -> Any:
+    before = copy.deepcopy(session.messages)
+    reply = session.respond(content, GREEDY)
+    fresh = fresh_reply(session.model, before, content, **session_args)
+    assert reply.usage.completion_tokens >= 16, "compare at least 16 generated tokens"
+    assert reply.text == fresh.text
+    assert fresh.usage.reused_tokens == 0
+    assert reply.usage.decoded_prompt_tokens == reply.usage.prompt_tokens - reply.usage.reused_tokens
+    return reply
+
+
+def test_turn_two_reuses_all_of_turn_one(smollm2: Model) -> None:
+    session = smollm2.session(system="You are a helpful assistant.")
+    first = session.respond(QUESTIONS[0], GREEDY)
+    assert first.usage.reused_tokens == 0
+    assert first.usage.decoded_prompt_tokens == first.usage.prompt_tokens
+    second = session.respond(QUESTIONS[1], GREEDY)
+    assert second.usage.reused_tokens > first.usage.prompt_tokens
+    assert second.usage.decoded_prompt_tokens == second.usage.prompt_tokens - second.usage.reused_tokens
+    session.clear_cached_context()
+    third = session.respond(QUESTIONS[2], GREEDY)
+    assert third.usage.reused_tokens == 0
+    assert third.usage.decoded_prompt_tokens == third.usage.prompt_tokens
+
+
+def test_differential_turns_edits_deletes_and_regeneration_smollm2(smollm2: Model) -> None:
+    """Token-for-token equal to a fresh session at every step (SmolLM2 is batch-split exact)."""
+    session = smollm2.session(system="You are a helpful assistant.")
+    for question in QUESTIONS[:3]:
+        assert_same_as_fresh(session, question)
+    session.messages[1]["content"] = "Tell me about the history of Rome in detail."  # edit an early turn
+    edited = assert_same_as_fresh(session, QUESTIONS[3])
+    assert 0 < edited.usage.reused_tokens < 20
+    del session.messages[3:5]  # delete the second exchange
+    assert_same_as_fresh(session, "And what about its food?")
+    last_user = session.messages[-2]["content"]
+    del session.messages[-2:]  # regenerate the last reply
+    regenerated = assert_same_as_fresh(session, last_user)
+    assert regenerated.usage.decoded_prompt_tokens <= 20
+
+
+def test_two_sessions_keep_their_own_caches(smollm2: Model) -> None:
+    a, b = smollm2.session(system="You are A."), smollm2.session(system="You are B.")
+    a1 = a.respond(QUESTIONS[0], GREEDY)
+    b1 = b.respond(QUESTIONS[1], GREEDY)
+    a2 = a.respond(QUESTIONS[2], GREEDY)
+    b2 = b.respond(QUESTIONS[3], GREEDY)
+    assert a2.usage.reused_tokens > a1.usage.prompt_tokens
+    assert b2.usage.reused_tokens > b1.usage.prompt_tokens
+
+
+def test_overflow_leaves_the_cache_intact(smollm2: Model) -> None:
+    session = smollm2.session(context_size=512)
+    first = session.respond(QUESTIONS[0], GREEDY)
+    held = session.cached_tokens
+    with pytest.raises(ContextOverflowError):
+        session.respond("word " * 600, GREEDY)
+    assert session.cached_tokens == held
+    second = session.respond(QUESTIONS[1], GREEDY)
+    assert second.usage.reused_tokens > first.usage.prompt_tokens
+
+
+def test_a_decode_error_discards_the_cache_and_the_next_turn_is_correct(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = smollm2.session(system="You are a helpful assistant.")
+    session.respond(QUESTIONS[0], GREEDY)
+    real_decode = NativeContext.decode
+    calls = {"n": 0}
+
+    def failing_decode(self: NativeContext, tokens: Any, start: int, *, abortable: bool = False) -> None:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise NativeError("llama_decode failed (injected)")
+        real_decode(self, tokens, start, abortable=abortable)
+
+    monkeypatch.setattr(NativeContext, "decode", failing_decode)
+    messages = copy.deepcopy(session.messages)
+    with pytest.raises(NativeError, match="injected"):
+        session.respond(QUESTIONS[1], GREEDY)
+    assert session.cached_tokens == 0
+    assert session.messages == messages
+    monkeypatch.setattr(NativeContext, "decode", real_decode)
+    after = assert_same_as_fresh(session, QUESTIONS[1])
+    assert after.usage.reused_tokens == 0
+
+
+def test_a_cancelled_turn_then_a_normal_one_equals_fresh(smollm2: Model) -> None:
+    session = smollm2.session(system="You are a helpful assistant.")
+    session.respond(QUESTIONS[0], GREEDY)
+    stream = session.stream(QUESTIONS[1], GenerationOptions(max_tokens=40, temperature=0))
+    for i, _ in enumerate(stream):
+        if i == 5:
+            stream.cancel()
+    assert stream.reply is not None and stream.reply.finish_reason == "cancelled"
+    reply = assert_same_as_fresh(session, QUESTIONS[2])
+    assert reply.usage.reused_tokens > 0
+
+
+# -- recurrent memory: seq_rm refuses partial removals ---------------------------------------
+def test_recurrent_model_falls_back_to_a_full_decode(fixture_path: Callable[[str], Path]) -> None:
+    with Model(fixture_path("mamba-tiny.gguf"), threads=2) as model:
+        assert model.native.is_recurrent
+        session = model.session(system="You are a helpful assistant.", context_size=1024)
+        for question in QUESTIONS[:2]:
+            assert_same_as_fresh(session, question)
+        session.messages[1]["content"] = "An edited first question."
+        edited = assert_same_as_fresh(session, QUESTIONS[2])
+        assert edited.usage.reused_tokens == 0, "a rewind on recurrent memory must clear and re-decode"
+        last_user = session.messages[-2]["content"]
+        del session.messages[-2:]
+        regenerated = assert_same_as_fresh(session, last_user)
+        assert regenerated.usage.reused_tokens == 0
+
+
+def test_mamba_fixture_refuses_partial_removal(fixture_path: Callable[[str], Path]) -> None:
+    from llmsession.native import NativeModel
+
+    model = NativeModel(fixture_path("mamba-tiny.gguf"))
+    context = NativeContext(model, n_ctx=64, n_batch=16, threads=2)
+    context.decode(list(range(100, 108)), 0)
+    assert context.seq_rm(4) is False
+    assert context.seq_rm(7) is False
+    assert context.seq_rm(0) is True
+    context.close()
+    model.close()
+
+
+# -- Gemma 3: sliding window, batch-split noise ------------------------------------------------
+# Gemma 3 Q4_K_M logits depend (slightly) on how a prompt is split into batches, so cached and
+# fresh decodes are compared within the measured split noise, not exactly.
+N_CTX = 2048
+
+
+def paragraph(model: Model, seed: int, n_tokens: int) -> str:
+    """A user message of about n_tokens tokens."""
+    words = [
+        "river",
+        "bridge",
+        "lantern",
+        "harbour",
+        "meadow",
+        "orchard",
+        "tower",
+        "valley",
+        "garden",
+        "winter",
+    ]
+    rng = np.random.default_rng(seed)
+    text = ""
+    while len(model.tokenize(text, add_special=False)) < n_tokens:
+        text += " ".join(rng.choice(words, 16)) + ". "
+    return text.strip()
+
+
+def read_logits(model: Model, context: NativeContext) -> np.ndarray:
+    _, ffi = bindings()
+    buffer = ffi.buffer(context.logits(), 4 * model.native.n_vocab)
+    return np.frombuffer(buffer, dtype=np.float32).copy()
+
+
+def fresh_logits(model: Model, tokens: list[int], splits: list[int]) -> np.ndarray:
+    """Final logits of a fresh decode of tokens, cut into batches at the given positions."""
+    context = NativeContext(model.native, n_ctx=N_CTX, n_batch=N_CTX, threads=2)
+    try:
+        for a, b in itertools.pairwise([0, *splits, len(tokens)]):
+            context.decode(tokens[a:b], a)
+        return read_logits(model, context)
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3_noise(gemma3: Model) -> float:
+    """The largest final-logit difference between fresh decodes of one ~900-token prompt split
+    differently (whole, 512-token batches, the last token alone); the tolerance is built on it."""
+    messages = [{"role": "user", "content": paragraph(gemma3, 0, 900)}]
+    tokens = gemma3.prompt_tokens(messages)
+    n = len(tokens)
+    variants = [fresh_logits(gemma3, tokens, s) for s in ([], [512], [n - 1], [256, 512, 768])]
+    noise = max(float(np.abs(a - b).max()) for a, b in itertools.combinations(variants, 2))
+    assert noise < 3.0, f"batch-split noise {noise:.2f} is larger than expected"
+    return noise
+
+
+def tolerance_for(noise: float) -> float:
+    """Twice the measured split noise: a cached decode crosses more batch boundaries (earlier
+    turns, one-token generation steps) than any single fresh split variant does."""
+    return 2 * noise + 0.05
+
+
+def check_against_fresh(session: Session, reply: Any, tolerance: float) -> list[str]:
+    """Teacher-force a fresh context through the session's prompt and reply tokens; report each
+    step where the cached choice is not within tolerance of the fresh top logit, and a final
+    logit difference above tolerance."""
+    model = session.model
+    recorded = [int(t) for t in session._cache.items]
+    prompt, generated = recorded[: reply.usage.prompt_tokens], recorded[reply.usage.prompt_tokens :]
+    assert len(generated) >= 16, "compare at least 16 generated tokens"
+    problems = []
+    context = NativeContext(model.native, n_ctx=N_CTX, n_batch=512, threads=2)
+    try:
+        for start in range(0, len(prompt), 512):
+            context.decode(prompt[start : start + 512], start)
+        for step, token in enumerate(generated):
+            logits = read_logits(model, context)
+            margin = float(logits.max() - logits[token])
+            if margin > tolerance:
+                problems.append(f"step {step}: fresh prefers another token by {margin:.2f}")
+            context.decode([token], len(prompt) + step)
+        assert session._context is not None
+        final = float(np.abs(read_logits(model, context) - read_logits(model, session._context)).max())
+        if final > tolerance:
+            problems.append(f"final logits differ by {final:.2f}")
+    finally:
+        context.close()
+    return problems
+
+
+def drive_gemma3(session: Session, tolerance: float) -> list[str]:
+    """Turns long enough to pass the 512-token window, then an edit near the start that rewinds
+    more than 512 positions, then a regenerated reply; problems found at every step."""
+    model, problems = session.model, []
+    options = GenerationOptions(max_tokens=24, temperature=0)
+
+    def step(content: str, label: str) -> Any:
+        reply = session.respond(content, options)
+        problems.extend(f"{label}: {p}" for p in check_against_fresh(session, reply, tolerance))
+        return reply
+
+    step(paragraph(model, 1, 220), "turn 1")
+    step(paragraph(model, 2, 480), "turn 2")
+    held = session.cached_tokens
+    step("Summarize all of that in one line.", "turn 3")
+    session.messages[0]["content"] = session.messages[0]["content"][:-40] + " lighthouse."
+    edited = step("What changed?", "after an edit")
+    assert held - edited.usage.reused_tokens > 512 or edited.usage.reused_tokens == 0
+    last_user = session.messages[-2]["content"]
+    del session.messages[-2:]
+    step(last_user, "regenerated")
+    return problems
+
+
+@pytest.mark.parametrize("swa_full", [True, False], ids=["full-window-cache", "small-cache-pos-min-check"])
+def test_differential_gemma3_within_batch_split_noise(
+    gemma3: Model, gemma3_noise: float, swa_full: bool
+) -> None:
+    tolerance = tolerance_for(gemma3_noise)
+    session = gemma3.session(context_size=N_CTX, swa_full=swa_full)
+    problems = drive_gemma3(session, tolerance)
+    assert problems == [], f"batch-split noise {gemma3_noise:.3f}, tolerance {tolerance:.3f}: {problems}"
+
+
+def test_gemma3_differential_has_teeth(
+    gemma3: Model, gemma3_noise: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small sliding-window cache without llama-server's pos_min check decodes a deep rewind
+    over an evicted window: the same differential must catch it."""
+    monkeypatch.setattr(PrefixCache, "_holds_context", lambda self, memory, reused: True)
+    session = gemma3.session(context_size=N_CTX, swa_full=False)
+    problems = drive_gemma3(session, tolerance_for(gemma3_noise))
+    assert any(p.startswith(("after an edit", "regenerated")) for p in problems), problems
