@@ -1,0 +1,7 @@
+"""``python -m llmsession`` runs the ``llmsession`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,282 @@
+"""The ``llmsession`` command end to end: a real process on a real pseudo-terminal, or on pipes.
+
+The terminal tests type into a pty the way a user would (Ctrl-C is the byte 0x03, which the
+line discipline turns into SIGINT), so they exercise signals, streaming and readline for real.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from llmsession import paths
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 180.0  # per step: the machine is slow and shared
+STATS = re.compile(
+    r"\[prompt (\d+) tokens: reused (\d+), decoded (\d+) \| "
+    r"first token [\d.]+s \| (\d+) tokens, [\d.]+ tok/s\]"
+)
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llmsession", *args]
+
+
+@dataclass
+class Turn:
+    reply: str
+    prompt: int
+    reused: int
+    decoded: int
+    completion: int
+
+
+class Terminal:
+    """``llmsession`` running on a pseudo-terminal, read with deadlines so a hang fails the test."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "TERM": "dumb", "COLUMNS": "200"}
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: never return into pytest
+            try:
+                os.chdir(REPO)
+                os.execve(sys.executable, command(*args), env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd = pid, fd
+        self.text = ""  # everything the program wrote
+        self.pos = 0  # where the next expect() starts looking
+        self.status: int | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def _read(self, timeout: float) -> bool:
+        """Append what arrives within timeout; False once the program closed the terminal."""
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return True
+        try:
+            chunk = os.read(self.fd, 4096)
+        except OSError:  # EIO: the child is gone
+            chunk = b""
+        self.text += self._decoder.decode(chunk)
+        return bool(chunk)
+
+    def expect(self, pattern: str | re.Pattern[str], timeout: float = TIMEOUT) -> re.Match[str]:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while not (match := regex.search(self.text, self.pos)):
+            remaining = deadline - time.monotonic()
+            alive = remaining > 0 and self._read(min(remaining, 1.0))
+            if not alive:
+                why = "timed out" if remaining <= 0 else "the program ended"
+                tail = self.text[-4000:]
+                raise AssertionError(f"{why} waiting for {regex.pattern!r}; output so far:\n{tail}")
+        self.pos = match.end()
+        return match
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def enter(self, line: str) -> None:
+        """Wait for the prompt, type a line and wait for its echo."""
+        self.expect(r"> ")
+        self.send(line.encode() + b"\r")
+        self.expect(re.escape(line) + r"\r?\n")
+
+    def ask(self, message: str) -> Turn:
+        """Type a message, wait for its reply and the stats line after it."""
+        self.enter(message)
+        start = self.pos
+        stats = self.expect(STATS)
+        reply = re.sub(r"\x1b\[[0-9;]*m", "", self.text[start : stats.start()]).strip()
+        prompt, reused, decoded, completion = (int(g) for g in stats.groups())
+        return Turn(reply, prompt, reused, decoded, completion)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        deadline = time.monotonic() + timeout
+        while self.status is None and time.monotonic() < deadline:
+            self._read(0.2)
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+        assert self.status is not None, f"the program did not exit; output:\n{self.text[-4000:]}"
+        return self.status
+
+    def close(self) -> None:
+        if self.status is None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+@pytest.fixture
+def terminal(smollm2_path: Path) -> Iterator[Callable[..., Terminal]]:
+    """A Terminal factory whose processes are killed if a test fails halfway."""
+    started: list[Terminal] = []
+
+    def start(*args: str) -> Terminal:
+        started.append(Terminal(*args))
+        return started[-1]
+
+    yield start
+    for term in started:
+        term.close()
+
+
+def run(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command(*args),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT * 2,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_a_reply_streams_in_a_terminal_and_ctrl_d_quits(terminal: Callable[..., Terminal]) -> None:
+    term = terminal("chat", "--max-tokens", "32", "--temperature", "0", "--system", "Be brief.")
+    turn = term.ask("What is the capital of France?")
+    assert "Paris" in turn.reply
+    assert 0 < turn.completion <= 32
+    assert turn.reused == 0 and turn.decoded == turn.prompt  # the first turn decodes everything
+    assert "\x1b[2m[prompt" in term.text  # the stats line is dim on a terminal
+    term.expect(r"> ")
+    term.send(b"\x04")
+    assert term.wait() == 0
+    assert "Traceback" not in term.text
+
+
+def test_ctrl_c_cancels_the_reply_not_the_chat(terminal: Callable[..., Terminal]) -> None:
+    term = terminal("chat", "--max-tokens", "400", "--temperature", "0")
+    term.enter("Write a very long story about a dragon who learns to fly. Use many chapters.")
+    term.expect(r"(?s)\S.{60}")  # part of the reply is on screen: it streams
+    term.send(b"\x03")
+    term.expect(r"\[cancelled\]")
+    cancelled = term.expect(STATS)
+    assert int(cancelled.group(4)) < 400  # stopped early, not at max-tokens
+    turn = term.ask("Say hello.")  # the session is still usable
+    assert turn.reply
+    assert turn.reused > 0  # the cancelled exchange stayed in the cache
+    term.expect(r"> ")
+    # A person cannot press a key within microseconds of the prompt appearing; a test can, and then the
+    # signal lands before input() blocks in select(), where CPython only notices it on the next key.
+    time.sleep(1.0)
+    term.send(b"\x03")  # Ctrl-C at an empty prompt quits cleanly
+    assert term.wait() == 0
+    assert "Traceback" not in term.text
+
+
+def test_ctrl_c_stops_a_long_prefill(terminal: Callable[..., Terminal]) -> None:
+    system = " ".join(f"Note {i}: the lighthouse keeper counts ships." for i in range(350))  # ~4100 tokens
+    args = ("--max-tokens", "8", "--temperature", "0", "--context-size", "8192", "--system", system)
+    term = terminal("chat", *args)
+    term.enter("Hi")
+    time.sleep(0.5)  # well inside the prefill, which takes seconds even on a fast machine
+    sent = time.monotonic()
+    term.send(b"\x03")
+    term.expect(r"\[cancelled\]")
+    stats = term.expect(STATS)
+    prompt, decoded, completion = int(stats.group(1)), int(stats.group(3)), int(stats.group(4))
+    assert decoded < prompt and completion == 0  # the prompt was not decoded to the end
+    assert time.monotonic() - sent < 30  # the abort flag stops it between graph nodes, not at the end
+    term.expect(r"> ")
+    term.send(b"\x04")
+    assert term.wait() == 0
+
+
+def test_undo_then_the_same_message_reuses_the_cache(terminal: Callable[..., Terminal]) -> None:
+    term = terminal("chat", "--max-tokens", "24", "--temperature", "0")
+    term.ask("Name a fruit.")
+    second = term.ask("Name a colour.")
+    term.enter("/undo")
+    term.expect(r"\[undone\]")
+    again = term.ask("Name a colour.")
+    # Without the undo the prompt would also hold the first "Name a colour." exchange.
+    assert again.prompt == second.prompt
+    assert again.reply == second.reply  # greedy: the same transcript gives the same reply
+    assert again.reused > 0 and again.decoded <= 4
+    assert again.reused + again.decoded == again.prompt
+    term.enter("/stats")
+    term.expect(r"turns 3 \| prompt tokens \d+ \(reused \d+, decoded \d+\) \| completion tokens \d+")
+
+
+def test_image_command_with_a_projector(terminal: Callable[..., Terminal]) -> None:
+    fixtures = paths.fixtures_dir()
+    projector, red = fixtures / "mmproj-tiny.gguf", fixtures / "image-red.png"
+    for path in (projector, red):
+        if not path.exists():
+            pytest.fail(f"{path} is missing: run `make setup` first", pytrace=False)
+    term = terminal("chat", "--mmproj", str(projector), "--max-tokens", "8", "--temperature", "0")
+    term.enter("/image /no/such/image.png")
+    term.expect(r"error: .*image")
+    term.enter(f"/image {red}")
+    term.expect(r"\[image .* attached")
+    with_image = term.ask("Describe it.")
+    term.enter("/reset")
+    term.expect(r"\[reset\]")
+    without_image = term.ask("Describe it.")
+    assert with_image.prompt > without_image.prompt  # the image's tokens were in the prompt
+    assert without_image.reused == 0  # /reset dropped the cache too
+    assert "Traceback" not in term.text
+
+
+def test_piped_input_one_message_per_line(smollm2_path: Path) -> None:
+    lines = ["What is 2 + 2?", "", "/image red.png", "Name a colour.", "/stats", "/undo", "/reset", "/stats"]
+    out = run("chat", "--max-tokens", "16", "--temperature", "0", stdin="\n".join(lines) + "\n")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and not re.search(r"^> ", out.stdout, re.M)  # no decorations in a pipe
+    stats = STATS.findall(out.stdout)
+    assert len(stats) == 2
+    assert int(stats[1][1]) > 0  # the second message reused the first exchange
+    assert re.search(r"^turns 2 \|", out.stdout, re.M) and re.search(r"^turns 0 \|", out.stdout, re.M)
+    assert "[undone]" in out.stdout and "[reset]" in out.stdout
+    assert "error: images need a projector" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_missing_default_model_names_the_setup_command(tmp_path: Path) -> None:
+    out = run("chat", stdin="hi\n", env={"LLMSESSION_CACHE": str(tmp_path)})
+    assert out.returncode == 2
+    assert "make setup" in out.stderr and "fetch_models.py" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_bad_model_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a model")
+    out = run("chat", "--model", str(bogus), stdin="hi\n")
+    assert out.returncode == 1
+    assert out.stderr.startswith("error:") and "bogus.gguf" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_doctor_reports_the_build(smollm2_path: Path) -> None:
+    out = run("doctor")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"llama\.cpp commit: 0c1e570", out.stdout)
+    assert "build-info.json" in out.stdout
+    assert smollm2_path.name in out.stdout
+    assert re.search(r"system info: .*CPU", out.stdout)
+    assert "projector fixture:" in out.stdout
+
+
+def test_doctor_fails_clearly_without_the_libraries(tmp_path: Path) -> None:
+    out = run("doctor", env={"LLMSESSION_LIB_DIR": str(tmp_path)})
+    assert out.returncode != 0
+    assert "error: the llama.cpp libraries do not load" in out.stderr and "make setup" in out.stderr
+    assert "Traceback" not in out.stderr
