@@ -163,16 +163,23 @@ def git_stub(folder: Path) -> Path:
     return stub
 
 
-def build(src: Path, build_dir: Path, targets: list[str], *, tools: bool = False) -> None:
+def build(
+    src: Path,
+    build_dir: Path,
+    targets: list[str],
+    *,
+    common: bool = False,
+    extra: dict[str, str] | None = None,
+) -> None:
     options = {
         "CMAKE_BUILD_TYPE": "Release", "BUILD_SHARED_LIBS": "ON", "LLAMA_CURL": "OFF",
         "LLAMA_OPENSSL": "OFF", "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_EXAMPLES": "OFF",
         "LLAMA_BUILD_SERVER": "OFF", "LLAMA_BUILD_APP": "OFF", "LLAMA_BUILD_MTMD": "ON",
-        "LLAMA_BUILD_TOOLS": "ON" if tools else "OFF", "LLAMA_BUILD_COMMON": "ON" if tools else "OFF",
+        "LLAMA_BUILD_TOOLS": "OFF", "LLAMA_BUILD_COMMON": "ON" if common else "OFF",
         "LLAMA_BUILD_COMMIT": paths.LLAMA_CPP_COMMIT[:7], "CMAKE_BUILD_RPATH": "$ORIGIN",
         "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON", "CMAKE_INSTALL_RPATH": "$ORIGIN",
         "GIT_EXE": str(git_stub(build_dir.parent)),
-    } | ggml_cpu_options()  # fmt: skip
+    } | ggml_cpu_options() | (extra or {})  # fmt: skip
     on = sorted(k.removeprefix("GGML_") for k, v in ggml_cpu_options().items() if v == "ON")
     step(f"configuring (cmake; CPU features: {', '.join(on) or 'defaults'})")
     defines = [f"-D{key}={value}" for key, value in options.items()]
@@ -236,20 +243,41 @@ def write_info(dest: Path, info: dict[str, object]) -> None:
     (dest / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def fetch(dest: Path, with_bench: bool) -> None:
+def fetch(dest: Path) -> None:
     check_tools(dest)
     src = dest / "src"
     if not (src / "CMakeLists.txt").exists():
         with tempfile.TemporaryDirectory(dir=dest) as tmp:
             extract_source(download_sdist(Path(tmp)), src)
     build_dir = dest / "build"
-    targets = ["llama", "mtmd"] + (["llama-bench"] if with_bench else [])
-    build(src, build_dir, targets, tools=with_bench)
+    build(src, build_dir, ["llama", "mtmd"])
     install_libs(build_dir / "bin", dest / "lib")
     install_headers([src / "include", src / "tools/mtmd", src / "ggml/include"], dest / "include")
-    if with_bench:
-        (dest / "bin").mkdir(exist_ok=True)
-        shutil.copy2(build_dir / "bin" / "llama-bench", dest / "bin" / "llama-bench")
+
+
+BENCH_PROJECT = """# llama-bench alone: tools/CMakeLists.txt lists tools whose sources are not extracted.
+cmake_minimum_required(VERSION 3.14)
+project(llama_bench_only C CXX)
+add_subdirectory(${LLAMA_SRC} llama)
+add_subdirectory(${LLAMA_SRC}/tools/llama-bench llama-bench)
+"""
+
+
+def build_bench(dest: Path) -> None:
+    """llama-bench for the benchmarks, in bin/. Its rpath reaches ../lib, so it measures the very
+    libraries llmsession loads, not a second copy."""
+    check_tools(dest)
+    project = dest / "bench"
+    project.mkdir(exist_ok=True)
+    (project / "CMakeLists.txt").write_text(BENCH_PROJECT)
+    extra = {"LLAMA_SRC": str(dest / "src"), "CMAKE_INSTALL_RPATH": "$ORIGIN:$ORIGIN/../lib"}
+    build(project, project / "build", ["llama-bench"], common=True, extra=extra)
+    bin_dir = dest / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    built = [project / "build/llama-bench/llama-bench", project / "build/llama-bench/libllama-bench-impl.so"]
+    for path in [*built, *sorted((project / "build/bin").glob("libllama-common.so*"))]:
+        shutil.copy2(path, bin_dir / path.name, follow_symlinks=True)
+    step(f"ready: {bin_dir / 'llama-bench'}")
 
 
 def adopt(dest: Path, lib_dir: Path, include_dir: Path) -> None:
@@ -271,33 +299,40 @@ def main() -> int:
     args = parser.parse_args()
     dest = paths.llama_dir()
     info_path = dest / "build-info.json"
-    bench_ready = (dest / "bin" / "llama-bench").exists() or not args.bench
-    if info_path.exists() and bench_ready and not args.force:
-        print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
-        return 0
+    bench_missing = args.bench and not (dest / "bin" / "llama-bench").exists()
     try:
-        info_path.unlink(missing_ok=True)
-        if args.lib_dir or args.include_dir:
-            if not (args.lib_dir and args.include_dir):
-                raise SetupError("--lib-dir and --include-dir go together")
-            adopt(dest, args.lib_dir, args.include_dir)
-            origin = f"adopted from {args.lib_dir}"
+        if info_path.exists() and not args.force:
+            print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
         else:
-            fetch(dest, args.bench)
-            origin = f"built from {SDIST}"
-        commit = smoke_test(dest / "lib", dest / "include")
-        if not commit.startswith(paths.LLAMA_CPP_COMMIT[:7]):
-            raise SetupError(
-                f"the libraries report llama.cpp commit {commit!r}, expected {paths.LLAMA_CPP_COMMIT}; "
-                "llmsession's bindings are generated from that exact version"
-            )
-        options = ggml_cpu_options()
-        write_info(dest, {"commit": paths.LLAMA_CPP_COMMIT, "origin": origin, "cmake": options})
+            install(dest, args)
+        if bench_missing:
+            build_bench(dest)
     except SetupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    step(f"ready: llama.cpp {paths.LLAMA_CPP_COMMIT} in {dest} (lib/, include/, src/)")
     return 0
+
+
+def install(dest: Path, args: argparse.Namespace) -> None:
+    info_path = dest / "build-info.json"
+    info_path.unlink(missing_ok=True)
+    if args.lib_dir or args.include_dir:
+        if not (args.lib_dir and args.include_dir):
+            raise SetupError("--lib-dir and --include-dir go together")
+        adopt(dest, args.lib_dir, args.include_dir)
+        origin = f"adopted from {args.lib_dir}"
+    else:
+        fetch(dest)
+        origin = f"built from {SDIST}"
+    commit = smoke_test(dest / "lib", dest / "include")
+    if not commit.startswith(paths.LLAMA_CPP_COMMIT[:7]):
+        raise SetupError(
+            f"the libraries report llama.cpp commit {commit!r}, expected {paths.LLAMA_CPP_COMMIT}; "
+            "llmsession's bindings are generated from that exact version"
+        )
+    options = ggml_cpu_options()
+    write_info(dest, {"commit": paths.LLAMA_CPP_COMMIT, "origin": origin, "cmake": options})
+    step(f"ready: llama.cpp {paths.LLAMA_CPP_COMMIT} in {dest} (lib/, include/, src/)")
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_bad_images_raise_image_error(source: Any, message: str) -> None:
 
 def test_a_marker_typed_by_the_user_is_refused_clearly(vision: Model, red: Image) -> None:
     session = vision.session()
-    with pytest.raises(ImageError, match="2 media markers .* for 1 images"):
+    with pytest.raises(ImageError, match=r"2 media markers .* for 1 images"):
         session.respond([f"Is {vision.media_marker} a marker?", red], GREEDY)
     assert session.messages == []
     assert session.respond(["Describe:", red], GREEDY).text

@@ -1,0 +1,402 @@
+"""What the session cache buys over a fresh context per exchange, and what our decode loop costs.
+
+Every scenario runs side by side in one process, so machine noise hits all contenders alike:
+
+* multi-turn: one scripted chat with the session cache; each turn is replayed in a fresh context;
+* interleaved: several sessions on one model answered round-robin, each keeping its own cache;
+* generation: our decode loop's tokens/s against llama.cpp's own ``llama-bench`` on the same build;
+* ``--peer llama-cpp-python``: the same chats through llama-cpp-python, in a worker process.
+
+Times to first token (TTFT) are wall clock from the call, so rendering and tokenizing count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from . import paths
+from .model import Model
+from .native import build_commit
+from .options import GenerationOptions
+from .prefix import common_prefix
+from .session import Message, Session
+
+SYSTEM = "You are a helpful, concise assistant."
+QUESTIONS = (
+    "What is the capital of France?", "What is it famous for? Answer in one sentence.",
+    "Name one river that flows through it.", "How long is that river, roughly?",
+    "Which sea does it flow into?", "Suggest a museum to visit there.",
+    "What is a famous painting in that museum?", "Who painted it?",
+    "When did that painter live?", "Name another work by the same painter.",
+    "What is a typical French breakfast?", "And a typical dessert?",
+    "How do you say 'thank you' in French?", "What is the population of the city, approximately?",
+    "Which famous tower stands there?", "When was it built?",
+    "How tall is it?", "Can visitors climb it?",
+    "What is a good time of year to visit?", "Thanks! Say goodbye in French.",
+)  # fmt: skip
+LONG_PROMPT = "Write a long, detailed story about a lighthouse keeper who befriends a whale."
+SESSIONS, SESSION_TURNS = 4, 5
+PEER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peer.py"
+
+
+@dataclass
+class Turn:
+    """One exchange as one contender saw it (``library_ttft_s`` leaves out rendering and tokenizing)."""
+
+    ttft_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    decoded_prompt_tokens: int
+    completion_tokens: int
+    generation_tokens_per_s: float
+    library_ttft_s: float = 0.0
+
+
+def exchange(session: Session, question: str, options: GenerationOptions) -> tuple[Turn, str]:
+    """One streamed exchange; the first snapshot marks the first token."""
+    began, first = time.perf_counter(), 0.0
+    stream = session.stream(question, options)
+    for _ in stream:
+        first = first or time.perf_counter()
+    assert stream.reply is not None
+    u, t = stream.reply.usage, stream.reply.timings
+    counts = (u.prompt_tokens, u.reused_tokens, u.decoded_prompt_tokens, u.completion_tokens)
+    ttft = (first or time.perf_counter()) - began
+    return Turn(ttft, *counts, t.generation_tokens_per_s, t.time_to_first_token_s), stream.reply.text
+
+
+def fresh_exchange(shadow: Session, history: list[Message], text: str, options: GenerationOptions) -> Turn:
+    """The upstream "before": the same transcript decoded from scratch in a new context."""
+    shadow.messages = [dict(m) for m in history]
+    shadow.clear_cached_context()
+    turn, _ = exchange(shadow, text, options)
+    if turn.reused_tokens:
+        raise RuntimeError(f"a fresh context reused {turn.reused_tokens} tokens")
+    return turn
+
+
+def totals(turns: list[Turn]) -> dict[str, float]:
+    """Sums over one contender's chat; the reused fraction leaves out turn 1 (nothing to reuse)."""
+    later = turns[1:]
+    return {
+        "ttft_last_over_first": turns[-1].ttft_s / turns[0].ttft_s,
+        "mean_ttft_s": statistics.fmean(t.ttft_s for t in turns),
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "decoded_prompt_tokens": sum(t.decoded_prompt_tokens for t in turns),
+        "reused_fraction": sum(t.reused_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later)),
+    }
+
+
+def multi_turn(model: Model, questions: list[str], options: GenerationOptions) -> dict[str, Any]:
+    """One chat with the cache; each turn is also replayed fresh on the identical transcript.
+
+    "New" tokens are what a perfect cache would decode: the prompt minus its common prefix with
+    the previous prompt followed by the previous reply, tokenized on its own.
+    """
+    cache, shadow = model.session(SYSTEM), model.session(SYSTEM)
+    cached, fresh, new, held, diverged = [], [], [], list[int](), 0
+    for question in questions:
+        history = list(cache.messages)
+        prompt = model.prompt_tokens([*history, {"role": "user", "content": question}])
+        new.append(len(prompt) - common_prefix(held, prompt))
+        turn, text = exchange(cache, question, options)
+        cached.append(turn)
+        fresh.append(fresh_exchange(shadow, history, question, options))
+        diverged += shadow.messages[-1]["content"] != text
+        held = prompt + model.tokenize(text, add_special=False)
+    cache.close()
+    shadow.close()
+    summary = {
+        "cache": totals(cached),
+        "fresh": totals(fresh),
+        "new_tokens": sum(new),
+        "cache_decoded_over_new": sum(t.decoded_prompt_tokens for t in cached) / sum(new),
+        "cache_over_fresh_ttft_last": cached[-1].ttft_s / fresh[-1].ttft_s,
+        "replies_differing_from_fresh": diverged,
+    }
+    return {"cache": _rows(cached), "fresh": _rows(fresh), "new_tokens": new, "summary": summary}
+
+
+def session_plans() -> list[list[str]]:
+    """SESSIONS conversations of SESSION_TURNS questions each, cut from the script."""
+    n = len(QUESTIONS)
+    return [[QUESTIONS[(i * SESSION_TURNS + t) % n] for t in range(SESSION_TURNS)] for i in range(SESSIONS)]
+
+
+def interleaved(model: Model, plans: list[list[str]], options: GenerationOptions) -> list[dict[str, Any]]:
+    """Sessions answered round-robin on one model; each turn is also replayed in a fresh context."""
+    sessions = [model.session(SYSTEM) for _ in plans]
+    shadow = model.session(SYSTEM)
+    cached: list[list[Turn]] = [[] for _ in plans]
+    fresh: list[list[Turn]] = [[] for _ in plans]
+    for t in range(max(len(p) for p in plans)):
+        for i, (session, plan) in enumerate(zip(sessions, plans, strict=True)):
+            if t < len(plan):
+                history = list(session.messages)
+                cached[i].append(exchange(session, plan[t], options)[0])
+                fresh[i].append(fresh_exchange(shadow, history, plan[t], options))
+    for session in [*sessions, shadow]:
+        session.close()
+    return [
+        {"cache": _rows(c), "fresh": _rows(f), "summary": {"cache": totals(c), "fresh": totals(f)}}
+        for c, f in zip(cached, fresh, strict=True)
+    ]
+
+
+def speeds(samples: list[float]) -> dict[str, Any]:
+    """Tokens/s of repeated runs: the median, and the best (noise on a busy machine only slows down)."""
+    return {"median": statistics.median(samples), "best": max(samples), "samples": samples}
+
+
+def generation(model: Model, n_tokens: int, exe: Path, repeats: int = 5) -> dict[str, Any]:
+    """Our decode loop (sampling and detokenizing included) against llama-bench's tg, run by run
+    in alternation so that a busy spell on the machine hits both; pp512 is there for reference."""
+    options = GenerationOptions(max_tokens=n_tokens, temperature=0)
+    pp = llama_bench(exe, model.path, model.threads, "-p", "512", "-n", "0", "-r", str(repeats))
+    ours, lengths, tg = [], [], []
+    for _ in range(repeats):
+        session = model.session()
+        reply = session.respond(LONG_PROMPT, options)
+        session.close()
+        ours.append(reply.timings.generation_tokens_per_s)
+        lengths.append(reply.usage.completion_tokens)
+        run = llama_bench(exe, model.path, model.threads, "-p", "0", "-n", str(n_tokens), "-r", "1")
+        tg += run.get("samples_ts", [])
+    mine = speeds(ours)
+    result: dict[str, Any] = {"llmsession": mine, "completion_tokens": lengths}
+    if "error" in pp or not tg:
+        return result | {"llama_bench": {"error": pp.get("error") or run.get("error")}}
+    theirs = speeds(tg)
+    ratio = {k: mine[k] / theirs[k] for k in ("median", "best")}
+    reference = {"pp512": speeds(pp["samples_ts"]), f"tg{n_tokens}": theirs, "command": run["command"]}
+    return result | {"llama_bench": reference | {"build_commit": pp["build_commit"]}, "ratio": ratio}
+
+
+def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
+    """One llama-bench test on llmsession's very libraries: its tokens/s samples."""
+    if not exe.exists():
+        return {"error": f"llama-bench not found at {exe}: run python scripts/fetch_llama.py --bench"}
+    # Its rpath is its own folder: make it load the libraries llmsession loads.
+    search = [str(paths.llama_dir() / "lib"), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options, "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
+    (row,) = json.loads(out.stdout)
+    samples = [float(x) for x in row["samples_ts"]]
+    return {"samples_ts": samples, "build_commit": row["build_commit"], "command": " ".join(cmd)}
+
+
+def run_peer(python: str, config: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python in a worker process (its own venv is fine) on llmsession's llama.cpp build."""
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH") or str(paths.llama_dir() / "lib")
+    env = os.environ | {"LLAMA_CPP_LIB_PATH": lib}
+    if not PEER_SCRIPT.exists():
+        return {"skipped": f"{PEER_SCRIPT} is missing (it lives in the repository, not the package)"}
+    if subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, env=env).returncode != 0:
+        return {"skipped": f"llama_cpp is not importable by {python} (see --peer-python)"}
+    cmd = [python, str(PEER_SCRIPT)]
+    out = subprocess.run(cmd, input=json.dumps(config), capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"skipped": f"the peer worker failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
+    peer: dict[str, Any] = json.loads(out.stdout)
+    sessions = [totals(_turns(s)) for s in peer["interleaved"]]
+    peer["summary"] = {"multi_turn": totals(_turns(peer["multi_turn"])), "interleaved": sessions}
+    return peer
+
+
+def machine(threads: int) -> dict[str, Any]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = "unknown"
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "llama_cpp_commit": build_commit()}
+
+
+def _rows(turns: list[Turn]) -> list[dict[str, Any]]:
+    return [asdict(t) for t in turns]
+
+
+def _turns(rows: list[dict[str, Any]]) -> list[Turn]:
+    names = {f.name for f in fields(Turn)}
+    return [Turn(**{k: v for k, v in row.items() if k in names}) for row in rows]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """Right-aligned columns, each as wide as its widest cell."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print(f"\n{title}")
+    for row in [header, *rows]:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def report_multi_turn(result: dict[str, Any], peer: list[Turn]) -> None:
+    cached, fresh, s = _turns(result["cache"]), _turns(result["fresh"]), result["summary"]
+    header = ["turn", "prompt", "reused", "decoded", "new", "TTFT cache", "TTFT fresh", "cache/fresh"]
+    header.append("tok/s")
+    rows = []
+    for i, (c, f) in enumerate(zip(cached, fresh, strict=True)):
+        row = [str(i + 1), str(c.prompt_tokens), str(c.reused_tokens), str(c.decoded_prompt_tokens)]
+        row += [str(result["new_tokens"][i]), _ms(c.ttft_s), _ms(f.ttft_s), f"{c.ttft_s / f.ttft_s:.3f}"]
+        row.append(f"{c.generation_tokens_per_s:.0f}")
+        if peer:
+            row += ["|", str(peer[i].prompt_tokens), str(peer[i].reused_tokens), _ms(peer[i].ttft_s)]
+        rows.append(row)
+    header += ["|", "peer prompt", "peer reused", "TTFT peer"] if peer else []
+    table("multi-turn chat (TTFT in ms, wall clock from the call)", header, rows)
+    n, cache = len(cached), s["cache"]
+    print(f"cache TTFT turn {n} / turn 1: {cache['ttft_last_over_first']:.2f}  (target <= 1.5)")
+    ratio = s["cache_over_fresh_ttft_last"]
+    print(f"cache / fresh TTFT at turn {n}: {ratio:.3f}  ({1 / ratio:.1f}x faster)")
+    decoded = f"cache {cache['decoded_prompt_tokens']}, fresh {s['fresh']['decoded_prompt_tokens']}"
+    print(f"prompt tokens decoded: {decoded}, new in the transcript {s['new_tokens']}")
+    print(f"cache decoded / new: {s['cache_decoded_over_new']:.3f}  (target <= 1.05)")
+    print(f"greedy replies that differ between cache and fresh: {s['replies_differing_from_fresh']} of {n}")
+    if peer:
+        theirs = totals(peer)
+        print(f"peer: TTFT turn {n} / turn 1 {theirs['ttft_last_over_first']:.2f}", end="")
+        print(f", prompt tokens decoded {theirs['decoded_prompt_tokens']}")
+        print(f"llmsession / peer TTFT at turn {n}: {cached[-1].ttft_s / peer[-1].ttft_s:.3f}")
+
+
+def report_interleaved(result: list[dict[str, Any]], peer: list[dict[str, float]]) -> None:
+    header = ["session", "reused (turns 2+)", "TTFT cache", "TTFT fresh", "cache/fresh"]
+    rows = []
+    for i, s in enumerate(result):
+        c, f = s["summary"]["cache"], s["summary"]["fresh"]
+        row = [str(i + 1), f"{c['reused_fraction']:.1%}", _ms(c["mean_ttft_s"]), _ms(f["mean_ttft_s"])]
+        row.append(f"{c['mean_ttft_s'] / f['mean_ttft_s']:.3f}")
+        if peer:
+            row += ["|", f"{peer[i]['reused_fraction']:.1%}", _ms(peer[i]["mean_ttft_s"])]
+        rows.append(row)
+    header += ["|", "peer reused", "TTFT peer"] if peer else []
+    table(f"interleaved: {len(result)} sessions on one model, round-robin (mean TTFT in ms)", header, rows)
+
+
+def report_generation(result: dict[str, Any], n_tokens: int) -> None:
+    ref, ours, runs = result["llama_bench"], result["llmsession"], len(result["completion_tokens"])
+    print(f"\ngeneration: {n_tokens} tokens, temperature 0, {runs} runs each (tok/s: median, best)")
+    print(f"llmsession decode loop: {ours['median']:.1f}, {ours['best']:.1f}", end="")
+    print(f" (tokens per run: {result['completion_tokens']})")
+    if "error" in ref:
+        print(f"llama-bench: {ref['error']}")
+        return
+    tg, pp, ratio = ref[f"tg{n_tokens}"], ref["pp512"], result["ratio"]
+    print(f"llama-bench tg{n_tokens}: {tg['median']:.1f}, {tg['best']:.1f}", end="")
+    print(f" (pp512: {pp['median']:.1f}, {pp['best']:.1f})")
+    print(f"llmsession / llama-bench: {ratio['median']:.3f}, {ratio['best']:.3f}  (target >= 0.95)")
+
+
+def report(results: dict[str, Any], n_tokens: int) -> None:
+    m, peer = results["machine"], results.get("peer", {})
+    print(f"\n{results['model']} on {m['cpu']}: {m['cores']} cores, {m['threads']} threads", end="")
+    print(f", llama.cpp {m['llama_cpp_commit']}")
+    if "skipped" in peer:
+        print(f"peer skipped: {peer['skipped']}")
+    elif peer:
+        print(f"peer: llama-cpp-python {peer['version']}, llama.cpp {peer['commit']} ({peer['library']})")
+    report_multi_turn(results["multi_turn"], _turns(peer.get("multi_turn", [])))
+    report_interleaved(results["interleaved"], peer.get("summary", {}).get("interleaved", []))
+    report_generation(results["generation"], n_tokens)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Time to first token per turn for each contender (matplotlib is the optional ``bench`` extra)."""
+    try:
+        plt = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        print(f"--plot: matplotlib is not installed (pip install 'llmsession[bench]'); {path} not written")
+        return
+    chat, peer = results["multi_turn"], results.get("peer", {})
+    lines = {"llmsession (session cache)": chat["cache"], "fresh context per exchange": chat["fresh"]}
+    if "multi_turn" in peer:
+        lines[f"llama-cpp-python {peer['version']}"] = peer["multi_turn"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, rows in lines.items():
+        ax.plot(range(1, len(rows) + 1), [r["ttft_s"] * 1000 for r in rows], marker="o", label=label)
+    title = f"{results['model']}, {results['threads']} threads"
+    ax.set(xlabel="turn", ylabel="time to first token (ms)", title=title, ylim=(0, None))
+    ax.set_xticks(range(1, len(chat["cache"]) + 1))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llmsession bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=paths.default_model_path())
+    parser.add_argument("--turns", type=int, default=20, help="turns of the multi-turn chat")
+    parser.add_argument("--threads", type=int, default=None, help="default: llmsession's default")
+    parser.add_argument("--max-tokens", type=int, default=48, help="per reply in the chats")
+    parser.add_argument("--gen-tokens", type=int, default=128, help="tokens of the generation scenario")
+    default_bench = paths.llama_dir() / "bin" / "llama-bench"  # where fetch_llama.py --bench puts it
+    parser.add_argument("--llama-bench", type=Path, default=default_bench, help="the llama-bench binary")
+    parser.add_argument("--peer", choices=["llama-cpp-python"], help="also run the chats through it")
+    parser.add_argument("--peer-python", default=sys.executable, help="a Python that imports the peer")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of time to first token per turn")
+    args = parser.parse_args(argv)
+    if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2:
+        parser.error("--turns must be at least 2, --max-tokens at least 1, --gen-tokens at least 2")
+    return args
+
+
+def progress(step: str, started: float) -> None:
+    """A line on stderr per step: a run takes minutes, and a busy machine makes it longer."""
+    print(f"[{time.perf_counter() - started:6.1f}s] {step}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, started = parse_args(argv), time.perf_counter()
+    options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
+    plans = session_plans()
+    with Model(args.model, threads=args.threads) as model:
+        warm_up = model.session()  # page the weights in and start the threads before timing anything
+        warm_up.respond("Hello", GenerationOptions(max_tokens=4, temperature=0))
+        warm_up.close()
+        date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
+        results |= {"threads": model.threads, "max_tokens": args.max_tokens}
+        progress(f"multi-turn chat ({args.turns} turns)", started)
+        results["multi_turn"] = multi_turn(model, questions, options)
+        progress("interleaved sessions", started)
+        results["interleaved"] = interleaved(model, plans, options)
+        progress("generation and llama-bench", started)
+        results["generation"] = generation(model, args.gen_tokens, args.llama_bench)
+    if args.peer:
+        progress(f"peer {args.peer} ({args.peer_python})", started)
+        config = {"model": str(args.model), "threads": results["threads"], "n_ctx": 4096, "system": SYSTEM}
+        config |= {"max_tokens": args.max_tokens, "questions": questions, "interleaved": plans}
+        results["peer"] = run_peer(args.peer_python, config)
+    progress("done", started)
+    report(results, args.gen_tokens)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

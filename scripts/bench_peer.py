@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""The llama-cpp-python side of ``llmsession bench --peer llama-cpp-python``.
+
+It runs in whatever interpreter has ``llama_cpp`` (often a venv of its own), so it imports nothing
+from llmsession: the scenario arrives as JSON on stdin and the numbers leave as JSON on stdout.
+Point ``LLAMA_CPP_LIB_PATH`` at llmsession's lib/ folder and both sides run the identical build.
+
+    echo '{"model": "...", "threads": 2, ...}' | python scripts/bench_peer.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from llama_cpp import Llama
+from llama_cpp import llama_cpp as low_level
+
+
+class RecordingLlama(Llama):  # type: ignore[misc]
+    """Llama that notes each prompt, the cache it started from and when tokens were sampled."""
+
+    def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        self.prompt = list(tokens)
+        self.held_before = self._input_ids.tolist()
+        self.sampled_at: list[float] = []
+        self.end_of_generation = 0  # sampled like any token, counted by llmsession as no completion token
+        vocab = low_level.llama_model_get_vocab(self.model)
+        for token in super().generate(tokens, *args, **kwargs):
+            self.sampled_at.append(time.perf_counter())
+            self.end_of_generation += bool(low_level.llama_vocab_is_eog(vocab, token))
+            yield token
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def exchange(llm: RecordingLlama, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion; time to first token is the first chunk carrying text."""
+    began, first, text = time.perf_counter(), 0.0, ""
+    chunks = llm.create_chat_completion(messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
+    for chunk in chunks:
+        delta = chunk["choices"][0]["delta"].get("content") or ""
+        if delta and not first:
+            first = time.perf_counter()
+        text += delta
+    ended = time.perf_counter()
+    prompt, sampled = llm.prompt, llm.sampled_at
+    reused = min(common_prefix(llm.held_before, prompt), len(prompt) - 1)
+    rate = (len(sampled) - 1) / (sampled[-1] - sampled[0]) if len(sampled) > 1 else 0.0
+    return {
+        "ttft_s": (first or ended) - began,
+        "prompt_tokens": len(prompt),
+        "reused_tokens": reused,
+        "decoded_prompt_tokens": len(prompt) - reused,
+        "completion_tokens": len(sampled) - llm.end_of_generation,
+        "generation_tokens_per_s": rate,
+        "text": text,
+    }
+
+
+def chat(llm: RecordingLlama, system: str, questions: list[str], max_tokens: int) -> list[dict[str, Any]]:
+    messages, turns = [{"role": "system", "content": system}], []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        turn = exchange(llm, messages, max_tokens)
+        messages.append({"role": "assistant", "content": turn["text"]})
+        turns.append(turn)
+    return turns
+
+
+def round_robin(llm: RecordingLlama, system: str, plans: list[list[str]], max_tokens: int) -> list[list[Any]]:
+    """Several conversations on one Llama (one model, one context), answered in turn."""
+    transcripts = [[{"role": "system", "content": system}] for _ in plans]
+    turns: list[list[Any]] = [[] for _ in plans]
+    for t in range(max(len(p) for p in plans)):
+        for i, plan in enumerate(plans):
+            if t < len(plan):
+                transcripts[i].append({"role": "user", "content": plan[t]})
+                turn = exchange(llm, transcripts[i], max_tokens)
+                transcripts[i].append({"role": "assistant", "content": turn["text"]})
+                turns[i].append(turn)
+    return turns
+
+
+def loaded_commit() -> str:
+    """The llama.cpp commit of the libllama llama_cpp loaded (ggml_commit lives next to it)."""
+    ggml = ctypes.CDLL(str(Path(low_level._lib._name).with_name("libggml-base.so")))
+    ggml.ggml_commit.restype = ctypes.c_char_p
+    return str(ggml.ggml_commit().decode())
+
+
+def main() -> int:
+    config = json.load(sys.stdin)
+    threads = config["threads"]
+    # flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU.
+    llm = RecordingLlama(
+        config["model"],
+        n_ctx=config["n_ctx"],
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    exchange(llm, [{"role": "user", "content": "Hello"}], 4)  # warm up, as the llmsession side does
+    max_tokens = config["max_tokens"]
+    result = {
+        "version": __import__("llama_cpp").__version__,
+        "library": str(low_level._lib._name),
+        "commit": loaded_commit(),
+        "multi_turn": chat(llm, config["system"], config["questions"], max_tokens),
+        "interleaved": round_robin(llm, config["system"], config["interleaved"], max_tokens),
+    }
+    json.dump(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
