@@ -89,6 +89,7 @@ def api_functions() -> set[str]:
     for header in API_HEADERS:
         text = (include_dir() / header).read_text()
         text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+        text = re.sub(r"\bDEPRECATED\(", "", text)  # LLAMA_API DEPRECATED(size_t llama_get_state_size(
         for match in re.finditer(r"\b(?:LLAMA|MTMD)_API\b([^;{]*?)\(", text):
             if text[: match.start()].rsplit("\n", 1)[-1].lstrip().startswith("#"):
                 continue  # the macro's own definition
