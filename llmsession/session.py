@@ -9,11 +9,11 @@ costs nothing. ``Stream.cancel()`` from any thread also stops a long prefill bet
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator
+import weakref
+from collections.abc import Callable, Generator, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -100,7 +100,7 @@ class Session:
         # A small sliding-window cache evicts old positions: check the window before rewinding.
         self._cache = PrefixCache(n_swa=0 if swa_full else max(0, model.native.n_swa))
         self._lock = threading.Lock()
-        self._active: Stream | None = None
+        self._active: Callable[[], object] | None = None  # finishes the latest stream, once
 
     # -- public API ---------------------------------------------------------------------------
     def respond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
@@ -117,8 +117,8 @@ class Session:
         options.validate()
         user = {"role": "user", "content": content}
         with self._busy():
-            if self._active is not None:  # an abandoned stream of this thread: finish it first
-                self._active._abandon()
+            if self._active is not None:  # an unfinished stream of this thread: finish it first
+                self._active()
             prompt = self.model.prompt([*self.messages, user], thinking=self.thinking)
             if prompt.n_positions >= self.context_size:
                 prompt.close()
@@ -126,15 +126,15 @@ class Session:
                     f"the prompt has {prompt.n_positions} tokens; the context holds {self.context_size} "
                     "(one more is needed to reply)"
                 )
-            stream = Stream(self, user, prompt, options)
-            self._active = stream
+            stream = Stream(self, Turn(user, prompt, options))
+            self._active = stream._abandon
             return stream
 
     def clear_cached_context(self) -> None:
         """Free the session's llama context (the next exchange decodes from scratch)."""
         with self._busy():
             if self._active is not None:
-                self._active._abandon()
+                self._active()
             self._discard_context()
 
     def close(self) -> None:
@@ -173,10 +173,10 @@ class Session:
             context.clear()
             self._cache.reset()
 
-    def _generate(self, stream: Stream) -> Generator[Snapshot, None, None]:
+    def _generate(self, turn: Turn) -> Generator[Snapshot, None, None]:
         """The exchange itself; runs step by step inside ``Stream.__next__``."""
         started = time.perf_counter()
-        prompt = stream.prompt
+        prompt = turn.prompt
         usage, timings = Usage(prompt_tokens=len(prompt.items)), Timings()
         text, cancelled = "", False
         try:
@@ -184,14 +184,14 @@ class Session:
                 log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
                 self._discard_context()
             context = self._ensure_context()
-            context.abort = stream.cancelled
+            context.abort = turn.cancelled
             plan = self._cache.prepare(prompt.items, context, can_cut=partial(starts_a_chunk, prompt.items))
             usage.reused_tokens = plan.reused
-            pos = self._prefill(stream, context, plan.reused, usage)
+            pos = self._prefill(turn, context, plan.reused, usage)
             timings.prefill_s = time.perf_counter() - started
             cancelled = pos is None
             if pos is not None:
-                with closing(self._sample(stream, context, pos, usage, timings, started)) as deltas:
+                with closing(self._sample(turn, context, pos, usage, timings, started)) as deltas:
                     for delta in deltas:
                         text += delta
                         yield Snapshot(delta, text)
@@ -199,24 +199,39 @@ class Session:
             cancelled = True
         except BaseException:
             self._discard_context()  # the memory may not match the record any more
-            self._active = None
+            turn.done = True  # failed: the transcript stays as it was
             prompt.close()
             raise
         if prompt.unsafe_reuse:
             self._discard_context()
-        stream._finish(Reply(text, "cancelled" if cancelled else stream.finish, usage, timings))
+        self._finish_turn(turn, Reply(text, "cancelled" if cancelled else turn.finish, usage, timings))
 
-    def _prefill(self, stream: Stream, context: NativeContext, reused: int, usage: Usage) -> int | None:
+    def _finish_turn(self, turn: Turn, reply: Reply) -> None:
+        """Record a finished exchange: the user message and the reply, as far as it got."""
+        turn.prompt.close()
+        turn.reply, turn.done = reply, True
+        self.messages += [turn.user, {"role": "assistant", "content": reply.text}]
+
+    def _abandon_turn(self, turn: Turn, steps: Generator[Snapshot, None, None]) -> None:
+        """Finish an exchange its stream gave up on (closed, dropped, or superseded)."""
+        turn.cancelled.set()
+        steps.close()  # a started exchange finishes itself, as cancelled, on GeneratorExit
+        if not turn.done:  # never started: nothing was decoded
+            self._finish_turn(
+                turn, Reply("", "cancelled", Usage(prompt_tokens=len(turn.prompt.items)), Timings())
+            )
+
+    def _prefill(self, turn: Turn, context: NativeContext, reused: int, usage: Usage) -> int | None:
         """Decode the prompt after its first ``reused`` items; the next position, None if cancelled."""
-        items, pos, end = stream.prompt.items, reused, 0
-        for piece in stream.prompt.pieces:
+        items, pos, end = turn.prompt.items, reused, 0
+        for piece in turn.prompt.pieces:
             size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
             start, end = end, end + size  # this piece holds items[start:end]
             if end <= reused:
                 continue
             try:
                 if isinstance(piece, ImageChunk):
-                    if stream.cancelled.is_set():
+                    if turn.cancelled.is_set():
                         return None
                     projector = self.model.projector
                     assert projector is not None
@@ -226,7 +241,7 @@ class Session:
                     continue
                 todo = piece[max(0, reused - start) :]
                 for i in range(0, len(todo), self.batch_size):
-                    if stream.cancelled.is_set():
+                    if turn.cancelled.is_set():
                         return None
                     chunk = todo[i : i + self.batch_size]
                     context.decode(chunk, pos, abortable=True)
@@ -239,34 +254,34 @@ class Session:
         return pos
 
     def _sample(
-        self, stream: Stream, context: NativeContext, pos: int, usage: Usage, timings: Timings, started: float
+        self, turn: Turn, context: NativeContext, pos: int, usage: Usage, timings: Timings, started: float
     ) -> Generator[str, None, None]:
-        native, options = self.model.native, stream.options
+        native, options = self.model.native, turn.options
         sampler = Sampler.from_options(options)
         try:
             if options.penalized and options.repeat_last_n > 0:
-                for token in stream.prompt.tokens()[-options.repeat_last_n :]:
+                for token in turn.prompt.tokens()[-options.repeat_last_n :]:
                     sampler.accept(token)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
-            stream.finish = "length"
+            turn.finish = "length"
             first_token_at = 0.0
             for n in range(options.max_tokens):
-                if stream.cancelled.is_set():
-                    stream.finish = "cancelled"
+                if turn.cancelled.is_set():
+                    turn.finish = "cancelled"
                     break
                 token = sampler.sample(context)
                 if n == 0:
                     first_token_at = time.perf_counter()
                     timings.time_to_first_token_s = first_token_at - started
                 if native.is_eog(token):
-                    stream.finish = "stop"
+                    turn.finish = "stop"
                     break
                 usage.completion_tokens += 1
                 delta = stops.push(detokenizer.push(native.piece(token)))
                 if delta:
                     yield delta
                 if stops.stopped:
-                    stream.finish = "stop"
+                    turn.finish = "stop"
                     break
                 if n + 1 == options.max_tokens or pos + 1 >= context.n_ctx:
                     break  # "length": the last token needs no decode
@@ -282,31 +297,50 @@ class Session:
             sampler.close()
 
 
+@dataclass
+class Turn:
+    """One exchange's state, shared by its ``Stream`` and the generator that runs it. The
+    generator never holds the ``Stream``, so dropping the stream finishes the exchange at once."""
+
+    user: Message
+    prompt: Prompt
+    options: GenerationOptions
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finish: FinishReason = "length"
+    reply: Reply | None = None
+    done: bool = False
+
+
 class Stream:
     """An iterator of ``Snapshot``s; ``reply`` holds the final ``Reply`` once it ends."""
 
-    def __init__(self, session: Session, user: Message, prompt: Prompt, options: GenerationOptions):
+    def __init__(self, session: Session, turn: Turn) -> None:
         self.session = session
-        self.user = user
-        self.prompt = prompt
-        self.options = options
-        self.cancelled = threading.Event()
-        self.finish: FinishReason = "length"
-        self.reply: Reply | None = None
-        self._steps: Generator[Snapshot, None, None] = session._generate(self)
+        self._turn = turn
+        self._steps = session._generate(turn)
+        # Runs once: on close(), when the session moves on, or when the stream is dropped.
+        self._abandon = weakref.finalize(self, session._abandon_turn, turn, self._steps)
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._turn.reply
+
+    @property
+    def prompt(self) -> Prompt:
+        return self._turn.prompt
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Snapshot:
-        if self.reply is not None:
+        if self._turn.done:
             raise StopIteration
         with self.session._busy():
             return next(self._steps)
 
     def cancel(self) -> None:
         """Stop decoding before the next token (or mid-prefill); thread-safe and idempotent."""
-        self.cancelled.set()
+        self._turn.cancelled.set()
 
     def close(self) -> None:
         """Cancel and finish the reply now (what was generated is kept)."""
@@ -319,19 +353,3 @@ class Stream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _abandon(self) -> None:
-        """Finish as cancelled; the caller holds the session lock."""
-        self.cancelled.set()
-        if inspect.getgeneratorstate(self._steps) == inspect.GEN_CREATED:  # nothing decoded yet
-            self._steps.close()
-            self._finish(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt.items)), Timings()))
-        self._steps.close()
-
-    def _finish(self, reply: Reply) -> None:
-        self.prompt.close()
-        self.reply = reply
-        assistant = {"role": "assistant", "content": reply.text}
-        self.session.messages += [self.user, assistant]
-        if self.session._active is self:
-            self.session._active = None
