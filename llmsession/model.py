@@ -163,8 +163,9 @@ class Model:
                 "load one with Model(path, mmproj_path=...)"
             )
         text = self.render(messages, thinking=thinking)
-        if self.projector is None or not images:
+        if not images:
             return Prompt([self.tokenize(text)])
+        assert self.projector is not None
         chunks = self.projector.tokenize(text, images)
         if chunks.pieces and isinstance(chunks.pieces[0], list):
             self._drop_double_bos(chunks.pieces[0])

@@ -337,7 +337,6 @@ class Projector:
         self.ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
         self._free = weakref.finalize(self, lib.mtmd_free, self.ptr)
         self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
-        self.mrope = bool(lib.mtmd_decode_use_mrope(self.ptr))
         self.vision = bool(lib.mtmd_support_vision(self.ptr))
         self.lock = threading.Lock()
 

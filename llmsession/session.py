@@ -325,10 +325,6 @@ class Stream:
     def reply(self) -> Reply | None:
         return self._turn.reply
 
-    @property
-    def prompt(self) -> Prompt:
-        return self._turn.prompt
-
     def __iter__(self) -> Stream:
         return self
 
