@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import tracemalloc
 from itertools import pairwise
 
 import pytest
@@ -26,6 +28,46 @@ def case(draw: st.DrawFn) -> tuple[list[str], list[str]]:
     return stops, [text[a:b] for a, b in pairwise(bounds)]
 
 
+def fibonacci_word(n: int) -> str:
+    """The first n characters of "abaababaabaab…", whose borders nest as deep as KMP's can."""
+    a, b = "a", "ab"
+    while len(b) < n:
+        a, b = b, b + a
+    return b[:n]
+
+
+@st.composite
+def long_stop(draw: st.DrawFn, alphabet: str) -> str:
+    """A stop of up to ~80 characters whose prefixes recur: head + unit * n + tail ("ab" * n + "c",
+    "aaaa…b"), a Fibonacci word, or a string grown by appending its own prefixes. A wrong KMP
+    failure value only shows up on such borders."""
+    chars = st.text(alphabet, max_size=3)
+    kind = draw(st.sampled_from(["periodic", "fibonacci", "nested"]))
+    if kind == "periodic":
+        unit = draw(st.text(alphabet, min_size=1, max_size=3))
+        return draw(chars) + unit * draw(st.integers(2, 25)) + draw(chars)
+    if kind == "fibonacci":
+        return fibonacci_word(draw(st.integers(2, 60))) + draw(st.text(alphabet, max_size=1))
+    stop = draw(st.text(alphabet, min_size=1, max_size=3))
+    for _ in range(draw(st.integers(1, 5))):
+        stop += stop[: draw(st.integers(0, len(stop)))] + draw(st.text(alphabet, max_size=1))
+    return stop[:80]
+
+
+@st.composite
+def periodic_case(draw: st.DrawFn) -> tuple[list[str], list[str]]:
+    """Long periodic stops and text made of their prefixes, each followed by a character that may
+    break the match, split at random."""
+    alphabet = draw(st.sampled_from(["ab", "abc"]))
+    stops = draw(st.lists(long_stop(alphabet), min_size=1, max_size=3))
+    prefix = st.sampled_from(stops).flatmap(lambda s: st.integers(1, len(s)).map(lambda n: s[:n]))
+    fragment = st.tuples(prefix, st.text(alphabet, max_size=1)).map("".join)
+    text = "".join(draw(st.lists(fragment | st.text(alphabet, max_size=3), max_size=6)))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    bounds = [0, *cuts, len(text)]
+    return stops, [text[a:b] for a, b in pairwise(bounds)]
+
+
 def first_stop(text: str, stops: list[str]) -> int | None:
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found, default=None)
@@ -33,14 +75,15 @@ def first_stop(text: str, stops: list[str]) -> int | None:
 
 def longest_partial(text: str, stops: list[str]) -> str:
     """The longest suffix of text that is a proper prefix of some stop (brute force)."""
-    for start in range(len(text) + 1):
+    longest = max(map(len, stops), default=0)
+    for start in range(max(0, len(text) - longest), len(text) + 1):
         tail = text[start:]
         if any(len(tail) < len(s) and s.startswith(tail) for s in stops):
             return tail
     return ""
 
 
-@given(case())
+@given(st.one_of(case(), periodic_case()))
 def test_output_is_text_up_to_earliest_stop(args: tuple[list[str], list[str]]) -> None:
     stops, pushes = args
     full = "".join(pushes)
@@ -51,7 +94,7 @@ def test_output_is_text_up_to_earliest_stop(args: tuple[list[str], list[str]]) -
     assert matcher.stopped == (cut is not None)
 
 
-@given(case())
+@given(st.one_of(case(), periodic_case()))
 def test_holds_back_exactly_what_may_start_a_stop(args: tuple[list[str], list[str]]) -> None:
     stops, pushes = args
     matcher = StopMatcher(stops)
@@ -80,6 +123,64 @@ def test_no_stops_passes_everything_through(text: str, pushes: list[str]) -> Non
     matcher = StopMatcher([])
     assert [matcher.push(p) for p in [text, *pushes]] == [text, *pushes]
     assert matcher.flush() == ""
+    assert not matcher.stopped
+
+
+@given(st.sampled_from(["ab", "abc"]).flatmap(lambda a: st.lists(long_stop(a), min_size=1, max_size=2)))
+def test_every_transition_of_long_periodic_stops(stops: list[str]) -> None:
+    """After any proper prefix of a stop and then any one character, the held tail and the cut
+    match brute force: every state and transition of each KMP automaton, failure values included."""
+    alphabet = sorted(set("".join(stops)))
+    for stop in stops:
+        for k in range(len(stop)):
+            for ch in alphabet:
+                matcher = StopMatcher(stops)
+                text = stop[:k] + ch
+                emitted = matcher.push(stop[:k]) + matcher.push(ch)
+                cut = first_stop(text, stops)
+                if matcher.stopped:
+                    assert cut is not None
+                    assert emitted == text[:cut]
+                else:
+                    assert text.startswith(emitted)
+                    assert text[len(emitted) :] == longest_partial(text, stops)
+                    assert cut is None or len(emitted) < cut
+                    emitted += matcher.flush()
+                    assert emitted == (text if cut is None else text[:cut])
+
+
+def test_long_stop_costs_linear_memory_and_time() -> None:
+    """Storing every prefix of a 60,000-character stop took ~1.8 GB and seconds to build."""
+    stop = "<" + "ab" * 29_999 + "/>"
+    deltas = ["Hello", ",", " how", " are", " you", " today", "?", " "]
+    partial = stop[:20_001]
+    start = time.perf_counter()
+    tracemalloc.start()
+    try:
+        matcher = StopMatcher([stop])
+        assert [matcher.push(d) for d in deltas] == deltas
+        assert all(matcher.push(partial[i : i + 4]) == "" for i in range(0, len(partial), 4))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * len(stop)
+    assert matcher.push("X") == partial + "X"
+    text = "a" + stop + " tail"
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
+    out, seen = [], 0
+    for piece in pieces:
+        out.append(matcher.push(piece))
+        seen += len(piece)
+        assert matcher.stopped == (seen >= len("a" + stop))
+    assert "".join(out) == "a"
+    assert time.perf_counter() - start < 3.0
+
+
+def test_push_after_flush_starts_afresh() -> None:
+    matcher = StopMatcher(["ab"])
+    assert matcher.push("a") == ""
+    assert matcher.flush() == "a"
+    assert matcher.push("b") == "b"
     assert not matcher.stopped
 
 
