@@ -11,7 +11,9 @@ Ctrl-C cancels the reply (prefill included), not the program; Ctrl-C or Ctrl-D a
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
+import io
 import json
 import signal
 import sys
@@ -106,6 +108,9 @@ class Chat:
         if not path:
             error("usage: /image PATH")
             return
+        if "\0" in path:
+            error("an image path cannot contain a NUL character")
+            return
         from .image import Image  # loads PIL: only when an image is used
 
         self.images.append(Image(path))
@@ -151,10 +156,13 @@ class Chat:
         )
 
     def run(self) -> int:
+        """Read and handle lines until end of input; a bad line is reported and the chat goes on."""
         interactive = sys.stdin.isatty()
         if interactive:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (line editing and history for input())
+        if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable bytes become surrogates, not an error
+            sys.stdin.reconfigure(errors="surrogateescape")
         while True:
             try:
                 line = input("> " if interactive else "").strip()
@@ -162,21 +170,35 @@ class Chat:
                 if interactive:
                     print(file=self.out)
                 return 0
+            except UnicodeDecodeError:  # a stdin that could not be told to escape bad bytes
+                error(f"{not_decodable()}; line skipped")
+                continue
             if not line:
                 continue
             try:
-                if line.startswith("/"):
-                    self.command(line)
-                else:
-                    self.send(line)
-            except LlmSessionError as e:
+                self.handle(line)
+            except (LlmSessionError, ValueError, TypeError) as e:  # this line failed, not the chat
                 error(str(e))
             except KeyboardInterrupt:  # between turns, before the reply's own handler
                 self.note("[cancelled]")
 
+    def handle(self, line: str) -> None:
+        if any("\ud800" <= c <= "\udfff" for c in line):  # escaped bytes (or lone surrogates)
+            raise ValueError(f"{not_decodable()}; line skipped")
+        if line.startswith("/"):
+            self.command(line)
+        else:
+            self.send(line)
+
 
 def error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def not_decodable() -> str:
+    """What is wrong with a line of bytes that stdin's encoding cannot decode."""
+    encoding = getattr(sys.stdin, "encoding", None) or "utf-8"
+    return f"input is not valid {codecs.lookup(encoding).name.upper()}"
 
 
 def chat(args: argparse.Namespace) -> int:

@@ -235,6 +235,19 @@ def test_image_command_with_a_projector(terminal: Callable[..., Terminal]) -> No
     assert "Traceback" not in term.text
 
 
+def test_a_line_of_invalid_utf8_in_a_terminal_is_skipped(terminal: Callable[..., Terminal]) -> None:
+    term = terminal("chat", "--max-tokens", "8", "--temperature", "0")
+    term.expect(r"> ")
+    term.send(b"\xff\xfe caf\xe9\r")
+    term.expect(r"error: input is not valid UTF-8")
+    turn = term.ask("Say hi")  # the chat goes on
+    assert turn.reply and turn.reused == 0 and turn.decoded == turn.prompt
+    term.expect(r"> ")
+    term.send(b"\x04")
+    assert term.wait() == 0
+    assert "Traceback" not in term.text
+
+
 def test_piped_input_one_message_per_line(smollm2_path: Path) -> None:
     lines = ["What is 2 + 2?", "", "/image red.png", "Name a colour.", "/stats", "/undo", "/reset", "/stats"]
     out = run("chat", "--max-tokens", "16", "--temperature", "0", stdin="\n".join(lines) + "\n")
@@ -247,6 +260,33 @@ def test_piped_input_one_message_per_line(smollm2_path: Path) -> None:
     assert "[undone]" in out.stdout and "[reset]" in out.stdout
     assert "error: images need a projector" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("bad", "complaint"),
+    [(b"a\0b", "NUL"), (b"\xff\xfe caf\xe9", "not valid UTF-8")],
+    ids=["nul", "invalid-utf8"],
+)
+def test_a_bad_line_is_reported_and_the_chat_goes_on(smollm2_path: Path, bad: bytes, complaint: str) -> None:
+    stdin = bad + b"\nSay hi\n/stats\n"
+    out = subprocess.run(
+        command("chat", "--max-tokens", "8", "--temperature", "0"),
+        input=stdin,
+        capture_output=True,
+        timeout=TIMEOUT * 2,
+        cwd=REPO,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"},  # as in a UTF-8 locale, not UTF-8 mode
+    )
+    stdout, stderr = out.stdout.decode(), out.stderr.decode(errors="replace")
+    assert out.returncode == 0, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and complaint in errors[0], stderr
+    assert "Traceback" not in stderr
+    stats = STATS.findall(stdout)
+    assert len(stats) == 1  # "Say hi" got its reply; the bad line none
+    prompt, reused, decoded, completion = (int(g) for g in stats[0])
+    assert reused == 0 and decoded == prompt and 0 < completion <= 8
+    assert re.search(r"^turns 1 \|", stdout, re.M)  # one exchange: the bad line left no trace
 
 
 def test_a_missing_default_model_names_the_setup_command(tmp_path: Path) -> None:
