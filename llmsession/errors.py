@@ -31,5 +31,9 @@ class ImageError(LlmSessionError):
     """An image could not be read or has the wrong shape."""
 
 
+class ModelClosedError(LlmSessionError):
+    """The model (or the session's native state) was closed; nothing more can run on it."""
+
+
 class NativeError(LlmSessionError):
     """A llama.cpp or libmtmd call reported failure."""

@@ -1,7 +1,9 @@
 """Images for chat messages: decoded once to RGB pixels and identified by a hash of them.
 
 The hash is what image-aware prefix reuse compares: two turns that carry the same pixels share
-the image's positions in the KV cache, whatever file, bytes or array they came from.
+the image's positions in the KV cache, whatever file, bytes or array they came from. So the pixels
+are always an ``Image``'s own read-only copy: a caller reusing its array for another picture must
+not leave a hash that no longer matches the pixels (a stale cached answer).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Image:
 
     def __init__(self, source: ImageSource) -> None:
         self.pixels = _rgb_pixels(source)
+        self.pixels.flags.writeable = False
         self.height, self.width = int(self.pixels.shape[0]), int(self.pixels.shape[1])
         digest = hashlib.sha256(f"{self.width}x{self.height}:".encode())
         digest.update(self.pixels.data)
@@ -50,7 +53,7 @@ def _rgb_pixels(source: ImageSource) -> np.ndarray:
             raise ImageError(f"an image array must be H×W×3 uint8, got shape {source.shape} {source.dtype}")
         if source.shape[0] == 0 or source.shape[1] == 0:
             raise ImageError(f"an image array must not be empty, got shape {source.shape}")
-        return np.ascontiguousarray(source)
+        return np.array(source, dtype=np.uint8, order="C", copy=True)
     if isinstance(source, PIL.Image.Image):
         return _from_pil(source, "the PIL image")
     if isinstance(source, bytes | bytearray | memoryview):
@@ -71,15 +74,15 @@ def _decode(data: bytes, what: str) -> np.ndarray:
             return _from_pil(image, what)
     except ImageError:
         raise
-    except (OSError, ValueError, PIL.Image.DecompressionBombError) as error:
-        raise ImageError(f"{what} is not a readable image: {error}") from None
+    except Exception as error:  # PIL's plugins raise anything on hostile bytes (SyntaxError, ...)
+        raise ImageError(f"{what} is not a readable image: {type(error).__name__}: {error}") from None
 
 
 def _from_pil(image: PIL.Image.Image, what: str) -> np.ndarray:
     try:
-        pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError) as error:
-        raise ImageError(f"{what} cannot be decoded: {error}") from None
+        pixels = np.array(image.convert("RGB"), dtype=np.uint8)
+    except Exception as error:  # as above: decoding happens here, lazily
+        raise ImageError(f"{what} cannot be decoded: {type(error).__name__}: {error}") from None
     if pixels.size == 0:
         raise ImageError(f"{what} has no pixels")
     return np.ascontiguousarray(pixels)

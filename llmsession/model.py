@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UnsupportedFeatureError
+from .errors import ModelClosedError, UnsupportedFeatureError
 from .image import message_images
 from .native import Chunks, ImageChunk, NativeContext, NativeModel, Piece, Projector, default_threads
+from .options import INT32_MAX, check_int
 from .prefix import Item, image_items
 from .session import Session
-from .templates import render_prompt
+from .templates import check_messages, render_prompt
 
 DEFAULT_MEDIA_MARKER = "<__media__>"
+MAX_THREADS = 512  # GGML_MAX_N_THREADS
 
 
 @dataclass
@@ -75,8 +77,9 @@ class Model:
         threads: int | None = None,
         use_jinja: bool = False,
     ) -> None:
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads: must be at least 1, got {threads}")
+        if threads is not None:
+            check_int("threads", threads, 1, MAX_THREADS)
+        check_int("gpu_layers", gpu_layers, -1, INT32_MAX)
         self.path = Path(path)
         self.threads = threads or default_threads()
         self.use_jinja = use_jinja
@@ -103,7 +106,12 @@ class Model:
         thinking: bool = False,
         swa_full: bool = True,
     ) -> Session:
-        """A new conversation with its own llama context (created on its first exchange)."""
+        """A new conversation with its own llama context (created on its first exchange).
+
+        ``context_size`` bounds the positions the session uses (prompt and reply), exactly.
+        """
+        if self.closed:
+            raise ModelClosedError("this model is closed")
         session = Session(
             self,
             system=system,
@@ -148,6 +156,7 @@ class Model:
             del tokens[0]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of token ids; an id outside the vocabulary raises ValueError naming it."""
         return self.native.detokenize(tokens)
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
@@ -156,6 +165,7 @@ class Model:
 
     def prompt(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> Prompt:
         """The tokenized prompt for a transcript; images go through the projector."""
+        check_messages(messages)
         images = list(message_images(messages))
         if images and self.projector is None:
             raise UnsupportedFeatureError(
@@ -172,12 +182,17 @@ class Model:
         return Prompt(chunks.pieces, chunks)
 
     def close(self) -> None:
-        """Free every session's context, then the projector and the model."""
+        """Stop every session's stream (each finishes its current step first), free their
+        contexts, then the projector and the model. Any later use raises ModelClosedError."""
         for session in list(self._sessions):
-            session._discard_context()
+            session._shut()
         if self.projector is not None:
             self.projector.close()
         self.native.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.native.closed
 
     def __enter__(self) -> Model:
         return self

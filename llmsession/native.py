@@ -1,12 +1,19 @@
 """The thin layer over the cffi bindings: every native call llmsession makes goes through here.
 
 Each native object (model, context, batch, sampler) has exactly one owner object here, freed by a
-``weakref.finalize`` on every path: ``close()``, garbage collection or interpreter exit. Return
-codes are checked by ``check`` and ``not_null``; nothing else in llmsession touches ``lib``.
+``weakref.finalize`` on every path: ``close()``, garbage collection or interpreter exit. A child's
+finalizer holds its parent (a context its model), so a parent is never freed under a child, and no
+owner sits in a reference cycle: dropping it frees the native memory at once, not at the next
+cyclic GC. Return codes are checked by ``check`` and ``not_null``; token ids from callers are
+range-checked before llama.cpp sees them; nothing else in llmsession touches ``lib``.
+
+An exception that a native callback raised (Ctrl-C during a decode) is re-raised here once the
+native call returns; a decode it interrupted raises ``DecodeAborted`` carrying it.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import weakref
@@ -17,7 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ContextOverflowError, ImageError, ModelLoadError, NativeError, UnsupportedFeatureError
+from .errors import (
+    ContextOverflowError,
+    ImageError,
+    ModelClosedError,
+    ModelLoadError,
+    NativeError,
+    UnsupportedFeatureError,
+)
 from .image import Image
 from .options import LLAMA_DEFAULT_SEED, GenerationOptions
 
@@ -66,8 +80,43 @@ def default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-class NativeModel:
-    """Owns a ``llama_model``."""
+def raise_pending() -> None:
+    """Re-raise an exception a native callback raised on this thread during the last call."""
+    from llama_cffi import take_pending_error
+
+    error = take_pending_error()
+    if error is not None:
+        raise error
+
+
+def _free_model(lib: Any, ptr: Any) -> None:
+    lib.llama_model_free(ptr)
+
+
+class Owner:
+    """One native object's owner: ``ptr`` while it lives, ``ModelClosedError`` after ``close()``
+    (a freed pointer handed to llama.cpp would crash the process)."""
+
+    _free: weakref.finalize[Any, Any]
+    _ptr: Any = None
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None or not self._free.alive:
+            raise ModelClosedError(f"this {type(self).__name__} is closed (its model was closed)")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None or not self._free.alive
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._free()
+
+
+class NativeModel(Owner):
+    """Owns a ``llama_model``; ``close()`` closes its contexts and projector first."""
 
     def __init__(self, path: str | Path, *, gpu_layers: int = 0) -> None:
         lib, ffi = bindings()
@@ -76,9 +125,12 @@ class NativeModel:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
         pointer = lib.llama_model_load_from_file(c_string(str(path), "model path"), params)
-        self.ptr = not_null(pointer, f"loading model {path}", ModelLoadError)
-        self._free = weakref.finalize(self, lib.llama_model_free, self.ptr)
-        self.vocab = lib.llama_model_get_vocab(self.ptr)
+        if pointer != ffi.NULL:
+            self._free = weakref.finalize(self, _free_model, lib, pointer)
+        raise_pending()  # Ctrl-C while loading: the finalizer above frees what was loaded
+        self._ptr = not_null(pointer, f"loading model {path}", ModelLoadError)
+        self._vocab = lib.llama_model_get_vocab(self.ptr)
+        self._children: weakref.WeakSet[Owner] = weakref.WeakSet()
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(self.ptr)
         self.n_swa: int = lib.llama_model_n_swa(self.ptr)
@@ -87,10 +139,20 @@ class NativeModel:
         )
         self.has_encoder = bool(lib.llama_model_has_encoder(self.ptr))
         self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
-        self._piece = ffi.new("char[256]")
+
+    @property
+    def vocab(self) -> Any:
+        self.ptr  # noqa: B018  (raises once the model is closed)
+        return self._vocab
+
+    def adopt(self, child: Owner) -> None:
+        """Register a context or projector made from this model, to be closed before it."""
+        self._children.add(child)
 
     def close(self) -> None:
-        self._free()
+        for child in list(self._children):
+            child.close()
+        super().close()
 
     def chat_template(self) -> str | None:
         lib, ffi = bindings()
@@ -103,11 +165,22 @@ class NativeModel:
         n = lib.llama_model_meta_val_str(self.ptr, c_string(key, "key"), buf, len(buf))
         return None if n < 0 else ffi.string(buf).decode("utf-8", "replace")
 
+    def check_token(self, token: object) -> int:
+        """A caller's token id as an int in range; llama.cpp aborts the process on a bad one."""
+        try:
+            value = operator.index(token)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"a token id must be an int, got {type(token).__name__}") from None
+        if not 0 <= value < self.n_vocab:
+            raise ValueError(f"token id {value} is out of range: the vocabulary has {self.n_vocab} tokens")
+        return value
+
     def token_text(self, token: int) -> str:
         """The special-token spelling of a token (for BOS/EOS text in templates)."""
         lib, ffi = bindings()
         if token < 0:
             return ""
+        token = self.check_token(token)
         return str(ffi.string(lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", "replace"))
 
     def bos(self) -> int:
@@ -131,7 +204,9 @@ class NativeModel:
     def piece(self, token: int) -> bytes:
         """A token's bytes, without special-token text (generation output)."""
         lib, ffi = bindings()
-        n = lib.llama_token_to_piece(self.vocab, token, self._piece, 256, 0, False)
+        token = self.check_token(token)
+        buf = ffi.new("char[64]")  # per call: the GIL is released while llama.cpp writes it
+        n = lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
         if n < 0:
             buf = ffi.new("char[]", -n)
             n = check(
@@ -139,12 +214,14 @@ class NativeModel:
                 "token_to_piece",
                 _non_negative,
             )
-            return bytes(ffi.buffer(buf, n))
-        return bytes(ffi.buffer(self._piece, n))
+        return bytes(ffi.buffer(buf, n))
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         lib, ffi = bindings()
-        ids = ffi.new("llama_token[]", list(tokens))
+        if isinstance(tokens, str | bytes):
+            raise TypeError("tokens must be a sequence of token ids")
+        tokens = [self.check_token(token) for token in tokens]
+        ids = ffi.new("llama_token[]", tokens)
         capacity = max(64, 8 * len(tokens))
         for _ in range(2):
             buf = ffi.new("char[]", capacity)
@@ -155,7 +232,7 @@ class NativeModel:
         raise NativeError("llama_detokenize failed")
 
     def is_eog(self, token: int) -> bool:
-        return bool(bindings()[0].llama_vocab_is_eog(self.vocab, token))
+        return bool(bindings()[0].llama_vocab_is_eog(self.vocab, self.check_token(token)))
 
     def apply_template(
         self, template: str | None, messages: Sequence[tuple[str, str]], add_ass: bool
@@ -226,8 +303,42 @@ class Batch:
         self._free()
 
 
-class NativeContext:
-    """Owns a ``llama_context`` (and its batch); decodes with an optional abort flag."""
+class AbortFlag:
+    """What the prefill abort callback reads. The callback closes over this, never over the
+    context, so the context is in no reference cycle."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
+def _abort_callback(flag: AbortFlag) -> Any:
+    """``bool(void *)`` for llama_set_abort_callback: stop when the flag is set, or when a
+    signal handler raised inside a callback (the exception is kept for the caller to raise)."""
+    from llama_cffi import has_pending_error, stash_error
+
+    _, ffi = bindings()
+
+    def on_error(kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        stash_error(kind, error, traceback)
+        return True
+
+    def should_abort(_data: Any) -> bool:
+        return flag.event.is_set() or has_pending_error()
+
+    return ffi.callback("bool(void *)", should_abort, onerror=on_error)
+
+
+def _free_context(lib: Any, ptr: Any, _model: NativeModel) -> None:
+    """Frees a context; holding ``_model`` keeps the model alive until then."""
+    lib.llama_free(ptr)
+
+
+class NativeContext(Owner):
+    """Owns a ``llama_context`` (and its batch); decodes with an optional abort flag.
+
+    ``n_ctx`` is the size asked for: llama.cpp pads its own up (to a multiple of 256), and a
+    session must not use positions its caller did not give it.
+    """
 
     def __init__(
         self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int, swa_full: bool = True
@@ -238,32 +349,51 @@ class NativeContext:
         params.n_seq_max, params.n_threads, params.n_threads_batch = 1, threads, threads
         params.swa_full = swa_full
         params.no_perf = True
-        self.ptr = not_null(lib.llama_init_from_model(model.ptr, params), "creating a llama context")
-        self._free = weakref.finalize(self, lib.llama_free, self.ptr)
-        self.memory = lib.llama_get_memory(self.ptr)
-        self.n_ctx: int = lib.llama_n_ctx(self.ptr)
+        pointer = lib.llama_init_from_model(model.ptr, params)
+        if pointer != ffi.NULL:
+            self._free = weakref.finalize(self, _free_context, lib, pointer, model)
+        raise_pending()
+        self._ptr = not_null(pointer, "creating a llama context")
+        model.adopt(self)
+        self._memory = lib.llama_get_memory(self.ptr)
+        self.n_ctx: int = min(n_ctx, lib.llama_n_ctx(self.ptr))
         self.n_batch = n_batch
         self.batch = Batch(n_batch)
-        self.abort = threading.Event()
-        self._abort_cb = ffi.callback("bool(void *)", lambda _data: self.abort.is_set())
+        self._flag = AbortFlag()
+        self._abort_cb = _abort_callback(self._flag)
         self._abort_installed = False
+
+    @property
+    def abort(self) -> threading.Event:
+        """The event that stops an abortable decode (a stream's cancel flag)."""
+        return self._flag.event
+
+    @abort.setter
+    def abort(self, event: threading.Event) -> None:
+        self._flag.event = event
+
+    @property
+    def memory(self) -> Any:
+        self.ptr  # noqa: B018  (raises once the context is closed)
+        return self._memory
 
     def close(self) -> None:
         self.batch.close()
-        self._free()
+        super().close()
 
     def decode(self, tokens: Sequence[int], start: int, *, abortable: bool = False) -> None:
-        """Decode tokens at positions start..; raise DecodeAborted if the abort flag stopped it."""
+        """Decode tokens at positions start..; raise DecodeAborted if the abort flag or an
+        exception raised in a callback (Ctrl-C) stopped it: the batch may be partly in memory."""
         lib, _ = bindings()
+        ptr = self.ptr  # first: once closed, the batch's memory is gone too
         self.set_abortable(abortable)
         if start + len(tokens) > self.n_ctx:
             raise ContextOverflowError(
                 f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
             )
         self.batch.fill(tokens, start)
-        code = lib.llama_decode(self.ptr, self.batch.raw)
-        if code == DECODE_ABORTED:
-            raise DecodeAborted()
+        code = lib.llama_decode(ptr, self.batch.raw)
+        interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
 
     def set_abortable(self, abortable: bool) -> None:
@@ -291,7 +421,22 @@ class NativeContext:
 
 
 class DecodeAborted(Exception):
-    """llama_decode stopped because the abort flag was set."""
+    """A decode stopped early: the abort flag was set (``cause`` None), or a callback raised
+    ``cause`` (the caller re-raises it once its memory matches its record again)."""
+
+    def __init__(self, cause: BaseException | None = None) -> None:
+        super().__init__()
+        self.cause = cause
+
+
+def interrupted_by(aborted: bool) -> None:
+    """After a decode: raise DecodeAborted if it was aborted, or if a callback raised meanwhile
+    (then the decode may have finished, but the caller must treat its batch as not recorded)."""
+    from llama_cffi import take_pending_error
+
+    cause = take_pending_error()
+    if aborted or cause is not None:
+        raise DecodeAborted(cause)
 
 
 @dataclass(frozen=True)
@@ -321,7 +466,11 @@ class Chunks:
         self._free()
 
 
-class Projector:
+def _free_projector(lib: Any, ptr: Any, _model: NativeModel) -> None:
+    lib.mtmd_free(ptr)
+
+
+class Projector(Owner):
     """Owns an ``mtmd_context`` (a multimodal projector loaded beside a model).
 
     libmtmd's context is not thread-safe: ``lock`` serializes tokenizing and image evaluation.
@@ -334,14 +483,14 @@ class Projector:
         params = lib.mtmd_context_params_default()
         params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
         pointer = lib.mtmd_init_from_file(c_string(str(path), "projector path"), model.ptr, params)
-        self.ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
-        self._free = weakref.finalize(self, lib.mtmd_free, self.ptr)
+        if pointer != ffi.NULL:
+            self._free = weakref.finalize(self, _free_projector, lib, pointer, model)
+        raise_pending()
+        self._ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
+        model.adopt(self)
         self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
         self.vision = bool(lib.mtmd_support_vision(self.ptr))
         self.lock = threading.Lock()
-
-    def close(self) -> None:
-        self._free()
 
     def tokenize(self, text: str, images: Sequence[Image]) -> Chunks:
         """Split ``text`` at its media markers into text tokens and one image chunk per image."""
@@ -368,6 +517,11 @@ class Projector:
                     lib.mtmd_bitmap_set_id(bitmaps[i], image.digest.encode())
                 chunks = Chunks(not_null(lib.mtmd_input_chunks_init(), "mtmd_input_chunks_init"), [])
                 code = lib.mtmd_tokenize(self.ptr, chunks.ptr, source, bitmaps, len(images))
+                try:
+                    raise_pending()
+                except BaseException:
+                    chunks.close()
+                    raise
                 if code != 0:
                     chunks.close()
                     raise ImageError(
@@ -421,8 +575,7 @@ class Projector:
             code = lib.mtmd_helper_eval_chunk_single(
                 self.ptr, context.ptr, chunk.ptr, start, 0, context.n_batch, logits_last, next_pos
             )
-        if code != 0 and context.abort.is_set():
-            raise DecodeAborted()
+        interrupted_by(code != 0 and context.abort.is_set())
         check(code, "evaluating an image chunk (mtmd_helper_eval_chunk_single)")
         return int(next_pos[0])
 
@@ -440,11 +593,12 @@ class Sampler:
             lib.llama_sampler_chain_add(self.ptr, not_null(make(lib), "creating a sampler"))
 
     @classmethod
-    def from_options(cls, o: GenerationOptions) -> Sampler:
-        """The llama.cpp sampler chain for these options (penalties, then truncation, then the pick)."""
+    def from_options(cls, o: GenerationOptions, *, n_vocab: int, last_n: int) -> Sampler:
+        """The llama.cpp sampler chain for these options (penalties over the ``last_n`` latest
+        tokens, then truncation, then the pick)."""
         links: list[Callable[[Any], Any]] = []
         if o.penalized:
-            penalties = (o.repeat_last_n, o.repeat_penalty, o.frequency_penalty, o.presence_penalty)
+            penalties = (n_vocab, last_n, o.repeat_penalty, o.frequency_penalty, o.presence_penalty)
             links.append(lambda lib: lib.llama_sampler_init_penalties(*penalties))
         if o.greedy:
             links.append(lambda lib: lib.llama_sampler_init_greedy())

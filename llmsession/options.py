@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
+INT32_MAX = 2**31 - 1  # llama.cpp's counts are int32_t: a larger Python int cannot be passed
+MAX_POSITIONS = 2**24  # a context or batch size beyond this is a typo, not a plan (16.7M positions)
+
+
+def check_int(name: str, value: object, low: int, high: int) -> int:
+    """A count given by a caller, as an int within [low, high]; else TypeError/ValueError naming it."""
+    if not _is_int(value):
+        raise TypeError(f"{name}: must be an int, got {type(value).__name__}")
+    assert isinstance(value, int)
+    if not low <= value <= high:
+        raise ValueError(f"{name}: must be between {low} and {high}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -27,28 +40,28 @@ class GenerationOptions:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        else:
+        elif isinstance(self.stop, Iterable) and not isinstance(self.stop, bytes | Mapping):
             object.__setattr__(self, "stop", tuple(self.stop))
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first field with a bad value."""
-        _require("max_tokens", self.max_tokens, _is_int(self.max_tokens) and self.max_tokens >= 1)
+        _require("max_tokens", self.max_tokens, _int_in(self.max_tokens, 1, INT32_MAX))
         _require("temperature", self.temperature, _is_real(self.temperature) and self.temperature >= 0)
-        _require("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0)
+        _require("top_k", self.top_k, _int_in(self.top_k, 0, INT32_MAX))
         _require("top_p", self.top_p, _is_real(self.top_p) and 0 < self.top_p <= 1)
         _require("min_p", self.min_p, _is_real(self.min_p) and 0 <= self.min_p <= 1)
         _require(
             "repeat_penalty", self.repeat_penalty, _is_real(self.repeat_penalty) and self.repeat_penalty > 0
         )
-        _require(
-            "repeat_last_n", self.repeat_last_n, _is_int(self.repeat_last_n) and self.repeat_last_n >= -1
-        )
+        _require("repeat_last_n", self.repeat_last_n, _int_in(self.repeat_last_n, -1, INT32_MAX))
         _require("frequency_penalty", self.frequency_penalty, _is_real(self.frequency_penalty))
         _require("presence_penalty", self.presence_penalty, _is_real(self.presence_penalty))
         seed_ok = self.seed is None or (_is_int(self.seed) and 0 <= self.seed < LLAMA_DEFAULT_SEED)
         _require("seed", self.seed, seed_ok)
-        stops_ok = all(isinstance(s, str) and s and "\0" not in s for s in self.stop)
+        stops_ok = isinstance(self.stop, tuple) and all(
+            isinstance(s, str) and s and "\0" not in s for s in self.stop
+        )
         _require("stop", self.stop, stops_ok)
 
     @property
@@ -62,6 +75,10 @@ class GenerationOptions:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return _is_int(value) and low <= value <= high  # type: ignore[operator]
 
 
 def _is_real(value: object) -> bool:

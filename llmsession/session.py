@@ -20,9 +20,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from .detokenize import IncrementalDetokenizer
-from .errors import ContextOverflowError, SessionBusyError
+from .errors import ContextOverflowError, ModelClosedError, NativeError, SessionBusyError
 from .native import DecodeAborted, ImageChunk, NativeContext, Sampler
-from .options import GenerationOptions
+from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import PrefixCache, starts_a_chunk
 from .stops import StopMatcher
 
@@ -86,10 +86,8 @@ class Session:
         thinking: bool = False,
         swa_full: bool = True,
     ) -> None:
-        if context_size < 16:
-            raise ValueError(f"context_size: must be at least 16, got {context_size}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
+        check_int("context_size", context_size, 16, MAX_POSITIONS)
+        check_int("batch_size", batch_size, 1, MAX_POSITIONS)
         self.model = model
         self.context_size = context_size
         self.batch_size = min(batch_size, context_size)
@@ -101,6 +99,8 @@ class Session:
         self._cache = PrefixCache(n_swa=0 if swa_full else max(0, model.native.n_swa))
         self._lock = threading.Lock()
         self._active: Callable[[], object] | None = None  # finishes the latest stream, once
+        self._turn: Turn | None = None  # the latest stream's exchange
+        self._closed = False
 
     # -- public API ---------------------------------------------------------------------------
     def respond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
@@ -113,7 +113,13 @@ class Session:
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
         """Send a user message; iterate the result for snapshots as tokens decode."""
-        options = options or GenerationOptions()
+        if options is None:
+            options = GenerationOptions()
+        if not isinstance(options, GenerationOptions):
+            raise TypeError(
+                f"options must be a GenerationOptions, got {type(options).__name__} "
+                "(write GenerationOptions(**values) for a dict)"
+            )
         options.validate()
         user = {"role": "user", "content": content}
         with self._busy():
@@ -126,7 +132,8 @@ class Session:
                     f"the prompt has {prompt.n_positions} tokens; the context holds {self.context_size} "
                     "(one more is needed to reply)"
                 )
-            stream = Stream(self, Turn(user, prompt, options))
+            self._turn = Turn(user, prompt, options)
+            stream = Stream(self, self._turn)
             self._active = stream._abandon
             return stream
 
@@ -138,7 +145,9 @@ class Session:
             self._discard_context()
 
     def close(self) -> None:
-        self.clear_cached_context()
+        """Free the cached context; the session stays usable (its model's ``close()`` ends it)."""
+        if not self._closed:
+            self.clear_cached_context()
 
     @property
     def cached_tokens(self) -> int:
@@ -151,9 +160,24 @@ class Session:
         if not self._lock.acquire(blocking=False):
             raise SessionBusyError("this session is already generating in another thread")
         try:
+            if self._closed:
+                raise ModelClosedError("this session's model was closed")
             yield
         finally:
             self._lock.release()
+
+    def _shut(self) -> None:
+        """Its model is closing: stop the running stream (waiting out its current step), free
+        the context, and refuse any later use. The transcript stays readable."""
+        turn = self._turn
+        if turn is not None and not turn.done:
+            turn.closed = True
+            turn.cancelled.set()  # a prefill in another thread stops within a graph node
+        with self._lock:
+            if self._active is not None:
+                self._active()
+            self._discard_context()
+            self._closed = True
 
     def _ensure_context(self) -> NativeContext:
         if self._context is None:
@@ -197,6 +221,13 @@ class Session:
                         yield Snapshot(delta, text)
         except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
             cancelled = True
+        except DecodeAborted as aborted:  # a callback raised (Ctrl-C): memory can be kept
+            self._after_abort(context)
+            if prompt.unsafe_reuse:
+                self._discard_context()
+            turn.done = True  # failed: the transcript stays as it was
+            prompt.close()
+            raise (aborted.cause or NativeError("a decode was aborted")) from None
         except BaseException:
             self._discard_context()  # the memory may not match the record any more
             turn.done = True  # failed: the transcript stays as it was
@@ -248,7 +279,9 @@ class Session:
                     self._cache.extend(chunk)
                     pos += len(chunk)
                     usage.decoded_prompt_tokens += len(chunk)
-            except DecodeAborted:
+            except DecodeAborted as aborted:
+                if aborted.cause is not None:
+                    raise  # _generate restores memory to the record and raises the cause
                 self._after_abort(context)
                 return None
         return pos
@@ -257,10 +290,13 @@ class Session:
         self, turn: Turn, context: NativeContext, pos: int, usage: Usage, timings: Timings, started: float
     ) -> Generator[str, None, None]:
         native, options = self.model.native, turn.options
-        sampler = Sampler.from_options(options)
+        # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
+        window = options.repeat_last_n
+        last_n = self.context_size if window == -1 else min(window, self.context_size)
+        sampler = Sampler.from_options(options, n_vocab=native.n_vocab, last_n=last_n)
         try:
-            if options.penalized and options.repeat_last_n > 0:
-                for token in turn.prompt.tokens()[-options.repeat_last_n :]:
+            if options.penalized and last_n > 0:
+                for token in turn.prompt.tokens()[-last_n:]:
                     sampler.accept(token)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
             turn.finish = "length"
@@ -290,7 +326,9 @@ class Session:
                 pos += 1
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = n + 1
-            tail = "" if stops.stopped else stops.push(detokenizer.flush()) + stops.flush()
+            # The detokenizer may still hold the first bytes of a character the reply was cut
+            # inside of (max_tokens, cancel): they stay in the token record, not in the text.
+            tail = "" if stops.stopped else stops.flush()
             if tail:
                 yield tail
         finally:
@@ -309,6 +347,7 @@ class Turn:
     finish: FinishReason = "length"
     reply: Reply | None = None
     done: bool = False
+    closed: bool = False  # its model was closed before it finished
 
 
 class Stream:
@@ -329,10 +368,17 @@ class Stream:
         return self
 
     def __next__(self) -> Snapshot:
+        if self._turn.closed:
+            raise ModelClosedError("the model was closed while this stream was open")
         if self._turn.done:
             raise StopIteration
         with self.session._busy():
-            return next(self._steps)
+            try:
+                return next(self._steps)
+            except StopIteration:
+                if self._turn.closed:  # cancelled by the model's close()
+                    raise ModelClosedError("the model was closed while this stream was open") from None
+                raise
 
     def cancel(self) -> None:
         """Stop decoding before the next token (or mid-prefill); thread-safe and idempotent."""
@@ -341,6 +387,8 @@ class Stream:
     def close(self) -> None:
         """Cancel and finish the reply now (what was generated is kept)."""
         self.cancel()
+        if self._turn.done:
+            return  # finished, or ended by its model's close()
         with self.session._busy():
             self._abandon()
 

@@ -3,6 +3,11 @@
 The declarations in ``_cdef.h`` are generated from the very headers the libraries were built
 from (``scripts/gen_bindings.py``). ``load()`` opens the libraries once per process, calls
 ``llama_backend_init`` and routes llama.cpp and mtmd logs into the ``llmsession.native`` logger.
+
+An exception raised inside a Python callback that native code runs (a Ctrl-C's
+``KeyboardInterrupt`` lands there when a signal arrives mid-decode) cannot unwind through C. cffi
+would print and drop it; ``stash_error`` keeps it for the calling thread instead, and the caller
+raises it with ``take_pending_error()`` once the native call returns.
 """
 
 from __future__ import annotations
@@ -69,22 +74,42 @@ class _Lib:
 _LEVELS = {2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _state: dict[str, Any] = {}
 _lock = threading.Lock()
+_pending = threading.local()
+
+
+def stash_error(_kind: Any, error: BaseException | None, _traceback: Any) -> None:
+    """cffi's ``onerror`` for every callback: keep the first exception for this thread."""
+    if error is not None and getattr(_pending, "error", None) is None:
+        _pending.error = error
+
+
+def has_pending_error() -> bool:
+    return getattr(_pending, "error", None) is not None
+
+
+def take_pending_error() -> BaseException | None:
+    """The exception a callback raised on this thread since the last call, cleared."""
+    error: BaseException | None = getattr(_pending, "error", None)
+    _pending.error = None
+    return error
 
 
 def _route_logs(lib: _Lib) -> Any:
-    """Forward native log lines to Python logging; continuation pieces join the line before."""
-    pending = {"level": logging.DEBUG, "text": ""}
+    """Forward native log lines to Python logging; continuation pieces join the line before (per
+    thread: llama.cpp may log from several threads at once)."""
+    line = threading.local()
 
-    @ffi.callback("void(enum ggml_log_level, const char *, void *)")
+    @ffi.callback("void(enum ggml_log_level, const char *, void *)", onerror=stash_error)
     def on_log(level: int, text: Any, _user: Any) -> None:
         if level != 5:  # GGML_LOG_LEVEL_CONT keeps the previous level
-            pending["level"] = _LEVELS.get(level, logging.DEBUG)
-        if not log.isEnabledFor(pending["level"]):
+            line.level = _LEVELS.get(level, logging.DEBUG)
+        level = getattr(line, "level", logging.DEBUG)
+        if not log.isEnabledFor(level):
             return
-        pending["text"] += ffi.string(text).decode("utf-8", "replace")
-        if pending["text"].endswith("\n"):
-            log.log(pending["level"], "%s", pending["text"].rstrip())
-            pending["text"] = ""
+        line.text = getattr(line, "text", "") + ffi.string(text).decode("utf-8", "replace")
+        if line.text.endswith("\n"):
+            log.log(level, "%s", line.text.rstrip())
+            line.text = ""
 
     lib.llama_log_set(on_log, ffi.NULL)
     lib.mtmd_log_set(on_log, ffi.NULL)
@@ -113,4 +138,15 @@ def load(folder: str | Path | None = None) -> tuple[Any, FFI]:
         return _state["lib"], ffi
 
 
-__all__ = ["LIBRARIES", "NOT_EXPORTED", "LibraryNotFoundError", "ffi", "include_dir", "lib_dir", "load"]
+__all__ = [
+    "LIBRARIES",
+    "NOT_EXPORTED",
+    "LibraryNotFoundError",
+    "ffi",
+    "has_pending_error",
+    "include_dir",
+    "lib_dir",
+    "load",
+    "stash_error",
+    "take_pending_error",
+]

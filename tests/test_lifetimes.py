@@ -1,0 +1,143 @@
+"""Closing a model: every later use is a typed error, never a freed pointer handed to llama.cpp.
+
+The probes that used to crash (SIGSEGV) run in a subprocess that must exit 0.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from llmsession import GenerationOptions, Model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+
+
+def test_a_session_used_after_its_model_closed_raises(smollm2_path: Path) -> None:
+    result = run_python(
+        f"""
+        from llmsession import GenerationOptions, Model, ModelClosedError
+        one = GenerationOptions(max_tokens=2, temperature=0)
+        with Model({str(smollm2_path)!r}, threads=2) as model:
+            session = model.session()
+            session.respond("Hi", one)
+        messages = list(session.messages)
+        calls = [
+            lambda: session.respond("Again", one),
+            lambda: session.stream("Again", one),
+            lambda: session.clear_cached_context(),
+            lambda: model.session(),
+            lambda: model.tokenize("Hi"),
+            lambda: model.detokenize([1, 2]),
+            lambda: model.render([{{"role": "user", "content": "Hi"}}]),
+        ]
+        for i, call in enumerate(calls):
+            try:
+                call()
+            except ModelClosedError:
+                pass
+            else:
+                raise SystemExit(f"call {{i}} did not raise")
+        assert session.messages == messages
+        session.close()  # idempotent and harmless
+        model.close()
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_stream_open_across_close_raises(smollm2_path: Path) -> None:
+    result = run_python(
+        f"""
+        import threading, time
+        from llmsession import GenerationOptions, Model, ModelClosedError
+        long = GenerationOptions(max_tokens=400, temperature=0.8, seed=1)
+        model = Model({str(smollm2_path)!r}, threads=2)
+        session = model.session()
+        stream = session.stream("Write a long story about a dragon.", long)
+        first = next(stream)
+        other = model.session()
+        seen = {{}}
+        def iterate():
+            try:
+                for snap in other.stream("Write a long poem about the sea.", long):
+                    seen["steps"] = seen.get("steps", 0) + 1
+            except ModelClosedError:
+                seen["error"] = True
+        thread = threading.Thread(target=iterate)
+        thread.start()
+        while seen.get("steps", 0) < 3:
+            time.sleep(0.01)
+        model.close()  # waits for the running step, then ends both streams
+        thread.join(60)
+        assert not thread.is_alive()
+        assert seen.get("error"), seen
+        try:
+            next(stream)
+        except ModelClosedError:
+            pass
+        else:
+            raise SystemExit("the open stream went on after close")
+        stream.close()
+        assert session.messages[-1]["role"] == "assistant"
+        assert session.messages[-1]["content"].startswith(first.text)
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_context_after_its_model_closed_raises(smollm2_path: Path) -> None:
+    result = run_python(
+        f"""
+        from llmsession import ModelClosedError
+        from llmsession.native import NativeContext, NativeModel
+        native = NativeModel({str(smollm2_path)!r})
+        context = NativeContext(native, n_ctx=256, n_batch=32, threads=2)
+        native.close()
+        for call in (lambda: context.decode([1, 2], 0), context.pos_max, context.clear,
+                     lambda: native.tokenize("x", add_special=True), lambda: native.piece(1)):
+            try:
+                call()
+            except ModelClosedError:
+                pass
+            else:
+                raise SystemExit("no error")
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: Model) -> None:
+    prompt = "Repeat exactly, nothing else: 🦙🦙🦙 🐍🐍🐍"
+    session = smollm2.session()
+    full = session.respond(prompt, GenerationOptions(max_tokens=30, temperature=0))
+    tokens = [int(t) for t in session._cache.items[full.usage.prompt_tokens :]]
+    pieces = b""
+    cuts = []
+    for n, token in enumerate(tokens, start=1):
+        pieces += smollm2.native.piece(token)
+        try:
+            pieces.decode("utf-8")
+        except UnicodeDecodeError as error:
+            if error.reason == "unexpected end of data":
+                cuts.append((n, pieces[: error.start].decode("utf-8")))
+    assert cuts, f"no reply token ends inside a character: {full.text!r}"
+    for n, expected in cuts[:3]:
+        reply = smollm2.session().respond(prompt, GenerationOptions(max_tokens=n, temperature=0))
+        assert reply.finish_reason == "length"
+        assert "\ufffd" not in reply.text
+        assert reply.text == expected
