@@ -134,6 +134,31 @@ QUESTIONS = [
 ]
 
 
+def test_token_pieces_from_many_threads_are_never_mixed_up(smollm2: Model) -> None:
+    """The race directly: llama_token_to_piece runs without the GIL, so a buffer shared by the
+    threads gets overwritten between the call and the copy."""
+    native = smollm2.native
+    tokens = list(range(0, native.n_vocab, 7))
+    expected = {token: native.piece(token) for token in tokens}
+    wrong: list[int] = []
+
+    def hammer(seed: int) -> None:
+        order = np.random.default_rng(seed).permutation(tokens)
+        wrong.extend(int(t) for t in order if native.piece(int(t)) != expected[int(t)])
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hammer, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert wrong == []
+
+
 def test_threads_sharing_a_model_get_the_sequential_replies(smollm2: Model) -> None:
     options = GenerationOptions(max_tokens=48, temperature=0)
 
