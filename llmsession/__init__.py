@@ -8,6 +8,7 @@ from .errors import (
     ModelLoadError,
     NativeError,
     SessionBusyError,
+    SessionFileError,
     TemplateError,
     UnsupportedFeatureError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "Reply",
     "Session",
     "SessionBusyError",
+    "SessionFileError",
     "Snapshot",
     "Stream",
     "TemplateError",

@@ -35,5 +35,9 @@ class ModelClosedError(LlmSessionError):
     """The model (or the session's native state) was closed; nothing more can run on it."""
 
 
+class SessionFileError(LlmSessionError):
+    """A saved-session file is unreadable, truncated, corrupt or of an unknown format."""
+
+
 class NativeError(LlmSessionError):
     """A llama.cpp or libmtmd call reported failure."""

@@ -14,6 +14,7 @@ from .native import Chunks, ImageChunk, NativeContext, NativeModel, Piece, Proje
 from .options import INT32_MAX, check_int
 from .prefix import Item, image_items
 from .session import Session
+from .sessionfile import file_digest
 from .templates import check_messages, render_prompt
 
 DEFAULT_MEDIA_MARKER = "<__media__>"
@@ -81,6 +82,8 @@ class Model:
             check_int("threads", threads, 1, MAX_THREADS)
         check_int("gpu_layers", gpu_layers, -1, INT32_MAX)
         self.path = Path(path)
+        self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
+        self._digests: dict[Path, str] = {}
         self.threads = threads or default_threads()
         self.use_jinja = use_jinja
         self.native = NativeModel(self.path, gpu_layers=gpu_layers)
@@ -180,6 +183,26 @@ class Model:
         if chunks.pieces and isinstance(chunks.pieces[0], list):
             self._drop_double_bos(chunks.pieces[0])
         return Prompt(chunks.pieces, chunks)
+
+    def identity(self) -> str:
+        """The model file's sha256 (what a saved KV state belongs to), computed once."""
+        return self._digest(self.path)
+
+    def projector_identity(self) -> str | None:
+        return None if self.mmproj_path is None else self._digest(self.mmproj_path)
+
+    def _digest(self, path: Path) -> str:
+        if path not in self._digests:
+            self._digests[path] = file_digest(path)
+        return self._digests[path]
+
+    def load_session(self, path: str | Path, **overrides: Any) -> Session:
+        """A session saved with ``Session.save``: its transcript always, its KV cache when it
+        belongs to this model and build (else the next reply's ``usage.cache_note`` says why).
+        ``overrides`` take the place of saved ``session()`` arguments (``context_size``, ...)."""
+        from .persistence import load
+
+        return load(self, path, **overrides)
 
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free their

@@ -419,6 +419,38 @@ class NativeContext(Owner):
     def pos_max(self) -> int:
         return int(bindings()[0].llama_memory_seq_pos_max(self.memory, 0))
 
+    # Sequence 0's KV state as bytes (llama_state_seq_*), for saving a session.
+    def state_get(self) -> bytes:
+        lib, ffi = bindings()
+        size = lib.llama_state_seq_get_size(self.ptr, 0)
+        buf = ffi.new("uint8_t[]", size)
+        check(lib.llama_state_seq_get_data(self.ptr, buf, size, 0), "llama_state_seq_get_data", size.__eq__)
+        return bytes(ffi.buffer(buf, size))
+
+    def state_set(self, blob: bytes) -> bool:
+        """Load a state this build wrote for the same model and layout (never anything else:
+        llama.cpp's loaders abort on malformed input); False if llama.cpp refused it."""
+        lib, ffi = bindings()
+        source = ffi.from_buffer("uint8_t[]", blob)
+        return bool(lib.llama_state_seq_set_data(self.ptr, source, len(blob), 0) == len(blob))
+
+
+def context_layout(swa_full: bool) -> dict[str, int | bool]:
+    """The context parameters a saved KV state depends on, as NativeContext sets them."""
+    params = bindings()[0].llama_context_default_params()
+    return {
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn_type": int(params.flash_attn_type),
+        "kv_unified": bool(params.kv_unified),
+        "n_seq_max": 1,
+        "swa_full": swa_full,
+    }
+
+
+def state_seq_version() -> int:
+    return int(bindings()[0].LLAMA_STATE_SEQ_VERSION)
+
 
 class DecodeAborted(Exception):
     """A decode stopped early: the abort flag was set (``cause`` None), or a callback raised

@@ -17,6 +17,7 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .detokenize import IncrementalDetokenizer
@@ -41,6 +42,8 @@ class Usage:
     reused_tokens: int = 0
     decoded_prompt_tokens: int = 0
     completion_tokens: int = 0
+    restored_tokens: int = 0  # positions loaded from a saved session before this exchange
+    cache_note: str = ""  # why a loaded session's cache was or was not reused
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Session:
         self._active: Callable[[], object] | None = None  # finishes the latest stream, once
         self._turn: Turn | None = None  # the latest stream's exchange
         self._closed = False
+        self._load_note: tuple[int, str] | None = None  # from Model.load_session, for one reply
 
     # -- public API ---------------------------------------------------------------------------
     def respond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
@@ -143,6 +147,16 @@ class Session:
             if self._active is not None:
                 self._active()
             self._discard_context()
+
+    def save(self, path: str | Path) -> None:
+        """Write the transcript and the KV cache to one file (atomically); ``Model.load_session``
+        reads it back, here or in another process. An unfinished stream is finished first."""
+        from .persistence import save
+
+        with self._busy():
+            if self._active is not None:
+                self._active()
+            save(self, path)
 
     def close(self) -> None:
         """Free the cached context; the session stays usable (its model's ``close()`` ends it)."""
@@ -202,6 +216,8 @@ class Session:
         started = time.perf_counter()
         prompt = turn.prompt
         usage, timings = Usage(prompt_tokens=len(prompt.items)), Timings()
+        if self._load_note is not None:
+            (usage.restored_tokens, usage.cache_note), self._load_note = self._load_note, None
         text, cancelled = "", False
         try:
             if prompt.unsafe_reuse:  # upstream's rule for such prompts: a fresh context

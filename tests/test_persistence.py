@@ -1,0 +1,204 @@
+"""Saved sessions: one file, loaded back in another process with its KV cache, or its transcript
+alone when the cache does not belong to the loading model; damaged files are typed errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmsession import GenerationOptions, Image, Model, SessionFileError
+from llmsession.sessionfile import read
+
+GREEDY = GenerationOptions(max_tokens=16, temperature=0)
+REPO = Path(__file__).resolve().parents[1]
+FIRST, SECOND = "Tell me about the history of Paris.", "And its most famous museum?"
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+
+
+def continue_in_another_process(model_path: Path, saved: Path, question: str) -> dict[str, object]:
+    result = run_python(
+        f"""
+        import dataclasses, json
+        from llmsession import GenerationOptions, Model
+        with Model({str(model_path)!r}, threads=2) as model:
+            session = model.load_session({str(saved)!r})
+            reply = session.respond({question!r}, GenerationOptions(max_tokens=16, temperature=0))
+            print(json.dumps({{"text": reply.text, "usage": dataclasses.asdict(reply.usage),
+                              "messages": len(session.messages)}}))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    loaded: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return loaded
+
+
+def test_a_saved_session_continues_in_another_process_decoding_only_the_new_tail(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    saved = tmp_path / "chat.llmsession"
+    with Model(smollm2_path, threads=2) as model:
+        session = model.session(system="You are terse.", context_size=1024)
+        session.respond(FIRST, GREEDY)
+        session.save(saved)
+        control = session.respond(SECOND, GREEDY)  # the same session, never saved: the reference
+    loaded = continue_in_another_process(smollm2_path, saved, SECOND)
+    usage = loaded["usage"]
+    assert isinstance(usage, dict)
+    assert usage["restored_tokens"] > 0 and "restored" in usage["cache_note"]
+    assert usage["reused_tokens"] == control.usage.reused_tokens > 0
+    assert usage["decoded_prompt_tokens"] == control.usage.decoded_prompt_tokens
+    assert loaded["text"] == control.text
+    assert loaded["messages"] == 5
+
+
+def test_a_recurrent_state_round_trips_exactly(fixture_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """Mamba: the loaded state is byte for byte the saved one, and the next logits are equal."""
+    from test_reuse import read_logits
+
+    saved = tmp_path / "mamba.llmsession"
+    with Model(fixture_path("mamba-tiny.gguf"), threads=2) as model:
+        session = model.session(system="You are terse.", context_size=1024)
+        session.respond(FIRST, GREEDY)
+        session.save(saved)
+        loaded = model.load_session(saved)
+        assert session._context is not None and loaded._context is not None
+        assert loaded._context.state_get() == session._context.state_get() == read(saved).blobs["state"]
+        assert loaded.cached_tokens == session.cached_tokens > 0
+        for context in (session._context, loaded._context):
+            context.decode([7, 8, 9], session.cached_tokens)
+        assert np.array_equal(read_logits(model, session._context), read_logits(model, loaded._context))
+
+
+def test_another_model_gets_the_transcript_but_not_the_cache(
+    smollm2: Model, fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    saved = tmp_path / "chat.llmsession"
+    session = smollm2.session(system="You are terse.")
+    session.respond(FIRST, GREEDY)
+    session.save(saved)
+    with Model(fixture_path("smollm2-unknown-template.gguf"), threads=2) as other:  # same weights, other file
+        loaded = other.load_session(saved)
+        assert loaded.messages == session.messages
+        assert loaded.cached_tokens == 0
+    reloaded = smollm2.load_session(saved, context_size=16)  # a context too small for the state
+    assert reloaded.cached_tokens == 0 and reloaded.context_size == 16
+    assert reloaded.messages == session.messages
+    fresh = smollm2.load_session(saved)
+    reply = fresh.respond(SECOND, GREEDY)
+    assert reply.usage.restored_tokens > 0 and reply.usage.reused_tokens > 0
+
+
+def test_a_mismatch_is_reported_in_the_next_reply(smollm2: Model, tmp_path: Path) -> None:
+    saved = tmp_path / "chat.llmsession"
+    session = smollm2.session()
+    session.respond(FIRST, GREEDY)
+    session.save(saved)
+    data = read(saved)
+    assert data.compat["model_sha256"] == smollm2.identity()
+    loaded = smollm2.load_session(saved, swa_full=False)  # another context layout
+    reply = loaded.respond(SECOND, GREEDY)
+    assert reply.usage.reused_tokens == 0 and reply.usage.restored_tokens == 0
+    assert "swa_full" in reply.usage.cache_note or "context" in reply.usage.cache_note
+
+
+def test_images_are_saved_as_pixels(
+    smollm2_path: Path, fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    saved = tmp_path / "vision.llmsession"
+    with Model(smollm2_path, mmproj_path=fixture_path("mmproj-tiny.gguf"), threads=2) as vision:
+        red = Image(fixture_path("image-red.png"))
+        pixels = np.array(red.pixels)
+        session = vision.session()
+        session.respond(
+            ["Describe:", red, {"type": "image", "image": str(fixture_path("image-blue.png"))}], GREEDY
+        )
+        before = copy.deepcopy(session.messages)
+        session.save(saved)
+        control = session.respond(SECOND, GREEDY)
+        loaded = vision.load_session(saved)
+        parts = loaded.messages[0]["content"]
+        assert isinstance(parts[1], Image) and parts[1] == red and np.array_equal(parts[1].pixels, pixels)
+        assert isinstance(parts[2], Image) and parts[2] == Image(fixture_path("image-blue.png"))
+        assert len(loaded.messages) == len(before)
+        reply = loaded.respond(SECOND, GREEDY)
+        assert reply.usage.reused_tokens == control.usage.reused_tokens > 8
+        assert reply.text == control.text
+
+
+def test_a_sliding_window_past_its_window_is_saved_without_its_cache(gemma3: Model, tmp_path: Path) -> None:
+    saved = tmp_path / "gemma.llmsession"
+    session = gemma3.session(context_size=2048)
+    session.respond("word " * 600, GenerationOptions(max_tokens=4, temperature=0))
+    assert session.cached_tokens > gemma3.native.n_swa
+    session.save(saved)
+    assert "state" not in read(saved).blobs
+    loaded = gemma3.load_session(saved)
+    assert loaded.messages == session.messages
+    reply = loaded.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+    assert reply.usage.reused_tokens == 0 and "no KV state" in reply.usage.cache_note
+
+
+def test_damaged_files_are_typed_errors_never_handed_to_llama_cpp(smollm2_path: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "chat.llmsession"
+    result = run_python(
+        f"""
+        import os, random
+        from pathlib import Path
+        from llmsession import GenerationOptions, Model, SessionFileError
+        path = Path({str(saved)!r})
+        with Model({str(smollm2_path)!r}, threads=2) as model:
+            session = model.session()
+            session.respond("Hi there", GenerationOptions(max_tokens=8, temperature=0))
+            session.save(path)
+            good = path.read_bytes()
+            rng = random.Random(7)
+            damaged = [b"", b"LLMSESS1", good[:20], good[: len(good) // 2], good[:-1], good + b"x",
+                       b"not a session file at all" * 10]
+            for _ in range(40):
+                data = bytearray(good)
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+                damaged.append(bytes(data))
+            for i, data in enumerate(damaged):
+                path.write_bytes(data)
+                try:
+                    model.load_session(path)
+                except SessionFileError:
+                    pass
+                else:
+                    raise SystemExit(f"damaged file {{i}} was accepted")
+            path.write_bytes(good)
+            again = model.load_session(path).respond("Go on", GenerationOptions(max_tokens=2))
+            assert again.usage.restored_tokens > 0
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok"
+    with pytest.raises(SessionFileError, match="cannot read"):
+        read(tmp_path / "missing.llmsession")
+
+
+def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
+    saved = tmp_path / "chat.llmsession"
+    session = smollm2.session()
+    session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+    session.save(saved)
+    first = saved.read_bytes()
+    session.messages.append({"role": "user", "content": object()})
+    with pytest.raises(TypeError):
+        session.save(saved)
+    assert saved.read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.llmsession"]
