@@ -1,0 +1,204 @@
+"""Where each session's KV state lives: in a sequence of the model's shared context, parked in
+host RAM, or nowhere (cold: the transcript only, so the next exchange prefills from scratch).
+
+All live sessions share one llama context: a live session holds one of its sequences and as many
+KV cells as positions it keeps. When an exchange needs a sequence or cells that are not free, the
+least recently used idle session is evicted: parked (its sequence state copied to host RAM) when
+its kind allows it and the host budget can hold it, dropping the oldest parked states to make
+room, else dropped cold. A session in an exchange is never evicted.
+
+Pure planning, like ``prefix.py``: ``Residency`` keeps the ledger and returns the steps; the
+engine applies them to the native context in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal, NamedTuple
+
+Key = Hashable
+
+
+class State(Enum):
+    LIVE = "live"
+    PARKED = "parked"
+    COLD = "cold"
+
+
+class Step(NamedTuple):
+    """One thing the engine must do, in order: ``park`` copies a live sequence's state to host
+    RAM and frees the sequence; ``drop`` frees a live sequence (the session goes cold);
+    ``forget`` releases a parked state (cold); ``restore`` loads a parked state into ``seq``."""
+
+    action: Literal["park", "drop", "forget", "restore"]
+    key: Key
+    seq: int
+
+
+class BudgetError(Exception):
+    """The request cannot fit even after evicting every idle session."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    kv_cells: int  # KV cells of the shared context
+    max_live: int  # its sequences
+    host_bytes: int  # parked states in host RAM, in total
+
+    def __post_init__(self) -> None:
+        if self.kv_cells < 1 or self.max_live < 1 or self.host_bytes < 0:
+            raise ValueError(f"invalid budget {self}")
+
+
+@dataclass
+class Entry:
+    state: State = State.COLD
+    seq: int = -1  # while live
+    cells: int = 0  # while live
+    parked_bytes: int = 0  # while parked
+    busy: bool = False  # in an exchange: never evicted
+    parkable: bool = True  # its state may be parked (not a sliding window past its window)
+    stamp: int = 0  # last use, for LRU
+
+
+class Residency:
+    """The ledger of every session of one model, and the eviction policy."""
+
+    def __init__(self, budget: Budget, park_bytes: Callable[[Key], int]) -> None:
+        """``park_bytes(key)``: the size a live session's parked state would take."""
+        self.budget = budget
+        self._park_bytes = park_bytes
+        self._entries: dict[Key, Entry] = {}
+        self._free_seqs = list(range(budget.max_live - 1, -1, -1))
+        self._clock = 0
+
+    # -- views ---------------------------------------------------------------------------------
+    def entry(self, key: Key) -> Entry:
+        return self._entries[key]
+
+    def sessions(self) -> list[Key]:
+        return list(self._entries)
+
+    @property
+    def live_cells(self) -> int:
+        return sum(e.cells for e in self._entries.values() if e.state is State.LIVE)
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(e.parked_bytes for e in self._entries.values() if e.state is State.PARKED)
+
+    @property
+    def live_count(self) -> int:
+        return sum(e.state is State.LIVE for e in self._entries.values())
+
+    # -- changes -------------------------------------------------------------------------------
+    def add(self, key: Key) -> None:
+        if key in self._entries:
+            raise KeyError(f"{key!r} is already known")
+        self._entries[key] = Entry()
+
+    def remove(self, key: Key) -> list[Step]:
+        """Forget a session (closed or collected): free its sequence or parked state."""
+        steps = self.cool(key)
+        del self._entries[key]
+        return steps
+
+    def cool(self, key: Key) -> list[Step]:
+        """Make a session cold (its state was lost or is no longer wanted)."""
+        entry = self._entries[key]
+        steps = []
+        if entry.state is State.LIVE:
+            steps.append(Step("drop", key, entry.seq))
+            self._free(entry)
+        elif entry.state is State.PARKED:
+            steps.append(Step("forget", key, -1))
+        entry.state, entry.parked_bytes = State.COLD, 0
+        return steps
+
+    def acquire(self, key: Key, cells: int, *, parkable: bool = True) -> list[Step]:
+        """Make ``key`` live holding ``cells`` cells and mark it busy; the steps evict what must
+        go and, for a parked session, restore it (last). Cold sessions come back empty."""
+        entry = self._entries[key]
+        if cells > self.budget.kv_cells:
+            raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
+        steps = self._make_room(key, cells)
+        self._clock += 1
+        entry.stamp, entry.busy, entry.parkable = self._clock, True, parkable
+        if entry.state is not State.LIVE:
+            if entry.state is State.PARKED:
+                entry.parked_bytes = 0
+                entry.seq = self._free_seqs.pop()
+                steps.append(Step("restore", key, entry.seq))
+            else:
+                entry.seq = self._free_seqs.pop()
+            entry.state = State.LIVE
+        entry.cells = cells
+        return steps
+
+    def grow(self, key: Key, cells: int) -> list[Step]:
+        """A busy live session needs ``cells`` cells now (prompt decoded, reply growing)."""
+        entry = self._entries[key]
+        if entry.state is not State.LIVE or not entry.busy:
+            raise ValueError(f"{key!r} is not in an exchange")
+        if cells > self.budget.kv_cells:
+            raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
+        steps = self._make_room(key, cells)
+        entry.cells = cells
+        return steps
+
+    def release(self, key: Key, cells: int, *, parkable: bool = True) -> None:
+        """The exchange is over: ``key`` holds ``cells`` cells and may be evicted again."""
+        entry = self._entries[key]
+        entry.busy, entry.parkable = False, parkable
+        if entry.state is State.LIVE:
+            entry.cells = cells
+
+    # -- policy --------------------------------------------------------------------------------
+    def _make_room(self, key: Key, cells: int) -> list[Step]:
+        """Evict idle sessions, least recently used first, until ``key`` fits. Checked before
+        anything changes, so a refusal leaves the ledger as it was."""
+        entry = self._entries[key]
+        held = entry.cells if entry.state is State.LIVE else 0
+        needs_seq = entry.state is not State.LIVE
+        others = [(e.stamp, k) for k, e in self._entries.items() if e.state is State.LIVE and k != key]
+        busy = [k for _, k in others if self._entries[k].busy]
+        busy_cells = sum(self._entries[k].cells for k in busy)
+        if busy_cells + cells > self.budget.kv_cells or (needs_seq and len(busy) >= self.budget.max_live):
+            raise BudgetError(
+                f"sessions in an exchange hold {busy_cells} cells and {len(busy)} sequences: "
+                f"{cells} more cells do not fit the budget ({self.budget})"
+            )
+        steps: list[Step] = []
+        victims = sorted((v for v in others if not self._entries[v[1]].busy), key=lambda v: v[0])
+        while (needs_seq and not self._free_seqs) or self.live_cells - held + cells > self.budget.kv_cells:
+            steps += self._evict(victims.pop(0)[1], key)
+        return steps
+
+    def _evict(self, key: Key, requester: Key) -> list[Step]:
+        """Park ``key`` (dropping the oldest parked states to make room, never the requester's,
+        which is about to be restored), or drop it cold when it may not or cannot be parked."""
+        entry = self._entries[key]
+        mine = self._entries[requester]
+        restoring = mine.parked_bytes if mine.state is State.PARKED else 0
+        size = self._park_bytes(key) if entry.parkable else self.budget.host_bytes + 1
+        if size > self.budget.host_bytes - restoring:
+            steps = [Step("drop", key, entry.seq)]
+            self._free(entry)
+            entry.state = State.COLD
+            return steps
+        steps = []
+        while self.parked_bytes - restoring + size > self.budget.host_bytes:
+            parked = [
+                (e.stamp, k) for k, e in self._entries.items() if e.state is State.PARKED and k != requester
+            ]
+            steps += self.cool(min(parked, key=lambda v: v[0])[1])
+        steps.append(Step("park", key, entry.seq))
+        self._free(entry)
+        entry.state, entry.parked_bytes = State.PARKED, size
+        return steps
+
+    def _free(self, entry: Entry) -> None:
+        self._free_seqs.append(entry.seq)
+        entry.seq, entry.cells = -1, 0

@@ -1,0 +1,162 @@
+"""Residency: a hypothesis state machine over a fake shared context that applies every step the
+way llama.cpp would (sequences, cells, parked blobs), checking the budget and that every session's
+state is exactly what it last held, or cold."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from llmsession.residency import Budget, BudgetError, Residency, State, Step
+
+BYTES_PER_CELL = 10
+
+
+class FakeContext:
+    """Sequences of a unified KV cache: what each holds, and parked blobs in host RAM."""
+
+    def __init__(self, n_seq: int, n_cells: int) -> None:
+        self.seqs: dict[int, list[str]] = {i: [] for i in range(n_seq)}
+        self.n_cells = n_cells
+        self.parked: dict[object, list[str]] = {}
+
+    def apply(self, step: Step) -> None:
+        if step.action == "park":
+            assert step.key not in self.parked
+            self.parked[step.key] = list(self.seqs[step.seq])
+            self.seqs[step.seq] = []
+        elif step.action == "drop":
+            self.seqs[step.seq] = []
+        elif step.action == "forget":
+            del self.parked[step.key]
+        else:  # restore into a free sequence
+            assert self.seqs[step.seq] == [], "restored into a sequence that holds cells"
+            self.seqs[step.seq] = self.parked.pop(step.key)
+        assert sum(len(s) for s in self.seqs.values()) <= self.n_cells
+
+
+class ResidencyMachine(RuleBasedStateMachine):
+    @initialize(
+        cells=st.integers(8, 64),
+        live=st.integers(1, 5),
+        host=st.integers(0, 400),
+        unparkable=st.sets(st.integers(0, 7)),
+    )
+    def setup(self, cells: int, live: int, host: int, unparkable: set[int]) -> None:
+        self.budget = Budget(kv_cells=cells, max_live=live, host_bytes=host)
+        self.held: dict[int, list[str]] = {}  # what each session's memory should hold (its record)
+        self.residency = Residency(self.budget, park_bytes=lambda key: BYTES_PER_CELL * len(self.held[key]))
+        self.context = FakeContext(live, cells)
+        self.unparkable = unparkable
+        self.turn = 0
+        for key in range(8):
+            self.residency.add(key)
+            self.held[key] = []
+
+    def where(self, key: int) -> list[str] | None:
+        entry = self.residency.entry(key)
+        if entry.state is State.LIVE:
+            return self.context.seqs[entry.seq]
+        if entry.state is State.PARKED:
+            return self.context.parked[key]
+        return None
+
+    @rule(key=st.integers(0, 7), grow=st.integers(1, 12), reply=st.integers(0, 6), fail=st.booleans())
+    def exchange(self, key: int, grow: int, reply: int, fail: bool) -> None:
+        """Acquire, decode `grow` prompt items, then `reply` tokens one by one, then release."""
+        self.turn += 1
+        parkable = key not in self.unparkable
+        state = self.residency.entry(key).state
+        kept = self.held[key] if state is not State.COLD else []
+        target = len(kept) + grow
+        try:
+            steps = self.residency.acquire(key, target, parkable=parkable)
+        except BudgetError:
+            assert target > self.budget.kv_cells
+            self.residency.release(key, len(self.where(key) or []), parkable=parkable)
+            return
+        for step in steps:
+            self.context.apply(step)
+        seq = self.residency.entry(key).seq
+        memory = self.context.seqs[seq]
+        assert memory == kept, "a live, restored or cold sequence does not hold what it should"
+        self.held[key] = memory
+        memory += [f"{key}:{self.turn}:{i}" for i in range(grow)]
+        for i in range(reply):
+            if len(memory) + 1 > self.budget.kv_cells:
+                break
+            for step in self.residency.grow(key, len(memory) + 1):
+                self.context.apply(step)
+            memory.append(f"{key}:{self.turn}:r{i}")
+        if fail:  # an error mid-exchange: the engine cools the session
+            for step in self.residency.cool(key):
+                self.context.apply(step)
+            self.held[key] = []
+        self.residency.release(key, len(memory) if not fail else 0, parkable=parkable)
+
+    @precondition(lambda self: hasattr(self, "residency"))
+    @rule(key=st.integers(0, 7))
+    def cool(self, key: int) -> None:
+        for step in self.residency.cool(key):
+            self.context.apply(step)
+        self.held[key] = []
+
+    @invariant()
+    def within_budget(self) -> None:
+        if not hasattr(self, "residency"):
+            return
+        r = self.residency
+        assert r.live_count <= self.budget.max_live
+        assert r.live_cells <= self.budget.kv_cells
+        assert r.parked_bytes <= self.budget.host_bytes
+        seqs = [r.entry(k).seq for k in r.sessions() if r.entry(k).state is State.LIVE]
+        assert len(set(seqs)) == len(seqs)
+
+    @invariant()
+    def memory_matches_every_record(self) -> None:
+        if not hasattr(self, "residency"):
+            return
+        for key in self.residency.sessions():
+            entry = self.residency.entry(key)
+            held = self.where(key)
+            if entry.state is State.LIVE:
+                assert held == self.held[key] and entry.cells == len(held)
+            elif entry.state is State.PARKED:
+                assert key not in self.unparkable, "a session whose kind forbids it was parked"
+                assert held == self.held[key]
+        owned = {
+            self.residency.entry(k).seq
+            for k in self.residency.sessions()
+            if self.residency.entry(k).state is State.LIVE
+        }
+        for seq, cells in self.context.seqs.items():
+            assert seq in owned or cells == [], f"sequence {seq} holds cells nobody owns"
+
+
+ResidencyMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestResidency = ResidencyMachine.TestCase
+
+
+def test_a_busy_session_is_never_evicted() -> None:
+    residency = Residency(Budget(kv_cells=10, max_live=2, host_bytes=1000), park_bytes=lambda key: 10)
+    for key in "ab":
+        residency.add(key)
+    residency.acquire("a", 6)
+    with pytest.raises(BudgetError):
+        residency.acquire("b", 6)
+    residency.release("a", 6)
+    steps = residency.acquire("b", 6)
+    assert steps == [Step("park", "a", residency.entry("b").seq)] or steps[0].action == "park"
+    assert residency.entry("a").state is State.PARKED
+
+
+def test_parked_states_past_the_host_budget_go_cold_oldest_first() -> None:
+    residency = Residency(Budget(kv_cells=4, max_live=1, host_bytes=25), park_bytes=lambda key: 10)
+    for key in "abcd":
+        residency.add(key)
+        residency.acquire(key, 4)
+        residency.release(key, 4)
+    states = {key: residency.entry(key).state for key in "abcd"}
+    assert states == {"a": State.COLD, "b": State.PARKED, "c": State.PARKED, "d": State.LIVE}
