@@ -202,3 +202,31 @@ def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
         session.save(saved)
     assert saved.read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.llmsession"]
+
+
+@pytest.mark.parametrize("words", [200, 700])
+def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int) -> None:
+    """The rule's teeth: a Gemma 3 state restored into a fresh context gives the same next
+    logits as the original below its 512-token window, and different ones past it."""
+    from test_reuse import read_logits
+
+    from llmsession.native import NativeContext
+
+    session = gemma3.session(context_size=2048)
+    session.respond("word " * words, GenerationOptions(max_tokens=2, temperature=0))
+    original = session._context
+    assert original is not None
+    copy_ = NativeContext(gemma3.native, n_ctx=2048, n_batch=512, threads=2)
+    try:
+        assert copy_.state_set(original.state_get())
+        position = session.cached_tokens
+        for context in (original, copy_):
+            context.decode([gemma3.tokenize("river", add_special=False)[0]], position)
+        difference = float(np.abs(read_logits(gemma3, original) - read_logits(gemma3, copy_)).max())
+    finally:
+        copy_.close()
+    assert (position <= gemma3.native.n_swa) == (words == 200), position
+    if words == 200:
+        assert difference == 0.0
+    else:
+        assert difference > 0.3, f"past the window the restored state should be wrong: {difference}"
