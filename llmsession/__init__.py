@@ -15,7 +15,8 @@ from .errors import (
 from .image import Image
 from .model import Model
 from .options import GenerationOptions
-from .session import Reply, Session, Snapshot, Stream, Timings, Usage
+from .replies import Reply, Snapshot, Timings, Usage
+from .session import Session, Stream
 
 __all__ = [
     "ContextOverflowError",

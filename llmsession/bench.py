@@ -30,7 +30,8 @@ from .model import Model
 from .native import build_commit
 from .options import GenerationOptions
 from .prefix import common_prefix
-from .session import Message, Session
+from .replies import Message
+from .session import Session
 
 SYSTEM = "You are a helpful, concise assistant."
 QUESTIONS = (

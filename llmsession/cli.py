@@ -26,7 +26,8 @@ from . import paths
 from .errors import LlmSessionError
 from .model import Model
 from .options import GenerationOptions
-from .session import Reply, Session
+from .replies import Reply
+from .session import Session
 
 HELP = """commands:
   /image PATH   attach an image to the next message (needs --mmproj)

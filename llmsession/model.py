@@ -11,14 +11,17 @@ from typing import Any
 from .errors import ModelClosedError, UnsupportedFeatureError
 from .image import message_images
 from .native import Chunks, ImageChunk, NativeContext, NativeModel, Piece, Projector, default_threads
-from .options import INT32_MAX, check_int
+from .options import INT32_MAX, GenerationOptions, check_int
 from .prefix import Item, image_items
-from .session import Session
+from .replies import Reply
+from .session import Session, Stream
 from .sessionfile import file_digest
+from .stateless import StatelessPool
 from .templates import check_messages, render_prompt
 
 DEFAULT_MEDIA_MARKER = "<__media__>"
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
+STATELESS_SESSIONS = 4  # sessions kept for Model.chat
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Model:
         self.template = self.native.chat_template()
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self._stateless = StatelessPool(self, capacity=STATELESS_SESSIONS)
 
     def session(
         self,
@@ -196,6 +200,29 @@ class Model:
             self._digests[path] = file_digest(path)
         return self._digests[path]
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None = None,
+        **session_args: Any,
+    ) -> Reply:
+        """Answer the last (user) message of a whole message list, reusing the cached prefix of
+        an earlier call: a client that resends a growing history decodes only what is new."""
+        stream = self.chat_stream(messages, options, **session_args)
+        for _ in stream:
+            pass
+        assert stream.reply is not None
+        return stream.reply
+
+    def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None = None,
+        **session_args: Any,
+    ) -> Stream:
+        """``chat`` as a stream of snapshots; ``session_args`` as for ``session()``."""
+        return self._stateless.stream(messages, options, **session_args)
+
     def load_session(self, path: str | Path, **overrides: Any) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
         belongs to this model and build (else the next reply's ``usage.cache_note`` says why).
@@ -207,6 +234,7 @@ class Model:
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free their
         contexts, then the projector and the model. Any later use raises ModelClosedError."""
+        self._stateless.close()
         for session in list(self._sessions):
             session._shut()
         if self.projector is not None:

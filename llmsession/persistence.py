@@ -44,14 +44,31 @@ def compat(model: Model, swa_full: bool) -> dict[str, Any]:
     }
 
 
+def restorable(session: Session) -> bool:
+    """Whether the session's KV state can be copied out and back exactly."""
+    n_swa, held = session.model.native.n_swa, session.cached_tokens
+    return session._context is not None and held > 0 and not (n_swa > 0 and held > n_swa)
+
+
+def copy_into(source: Session, target: Session) -> None:
+    """Give a fresh session a copy of another's KV state (fork); cold when it cannot be exact."""
+    if source._context is None or not restorable(source):
+        return
+    context = target._ensure_context()
+    record = source._cache.items
+    if context.state_set(source._context.state_get()) and context.pos_max() == len(record) - 1:
+        target._cache.extend(record)
+    else:
+        target._discard_context()
+
+
 def save(session: Session, path: str | Path) -> None:
     """Write the transcript and, when restoring it is exact, the KV state (caller holds the lock)."""
     images: dict[str, Image] = {}
     messages = [_encode_message(message, images) for message in session.messages]
     record, blobs = list(session._cache.items), {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
-    context, n_swa = session._context, session.model.native.n_swa
-    if context is not None and record and not (n_swa > 0 and len(record) > n_swa):
-        blobs["state"] = context.state_get()
+    if session._context is not None and restorable(session):
+        blobs["state"] = session._context.state_get()
     else:  # nothing cached, or a sliding window past its size (llama.cpp restores those wrong)
         record = []
     write(

@@ -9,6 +9,7 @@ costs nothing. ``Stream.cancel()`` from any thread also stops a long prefill bet
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -18,62 +19,20 @@ from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, ModelClosedError, NativeError, SessionBusyError
 from .native import DecodeAborted, ImageChunk, NativeContext, Sampler
 from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import PrefixCache, starts_a_chunk
+from .replies import FinishReason, Message, Reply, Snapshot, Timings, Usage
 from .stops import StopMatcher
 
 if TYPE_CHECKING:
     from .model import Model, Prompt
 
 log = logging.getLogger("llmsession")
-
-FinishReason = Literal["stop", "length", "cancelled"]
-Message = dict[str, Any]
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    decoded_prompt_tokens: int = 0
-    completion_tokens: int = 0
-    restored_tokens: int = 0  # positions loaded from a saved session before this exchange
-    cache_note: str = ""  # why a loaded session's cache was or was not reused
-
-
-@dataclass
-class Timings:
-    time_to_first_token_s: float = 0.0
-    prefill_s: float = 0.0
-    generation_s: float = 0.0
-
-    @property
-    def generation_tokens_per_s(self) -> float:
-        """Decode speed after the first token (the first one waits for the prefill)."""
-        return self._tokens / self.generation_s if self.generation_s > 0 else 0.0
-
-    _tokens: int = field(default=0, repr=False)
-
-
-@dataclass(frozen=True)
-class Reply:
-    text: str
-    finish_reason: FinishReason
-    usage: Usage
-    timings: Timings
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One step of a stream: the new text and everything so far."""
-
-    delta: str
-    text: str
 
 
 class Session:
@@ -147,6 +106,24 @@ class Session:
             if self._active is not None:
                 self._active()
             self._discard_context()
+
+    def fork(self) -> Session:
+        """A new session with a copy of this transcript and of its KV cache (a copy of the
+        state, not a re-decode): for alternatives and regenerations."""
+        from .persistence import copy_into
+
+        with self._busy():
+            if self._active is not None:
+                self._active()
+            twin = self.model.session(
+                context_size=self.context_size,
+                batch_size=self.batch_size,
+                thinking=self.thinking,
+                swa_full=self.swa_full,
+            )
+            twin.messages = copy.deepcopy(self.messages)
+            copy_into(self, twin)
+            return twin
 
     def save(self, path: str | Path) -> None:
         """Write the transcript and the KV cache to one file (atomically); ``Model.load_session``

@@ -1,0 +1,49 @@
+"""What an exchange returns: the reply, its token counts and timings, and stream snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+Message = dict[str, Any]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    decoded_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    restored_tokens: int = 0  # positions loaded from a saved session before this exchange
+    cache_note: str = ""  # why a loaded session's cache was or was not reused
+
+
+@dataclass
+class Timings:
+    time_to_first_token_s: float = 0.0
+    prefill_s: float = 0.0
+    generation_s: float = 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        """Decode speed after the first token (the first one waits for the prefill)."""
+        return self._tokens / self.generation_s if self.generation_s > 0 else 0.0
+
+    _tokens: int = field(default=0, repr=False)
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One step of a stream: the new text and everything so far."""
+
+    delta: str
+    text: str

@@ -1,0 +1,92 @@
+"""Stateless calls (``Model.chat``): the caller resends the whole message list every time, as
+OpenAI-style clients and most frameworks do, and still gets prefix reuse.
+
+The model keeps a few sessions for these calls. Each call tokenizes its prompt and takes the idle
+kept session whose cached items share the longest prefix with it (llama-server's slot similarity,
+mlx-lm's prompt cache), gives it the call's history and answers the last message; only the rest
+is decoded. A session is reused only if at least half of its cache is such a prefix. A session
+is taken out while its stream runs, so concurrent calls never share one.
+Past ``capacity`` the least recently used idle session is dropped with its context.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import TemplateError
+from .options import GenerationOptions
+from .prefix import common_prefix
+from .templates import check_messages
+
+SIMILARITY = 0.5
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .session import Session, Stream
+
+
+class StatelessPool:
+    """The sessions kept for ``Model.chat``, most recently used last."""
+
+    def __init__(self, model: Model, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self._sessions: list[Session] = []
+        self._lock = threading.Lock()
+
+    def stream(
+        self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None, **session_args: Any
+    ) -> Stream:
+        check_messages(messages)
+        if not messages or messages[-1].get("role") != "user":
+            raise TemplateError("a stateless chat needs a message list that ends with a user message")
+        history, last = copy.deepcopy(list(messages[:-1])), messages[-1]
+        prompt = self.model.prompt(messages)
+        try:
+            items = prompt.items
+        finally:
+            prompt.close()
+        with self._lock:
+            session = self._take(items, session_args)
+            session.messages = [dict(m) for m in history]
+            stream = session.stream(last["content"], options)
+            self._sessions.append(session)  # busy until its stream is done
+            self._evict()
+            return stream
+
+    def _take(self, items: Sequence[object], session_args: dict[str, Any]) -> Session:
+        """The idle kept session whose cache is mostly a prefix of ``items`` (at least half of
+        it: llama-server's similarity rule), else a new one while there is room, else the least
+        recently used idle one. Taking a session with little in common would throw away a
+        cache another conversation is coming back to."""
+        fitting = [
+            s for s in self._sessions if _idle(s) and all(getattr(s, k) == v for k, v in session_args.items())
+        ]
+        scored = [(common_prefix(s._cache.items, items), s) for s in fitting]
+        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s._cache.items)]
+        if similar:
+            chosen = max(similar, key=lambda pair: pair[0])[1]
+        elif len(self._sessions) >= self.capacity and fitting:
+            chosen = fitting[0]  # least recently used
+        else:
+            return self.model.session(**session_args)
+        self._sessions.remove(chosen)
+        return chosen
+
+    def _evict(self) -> None:
+        idle = [s for s in self._sessions if _idle(s)]
+        while len(self._sessions) > self.capacity and idle:
+            oldest = idle.pop(0)
+            self._sessions.remove(oldest)
+            oldest.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+
+
+def _idle(session: Session) -> bool:
+    return session._turn is None or session._turn.done

@@ -1,0 +1,90 @@
+"""Stateless calls find their cached prefix; forks copy the cache instead of re-decoding. Both
+answer exactly as a session that was driven the same way."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmsession import GenerationOptions, Model, TemplateError
+
+GREEDY = GenerationOptions(max_tokens=16, temperature=0)
+QUESTIONS = [
+    "Name a large city in France.",
+    "What river flows through it?",
+    "Name a famous museum there.",
+    "What is it known for?",
+    "Which artist painted the most famous work in it?",
+    "Name another painting by that artist.",
+]
+
+
+def test_a_growing_history_decodes_only_what_is_new(smollm2: Model) -> None:
+    session = smollm2.session(system="You are terse.")
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
+    decoded = new = previous_total = 0
+    for turn, question in enumerate(QUESTIONS):
+        expected = session.respond(question, GREEDY)
+        history.append({"role": "user", "content": question})
+        reply = smollm2.chat(copy.deepcopy(history), GREEDY)
+        assert reply.text == expected.text
+        if turn:  # (turn 1 may already find the system prompt cached by an earlier call)
+            assert reply.usage.reused_tokens == expected.usage.reused_tokens
+        history.append({"role": "assistant", "content": reply.text})
+        if turn:
+            decoded += reply.usage.decoded_prompt_tokens
+            new += reply.usage.prompt_tokens - previous_total
+        previous_total = reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert decoded <= 1.05 * new + len(QUESTIONS), (decoded, new)
+
+
+def test_interleaved_conversations_each_find_their_own_prefix(smollm2: Model) -> None:
+    a: list[dict[str, Any]] = [{"role": "system", "content": "You are A."}]
+    b: list[dict[str, Any]] = [{"role": "system", "content": "You are B, a pirate."}]
+    for question in QUESTIONS[:3]:
+        for history in (a, b):
+            history.append({"role": "user", "content": question})
+            reply = smollm2.chat(history, GREEDY)
+            history.append({"role": "assistant", "content": reply.text})
+            if len(history) > 3:
+                assert reply.usage.reused_tokens > reply.usage.prompt_tokens // 2
+
+
+def test_concurrent_stateless_streams_never_share_a_session(smollm2: Model) -> None:
+    history = [{"role": "user", "content": QUESTIONS[0]}]
+    first = smollm2.chat_stream(history, GREEDY)
+    next(first)
+    second = smollm2.chat_stream(history, GREEDY)  # the same prefix, while the first still runs
+    assert first.session is not second.session
+    texts = ["".join(s.delta for s in stream) for stream in (second, first)]
+    assert first.reply is not None and second.reply is not None
+    assert second.reply.text == texts[0]
+
+
+def test_a_stateless_call_needs_a_last_user_message(smollm2: Model) -> None:
+    with pytest.raises(TemplateError):
+        smollm2.chat([{"role": "assistant", "content": "Hi"}])
+    with pytest.raises(TemplateError):
+        smollm2.chat([])
+
+
+@pytest.mark.parametrize("which", ["smollm2", "mamba"])
+def test_a_fork_continues_exactly_like_its_original(
+    which: str, smollm2_path: Path, fixture_path: Callable[[str], Path]
+) -> None:
+    path = smollm2_path if which == "smollm2" else fixture_path("mamba-tiny.gguf")
+    with Model(path, threads=2) as model:
+        session = model.session(system="You are terse.")
+        session.respond(QUESTIONS[0], GREEDY)
+        fork = session.fork()
+        assert fork.messages == session.messages and fork.cached_tokens == session.cached_tokens > 0
+        fork.messages[1]["content"] = "changed"  # its own transcript
+        assert session.messages[1]["content"] == QUESTIONS[0]
+        fork.messages[1]["content"] = QUESTIONS[0]
+        original, forked = session.respond(QUESTIONS[1], GREEDY), fork.respond(QUESTIONS[1], GREEDY)
+        assert forked.text == original.text
+        assert forked.usage == original.usage
