@@ -134,6 +134,20 @@ QUESTIONS = [
 ]
 
 
+def run_racing(targets: list[Callable[[], object]]) -> None:
+    """Run the targets in threads at once, switching between them as often as CPython can."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target) for target in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+
+
 def test_token_pieces_from_many_threads_are_never_mixed_up(smollm2: Model) -> None:
     """The race directly: llama_token_to_piece runs without the GIL, so a buffer shared by the
     threads gets overwritten between the call and the copy."""
@@ -146,16 +160,7 @@ def test_token_pieces_from_many_threads_are_never_mixed_up(smollm2: Model) -> No
         order = np.random.default_rng(seed).permutation(tokens)
         wrong.extend(int(t) for t in order if native.piece(int(t)) != expected[int(t)])
 
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=hammer, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(previous)
+    run_racing([lambda seed=seed: hammer(seed) for seed in range(4)])
     assert wrong == []
 
 
@@ -169,19 +174,7 @@ def test_threads_sharing_a_model_get_the_sequential_replies(smollm2: Model) -> N
 
     sequential = [ask(q) for q in QUESTIONS]
     results: dict[int, tuple[str, list[int]]] = {}
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [
-            threading.Thread(target=lambda i=i, q=q: results.__setitem__(i, ask(q)))
-            for i, q in enumerate(QUESTIONS)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(previous)
+    run_racing([lambda i=i, q=q: results.__setitem__(i, ask(q)) for i, q in enumerate(QUESTIONS)])
     assert [results[i] for i in range(len(QUESTIONS))] == sequential
 
 
