@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelClosedError, UnsupportedFeatureError
+from .errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
 from .image import message_images
 from .native import Chunks, ImageChunk, NativeContext, NativeModel, Piece, Projector, default_threads
 from .options import INT32_MAX, GenerationOptions, check_int
@@ -197,7 +197,10 @@ class Model:
 
     def _digest(self, path: Path) -> str:
         if path not in self._digests:
-            self._digests[path] = file_digest(path)
+            try:
+                self._digests[path] = file_digest(path)
+            except OSError as error:  # moved or deleted since it was loaded
+                raise SessionFileError(f"cannot read {path} to identify it: {error}") from None
         return self._digests[path]
 
     def chat(

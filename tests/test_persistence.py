@@ -230,3 +230,14 @@ def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int)
         assert difference == 0.0
     else:
         assert difference > 0.3, f"past the window the restored state should be wrong: {difference}"
+
+
+def test_a_model_file_gone_since_loading_is_a_typed_error(smollm2_path: Path, tmp_path: Path) -> None:
+    copy_path = tmp_path / "model.gguf"
+    copy_path.write_bytes(smollm2_path.read_bytes())
+    with Model(copy_path, threads=2) as model:
+        session = model.session()
+        session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+        copy_path.unlink()
+        with pytest.raises(SessionFileError, match="identify"):
+            session.save(tmp_path / "chat.llmsession")
