@@ -85,10 +85,16 @@ class Session:
             )
         options.validate()
         user = {"role": "user", "content": content}
+        return self._stream(user, options, None)
+
+    def _stream(self, user: Message, options: GenerationOptions, prompt: Prompt | None) -> Stream:
+        """``stream`` for a user message, with its prompt if the caller already tokenized the
+        transcript plus ``user`` (``Model.chat`` does, to choose the session); owns ``prompt``."""
         with self._busy():
             if self._active is not None:  # an unfinished stream of this thread: finish it first
                 self._active()
-            prompt = self.model.prompt([*self.messages, user], thinking=self.thinking)
+            if prompt is None:
+                prompt = self.model.prompt([*self.messages, user], thinking=self.thinking)
             if prompt.n_positions >= self.context_size:
                 prompt.close()
                 raise ContextOverflowError(

@@ -43,16 +43,22 @@ class StatelessPool:
         check_messages(messages)
         if not messages or messages[-1].get("role") != "user":
             raise TemplateError("a stateless chat needs a message list that ends with a user message")
-        history, last = copy.deepcopy(list(messages[:-1])), messages[-1]
-        prompt = self.model.prompt(messages)
-        try:
-            items = prompt.items
-        finally:
-            prompt.close()
+        options = options or GenerationOptions()
+        if not isinstance(options, GenerationOptions):
+            raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}")
+        options.validate()
+        history = [dict(m) for m in copy.deepcopy(list(messages[:-1]))]
+        user = {"role": "user", "content": messages[-1]["content"]}
+        # Tokenized once: to choose the session, then as the session's prompt.
+        prompt = self.model.prompt([*history, user], thinking=bool(session_args.get("thinking", False)))
         with self._lock:
-            session = self._take(items, session_args)
-            session.messages = [dict(m) for m in history]
-            stream = session.stream(last["content"], options)
+            try:
+                session = self._take(prompt.items, session_args)
+                session.messages = history
+                stream = session._stream(user, options, prompt)  # the stream owns prompt now
+            except BaseException:
+                prompt.close()  # idempotent: a refused prompt may be closed already
+                raise
             self._sessions.append(session)  # busy until its stream is done
             self._evict()
             return stream
