@@ -41,3 +41,8 @@ class SessionFileError(LlmSessionError):
 
 class NativeError(LlmSessionError):
     """A llama.cpp or libmtmd call reported failure."""
+
+
+class MemoryBudgetError(LlmSessionError):
+    """The sessions in an exchange already hold the model's whole live budget (kv_tokens,
+    max_live_sessions): nothing idle is left to park. Nothing was decoded."""

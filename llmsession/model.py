@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engine import Engine, MemoryConfig, MemoryReport
 from .errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
 from .image import message_images
-from .native import Chunks, ImageChunk, NativeContext, NativeModel, Piece, Projector, default_threads
-from .options import INT32_MAX, GenerationOptions, check_int
+from .native import Chunks, ImageChunk, NativeModel, Piece, Projector, default_threads
+from .options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import Item, image_items
 from .replies import Reply
 from .session import Session, Stream
@@ -21,7 +22,8 @@ from .templates import check_messages, render_prompt
 
 DEFAULT_MEDIA_MARKER = "<__media__>"
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
-STATELESS_SESSIONS = 4  # sessions kept for Model.chat
+MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
+STATELESS_SESSIONS = 8  # sessions kept for Model.chat (their states live, parked or cold)
 
 
 @dataclass
@@ -67,9 +69,13 @@ class Prompt:
 
 
 class Model:
-    """A model file loaded once; any number of sessions chat with it, each with its own context.
+    """A model file loaded once; any number of sessions chat with it under one memory budget.
 
-    ``with Model(path) as model:`` frees the model and every session's context on exit.
+    Live sessions share one llama context of ``kv_tokens`` KV cells in up to ``max_live_sessions``
+    sequences; when an exchange needs room, the least recently used idle session is parked in
+    host RAM (up to ``host_cache_bytes``, then on disk in ``disk_cache_dir`` if given, else it
+    goes cold: its next exchange decodes its whole prompt). ``batch_size`` is the largest prefill
+    batch. ``with Model(path) as model:`` frees the model and every session's state on exit.
     """
 
     def __init__(
@@ -80,10 +86,26 @@ class Model:
         gpu_layers: int = 0,
         threads: int | None = None,
         use_jinja: bool = False,
+        kv_tokens: int = 8192,
+        max_live_sessions: int = 8,
+        host_cache_bytes: int = 1 << 30,
+        disk_cache_dir: str | Path | None = None,
+        batch_size: int = 512,
     ) -> None:
         if threads is not None:
             check_int("threads", threads, 1, MAX_THREADS)
         check_int("gpu_layers", gpu_layers, -1, INT32_MAX)
+        check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
+        check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
+        check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
+        check_int("batch_size", batch_size, 1, MAX_POSITIONS)
+        config = MemoryConfig(
+            kv_tokens=kv_tokens,
+            max_live_sessions=max_live_sessions,
+            host_cache_bytes=host_cache_bytes,
+            disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
+            batch_size=min(batch_size, kv_tokens),
+        )
         self.path = Path(path)
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
         self._digests: dict[Path, str] = {}
@@ -99,6 +121,7 @@ class Model:
             except BaseException:
                 self.native.close()
                 raise
+        self._engine = Engine(self.native, self.projector, self.threads, config)
         self.template = self.native.chat_template()
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -113,9 +136,11 @@ class Model:
         thinking: bool = False,
         swa_full: bool = True,
     ) -> Session:
-        """A new conversation with its own llama context (created on its first exchange).
+        """A new conversation; its KV state lives in the model's shared memory.
 
-        ``context_size`` bounds the positions the session uses (prompt and reply), exactly.
+        ``context_size`` bounds the positions the session uses (prompt and reply), exactly; it
+        may not exceed the model's ``kv_tokens``. ``batch_size`` is its prefill batch (at most
+        the model's).
         """
         if self.closed:
             raise ModelClosedError("this model is closed")
@@ -234,12 +259,18 @@ class Model:
 
         return load(self, path, **overrides)
 
+    def memory(self) -> MemoryReport:
+        """Where every session's state is (live, parked, disk, cold), the budget's use, and the
+        counts of parks, restores and drops so far."""
+        return self._engine.memory()
+
     def close(self) -> None:
-        """Stop every session's stream (each finishes its current step first), free their
-        contexts, then the projector and the model. Any later use raises ModelClosedError."""
+        """Stop every session's stream (each finishes its current step first), free the shared
+        memory, then the projector and the model. Any later use raises ModelClosedError."""
         self._stateless.close()
         for session in list(self._sessions):
             session._shut()
+        self._engine.close()
         if self.projector is not None:
             self.projector.close()
         self.native.close()
@@ -253,8 +284,3 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _new_context(self, n_ctx: int, n_batch: int, swa_full: bool) -> NativeContext:
-        return NativeContext(
-            self.native, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads, swa_full=swa_full
-        )

@@ -287,12 +287,15 @@ class Batch:
         self.positions = np.frombuffer(ffi.buffer(self.raw.pos, 4 * capacity), dtype=np.int32)
         self.logits = np.frombuffer(ffi.buffer(self.raw.logits, capacity), dtype=np.int8)
         np.frombuffer(ffi.buffer(self.raw.n_seq_id, 4 * capacity), dtype=np.int32)[:] = 1
-        for i in range(capacity):
-            self.raw.seq_id[i][0] = 0
+        self._seqs = np.full(capacity, -1, dtype=np.int32)  # what each slot's seq_id holds
 
-    def fill(self, tokens: Sequence[int], start: int) -> None:
-        """Tokens at consecutive positions from ``start``; logits only for the last one."""
+    def fill(self, tokens: Sequence[int], start: int, seq: int = 0) -> None:
+        """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
+        the last one."""
         n = len(tokens)
+        for i in np.flatnonzero(self._seqs[:n] != seq):
+            self.raw.seq_id[i][0] = seq
+        self._seqs[:n] = seq
         self.tokens[:n] = tokens
         self.positions[:n] = np.arange(start, start + n, dtype=np.int32)
         self.logits[:n] = 0
@@ -341,13 +344,20 @@ class NativeContext(Owner):
     """
 
     def __init__(
-        self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int, swa_full: bool = True
+        self,
+        model: NativeModel,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        threads: int,
+        swa_full: bool = True,
+        n_seq_max: int = 1,
     ) -> None:
         lib, ffi = bindings()
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
-        params.n_seq_max, params.n_threads, params.n_threads_batch = 1, threads, threads
-        params.swa_full = swa_full
+        params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
+        params.swa_full, params.kv_unified = swa_full, n_seq_max > 1  # sequences share the cells
         params.no_perf = True
         pointer = lib.llama_init_from_model(model.ptr, params)
         if pointer != ffi.NULL:
@@ -357,7 +367,7 @@ class NativeContext(Owner):
         model.adopt(self)
         self._memory = lib.llama_get_memory(self.ptr)
         self.n_ctx: int = min(n_ctx, lib.llama_n_ctx(self.ptr))
-        self.n_batch = n_batch
+        self.n_batch, self.n_seq_max = n_batch, n_seq_max
         self.batch = Batch(n_batch)
         self._flag = AbortFlag()
         self._abort_cb = _abort_callback(self._flag)
@@ -381,9 +391,10 @@ class NativeContext(Owner):
         self.batch.close()
         super().close()
 
-    def decode(self, tokens: Sequence[int], start: int, *, abortable: bool = False) -> None:
-        """Decode tokens at positions start..; raise DecodeAborted if the abort flag or an
-        exception raised in a callback (Ctrl-C) stopped it: the batch may be partly in memory."""
+    def decode(self, tokens: Sequence[int], start: int, *, seq: int = 0, abortable: bool = False) -> None:
+        """Decode tokens of sequence ``seq`` at positions start..; raise DecodeAborted if the
+        abort flag or an exception raised in a callback (Ctrl-C) stopped it: the batch may be
+        partly in memory."""
         lib, _ = bindings()
         ptr = self.ptr  # first: once closed, the batch's memory is gone too
         self.set_abortable(abortable)
@@ -391,7 +402,8 @@ class NativeContext(Owner):
             raise ContextOverflowError(
                 f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
             )
-        self.batch.fill(tokens, start)
+        self._check_seq(seq)
+        self.batch.fill(tokens, start, seq)
         code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
@@ -406,44 +418,67 @@ class NativeContext(Owner):
     def logits(self) -> Any:
         return bindings()[0].llama_get_logits_ith(self.ptr, -1)
 
-    # The llama_memory operations the prefix cache needs, for sequence 0.
-    def seq_rm(self, p0: int) -> bool:
-        return bool(bindings()[0].llama_memory_seq_rm(self.memory, 0, p0, -1))
+    # The llama_memory operations the prefix cache and the engine need, per sequence.
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"sequence {seq} is outside this context's 0..{self.n_seq_max - 1}")
+
+    def seq_rm(self, p0: int, seq: int = 0) -> bool:
+        """Remove positions >= p0 of ``seq`` (p0 = -1: all of them); False when refused."""
+        self._check_seq(seq)
+        return bool(bindings()[0].llama_memory_seq_rm(self.memory, seq, p0, -1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make ``dst`` hold what ``src`` holds (the cells are shared, not copied)."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
     def clear(self) -> None:
+        """Empty the whole memory (every sequence)."""
         bindings()[0].llama_memory_clear(self.memory, True)
 
-    def pos_min(self) -> int:
-        return int(bindings()[0].llama_memory_seq_pos_min(self.memory, 0))
+    def pos_min(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_memory_seq_pos_min(self.memory, seq))
 
-    def pos_max(self) -> int:
-        return int(bindings()[0].llama_memory_seq_pos_max(self.memory, 0))
+    def pos_max(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_memory_seq_pos_max(self.memory, seq))
 
-    # Sequence 0's KV state as bytes (llama_state_seq_*), for saving a session.
-    def state_get(self) -> bytes:
+    # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session.
+    def state_size(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_state_seq_get_size(self.ptr, seq))
+
+    def state_get(self, seq: int = 0) -> bytes:
         lib, ffi = bindings()
-        size = lib.llama_state_seq_get_size(self.ptr, 0)
+        size = self.state_size(seq)
         buf = ffi.new("uint8_t[]", size)
-        check(lib.llama_state_seq_get_data(self.ptr, buf, size, 0), "llama_state_seq_get_data", size.__eq__)
+        check(lib.llama_state_seq_get_data(self.ptr, buf, size, seq), "llama_state_seq_get_data", size.__eq__)
         return bytes(ffi.buffer(buf, size))
 
-    def state_set(self, blob: bytes) -> bool:
-        """Load a state this build wrote for the same model and layout (never anything else:
-        llama.cpp's loaders abort on malformed input); False if llama.cpp refused it."""
+    def state_set(self, blob: bytes, seq: int = 0) -> bool:
+        """Load a state this build wrote for the same model and layout into ``seq`` (never
+        anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
+        refused it (then ``seq`` is empty)."""
         lib, ffi = bindings()
+        self._check_seq(seq)
         source = ffi.from_buffer("uint8_t[]", blob)
-        return bool(lib.llama_state_seq_set_data(self.ptr, source, len(blob), 0) == len(blob))
+        if lib.llama_state_seq_set_data(self.ptr, source, len(blob), seq) == len(blob):
+            return True
+        lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return False
 
 
 def context_layout(swa_full: bool) -> dict[str, int | bool]:
-    """The context parameters a saved KV state depends on, as NativeContext sets them."""
+    """The context parameters a saved sequence state depends on, as NativeContext sets them
+    (a sequence's state does not depend on how many sequences share the context)."""
     params = bindings()[0].llama_context_default_params()
     return {
         "type_k": int(params.type_k),
         "type_v": int(params.type_v),
         "flash_attn_type": int(params.flash_attn_type),
-        "kv_unified": bool(params.kv_unified),
-        "n_seq_max": 1,
         "swa_full": swa_full,
     }
 
@@ -594,18 +629,22 @@ class Projector(Owner):
                 raise UnsupportedFeatureError("only text and image chunks are supported")
         return pieces
 
-    def eval_image(self, context: NativeContext, chunk: ImageChunk, start: int, *, logits_last: bool) -> int:
-        """Encode an image chunk and decode its embeddings from ``start``; return the next position."""
+    def eval_image(
+        self, context: NativeContext, chunk: ImageChunk, start: int, *, seq: int = 0, logits_last: bool
+    ) -> int:
+        """Encode an image chunk and decode its embeddings into ``seq`` from ``start``; return the
+        next position."""
         lib, ffi = bindings()
         if start + chunk.n_pos > context.n_ctx:
             raise ContextOverflowError(
                 f"position {start + chunk.n_pos} exceeds the context size {context.n_ctx}"
             )
+        context._check_seq(seq)
         context.set_abortable(True)
         next_pos = ffi.new("llama_pos *", start)
         with self.lock:
             code = lib.mtmd_helper_eval_chunk_single(
-                self.ptr, context.ptr, chunk.ptr, start, 0, context.n_batch, logits_last, next_pos
+                self.ptr, context.ptr, chunk.ptr, start, seq, context.n_batch, logits_last, next_pos
             )
         interrupted_by(code != 0 and context.abort.is_set())
         check(code, "evaluating an image chunk (mtmd_helper_eval_chunk_single)")

@@ -44,31 +44,16 @@ def compat(model: Model, swa_full: bool) -> dict[str, Any]:
     }
 
 
-def restorable(session: Session) -> bool:
-    """Whether the session's KV state can be copied out and back exactly."""
-    n_swa, held = session.model.native.n_swa, session.cached_tokens
-    return session._context is not None and held > 0 and not (n_swa > 0 and held > n_swa)
-
-
-def copy_into(source: Session, target: Session) -> None:
-    """Give a fresh session a copy of another's KV state (fork); cold when it cannot be exact."""
-    if source._context is None or not restorable(source):
-        return
-    context = target._ensure_context()
-    record = source._cache.items
-    if context.state_set(source._context.state_get()) and context.pos_max() == len(record) - 1:
-        target._cache.extend(record)
-    else:
-        target._discard_context()
-
-
 def save(session: Session, path: str | Path) -> None:
     """Write the transcript and, when restoring it is exact, the KV state (caller holds the lock)."""
     images: dict[str, Image] = {}
     messages = [_encode_message(message, images) for message in session.messages]
-    record, blobs = list(session._cache.items), {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
-    if session._context is not None and restorable(session):
-        blobs["state"] = session._context.state_get()
+    blobs = {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
+    lease = session._lease
+    state = session.model._engine.state(lease) if lease.parkable else None
+    record = list(lease.cache.items)
+    if state is not None and record:
+        blobs["state"] = state
     else:  # nothing cached, or a sliding window past its size (llama.cpp restores those wrong)
         record = []
     write(
@@ -95,13 +80,8 @@ def load(model: Model, path: str | Path, **overrides: Any) -> Session:
     session = model.session(**{**settings, **overrides})
     session.messages = [_decode_message(message, saved) for message in saved.messages]
     reason = _mismatch(saved, compat(model, session.swa_full), session.context_size)
-    if not reason:
-        context = session._ensure_context()
-        if context.state_set(saved.blobs["state"]) and context.pos_max() == len(saved.record) - 1:
-            session._cache.extend(saved.record)
-        else:
-            session._discard_context()
-            reason = "llama.cpp did not accept the saved state"
+    if not reason and not model._engine.adopt(session._lease, saved.blobs["state"], saved.record):
+        reason = "llama.cpp did not accept the saved state"
     restored = 0 if reason else len(saved.record)
     note = f"cache not reused: {reason}" if reason else f"restored {restored} positions from {path}"
     (log.debug if not reason else log.info)("load_session: %s", note)

@@ -1,10 +1,13 @@
-"""A chat session: one llama context kept across exchanges, and replies streamed as they decode.
+"""A chat session: a transcript whose KV state the model's engine keeps across exchanges, and
+replies streamed as they decode.
 
-Each exchange renders the transcript, tokenizes it, keeps the longest token prefix the context
-already holds (``prefix.PrefixCache``) and decodes only the rest. Generation runs inside the
-stream's ``__next__`` on the consumer's thread: each token's text is yielded as soon as that
-token is sampled, and nothing decodes between two ``__next__`` calls, so an abandoned stream
-costs nothing. ``Stream.cancel()`` from any thread also stops a long prefill between graph nodes.
+Each exchange renders the transcript, tokenizes it, takes a sequence of the model's shared
+context holding the session's state (``engine.Engine.seat``: restored if it was parked), keeps
+the longest token prefix it shares with the prompt (``prefix.PrefixCache``) and decodes only the
+rest. Generation runs inside the stream's ``__next__`` on the consumer's thread: each token's
+text is yielded as soon as that token is sampled, and nothing decodes between two ``__next__``
+calls, so an abandoned stream costs nothing. ``Stream.cancel()`` from any thread also stops a
+long prefill between graph nodes.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .detokenize import IncrementalDetokenizer
+from .engine import GROWTH, Seat
 from .errors import ContextOverflowError, ModelClosedError, NativeError, SessionBusyError
-from .native import DecodeAborted, ImageChunk, NativeContext, Sampler
+from .native import DecodeAborted, ImageChunk, Sampler
 from .options import MAX_POSITIONS, GenerationOptions, check_int
-from .prefix import PrefixCache, starts_a_chunk
+from .prefix import starts_a_chunk
 from .replies import FinishReason, Message, Reply, Snapshot, Timings, Usage
 from .stops import StopMatcher
 
@@ -36,7 +40,7 @@ log = logging.getLogger("llmsession")
 
 
 class Session:
-    """A conversation with its own llama context; create with ``Model.session()``."""
+    """A conversation; create with ``Model.session()``. Its KV state lives in the model's engine."""
 
     def __init__(
         self,
@@ -50,15 +54,20 @@ class Session:
     ) -> None:
         check_int("context_size", context_size, 16, MAX_POSITIONS)
         check_int("batch_size", batch_size, 1, MAX_POSITIONS)
+        engine = model._engine
+        if context_size > engine.config.kv_tokens:
+            raise ValueError(
+                f"context_size: {context_size} positions exceed the model's kv_tokens "
+                f"({engine.config.kv_tokens}); load the model with a larger kv_tokens"
+            )
         self.model = model
         self.context_size = context_size
-        self.batch_size = min(batch_size, context_size)
+        self.batch_size = min(batch_size, context_size, engine.config.batch_size)
         self.thinking = thinking
         self.swa_full = swa_full
         self.messages: list[Message] = [{"role": "system", "content": system}] if system is not None else []
-        self._context: NativeContext | None = None
-        # A small sliding-window cache evicts old positions: check the window before rewinding.
-        self._cache = PrefixCache(n_swa=0 if swa_full else max(0, model.native.n_swa))
+        self._lease = engine.lease(swa_full=swa_full, batch_size=self.batch_size)
+        weakref.finalize(self, engine.bury, self._lease)  # a dropped session frees its memory
         self._lock = threading.Lock()
         self._active: Callable[[], object] | None = None  # finishes the latest stream, once
         self._turn: Turn | None = None  # the latest stream's exchange
@@ -107,17 +116,15 @@ class Session:
             return stream
 
     def clear_cached_context(self) -> None:
-        """Free the session's llama context (the next exchange decodes from scratch)."""
+        """Forget the session's KV state (the next exchange decodes from scratch)."""
         with self._busy():
             if self._active is not None:
                 self._active()
-            self._discard_context()
+            self.model._engine.discard(self._lease)
 
     def fork(self) -> Session:
         """A new session with a copy of this transcript and of its KV cache (a copy of the
         state, not a re-decode): for alternatives and regenerations."""
-        from .persistence import copy_into
-
         with self._busy():
             if self._active is not None:
                 self._active()
@@ -128,7 +135,7 @@ class Session:
                 swa_full=self.swa_full,
             )
             twin.messages = copy.deepcopy(self.messages)
-            copy_into(self, twin)
+            self.model._engine.fork(self._lease, twin._lease)
             return twin
 
     def save(self, path: str | Path) -> None:
@@ -142,14 +149,14 @@ class Session:
             save(self, path)
 
     def close(self) -> None:
-        """Free the cached context; the session stays usable (its model's ``close()`` ends it)."""
+        """Forget the KV state; the session stays usable (its model's ``close()`` ends it)."""
         if not self._closed:
             self.clear_cached_context()
 
     @property
     def cached_tokens(self) -> int:
-        """How many positions the session's context holds."""
-        return len(self._cache.items)
+        """How many positions the session's KV state holds (live or parked)."""
+        return len(self._lease.cache.items)
 
     # -- internals ----------------------------------------------------------------------------
     @contextmanager
@@ -164,8 +171,8 @@ class Session:
             self._lock.release()
 
     def _shut(self) -> None:
-        """Its model is closing: stop the running stream (waiting out its current step), free
-        the context, and refuse any later use. The transcript stays readable."""
+        """Its model is closing: stop the running stream (waiting out its current step) and
+        refuse any later use. The transcript stays readable."""
         turn = self._turn
         if turn is not None and not turn.done:
             turn.closed = True
@@ -173,68 +180,66 @@ class Session:
         with self._lock:
             if self._active is not None:
                 self._active()
-            self._discard_context()
             self._closed = True
-
-    def _ensure_context(self) -> NativeContext:
-        if self._context is None:
-            self._context = self.model._new_context(self.context_size, self.batch_size, self.swa_full)
-            self._cache.reset()
-        return self._context
-
-    def _discard_context(self) -> None:
-        if self._context is not None:
-            self._context.close()
-            self._context = None
-        self._cache.reset()
-
-    def _after_abort(self, context: NativeContext) -> None:
-        """An aborted decode may leave a partial batch in memory: drop it, or everything."""
-        if self.model.native.is_recurrent or not context.seq_rm(len(self._cache.items)):
-            context.clear()
-            self._cache.reset()
 
     def _generate(self, turn: Turn) -> Generator[Snapshot, None, None]:
         """The exchange itself; runs step by step inside ``Stream.__next__``."""
         started = time.perf_counter()
-        prompt = turn.prompt
+        prompt, options = turn.prompt, turn.options
         usage, timings = Usage(prompt_tokens=len(prompt.items)), Timings()
         if self._load_note is not None:
             (usage.restored_tokens, usage.cache_note), self._load_note = self._load_note, None
         text, cancelled = "", False
+        held = max(self.cached_tokens, len(prompt.items))
+        cells = min(self.context_size, held + min(options.max_tokens, GROWTH))
         try:
-            if prompt.unsafe_reuse:  # upstream's rule for such prompts: a fresh context
-                log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
-                self._discard_context()
-            context = self._ensure_context()
-            context.abort = turn.cancelled
-            plan = self._cache.prepare(prompt.items, context, can_cut=partial(starts_a_chunk, prompt.items))
-            usage.reused_tokens = plan.reused
-            pos = self._prefill(turn, context, plan.reused, usage)
-            timings.prefill_s = time.perf_counter() - started
-            cancelled = pos is None
-            if pos is not None:
-                with closing(self._sample(turn, context, pos, usage, timings, started)) as deltas:
-                    for delta in deltas:
-                        text += delta
-                        yield Snapshot(delta, text)
-        except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
-            cancelled = True
-        except DecodeAborted as aborted:  # a callback raised (Ctrl-C): memory can be kept
-            self._after_abort(context)
-            if prompt.unsafe_reuse:
-                self._discard_context()
-            turn.done = True  # failed: the transcript stays as it was
-            prompt.close()
-            raise (aborted.cause or NativeError("a decode was aborted")) from None
+            with (
+                closing(self._sampler(turn)) as sampler,
+                self.model._engine.seat(self._lease, cells, turn.cancelled) as seat,
+            ):
+                try:
+                    if prompt.unsafe_reuse:  # upstream's rule for such prompts: from scratch
+                        log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
+                        seat.clear()
+                    plan = seat.prepare(prompt.items, can_cut=partial(starts_a_chunk, prompt.items))
+                    usage.reused_tokens = plan.reused
+                    first = self._prefill(turn, seat, plan.reused, usage, sampler)
+                    timings.prefill_s = time.perf_counter() - started
+                    cancelled = first is None
+                    if first is not None:
+                        steps = self._sample(turn, seat, *first, sampler, usage, timings, started)
+                        with closing(steps) as deltas:
+                            for delta in deltas:
+                                text += delta
+                                yield Snapshot(delta, text)
+                except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
+                    cancelled = True
+                except DecodeAborted as aborted:  # a callback raised (Ctrl-C): memory can be kept
+                    seat.after_abort()
+                    raise (aborted.cause or NativeError("a decode was aborted")) from None
+                except BaseException:
+                    seat.clear()  # the memory may not match the record any more
+                    raise
+                finally:
+                    if prompt.unsafe_reuse:
+                        seat.clear()
         except BaseException:
-            self._discard_context()  # the memory may not match the record any more
             turn.done = True  # failed: the transcript stays as it was
             prompt.close()
             raise
-        if prompt.unsafe_reuse:
-            self._discard_context()
         self._finish_turn(turn, Reply(text, "cancelled" if cancelled else turn.finish, usage, timings))
+
+    def _sampler(self, turn: Turn) -> Sampler:
+        """The exchange's sampler chain, its penalty window primed with the prompt's tokens."""
+        options = turn.options
+        # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
+        window = options.repeat_last_n
+        last_n = self.context_size if window == -1 else min(window, self.context_size)
+        sampler = Sampler.from_options(options, n_vocab=self.model.native.n_vocab, last_n=last_n)
+        if options.penalized and last_n > 0:
+            for token in turn.prompt.tokens()[-last_n:]:
+                sampler.accept(token)
+        return sampler
 
     def _finish_turn(self, turn: Turn, reply: Reply) -> None:
         """Record a finished exchange: the user message and the reply, as far as it got."""
@@ -251,22 +256,25 @@ class Session:
                 turn, Reply("", "cancelled", Usage(prompt_tokens=len(turn.prompt.items)), Timings())
             )
 
-    def _prefill(self, turn: Turn, context: NativeContext, reused: int, usage: Usage) -> int | None:
-        """Decode the prompt after its first ``reused`` items; the next position, None if cancelled."""
-        items, pos, end = turn.prompt.items, reused, 0
+    def _prefill(
+        self, turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: Sampler
+    ) -> tuple[int, int] | None:
+        """Decode the prompt after its first ``reused`` items and sample the first reply token
+        from the last one's logits; (next position, that token), or None if cancelled."""
+        items, pos, end, token = turn.prompt.items, reused, 0, -1
         for piece in turn.prompt.pieces:
             size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
             start, end = end, end + size  # this piece holds items[start:end]
             if end <= reused:
                 continue
+            last = end == len(items)
             try:
                 if isinstance(piece, ImageChunk):
                     if turn.cancelled.is_set():
                         return None
-                    projector = self.model.projector
-                    assert projector is not None
-                    pos = projector.eval_image(context, piece, pos, logits_last=end == len(items))
-                    self._cache.extend(items[start:end])
+                    pos, token = seat.eval_image(
+                        piece, pos, items[start:end], sampler=sampler if last else None
+                    )
                     usage.decoded_prompt_tokens += size
                     continue
                 todo = piece[max(0, reused - start) :]
@@ -274,64 +282,60 @@ class Session:
                     if turn.cancelled.is_set():
                         return None
                     chunk = todo[i : i + self.batch_size]
-                    context.decode(chunk, pos, abortable=True)
-                    self._cache.extend(chunk)
+                    final = last and i + self.batch_size >= len(todo)
+                    token = seat.decode(chunk, pos, abortable=True, sampler=sampler if final else None)
                     pos += len(chunk)
                     usage.decoded_prompt_tokens += len(chunk)
             except DecodeAborted as aborted:
                 if aborted.cause is not None:
                     raise  # _generate restores memory to the record and raises the cause
-                self._after_abort(context)
+                seat.after_abort()
                 return None
-        return pos
+        return pos, token
 
     def _sample(
-        self, turn: Turn, context: NativeContext, pos: int, usage: Usage, timings: Timings, started: float
+        self,
+        turn: Turn,
+        seat: Seat,
+        pos: int,
+        token: int,
+        sampler: Sampler,
+        usage: Usage,
+        timings: Timings,
+        started: float,
     ) -> Generator[str, None, None]:
+        """The reply from its first sampled ``token`` on: each token's text, then the next
+        token decoded and sampled in one step (the shared context's logits are its own then)."""
         native, options = self.model.native, turn.options
-        # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
-        window = options.repeat_last_n
-        last_n = self.context_size if window == -1 else min(window, self.context_size)
-        sampler = Sampler.from_options(options, n_vocab=native.n_vocab, last_n=last_n)
-        try:
-            if options.penalized and last_n > 0:
-                for token in turn.prompt.tokens()[-last_n:]:
-                    sampler.accept(token)
-            detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
-            turn.finish = "length"
-            first_token_at = 0.0
-            for n in range(options.max_tokens):
-                if turn.cancelled.is_set():
-                    turn.finish = "cancelled"
-                    break
-                token = sampler.sample(context)
-                if n == 0:
-                    first_token_at = time.perf_counter()
-                    timings.time_to_first_token_s = first_token_at - started
-                if native.is_eog(token):
-                    turn.finish = "stop"
-                    break
-                usage.completion_tokens += 1
-                delta = stops.push(detokenizer.push(native.piece(token)))
-                if delta:
-                    yield delta
-                if stops.stopped:
-                    turn.finish = "stop"
-                    break
-                if n + 1 == options.max_tokens or pos + 1 >= context.n_ctx:
-                    break  # "length": the last token needs no decode
-                context.decode([token], pos)
-                self._cache.extend([token])
-                pos += 1
-                timings.generation_s = time.perf_counter() - first_token_at
-                timings._tokens = n + 1
-            # The detokenizer may still hold the first bytes of a character the reply was cut
-            # inside of (max_tokens, cancel): they stay in the token record, not in the text.
-            tail = "" if stops.stopped else stops.flush()
-            if tail:
-                yield tail
-        finally:
-            sampler.close()
+        detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
+        turn.finish = "length"
+        first_token_at = time.perf_counter()
+        timings.time_to_first_token_s = first_token_at - started
+        for n in range(options.max_tokens):
+            if turn.cancelled.is_set():
+                turn.finish = "cancelled"
+                break
+            if native.is_eog(token):
+                turn.finish = "stop"
+                break
+            usage.completion_tokens += 1
+            delta = stops.push(detokenizer.push(native.piece(token)))
+            if delta:
+                yield delta
+            if stops.stopped:
+                turn.finish = "stop"
+                break
+            if n + 1 == options.max_tokens or pos + 1 >= self.context_size:
+                break  # "length": the last token needs no decode
+            token = seat.decode([token], pos, sampler=sampler)
+            pos += 1
+            timings.generation_s = time.perf_counter() - first_token_at
+            timings._tokens = n + 1
+        # The detokenizer may still hold the first bytes of a character the reply was cut
+        # inside of (max_tokens, cancel): they stay in the token record, not in the text.
+        tail = "" if stops.stopped else stops.flush()
+        if tail:
+            yield tail
 
 
 @dataclass

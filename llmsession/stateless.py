@@ -71,8 +71,8 @@ class StatelessPool:
         fitting = [
             s for s in self._sessions if _idle(s) and all(getattr(s, k) == v for k, v in session_args.items())
         ]
-        scored = [(common_prefix(s._cache.items, items), s) for s in fitting]
-        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s._cache.items)]
+        scored = [(common_prefix(s._lease.cache.items, items), s) for s in fitting]
+        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s._lease.cache.items)]
         if similar:
             chosen = max(similar, key=lambda pair: pair[0])[1]
         elif len(self._sessions) >= self.capacity and fitting:

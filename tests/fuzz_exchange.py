@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import internals
 from fuzz_env import STATS, env
 from fuzz_inputs import GREEDY_ONE, TYPED, Message
 from fuzz_oracle import Pending, Taken, check_reply, check_settled, copy_message, expect
@@ -95,7 +96,7 @@ class ShadowedSessions:
         pending = self.settle(i)  # a valid call finishes a pending stream first
         user = {"role": "user", "content": content}
         expectation = expect(session, self.expected[i], user)
-        cached_before, context_before = session.cached_tokens, session._context
+        cached_before, context_before = session.cached_tokens, internals.placement(session)
         stream: Stream | None = None
         reply: Reply | None = None
         try:
@@ -111,7 +112,7 @@ class ShadowedSessions:
             else:
                 assert expectation.overflow, f"a valid call raised {error!r}"
                 assert isinstance(error, ContextOverflowError), error
-            assert session.cached_tokens == cached_before and session._context is context_before
+            assert session.cached_tokens == cached_before and internals.placement(session) == context_before
             return None
         check_settled(pending)
         assert expectation.error is None, f"expected {expectation.error}, the call succeeded"
@@ -193,7 +194,7 @@ class ShadowedSessions:
                     return None
             elif mode == "clear mid-stream":
                 session.clear_cached_context()
-                assert session.cached_tokens == 0 and session._context is None
+                assert session.cached_tokens == 0 and internals.placement(session)[0] == "cold"
                 taken.take(None)
             else:
                 raise AssertionError(mode)

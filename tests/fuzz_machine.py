@@ -9,6 +9,7 @@ import functools
 import weakref
 from typing import Any
 
+import internals
 from fuzz_env import STATS, env
 from fuzz_exchange import ShadowedSessions, in_threads
 from fuzz_inputs import (
@@ -85,11 +86,10 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
             if pending is not None:
                 assert pending.stream.reply is None
             assert 0 <= session.cached_tokens <= session.context_size
-            context = session._context
+            context, (_, seq) = internals.live_context(session), internals.placement(session)
             if context is not None:
-                assert context.n_ctx <= session.context_size, (context.n_ctx, session.context_size)
-                assert context.pos_max() == session.cached_tokens - 1, (
-                    f"session {i}: memory holds up to position {context.pos_max()}, "
+                assert context.pos_max(seq) == session.cached_tokens - 1, (
+                    f"session {i}: memory holds up to position {context.pos_max(seq)}, "
                     f"the record {session.cached_tokens} positions"
                 )
 
@@ -214,7 +214,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
             pending = self.settle(i)
             session.clear_cached_context()
             check_settled(pending)
-            assert session.cached_tokens == 0 and session._context is None
+            assert session.cached_tokens == 0 and internals.placement(session)[0] == "cold"
         elif edit == "pop exchange":
             del real[-2:], shadow[-2:]
         elif edit == "pop last":
@@ -286,7 +286,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         self.note("misuse: bad content", i=i, kind=kind, text=text)
         session = self.sessions[i]
         pending = self.settle(i)
-        cached_before, context_before = session.cached_tokens, session._context
+        cached_before, context_before = session.cached_tokens, internals.placement(session)
         try:
             session.respond(content, options)
         except TYPED as error:
@@ -295,7 +295,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         else:
             raise AssertionError(f"an invalid content ({kind}: {content!r}) was accepted")
         check_settled(pending)
-        assert session.cached_tokens == cached_before and session._context is context_before
+        assert session.cached_tokens == cached_before and internals.placement(session) == context_before
 
     def bad_options(self, i: int, bad: tuple[str, Any], how: str, which: int) -> None:
         name, value = bad
@@ -313,7 +313,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         else:
             options = NOT_OPTIONS[which]
         session = self.sessions[i]
-        cached_before, context_before = session.cached_tokens, session._context
+        cached_before, context_before = session.cached_tokens, internals.placement(session)
         pending = self.pending[i]
         try:
             session.respond("Hello", options)
@@ -322,7 +322,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         else:
             raise AssertionError(f"respond accepted bad options {options!r}")
         # Nothing happened: not even the pending stream was finished.
-        assert session.cached_tokens == cached_before and session._context is context_before
+        assert session.cached_tokens == cached_before and internals.placement(session) == context_before
         if pending is not None:
             assert pending.stream.reply is None
 
@@ -333,7 +333,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         valid = session.messages
         bad = invalid_transcript(kind, valid)
         shown = copy.deepcopy(bad)
-        cached_before, context_before = session.cached_tokens, session._context
+        cached_before, context_before = session.cached_tokens, internals.placement(session)
         session.messages = bad
         try:
             session.respond(text or "Hello", GREEDY_ONE)
@@ -345,7 +345,7 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
             after = session.messages
             session.messages = valid  # restore a valid transcript whatever happened
         assert after is bad and after == shown, f"a failed call changed the transcript: {after!r}"
-        assert session.cached_tokens == cached_before and session._context is context_before
+        assert session.cached_tokens == cached_before and internals.placement(session) == context_before
 
     def bad_token_ids(self, ids: list[int]) -> None:
         self.note("misuse: bad token ids", ids=ids)

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import internals
 import numpy as np
 from fuzz_env import STATS, env
 from fuzz_inputs import GREEDY_ONE, TYPED, Message
-from test_reuse import read_logits, tolerance_for
+from test_reuse import tolerance_for
 
 from llmsession import GenerationOptions, Reply, Session, Stream
 
@@ -64,7 +65,7 @@ def expect(session: Session, shadow: list[Message], user: Message) -> Expectatio
         unsafe = bool(prompt.unsafe_reuse)
     finally:
         prompt.close()
-    keep = 0 if unsafe else min(common_prefix(session._cache.items, items), len(items) - 1)
+    keep = 0 if unsafe else min(common_prefix(internals.record(session), items), len(items) - 1)
     while keep > 0 and getattr(items[keep], "offset", 0) > 0:  # never resume inside an image
         keep -= 1
     return Expectation(error=None, overflow=overflow, prompt_items=len(items), reused=keep)
@@ -176,7 +177,7 @@ def fresh_first_logits(
     fresh.messages = copy.deepcopy(messages)
     try:
         reply = fresh.respond(content, GREEDY_ONE)
-        logits = None if fresh._context is None else read_logits(env().model, fresh._context)
+        logits = internals.last_logits(fresh) if internals.record(fresh) else None
         return reply, logits
     except TYPED as error:
         return error
@@ -189,6 +190,8 @@ def check_first_logits(
 ) -> None:
     """The session just answered ``content`` after ``before`` (greedy, one token): a fresh session
     decoding that transcript in batches of ``fresh_batch`` (or the session's own) must agree."""
+    # Read first: the fresh session decodes into the same shared context.
+    ours = internals.last_logits(session) if cached is not None and internals.record(session) else None
     outcome = fresh_first_logits(session, before, content, fresh_batch or session.batch_size)
     if isinstance(outcome, BaseException):
         assert cached is None, f"the fresh session raised {outcome!r}, the cached one replied"
@@ -197,9 +200,8 @@ def check_first_logits(
     expected, theirs = outcome
     assert expected.usage.reused_tokens == 0
     assert expected.usage.prompt_tokens == cached.usage.prompt_tokens
-    if session._context is None or theirs is None:
-        return  # a prompt that may not be reused discards its context
-    ours = read_logits(env().model, session._context)
+    if ours is None or theirs is None:
+        return  # a prompt that may not be reused starts from scratch and keeps nothing
     assert np.all(np.isfinite(ours)) and np.all(np.isfinite(theirs))
     difference = float(np.abs(ours - theirs).max())
     margin = float(theirs.max() - theirs[int(np.argmax(ours))])

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import internals
 import numpy as np
 import PIL.Image
 import pytest
 
 from llmsession import GenerationOptions, Image, ImageError, Model, Session, UnsupportedFeatureError
 from llmsession.model import Prompt
-from llmsession.native import bindings
 
 GREEDY = GenerationOptions(max_tokens=20, temperature=0)
 IMAGE_TOKENS = (32 // 16) ** 2  # the fixture projector: 32x32 images, 16-pixel patches
@@ -41,10 +41,7 @@ def blue(fixture_path: Callable[[str], Path]) -> Image:
 
 def last_logits(session: Session) -> np.ndarray:
     """The logits the first reply token was sampled from."""
-    _, ffi = bindings()
-    assert session._context is not None
-    n_vocab = session.model.native.n_vocab
-    return np.frombuffer(ffi.buffer(session._context.logits(), 4 * n_vocab), dtype=np.float32).copy()
+    return internals.last_logits(session)
 
 
 def logits_after(model: Model, content: Any) -> np.ndarray:

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import internals
+
 from llmsession import GenerationOptions, Model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +127,7 @@ def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: 
     prompt = "Repeat exactly, nothing else: 🦙🦙🦙 🐍🐍🐍"
     session = smollm2.session()
     full = session.respond(prompt, GenerationOptions(max_tokens=30, temperature=0))
-    tokens = [int(t) for t in session._cache.items[full.usage.prompt_tokens :]]
+    tokens = [int(t) for t in internals.record(session)[full.usage.prompt_tokens :]]
     pieces = b""
     cuts = []
     for n, token in enumerate(tokens, start=1):

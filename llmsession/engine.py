@@ -1,0 +1,411 @@
+"""The engine: a model's shared llama contexts, and where every session's KV state lives.
+
+A live session holds one sequence of a shared context made with ``kv_unified``: the KV cells are
+shared, so memory follows the tokens sessions hold, not their context sizes. When an exchange
+needs a sequence or cells that are not free, ``Residency`` (pure) picks idle sessions to park
+(their state copied to host RAM by ``llama_state_seq_get_data``; past the RAM budget to disk, or
+forgotten) or drop cold, and the engine applies its steps. A session's record (its
+``PrefixCache``) follows its state: a restore must give back exactly that many positions, else
+the session goes cold. One lock per engine serializes every native call on the shared contexts,
+and a decode and the sampling of its logits happen under one hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import MemoryBudgetError
+from .native import ImageChunk, NativeContext, NativeModel, Projector, Sampler
+from .parking import ParkingLot
+from .prefix import Item, Plan, PrefixCache
+from .residency import Budget, BudgetError, Residency, State, Step
+
+if TYPE_CHECKING:
+    import threading as _threading
+
+log = logging.getLogger("llmsession")
+GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The model's memory budget (``Model(kv_tokens=..., ...)``)."""
+
+    kv_tokens: int = 8192  # KV cells shared by the live sessions (per layout: swa_full)
+    max_live_sessions: int = 8  # sequences of the shared context
+    host_cache_bytes: int = 1 << 30  # parked states in RAM
+    disk_cache_dir: Path | None = None  # parked states the RAM budget lets go (else forgotten)
+    batch_size: int = 512  # the largest prefill batch
+
+
+@dataclass
+class Counters:
+    exchanges: int = 0
+    reused_tokens: int = 0
+    parks: int = 0
+    restores: int = 0  # from RAM or disk
+    disk_writes: int = 0
+    drops: int = 0  # states lost: evicted unparkable, or past every budget
+    failed_restores: int = 0
+
+
+@dataclass(frozen=True)
+class SessionMemory:
+    key: int
+    state: str  # live, parked, disk, cold
+    tokens: int  # positions its state holds (wherever it is)
+    parked_bytes: int  # its parked state's size (RAM or disk)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """``Model.memory()``: what the budget holds now, and what happened so far."""
+
+    kv_tokens: int
+    live_tokens: int
+    max_live_sessions: int
+    live_sessions: int
+    host_cache_bytes: int
+    parked_bytes: int
+    disk_entries: int
+    disk_bytes: int
+    sessions: list[SessionMemory]
+    counters: Counters = field(default_factory=Counters)
+
+
+class Lease:
+    """A session's place in the engine: its key and the record of what its state holds."""
+
+    def __init__(self, pool: Pool, key: int, n_swa: int, window: int) -> None:
+        self.pool, self.key, self.n_swa = pool, key, n_swa
+        self.cache = PrefixCache(n_swa=window)
+
+    @property
+    def parkable(self) -> bool:
+        """A sliding-window state past its window restores wrong in the pinned llama.cpp
+        (#25295): such a state is never parked, it goes cold."""
+        return not (self.n_swa > 0 and len(self.cache.items) > self.n_swa)
+
+
+class Pool:
+    """One shared context (made on first use) for one memory layout, and its ledger."""
+
+    def __init__(self, engine: Engine, swa_full: bool, n_batch: int, n_seq_max: int) -> None:
+        self.engine, self.swa_full, self.n_batch = engine, swa_full, n_batch
+        c = engine.config
+        self.budget = Budget(c.kv_tokens, max_live=n_seq_max, host_bytes=c.host_cache_bytes)
+        self.residency = Residency(self.budget, park_bytes=self._park_bytes)
+        self.leases: dict[int, Lease] = {}
+        self._context: NativeContext | None = None
+
+    @property
+    def context(self) -> NativeContext:
+        if self._context is None:
+            e = self.engine
+            self._context = NativeContext(
+                e.native,
+                n_ctx=e.config.kv_tokens,
+                n_batch=self.n_batch,
+                threads=e.threads,
+                swa_full=self.swa_full,
+                n_seq_max=self.budget.max_live,
+            )
+        return self._context
+
+    def _park_bytes(self, key: object) -> int:
+        return self.context.state_size(self.residency.entry(key).seq)
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._context.close()
+
+
+class Engine:
+    """Owns a model's shared contexts and parked states; sessions reach memory only through it."""
+
+    def __init__(
+        self, native: NativeModel, projector: Projector | None, threads: int, config: MemoryConfig
+    ) -> None:
+        self.native, self.projector, self.threads, self.config = native, projector, threads, config
+        self.lock = threading.RLock()
+        self.lot = ParkingLot(config.disk_cache_dir)
+        self.counters = Counters()
+        self._pools: dict[tuple[bool, int], Pool] = {}
+        self._keys = itertools.count()
+        self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
+
+    def lease(self, *, swa_full: bool, batch_size: int) -> Lease:
+        """A new session's place. Sessions share one context per layout. The small sliding-window
+        cache (``swa_full=False``, a memory saver) holds the window plus one batch per sequence:
+        its sessions take turns in a context of their batch size, one live at a time (a unified
+        small-window cache let a deep rewind's logits drift past the split-noise tolerance)."""
+        n_swa = max(0, self.native.n_swa)
+        swa_full = swa_full or n_swa == 0  # one layout when there is no window
+        layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
+        with self.lock:
+            if layout not in self._pools:
+                live = self.config.max_live_sessions if swa_full else 1
+                self._pools[layout] = Pool(self, swa_full, layout[1], live)
+            pool = self._pools[layout]
+            lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa)
+            pool.leases[lease.key] = lease
+            pool.residency.add(lease.key)
+            return lease
+
+    def bury(self, lease: Lease) -> None:
+        """Its session was collected: free its memory at the next safe point (this may run
+        inside a garbage collection, in any thread, even while the lock is held)."""
+        self._dead.append(lease)
+
+    def discard(self, lease: Lease) -> None:
+        """Forget a session's state wherever it is: the session goes cold."""
+        with self.lock:
+            self._apply(lease.pool, lease.pool.residency.cool(lease.key))
+            self.lot.discard(lease.key)
+            lease.cache.reset()
+
+    @contextmanager
+    def seat(self, lease: Lease, cells: int, cancelled: _threading.Event) -> Iterator[Seat]:
+        """A sequence holding ``lease``'s state (restored if parked) with room for ``cells``
+        cells, for one exchange; the session is busy (never evicted) until the block ends."""
+        pool = lease.pool
+        with self.lock:
+            self._reap()
+            if cells > pool.budget.kv_cells:
+                raise MemoryBudgetError(
+                    f"{cells} positions exceed the model's kv_tokens ({pool.budget.kv_cells})"
+                )
+            try:
+                steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable)
+            except BudgetError as error:
+                raise MemoryBudgetError(str(error)) from None
+            self._apply(pool, steps)
+            seq = pool.residency.entry(lease.key).seq
+            if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
+                if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
+                    self._restore(pool, lease, seq, self.lot.take(lease.key))
+                elif pool.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
+                    lease.cache.reset()
+            self.counters.exchanges += 1
+        seat = Seat(self, lease, pool.context, seq, cancelled)
+        try:
+            yield seat
+        finally:
+            with self.lock:
+                pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
+
+    def state(self, lease: Lease) -> bytes | None:
+        """A copy of the session's state (for saving), restoring it to a sequence if parked."""
+        if not lease.cache.items:
+            return None
+        with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
+            return seat.context.state_get(seat.seq) if lease.cache.items else None
+
+    def adopt(self, lease: Lease, blob: bytes, record: Sequence[Item]) -> bool:
+        """Load a saved state into a cold session; False (still cold) if llama.cpp refused it
+        or it does not hold exactly ``record``'s positions."""
+        with self.seat(lease, len(record), threading.Event()) as seat:
+            context = seat.context
+            if context.state_set(blob, seat.seq) and context.pos_max(seat.seq) == len(record) - 1:
+                lease.cache.extend(record)
+                return True
+            context.seq_rm(-1, seat.seq)
+            return False
+
+    def fork(self, source: Lease, target: Lease) -> None:
+        """Give a cold ``target`` what ``source`` holds: the same cells (``seq_cp``) when both
+        fit at once, else a copy of the state; cold when the state cannot be copied exactly."""
+        if not source.cache.items or not source.parkable:
+            return
+        record = source.cache.items
+        with self.lock, self.seat(source, len(record), threading.Event()) as mine:
+            if not source.cache.items:
+                return
+            try:
+                with self.seat(target, len(record), threading.Event()) as theirs:
+                    mine.context.seq_cp(mine.seq, theirs.seq)
+                    target.cache.extend(record)
+                    return
+            except MemoryBudgetError:
+                blob = mine.context.state_get(mine.seq)
+        self.adopt(target, blob, record)
+
+    def memory(self) -> MemoryReport:
+        with self.lock:
+            self._reap()
+            sessions, live, parked = [], 0, 0
+            for pool in self._pools.values():
+                for key, lease in pool.leases.items():
+                    entry = pool.residency.entry(key)
+                    held = len(lease.cache.items)
+                    where = self.lot.holds(key) if entry.state is not State.LIVE else "live"
+                    state = {"host": "parked", "disk": "disk", "": "cold", "live": "live"}[where]
+                    size = self.lot.size(key)
+                    sessions.append(SessionMemory(key, state, held if state != "cold" else 0, size))
+                live += pool.residency.live_count
+                parked += pool.residency.parked_bytes
+            c = self.config
+            return MemoryReport(
+                kv_tokens=c.kv_tokens,
+                live_tokens=sum(s.tokens for s in sessions if s.state == "live"),
+                max_live_sessions=c.max_live_sessions,
+                live_sessions=live,
+                host_cache_bytes=c.host_cache_bytes,
+                parked_bytes=parked,
+                disk_entries=self.lot.disk_entries,
+                disk_bytes=self.lot.disk_bytes,
+                sessions=sessions,
+                counters=Counters(**{f.name: getattr(self.counters, f.name) for f in fields(Counters)}),
+            )
+
+    def close(self) -> None:
+        with self.lock:
+            for pool in self._pools.values():
+                pool.close()
+            self.lot.close()
+
+    # -- applying the ledger's steps -------------------------------------------------------------
+    def _apply(self, pool: Pool, steps: list[Step]) -> None:
+        for step in steps:
+            lease = pool.leases[step.key]  # type: ignore[index]
+            if step.action == "park":
+                blob = pool.context.state_get(step.seq)
+                pool.context.seq_rm(-1, step.seq)
+                self.lot.park(lease.key, blob)
+                self.counters.parks += 1
+                log.debug(
+                    "parked session %d: %d positions, %d bytes", lease.key, len(lease.cache.items), len(blob)
+                )
+            elif step.action == "drop" and self.lot.disk_dir and lease.cache.items and lease.parkable:
+                self.lot.park(lease.key, pool.context.state_get(step.seq))  # too big for RAM
+                pool.context.seq_rm(-1, step.seq)
+                self._apply(pool, [Step("forget", lease.key, -1)])
+            elif step.action == "drop":
+                pool.context.seq_rm(-1, step.seq)
+                if lease.cache.items:
+                    self.counters.drops += 1
+                    log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
+                lease.cache.reset()
+            elif step.action == "forget":
+                if self.lot.spill(lease.key):
+                    self.counters.disk_writes += 1
+                    log.debug("moved session %d's parked state to disk", lease.key)
+                else:
+                    self.counters.drops += 1
+                    log.debug("forgot session %d's parked state (cold)", lease.key)
+                    lease.cache.reset()
+            else:
+                self._restore(pool, lease, step.seq, self.lot.take(lease.key))
+
+    def _restore(self, pool: Pool, lease: Lease, seq: int, blob: bytes | None) -> None:
+        context, held = pool.context, len(lease.cache.items)
+        if blob is not None and context.state_set(blob, seq) and context.pos_max(seq) == held - 1:
+            self.counters.restores += 1
+            log.debug("restored session %d: %d positions", lease.key, held)
+            return
+        context.seq_rm(-1, seq)
+        lease.cache.reset()
+        self.counters.failed_restores += 1
+        log.info("session %d's parked state did not restore: it starts cold", lease.key)
+
+    def _reap(self) -> None:
+        while self._dead:
+            lease = self._dead.pop()
+            pool = lease.pool
+            if lease.key in pool.leases:
+                self._apply(pool, pool.residency.remove(lease.key))
+                self.lot.discard(lease.key)
+                del pool.leases[lease.key]
+
+
+class Seat:
+    """A session's sequence for one exchange. Every call takes the engine's lock."""
+
+    def __init__(
+        self, engine: Engine, lease: Lease, context: NativeContext, seq: int, cancelled: _threading.Event
+    ) -> None:
+        self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
+        self.cancelled = cancelled
+
+    @property
+    def items(self) -> tuple[Item, ...]:
+        return self.lease.cache.items
+
+    def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool]) -> Plan:
+        with self.engine.lock:
+            plan = self.lease.cache.prepare(items, _SeqMemory(self.context, self.seq), can_cut=can_cut)
+            self.engine.counters.reused_tokens += plan.reused
+            return plan
+
+    def decode(
+        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: Sampler | None = None
+    ) -> int:
+        """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
+        from their logits before anyone else decodes (-1 without)."""
+        with self.engine.lock:
+            self._room(len(self.items) + len(tokens))
+            self.context.abort = self.cancelled
+            self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
+            self.lease.cache.extend(tokens)
+            return sampler.sample(self.context) if sampler is not None else -1
+
+    def eval_image(
+        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: Sampler | None
+    ) -> tuple[int, int]:
+        """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
+        token sampled if a sampler is given (-1 without)."""
+        projector = self.engine.projector
+        assert projector is not None
+        with self.engine.lock:
+            self._room(len(self.items) + len(items))
+            self.context.abort = self.cancelled
+            pos = projector.eval_image(
+                self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
+            )
+            self.lease.cache.extend(items)
+            return pos, sampler.sample(self.context) if sampler is not None else -1
+
+    def clear(self) -> None:
+        """Empty the sequence (the prompt cannot reuse it, or it no longer matches its record)."""
+        with self.engine.lock:
+            self.context.seq_rm(-1, self.seq)
+            self.lease.cache.reset()
+
+    def after_abort(self) -> None:
+        """An aborted decode may leave part of its batch in memory: remove it, or everything."""
+        with self.engine.lock:
+            if self.engine.native.is_recurrent or not self.context.seq_rm(len(self.items), self.seq):
+                self.clear()
+
+    def _room(self, cells: int) -> None:
+        pool, key = self.lease.pool, self.lease.key
+        if cells <= pool.residency.entry(key).cells:
+            return
+        try:
+            steps = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
+        except BudgetError as error:
+            raise MemoryBudgetError(str(error)) from None
+        self.engine._apply(pool, steps)
+
+
+class _SeqMemory:
+    """``prefix.Memory`` for one sequence of a shared context (never clears the others)."""
+
+    def __init__(self, context: NativeContext, seq: int) -> None:
+        self.context, self.seq = context, seq
+
+    def seq_rm(self, p0: int) -> bool:
+        return self.context.seq_rm(p0, self.seq)
+
+    def clear(self) -> None:
+        self.context.seq_rm(-1, self.seq)
+
+    def pos_min(self) -> int:
+        return self.context.pos_min(self.seq)

@@ -1,0 +1,63 @@
+"""The one place tests look inside a session's memory (so an engine change touches one file)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmsession import Session
+from llmsession.native import NativeContext, bindings
+from llmsession.prefix import Item
+from llmsession.residency import State
+
+
+def record(session: Session) -> tuple[Item, ...]:
+    """The items the session's KV state holds, position by position (live or parked)."""
+    return session._lease.cache.items
+
+
+def placement(session: Session) -> tuple[str, int]:
+    """Where the session's state is: (live / parked / cold, its sequence while live)."""
+    lease = session._lease
+    entry = lease.pool.residency.entry(lease.key)
+    return entry.state.value, entry.seq
+
+
+def live_context(session: Session) -> NativeContext | None:
+    """The shared context holding the session's sequence, None unless it is live."""
+    lease = session._lease
+    if lease.pool.residency.entry(lease.key).state is not State.LIVE:
+        return None
+    return lease.pool.context
+
+
+def last_logits(session: Session) -> np.ndarray:
+    """The logits of the session's latest decode (nothing else may have decoded since)."""
+    context = live_context(session)
+    assert context is not None, "the session is not live"
+    return read_logits(session.model.native.n_vocab, context)
+
+
+def read_logits(n_vocab: int, context: NativeContext) -> np.ndarray:
+    _, ffi = bindings()
+    return np.frombuffer(ffi.buffer(context.logits(), 4 * n_vocab), dtype=np.float32).copy()
+
+
+def state(session: Session) -> bytes:
+    """A copy of the session's KV state (restored to a sequence first if it was parked)."""
+    blob = session.model._engine.state(session._lease)
+    assert blob is not None, "the session holds no state"
+    return blob
+
+
+def logits_after(session: Session, tokens: list[int]) -> np.ndarray:
+    """The logits after decoding ``tokens`` past the session's state, in its own sequence (they
+    are removed again; a recurrent state that cannot rewind leaves the session cold)."""
+    import threading
+
+    held = len(record(session))
+    with session.model._engine.seat(session._lease, held + len(tokens), threading.Event()) as seat:
+        seat.context.decode(tokens, held, seq=seat.seq)
+        logits = read_logits(session.model.native.n_vocab, seat.context)
+        if not seat.context.seq_rm(held, seat.seq):
+            seat.clear()
+    return logits
