@@ -167,8 +167,7 @@ class Engine:
     def discard(self, lease: Lease) -> None:
         """Forget a session's state wherever it is: the session goes cold."""
         with self.lock:
-            self._apply(lease.pool, lease.pool.residency.cool(lease.key))
-            self.lot.discard(lease.key)
+            self._free(lease.pool, lease.pool.residency.cool(lease.key))
             lease.cache.reset()
 
     @contextmanager
@@ -320,9 +319,15 @@ class Engine:
             lease = self._dead.pop()
             pool = lease.pool
             if lease.key in pool.leases:
-                self._apply(pool, pool.residency.remove(lease.key))
-                self.lot.discard(lease.key)
+                self._free(pool, pool.residency.remove(lease.key))
                 del pool.leases[lease.key]
+
+    def _free(self, pool: Pool, steps: list[Step]) -> None:
+        """Let a session's state go on purpose (closed or collected): not an eviction."""
+        for step in steps:
+            if step.action == "drop":
+                pool.context.seq_rm(-1, step.seq)
+            self.lot.discard(step.key)
 
 
 class Seat:

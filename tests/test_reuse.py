@@ -115,14 +115,16 @@ def tolerance_for(noise: float) -> float:
     return 2 * noise + 0.05
 
 
-def check_against_fresh(session: Session, reply: Any, tolerance: float, *, final: bool = True) -> list[str]:
+def check_against_fresh(
+    session: Session, reply: Any, tolerance: float, *, final: bool = True, at_least: int = 16
+) -> list[str]:
     """Teacher-force a fresh context through the session's prompt and reply tokens; report each
     step where the cached choice is not within tolerance of the fresh top logit, and a final
     logit difference above tolerance."""
     model = session.model
     recorded = [int(t) for t in internals.record(session)]
     prompt, generated = recorded[: reply.usage.prompt_tokens], recorded[reply.usage.prompt_tokens :]
-    assert len(generated) >= 16, "compare at least 16 generated tokens"
+    assert len(generated) >= at_least, f"compare at least {at_least} generated tokens"
     problems = []
     context = NativeContext(model.native, n_ctx=N_CTX, n_batch=512, threads=2)
     try:
