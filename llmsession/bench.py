@@ -200,7 +200,7 @@ def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dic
     return {"samples_ts": samples, "build_commit": row["build_commit"], "command": " ".join(cmd)}
 
 
-def run_peer(python: str, config: dict[str, Any]) -> dict[str, Any]:
+def run_peer(python: str, config: dict[str, Any], *, summarize: bool = True) -> dict[str, Any]:
     """llama-cpp-python in a worker process (its own venv is fine) on llmsession's llama.cpp build."""
     lib = os.environ.get("LLAMA_CPP_LIB_PATH") or str(paths.llama_dir() / "lib")
     env = os.environ | {"LLAMA_CPP_LIB_PATH": lib}
@@ -213,6 +213,8 @@ def run_peer(python: str, config: dict[str, Any]) -> dict[str, Any]:
     if out.returncode != 0:
         return {"skipped": f"the peer worker failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
     peer: dict[str, Any] = json.loads(out.stdout)
+    if not summarize:
+        return peer
     sessions = [totals(_turns(s)) for s in peer["interleaved"]]
     peer["summary"] = {"multi_turn": totals(_turns(peer["multi_turn"])), "interleaved": sessions}
     return peer
@@ -367,6 +369,10 @@ def progress(step: str, started: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "memory":
+        from .bench_memory import main as memory_main
+
+        return memory_main(argv[1:])
     args, started = parse_args(argv), time.perf_counter()
     options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]

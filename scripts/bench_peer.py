@@ -98,8 +98,59 @@ def loaded_commit() -> str:
     return str(ggml.ggml_commit().decode())
 
 
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def memory(config: dict[str, Any]) -> dict[str, Any]:
+    """N conversations round-robin on one Llama with a LlamaRAMCache (its answer to many chats):
+    each exchange's TTFT, whether the cache or the context held its prefix, and RSS once idle."""
+    from llama_cpp import LlamaRAMCache
+
+    results = {}
+    for n in config["sizes"]:
+        llm = RecordingLlama(
+            config["model"],
+            n_ctx=config["n_ctx"],
+            n_threads=config["threads"],
+            n_threads_batch=config["threads"],
+            flash_attn=True,
+            verbose=False,
+        )
+        exchange(llm, [{"role": "user", "content": "Hello"}], 4)
+        base = rss_mib()
+        llm.set_cache(LlamaRAMCache(capacity_bytes=config["cache_bytes"]))
+        transcripts = [[{"role": "system", "content": config["system"]}] for _ in range(n)]
+        exchanges = []
+        for r in range(config["rounds"]):
+            for i, messages in enumerate(transcripts):
+                questions = config["questions"]
+                content = config["first_messages"][i] if r == 0 else questions[r % len(questions)]
+                messages.append({"role": "user", "content": content})
+                turn = exchange(llm, messages, config["max_tokens"])
+                messages.append({"role": "assistant", "content": turn["text"]})
+                kind = "cold" if r == 0 else "restored"  # a later round's prefix: from the cache
+                exchanges.append(
+                    {
+                        "ttft_s": turn["ttft_s"],
+                        "kind": kind,
+                        "decoded": turn["decoded_prompt_tokens"],
+                        "round": r,
+                    }
+                )
+        results[str(n)] = {"resident_mib": rss_mib() - base, "exchanges": exchanges}
+        del llm
+    return results
+
+
 def main() -> int:
     config = json.load(sys.stdin)
+    if config.get("mode") == "memory":
+        json.dump({"version": __import__("llama_cpp").__version__, "memory": memory(config)}, sys.stdout)
+        return 0
     threads = config["threads"]
     # flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU.
     llm = RecordingLlama(
