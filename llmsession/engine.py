@@ -12,6 +12,7 @@ and a decode and the sampling of its logits happen under one hold.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -109,8 +110,7 @@ class Pool:
     def context(self) -> NativeContext:
         if self._context is None:
             e = self.engine
-            self._context = NativeContext(
-                e.native,
+            self._context = e.make_context(
                 n_ctx=e.config.kv_tokens,
                 n_batch=self.n_batch,
                 threads=e.threads,
@@ -131,9 +131,17 @@ class Engine:
     """Owns a model's shared contexts and parked states; sessions reach memory only through it."""
 
     def __init__(
-        self, native: NativeModel, projector: Projector | None, threads: int, config: MemoryConfig
+        self,
+        native: NativeModel,
+        projector: Projector | None,
+        threads: int,
+        config: MemoryConfig,
+        make_context: Callable[..., NativeContext] | None = None,
     ) -> None:
+        """``make_context``: how a shared context is made (tests pass a fake that keeps llama.cpp's
+        semantics); by default a ``NativeContext`` of ``native``."""
         self.native, self.projector, self.threads, self.config = native, projector, threads, config
+        self.make_context = make_context or functools.partial(NativeContext, native)
         self.lock = threading.RLock()
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()

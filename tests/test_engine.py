@@ -1,0 +1,240 @@
+"""The engine over a fake shared context that keeps llama.cpp's semantics (a unified KV cache:
+cells shared by sequences, decodes refused when no cell is free or positions do not follow,
+sequence states as bytes that load only into room), driven by a hypothesis state machine through
+exchanges, edits, failures, forks, closes and collected sessions, with and without a disk tier.
+After every step: the budget holds, every session's memory holds exactly its record wherever it
+lives (live, parked in RAM, on disk) or nothing (cold), and no state past its window is parked."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from llmsession import MemoryBudgetError, NativeError
+from llmsession.engine import Engine, Lease, MemoryConfig
+from llmsession.residency import State
+
+CONTEXT_SIZE = 16
+
+
+class FakeContext:
+    """A unified KV cache: ``cells[i] = (position, item, sequences)``."""
+
+    def __init__(self, *, n_ctx: int, n_batch: int, threads: int, swa_full: bool, n_seq_max: int) -> None:
+        self.n_ctx, self.n_batch, self.n_seq_max = n_ctx, n_batch, n_seq_max
+        self.cells: dict[int, tuple[int, Any, set[int]]] = {}
+        self.abort = threading.Event()
+
+    def items(self, seq: int) -> list[Any]:
+        held = sorted((pos, item) for pos, item, seqs in self.cells.values() if seq in seqs)
+        assert [pos for pos, _ in held] == list(range(len(held))), f"sequence {seq} has gaps: {held}"
+        return [item for _, item in held]
+
+    def _place(self, seq: int, start: int, items: Sequence[Any]) -> bool:
+        free = [i for i in range(self.n_ctx) if i not in self.cells]
+        if len(free) < len(items):
+            return False
+        for cell, (offset, item) in zip(free, enumerate(items), strict=False):
+            self.cells[cell] = (start + offset, item, {seq})
+        return True
+
+    def decode(self, tokens: Sequence[int], start: int, *, seq: int = 0, abortable: bool = False) -> None:
+        assert 0 <= seq < self.n_seq_max and 0 < len(tokens) <= self.n_batch
+        if start != self.pos_max(seq) + 1:
+            raise NativeError("llama_decode failed (positions do not follow)")
+        if not self._place(seq, start, tokens):
+            raise NativeError("llama_decode failed (no KV slot)")
+
+    def seq_rm(self, p0: int, seq: int = 0) -> bool:
+        for cell, (pos, _, seqs) in list(self.cells.items()):
+            if seq in seqs and pos >= max(p0, 0):
+                seqs.discard(seq)
+                if not seqs:
+                    del self.cells[cell]
+        return True
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        for _, _, seqs in self.cells.values():
+            if src in seqs:
+                seqs.add(dst)
+
+    def pos_min(self, seq: int = 0) -> int:
+        return min((pos for pos, _, seqs in self.cells.values() if seq in seqs), default=-1)
+
+    def pos_max(self, seq: int = 0) -> int:
+        return max((pos for pos, _, seqs in self.cells.values() if seq in seqs), default=-1)
+
+    def state_size(self, seq: int = 0) -> int:
+        return len(self.state_get(seq))
+
+    def state_get(self, seq: int = 0) -> bytes:
+        return json.dumps(self.items(seq)).encode()
+
+    def state_set(self, blob: bytes, seq: int = 0) -> bool:
+        self.seq_rm(-1, seq)
+        return self._place(seq, 0, json.loads(blob))
+
+    def close(self) -> None:
+        self.cells.clear()
+
+
+class FakeNative:
+    def __init__(self, n_swa: int) -> None:
+        self.n_swa, self.is_recurrent = n_swa, False
+
+
+class Boom(Exception):
+    """An error in the middle of an exchange."""
+
+
+class EngineMachine(RuleBasedStateMachine):
+    @initialize(
+        kv=st.integers(CONTEXT_SIZE, 48),
+        live=st.integers(1, 4),
+        host=st.integers(0, 300),
+        disk=st.booleans(),
+        n_swa=st.sampled_from([0, 8]),
+    )
+    def setup(self, kv: int, live: int, host: int, disk: bool, n_swa: int) -> None:
+        self.tmp = tempfile.TemporaryDirectory() if disk else None
+        config = MemoryConfig(kv, live, host, Path(self.tmp.name) if self.tmp else None, batch_size=4)
+        self.engine = Engine(FakeNative(n_swa), None, 1, config, make_context=FakeContext)  # type: ignore[arg-type]
+        self.n_swa, self.kv, self.host = n_swa, kv, host
+        self.leases: list[Lease] = []
+        self.history: dict[int, list[Any]] = {}  # each session's last prompt and reply
+        self.counter = itertools.count(10_000)
+        for _ in range(5):
+            self.add()
+
+    def add(self) -> Lease:
+        lease = self.engine.lease(swa_full=True, batch_size=4)
+        self.leases.append(lease)
+        self.history[lease.key] = []
+        return lease
+
+    @property
+    def context(self) -> FakeContext:
+        (pool,) = self.engine._pools.values()
+        return pool.context  # type: ignore[return-value]
+
+    @precondition(lambda self: hasattr(self, "engine") and self.leases)
+    @rule(data=st.data(), new=st.integers(1, 6), reply=st.integers(0, 4), fail=st.booleans())
+    def exchange(self, data: st.DataObject, new: int, reply: int, fail: bool) -> None:
+        lease = data.draw(st.sampled_from(self.leases))
+        history = self.history[lease.key]
+        keep = data.draw(st.integers(0, len(history)))  # an edit or a regeneration rewinds
+        prompt = [*history[:keep], *(next(self.counter) for _ in range(new))][-CONTEXT_SIZE + 1 :]
+        cells = min(CONTEXT_SIZE, max(len(lease.cache.items), len(prompt)) + 2)
+        with self.engine.seat(lease, cells, threading.Event()) as seat:
+            assert self.context.items(seat.seq) == list(lease.cache.items), (
+                "the seat does not hold the record"
+            )
+            try:
+                plan = seat.prepare(prompt, can_cut=lambda position: True)
+                assert list(lease.cache.items) == prompt[: plan.reused]
+                pos = plan.reused
+                for i in range(pos, len(prompt), 4):
+                    seat.decode(prompt[i : i + 4], pos)
+                    pos += len(prompt[i : i + 4])
+                replied = []
+                for _ in range(reply):
+                    if pos + 1 >= CONTEXT_SIZE:
+                        break
+                    token = next(self.counter)
+                    seat.decode([token], pos)
+                    replied.append(token)
+                    pos += 1
+                if fail:
+                    raise Boom
+                self.history[lease.key] = prompt + replied
+            except Boom:
+                seat.clear()  # what Session does when an exchange fails
+
+    @precondition(lambda self: hasattr(self, "engine") and self.leases and len(self.leases) < 9)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        source = data.draw(st.sampled_from(self.leases))
+        target = self.add()
+        self.history[target.key] = list(source.cache.items)
+        self.engine.fork(source, target)
+        assert target.cache.items in ((), source.cache.items)
+
+    @precondition(lambda self: hasattr(self, "engine") and self.leases)
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(self.leases))
+        self.engine.discard(lease)
+        assert lease.cache.items == ()
+
+    @precondition(lambda self: hasattr(self, "engine") and len(self.leases) > 1)
+    @rule(data=st.data())
+    def collect(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(self.leases))
+        self.leases.remove(lease)
+        self.engine.bury(lease)
+        self.engine.memory()  # a safe point: the buried lease's memory is freed here
+
+    @rule()
+    def budget_exceeded_is_refused(self) -> None:
+        if hasattr(self, "engine") and self.leases:
+            try:
+                with self.engine.seat(self.leases[0], self.kv + 1, threading.Event()):
+                    raise AssertionError("a request above kv_tokens was seated")
+            except MemoryBudgetError:
+                pass
+
+    @invariant()
+    def everything_holds_its_record(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        engine, owned = self.engine, set()
+        for lease in self.leases:
+            record = list(lease.cache.items)
+            assert record == self.history[lease.key][: len(record)], "a record holds foreign items"
+            entry = lease.pool.residency.entry(lease.key)
+            where = engine.lot.holds(lease.key)
+            if entry.state is State.LIVE:
+                owned.add(entry.seq)
+                assert self.context.items(entry.seq) == record
+            elif where:
+                blob = (
+                    engine.lot._host[lease.key]
+                    if where == "host"
+                    else engine.lot._disk[lease.key][0].read_bytes()
+                )
+                assert json.loads(blob) == record
+                assert self.n_swa == 0 or len(record) <= self.n_swa, "a state past its window was parked"
+            else:
+                assert record == [], "a cold session kept a record"
+        for _, _, seqs in self.context.cells.values() if self.engine._pools else []:
+            assert seqs <= owned, f"cells of sequences nobody owns: {seqs - owned}"
+
+    @invariant()
+    def within_budget(self) -> None:
+        if not hasattr(self, "engine") or not self.engine._pools:
+            return
+        report = self.engine.memory()
+        assert len(self.context.cells) <= self.kv
+        assert report.live_sessions <= self.engine.config.max_live_sessions
+        assert self.engine.lot.host_bytes <= self.host
+        assert self.engine.lot.disk_entries == 0 or self.engine.lot.disk_dir is not None
+
+    def teardown(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.close()
+            if self.tmp is not None:
+                assert list(Path(self.tmp.name).iterdir()) == [], "closing left parked files behind"
+                self.tmp.cleanup()
+
+
+EngineMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+TestEngine = EngineMachine.TestCase
