@@ -69,15 +69,18 @@ class ContextPerSession:
             self.cache.extend(prompt[i : i + 512])
             pos += len(prompt[i : i + 512])
         sampler = Sampler.from_options(GREEDY, n_vocab=model.native.n_vocab, last_n=0)
-        token, ttft, generated = sampler.sample(context), time.perf_counter() - began, list[int]()
+        token, first = sampler.sample(context), time.perf_counter()
+        ttft, generated = first - began, list[int]()
         while len(generated) < GREEDY.max_tokens and not model.native.is_eog(token):
             generated.append(token)
             context.decode([token], pos)
             self.cache.extend([token])
             pos, token = pos + 1, sampler.sample(context)
         sampler.close()
+        rate = len(generated) / (time.perf_counter() - first) if generated else 0.0
         self.messages += [user, {"role": "assistant", "content": model.detokenize(generated)}]
-        return {"ttft_s": ttft, "kind": "live" if reused else "cold", "decoded": len(prompt) - reused}
+        kind = "live" if reused else "cold"
+        return {"ttft_s": ttft, "kind": kind, "decoded": len(prompt) - reused, "tokens_per_s": rate}
 
 
 def engine_contender(model: Model) -> Callable[[], Callable[[str], dict[str, Any]]]:
@@ -99,6 +102,7 @@ def engine_contender(model: Model) -> Callable[[], Callable[[str], dict[str, Any
                 "ttft_s": ttft,
                 "kind": kind if u.reused_tokens else "cold",
                 "decoded": u.decoded_prompt_tokens,
+                "tokens_per_s": stream.reply.timings.generation_tokens_per_s,
             }
 
         return respond
@@ -141,6 +145,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "counts": {k: len(v) for k, v in by_kind.items()},
         "decoded_later_rounds": sum(e["decoded"] for e in later),
         "max_decoded_later": max((e["decoded"] for e in later), default=0),
+        "tokens_per_s": statistics.median(
+            [e["tokens_per_s"] for e in result["exchanges"] if e.get("tokens_per_s")] or [0]
+        ),
     }
 
 
@@ -203,6 +210,7 @@ def report(results: dict[str, Any]) -> None:
         "exchanges l/r/c",
         "decoded (rounds 2+)",
         "max per exchange",
+        "gen tok/s",
     ]
     rows = []
     for n in results["sizes"]:
@@ -222,6 +230,7 @@ def report(results: dict[str, Any]) -> None:
                 "/".join(str(c.get(k, 0)) for k in ("live", "restored", "cold")),
                 str(s["decoded_later_rounds"]),
                 str(s["max_decoded_later"]),
+                f"{s['tokens_per_s']:.0f}",
             ]
             rows.append(row)
     table("memory: N sessions round-robin (TTFT median, ms; resident = RSS growth once idle)", header, rows)

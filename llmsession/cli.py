@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import paths
+from .budget import MemoryConfig
 from .errors import LlmSessionError
 from .model import Model
 from .options import GenerationOptions
@@ -97,6 +98,7 @@ class Chat:
             self.note("[reset]")
         elif name == "/stats":
             self.note(str(self.totals))
+            self.note(str(self.session.model.memory()))
         elif name == "/help":
             print(HELP, file=self.out)
         else:
@@ -252,6 +254,12 @@ def doctor(_args: argparse.Namespace) -> int:
         print(f"  {model.name}  {model.stat().st_size / 1e6:.1f} MB")
     projector = paths.fixtures_dir() / "mmproj-tiny.gguf"
     print(f"projector fixture: {projector} {'present' if projector.exists() else 'missing'}")
+    budget = MemoryConfig()
+    print(
+        "memory budget per model (the defaults; Model() arguments change them): "
+        f"kv_tokens {budget.kv_tokens}, max_live_sessions {budget.max_live_sessions}, "
+        f"host_cache_bytes {budget.host_cache_bytes >> 20} MiB, disk_cache_dir none"
+    )
     return status
 
 

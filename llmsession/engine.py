@@ -18,10 +18,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from .budget import Counters, MemoryConfig, MemoryReport, SessionMemory
 from .errors import MemoryBudgetError
 from .native import ImageChunk, NativeContext, NativeModel, Projector, Sampler
 from .parking import ParkingLot
@@ -33,52 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """The model's memory budget (``Model(kv_tokens=..., ...)``)."""
-
-    kv_tokens: int = 8192  # KV cells shared by the live sessions (per layout: swa_full)
-    max_live_sessions: int = 8  # sequences of the shared context
-    host_cache_bytes: int = 1 << 30  # parked states in RAM
-    disk_cache_dir: Path | None = None  # parked states the RAM budget lets go (else forgotten)
-    batch_size: int = 512  # the largest prefill batch
-
-
-@dataclass
-class Counters:
-    exchanges: int = 0
-    reused_tokens: int = 0
-    parks: int = 0
-    restores: int = 0  # from RAM or disk
-    disk_writes: int = 0
-    drops: int = 0  # states lost: evicted unparkable, or past every budget
-    failed_restores: int = 0
-
-
-@dataclass(frozen=True)
-class SessionMemory:
-    key: int
-    state: str  # live, parked, disk, cold
-    tokens: int  # positions its state holds (wherever it is)
-    parked_bytes: int  # its parked state's size (RAM or disk)
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """``Model.memory()``: what the budget holds now, and what happened so far."""
-
-    kv_tokens: int
-    live_tokens: int
-    max_live_sessions: int
-    live_sessions: int
-    host_cache_bytes: int
-    parked_bytes: int
-    disk_entries: int
-    disk_bytes: int
-    sessions: list[SessionMemory]
-    counters: Counters = field(default_factory=Counters)
 
 
 class Lease:

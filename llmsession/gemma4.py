@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmsession.errors import TemplateError
-from llmsession.templates import Message, check_messages, flatten_content
+from llmsession.messages import Message, check_messages, flatten_content
 
 TURN_START = "<|turn>"
 TURN_END = "<turn|>\n"

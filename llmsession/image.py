@@ -20,7 +20,7 @@ import numpy as np
 import PIL.Image
 
 from .errors import ImageError
-from .templates import is_image_part
+from .messages import is_image_part
 
 ImageSource = bytes | bytearray | memoryview | str | Path | PIL.Image.Image | np.ndarray
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engine import Engine, MemoryConfig, MemoryReport
+from .budget import MemoryConfig, MemoryReport
+from .engine import Engine
 from .errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
 from .image import message_images
+from .messages import check_messages
 from .native import Chunks, ImageChunk, NativeModel, Piece, Projector, default_threads
 from .options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import Item, image_items
@@ -18,7 +20,7 @@ from .replies import Reply
 from .session import Session, Stream
 from .sessionfile import file_digest
 from .stateless import StatelessPool
-from .templates import check_messages, render_prompt
+from .templates import render_prompt
 
 DEFAULT_MEDIA_MARKER = "<__media__>"
 MAX_THREADS = 512  # GGML_MAX_N_THREADS

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import SessionFileError
+from .errors import MemoryBudgetError, SessionFileError
 from .image import Image, image_from_part
+from .messages import is_image_part
 from .native import build_commit, context_layout, state_seq_version
 from .sessionfile import SavedSession, read, write
-from .templates import is_image_part
 
 if TYPE_CHECKING:
     from .model import Model
@@ -80,8 +80,11 @@ def load(model: Model, path: str | Path, **overrides: Any) -> Session:
     session = model.session(**{**settings, **overrides})
     session.messages = [_decode_message(message, saved) for message in saved.messages]
     reason = _mismatch(saved, compat(model, session.swa_full), session.context_size)
-    if not reason and not model._engine.adopt(session._lease, saved.blobs["state"], saved.record):
-        reason = "llama.cpp did not accept the saved state"
+    try:
+        if not reason and not model._engine.adopt(session._lease, saved.blobs["state"], saved.record):
+            reason = "llama.cpp did not accept the saved state"
+    except MemoryBudgetError as error:  # other sessions' exchanges hold all the live memory
+        reason = f"no live memory was free to load it: {error}"
     restored = 0 if reason else len(saved.record)
     note = f"cache not reused: {reason}" if reason else f"restored {restored} positions from {path}"
     (log.debug if not reason else log.info)("load_session: %s", note)

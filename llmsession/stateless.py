@@ -4,9 +4,12 @@ OpenAI-style clients and most frameworks do, and still gets prefix reuse.
 The model keeps a few sessions for these calls. Each call tokenizes its prompt and takes the idle
 kept session whose cached items share the longest prefix with it (llama-server's slot similarity,
 mlx-lm's prompt cache), gives it the call's history and answers the last message; only the rest
-is decoded. A session is reused only if at least half of its cache is such a prefix. A session
-is taken out while its stream runs, so concurrent calls never share one.
-Past ``capacity`` the least recently used idle session is dropped with its context.
+is decoded. A session is reused only if at least half of its cache is such a prefix. A call that
+branches off a cached conversation (a regeneration, an edit: more than ``BRANCH`` cached items
+past the shared prefix) takes a fork of it, sharing the cells (``seq_cp``), so the original stays
+whole for the call that continues it. A session is taken out while its stream runs, so concurrent
+calls never share one. Past ``capacity`` the least recently used idle session is closed; the
+sessions kept are parked and restored by the model's engine like any other.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import TemplateError
+from .messages import check_messages
 from .options import GenerationOptions
 from .prefix import common_prefix
-from .templates import check_messages
 
 SIMILARITY = 0.5
+BRANCH = 16
 
 if TYPE_CHECKING:
     from .model import Model
@@ -74,7 +78,9 @@ class StatelessPool:
         scored = [(common_prefix(s._lease.cache.items, items), s) for s in fitting]
         similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s._lease.cache.items)]
         if similar:
-            chosen = max(similar, key=lambda pair: pair[0])[1]
+            shared, chosen = max(similar, key=lambda pair: pair[0])
+            if len(chosen._lease.cache.items) - shared > BRANCH:
+                return chosen.fork()  # the fork's own transcript is replaced by the caller
         elif len(self._sessions) >= self.capacity and fitting:
             chosen = fitting[0]  # least recently used
         else:

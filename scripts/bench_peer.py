@@ -138,6 +138,7 @@ def memory(config: dict[str, Any]) -> dict[str, Any]:
                         "ttft_s": turn["ttft_s"],
                         "kind": kind,
                         "decoded": turn["decoded_prompt_tokens"],
+                        "tokens_per_s": turn["generation_tokens_per_s"],
                         "round": r,
                     }
                 )

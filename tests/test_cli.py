@@ -213,6 +213,7 @@ def test_undo_then_the_same_message_reuses_the_cache(terminal: Callable[..., Ter
     assert again.reused + again.decoded == again.prompt
     term.enter("/stats")
     term.expect(r"turns 3 \| prompt tokens \d+ \(reused \d+, decoded \d+\) \| completion tokens \d+")
+    term.expect(r"memory: 1/8 sessions live holding \d+/8192 KV cells; .* restores \d+")
 
 
 def test_image_command_with_a_projector(terminal: Callable[..., Terminal]) -> None:

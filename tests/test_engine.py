@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmsession import MemoryBudgetError, NativeError
-from llmsession.engine import Engine, Lease, MemoryConfig
+from llmsession.budget import MemoryConfig
+from llmsession.engine import Engine, Lease
 from llmsession.residency import State
 
 CONTEXT_SIZE = 16

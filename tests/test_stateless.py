@@ -54,6 +54,21 @@ def test_interleaved_conversations_each_find_their_own_prefix(smollm2: Model) ->
                 assert reply.usage.reused_tokens > reply.usage.prompt_tokens // 2
 
 
+def test_a_branch_forks_and_the_original_conversation_keeps_its_cache(smollm2: Model) -> None:
+    """A regeneration (the same history, another last question) must not cut the cache of the
+    conversation it branches from: the next call of that conversation still reuses it all."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are terse, branch test."}]
+    for question in QUESTIONS[:2]:
+        history.append({"role": "user", "content": question})
+        history.append({"role": "assistant", "content": smollm2.chat(history, GREEDY).text})
+    branch = smollm2.chat([*history[:-2], {"role": "user", "content": "Something else entirely?"}], GREEDY)
+    assert branch.usage.reused_tokens > 0
+    history.append({"role": "user", "content": QUESTIONS[2]})
+    again = smollm2.chat(history, GREEDY)
+    kept = len(smollm2.prompt_tokens(history[:-2]))  # through the second question: the branch cut there
+    assert again.usage.reused_tokens >= kept, (again.usage, kept)
+
+
 def test_concurrent_stateless_streams_never_share_a_session(smollm2: Model) -> None:
     history = [{"role": "user", "content": QUESTIONS[0]}]
     first = smollm2.chat_stream(history, GREEDY)
