@@ -163,9 +163,13 @@ class Engine:
                 pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
 
     def state(self, lease: Lease) -> bytes | None:
-        """A copy of the session's state (for saving), restoring it to a sequence if parked."""
-        if not lease.cache.items:
-            return None
+        """A copy of the session's state (for saving): a parked one as it is, a live one from
+        its sequence."""
+        with self.lock:
+            if not lease.cache.items:
+                return None
+            if lease.pool.residency.entry(lease.key).state is not State.LIVE and self.lot.holds(lease.key):
+                return self.lot.peek(lease.key)
         with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
             return seat.context.state_get(seat.seq) if lease.cache.items else None
 

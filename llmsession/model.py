@@ -133,7 +133,7 @@ class Model:
         self,
         system: str | None = None,
         *,
-        context_size: int = 4096,
+        context_size: int | None = None,
         batch_size: int = 512,
         thinking: bool = False,
         swa_full: bool = True,
@@ -141,8 +141,8 @@ class Model:
         """A new conversation; its KV state lives in the model's shared memory.
 
         ``context_size`` bounds the positions the session uses (prompt and reply), exactly; it
-        may not exceed the model's ``kv_tokens``. ``batch_size`` is its prefill batch (at most
-        the model's).
+        may not exceed the model's ``kv_tokens`` (default: 4,096, or ``kv_tokens`` if smaller).
+        ``batch_size`` is its prefill batch (at most the model's).
         """
         if self.closed:
             raise ModelClosedError("this model is closed")

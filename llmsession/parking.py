@@ -76,14 +76,19 @@ class ParkingLot:
     def take(self, key: Key) -> bytes | None:
         """The parked state of ``key`` (removed from here), or None if there is none or its file
         no longer matches what was written."""
+        blob = self.peek(key)
+        self.discard(key)
+        return blob
+
+    def peek(self, key: Key) -> bytes | None:
+        """The parked state of ``key``, left in place; None as for ``take``."""
         if key in self._host:
-            return self._host.pop(key)
+            return self._host[key]
         if key not in self._disk:
             return None
-        path, digest, _ = self._disk.pop(key)
+        path, digest, _ = self._disk[key]
         try:
             blob = path.read_bytes()
-            path.unlink()
         except OSError as error:
             log.warning("could not read the parked state %s: %s", path, error)
             return None

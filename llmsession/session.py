@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .model import Model, Prompt
 
 log = logging.getLogger("llmsession")
+DEFAULT_CONTEXT_SIZE = 4096
 
 
 class Session:
@@ -47,14 +48,16 @@ class Session:
         model: Model,
         *,
         system: str | None = None,
-        context_size: int = 4096,
+        context_size: int | None = None,
         batch_size: int = 512,
         thinking: bool = False,
         swa_full: bool = True,
     ) -> None:
+        engine = model._engine
+        if context_size is None:  # 4,096 positions, or the whole budget if it is smaller
+            context_size = min(DEFAULT_CONTEXT_SIZE, engine.config.kv_tokens)
         check_int("context_size", context_size, 16, MAX_POSITIONS)
         check_int("batch_size", batch_size, 1, MAX_POSITIONS)
-        engine = model._engine
         if context_size > engine.config.kv_tokens:
             raise ValueError(
                 f"context_size: {context_size} positions exceed the model's kv_tokens "

@@ -84,7 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     log = args.log.open("a", encoding="utf-8") if args.log else None
     image_paths = {name: args.fixtures / f"image-{name}.png" for name in ("red", "blue")}
-    with Model(args.model, mmproj_path=args.fixtures / "mmproj-tiny.gguf", threads=args.threads) as model:
+    # A tight budget (two live sequences, room for a few parked states) so every step also moves
+    # sessions between live, parked and cold under the differential checks.
+    budget = {"kv_tokens": 1536, "max_live_sessions": 2, "host_cache_bytes": 24 << 20}
+    mmproj = args.fixtures / "mmproj-tiny.gguf"
+    with Model(args.model, mmproj_path=mmproj, threads=args.threads, **budget) as model:
         noise = short_prompt_noise(model) if args.noise is None else args.noise
         set_env(
             Env(
@@ -109,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_state_machine_as_test(SessionFuzzer, settings=FAST)
         finally:
             print(f"fuzzer: {STATS.summary()}\n  total {time.monotonic() - started:.1f} s", flush=True)
+            print(f"  {model.memory()}", flush=True)
             if log is not None:
                 log.close()
     return 0

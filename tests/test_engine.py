@@ -128,8 +128,14 @@ class EngineMachine(RuleBasedStateMachine):
         return pool.context  # type: ignore[return-value]
 
     @precondition(lambda self: hasattr(self, "engine") and self.leases)
-    @rule(data=st.data(), new=st.integers(1, 6), reply=st.integers(0, 4), fail=st.booleans())
-    def exchange(self, data: st.DataObject, new: int, reply: int, fail: bool) -> None:
+    @rule(
+        data=st.data(),
+        new=st.integers(1, 6),
+        reply=st.integers(0, 4),
+        fail=st.booleans(),
+        abort=st.booleans(),
+    )
+    def exchange(self, data: st.DataObject, new: int, reply: int, fail: bool, abort: bool) -> None:
         lease = data.draw(st.sampled_from(self.leases))
         history = self.history[lease.key]
         keep = data.draw(st.integers(0, len(history)))  # an edit or a regeneration rewinds
@@ -144,6 +150,11 @@ class EngineMachine(RuleBasedStateMachine):
                 assert list(lease.cache.items) == prompt[: plan.reused]
                 pos = plan.reused
                 for i in range(pos, len(prompt), 4):
+                    if abort and i + 4 >= len(prompt):  # cancelled mid-batch: part of it landed
+                        seat.context.decode(prompt[i : i + 2], pos, seq=seat.seq)
+                        seat.after_abort()
+                        self.history[lease.key] = prompt  # the cache keeps what was decoded
+                        return
                     seat.decode(prompt[i : i + 4], pos)
                     pos += len(prompt[i : i + 4])
                 replied = []
