@@ -37,7 +37,7 @@ COMMON = {
     "print_blob": True,
     "suppress_health_check": list(HealthCheck),
 }
-FAST = settings(max_examples=12, stateful_step_count=12, derandomize=True, **COMMON)  # type: ignore[arg-type]
+FAST = settings(max_examples=9, stateful_step_count=12, derandomize=True, **COMMON)  # type: ignore[arg-type]
 LONG = settings(max_examples=4, stateful_step_count=30, derandomize=False, **COMMON)  # type: ignore[arg-type]
 
 
