@@ -131,7 +131,9 @@ def round_robin(
                 respond(notes(model, i, first_tokens) if r == 0 else QUESTIONS[r % len(QUESTIONS)])
                 | {"round": r}
             )
-    return {"resident_mib": rss_mib() - base, "exchanges": exchanges}
+    report = model.memory()  # while the sessions live (a collected session's state is freed)
+    memory = {"parked_mib": report.parked_bytes / MIB, "disk_mib": report.disk_bytes / MIB}
+    return {"resident_mib": rss_mib() - base, "exchanges": exchanges, "memory": memory}
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -175,10 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     contender = engine_contender(model) if name == "engine" else wave_one(model)
                     outcome = round_robin(model, contender, n, args.rounds, args.first_tokens)
                     if name == "engine":
-                        report = model.memory()
-                        outcome["parked_mib"] = report.parked_bytes / MIB
-                        outcome["disk_mib"] = report.disk_bytes / MIB
-                        outcome["counters"] = vars(report.counters)
+                        outcome["counters"] = vars(model.memory().counters)
                 results.setdefault(name, {})[str(n)] = outcome | {"summary": summary(outcome)}
     if args.peer:
         progress(f"memory: peer {args.peer}", started)
