@@ -176,9 +176,11 @@ class EngineMachine(RuleBasedStateMachine):
     def fork(self, data: st.DataObject) -> None:
         source = data.draw(st.sampled_from(self.leases))
         target = self.add()
-        self.history[target.key] = list(source.cache.items)
+        record = source.cache.items
+        self.history[target.key] = list(record)
         self.engine.fork(source, target)
-        assert target.cache.items in ((), source.cache.items)
+        # With one sequence and no room to park, the copy may push the original out (cold).
+        assert target.cache.items in ((), record)
 
     @precondition(lambda self: hasattr(self, "engine") and self.leases)
     @rule(data=st.data())
