@@ -52,6 +52,9 @@ class Terminal:
         pid, fd = pty.fork()
         if pid == 0:  # the child: never return into pytest
             try:
+                # A terminal delivers Ctrl-C to a process with the default disposition, even when
+                # this suite runs in the background of a shell that ignores SIGINT.
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.chdir(REPO)
                 os.execve(sys.executable, command(*args), env)
             finally:

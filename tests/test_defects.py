@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -44,6 +45,9 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess[s
         text=True,
         timeout=timeout,
         cwd=REPO,
+        # SIGINT as a terminal would deliver it, even when this suite runs in the background of
+        # a shell that ignores it (Python then never turns it into KeyboardInterrupt).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
