@@ -131,6 +131,8 @@ def round_robin(
                 respond(notes(model, i, first_tokens) if r == 0 else QUESTIONS[r % len(QUESTIONS)])
                 | {"round": r}
             )
+        if r > 0:  # the session that just answered is live: a live exchange at the same occupancy
+            exchanges.append(sessions[-1]("And one more?") | {"round": r, "probe": True})
     report = model.memory()  # while the sessions live (a collected session's state is freed)
     memory = {"parked_mib": report.parked_bytes / MIB, "disk_mib": report.disk_bytes / MIB}
     return {"resident_mib": rss_mib() - base, "exchanges": exchanges, "memory": memory}
