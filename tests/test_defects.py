@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import signal
 import subprocess
 import sys
@@ -391,8 +390,3 @@ def test_context_size_is_the_bound_the_user_asked_for(
         except ContextOverflowError:
             assert session.messages == before
         assert session.cached_tokens <= 32
-
-
-def rss_mib() -> float:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
