@@ -31,6 +31,8 @@ from .residency import Budget, BudgetError, Residency, State, Step
 if TYPE_CHECKING:
     import threading as _threading
 
+    from typing_extensions import Buffer
+
 log = logging.getLogger("llmsession")
 GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
 
@@ -129,7 +131,7 @@ class Engine:
     def discard(self, lease: Lease) -> None:
         """Forget a session's state wherever it is: the session goes cold."""
         with self.lock:
-            self._free(lease.pool, lease.pool.residency.cool(lease.key))
+            self._free(lease, lease.pool.residency.cool(lease.key))
             lease.cache.reset()
 
     @contextmanager
@@ -162,7 +164,7 @@ class Engine:
             with self.lock:
                 pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
 
-    def state(self, lease: Lease) -> bytes | None:
+    def state(self, lease: Lease) -> Buffer | None:
         """A copy of the session's state (for saving): a parked one as it is, a live one from
         its sequence."""
         with self.lock:
@@ -173,7 +175,7 @@ class Engine:
         with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
             return seat.context.state_get(seat.seq) if lease.cache.items else None
 
-    def adopt(self, lease: Lease, blob: bytes, record: Sequence[Item]) -> bool:
+    def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item]) -> bool:
         """Load a saved state into a cold session; False (still cold) if llama.cpp refused it
         or it does not hold exactly ``record``'s positions."""
         with self.seat(lease, len(record), threading.Event()) as seat:
@@ -246,7 +248,10 @@ class Engine:
                 self.lot.park(lease.key, blob)
                 self.counters.parks += 1
                 log.debug(
-                    "parked session %d: %d positions, %d bytes", lease.key, len(lease.cache.items), len(blob)
+                    "parked session %d: %d positions, %d bytes",
+                    lease.key,
+                    len(lease.cache.items),
+                    memoryview(blob).nbytes,
                 )
             elif step.action == "drop" and self.lot.disk_dir and lease.cache.items and lease.parkable:
                 self.lot.park(lease.key, pool.context.state_get(step.seq))  # too big for RAM
@@ -269,7 +274,7 @@ class Engine:
             else:
                 self._restore(pool, lease, step.seq, self.lot.take(lease.key))
 
-    def _restore(self, pool: Pool, lease: Lease, seq: int, blob: bytes | None) -> None:
+    def _restore(self, pool: Pool, lease: Lease, seq: int, blob: Buffer | None) -> None:
         context, held = pool.context, len(lease.cache.items)
         if blob is not None and context.state_set(blob, seq) and context.pos_max(seq) == held - 1:
             self.counters.restores += 1
@@ -285,15 +290,16 @@ class Engine:
             lease = self._dead.pop()
             pool = lease.pool
             if lease.key in pool.leases:
-                self._free(pool, pool.residency.remove(lease.key))
+                self._free(lease, pool.residency.remove(lease.key))
                 del pool.leases[lease.key]
 
-    def _free(self, pool: Pool, steps: list[Step]) -> None:
-        """Let a session's state go on purpose (closed or collected): not an eviction."""
+    def _free(self, lease: Lease, steps: list[Step]) -> None:
+        """Let a session's state go on purpose (closed or collected): not an eviction. Its
+        parked state goes too, also one on disk the ledger already counts as cold."""
         for step in steps:
             if step.action == "drop":
-                pool.context.seq_rm(-1, step.seq)
-            self.lot.discard(step.key)
+                lease.pool.context.seq_rm(-1, step.seq)
+        self.lot.discard(lease.key)
 
 
 class Seat:

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,10 @@ from .errors import (
 )
 from .image import Image
 from .options import LLAMA_DEFAULT_SEED, GenerationOptions
+from .parking import mapping
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 GGUF_MAGIC = b"GGUF"
 DECODE_ABORTED = 2
@@ -449,24 +453,31 @@ class NativeContext(Owner):
     # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session.
     def state_size(self, seq: int = 0) -> int:
         self._check_seq(seq)
-        return int(bindings()[0].llama_state_seq_get_size(self.ptr, seq))
+        size = int(bindings()[0].llama_state_seq_get_size(self.ptr, seq))
+        return check(size, "llama_state_seq_get_size", (0).__lt__)  # a state has a header
 
-    def state_get(self, seq: int = 0) -> bytes:
+    def state_get(self, seq: int = 0) -> Buffer:
+        """The state, in an anonymous mapping of its exact size made for it: freed whole when the
+        last reference goes (a heap block of tens of MiB would stay in the process once freed),
+        and prefaulted (MAP_POPULATE), which costs a quarter of faulting it page by page."""
         lib, ffi = bindings()
         size = self.state_size(seq)
-        buf = ffi.new("uint8_t[]", size)
-        check(lib.llama_state_seq_get_data(self.ptr, buf, size, seq), "llama_state_seq_get_data", size.__eq__)
-        return bytes(ffi.buffer(buf, size))
+        blob = mapping(size)
+        with ffi.from_buffer("uint8_t[]", blob) as buf:
+            written = lib.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        check(written, "llama_state_seq_get_data", size.__eq__)
+        return blob
 
-    def state_set(self, blob: bytes, seq: int = 0) -> bool:
+    def state_set(self, blob: Buffer, seq: int = 0) -> bool:
         """Load a state this build wrote for the same model and layout into ``seq`` (never
         anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
         refused it (then ``seq`` is empty)."""
         lib, ffi = bindings()
         self._check_seq(seq)
-        source = ffi.from_buffer("uint8_t[]", blob)
-        if lib.llama_state_seq_set_data(self.ptr, source, len(blob), seq) == len(blob):
-            return True
+        with ffi.from_buffer("uint8_t[]", blob) as source:
+            size = len(source)
+            if lib.llama_state_seq_set_data(self.ptr, source, size, seq) == size:
+                return True
         lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return False
 

@@ -1,38 +1,60 @@
 """Where parked KV states wait: host RAM, and a disk tier for the states the RAM budget lets go.
 
-A parked state is the bytes ``llama_state_seq_get_data`` wrote for one session. The engine keeps
-them here between exchanges; ``Residency`` decides which stay in RAM. With a disk directory a
-state leaving RAM is written there (temporary name, then rename) and read back on demand, checked
-against the sha256 taken when it was written: llama.cpp's loaders abort the process on malformed
-bytes, so a damaged file is a miss, never handed over. Pure Python: no bindings.
+A parked state is the bytes ``llama_state_seq_get_data`` wrote for one session, kept here between
+exchanges; ``Residency`` decides which stay in RAM. With a disk directory, a state leaving RAM is
+written to a file that has no name (``O_TMPFILE``, or unlinked at once where that is missing):
+no other process can open or change it, and the kernel frees it when the process ends, however
+it ends, so a crash leaves nothing in the directory. A state read back comes into an anonymous
+mapping of its size, as ``NativeContext.state_get`` makes them: freed whole when dropped.
+Pure Python: no bindings.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import mmap
 import os
 import tempfile
 from collections.abc import Hashable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger("llmsession")
 Key = Hashable
 
 
+def mapping(size: int) -> mmap.mmap:
+    """An anonymous, prefaulted mapping of ``size`` bytes (at least one: mmap refuses zero)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, max(size, 1), flags=flags)
+
+
+def unnamed_file(directory: Path) -> int:
+    """A descriptor of a new file in ``directory`` that has no name."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError):  # no O_TMPFILE here: make a file and unlink it at once
+        fd, name = tempfile.mkstemp(prefix="kv-", dir=directory)
+        os.unlink(name)
+        return fd
+
+
 class ParkingLot:
-    """Parked states by session key: in RAM, or in files under ``disk_dir``."""
+    """Parked states by session key: in RAM, or in unnamed files under ``disk_dir``."""
 
     def __init__(self, disk_dir: str | Path | None = None) -> None:
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
-        self._host: dict[Key, bytes] = {}
-        self._disk: dict[Key, tuple[Path, str, int]] = {}  # path, sha256, size
+        self._host: dict[Key, Buffer] = {}
+        self._disk: dict[Key, tuple[int, int]] = {}  # descriptor of an unnamed file, size
 
     @property
     def host_bytes(self) -> int:
-        return sum(len(blob) for blob in self._host.values())
+        return sum(memoryview(blob).nbytes for blob in self._host.values())
 
     @property
     def disk_entries(self) -> int:
@@ -40,7 +62,7 @@ class ParkingLot:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(size for _, _, size in self._disk.values())
+        return sum(size for _, size in self._disk.values())
 
     def holds(self, key: Key) -> str:
         """ "host", "disk" or ""."""
@@ -48,10 +70,10 @@ class ParkingLot:
 
     def size(self, key: Key) -> int:
         if key in self._host:
-            return len(self._host[key])
-        return self._disk[key][2] if key in self._disk else 0
+            return memoryview(self._host[key]).nbytes
+        return self._disk[key][1] if key in self._disk else 0
 
-    def park(self, key: Key, blob: bytes) -> None:
+    def park(self, key: Key, blob: Buffer) -> None:
         self.discard(key)
         self._host[key] = blob
 
@@ -61,47 +83,52 @@ class ParkingLot:
         blob = self._host.pop(key)
         if self.disk_dir is None:
             return False
+        view, fd = memoryview(blob).cast("B"), -1
         try:
-            fd, name = tempfile.mkstemp(prefix="kv-", suffix=".part", dir=self.disk_dir)
-            with os.fdopen(fd, "wb") as file:
-                file.write(blob)
-            path = Path(name).with_suffix(".state")
-            os.replace(name, path)
+            fd = unnamed_file(self.disk_dir)
+            done = 0
+            while done < view.nbytes:
+                done += os.pwrite(fd, view[done:], done)
         except OSError as error:
+            if fd >= 0:
+                os.close(fd)
             log.warning("could not write a parked state to %s: %s", self.disk_dir, error)
             return False
-        self._disk[key] = (path, hashlib.sha256(blob).hexdigest(), len(blob))
+        self._disk[key] = (fd, view.nbytes)
         return True
 
-    def take(self, key: Key) -> bytes | None:
+    def take(self, key: Key) -> Buffer | None:
         """The parked state of ``key`` (removed from here), or None if there is none or its file
-        no longer matches what was written."""
+        could not be read back whole."""
         blob = self.peek(key)
         self.discard(key)
         return blob
 
-    def peek(self, key: Key) -> bytes | None:
+    def peek(self, key: Key) -> Buffer | None:
         """The parked state of ``key``, left in place; None as for ``take``."""
         if key in self._host:
             return self._host[key]
         if key not in self._disk:
             return None
-        path, digest, _ = self._disk[key]
+        fd, size = self._disk[key]
+        if size == 0:
+            return b""
+        blob = mapping(size)
         try:
-            blob = path.read_bytes()
+            read = os.preadv(fd, [blob], 0)
         except OSError as error:
-            log.warning("could not read the parked state %s: %s", path, error)
+            log.warning("could not read a parked state back from %s: %s", self.disk_dir, error)
             return None
-        if hashlib.sha256(blob).hexdigest() != digest:
-            log.warning("the parked state %s changed on disk: not restored", path)
+        if read != size:
+            log.warning("a parked state came back short from %s: not restored", self.disk_dir)
             return None
         return blob
 
     def discard(self, key: Key) -> None:
         self._host.pop(key, None)
-        path, _, _ = self._disk.pop(key, (None, "", 0))
-        if path is not None:
-            path.unlink(missing_ok=True)
+        fd, _ = self._disk.pop(key, (-1, 0))
+        if fd >= 0:
+            os.close(fd)
 
     def close(self) -> None:
         for key in list(self._host) + list(self._disk):

@@ -25,6 +25,8 @@ from .native import build_commit, context_layout, state_seq_version
 from .sessionfile import SavedSession, read, write
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from .model import Model
     from .session import Session
 
@@ -48,7 +50,7 @@ def save(session: Session, path: str | Path) -> None:
     """Write the transcript and, when restoring it is exact, the KV state (caller holds the lock)."""
     images: dict[str, Image] = {}
     messages = [_encode_message(message, images) for message in session.messages]
-    blobs = {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
+    blobs: dict[str, Buffer] = {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
     lease = session._lease
     state = session.model._engine.state(lease) if lease.parkable else None
     record = list(lease.cache.items)
@@ -138,9 +140,9 @@ def _decode_part(part: Any, saved: SavedSession) -> Any:
         return part
     digest = part[IMAGE_KEY]
     blob, size = saved.blobs.get(f"image:{digest}"), saved.images.get(digest)
-    if blob is None or size is None or len(blob) != size[0] * size[1] * 3:
+    if blob is None or size is None or memoryview(blob).nbytes != size[0] * size[1] * 3:
         raise SessionFileError(f"the saved image {digest!r:.40} is missing or has the wrong size")
-    image = Image(np.frombuffer(blob, dtype=np.uint8).reshape(size[1], size[0], 3))
+    image = Image(np.frombuffer(memoryview(blob), dtype=np.uint8).reshape(size[1], size[0], 3))
     if image.digest != digest:
         raise SessionFileError(f"the saved image {digest!r:.40} does not match its pixels")
     return image

@@ -16,10 +16,13 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 from .errors import SessionFileError
 from .prefix import ImagePosition, Item
@@ -41,7 +44,7 @@ class SavedSession:
     record: list[Item]
     messages: list[dict[str, Any]]
     images: dict[str, tuple[int, int]] = field(default_factory=dict)  # digest -> (width, height)
-    blobs: dict[str, bytes] = field(default_factory=dict)
+    blobs: Mapping[str, Buffer] = field(default_factory=dict)
 
 
 def encode_record(items: Sequence[Item]) -> list[Any]:
@@ -97,7 +100,10 @@ def write(path: str | Path, saved: SavedSession) -> None:
         "record": encode_record(saved.record),
         "messages": saved.messages,
         "images": {digest: list(size) for digest, size in saved.images.items()},
-        "blobs": [{"name": n, "size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in blobs],
+        "blobs": [
+            {"name": n, "size": memoryview(b).nbytes, "sha256": hashlib.sha256(b).hexdigest()}
+            for n, b in blobs
+        ],
     }
     head = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     digest = hashlib.sha256()

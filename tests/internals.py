@@ -46,7 +46,7 @@ def state(session: Session) -> bytes:
     """A copy of the session's KV state (restored to a sequence first if it was parked)."""
     blob = session.model._engine.state(session._lease)
     assert blob is not None, "the session holds no state"
-    return blob
+    return bytes(blob)
 
 
 def logits_after(session: Session, tokens: list[int]) -> np.ndarray:

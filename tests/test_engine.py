@@ -82,7 +82,7 @@ class FakeContext:
 
     def state_set(self, blob: bytes, seq: int = 0) -> bool:
         self.seq_rm(-1, seq)
-        return self._place(seq, 0, json.loads(blob))
+        return self._place(seq, 0, json.loads(bytes(blob)))
 
     def close(self) -> None:
         self.cells.clear()
@@ -220,12 +220,9 @@ class EngineMachine(RuleBasedStateMachine):
                 owned.add(entry.seq)
                 assert self.context.items(entry.seq) == record
             elif where:
-                blob = (
-                    engine.lot._host[lease.key]
-                    if where == "host"
-                    else engine.lot._disk[lease.key][0].read_bytes()
-                )
-                assert json.loads(blob) == record
+                blob = engine.lot.peek(lease.key)
+                assert blob is not None, "a parked state did not come back"
+                assert json.loads(bytes(blob)) == record
                 assert self.n_swa == 0 or len(record) <= self.n_swa, "a state past its window was parked"
             else:
                 assert record == [], "a cold session kept a record"
