@@ -2,7 +2,7 @@
 
 A parked state is the bytes ``llama_state_seq_get_data`` wrote for one session, kept here between
 exchanges; ``Residency`` decides which stay in RAM. With a disk directory, a state leaving RAM is
-written to a file that has no name (``O_TMPFILE``, or unlinked at once where that is missing):
+written, by a background thread, to a file that has no name (``O_TMPFILE``, or unlinked at once):
 no other process can open or change it, and the kernel frees it when the process ends, however
 it ends, so a crash leaves nothing in the directory. A state read back comes into an anonymous
 mapping of its size, as ``NativeContext.state_get`` makes them: freed whole when dropped.
@@ -15,7 +15,9 @@ import logging
 import mmap
 import os
 import tempfile
+import threading
 from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,14 +45,23 @@ def unnamed_file(directory: Path) -> int:
 
 
 class ParkingLot:
-    """Parked states by session key: in RAM, or in unnamed files under ``disk_dir``."""
+    """Parked states by session key: in RAM, or in unnamed files under ``disk_dir``.
+
+    A state the RAM budget lets go is written by a background thread (write-behind), so the
+    exchange that caused it does not wait for the disk; until the write ends it is still served
+    from RAM. At most ``MAX_WRITES`` wait for the writer: past that, spilling waits for it."""
+
+    MAX_WRITES = 2
 
     def __init__(self, disk_dir: str | Path | None = None) -> None:
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._host: dict[Key, Buffer] = {}
+        self._writing: dict[Key, tuple[Buffer, Future[None]]] = {}  # on their way to disk
         self._disk: dict[Key, tuple[int, int]] = {}  # descriptor of an unnamed file, size
+        self._lock = threading.Lock()  # the writer thread's changes against the engine's
+        self._writer: ThreadPoolExecutor | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -58,44 +69,67 @@ class ParkingLot:
 
     @property
     def disk_entries(self) -> int:
-        return len(self._disk)
+        with self._lock:
+            return len(self._disk) + len(self._writing)
 
     @property
     def disk_bytes(self) -> int:
-        return sum(size for _, size in self._disk.values())
+        with self._lock:
+            writing = sum(memoryview(blob).nbytes for blob, _ in self._writing.values())
+            return writing + sum(size for _, size in self._disk.values())
 
     def holds(self, key: Key) -> str:
-        """ "host", "disk" or ""."""
-        return "host" if key in self._host else "disk" if key in self._disk else ""
+        """ "host", "disk" (or on its way there) or ""."""
+        with self._lock:
+            return (
+                "host" if key in self._host else "disk" if key in self._disk or key in self._writing else ""
+            )
 
     def size(self, key: Key) -> int:
-        if key in self._host:
-            return memoryview(self._host[key]).nbytes
-        return self._disk[key][1] if key in self._disk else 0
+        with self._lock:
+            if key in self._host:
+                return memoryview(self._host[key]).nbytes
+            if key in self._writing:
+                return memoryview(self._writing[key][0]).nbytes
+            return self._disk[key][1] if key in self._disk else 0
 
     def park(self, key: Key, blob: Buffer) -> None:
         self.discard(key)
         self._host[key] = blob
 
     def spill(self, key: Key) -> bool:
-        """The RAM budget lets ``key``'s state go: write it to disk if there is one (True), else
-        forget it. A write that fails (disk full) forgets it too, with a log line."""
+        """The RAM budget lets ``key``'s state go: to disk if there is one (True), else forgotten.
+        A write that fails later (disk full) forgets it, with a log line: a miss, never wrong."""
         blob = self._host.pop(key)
         if self.disk_dir is None:
             return False
-        view, fd = memoryview(blob).cast("B"), -1
+        with self._lock:
+            oldest = (
+                next(iter(self._writing.values()), None) if len(self._writing) >= self.MAX_WRITES else None
+            )
+        if oldest is not None:
+            oldest[1].result()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmsession-disk")
+        with self._lock:
+            self._writing[key] = (blob, self._writer.submit(self._write, key, blob, self.disk_dir))
+        return True
+
+    def _write(self, key: Key, blob: Buffer, directory: Path) -> None:
+        view, fd, done = memoryview(blob).cast("B"), -1, 0
         try:
-            fd = unnamed_file(self.disk_dir)
-            done = 0
+            fd = unnamed_file(directory)
             while done < view.nbytes:
                 done += os.pwrite(fd, view[done:], done)
         except OSError as error:
-            if fd >= 0:
-                os.close(fd)
-            log.warning("could not write a parked state to %s: %s", self.disk_dir, error)
-            return False
-        self._disk[key] = (fd, view.nbytes)
-        return True
+            log.warning("could not write a parked state to %s: %s", directory, error)
+        with self._lock:
+            if self._writing.get(key, (None,))[0] is blob:
+                del self._writing[key]
+                if done == view.nbytes:
+                    self._disk[key], fd = (fd, view.nbytes), -1
+        if fd >= 0:  # failed, or discarded meanwhile
+            os.close(fd)
 
     def take(self, key: Key) -> Buffer | None:
         """The parked state of ``key`` (removed from here), or None if there is none or its file
@@ -106,30 +140,36 @@ class ParkingLot:
 
     def peek(self, key: Key) -> Buffer | None:
         """The parked state of ``key``, left in place; None as for ``take``."""
-        if key in self._host:
-            return self._host[key]
-        if key not in self._disk:
-            return None
-        fd, size = self._disk[key]
-        if size == 0:
-            return b""
-        blob = mapping(size)
-        try:
-            read = os.preadv(fd, [blob], 0)
-        except OSError as error:
-            log.warning("could not read a parked state back from %s: %s", self.disk_dir, error)
-            return None
+        with self._lock:
+            if key in self._host:
+                return self._host[key]
+            if key in self._writing:
+                return self._writing[key][0]
+            fd, size = self._disk.get(key, (-1, 0))
+            if fd < 0:
+                return None
+            blob = mapping(size)
+            try:
+                read = os.preadv(fd, [blob], 0)
+            except OSError as error:
+                log.warning("could not read a parked state back from %s: %s", self.disk_dir, error)
+                return None
         if read != size:
             log.warning("a parked state came back short from %s: not restored", self.disk_dir)
             return None
         return blob
 
     def discard(self, key: Key) -> None:
-        self._host.pop(key, None)
-        fd, _ = self._disk.pop(key, (-1, 0))
+        with self._lock:
+            self._host.pop(key, None)
+            self._writing.pop(key, None)  # the writer closes its file when it sees this
+            fd, _ = self._disk.pop(key, (-1, 0))
         if fd >= 0:
             os.close(fd)
 
     def close(self) -> None:
-        for key in list(self._host) + list(self._disk):
+        for key in list(self._host) + list(self._writing) + list(self._disk):
             self.discard(key)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
