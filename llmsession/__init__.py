@@ -2,6 +2,7 @@
 
 from .errors import (
     ContextOverflowError,
+    GrammarError,
     ImageError,
     LlmSessionError,
     MemoryBudgetError,
@@ -17,11 +18,13 @@ from .image import Image
 from .model import Model
 from .options import GenerationOptions
 from .replies import Reply, Snapshot, Timings, Usage
-from .session import Session, Stream
+from .session import Session
+from .stream import Stream
 
 __all__ = [
     "ContextOverflowError",
     "GenerationOptions",
+    "GrammarError",
     "Image",
     "ImageError",
     "LlmSessionError",

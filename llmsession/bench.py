@@ -373,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_memory import main as memory_main
 
         return memory_main(argv[1:])
+    if argv and argv[0] == "structured":
+        from .bench_structured import main as structured_main
+
+        return structured_main(argv[1:])
     args, started = parse_args(argv), time.perf_counter()
     options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]

@@ -25,9 +25,10 @@ import numpy as np
 from . import paths
 from .bench import machine, progress, run_peer, table
 from .model import Model
-from .native import NativeContext, Sampler
+from .native_context import NativeContext
 from .options import GenerationOptions
 from .prefix import PrefixCache
+from .sampling import Sampler
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 WORDS = ("river", "bridge", "lantern", "harbour", "meadow", "orchard", "tower", "valley", "garden")

@@ -18,7 +18,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,6 +32,7 @@ from .session import Session
 
 HELP = """commands:
   /image PATH   attach an image to the next message (needs --mmproj)
+  /json FILE    hold the next reply to the JSON schema in FILE
   /undo         drop the last exchange
   /reset        start over (keeps the system message)
   /stats        session totals
@@ -75,6 +76,7 @@ class Chat:
         self.options = options
         self.has_projector = has_projector
         self.images: list[Any] = []
+        self.schema: dict[str, Any] | None = None  # for the next reply only
         self.totals = Totals()
         self.out: TextIO = sys.stdout
         self.dim = sys.stdout.isatty()
@@ -88,6 +90,8 @@ class Chat:
         arg = arg.strip()
         if name == "/image":
             self.attach(arg)
+        elif name == "/json":
+            self.constrain(arg)
         elif name == "/undo":
             self.undo()
         elif name == "/reset":
@@ -119,6 +123,19 @@ class Chat:
         self.images.append(Image(path))
         self.note(f"[image {path} attached to the next message]")
 
+    def constrain(self, path: str) -> None:
+        if not path:
+            error("usage: /json SCHEMA_FILE")
+            return
+        try:
+            schema = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as problem:
+            error(f"cannot read a JSON schema from {path}: {problem}")
+            return
+        self.session.model.constraint(GenerationOptions(json_schema=schema))  # GrammarError now
+        self.schema = schema
+        self.note(f"[the next reply follows the schema in {path}]")
+
     def undo(self) -> None:
         """Drop the last user message and everything after it; the cache keeps the common prefix."""
         messages = self.session.messages
@@ -132,9 +149,10 @@ class Chat:
     def send(self, text: str) -> None:
         """Stream one reply; SIGINT cancels it through the abort flag rather than an exception."""
         content: Any = [*self.images, text] if self.images else text
-        self.images = []  # sent or refused, they do not carry over to the next message
+        options = replace(self.options, json_schema=self.schema) if self.schema else self.options
+        self.images, self.schema = [], None  # sent or refused, they do not carry over
         began = time.perf_counter()
-        stream = self.session.stream(content, self.options)
+        stream = self.session.stream(content, options)
         previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())
         try:
             for snapshot in stream:
@@ -149,6 +167,9 @@ class Chat:
         self.out.write("\n" if reply.text and not reply.text.endswith("\n") else "")
         if reply.finish_reason == "cancelled":
             self.note("[cancelled]")
+        elif options.json_schema is not None:
+            complete = reply.finish_reason == "complete"
+            self.note("[valid JSON for the schema]" if complete else "[cut short: the JSON is incomplete]")
         seconds = time.perf_counter() - began
         self.totals.add(reply, seconds)
         usage, timings = reply.usage, reply.timings

@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING
 
 from .budget import Counters, MemoryConfig, MemoryReport, SessionMemory
 from .errors import MemoryBudgetError
-from .native import ImageChunk, NativeContext, NativeModel, Projector, Sampler
+from .native import NativeModel
+from .native_context import NativeContext
+from .native_mtmd import ImageChunk, Projector
 from .parking import ParkingLot
 from .prefix import Item, Plan, PrefixCache
 from .residency import Budget, BudgetError, Residency, State, Step
+from .sampling import TokenSampler
 
 if TYPE_CHECKING:
     import threading as _threading
@@ -322,7 +325,7 @@ class Seat:
             return plan
 
     def decode(
-        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: Sampler | None = None
+        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: TokenSampler | None = None
     ) -> int:
         """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
         from their logits before anyone else decodes (-1 without)."""
@@ -334,7 +337,7 @@ class Seat:
             return sampler.sample(self.context) if sampler is not None else -1
 
     def eval_image(
-        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: Sampler | None
+        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
     ) -> tuple[int, int]:
         """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
         token sampled if a sampler is given (-1 without)."""

@@ -46,3 +46,9 @@ class NativeError(LlmSessionError):
 class MemoryBudgetError(LlmSessionError):
     """The sessions in an exchange already hold the model's whole live budget (kv_tokens,
     max_live_sessions): nothing idle is left to park. Nothing was decoded."""
+
+
+class GrammarError(LlmSessionError, ValueError):
+    """A constraint (JSON schema, regex, grammar) that cannot be used: invalid, or using a
+    feature the matcher does not implement (named in the message); or a matcher that failed
+    mid-reply."""

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import llguidance
+
 from .budget import MemoryConfig, MemoryReport
 from .engine import Engine
 from .errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
+from .guided import Constraint, tokenizer
 from .image import message_images
 from .messages import check_messages
-from .native import Chunks, ImageChunk, NativeModel, Piece, Projector, default_threads
+from .native import NativeModel, default_threads
+from .native_mtmd import Chunks, ImageChunk, Piece, Projector
 from .options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import Item, image_items
 from .replies import Reply
-from .session import Session, Stream
+from .session import Session
 from .sessionfile import file_digest
+from .splice import ReplyTokens, splice
 from .stateless import StatelessPool
+from .stream import Stream
 from .templates import render_prompt
 
 DEFAULT_MEDIA_MARKER = "<__media__>"
@@ -128,6 +135,9 @@ class Model:
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self._stateless = StatelessPool(self, capacity=STATELESS_SESSIONS)
+        self._replies = ReplyTokens()
+        self._guidance: llguidance.LLTokenizer | None = None
+        self._guidance_lock = threading.Lock()
 
     def session(
         self,
@@ -195,7 +205,32 @@ class Model:
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
         """The tokens of a text-only transcript's prompt."""
-        return self.tokenize(self.render(messages, thinking=thinking))
+        return self._text_tokens(messages, self.render(messages, thinking=thinking))
+
+    def _text_tokens(self, messages: Sequence[Mapping[str, Any]], text: str) -> list[int]:
+        """``text`` (the rendered ``messages``) tokenized, with the replies this model generated
+        as the tokens it generated (``splice``) when that spells exactly the same text."""
+        plain = self.tokenize(text)
+        replies = [
+            (m["content"], tokens)
+            for m in messages
+            if m.get("role") == "assistant"
+            and isinstance(m.get("content"), str)
+            and (tokens := self._replies.get(m["content"])) is not None
+        ]
+        if not replies:
+            return plain
+        spliced = splice(text, replies, lambda stretch, first: self.tokenize(stretch, add_special=first))
+        if spliced != plain and self.native.detokenize(spliced, special=True) == self.native.detokenize(
+            plain, special=True
+        ):
+            return spliced
+        return plain
+
+    def remember_reply(self, text: str, tokens: Sequence[int]) -> None:
+        """A reply generated here: later prompts hold it as ``tokens`` if they spell ``text``."""
+        if tokens and self.native.detokenize(tokens) == text:
+            self._replies.remember(text, tokens)
 
     def prompt(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> Prompt:
         """The tokenized prompt for a transcript; images go through the projector."""
@@ -208,12 +243,22 @@ class Model:
             )
         text = self.render(messages, thinking=thinking)
         if not images:
-            return Prompt([self.tokenize(text)])
+            return Prompt([self._text_tokens(messages, text)])
         assert self.projector is not None
         chunks = self.projector.tokenize(text, images)
         if chunks.pieces and isinstance(chunks.pieces[0], list):
             self._drop_double_bos(chunks.pieces[0])
         return Prompt(chunks.pieces, chunks)
+
+    def constraint(self, options: GenerationOptions) -> Constraint | None:
+        """The options' constraint compiled for this model (GrammarError if it cannot be used);
+        the matcher's tokenizer is built on first use, once."""
+        if not options.constrained:
+            return None
+        with self._guidance_lock:
+            if self._guidance is None:
+                self._guidance = tokenizer(self.native)
+        return Constraint.compile(options, self._guidance)
 
     def identity(self) -> str:
         """The model file's sha256 (what a saved KV state belongs to), computed once."""

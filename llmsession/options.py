@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
 INT32_MAX = 2**31 - 1  # llama.cpp's counts are int32_t: a larger Python int cannot be passed
@@ -23,7 +24,11 @@ def check_int(name: str, value: object, low: int, high: int) -> int:
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    """How a reply is sampled. ``temperature == 0`` is greedy decoding."""
+    """How a reply is sampled. ``temperature == 0`` is greedy decoding.
+
+    At most one constraint shapes the reply: ``json_schema`` (a dict, its JSON text, or a
+    pydantic model class: the reply's ``parsed`` is then an instance), ``regex``, or ``grammar``
+    (llguidance's Lark syntax, or llama.cpp's GBNF)."""
 
     max_tokens: int = 256
     temperature: float = 0.8
@@ -36,6 +41,9 @@ class GenerationOptions:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    json_schema: Mapping[str, Any] | str | type | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,10 +71,24 @@ class GenerationOptions:
             isinstance(s, str) and s and "\0" not in s for s in self.stop
         )
         _require("stop", self.stop, stops_ok)
+        schema = self.json_schema
+        schema_ok = (
+            schema is None or isinstance(schema, Mapping | str) or hasattr(schema, "model_json_schema")
+        )
+        _require("json_schema", schema, schema_ok)
+        _require("regex", self.regex, self.regex is None or isinstance(self.regex, str))
+        _require("grammar", self.grammar, self.grammar is None or isinstance(self.grammar, str))
+        given = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"GenerationOptions: {' and '.join(given)} given; a reply takes one constraint")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def penalized(self) -> bool:

@@ -21,7 +21,8 @@ import numpy as np
 from .errors import MemoryBudgetError, SessionFileError
 from .image import Image, image_from_part
 from .messages import is_image_part
-from .native import build_commit, context_layout, state_seq_version
+from .native import build_commit, state_seq_version
+from .native_context import context_layout
 from .sessionfile import SavedSession, read, write
 
 if TYPE_CHECKING:

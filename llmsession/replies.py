@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "cancelled"]
+# "complete": a constrained reply ended because its constraint was satisfied
+FinishReason = Literal["stop", "length", "cancelled", "complete"]
 Message = dict[str, Any]
 
 
@@ -39,6 +40,7 @@ class Reply:
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    parsed: Any = None  # a complete json_schema reply, parsed (a pydantic instance for a model class)
 
 
 @dataclass(frozen=True)

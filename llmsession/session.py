@@ -19,19 +19,21 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .detokenize import IncrementalDetokenizer
 from .engine import GROWTH, Seat
-from .errors import ContextOverflowError, ModelClosedError, NativeError, SessionBusyError
-from .native import DecodeAborted, ImageChunk, Sampler
+from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
+from .native_context import DecodeAborted
+from .native_mtmd import ImageChunk
 from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import starts_a_chunk
-from .replies import FinishReason, Message, Reply, Snapshot, Timings, Usage
+from .replies import Message, Reply, Snapshot, Timings, Usage
+from .sampling import Sampler, TokenSampler
 from .stops import StopMatcher
+from .stream import Stream, Turn
 
 if TYPE_CHECKING:
     from .model import Model, Prompt
@@ -113,7 +115,12 @@ class Session:
                     f"the prompt has {prompt.n_positions} tokens; the context holds {self.context_size} "
                     "(one more is needed to reply)"
                 )
-            self._turn = Turn(user, prompt, options)
+            try:
+                constraint = self.model.constraint(options)
+            except BaseException:
+                prompt.close()
+                raise
+            self._turn = Turn(user, prompt, options, constraint)
             stream = Stream(self, self._turn)
             self._active = stream._abandon
             return stream
@@ -230,10 +237,20 @@ class Session:
             turn.done = True  # failed: the transcript stays as it was
             prompt.close()
             raise
-        self._finish_turn(turn, Reply(text, "cancelled" if cancelled else turn.finish, usage, timings))
+        finish = "cancelled" if cancelled else turn.finish
+        parsed, error = None, None
+        if turn.constraint is not None and finish == "complete":
+            try:
+                parsed = turn.constraint.parse(text)
+            except ValueError as problem:  # the matcher let through what does not parse: say so
+                error = GrammarError(f"the reply does not match its schema: {problem}")
+        self._finish_turn(turn, Reply(text, finish, usage, timings, parsed))
+        if error is not None:
+            raise error
 
-    def _sampler(self, turn: Turn) -> Sampler:
-        """The exchange's sampler chain, its penalty window primed with the prompt's tokens."""
+    def _sampler(self, turn: Turn) -> TokenSampler:
+        """The exchange's sampler chain, its penalty window primed with the prompt's tokens,
+        held to the exchange's constraint if it has one."""
         options = turn.options
         # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
         window = options.repeat_last_n
@@ -242,12 +259,15 @@ class Session:
         if options.penalized and last_n > 0:
             for token in turn.prompt.tokens()[-last_n:]:
                 sampler.accept(token)
+        if turn.constraint is not None:
+            return turn.constraint.sampler(sampler, self.model.native.n_vocab)
         return sampler
 
     def _finish_turn(self, turn: Turn, reply: Reply) -> None:
         """Record a finished exchange: the user message and the reply, as far as it got."""
         turn.prompt.close()
         turn.reply, turn.done = reply, True
+        self.model.remember_reply(reply.text, turn.tokens)
         self.messages += [turn.user, {"role": "assistant", "content": reply.text}]
 
     def _abandon_turn(self, turn: Turn, steps: Generator[Snapshot, None, None]) -> None:
@@ -260,7 +280,7 @@ class Session:
             )
 
     def _prefill(
-        self, turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: Sampler
+        self, turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: TokenSampler
     ) -> tuple[int, int] | None:
         """Decode the prompt after its first ``reused`` items and sample the first reply token
         from the last one's logits; (next position, that token), or None if cancelled."""
@@ -302,104 +322,51 @@ class Session:
         seat: Seat,
         pos: int,
         token: int,
-        sampler: Sampler,
+        sampler: TokenSampler,
         usage: Usage,
         timings: Timings,
         started: float,
     ) -> Generator[str, None, None]:
-        """The reply from its first sampled ``token`` on: each token's text, then the next
-        token decoded and sampled in one step (the shared context's logits are its own then)."""
+        """The reply from its first sampled ``token`` on: each token's text, then the tokens
+        since the last decode (the sampled one and any a constraint forces after it) decoded,
+        and the next one sampled, in one step (the shared context's logits are its own then)."""
         native, options = self.model.native, turn.options
         detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
         turn.finish = "length"
         first_token_at = time.perf_counter()
         timings.time_to_first_token_s = first_token_at - started
-        for n in range(options.max_tokens):
-            if turn.cancelled.is_set():
-                turn.finish = "cancelled"
+        pending, n = [token, *sampler.forced()], 0
+        while pending:
+            batch: list[int] = []
+            for token in pending:
+                if turn.cancelled.is_set():
+                    turn.finish = "cancelled"
+                elif native.is_eog(token):
+                    turn.finish = "complete" if sampler.complete else "stop"
+                else:
+                    usage.completion_tokens += 1
+                    n += 1
+                    delta = stops.push(detokenizer.push(native.piece(token)))
+                    if delta:
+                        yield delta
+                    batch.append(token)
+                    turn.tokens.append(token)
+                    if stops.stopped:
+                        turn.finish = "stop"
+                    elif n < options.max_tokens and pos + len(batch) < self.context_size:
+                        continue  # "length" below: the last token needs no decode
+                pending = []
                 break
-            if native.is_eog(token):
-                turn.finish = "stop"
-                break
-            usage.completion_tokens += 1
-            delta = stops.push(detokenizer.push(native.piece(token)))
-            if delta:
-                yield delta
-            if stops.stopped:
-                turn.finish = "stop"
-                break
-            if n + 1 == options.max_tokens or pos + 1 >= self.context_size:
-                break  # "length": the last token needs no decode
-            token = seat.decode([token], pos, sampler=sampler)
-            pos += 1
-            timings.generation_s = time.perf_counter() - first_token_at
-            timings._tokens = n + 1
+            else:
+                for i in range(0, len(batch), self.batch_size):  # forced tokens may be many
+                    chunk, last = batch[i : i + self.batch_size], i + self.batch_size >= len(batch)
+                    token = seat.decode(chunk, pos, sampler=sampler if last else None)
+                    pos += len(chunk)
+                pending = [token, *sampler.forced()]
+                timings.generation_s = time.perf_counter() - first_token_at
+                timings._tokens = n
         # The detokenizer may still hold the first bytes of a character the reply was cut
         # inside of (max_tokens, cancel): they stay in the token record, not in the text.
         tail = "" if stops.stopped else stops.flush()
         if tail:
             yield tail
-
-
-@dataclass
-class Turn:
-    """One exchange's state, shared by its ``Stream`` and the generator that runs it. The
-    generator never holds the ``Stream``, so dropping the stream finishes the exchange at once."""
-
-    user: Message
-    prompt: Prompt
-    options: GenerationOptions
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    finish: FinishReason = "length"
-    reply: Reply | None = None
-    done: bool = False
-    closed: bool = False  # its model was closed before it finished
-
-
-class Stream:
-    """An iterator of ``Snapshot``s; ``reply`` holds the final ``Reply`` once it ends."""
-
-    def __init__(self, session: Session, turn: Turn) -> None:
-        self.session = session
-        self._turn = turn
-        self._steps = session._generate(turn)
-        # Runs once: on close(), when the session moves on, or when the stream is dropped.
-        self._abandon = weakref.finalize(self, session._abandon_turn, turn, self._steps)
-
-    @property
-    def reply(self) -> Reply | None:
-        return self._turn.reply
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> Snapshot:
-        if self._turn.closed:
-            raise ModelClosedError("the model was closed while this stream was open")
-        if self._turn.done:
-            raise StopIteration
-        with self.session._busy():
-            try:
-                return next(self._steps)
-            except StopIteration:
-                if self._turn.closed:  # cancelled by the model's close()
-                    raise ModelClosedError("the model was closed while this stream was open") from None
-                raise
-
-    def cancel(self) -> None:
-        """Stop decoding before the next token (or mid-prefill); thread-safe and idempotent."""
-        self._turn.cancelled.set()
-
-    def close(self) -> None:
-        """Cancel and finish the reply now (what was generated is kept)."""
-        self.cancel()
-        if self._turn.done:
-            return  # finished, or ended by its model's close()
-        with self.session._busy():
-            self._abandon()
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -29,7 +29,8 @@ BRANCH = 16
 
 if TYPE_CHECKING:
     from .model import Model
-    from .session import Session, Stream
+    from .session import Session
+    from .stream import Stream
 
 
 class StatelessPool:

@@ -43,10 +43,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def exchange(llm: RecordingLlama, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+def exchange(
+    llm: RecordingLlama, messages: list[dict[str, str]], max_tokens: int, grammar: Any = None
+) -> dict[str, Any]:
     """One streamed chat completion; time to first token is the first chunk carrying text."""
     began, first, text = time.perf_counter(), 0.0, ""
-    chunks = llm.create_chat_completion(messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
+    chunks = llm.create_chat_completion(
+        messages=messages, max_tokens=max_tokens, temperature=0, stream=True, grammar=grammar
+    )
     for chunk in chunks:
         delta = chunk["choices"][0]["delta"].get("content") or ""
         if delta and not first:
@@ -147,10 +151,42 @@ def memory(config: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def structured(config: dict[str, Any]) -> dict[str, Any]:
+    """Each schema's prompt answered greedily with and without the schema as a grammar
+    (``LlamaGrammar.from_json_schema``, llama.cpp's grammar sampler), on a fresh context each time."""
+    from llama_cpp import LlamaGrammar
+
+    llm = RecordingLlama(
+        config["model"],
+        n_ctx=config["n_ctx"],
+        n_threads=config["threads"],
+        n_threads_batch=config["threads"],
+        flash_attn=True,
+        verbose=False,
+    )
+    exchange(llm, [{"role": "user", "content": "Hello"}], 4)
+    results: dict[str, Any] = {}
+    for name, case in config["cases"].items():
+        grammar = LlamaGrammar.from_json_schema(json.dumps(case["schema"]), verbose=False)
+        runs: dict[str, list[Any]] = {"plain": [], "schema": []}
+        for _ in range(config["repeats"]):
+            for kind in runs:
+                llm.reset()
+                constraint = grammar if kind == "schema" else None
+                turn = exchange(llm, case["messages"], config["max_tokens"], constraint)
+                runs[kind].append(turn)
+        results[name] = runs
+    return results
+
+
 def main() -> int:
     config = json.load(sys.stdin)
     if config.get("mode") == "memory":
         json.dump({"version": __import__("llama_cpp").__version__, "memory": memory(config)}, sys.stdout)
+        return 0
+    if config.get("mode") == "structured":
+        version = __import__("llama_cpp").__version__
+        json.dump({"version": version, "structured": structured(config)}, sys.stdout)
         return 0
     threads = config["threads"]
     # flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU.

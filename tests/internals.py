@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmsession import Session
-from llmsession.native import NativeContext, bindings
+from llmsession.native import bindings
+from llmsession.native_context import NativeContext
 from llmsession.prefix import Item
 from llmsession.residency import State
 

@@ -17,7 +17,9 @@ PURE = (
     "stops",
     "detokenize",
     "options",
+    "splice",
 )
+NATIVE = {"native", "native_context", "native_mtmd", "sampling"}  # the modules that call the bindings
 
 
 def imports(module: str) -> set[str]:
@@ -55,5 +57,12 @@ def test_planning_modules_never_reach_the_native_layer() -> None:
             current = todo.pop()
             seen.add(current)
             todo += [m for m in imports(current) if m not in seen]
-        assert "native" not in seen, f"{module} imports the native layer (through {sorted(seen)})"
+        native = seen & NATIVE
+        assert not native, f"{module} imports the native layer {native} (through {sorted(seen)})"
         assert "llama_cffi" not in (PACKAGE / f"{module}.py").read_text(), module
+
+
+def test_only_the_native_layer_touches_the_bindings() -> None:
+    for path in PACKAGE.glob("*.py"):
+        if path.stem not in NATIVE:
+            assert "bindings()" not in path.read_text(), f"{path.name} calls the bindings directly"

@@ -1,10 +1,14 @@
-"""The benchmark's multi-turn scenario on a tiny budget: its numbers' shape, not their speed."""
+"""The benchmark's scenarios on a tiny budget: their numbers' shape, not their speed."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
-from llmsession import GenerationOptions, Model
+import jsonschema
+
+from llmsession import GenerationOptions, Model, bench_structured
 from llmsession.bench import QUESTIONS, Turn, multi_turn
 
 
@@ -21,3 +25,17 @@ def test_multi_turn_reports_every_turn_and_reuses_the_cache(smollm2: Model) -> N
     summary = result["summary"]
     assert {"cache", "fresh", "cache_decoded_over_new", "cache_over_fresh_ttft_last"} <= set(summary)
     assert summary["new_tokens"] == sum(result["new_tokens"]) > 0
+
+
+def test_structured_scenario_reports_both_contenders_rates(smollm2_path: Path) -> None:
+    args = argparse.Namespace(model=smollm2_path, threads=2, repeats=1, max_tokens=24, peer=None)
+    results = bench_structured.run(args)
+    json.dumps(results)
+    for name, runs in results["ours"].items():
+        assert len(runs["plain"]) == len(runs["schema"]) == 1
+        assert all(run["tokens"] > 1 and run["tokens_per_s"] > 0 for run in runs["plain"] + runs["schema"])
+        schema_run = runs["schema"][0]
+        if schema_run["finish"] == "complete":
+            jsonschema.validate(json.loads(schema_run["text"]), bench_structured.CASES[name]["schema"])
+        else:
+            assert schema_run["finish"] == "length" and schema_run["tokens"] == 24

@@ -131,7 +131,8 @@ def test_chat_template_is_chatml(smollm2_path: Path) -> None:
 
 
 def test_short_decode_gives_finite_logits(smollm2_path: Path) -> None:
-    from llmsession.native import NativeContext, NativeModel
+    from llmsession.native import NativeModel
+    from llmsession.native_context import NativeContext
 
     model = NativeModel(smollm2_path)
     context = NativeContext(model, n_ctx=128, n_batch=32, threads=2)

@@ -7,6 +7,7 @@ line discipline turns into SIGINT), so they exercise signals, streaming and read
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import pty
 import re
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from llmsession import paths
@@ -324,3 +326,23 @@ def test_doctor_fails_clearly_without_the_libraries(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "error: the llama.cpp libraries do not load" in out.stderr and "make setup" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_json_constrains_the_next_reply_only(smollm2_path: Path, tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "city.json").write_text(json.dumps(schema))
+    (tmp_path / "bad.json").write_text('{"type": "strin"}')
+    lines = [f"/json {tmp_path / 'bad.json'}", f"/json {tmp_path / 'city.json'}", "Name a city.", "Thanks!"]
+    out = run("chat", "--max-tokens", "48", "--temperature", "0", stdin="\n".join(lines) + "\n")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "strin" in errors[0], out.stderr
+    replies = [line for line in out.stdout.splitlines() if line and not line.startswith("[")]
+    jsonschema.validate(json.loads(replies[0]), schema)
+    assert out.stdout.count("[valid JSON for the schema]") == 1  # the schema held for one reply only
+    assert len(STATS.findall(out.stdout)) == 2

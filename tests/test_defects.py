@@ -30,7 +30,8 @@ from llmsession import (
     Model,
     TemplateError,
 )
-from llmsession.native import NativeContext, NativeModel, bindings
+from llmsession.native import NativeModel, bindings
+from llmsession.native_context import NativeContext
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 REPO = Path(__file__).resolve().parents[1]

@@ -208,7 +208,7 @@ def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int)
     logits as the original below its 512-token window, and different ones past it."""
     from test_reuse import read_logits
 
-    from llmsession.native import NativeContext
+    from llmsession.native_context import NativeContext
 
     tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
     original = NativeContext(gemma3.native, n_ctx=2048, n_batch=512, threads=2)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from llmsession import ContextOverflowError, GenerationOptions, Model, NativeError, Session
-from llmsession.native import NativeContext, bindings
+from llmsession.native import bindings
+from llmsession.native_context import NativeContext
 from llmsession.prefix import PrefixCache, common_prefix
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)

@@ -1,0 +1,156 @@
+"""Structured output: replies held to a JSON schema, a regex or a grammar by llguidance.
+
+Per token, llguidance computes the set of tokens the constraint allows (a bitmask, about 0.05 ms
+on a 49k vocabulary); the others' logits are set to -inf in llama.cpp's own logits buffer and the
+usual C sampler chain picks from the rest, so temperature, top-k and penalties keep working.
+Tokens the constraint forces (a JSON key after its opening quote, say) are not sampled: they are
+decoded together in the next batch. The reply ends when the constraint is complete. llama.cpp's
+own grammar sampler is not used: it aborts the process on some tokens it forbids.
+
+The matcher's tokenizer comes from the GGUF vocabulary alone: each token's bytes with special
+tokens spelled out, control tokens marked with a 0xFF prefix (llguidance's convention), and every
+end-of-generation id as an end (SmolLM2 ends turns with ``<|im_end|>``, not its ``eos``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from .errors import GrammarError
+from .native import NativeModel
+from .native_context import NativeContext
+from .options import GenerationOptions
+from .sampling import Sampler
+
+log = logging.getLogger("llmsession")
+COMPACT = {"whitespace_flexible": False}  # small models given free whitespace may never stop
+
+
+class _Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads from a tokenizer, from the GGUF."""
+
+    def __init__(self, native: NativeModel) -> None:
+        pieces, control, self.eog = native.vocabulary()
+        self.tokens = [b"\xff" + piece if ctl else piece for piece, ctl in zip(pieces, control, strict=True)]
+        self.special_token_ids = [token for token, ctl in enumerate(control) if ctl]
+        self.eos_token_id = self.eog[0] if self.eog else native.eos()
+        self.bos_token_id = native.bos() if native.bos() >= 0 else None
+        self._native = native
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._native.tokenize_bytes(data, add_special=False, parse_special=False)
+
+
+def tokenizer(native: NativeModel) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for a model (about 0.3 s at 49k tokens: build it once per model)."""
+    vocabulary = _Vocabulary(native)
+    wrapper = llguidance.TokenizerWrapper(vocabulary)
+    return llguidance.LLTokenizer(wrapper, n_vocab=native.n_vocab, eos_token=vocabulary.eog or None)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A constraint compiled for one model's tokenizer; ``matcher()`` starts a reply under it."""
+
+    grammar: str
+    tokenizer: llguidance.LLTokenizer
+    schema_class: type | None = None  # a pydantic model: replies are parsed into it
+    json: bool = False
+
+    @classmethod
+    def compile(cls, options: GenerationOptions, tokenizer: llguidance.LLTokenizer) -> Constraint:
+        """Raise GrammarError (naming what is wrong) for a constraint that cannot be used."""
+        schema_class, kind = None, "grammar"
+        try:
+            if options.json_schema is not None:
+                kind, schema = "json_schema", options.json_schema
+                if isinstance(schema, type):
+                    schema_class, schema = schema, schema.model_json_schema()  # type: ignore[attr-defined]
+                elif isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, Mapping):
+                    raise GrammarError(f"json_schema: a schema is a JSON object, not {type(schema).__name__}")
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(schema), defaults=COMPACT)  # type: ignore[arg-type]
+            elif options.regex is not None:
+                kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
+            else:
+                assert options.grammar is not None
+                grammar = llguidance.grammar_from("grammar", options.grammar)
+        except (ValueError, TypeError) as error:  # bad JSON text, or GBNF that does not convert
+            raise GrammarError(f"{kind}: {error}") from None
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if failed:
+            raise GrammarError(f"{kind}: {messages[0]}")
+        for warning in messages:
+            log.info("%s: %s", kind, warning)
+        return cls(grammar, tokenizer, schema_class, json=kind == "json_schema")
+
+    def sampler(self, chain: Sampler, n_vocab: int) -> GuidedSampler:
+        matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        return GuidedSampler(chain, matcher, n_vocab, end=self.tokenizer.eos_token)
+
+    def parse(self, text: str) -> Any:
+        """A complete JSON reply as an object (a ``schema_class`` instance when there is one)."""
+        if not self.json:
+            return None
+        if self.schema_class is not None:
+            return self.schema_class.model_validate_json(text)  # type: ignore[attr-defined]
+        return json.loads(text)
+
+
+class GuidedSampler:
+    """A sampler chain held to a constraint: masks the logits, samples, advances the matcher."""
+
+    def __init__(self, chain: Sampler, matcher: llguidance.LLMatcher, n_vocab: int, *, end: int) -> None:
+        if matcher.is_error():
+            chain.close()
+            raise GrammarError(matcher.get_error())
+        self.chain, self.matcher, self.n_vocab, self.end = chain, matcher, n_vocab, end
+        self.mask = np.full((n_vocab + 31) // 32, -1, dtype=np.int32)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def accept(self, token: int) -> None:
+        self.chain.accept(token)
+
+    def restrict(self, logits: np.ndarray) -> None:
+        """Set the logits of every token the constraint forbids next to -inf."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self._check()
+        allowed = np.unpackbits(self.mask.view(np.uint8), count=self.n_vocab, bitorder="little")
+        logits[allowed == 0] = -np.inf
+
+    def sample(self, context: NativeContext) -> int:
+        self.restrict(context.last_logits(self.n_vocab))
+        token = self.chain.sample(context)
+        if not self.matcher.consume_token(token):
+            self._check()
+        return token
+
+    def forced(self) -> list[int]:
+        """The tokens the constraint allows next and no other: decoded with the sampled one. Once
+        it is complete and allows nothing more, the end of generation."""
+        if self.matcher.is_stopped():
+            return [self.end]
+        tokens = self.matcher.compute_ff_tokens()
+        if tokens and not self.matcher.consume_tokens(tokens):
+            self._check()
+        for token in tokens:
+            self.chain.accept(token)
+        return tokens
+
+    def close(self) -> None:
+        self.chain.close()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the constraint's matcher failed: {self.matcher.get_error()}")

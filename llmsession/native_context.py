@@ -1,0 +1,270 @@
+"""A llama context and what decodes into it: batches, the abort flag, each sequence's memory and
+state. Part of the native layer (see ``native``): every call's return code is checked."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import (
+    ContextOverflowError,
+)
+from .native import (
+    NativeModel,
+    Owner,
+    bindings,
+    check,
+    not_null,
+    raise_pending,
+)
+from .parking import mapping
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
+
+
+class Batch:
+    """Owns a ``llama_batch`` reused for every decode of one context."""
+
+    def __init__(self, capacity: int) -> None:
+        lib, ffi = bindings()
+        self.raw = lib.llama_batch_init(capacity, 0, 1)
+        self._free = weakref.finalize(self, lib.llama_batch_free, self.raw)
+        self.capacity = capacity
+        self.tokens = np.frombuffer(ffi.buffer(self.raw.token, 4 * capacity), dtype=np.int32)
+        self.positions = np.frombuffer(ffi.buffer(self.raw.pos, 4 * capacity), dtype=np.int32)
+        self.logits = np.frombuffer(ffi.buffer(self.raw.logits, capacity), dtype=np.int8)
+        np.frombuffer(ffi.buffer(self.raw.n_seq_id, 4 * capacity), dtype=np.int32)[:] = 1
+        self._seqs = np.full(capacity, -1, dtype=np.int32)  # what each slot's seq_id holds
+
+    def fill(self, tokens: Sequence[int], start: int, seq: int = 0) -> None:
+        """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
+        the last one."""
+        n = len(tokens)
+        for i in np.flatnonzero(self._seqs[:n] != seq):
+            self.raw.seq_id[i][0] = seq
+        self._seqs[:n] = seq
+        self.tokens[:n] = tokens
+        self.positions[:n] = np.arange(start, start + n, dtype=np.int32)
+        self.logits[:n] = 0
+        self.logits[n - 1] = 1
+        self.raw.n_tokens = n
+
+    def close(self) -> None:
+        self._free()
+
+
+class AbortFlag:
+    """What the prefill abort callback reads. The callback closes over this, never over the
+    context, so the context is in no reference cycle."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
+def _abort_callback(flag: AbortFlag) -> Any:
+    """``bool(void *)`` for llama_set_abort_callback: stop when the flag is set, or when a
+    signal handler raised inside a callback (the exception is kept for the caller to raise)."""
+    from llama_cffi import has_pending_error, stash_error
+
+    _, ffi = bindings()
+
+    def on_error(kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        stash_error(kind, error, traceback)
+        return True
+
+    def should_abort(_data: Any) -> bool:
+        return flag.event.is_set() or has_pending_error()
+
+    return ffi.callback("bool(void *)", should_abort, onerror=on_error)
+
+
+def _free_context(lib: Any, ptr: Any, _model: NativeModel) -> None:
+    """Frees a context; holding ``_model`` keeps the model alive until then."""
+    lib.llama_free(ptr)
+
+
+class NativeContext(Owner):
+    """Owns a ``llama_context`` (and its batch); decodes with an optional abort flag.
+
+    ``n_ctx`` is the size asked for: llama.cpp pads its own up (to a multiple of 256), and a
+    session must not use positions its caller did not give it.
+    """
+
+    def __init__(
+        self,
+        model: NativeModel,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        threads: int,
+        swa_full: bool = True,
+        n_seq_max: int = 1,
+    ) -> None:
+        lib, ffi = bindings()
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
+        params.swa_full, params.kv_unified = swa_full, n_seq_max > 1  # sequences share the cells
+        params.no_perf = True
+        pointer = lib.llama_init_from_model(model.ptr, params)
+        if pointer != ffi.NULL:
+            self._free = weakref.finalize(self, _free_context, lib, pointer, model)
+        raise_pending()
+        self._ptr = not_null(pointer, "creating a llama context")
+        model.adopt(self)
+        self._memory = lib.llama_get_memory(self.ptr)
+        self.n_ctx: int = min(n_ctx, lib.llama_n_ctx(self.ptr))
+        self.n_batch, self.n_seq_max = n_batch, n_seq_max
+        self.batch = Batch(n_batch)
+        self._flag = AbortFlag()
+        self._abort_cb = _abort_callback(self._flag)
+        self._abort_installed = False
+
+    @property
+    def abort(self) -> threading.Event:
+        """The event that stops an abortable decode (a stream's cancel flag)."""
+        return self._flag.event
+
+    @abort.setter
+    def abort(self, event: threading.Event) -> None:
+        self._flag.event = event
+
+    @property
+    def memory(self) -> Any:
+        self.ptr  # noqa: B018  (raises once the context is closed)
+        return self._memory
+
+    def close(self) -> None:
+        self.batch.close()
+        super().close()
+
+    def decode(self, tokens: Sequence[int], start: int, *, seq: int = 0, abortable: bool = False) -> None:
+        """Decode tokens of sequence ``seq`` at positions start..; raise DecodeAborted if the
+        abort flag or an exception raised in a callback (Ctrl-C) stopped it: the batch may be
+        partly in memory."""
+        lib, _ = bindings()
+        ptr = self.ptr  # first: once closed, the batch's memory is gone too
+        self.set_abortable(abortable)
+        if start + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
+            )
+        self._check_seq(seq)
+        self.batch.fill(tokens, start, seq)
+        code = lib.llama_decode(ptr, self.batch.raw)
+        interrupted_by(code == DECODE_ABORTED)
+        check(code, "llama_decode")
+
+    def set_abortable(self, abortable: bool) -> None:
+        """Install the abort callback for prefill; it costs a GIL round trip per graph node."""
+        lib, ffi = bindings()
+        if abortable != self._abort_installed:
+            lib.llama_set_abort_callback(self.ptr, self._abort_cb if abortable else ffi.NULL, ffi.NULL)
+            self._abort_installed = abortable
+
+    def logits(self) -> Any:
+        return bindings()[0].llama_get_logits_ith(self.ptr, -1)
+
+    def last_logits(self, n_vocab: int) -> np.ndarray:
+        """The last decoded token's logits, as a writable view of llama.cpp's own buffer: the
+        sampler chain reads them from there, so masking them here constrains the next sample."""
+        _, ffi = bindings()
+        pointer = not_null(self.logits(), "llama_get_logits_ith")
+        return np.frombuffer(ffi.buffer(pointer, 4 * n_vocab), dtype=np.float32)
+
+    # The llama_memory operations the prefix cache and the engine need, per sequence.
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"sequence {seq} is outside this context's 0..{self.n_seq_max - 1}")
+
+    def seq_rm(self, p0: int, seq: int = 0) -> bool:
+        """Remove positions >= p0 of ``seq`` (p0 = -1: all of them); False when refused."""
+        self._check_seq(seq)
+        return bool(bindings()[0].llama_memory_seq_rm(self.memory, seq, p0, -1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make ``dst`` hold what ``src`` holds (the cells are shared, not copied)."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
+    def clear(self) -> None:
+        """Empty the whole memory (every sequence)."""
+        bindings()[0].llama_memory_clear(self.memory, True)
+
+    def pos_min(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_memory_seq_pos_min(self.memory, seq))
+
+    def pos_max(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_memory_seq_pos_max(self.memory, seq))
+
+    # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session.
+    def state_size(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        size = int(bindings()[0].llama_state_seq_get_size(self.ptr, seq))
+        return check(size, "llama_state_seq_get_size", (0).__lt__)  # a state has a header
+
+    def state_get(self, seq: int = 0) -> Buffer:
+        """The state, in an anonymous mapping of its exact size made for it: freed whole when the
+        last reference goes (a heap block of tens of MiB would stay in the process once freed),
+        and prefaulted (MAP_POPULATE), which costs a quarter of faulting it page by page."""
+        lib, ffi = bindings()
+        size = self.state_size(seq)
+        blob = mapping(size)
+        with ffi.from_buffer("uint8_t[]", blob) as buf:
+            written = lib.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        check(written, "llama_state_seq_get_data", size.__eq__)
+        return blob
+
+    def state_set(self, blob: Buffer, seq: int = 0) -> bool:
+        """Load a state this build wrote for the same model and layout into ``seq`` (never
+        anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
+        refused it (then ``seq`` is empty)."""
+        lib, ffi = bindings()
+        self._check_seq(seq)
+        with ffi.from_buffer("uint8_t[]", blob) as source:
+            size = len(source)
+            if lib.llama_state_seq_set_data(self.ptr, source, size, seq) == size:
+                return True
+        lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return False
+
+
+def context_layout(swa_full: bool) -> dict[str, int | bool]:
+    """The context parameters a saved sequence state depends on, as NativeContext sets them
+    (a sequence's state does not depend on how many sequences share the context)."""
+    params = bindings()[0].llama_context_default_params()
+    return {
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn_type": int(params.flash_attn_type),
+        "swa_full": swa_full,
+    }
+
+
+class DecodeAborted(Exception):
+    """A decode stopped early: the abort flag was set (``cause`` None), or a callback raised
+    ``cause`` (the caller re-raises it once its memory matches its record again)."""
+
+    def __init__(self, cause: BaseException | None = None) -> None:
+        super().__init__()
+        self.cause = cause
+
+
+def interrupted_by(aborted: bool) -> None:
+    """After a decode: raise DecodeAborted if it was aborted, or if a callback raised meanwhile
+    (then the decode may have finished, but the caller must treat its batch as not recorded)."""
+    from llama_cffi import take_pending_error
+
+    cause = take_pending_error()
+    if aborted or cause is not None:
+        raise DecodeAborted(cause)

@@ -1,0 +1,78 @@
+"""llama.cpp's sampler chains: what an exchange samples its tokens with. Part of the native layer
+(see ``native``): sampling runs in C, never per token over the vocabulary in Python."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from .native import (
+    bindings,
+    not_null,
+)
+from .native_context import NativeContext
+from .options import LLAMA_DEFAULT_SEED, GenerationOptions
+
+
+class TokenSampler(Protocol):
+    """What an exchange samples with: a ``Sampler``, or one held to a constraint."""
+
+    def sample(self, context: NativeContext) -> int: ...
+    def forced(self) -> list[int]: ...
+    def accept(self, token: int) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def complete(self) -> bool: ...
+
+
+class Sampler:
+    """Owns a ``llama_sampler`` chain; sampling runs in C, never per token over the vocabulary in Python."""
+
+    def __init__(self, links: Sequence[Callable[[Any], Any]]) -> None:
+        lib, _ = bindings()
+        params = lib.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self.ptr = not_null(lib.llama_sampler_chain_init(params), "llama_sampler_chain_init")
+        self._free = weakref.finalize(self, lib.llama_sampler_free, self.ptr)
+        for make in links:
+            lib.llama_sampler_chain_add(self.ptr, not_null(make(lib), "creating a sampler"))
+
+    @classmethod
+    def from_options(cls, o: GenerationOptions, *, n_vocab: int, last_n: int) -> Sampler:
+        """The llama.cpp sampler chain for these options (penalties over the ``last_n`` latest
+        tokens, then truncation, then the pick)."""
+        links: list[Callable[[Any], Any]] = []
+        if o.penalized:
+            penalties = (n_vocab, last_n, o.repeat_penalty, o.frequency_penalty, o.presence_penalty)
+            links.append(lambda lib: lib.llama_sampler_init_penalties(*penalties))
+        if o.greedy:
+            links.append(lambda lib: lib.llama_sampler_init_greedy())
+        else:
+            seed = LLAMA_DEFAULT_SEED if o.seed is None else o.seed
+            links += [
+                lambda lib: lib.llama_sampler_init_top_k(o.top_k),
+                lambda lib: lib.llama_sampler_init_top_p(o.top_p, 1),
+                lambda lib: lib.llama_sampler_init_min_p(o.min_p, 1),
+                lambda lib: lib.llama_sampler_init_temp(o.temperature),
+                lambda lib: lib.llama_sampler_init_dist(seed),
+            ]
+        return cls(links)
+
+    def accept(self, token: int) -> None:
+        bindings()[0].llama_sampler_accept(self.ptr, token)
+
+    def sample(self, context: NativeContext) -> int:
+        return int(bindings()[0].llama_sampler_sample(self.ptr, context.ptr, -1))
+
+    def forced(self) -> list[int]:
+        """Tokens that must follow the last sample (a constraint may force some): none here."""
+        return []
+
+    @property
+    def complete(self) -> bool:
+        """Whether a constraint is satisfied (there is none)."""
+        return False
+
+    def close(self) -> None:
+        self._free()
