@@ -127,6 +127,10 @@ def median_rate(runs: list[dict[str, Any]]) -> float:
     return float(statistics.median(r[key] for r in runs))
 
 
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"  # "-": a reply of one token has no generation rate
+
+
 def report(results: dict[str, Any]) -> None:
     m = results["machine"]
     print(f"\nstructured output: {m['cpu']}, {m['threads']} threads")
@@ -136,11 +140,10 @@ def report(results: dict[str, Any]) -> None:
     rows = []
     for name, runs in results["ours"].items():
         plain, schema = median_rate(runs["plain"]), median_rate(runs["schema"])
-        row = [name, f"{plain:.0f}", f"{schema:.0f}", f"{schema / plain:.2f}"]
+        row = [name, f"{plain:.0f}", f"{schema:.0f}", ratio(schema, plain)]
         if name in peer:
             p_plain, p_schema = median_rate(peer[name]["plain"]), median_rate(peer[name]["schema"])
-            row += [f"{p_plain:.0f}", f"{p_schema:.0f}", f"{p_schema / p_plain:.2f}"]
-            row.append(f"{schema / p_schema:.2f}")
+            row += [f"{p_plain:.0f}", f"{p_schema:.0f}", ratio(p_schema, p_plain), ratio(schema, p_schema)]
         rows.append(row)
     table("generation tokens/s (median), greedy, fresh context per reply", header, rows)
     for name, cost in results.get("mask", {}).items():
