@@ -284,3 +284,42 @@ def test_random_schemas_greedy_output_validates(smollm2: Model, schema: dict[str
         GenerationOptions(json_schema=schema, temperature=0, max_tokens=120),
     )
     assert check_reply(schema, reply), reply
+
+
+def test_stop_strings_streaming_and_cancel_work_under_a_constraint(smollm2: Model) -> None:
+    options = GenerationOptions(
+        json_schema=SCHEMAS["nested, required and optional"], temperature=0, stop=["age"]
+    )
+    reply = smollm2.session().respond(ASK, options)
+    assert reply.finish_reason == "stop" and "age" not in reply.text and reply.parsed is None
+    session = smollm2.session()
+    stream = session.stream(ASK, GenerationOptions(json_schema=PERSON, temperature=0))
+    texts = [snap.text for _, snap in zip(range(3), stream, strict=False)]
+    stream.cancel()
+    assert list(stream) == [] and stream.reply is not None
+    assert stream.reply.finish_reason == "cancelled" and stream.reply.parsed is None
+    assert stream.reply.text.startswith(texts[-1]) and texts[0].startswith("{")
+    assert session.respond("Again, please.", GenerationOptions(json_schema=PERSON, temperature=0)).parsed
+
+
+def test_a_matcher_error_mid_reply_is_a_typed_error(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token the constraint forbids (a control token, here forced past the mask) ends the
+    reply with GrammarError: the process lives on and the transcript is as it was."""
+    from llmsession import sampling
+
+    sample = sampling.Sampler.sample
+    calls = []
+    (forbidden,) = smollm2.tokenize("<|im_start|>", add_special=False)
+
+    def rogue(self: sampling.Sampler, context: Any) -> int:
+        calls.append(1)
+        token = sample(self, context)
+        return forbidden if len(calls) == 4 else token
+
+    monkeypatch.setattr(sampling.Sampler, "sample", rogue)
+    session = smollm2.session()
+    with pytest.raises(GrammarError, match="matcher"):
+        session.respond(ASK, GenerationOptions(json_schema=PERSON, temperature=0))
+    assert session.messages == [] and len(calls) == 4
+    monkeypatch.undo()
+    assert session.respond(ASK, GenerationOptions(json_schema=PERSON, temperature=0)).parsed
