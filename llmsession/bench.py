@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -361,6 +362,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2:
         parser.error("--turns must be at least 2, --max-tokens at least 1, --gen-tokens at least 2")
     return args
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every ``llmsession bench`` scenario takes: the model, threads, the peer, --json."""
+    parser.add_argument("--model", type=Path, default=paths.default_model_path())
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--peer", choices=["llama-cpp-python"])
+    parser.add_argument("--peer-python", default=sys.executable)
+    parser.add_argument("--json", type=Path)
+
+
+def publish(results: dict[str, Any], report: Callable[[dict[str, Any]], None], path: Path | None) -> int:
+    """Print the tables; with ``--json``, write every number too."""
+    report(results)
+    if path is not None:
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"\nwrote {path}")
+    return 0
 
 
 def progress(step: str, started: float) -> None:

@@ -11,9 +11,7 @@ first token (TTFT) of live, restored and cold exchanges, prompt tokens decoded a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import paths
-from .bench import machine, progress, run_peer, table
+from .bench import common_arguments, machine, progress, publish, run_peer, table
 from .model import Model
 from .native_context import NativeContext
 from .options import GenerationOptions
@@ -242,18 +239,9 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmsession bench memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=paths.default_model_path())
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[4, 16, 64])
     parser.add_argument("--rounds", type=int, default=3, help="exchanges per session")
     parser.add_argument("--first-tokens", type=int, default=1000, help="size of each first message")
-    parser.add_argument("--peer", choices=["llama-cpp-python"])
-    parser.add_argument("--peer-python", default=sys.executable)
-    parser.add_argument("--json", type=Path)
+    common_arguments(parser)
     args = parser.parse_args(argv)
-    results = run(args)
-    report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"\nwrote {args.json}")
-    return 0
+    return publish(run(args), report, args.json)

@@ -10,17 +10,13 @@ over the time they took (the first waits for the prompt).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import paths
-from .bench import machine, progress, run_peer, table
+from .bench import common_arguments, machine, progress, publish, run_peer, table
 from .model import Model
 from .options import GenerationOptions
 from .sampling import Sampler
@@ -154,17 +150,8 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmsession bench structured", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=paths.default_model_path())
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--peer", choices=["llama-cpp-python"])
-    parser.add_argument("--peer-python", default=sys.executable)
-    parser.add_argument("--json", type=Path)
+    common_arguments(parser)
     args = parser.parse_args(argv)
-    results = run(args)
-    report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"\nwrote {args.json}")
-    return 0
+    return publish(run(args), report, args.json)

@@ -203,17 +203,7 @@ class NativeModel(Owner):
         buf, pieces, control, eog = ffi.new("char[256]"), [], [], []
         attr_control, attr_user = lib.LLAMA_TOKEN_ATTR_CONTROL, lib.LLAMA_TOKEN_ATTR_USER_DEFINED
         for token in range(self.n_vocab):
-            n = lib.llama_token_to_piece(self.vocab, token, buf, 256, 0, True)
-            if n < 0:
-                big = ffi.new("char[]", -n)
-                n = check(
-                    lib.llama_token_to_piece(self.vocab, token, big, -n, 0, True),
-                    "token_to_piece",
-                    non_negative,
-                )
-                piece = bytes(ffi.buffer(big, n))
-            else:
-                piece = bytes(ffi.buffer(buf, n))
+            piece = self._piece(token, buf, special=True)
             attr = int(lib.llama_vocab_get_attr(self.vocab, token))
             spelled = piece.startswith(b"<") and piece.endswith(b">")
             pieces.append(piece)
@@ -224,14 +214,17 @@ class NativeModel(Owner):
 
     def piece(self, token: int) -> bytes:
         """A token's bytes, without special-token text (generation output)."""
+        buf = bindings()[1].new("char[64]")  # per call: the GIL is released while llama.cpp writes it
+        return self._piece(self.check_token(token), buf, special=False)
+
+    def _piece(self, token: int, buf: Any, *, special: bool) -> bytes:
+        """``llama_token_to_piece`` into ``buf``, or into a larger buffer when it asks for one."""
         lib, ffi = bindings()
-        token = self.check_token(token)
-        buf = ffi.new("char[64]")  # per call: the GIL is released while llama.cpp writes it
-        n = lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+        n = lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ffi.new("char[]", -n)
             n = check(
-                lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, False),
+                lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special),
                 "token_to_piece",
                 non_negative,
             )

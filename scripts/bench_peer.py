@@ -36,6 +36,22 @@ class RecordingLlama(Llama):  # type: ignore[misc]
             yield token
 
 
+def load(config: dict[str, Any]) -> RecordingLlama:
+    """The peer's Llama as every scenario uses it, warmed up as the llmsession side is.
+    flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU."""
+    threads = config["threads"]
+    llm = RecordingLlama(
+        config["model"],
+        n_ctx=config["n_ctx"],
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    exchange(llm, [{"role": "user", "content": "Hello"}], 4)
+    return llm
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -116,15 +132,7 @@ def memory(config: dict[str, Any]) -> dict[str, Any]:
 
     results = {}
     for n in config["sizes"]:
-        llm = RecordingLlama(
-            config["model"],
-            n_ctx=config["n_ctx"],
-            n_threads=config["threads"],
-            n_threads_batch=config["threads"],
-            flash_attn=True,
-            verbose=False,
-        )
-        exchange(llm, [{"role": "user", "content": "Hello"}], 4)
+        llm = load(config)
         base = rss_mib()
         llm.set_cache(LlamaRAMCache(capacity_bytes=config["cache_bytes"]))
         transcripts = [[{"role": "system", "content": config["system"]}] for _ in range(n)]
@@ -156,15 +164,7 @@ def structured(config: dict[str, Any]) -> dict[str, Any]:
     (``LlamaGrammar.from_json_schema``, llama.cpp's grammar sampler), on a fresh context each time."""
     from llama_cpp import LlamaGrammar
 
-    llm = RecordingLlama(
-        config["model"],
-        n_ctx=config["n_ctx"],
-        n_threads=config["threads"],
-        n_threads_batch=config["threads"],
-        flash_attn=True,
-        verbose=False,
-    )
-    exchange(llm, [{"role": "user", "content": "Hello"}], 4)
+    llm = load(config)
     results: dict[str, Any] = {}
     for name, case in config["cases"].items():
         grammar = LlamaGrammar.from_json_schema(json.dumps(case["schema"]), verbose=False)
@@ -188,17 +188,7 @@ def main() -> int:
         version = __import__("llama_cpp").__version__
         json.dump({"version": version, "structured": structured(config)}, sys.stdout)
         return 0
-    threads = config["threads"]
-    # flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU.
-    llm = RecordingLlama(
-        config["model"],
-        n_ctx=config["n_ctx"],
-        n_threads=threads,
-        n_threads_batch=threads,
-        flash_attn=True,
-        verbose=False,
-    )
-    exchange(llm, [{"role": "user", "content": "Hello"}], 4)  # warm up, as the llmsession side does
+    llm = load(config)
     max_tokens = config["max_tokens"]
     result = {
         "version": __import__("llama_cpp").__version__,
