@@ -28,7 +28,7 @@ lint: $(INSTALLED)
 
 test: setup lint
 	$(PY) scripts/gen_bindings.py --check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --no-skips
 
 bench: setup
 	$(PY) scripts/fetch_llama.py --bench

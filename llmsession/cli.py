@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import paths
+from . import installer, paths
 from .budget import MemoryConfig
 from .errors import LlmSessionError
+from .installer import SETUP_COMMAND
 from .model import Model
 from .options import GenerationOptions
 from .replies import Reply
@@ -226,11 +227,15 @@ def not_decodable() -> str:
 
 
 def chat(args: argparse.Namespace) -> int:
-    model_path: Path = args.model or paths.default_model_path()
-    if args.model is None and not model_path.exists():
+    model_path = paths.resolve_model(args.model) if args.model else paths.default_model_path()
+    if not model_path.exists():
+        which = (
+            f"the model {args.model!r} is not a file or a cached model"
+            if args.model
+            else (f"the default model {model_path} is missing")
+        )
         error(
-            f"the default model {model_path} is missing; fetch it with `make setup` "
-            "(or `python scripts/fetch_models.py`), or pass --model PATH"
+            f"{which}; fetch it with `{SETUP_COMMAND}`, or pass --model PATH (`llmsession models` lists them)"
         )
         return 2
     try:
@@ -261,7 +266,7 @@ def doctor(_args: argparse.Namespace) -> int:
                 value = " ".join(f"{k}={v}" for k, v in value.items())
             print(f"  {key}: {value}")
     else:
-        print(f"build info: {info_path} missing (run `make setup`)")
+        print(f"build info: {info_path} missing (run `{SETUP_COMMAND}`)")
     status = 0
     try:
         print(f"llama.cpp commit: {native.build_commit()} (pinned {paths.LLAMA_CPP_COMMIT})")
@@ -269,10 +274,7 @@ def doctor(_args: argparse.Namespace) -> int:
     except (LlmSessionError, OSError) as e:
         error(f"the llama.cpp libraries do not load: {e}")
         status = 1
-    models = sorted(paths.models_dir().glob("*.gguf"))
-    print(f"models in {paths.models_dir()}:" + ("" if models else " none (run `make setup`)"))
-    for model in models:
-        print(f"  {model.name}  {model.stat().st_size / 1e6:.1f} MB")
+    installer.models(_args)
     projector = paths.fixtures_dir() / "mmproj-tiny.gguf"
     print(f"projector fixture: {projector} {'present' if projector.exists() else 'missing'}")
     budget = MemoryConfig()
@@ -298,16 +300,19 @@ def bench(argv: list[str]) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="llmsession", description="Multi-turn chat with local GGUF models.")
-    commands = top.add_subparsers(dest="command", required=True, metavar="{chat,doctor,bench}")
+    commands = top.add_subparsers(dest="command", required=True, metavar="{chat,setup,models,doctor,bench}")
     chat_parser = commands.add_parser("chat", help="chat with a model in the terminal")
     add = chat_parser.add_argument
-    add("--model", type=Path, metavar="PATH", help="GGUF model (default: SmolLM2-135M-Instruct)")
+    add(
+        "--model", metavar="PATH|NAME", help="GGUF file or cached model name (default: SmolLM2-135M-Instruct)"
+    )
     add("--mmproj", type=Path, metavar="PATH", help="multimodal projector GGUF, enables /image")
     add("--system", metavar="TEXT", help="system message")
     add("--context-size", type=int, default=4096, metavar="N", help="context tokens (default: %(default)s)")
     add("--temperature", type=float, default=0.8, metavar="T", help="0 is greedy (default: %(default)s)")
     add("--max-tokens", type=int, default=512, metavar="N", help="per reply (default: %(default)s)")
     add("--threads", type=int, metavar="N", help="CPU threads (default: up to 8)")
+    installer.add_commands(commands)
     commands.add_parser("doctor", help="show the llama.cpp build, CPU features and cached models")
     commands.add_parser("bench", help="benchmark sessions (arguments go to the benchmark)", add_help=False)
     return top
@@ -319,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     args = parser().parse_args(argv)
     try:
-        return chat(args) if args.command == "chat" else doctor(args)
+        run = {"chat": chat, "setup": installer.setup, "models": installer.models, "doctor": doctor}
+        return run[args.command](args)
     except KeyboardInterrupt:  # while loading the model, say
         return 130
 

@@ -110,9 +110,9 @@ class NativeModel(Owner):
     """Owns a ``llama_model``; ``close()`` closes its contexts and projector first."""
 
     def __init__(self, path: str | Path, *, gpu_layers: int = 0) -> None:
-        lib, ffi = bindings()
         path = Path(path)
-        check_gguf_file(path)
+        check_gguf_file(path)  # the caller's mistake first, whether or not the libraries load
+        lib, ffi = bindings()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
         pointer = lib.llama_model_load_from_file(c_string(str(path), "model path"), params)

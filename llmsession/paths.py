@@ -1,27 +1,19 @@
 """Where llmsession keeps what it downloads and builds: never inside the repository.
 
-Everything lives under one cache root, ``$LLMSESSION_CACHE`` or ``~/.cache/llmsession``.
-This module imports nothing native, so scripts can use it before llama.cpp is built.
+Everything lives under one cache root, ``$LLMSESSION_CACHE`` or ``~/.cache/llmsession``. The
+pinned commit and the build's place are the bindings' (``llama_cffi``), defined there once. This
+module loads no library, so the set-up can use it before llama.cpp is built.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-LLAMA_CPP_COMMIT = "0c1e57098"
+from llama_cffi import LLAMA_CPP_COMMIT, cache_root, llama_dir
+
+__all__ = ["LLAMA_CPP_COMMIT", "cache_root", "llama_dir"]  # and the functions below
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
-
-
-def cache_root() -> Path:
-    """The cache root; ``LLMSESSION_CACHE`` overrides the default."""
-    return Path(os.environ.get("LLMSESSION_CACHE") or Path.home() / ".cache" / "llmsession")
-
-
-def llama_dir() -> Path:
-    """The versioned folder holding the pinned llama.cpp build (``lib/``, ``include/``, ``src/``)."""
-    return cache_root() / "llama.cpp" / LLAMA_CPP_COMMIT
 
 
 def models_dir() -> Path:
@@ -43,3 +35,19 @@ def gemma3_model_path() -> Path:
 def llama_source_dir() -> Path:
     """The extracted llama.cpp source (templates, mtmd sources, llama-bench)."""
     return llama_dir() / "src"
+
+
+def cached_models() -> list[Path]:
+    return sorted(models_dir().glob("*.gguf"))
+
+
+def resolve_model(name: str | Path) -> Path:
+    """A model path as given, or the cached model it names (file name, stem, or a unique
+    case-insensitive prefix of one: ``smollm2``); the name itself when nothing matches."""
+    path = Path(name)
+    if path.exists() or path.parent != Path("."):
+        return path
+    key = str(name).lower()
+    found = [m for m in cached_models() if m.name.lower() == key or m.stem.lower() == key]
+    found = found or [m for m in cached_models() if m.name.lower().startswith(key)]
+    return found[0] if len(found) == 1 else path

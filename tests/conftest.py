@@ -1,4 +1,12 @@
-"""Shared fixtures: real models and the real libraries from the cache (``make setup`` puts them there)."""
+"""Shared fixtures (real models, the real libraries from the cache) and the test tiers.
+
+Tiers: ``native`` tests need the llama.cpp libraries, the models and the fixtures (a test is
+native when it uses a model fixture or lives in a file of ``NATIVE_FILES``); ``pty`` tests drive
+a terminal; ``slow`` ones take tens of seconds. ``pytest -m "not native"`` runs the pure tiers
+without any native library. A native test whose libraries or models are missing is skipped with
+the command that sets them up, and ``--no-skips`` (what ``make test`` passes) fails a run that
+skipped anything, so CI cannot pass by skipping.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +14,67 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from llama_cffi import LIBRARIES, lib_dir
 
 from llmsession import Model, paths
+
+SETUP = "llmsession setup --models && python scripts/make_fixtures.py"  # or `make setup`
+NATIVE_FIXTURES = {"smollm2", "gemma3", "smollm2_path", "gemma3_path", "fixture_path", "terminal", "control"}
+NATIVE_FILES = {
+    "test_bindings",
+    "test_cli",
+    "test_defects",
+    "test_fuzz",
+    "test_images",
+    "test_lifetimes",
+    "test_wheel",
+}  # they load the libraries or run llmsession in a subprocess without a model fixture
+SLOW_FILES = {"test_fuzz", "test_wheel"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--no-skips", action="store_true", help="fail the run if any test was skipped")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = item.path.stem
+        if fixtures & NATIVE_FIXTURES or module in NATIVE_FILES:
+            item.add_marker(pytest.mark.native)
+        if "terminal" in fixtures:
+            item.add_marker(pytest.mark.pty)
+        if module in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
+def missing_native() -> list[Path]:
+    """What the native tier needs and this machine lacks."""
+    needed = [lib_dir() / f"lib{name}.so" for name in LIBRARIES]
+    needed += [paths.default_model_path(), paths.gemma3_model_path()]
+    needed += [paths.fixtures_dir() / name for name in ("mmproj-tiny.gguf", "mamba-tiny.gguf")]
+    return [path for path in needed if not path.exists()]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("native") is not None:
+        missing = missing_native()
+        if missing:
+            pytest.skip(f"run `{SETUP}`: missing {', '.join(str(p) for p in missing[:3])}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
+    if session.config.getoption("--no-skips") and skipped and exitstatus == 0:
+        if reporter is not None:
+            reporter.write_line(f"--no-skips: {skipped} test(s) were skipped; the run fails", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _require(path: Path) -> Path:
     if not path.exists():
-        pytest.fail(f"{path} is missing: run `make setup` first", pytrace=False)
+        pytest.skip(f"{path} is missing: run `{SETUP}`")
     return path
 
 

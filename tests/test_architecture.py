@@ -19,7 +19,13 @@ PURE = (
     "options",
     "splice",
 )
-NATIVE = {"native", "native_context", "native_mtmd", "sampling"}  # the modules that call the bindings
+NATIVE = {
+    "native",
+    "native_context",
+    "native_mtmd",
+    "sampling",
+    "smoke_llama",
+}  # the modules that call the bindings
 
 
 def imports(module: str) -> set[str]:

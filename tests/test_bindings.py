@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from llama_cffi import LIBRARIES, NOT_EXPORTED, ffi, include_dir, lib_dir, load
+from llama_cffi import LIBRARIES, LLAMA_CPP_COMMIT, NOT_EXPORTED, ffi, include_dir, lib_dir, load
 
 ROOT = Path(__file__).resolve().parents[1]
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
@@ -37,7 +37,7 @@ def test_committed_cdef_matches_the_headers() -> None:
 
 def test_cdef_names_the_commit() -> None:
     first = (ROOT / "bindings/llama_cffi/_cdef.h").read_text().splitlines()[0]
-    assert "0c1e57098" in first
+    assert LLAMA_CPP_COMMIT in first
 
 
 def layouts_from_cffi() -> dict[str, int]:

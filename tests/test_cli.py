@@ -226,7 +226,7 @@ def test_image_command_with_a_projector(terminal: Callable[..., Terminal]) -> No
     projector, red = fixtures / "mmproj-tiny.gguf", fixtures / "image-red.png"
     for path in (projector, red):
         if not path.exists():
-            pytest.fail(f"{path} is missing: run `make setup` first", pytrace=False)
+            pytest.fail(f"{path} is missing: run `make setup` first", pytrace=False)  # conftest skips first
     term = terminal("chat", "--mmproj", str(projector), "--max-tokens", "8", "--temperature", "0")
     term.enter("/image /no/such/image.png")
     term.expect(r"error: .*image")
@@ -298,7 +298,7 @@ def test_a_bad_line_is_reported_and_the_chat_goes_on(smollm2_path: Path, bad: by
 def test_a_missing_default_model_names_the_setup_command(tmp_path: Path) -> None:
     out = run("chat", stdin="hi\n", env={"LLMSESSION_CACHE": str(tmp_path)})
     assert out.returncode == 2
-    assert "make setup" in out.stderr and "fetch_models.py" in out.stderr
+    assert "`llmsession setup`" in out.stderr and "llmsession models" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -309,6 +309,15 @@ def test_a_bad_model_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert out.stderr.startswith("error:") and "bogus.gguf" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_model_is_named_from_the_cache_and_listed(smollm2_path: Path) -> None:
+    out = run("models")
+    assert out.returncode == 0 and smollm2_path.name in out.stdout and "MiB" in out.stdout
+    out = run("chat", "--model", "smollm2", "--max-tokens", "4", "--temperature", "0", stdin="Hi\n")
+    assert out.returncode == 0 and STATS.search(out.stdout), out.stderr
+    out = run("chat", "--model", "no-such-model", stdin="Hi\n")
+    assert out.returncode == 2 and "not a file or a cached model" in out.stderr
 
 
 def test_doctor_reports_the_build(smollm2_path: Path) -> None:
@@ -324,7 +333,7 @@ def test_doctor_reports_the_build(smollm2_path: Path) -> None:
 def test_doctor_fails_clearly_without_the_libraries(tmp_path: Path) -> None:
     out = run("doctor", env={"LLMSESSION_LIB_DIR": str(tmp_path)})
     assert out.returncode != 0
-    assert "error: the llama.cpp libraries do not load" in out.stderr and "make setup" in out.stderr
+    assert "error: the llama.cpp libraries do not load" in out.stderr and "`llmsession setup`" in out.stderr
     assert "Traceback" not in out.stderr
 
 

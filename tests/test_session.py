@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from llmsession import (
     TemplateError,
 )
 from llmsession.detokenize import IncrementalDetokenizer
+from llmsession.native_context import NativeContext
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 
@@ -136,8 +138,9 @@ def test_cancel_mid_generation_stops_within_one_token(smollm2: Model) -> None:
     for i, _snap in enumerate(stream):
         if i == 4:
             at_cancel = session.cached_tokens
-            threading.Thread(target=stream.cancel).start()
-            time.sleep(0.05)
+            canceller = threading.Thread(target=stream.cancel)
+            canceller.start()
+            canceller.join()  # cancelled from another thread before the next step
     assert stream.reply is not None
     assert stream.reply.finish_reason == "cancelled"
     assert session.cached_tokens <= at_cancel + 1
@@ -155,11 +158,9 @@ def test_break_and_drop_stop_decoding(smollm2: Model) -> None:
             break
     # the for loop held the only reference: the stream is finished as cancelled and recorded
     assert session.messages[-1]["role"] == "assistant"
-    held = session.cached_tokens
-    time.sleep(0.1)
-    assert session.cached_tokens == held
+    held = session.cached_tokens  # nothing decodes in the background: the break ended the exchange
     reply = session.respond("Thanks.", GenerationOptions(max_tokens=8, temperature=0))
-    assert reply.text
+    assert reply.text and reply.usage.reused_tokens >= held - 1  # the cancelled reply stayed cached
 
 
 def test_close_keeps_what_was_generated(smollm2: Model) -> None:
@@ -197,15 +198,31 @@ def long_prompt(model: Model, n_tokens: int) -> str:
     return text
 
 
-def test_cancel_during_a_long_prefill_stops_within_about_one_batch(smollm2: Model) -> None:
+def after_decodes(monkeypatch: pytest.MonkeyPatch, ready: Callable[[], bool]) -> threading.Event:
+    """An event set once a decode ends with ``ready()`` true: a thread can wait for a point
+    inside a prefill instead of sleeping and hoping."""
+    reached, decode = threading.Event(), NativeContext.decode
+
+    def watched(self: NativeContext, *args: Any, **kwargs: Any) -> None:
+        decode(self, *args, **kwargs)
+        if ready():
+            reached.set()
+
+    monkeypatch.setattr(NativeContext, "decode", watched)
+    return reached
+
+
+def test_cancel_during_a_long_prefill_stops_within_about_one_batch(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompt = long_prompt(smollm2, 2000)
     session = smollm2.session(context_size=4096, batch_size=128)
     stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
     decoded_at_cancel: list[int] = []
+    reached = after_decodes(monkeypatch, lambda: session.cached_tokens >= 300)
 
     def cancel_soon() -> None:
-        while session.cached_tokens < 300:
-            time.sleep(0.005)
+        assert reached.wait(120)
         decoded_at_cancel.append(session.cached_tokens)
         stream.cancel()
 
@@ -223,24 +240,26 @@ def test_cancel_during_a_long_prefill_stops_within_about_one_batch(smollm2: Mode
     assert after.text
 
 
-def test_a_session_used_from_two_threads_raises_busy(smollm2: Model) -> None:
+def test_a_session_used_from_two_threads_raises_busy(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     session = smollm2.session()
     stream = session.stream(long_prompt(smollm2, 1500), GenerationOptions(max_tokens=4, temperature=0))
     errors: list[BaseException] = []
-    started = threading.Event()
+    inside, tried, decode = threading.Event(), threading.Event(), NativeContext.decode
 
-    def consume() -> None:
-        started.set()
-        list(stream)
+    def held(self: NativeContext, *args: Any, **kwargs: Any) -> None:
+        decode(self, *args, **kwargs)
+        inside.set()
+        assert tried.wait(60)  # the exchange stays open until the other thread has tried
 
-    worker = threading.Thread(target=consume)
+    monkeypatch.setattr(NativeContext, "decode", held)
+    worker = threading.Thread(target=list, args=(stream,))
     worker.start()
-    started.wait()
-    time.sleep(0.3)  # the worker is inside the prefill
+    assert inside.wait(60)
     try:
         session.respond("Hi", GenerationOptions(max_tokens=2))
     except SessionBusyError as error:
         errors.append(error)
+    tried.set()
     worker.join()
     assert errors, "a second thread must get SessionBusyError"
 
@@ -303,7 +322,8 @@ def test_prompt_longer_than_the_context(smollm2: Model) -> None:
     with pytest.raises(ContextOverflowError):
         session.respond(long_prompt(smollm2, 100))
     assert session.messages == []
-    assert session.respond("Hi", GenerationOptions(max_tokens=4, temperature=0)).text is not None
+    reply = session.respond("Hi", GenerationOptions(max_tokens=4, temperature=0))
+    assert reply.text and reply.usage.prompt_tokens <= 64 and reply.finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,7 @@ def test_a_pydantic_class_gives_instances(smollm2: Model) -> None:
         ({"grammar": 'root ::= ("red" | "green") " " [a-z]{2,8}'}, r"(red|green) [a-z]{2,8}"),  # GBNF
     ],
 )
+@pytest.mark.native  # its model fixture is requested by name
 @pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
 def test_regex_and_grammar_replies_are_in_their_language(
     request: pytest.FixtureRequest, model_name: str, constraint: dict[str, str], language: str

@@ -20,12 +20,13 @@ from typing import Any
 
 from cffi import FFI
 
+# The build facts, defined here once (llmsession.paths and the set-up read them from here).
 LLAMA_CPP_COMMIT = "0c1e57098"
 # Load order: each library after the ones it links against.
 LIBRARIES = ("ggml-base", "ggml-cpu", "ggml", "llama", "mtmd")
 # Declared in the headers but not exported by the pinned libraries (C++-only declarations).
 NOT_EXPORTED = frozenset({"mtmd_get_memory_usage"})
-BUILD_HINT = "run `make setup` (or `python scripts/fetch_llama.py`) to build them"
+BUILD_HINT = "run `llmsession setup` to build them"
 
 log = logging.getLogger("llmsession.native")
 if log.level == logging.NOTSET:
@@ -40,13 +41,20 @@ class LibraryNotFoundError(OSError):
 
 
 def cache_root() -> Path:
+    """Where llmsession keeps what it downloads and builds: ``$LLMSESSION_CACHE``, else
+    ``~/.cache/llmsession``."""
     return Path(os.environ.get("LLMSESSION_CACHE") or Path.home() / ".cache" / "llmsession")
 
 
+def llama_dir() -> Path:
+    """The versioned folder of the pinned build in the cache (``lib/``, ``include/``, ``src/``)."""
+    return cache_root() / "llama.cpp" / LLAMA_CPP_COMMIT
+
+
 def lib_dir() -> Path:
-    """``$LLMSESSION_LIB_DIR``, else the versioned build folder in the cache."""
+    """``$LLMSESSION_LIB_DIR`` (an explicit choice wins), else the build in the cache."""
     configured = os.environ.get("LLMSESSION_LIB_DIR")
-    return Path(configured) if configured else cache_root() / "llama.cpp" / LLAMA_CPP_COMMIT / "lib"
+    return Path(configured) if configured else llama_dir() / "lib"
 
 
 def include_dir() -> Path:
@@ -99,7 +107,7 @@ def _route_logs(lib: _Lib) -> Any:
     thread: llama.cpp may log from several threads at once)."""
     line = threading.local()
 
-    @ffi.callback("void(enum ggml_log_level, const char *, void *)", onerror=stash_error)
+    @ffi.callback("void(enum ggml_log_level, const char *, void *)", onerror=stash_error)  # type: ignore[untyped-decorator]
     def on_log(level: int, text: Any, _user: Any) -> None:
         if level != 5:  # GGML_LOG_LEVEL_CONT keeps the previous level
             line.level = _LEVELS.get(level, logging.DEBUG)
@@ -140,12 +148,15 @@ def load(folder: str | Path | None = None) -> tuple[Any, FFI]:
 
 __all__ = [
     "LIBRARIES",
+    "LLAMA_CPP_COMMIT",
     "NOT_EXPORTED",
     "LibraryNotFoundError",
+    "cache_root",
     "ffi",
     "has_pending_error",
     "include_dir",
     "lib_dir",
+    "llama_dir",
     "load",
     "stash_error",
     "take_pending_error",

@@ -1,17 +1,15 @@
-#!/usr/bin/env python3
 """Smoke-test a llama.cpp build: load the libraries and, given a model, decode a few tokens.
 
-Run in a subprocess by fetch_llama.py, so a crashing build fails set-up with a clear message.
+Run in a subprocess by ``llmsession setup`` (``python -m llmsession.smoke_llama LIB_DIR [MODEL]``),
+so a crashing build fails set-up with a clear message.
 Prints the build's commit on the last line.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bindings"))
 from llama_cffi import load
 
 
