@@ -323,7 +323,7 @@ def test_a_model_is_named_from_the_cache_and_listed(smollm2_path: Path) -> None:
 def test_doctor_reports_the_build(smollm2_path: Path) -> None:
     out = run("doctor")
     assert out.returncode == 0, out.stderr
-    assert re.search(r"llama\.cpp commit: 0c1e570", out.stdout)
+    assert f"llama.cpp commit: {paths.LLAMA_CPP_COMMIT[:7]}" in out.stdout
     assert "build-info.json" in out.stdout
     assert smollm2_path.name in out.stdout
     assert re.search(r"system info: .*CPU", out.stdout)
