@@ -21,14 +21,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from . import paths
+from .bench_common import machine, progress, run_worker, table
 from .model import Model
-from .native import build_commit
 from .options import GenerationOptions
 from .prefix import common_prefix
 from .replies import Message
@@ -49,7 +48,6 @@ QUESTIONS = (
 )  # fmt: skip
 LONG_PROMPT = "Write a long, detailed story about a lighthouse keeper who befriends a whale."
 SESSIONS, SESSION_TURNS = 4, 5
-PEER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peer.py"
 
 
 @dataclass
@@ -201,33 +199,13 @@ def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dic
     return {"samples_ts": samples, "build_commit": row["build_commit"], "command": " ".join(cmd)}
 
 
-def run_peer(python: str, config: dict[str, Any], *, summarize: bool = True) -> dict[str, Any]:
-    """llama-cpp-python in a worker process (its own venv is fine) on llmsession's llama.cpp build."""
-    lib = os.environ.get("LLAMA_CPP_LIB_PATH") or str(paths.llama_dir() / "lib")
-    env = os.environ | {"LLAMA_CPP_LIB_PATH": lib}
-    if not PEER_SCRIPT.exists():
-        return {"skipped": f"{PEER_SCRIPT} is missing (it lives in the repository, not the package)"}
-    if subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, env=env).returncode != 0:
-        return {"skipped": f"llama_cpp is not importable by {python} (see --peer-python)"}
-    cmd = [python, str(PEER_SCRIPT)]
-    out = subprocess.run(cmd, input=json.dumps(config), capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        return {"skipped": f"the peer worker failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
-    peer: dict[str, Any] = json.loads(out.stdout)
-    if not summarize:
-        return peer
-    sessions = [totals(_turns(s)) for s in peer["interleaved"]]
-    peer["summary"] = {"multi_turn": totals(_turns(peer["multi_turn"])), "interleaved": sessions}
+def run_peer(python: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The peer's chats, with their totals."""
+    peer = run_worker(python, config)
+    if "skipped" not in peer:
+        sessions = [totals(_turns(s)) for s in peer["interleaved"]]
+        peer["summary"] = {"multi_turn": totals(_turns(peer["multi_turn"])), "interleaved": sessions}
     return peer
-
-
-def machine(threads: int) -> dict[str, Any]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = "unknown"
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "llama_cpp_commit": build_commit()}
 
 
 def _rows(turns: list[Turn]) -> list[dict[str, Any]]:
@@ -241,14 +219,6 @@ def _turns(rows: list[dict[str, Any]]) -> list[Turn]:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
-
-
-def table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    """Right-aligned columns, each as wide as its widest cell."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"\n{title}")
-    for row in [header, *rows]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
 
 
 def report_multi_turn(result: dict[str, Any], peer: list[Turn]) -> None:
@@ -362,29 +332,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2:
         parser.error("--turns must be at least 2, --max-tokens at least 1, --gen-tokens at least 2")
     return args
-
-
-def common_arguments(parser: argparse.ArgumentParser) -> None:
-    """What every ``llmsession bench`` scenario takes: the model, threads, the peer, --json."""
-    parser.add_argument("--model", type=Path, default=paths.default_model_path())
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--peer", choices=["llama-cpp-python"])
-    parser.add_argument("--peer-python", default=sys.executable)
-    parser.add_argument("--json", type=Path)
-
-
-def publish(results: dict[str, Any], report: Callable[[dict[str, Any]], None], path: Path | None) -> int:
-    """Print the tables; with ``--json``, write every number too."""
-    report(results)
-    if path is not None:
-        path.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"\nwrote {path}")
-    return 0
-
-
-def progress(step: str, started: float) -> None:
-    """A line on stderr per step: a run takes minutes, and a busy machine makes it longer."""
-    print(f"[{time.perf_counter() - started:6.1f}s] {step}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

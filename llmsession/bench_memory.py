@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import common_arguments, machine, progress, publish, run_peer, table
+from .bench_common import common_arguments, machine, progress, publish, run_worker, table
 from .model import Model
 from .native_context import NativeContext
 from .options import GenerationOptions
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Model(args.model, threads=args.threads) as model:
             config["first_messages"] = [notes(model, i, args.first_tokens) for i in range(max(args.sessions))]
         config["questions"] = list(QUESTIONS)
-        peer = run_peer(args.peer_python, config, summarize=False)
+        peer = run_worker(args.peer_python, config)
         if "memory" in peer:
             peer["memory"] = {n: r | {"summary": summary(r)} for n, r in peer["memory"].items()}
         results["peer"] = peer

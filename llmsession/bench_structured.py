@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import common_arguments, machine, progress, publish, run_peer, table
+from .bench_common import common_arguments, machine, progress, publish, run_worker, table
 from .model import Model
 from .options import GenerationOptions
 from .sampling import Sampler
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name: {"schema": c["schema"], "messages": [{"role": "user", "content": c["ask"]}]}
             for name, c in CASES.items()
         }
-        results["peer"] = run_peer(args.peer_python, config, summarize=False)
+        results["peer"] = run_worker(args.peer_python, config)
     progress("done", started)
     return results
 
