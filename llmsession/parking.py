@@ -2,22 +2,27 @@
 
 A parked state is the bytes ``llama_state_seq_get_data`` wrote for one session, kept here between
 exchanges; ``Residency`` decides which stay in RAM. With a disk directory, a state leaving RAM is
-written, by a background thread, to a file that has no name (``O_TMPFILE``, or unlinked at once):
-no other process can open or change it, and the kernel frees it when the process ends, however
-it ends, so a crash leaves nothing in the directory. A state read back comes into an anonymous
-mapping of its size, as ``NativeContext.state_get`` makes them: freed whole when dropped.
+written by a background thread (the exchange does not wait) into a folder of this process's own,
+``llmsession-<pid>-*``: removed when the model closes or the interpreter exits, and one left by a
+killed process is removed by the next one that spills into the same directory. No descriptor is
+held per state (a server with thousands of idle sessions would run out). A state read back comes
+into an anonymous mapping of its size, as ``NativeContext.state_get`` makes them: freed whole.
 Pure Python: no bindings.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 import threading
-from collections.abc import Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 Key = Hashable
+FOLDER_PREFIX = "llmsession-"
 
 
 def mapping(size: int) -> mmap.mmap:
@@ -34,22 +40,29 @@ def mapping(size: int) -> mmap.mmap:
     return mmap.mmap(-1, max(size, 1), flags=flags)
 
 
-def unnamed_file(directory: Path) -> int:
-    """A descriptor of a new file in ``directory`` that has no name."""
+def running(pid: int) -> bool:
     try:
-        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
-    except (AttributeError, OSError):  # no O_TMPFILE here: make a file and unlink it at once
-        fd, name = tempfile.mkstemp(prefix="kv-", dir=directory)
-        os.unlink(name)
-        return fd
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
+
+
+def sweep(directory: Path) -> None:
+    """Remove the state folders of processes that ended without closing their models."""
+    for folder in directory.glob(f"{FOLDER_PREFIX}*-*"):
+        pid = folder.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class ParkingLot:
-    """Parked states by session key: in RAM, or in unnamed files under ``disk_dir``.
+    """Parked states by session key: in RAM, or in files of a private folder under ``disk_dir``.
 
-    A state the RAM budget lets go is written by a background thread (write-behind), so the
-    exchange that caused it does not wait for the disk; until the write ends it is still served
-    from RAM. At most ``MAX_WRITES`` wait for the writer: past that, spilling waits for it."""
+    Until its write ends, a state on its way to disk is served from RAM. At most ``MAX_WRITES``
+    writes are outstanding (discarded ones included): past that, spilling waits for the oldest."""
 
     MAX_WRITES = 2
 
@@ -58,10 +71,14 @@ class ParkingLot:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._host: dict[Key, Buffer] = {}
-        self._writing: dict[Key, tuple[Buffer, Future[None]]] = {}  # on their way to disk
-        self._disk: dict[Key, tuple[int, int]] = {}  # descriptor of an unnamed file, size
+        self._writing: dict[Key, Buffer] = {}  # on their way to disk
+        self._disk: dict[Key, tuple[Path, int]] = {}  # file, size
+        self._outstanding: deque[Future[None]] = deque()
         self._lock = threading.Lock()  # the writer thread's changes against the engine's
         self._writer: ThreadPoolExecutor | None = None
+        self._folder: Path | None = None
+        self._remove_folder: Callable[[], object] | None = None
+        self._names = itertools.count()
 
     @property
     def host_bytes(self) -> int:
@@ -75,7 +92,7 @@ class ParkingLot:
     @property
     def disk_bytes(self) -> int:
         with self._lock:
-            writing = sum(memoryview(blob).nbytes for blob, _ in self._writing.values())
+            writing = sum(memoryview(blob).nbytes for blob in self._writing.values())
             return writing + sum(size for _, size in self._disk.values())
 
     def holds(self, key: Key) -> str:
@@ -90,7 +107,7 @@ class ParkingLot:
             if key in self._host:
                 return memoryview(self._host[key]).nbytes
             if key in self._writing:
-                return memoryview(self._writing[key][0]).nbytes
+                return memoryview(self._writing[key]).nbytes
             return self._disk[key][1] if key in self._disk else 0
 
     def park(self, key: Key, blob: Buffer) -> None:
@@ -104,32 +121,51 @@ class ParkingLot:
         if self.disk_dir is None:
             return False
         with self._lock:
-            oldest = (
-                next(iter(self._writing.values()), None) if len(self._writing) >= self.MAX_WRITES else None
-            )
+            while self._outstanding and self._outstanding[0].done():
+                self._outstanding.popleft()
+            oldest = self._outstanding[0] if len(self._outstanding) >= self.MAX_WRITES else None
         if oldest is not None:
-            oldest[1].result()
+            wait([oldest])
+        path = self._private_folder() / f"{next(self._names)}.state"
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmsession-disk")
-        with self._lock:
-            self._writing[key] = (blob, self._writer.submit(self._write, key, blob, self.disk_dir))
+        with self._lock:  # registered before the writer can look
+            self._writing[key] = blob
+            self._outstanding.append(self._writer.submit(self._write, key, blob, path))
         return True
 
-    def _write(self, key: Key, blob: Buffer, directory: Path) -> None:
-        view, fd, done = memoryview(blob).cast("B"), -1, 0
-        try:
-            fd = unnamed_file(directory)
-            while done < view.nbytes:
-                done += os.pwrite(fd, view[done:], done)
-        except OSError as error:
-            log.warning("could not write a parked state to %s: %s", directory, error)
+    def _private_folder(self) -> Path:
+        if self._folder is None:
+            assert self.disk_dir is not None
+            sweep(self.disk_dir)
+            prefix = f"{FOLDER_PREFIX}{os.getpid()}-"
+            self._folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self.disk_dir))
+            self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)
+        return self._folder
+
+    def _current(self, key: Key, blob: Buffer) -> bool:
+        return self._writing.get(key) is blob
+
+    def _write(self, key: Key, blob: Buffer, path: Path) -> None:
         with self._lock:
-            if self._writing.get(key, (None,))[0] is blob:
-                del self._writing[key]
-                if done == view.nbytes:
-                    self._disk[key], fd = (fd, view.nbytes), -1
-        if fd >= 0:  # failed, or discarded meanwhile
-            os.close(fd)
+            if not self._current(key, blob):
+                return  # discarded or taken back before its turn: nothing to write
+        written = False
+        try:
+            with path.open("wb") as file:
+                file.write(blob)
+            written = True
+        except OSError as error:
+            log.warning("could not write a parked state to %s: %s", path.parent, error)
+        finally:
+            with self._lock:
+                keep = written and self._current(key, blob)
+                if self._current(key, blob):
+                    del self._writing[key]
+                if keep:
+                    self._disk[key] = (path, memoryview(blob).nbytes)
+            if not keep:
+                path.unlink(missing_ok=True)
 
     def take(self, key: Key) -> Buffer | None:
         """The parked state of ``key`` (removed from here), or None if there is none or its file
@@ -144,28 +180,35 @@ class ParkingLot:
             if key in self._host:
                 return self._host[key]
             if key in self._writing:
-                return self._writing[key][0]
-            fd, size = self._disk.get(key, (-1, 0))
-            if fd < 0:
-                return None
-            blob = mapping(size)
-            try:
-                read = os.preadv(fd, [blob], 0)
-            except OSError as error:
-                log.warning("could not read a parked state back from %s: %s", self.disk_dir, error)
-                return None
-        if read != size:
-            log.warning("a parked state came back short from %s: not restored", self.disk_dir)
+                return self._writing[key]
+            path, size = self._disk.get(key, (None, 0))
+        if path is None:
+            return None
+        if size == 0:
+            return b""
+        blob, got = mapping(size), 0
+        view = memoryview(blob)[:size]
+        try:
+            with path.open("rb", buffering=0) as file:
+                while got < size and (n := file.readinto(view[got:])):
+                    got += n
+        except OSError as error:
+            log.warning("could not read a parked state back from %s: %s", path, error)
+            return None
+        finally:
+            view.release()
+        if got != size:
+            log.warning("a parked state came back short from %s: not restored", path)
             return None
         return blob
 
     def discard(self, key: Key) -> None:
         with self._lock:
             self._host.pop(key, None)
-            self._writing.pop(key, None)  # the writer closes its file when it sees this
-            fd, _ = self._disk.pop(key, (-1, 0))
-        if fd >= 0:
-            os.close(fd)
+            self._writing.pop(key, None)  # its writer skips it, or removes the file it wrote
+            path, _ = self._disk.pop(key, (None, 0))
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         for key in list(self._host) + list(self._writing) + list(self._disk):
@@ -173,3 +216,5 @@ class ParkingLot:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        if self._remove_folder is not None:
+            self._remove_folder()

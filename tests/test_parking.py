@@ -1,11 +1,15 @@
-"""The parking lot's disk tier: write-behind to unnamed files, served from RAM until written, no
-descriptor left open on any path, a failed write a miss (never wrong bytes)."""
+"""The parking lot's disk tier: write-behind into a private folder, served from RAM until
+written, no descriptor held per state, discarded writes skipped or removed, a failed write a
+miss (never wrong bytes), and nothing left behind: on close, or by a process that was killed."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,64 +24,81 @@ def open_fds() -> int:
 def test_spilled_states_come_back_equal_and_leave_nothing(tmp_path: Path) -> None:
     before = open_fds()
     lot = ParkingLot(tmp_path)
-    blobs = {key: os.urandom(1000 + key) for key in range(6)}
+    blobs = {key: os.urandom(1000 + key) for key in range(40)}
     for key, blob in blobs.items():
         lot.park(key, blob)
         assert lot.spill(key)
-    assert list(tmp_path.iterdir()) == [], "files on disk have no name"
-    assert lot.disk_entries == 6 and lot.disk_bytes == sum(map(len, blobs.values()))
+    assert lot.disk_entries == 40 and lot.disk_bytes == sum(map(len, blobs.values()))
     assert bytes(lot.peek(3) or b"") == blobs[3]  # peek leaves it there
     assert lot.holds(3) == "disk" and bytes(lot.take(3) or b"") == blobs[3] and lot.holds(3) == ""
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith(f"llmsession-{os.getpid()}-")
+    assert open_fds() == before, "no descriptor is held per state on disk"
     lot.discard(4)
     lot.close()
-    assert lot.disk_entries == 0 and open_fds() == before
+    assert lot.disk_entries == 0 and list(tmp_path.iterdir()) == [] and open_fds() == before
 
 
 def test_a_state_is_served_from_ram_while_it_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate, started, before = threading.Event(), threading.Event(), open_fds()
-    pwrite = os.pwrite
+    gate, started = threading.Event(), threading.Event()
+    write = parking.ParkingLot._write
 
-    def slow_pwrite(fd: int, data: memoryview, offset: int) -> int:
+    def slow_write(self: ParkingLot, *args: Any) -> None:
         started.set()
         assert gate.wait(10)
-        return pwrite(fd, data, offset)
+        write(self, *args)
 
-    monkeypatch.setattr(parking.os, "pwrite", slow_pwrite)
+    monkeypatch.setattr(parking.ParkingLot, "_write", slow_write)
     lot = ParkingLot(tmp_path)
     lot.park("a", b"alpha")
     lot.park("b", b"bravo")
-    assert lot.spill("a") and lot.spill("b")  # two writes may wait (MAX_WRITES)
+    assert lot.spill("a") and lot.spill("b")  # two writes may be outstanding (MAX_WRITES)
     assert started.wait(10)
     assert lot.holds("a") == "disk" and lot.peek("a") == b"alpha"  # not written yet: from RAM
-    lot.discard("b")  # while its write waits: the writer closes the file it made
+    lot.discard("b")  # while its write waits: the writer skips it
+    outstanding = list(lot._outstanding)
     gate.set()
     lot.park("c", b"charlie")
-    assert lot.spill("c")
+    assert lot.spill("c")  # waited for the oldest write: the discarded one still counted
+    for future in outstanding:
+        assert future.done()
     lot.close()  # waits for the writer
-    assert open_fds() == before
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_write_is_a_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def full(fd: int, data: memoryview, offset: int) -> int:
+    def full(self: Path, *args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(parking.os, "pwrite", full)
-    before = open_fds()
+    lot = ParkingLot(tmp_path)
+    monkeypatch.setattr(Path, "open", full)
+    lot.park("a", b"alpha")
+    assert lot.spill("a")
+    assert lot._writer is not None
+    lot._writer.submit(lambda: None).result()  # the write has ended
+    monkeypatch.undo()
+    assert "No space left" in caplog.text
+    assert lot.holds("a") == "" and lot.take("a") is None
+    lot.close()
+
+
+def test_a_killed_process_folder_is_swept(tmp_path: Path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f"llmsession-{int(child.stdout)}-abc"
+    dead.mkdir()
+    (dead / "0.state").write_bytes(b"left by a crash")
+    mine = tmp_path / f"llmsession-{os.getpid()}-other"  # another lot of this process: kept
+    mine.mkdir()
     lot = ParkingLot(tmp_path)
     lot.park("a", b"alpha")
     assert lot.spill("a")
-    lot.close()  # waits for the writer
-    assert "No space left" in caplog.text and open_fds() == before
-    lot = ParkingLot(tmp_path)
-    lot.park("a", b"alpha")
-    lot.spill("a")
-    assert lot._writer is not None
-    lot._writer.submit(lambda: None).result()  # the write has ended
-    assert lot.holds("a") == "" and lot.take("a") is None
+    assert not dead.exists() and mine.exists()
     lot.close()
 
 
