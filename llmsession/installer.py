@@ -22,10 +22,10 @@ def setup(args: argparse.Namespace) -> int:
         os.environ["LLMSESSION_CACHE"] = str(Path(args.prefix).expanduser().resolve())
     from . import setup_llama, setup_models  # after the prefix is set: they read the cache root
 
-    status = setup_llama.main(["--force"] if args.force else [])
-    if status != 0:
+    status = setup_models.main([] if args.models else ["--only", "smollm2"])  # first: the build's
+    if status != 0:  # smoke test decodes with the model when it is there
         return status
-    return setup_models.main([] if args.models else ["--only", "smollm2"])
+    return setup_llama.main(["--force"] if args.force else [])
 
 
 def models(_args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from .prefix import Item, image_items
 from .replies import Reply
 from .session import Session
 from .sessionfile import file_digest
-from .splice import ReplyTokens, splice
+from .splice import ReplyTokens, marker, splice, stretches
 from .stateless import StatelessPool
 from .stream import Stream
 from .templates import render_prompt
@@ -205,34 +205,53 @@ class Model:
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
         """The tokens of a text-only transcript's prompt."""
-        return self._text_tokens(messages, self.render(messages, thinking=thinking))
+        return self._text_tokens(messages, self.render(messages, thinking=thinking), thinking)
 
-    def _text_tokens(self, messages: Sequence[Mapping[str, Any]], text: str) -> list[int]:
+    def _text_tokens(
+        self, messages: Sequence[Mapping[str, Any]], text: str, thinking: bool, own: ReplyTokens | None = None
+    ) -> list[int]:
         """``text`` (the rendered ``messages``) tokenized, with the replies this model generated
-        as the tokens it generated (``splice``) when that spells exactly the same text."""
+        as the tokens it generated (``splice``) when that spells exactly the same text; a
+        session's ``own`` replies first (another session may have said the same words otherwise)."""
         plain = self.tokenize(text)
-        replies = [
-            (m["content"], tokens)
-            for m in messages
+
+        def recorded(content: str) -> tuple[int, ...] | None:
+            return (own.get(content) if own is not None else None) or self._replies.get(content)
+
+        known = {
+            i: tokens
+            for i, m in enumerate(messages)
             if m.get("role") == "assistant"
             and isinstance(m.get("content"), str)
-            and (tokens := self._replies.get(m["content"])) is not None
-        ]
-        if not replies:
+            and (tokens := recorded(m["content"])) is not None
+        }
+        if not known:
             return plain
-        spliced = splice(text, replies, lambda stretch, first: self.tokenize(stretch, add_special=first))
+        marked = [{**m, "content": marker(i)} if i in known else m for i, m in enumerate(messages)]
+        around = stretches(self.render(marked, thinking=thinking), list(known))
+        if around is None:
+            return plain
+        contents = [messages[i]["content"] for i in known]
+        if "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
+            return plain
+        spliced = splice(around, list(known.values()), lambda part, first: self.tokenize(part, first))
         if spliced != plain and self.native.detokenize(spliced, special=True) == self.native.detokenize(
             plain, special=True
         ):
             return spliced
         return plain
 
-    def remember_reply(self, text: str, tokens: Sequence[int]) -> None:
-        """A reply generated here: later prompts hold it as ``tokens`` if they spell ``text``."""
+    def remember_reply(self, text: str, tokens: Sequence[int], own: ReplyTokens | None = None) -> None:
+        """A reply generated here: later prompts hold it as ``tokens`` if they spell ``text``
+        (in the session's ``own`` record too, which its prompts consult first)."""
         if tokens and self.native.detokenize(tokens) == text:
             self._replies.remember(text, tokens)
+            if own is not None:
+                own.remember(text, tokens)
 
-    def prompt(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> Prompt:
+    def prompt(
+        self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False, own: ReplyTokens | None = None
+    ) -> Prompt:
         """The tokenized prompt for a transcript; images go through the projector."""
         check_messages(messages)
         images = list(message_images(messages))
@@ -243,7 +262,7 @@ class Model:
             )
         text = self.render(messages, thinking=thinking)
         if not images:
-            return Prompt([self._text_tokens(messages, text)])
+            return Prompt([self._text_tokens(messages, text, thinking, own)])
         assert self.projector is not None
         chunks = self.projector.tokenize(text, images)
         if chunks.pieces and isinstance(chunks.pieces[0], list):

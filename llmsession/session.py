@@ -32,6 +32,7 @@ from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import starts_a_chunk
 from .replies import Message, Reply, Snapshot, Timings, Usage
 from .sampling import Sampler, TokenSampler
+from .splice import ReplyTokens
 from .stops import StopMatcher
 from .stream import Stream, Turn
 
@@ -74,6 +75,7 @@ class Session:
         self._lease = engine.lease(swa_full=swa_full, batch_size=self.batch_size)
         weakref.finalize(self, engine.bury, self._lease)  # a dropped session frees its memory
         self._lock = threading.Lock()
+        self._replies = ReplyTokens(capacity=256)  # its own replies, as generated
         self._active: Callable[[], object] | None = None  # finishes the latest stream, once
         self._turn: Turn | None = None  # the latest stream's exchange
         self._closed = False
@@ -108,7 +110,7 @@ class Session:
             if self._active is not None:  # an unfinished stream of this thread: finish it first
                 self._active()
             if prompt is None:
-                prompt = self.model.prompt([*self.messages, user], thinking=self.thinking)
+                prompt = self.model.prompt([*self.messages, user], thinking=self.thinking, own=self._replies)
             if prompt.n_positions >= self.context_size:
                 prompt.close()
                 raise ContextOverflowError(
@@ -145,6 +147,7 @@ class Session:
                 swa_full=self.swa_full,
             )
             twin.messages = copy.deepcopy(self.messages)
+            twin._replies = self._replies.copy()
             self.model._engine.fork(self._lease, twin._lease)
             return twin
 
@@ -227,6 +230,8 @@ class Session:
                 except DecodeAborted as aborted:  # a callback raised (Ctrl-C): memory can be kept
                     seat.after_abort()
                     raise (aborted.cause or NativeError("a decode was aborted")) from None
+                except GrammarError:  # raised after a decode was recorded: memory matches
+                    raise
                 except BaseException:
                     seat.clear()  # the memory may not match the record any more
                     raise
@@ -267,7 +272,7 @@ class Session:
         """Record a finished exchange: the user message and the reply, as far as it got."""
         turn.prompt.close()
         turn.reply, turn.done = reply, True
-        self.model.remember_reply(reply.text, turn.tokens)
+        self.model.remember_reply(reply.text, turn.tokens, self._replies)
         self.messages += [turn.user, {"role": "assistant", "content": reply.text}]
 
     def _abandon_turn(self, turn: Turn, steps: Generator[Snapshot, None, None]) -> None:
@@ -338,7 +343,7 @@ class Session:
         pending, n = [token, *sampler.forced()], 0
         while pending:
             batch: list[int] = []
-            for token in pending:
+            for index, token in enumerate(pending):
                 if turn.cancelled.is_set():
                     turn.finish = "cancelled"
                 elif native.is_eog(token):
@@ -354,7 +359,10 @@ class Session:
                     if stops.stopped:
                         turn.finish = "stop"
                     elif n < options.max_tokens and pos + len(batch) < self.context_size:
-                        continue  # "length" below: the last token needs no decode
+                        continue
+                    elif sampler.complete and all(native.is_eog(t) for t in pending[index + 1 :]):
+                        turn.finish = "complete"  # satisfied by the last token it was allowed
+                    # else "length": the last token needs no decode
                 pending = []
                 break
             else:

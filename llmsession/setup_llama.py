@@ -137,6 +137,8 @@ def source_members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
         if not member.name.startswith(VENDOR) or not (member.isfile() or member.isdir()):
             continue
         rel = member.name[len(VENDOR) :]
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            continue
         if any(rel == part or rel.startswith(part) for part in SOURCE_PARTS):
             member.name = rel
             yield member
@@ -147,7 +149,10 @@ def extract_source(sdist: Path, dest: Path) -> None:
     partial = dest.with_name(dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     with tarfile.open(sdist) as tar:
-        tar.extractall(partial, members=source_members(tar), filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+, 3.11.4+
+            tar.extractall(partial, members=source_members(tar), filter="data")
+        else:  # the archive is checked by sha256 and its members by source_members
+            tar.extractall(partial, members=source_members(tar))
     shutil.rmtree(dest, ignore_errors=True)
     partial.rename(dest)
 

@@ -3,17 +3,20 @@
 A model often samples a split of its reply that is not the tokenizer's canonical split of the
 same text (more so under a constraint, whose forced tokens end where the constraint's certainty
 ends). Re-tokenizing the transcript would then break the prefix match inside every such reply and
-re-decode it. So the model remembers each reply's tokens by its text, and a prompt is tokenized
-around those texts with their recorded ids spliced in (chat templates bound a message's content
-with special tokens, so the stretches between tokenize alone as they would in place). The model
-keeps a spliced prompt only when it spells exactly the text of the plain one. Pure: no bindings.
+re-decode it. So the model remembers each reply's tokens by its text, renders the prompt once more
+with a stand-in for each such message's content to find exactly where it sits (a user who typed
+the same words keeps the tokenizer's split), and tokenizes the stretches between, with the
+recorded ids spliced in (chat templates bound a message's content with special tokens, so the
+stretches tokenize alone as they would in place). The model keeps a spliced prompt only when it
+spells exactly the text of the plain one. Pure: no bindings.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 
 class ReplyTokens:
@@ -33,6 +36,12 @@ class ReplyTokens:
             while len(self._tokens) > self.capacity:
                 self._tokens.popitem(last=False)
 
+    def copy(self) -> ReplyTokens:
+        twin = ReplyTokens(self.capacity)
+        with self._lock:
+            twin._tokens = OrderedDict(self._tokens)
+        return twin
+
     def get(self, text: str) -> tuple[int, ...] | None:
         with self._lock:
             tokens = self._tokens.get(text)
@@ -41,18 +50,26 @@ class ReplyTokens:
             return tokens
 
 
+def marker(index: int) -> str:
+    """A stand-in for message ``index``'s content (private-use characters no template alters)."""
+    return f"\ue000{index}\ue001"
+
+
+def stretches(marked: str, indices: Sequence[int]) -> list[str] | None:
+    """The text around each stand-in, when ``marked`` (the prompt rendered with stand-ins for
+    the messages ``indices``) holds each exactly once, in order; else None."""
+    parts = re.split("\ue000(\\d+)\ue001", marked)
+    found = [int(index) for index in parts[1::2]]
+    return parts[0::2] if found == list(indices) else None
+
+
 def splice(
-    text: str, replies: Iterable[tuple[str, Sequence[int]]], tokenize: Callable[[str, bool], list[int]]
+    around: Sequence[str], replies: Sequence[Sequence[int]], tokenize: Callable[[str, bool], list[int]]
 ) -> list[int]:
-    """``text``'s tokens with each reply's content, found in order, given as its tokens;
-    ``tokenize(stretch, first)`` tokenizes the stretches between (``first`` adds BOS)."""
-    out: list[int] = []
-    at = 0
-    for content, tokens in replies:
-        found = text.find(content, at) if content else -1
-        if found < 0:
-            continue
-        out += tokenize(text[at:found], at == 0)
+    """The tokens of ``around[0]``, then ``replies[0]``, then ``around[1]``, ...;
+    ``tokenize(stretch, first)`` tokenizes the text between (``first`` adds BOS)."""
+    out = tokenize(around[0], True)
+    for tokens, stretch in zip(replies, around[1:], strict=True):
         out += tokens
-        at = found + len(content)
-    return out + tokenize(text[at:], at == 0)
+        out += tokenize(stretch, False)
+    return out

@@ -63,12 +63,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"run `{SETUP}`: missing {', '.join(str(p) for p in missing[:3])}")
 
 
+SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        SKIPPED.append(report.nodeid)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
-    if session.config.getoption("--no-skips") and skipped and exitstatus == 0:
+    if session.config.getoption("--no-skips") and SKIPPED and exitstatus == 0:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"--no-skips: {skipped} test(s) were skipped; the run fails", red=True)
+            reporter.write_line(f"--no-skips: {len(SKIPPED)} test(s) were skipped; the run fails", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -215,7 +215,7 @@ def after_decodes(monkeypatch: pytest.MonkeyPatch, ready: Callable[[], bool]) ->
 def test_cancel_during_a_long_prefill_stops_within_about_one_batch(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prompt = long_prompt(smollm2, 2000)
+    prompt = long_prompt(smollm2, 1200)
     session = smollm2.session(context_size=4096, batch_size=128)
     stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
     decoded_at_cancel: list[int] = []
@@ -233,7 +233,7 @@ def test_cancel_during_a_long_prefill_stops_within_about_one_batch(
     assert stream.reply is not None
     assert snapshots == []
     assert stream.reply.finish_reason == "cancelled"
-    assert stream.reply.usage.prompt_tokens >= 2000
+    assert stream.reply.usage.prompt_tokens >= 1200
     assert stream.reply.usage.decoded_prompt_tokens <= decoded_at_cancel[0] + 128
     assert session.cached_tokens == stream.reply.usage.decoded_prompt_tokens
     after = session.respond("Hello!", GenerationOptions(max_tokens=8, temperature=0))
@@ -259,6 +259,7 @@ def test_a_session_used_from_two_threads_raises_busy(smollm2: Model, monkeypatch
         session.respond("Hi", GenerationOptions(max_tokens=2))
     except SessionBusyError as error:
         errors.append(error)
+    stream.cancel()  # the rest of the prefill is not this test's business
     tried.set()
     worker.join()
     assert errors, "a second thread must get SessionBusyError"

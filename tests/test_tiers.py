@@ -18,13 +18,10 @@ def pytest_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
 
 
-def test_a_native_test_without_libraries_is_skipped_with_the_setup_command(tmp_path: Path) -> None:
+def test_a_native_test_without_libraries_is_skipped_and_no_skips_fails_the_run(tmp_path: Path) -> None:
     out = pytest_run(tmp_path, NATIVE_TEST)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 skipped" in out.stdout and "llmsession setup" in out.stdout
-
-
-def test_no_skips_fails_a_run_that_skipped(tmp_path: Path) -> None:
     out = pytest_run(tmp_path, "--no-skips", NATIVE_TEST)
     assert out.returncode != 0 and "--no-skips" in out.stdout, out.stdout
 

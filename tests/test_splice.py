@@ -1,0 +1,67 @@
+"""Replies held as their generated tokens: each spliced exactly where its message sits (a user
+who typed the same words keeps the tokenizer's split), and only when the text is unchanged."""
+
+from __future__ import annotations
+
+from llmsession import Model
+from llmsession.splice import ReplyTokens, marker, splice, stretches
+
+
+def test_stretches_find_each_stand_in_once_in_order() -> None:
+    marked = f"<user>OK</user><bot>{marker(1)}</bot><user>Hi</user><bot>{marker(3)}</bot>"
+    assert stretches(marked, [1, 3]) == ["<user>OK</user><bot>", "</bot><user>Hi</user><bot>", "</bot>"]
+    assert stretches(marked, [3, 1]) is None  # out of order
+    assert stretches(marked + marker(3), [1, 3]) is None  # a template that repeats a content
+    assert stretches("<bot></bot>", [1]) is None  # a template that dropped it
+
+
+def test_splice_tokenizes_around_the_replies() -> None:
+    def tokenize(text: str, first: bool) -> list[int]:
+        return ([0] if first else []) + [ord(c) for c in text]
+
+    assert splice(["ab", "c", ""], [[7, 8], [9]], tokenize) == [0, 97, 98, 7, 8, 99, 9]
+
+
+def test_the_lru_forgets_the_oldest() -> None:
+    replies = ReplyTokens(capacity=2)
+    for text in ("a", "b", "c"):
+        replies.remember(text, [1])
+    assert replies.get("a") is None and replies.get("c") == (1,)
+
+
+def test_a_user_who_typed_the_reply_keeps_the_canonical_split(smollm2: Model) -> None:
+    (ok,) = smollm2.tokenize(" OK", add_special=False)[-1:]
+    odd = smollm2.tokenize(" O", add_special=False) + smollm2.tokenize("K", add_special=False)
+    assert smollm2.detokenize(odd) == " OK" and odd != [ok]
+    smollm2.remember_reply(" OK", odd)
+    messages = [
+        {"role": "user", "content": "Please answer OK or not: OK"},
+        {"role": "assistant", "content": " OK"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    tokens = smollm2.prompt_tokens(messages)
+    plain = smollm2.tokenize(smollm2.render(messages))
+    assert tokens != plain and smollm2.detokenize(tokens) == smollm2.detokenize(plain)
+    first_difference = next(i for i, (a, b) in enumerate(zip(tokens, plain, strict=False)) if a != b)
+    user_end = len(smollm2.tokenize(smollm2.render(messages[:1], add_generation_prompt=True)))
+    assert first_difference >= user_end, "the user's words were tokenized as the reply's tokens"
+    assert tokens[first_difference : first_difference + len(odd)] == odd
+
+
+def test_a_session_holds_its_own_reply_even_when_another_said_the_same(smollm2: Model) -> None:
+    """Two sessions that generated the same text as different tokens: each next prompt holds
+    its own, so its cache still matches and its input does not depend on the other's traffic."""
+    mine, theirs = smollm2.session(), smollm2.session()
+    text = " Sure"
+    canonical = smollm2.tokenize(text, add_special=False)
+    other = smollm2.tokenize(" S", add_special=False) + smollm2.tokenize("ure", add_special=False)
+    assert canonical != other and smollm2.detokenize(other) == text
+    mine.messages = [{"role": "user", "content": "Help?"}, {"role": "assistant", "content": text}]
+    theirs.messages = [dict(m) for m in mine.messages]
+    smollm2.remember_reply(text, canonical, mine._replies)
+    smollm2.remember_reply(text, other, theirs._replies)  # the model's shared record now says `other`
+    ask = [{"role": "user", "content": "Go on."}]
+    held = smollm2.prompt([*mine.messages, *ask], own=mine._replies).tokens()
+    assert held == smollm2.tokenize(smollm2.render([*mine.messages, *ask]))  # its own: canonical
+    assert smollm2.prompt([*theirs.messages, *ask], own=theirs._replies).tokens() != held
+    assert mine.fork()._replies.get(text) == tuple(canonical)
