@@ -13,7 +13,7 @@ import llguidance
 
 from .budget import MemoryConfig, MemoryReport
 from .engine import Engine
-from .errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
+from .errors import ModelClosedError, SessionFileError, TemplateError, UnsupportedFeatureError
 from .guided import Constraint, tokenizer
 from .image import message_images
 from .messages import check_messages
@@ -228,7 +228,10 @@ class Model:
         if not known:
             return plain
         marked = [{**m, "content": marker(i)} if i in known else m for i, m in enumerate(messages)]
-        around = stretches(self.render(marked, thinking=thinking), list(known))
+        try:
+            around = stretches(self.render(marked, thinking=thinking), list(known))
+        except TemplateError:  # a template that cannot take the stand-ins: no splice
+            return plain
         if around is None:
             return plain
         contents = [messages[i]["content"] for i in known]
