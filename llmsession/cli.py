@@ -229,11 +229,14 @@ def not_decodable() -> str:
 def chat(args: argparse.Namespace) -> int:
     model_path = paths.resolve_model(args.model) if args.model else paths.default_model_path()
     if not model_path.exists():
+        several = [m.name for m in paths.model_candidates(str(args.model))] if args.model else []
         which = (
             f"the model {args.model!r} is not a file or a cached model"
             if args.model
             else (f"the default model {model_path} is missing")
         )
+        if len(several) > 1:
+            which = f"{args.model!r} could mean {', '.join(several)}: say which"
         error(
             f"{which}; fetch it with `{SETUP_COMMAND}`, or pass --model PATH (`llmsession models` lists them)"
         )

@@ -41,13 +41,18 @@ def cached_models() -> list[Path]:
     return sorted(models_dir().glob("*.gguf"))
 
 
+def model_candidates(name: str) -> list[Path]:
+    """Cached models a name may mean: its file name or stem exactly, else those it begins."""
+    key = name.lower()
+    exact = [m for m in cached_models() if key in (m.name.lower(), m.stem.lower())]
+    return exact or [m for m in cached_models() if m.name.lower().startswith(key)]
+
+
 def resolve_model(name: str | Path) -> Path:
-    """A model path as given, or the cached model it names (file name, stem, or a unique
-    case-insensitive prefix of one: ``smollm2``); the name itself when nothing matches."""
+    """A model path as given, or the one cached model it names (``smollm2``); the name itself
+    when it names none, or several (``model_candidates`` says which)."""
     path = Path(name)
     if path.exists() or path.parent != Path("."):
         return path
-    key = str(name).lower()
-    found = [m for m in cached_models() if m.name.lower() == key or m.stem.lower() == key]
-    found = found or [m for m in cached_models() if m.name.lower().startswith(key)]
+    found = model_candidates(str(name))
     return found[0] if len(found) == 1 else path

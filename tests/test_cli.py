@@ -320,6 +320,17 @@ def test_a_model_is_named_from_the_cache_and_listed(smollm2_path: Path) -> None:
     assert out.returncode == 2 and "not a file or a cached model" in out.stderr
 
 
+def test_an_ambiguous_model_name_lists_the_candidates(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    for name in ("alpha-one.gguf", "alpha-two.gguf"):
+        (tmp_path / "models" / name).write_bytes(b"not a model")
+    env = {"LLMSESSION_CACHE": str(tmp_path)}
+    out = run("chat", "--model", "alpha", env=env, stdin="Hi\n")
+    assert out.returncode == 2 and "could mean alpha-one.gguf, alpha-two.gguf" in out.stderr, out.stderr
+    out = run("chat", "--model", "alpha-two", env=env, stdin="Hi\n")  # one: resolved, then refused
+    assert out.returncode == 1 and "alpha-two.gguf is not a GGUF file" in out.stderr, out.stderr
+
+
 def test_doctor_reports_the_build(smollm2_path: Path) -> None:
     out = run("doctor")
     assert out.returncode == 0, out.stderr
