@@ -57,7 +57,7 @@ def tokenizer(native: NativeModel) -> llguidance.LLTokenizer:
 
 @dataclass(frozen=True)
 class Constraint:
-    """A constraint compiled for one model's tokenizer; ``matcher()`` starts a reply under it."""
+    """A constraint compiled for one model's tokenizer; ``sampler()`` starts a reply under it."""
 
     grammar: str
     tokenizer: llguidance.LLTokenizer
