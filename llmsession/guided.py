@@ -59,8 +59,8 @@ def tokenizer(native: NativeModel) -> llguidance.LLTokenizer:
 class Constraint:
     """A constraint compiled for one model's tokenizer; ``sampler()`` starts a reply under it."""
 
-    grammar: str
-    tokenizer: llguidance.LLTokenizer
+    matcher: llguidance.LLMatcher  # compiled and untouched: each reply works on a copy
+    end: int  # the end-of-generation token that follows a complete reply
     schema_class: type | None = None  # a pydantic model: replies are parsed into it
     json: bool = False
 
@@ -85,16 +85,15 @@ class Constraint:
                 grammar = llguidance.grammar_from("grammar", options.grammar)
         except (ValueError, TypeError) as error:  # bad JSON text, or GBNF that does not convert
             raise GrammarError(f"{kind}: {error}") from None
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if failed:
-            raise GrammarError(f"{kind}: {messages[0]}")
-        for warning in messages:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # compiles it once
+        if matcher.is_error():
+            raise GrammarError(f"{kind}: {matcher.get_error()}")
+        for warning in matcher.get_grammar_warnings():
             log.info("%s: %s", kind, warning)
-        return cls(grammar, tokenizer, schema_class, json=kind == "json_schema")
+        return cls(matcher, tokenizer.eos_token, schema_class, json=kind == "json_schema")
 
     def sampler(self, chain: Sampler, n_vocab: int) -> GuidedSampler:
-        matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
-        return GuidedSampler(chain, matcher, n_vocab, end=self.tokenizer.eos_token)
+        return GuidedSampler(chain, self.matcher.deep_copy(), n_vocab, end=self.end)
 
     def parse(self, text: str) -> Any:
         """A complete JSON reply as an object (a ``schema_class`` instance when there is one)."""
@@ -109,9 +108,6 @@ class GuidedSampler:
     """A sampler chain held to a constraint: masks the logits, samples, advances the matcher."""
 
     def __init__(self, chain: Sampler, matcher: llguidance.LLMatcher, n_vocab: int, *, end: int) -> None:
-        if matcher.is_error():
-            chain.close()
-            raise GrammarError(matcher.get_error())
         self.chain, self.matcher, self.n_vocab, self.end = chain, matcher, n_vocab, end
         self.mask = np.full((n_vocab + 31) // 32, -1, dtype=np.int32)
 
