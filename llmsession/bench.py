@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
-from .bench_common import machine, progress, run_worker, table
+from .bench_common import common_arguments, machine, progress, publish, run_worker, table
 from .model import Model
 from .options import GenerationOptions
 from .prefix import common_prefix
@@ -317,16 +317,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmsession bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=paths.default_model_path())
     parser.add_argument("--turns", type=int, default=20, help="turns of the multi-turn chat")
-    parser.add_argument("--threads", type=int, default=None, help="default: llmsession's default")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in the chats")
     parser.add_argument("--gen-tokens", type=int, default=128, help="tokens of the generation scenario")
     default_bench = paths.llama_dir() / "bin" / "llama-bench"  # where fetch_llama.py --bench puts it
     parser.add_argument("--llama-bench", type=Path, default=default_bench, help="the llama-bench binary")
-    parser.add_argument("--peer", choices=["llama-cpp-python"], help="also run the chats through it")
-    parser.add_argument("--peer-python", default=sys.executable, help="a Python that imports the peer")
-    parser.add_argument("--json", type=Path, help="write every number here")
+    common_arguments(parser)
     parser.add_argument("--plot", type=Path, help="write a PNG of time to first token per turn")
     args = parser.parse_args(argv)
     if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2:
@@ -366,10 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         config |= {"max_tokens": args.max_tokens, "questions": questions, "interleaved": plans}
         results["peer"] = run_peer(args.peer_python, config)
     progress("done", started)
-    report(results, args.gen_tokens)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"\nwrote {args.json}")
+    publish(results, lambda r: report(r, args.gen_tokens), args.json)
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -56,10 +56,10 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 def common_arguments(parser: argparse.ArgumentParser) -> None:
     """What every ``llmsession bench`` scenario takes: the model, threads, the peer, --json."""
     parser.add_argument("--model", type=Path, default=paths.default_model_path())
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--peer", choices=["llama-cpp-python"])
-    parser.add_argument("--peer-python", default=sys.executable)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--threads", type=int, default=None, help="default: llmsession's default")
+    parser.add_argument("--peer", choices=["llama-cpp-python"], help="also run the scenario through it")
+    parser.add_argument("--peer-python", default=sys.executable, help="a Python that imports the peer")
+    parser.add_argument("--json", type=Path, help="write every number here")
 
 
 def publish(results: dict[str, Any], report: Callable[[dict[str, Any]], None], path: Path | None) -> int:

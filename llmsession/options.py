@@ -78,7 +78,7 @@ class GenerationOptions:
         _require("json_schema", schema, schema_ok)
         _require("regex", self.regex, self.regex is None or isinstance(self.regex, str))
         _require("grammar", self.grammar, self.grammar is None or isinstance(self.grammar, str))
-        given = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        given = self._constraints()
         if len(given) > 1:
             raise ValueError(f"GenerationOptions: {' and '.join(given)} given; a reply takes one constraint")
 
@@ -88,7 +88,11 @@ class GenerationOptions:
 
     @property
     def constrained(self) -> bool:
-        return self.json_schema is not None or self.regex is not None or self.grammar is not None
+        return bool(self._constraints())
+
+    def _constraints(self) -> list[str]:
+        """The constraint fields that are set (at most one passes validation)."""
+        return [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
 
     @property
     def penalized(self) -> bool:

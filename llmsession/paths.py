@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llama_cffi import LLAMA_CPP_COMMIT, cache_root, llama_dir
+from llama_cffi import LLAMA_CPP_COMMIT as LLAMA_CPP_COMMIT
+from llama_cffi import cache_root as cache_root
+from llama_cffi import llama_dir as llama_dir
 
-__all__ = ["LLAMA_CPP_COMMIT", "cache_root", "llama_dir"]  # and the functions below
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 
