@@ -6,7 +6,9 @@ written by a background thread (the exchange does not wait) into a folder of thi
 ``llmsession-<pid>-*``: removed when the model closes or the interpreter exits, and one left by a
 killed process is removed by the next one that spills into the same directory. No descriptor is
 held per state (a server with thousands of idle sessions would run out). A state read back comes
-into an anonymous mapping of its size, as ``NativeContext.state_get`` makes them: freed whole.
+into an anonymous mapping of its size, as ``NativeContext.state_get`` makes them (freed whole),
+and is checked against the crc32 taken when it was written: llama.cpp's loaders abort the process
+on malformed bytes, so a file that changed or came back short is a miss, never handed over.
 Pure Python: no bindings.
 """
 
@@ -20,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+import zlib
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -72,7 +75,7 @@ class ParkingLot:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._host: dict[Key, Buffer] = {}
         self._writing: dict[Key, Buffer] = {}  # on their way to disk
-        self._disk: dict[Key, tuple[Path, int]] = {}  # file, size
+        self._disk: dict[Key, tuple[Path, int, int]] = {}  # file, size, crc32
         self._outstanding: deque[Future[None]] = deque()
         self._lock = threading.Lock()  # the writer thread's changes against the engine's
         self._writer: ThreadPoolExecutor | None = None
@@ -93,7 +96,7 @@ class ParkingLot:
     def disk_bytes(self) -> int:
         with self._lock:
             writing = sum(memoryview(blob).nbytes for blob in self._writing.values())
-            return writing + sum(size for _, size in self._disk.values())
+            return writing + sum(size for _, size, _ in self._disk.values())
 
     def holds(self, key: Key) -> str:
         """ "host", "disk" (or on its way there) or ""."""
@@ -150,7 +153,7 @@ class ParkingLot:
         with self._lock:
             if not self._current(key, blob):
                 return  # discarded or taken back before its turn: nothing to write
-        written = False
+        written, digest = False, zlib.crc32(blob)  # here, off the exchange's path
         try:
             with path.open("wb") as file:
                 file.write(blob)
@@ -163,7 +166,7 @@ class ParkingLot:
                 if self._current(key, blob):
                     del self._writing[key]
                 if keep:
-                    self._disk[key] = (path, memoryview(blob).nbytes)
+                    self._disk[key] = (path, memoryview(blob).nbytes, digest)
             if not keep:
                 path.unlink(missing_ok=True)
 
@@ -181,7 +184,7 @@ class ParkingLot:
                 return self._host[key]
             if key in self._writing:
                 return self._writing[key]
-            path, size = self._disk.get(key, (None, 0))
+            path, size, digest = self._disk.get(key, (None, 0, 0))
         if path is None:
             return None
         if size == 0:
@@ -197,8 +200,8 @@ class ParkingLot:
             return None
         finally:
             view.release()
-        if got != size:
-            log.warning("a parked state came back short from %s: not restored", path)
+        if got != size or zlib.crc32(blob) != digest:  # llama.cpp's loader may abort on bad bytes
+            log.warning("a parked state came back short or changed from %s: not restored", path)
             return None
         return blob
 
@@ -206,7 +209,7 @@ class ParkingLot:
         with self._lock:
             self._host.pop(key, None)
             self._writing.pop(key, None)  # its writer skips it, or removes the file it wrote
-            path, _ = self._disk.pop(key, (None, 0))
+            path, _, _ = self._disk.pop(key, (None, 0, 0))
         if path is not None:
             path.unlink(missing_ok=True)
 

@@ -86,6 +86,26 @@ def test_a_failed_write_is_a_miss(
     lot.close()
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_state_file_that_changed_is_a_miss_never_handed_over(tmp_path: Path, damage: str) -> None:
+    lot = ParkingLot(tmp_path)
+    blob = os.urandom(5000)
+    lot.park("a", blob)
+    assert lot.spill("a")
+    assert lot._writer is not None
+    lot._writer.submit(lambda: None).result()  # the write has ended
+    (folder,) = tmp_path.iterdir()
+    (path,) = folder.iterdir()
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[2500] ^= 0x40
+    else:
+        del data[-100:]
+    path.write_bytes(bytes(data))
+    assert lot.holds("a") == "disk" and lot.take("a") is None
+    lot.close()
+
+
 def test_a_killed_process_folder_is_swept(tmp_path: Path) -> None:
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
