@@ -1,5 +1,6 @@
 """llmsession: fast, correct multi-turn chat with local GGUF models through llama.cpp."""
 
+from .checkpoints import CheckpointConfig
 from .errors import (
     ContextOverflowError,
     GrammarError,
@@ -22,6 +23,7 @@ from .session import Session
 from .stream import Stream
 
 __all__ = [
+    "CheckpointConfig",
     "ContextOverflowError",
     "GenerationOptions",
     "GrammarError",

@@ -26,6 +26,7 @@ from .native_context import NativeContext
 from .options import GenerationOptions
 from .prefix import PrefixCache
 from .sampling import Sampler
+from .seat import SequenceMemory
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 WORDS = ("river", "bridge", "lantern", "harbour", "meadow", "orchard", "tower", "valley", "garden")
@@ -61,7 +62,7 @@ class ContextPerSession:
         began, model, context = time.perf_counter(), self.model, self.context
         user = {"role": "user", "content": content}
         prompt = model.prompt_tokens([*self.messages, user])
-        pos = reused = self.cache.prepare(prompt, context).reused
+        pos = reused = self.cache.prepare(prompt, SequenceMemory(context, 0)).reused
         for i in range(reused, len(prompt), 512):
             context.decode(prompt[i : i + 512], pos)
             self.cache.extend(prompt[i : i + 512])

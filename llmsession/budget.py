@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoints import CheckpointConfig
+
 MIB = 1 << 20
 
 
@@ -17,6 +19,7 @@ class MemoryConfig:
     host_cache_bytes: int = 1 << 30  # parked states in RAM
     disk_cache_dir: Path | None = None  # parked states the RAM budget lets go (else forgotten)
     batch_size: int = 512  # the largest prefill batch
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # per session, recurrent only
 
 
 @dataclass
@@ -51,6 +54,7 @@ class MemoryReport:
     disk_entries: int
     disk_bytes: int
     sessions: list[SessionMemory]
+    checkpoint_bytes: int = 0  # recurrent states kept to rewind to, all sessions
     counters: Counters = field(default_factory=Counters)
 
     def __str__(self) -> str:
@@ -59,6 +63,7 @@ class MemoryReport:
             f"memory: {self.live_sessions}/{self.max_live_sessions} sessions live holding "
             f"{self.live_tokens}/{self.kv_tokens} KV cells; parked {self.parked_bytes / MIB:.1f}"
             f"/{self.host_cache_bytes / MIB:.0f} MiB in RAM, {self.disk_entries} on disk "
-            f"({self.disk_bytes / MIB:.1f} MiB) | parks {c.parks}, restores {c.restores}, "
+            f"({self.disk_bytes / MIB:.1f} MiB), checkpoints {self.checkpoint_bytes / MIB:.1f} MiB "
+            f"| parks {c.parks}, restores {c.restores}, "
             f"disk writes {c.disk_writes}, drops {c.drops}, failed restores {c.failed_restores}"
         )

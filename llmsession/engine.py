@@ -25,11 +25,11 @@ from .budget import Counters, MemoryConfig, MemoryReport, SessionMemory
 from .errors import MemoryBudgetError
 from .native import NativeModel
 from .native_context import NativeContext
-from .native_mtmd import ImageChunk, Projector
+from .native_mtmd import Projector
 from .parking import ParkingLot
-from .prefix import Item, Plan, PrefixCache
+from .prefix import Item, PrefixCache
 from .residency import Budget, BudgetError, Residency, State, Step
-from .sampling import TokenSampler
+from .seat import Seat
 
 if TYPE_CHECKING:
     import threading as _threading
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("llmsession")
-GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
 
 
 class Lease:
@@ -45,7 +44,11 @@ class Lease:
 
     def __init__(self, pool: Pool, key: int, n_swa: int, window: int) -> None:
         self.pool, self.key, self.n_swa = pool, key, n_swa
-        self.cache = PrefixCache(n_swa=window)
+        engine = pool.engine
+        # A recurrent state refuses cuts inside it: checkpoints let it rewind. Never a sliding
+        # window's: its states past the window restore wrong in the pinned llama.cpp (#25295).
+        recurrent = engine.native.is_recurrent and window == 0
+        self.cache = PrefixCache(n_swa=window, checkpoints=engine.config.checkpoints if recurrent else None)
 
     @property
     def parkable(self) -> bool:
@@ -202,15 +205,17 @@ class Engine:
                 with self.seat(target, len(record), threading.Event()) as theirs:
                     mine.context.seq_cp(mine.seq, theirs.seq)
                     target.cache.extend(record)
+                    target.cache.share_checkpoints(source.cache)
                     return
             except MemoryBudgetError:
                 blob = mine.context.state_get(mine.seq)
-        self.adopt(target, blob, record)
+        if self.adopt(target, blob, record):
+            target.cache.share_checkpoints(source.cache)
 
     def memory(self) -> MemoryReport:
         with self.lock:
             self._reap()
-            sessions, live, parked = [], 0, 0
+            sessions, live, parked, checkpoints = [], 0, 0, 0
             for pool in self._pools.values():
                 for key, lease in pool.leases.items():
                     entry = pool.residency.entry(key)
@@ -219,6 +224,7 @@ class Engine:
                     state = {"host": "parked", "disk": "disk", "": "cold", "live": "live"}[where]
                     size = self.lot.size(key)
                     sessions.append(SessionMemory(key, state, held if state != "cold" else 0, size))
+                    checkpoints += lease.cache.checkpoint_bytes
                 live += pool.residency.live_count
                 parked += pool.residency.parked_bytes
             c = self.config
@@ -231,6 +237,7 @@ class Engine:
                 parked_bytes=parked,
                 disk_entries=self.lot.disk_entries,
                 disk_bytes=self.lot.disk_bytes,
+                checkpoint_bytes=checkpoints,
                 sessions=sessions,
                 counters=Counters(**{f.name: getattr(self.counters, f.name) for f in fields(Counters)}),
             )
@@ -303,89 +310,3 @@ class Engine:
             if step.action == "drop":
                 lease.pool.context.seq_rm(-1, step.seq)
         self.lot.discard(lease.key)
-
-
-class Seat:
-    """A session's sequence for one exchange. Every call takes the engine's lock."""
-
-    def __init__(
-        self, engine: Engine, lease: Lease, context: NativeContext, seq: int, cancelled: _threading.Event
-    ) -> None:
-        self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
-        self.cancelled = cancelled
-
-    @property
-    def items(self) -> tuple[Item, ...]:
-        return self.lease.cache.items
-
-    def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool]) -> Plan:
-        with self.engine.lock:
-            plan = self.lease.cache.prepare(items, _SeqMemory(self.context, self.seq), can_cut=can_cut)
-            self.engine.counters.reused_tokens += plan.reused
-            return plan
-
-    def decode(
-        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: TokenSampler | None = None
-    ) -> int:
-        """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
-        from their logits before anyone else decodes (-1 without)."""
-        with self.engine.lock:
-            self._room(len(self.items) + len(tokens))
-            self.context.abort = self.cancelled
-            self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
-            self.lease.cache.extend(tokens)
-            return sampler.sample(self.context) if sampler is not None else -1
-
-    def eval_image(
-        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
-    ) -> tuple[int, int]:
-        """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
-        token sampled if a sampler is given (-1 without)."""
-        projector = self.engine.projector
-        assert projector is not None
-        with self.engine.lock:
-            self._room(len(self.items) + len(items))
-            self.context.abort = self.cancelled
-            pos = projector.eval_image(
-                self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
-            )
-            self.lease.cache.extend(items)
-            return pos, sampler.sample(self.context) if sampler is not None else -1
-
-    def clear(self) -> None:
-        """Empty the sequence (the prompt cannot reuse it, or it no longer matches its record)."""
-        with self.engine.lock:
-            self.context.seq_rm(-1, self.seq)
-            self.lease.cache.reset()
-
-    def after_abort(self) -> None:
-        """An aborted decode may leave part of its batch in memory: remove it, or everything."""
-        with self.engine.lock:
-            if self.engine.native.is_recurrent or not self.context.seq_rm(len(self.items), self.seq):
-                self.clear()
-
-    def _room(self, cells: int) -> None:
-        pool, key = self.lease.pool, self.lease.key
-        if cells <= pool.residency.entry(key).cells:
-            return
-        try:
-            steps = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
-        except BudgetError as error:
-            raise MemoryBudgetError(str(error)) from None
-        self.engine._apply(pool, steps)
-
-
-class _SeqMemory:
-    """``prefix.Memory`` for one sequence of a shared context (never clears the others)."""
-
-    def __init__(self, context: NativeContext, seq: int) -> None:
-        self.context, self.seq = context, seq
-
-    def seq_rm(self, p0: int) -> bool:
-        return self.context.seq_rm(p0, self.seq)
-
-    def clear(self) -> None:
-        self.context.seq_rm(-1, self.seq)
-
-    def pos_min(self) -> int:
-        return self.context.pos_min(self.seq)

@@ -12,6 +12,7 @@ from typing import Any
 import llguidance
 
 from .budget import MemoryConfig, MemoryReport
+from .checkpoints import CheckpointConfig
 from .engine import Engine
 from .errors import ModelClosedError, SessionFileError, TemplateError, UnsupportedFeatureError
 from .guided import Constraint, tokenizer
@@ -84,7 +85,9 @@ class Model:
     sequences; when an exchange needs room, the least recently used idle session is parked in
     host RAM (up to ``host_cache_bytes``, then on disk in ``disk_cache_dir`` if given, else it
     goes cold: its next exchange decodes its whole prompt). ``batch_size`` is the largest prefill
-    batch. ``with Model(path) as model:`` frees the model and every session's state on exit.
+    batch. On recurrent and hybrid models each session keeps ``checkpoints`` of its state so an
+    edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
+    ``with Model(path) as model:`` frees the model and every session's state on exit.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class Model:
         host_cache_bytes: int = 1 << 30,
         disk_cache_dir: str | Path | None = None,
         batch_size: int = 512,
+        checkpoints: CheckpointConfig | None = None,
     ) -> None:
         if threads is not None:
             check_int("threads", threads, 1, MAX_THREADS)
@@ -114,6 +118,7 @@ class Model:
             host_cache_bytes=host_cache_bytes,
             disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
             batch_size=min(batch_size, kv_tokens),
+            checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
         )
         self.path = Path(path)
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)

@@ -207,25 +207,26 @@ class NativeContext(Owner):
         self._check_seq(seq)
         return int(bindings()[0].llama_memory_seq_pos_max(self.memory, seq))
 
-    # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session.
-    def state_size(self, seq: int = 0) -> int:
+    # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session, and
+    # (``partial``: a hybrid memory's recurrent part alone) for checkpoints.
+    def state_size(self, seq: int = 0, *, partial: bool = False) -> int:
         self._check_seq(seq)
-        size = int(bindings()[0].llama_state_seq_get_size(self.ptr, seq))
+        size = int(bindings()[0].llama_state_seq_get_size_ext(self.ptr, seq, _flags(partial)))
         return check(size, "llama_state_seq_get_size", (0).__lt__)  # a state has a header
 
-    def state_get(self, seq: int = 0) -> Buffer:
+    def state_get(self, seq: int = 0, *, partial: bool = False) -> Buffer:
         """The state, in an anonymous mapping of its exact size made for it: freed whole when the
         last reference goes (a heap block of tens of MiB would stay in the process once freed),
         and prefaulted (MAP_POPULATE), which costs a quarter of faulting it page by page."""
         lib, ffi = bindings()
-        size = self.state_size(seq)
+        size = self.state_size(seq, partial=partial)
         blob = mapping(size)
         with ffi.from_buffer("uint8_t[]", blob) as buf:
-            written = lib.llama_state_seq_get_data(self.ptr, buf, size, seq)
+            written = lib.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, _flags(partial))
         check(written, "llama_state_seq_get_data", size.__eq__)
         return blob
 
-    def state_set(self, blob: Buffer, seq: int = 0) -> bool:
+    def state_set(self, blob: Buffer, seq: int = 0, *, partial: bool = False) -> bool:
         """Load a state this build wrote for the same model and layout into ``seq`` (never
         anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
         refused it (then ``seq`` is empty)."""
@@ -233,10 +234,15 @@ class NativeContext(Owner):
         self._check_seq(seq)
         with ffi.from_buffer("uint8_t[]", blob) as source:
             size = len(source)
-            if lib.llama_state_seq_set_data(self.ptr, source, size, seq) == size:
+            if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:
                 return True
         lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return False
+
+
+def _flags(partial: bool) -> int:
+    lib, _ = bindings()
+    return int(lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) if partial else int(lib.LLAMA_STATE_SEQ_FLAGS_NONE)
 
 
 def context_layout(swa_full: bool) -> dict[str, int | bool]:

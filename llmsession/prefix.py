@@ -3,16 +3,22 @@
 A session keeps one llama context and a record of the item (token id, or one position of an
 image chunk) held at each position of its memory. Each exchange keeps the longest prefix the new
 prompt shares with that record, removes the rest and decodes only the new tail. The planning is
-pure; `PrefixCache.prepare` applies it through the small `Memory` protocol, falling back to a full
-re-decode wherever the memory cannot give back a correct prefix: a recurrent state that cannot be
-rewound, or a sliding-window cache that already evicted what the next position attends to.
+pure; `PrefixCache.prepare` applies it through the small `Memory` protocol. Where the memory cannot
+give back a correct prefix (a recurrent state refuses a cut inside it; a sliding-window cache has
+evicted what the next position attends to) it resumes from the newest checkpoint at or below the
+cut if it holds one (`checkpoints`, recurrent memories only), else decodes everything again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeAlias
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
+
+from .checkpoints import CheckpointConfig, Checkpoints
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 Item: TypeAlias = Hashable
 
@@ -43,12 +49,14 @@ class Plan:
     """Positions 0..reused-1 stay in memory; the caller decodes prompt[reused:] from `reused` on.
 
     `remove_from` is None for a pure append, else the position from which memory was cut;
-    `cleared` means nothing was kept (remove_from == 0) and the whole prompt is decoded.
+    `cleared` means nothing was kept (remove_from == 0) and the whole prompt is decoded;
+    `from_checkpoint` that a checkpoint gave back the memory's state at `reused`.
     """
 
     reused: int
     remove_from: int | None
     cleared: bool
+    from_checkpoint: bool = False
 
 
 def common_prefix(a: Sequence[Item], b: Sequence[Item]) -> int:
@@ -90,6 +98,15 @@ class Memory(Protocol):
         """The smallest position still held, -1 when empty."""
         ...
 
+    def snapshot(self) -> Buffer:
+        """A checkpoint's blob: a copy of the recurrent state (only called on such memories)."""
+        ...
+
+    def resume(self, blob: Buffer, position: int) -> bool:
+        """Put back the state ``blob`` copied after ``position`` items and remove every position
+        from ``position`` on; False unless memory then holds exactly positions 0..position-1."""
+        ...
+
 
 _CLEARED = Plan(reused=0, remove_from=0, cleared=True)
 
@@ -97,12 +114,14 @@ _CLEARED = Plan(reused=0, remove_from=0, cleared=True)
 class PrefixCache:
     """The record of which items a context's memory holds, position by position."""
 
-    def __init__(self, n_swa: int = 0) -> None:
+    def __init__(self, n_swa: int = 0, checkpoints: CheckpointConfig | None = None) -> None:
         """n_swa > 0: the memory is a sliding-window cache that drops positions the newest one
-        no longer attends to (llama_model_n_swa; pass 0 when the context was made with swa_full)."""
+        no longer attends to (llama_model_n_swa; pass 0 when the context was made with swa_full).
+        ``checkpoints``: the memory is recurrent (cuts inside it are refused) and keeps these."""
         if n_swa < 0:
             raise ValueError(f"n_swa must be >= 0, got {n_swa}")
         self.n_swa = n_swa
+        self.checkpoints = Checkpoints(checkpoints) if checkpoints is not None else None
         self._items: list[Item] = []
 
     @property
@@ -123,11 +142,54 @@ class PrefixCache:
             return planned  # appending needs no removal on any backend
         cut = planned.remove_from
         if cut > 0 and self._holds_context(memory, cut) and memory.seq_rm(cut):
-            del self._items[cut:]
+            self._truncate(cut)
             return planned
+        return self.rewind(memory, cut, can_cut)
+
+    def rewind(self, memory: Memory, cut: int, can_cut: Callable[[int], bool] | None = None) -> Plan:
+        """Make memory hold the record's first ``cut`` items or fewer, from the newest checkpoint
+        at or below ``cut``, or else nothing; the plan applied."""
+        best = self.checkpoints.best(cut, can_cut) if self.checkpoints is not None else None
+        if best is not None and memory.resume(best.blob, best.position):
+            self._truncate(best.position)
+            return Plan(reused=best.position, remove_from=best.position, cleared=False, from_checkpoint=True)
         memory.clear()
-        self._items.clear()
+        self.reset()
         return _CLEARED
+
+    def recover(self, memory: Memory) -> None:
+        """After an aborted decode, which may have left part of its batch in memory: make memory
+        hold the record or a prefix of it again (a recurrent state only through a checkpoint, as
+        its cells may be partly written), or nothing."""
+        held = len(self._items)
+        if self.checkpoints is None and memory.seq_rm(held):
+            return
+        self.rewind(memory, held)
+
+    def checkpoint_stops(self, end: int) -> list[int]:
+        """Where a prefill from the record's end to ``end`` takes checkpoints (none for memories
+        that need none)."""
+        return self.checkpoints.stops(len(self._items), end) if self.checkpoints is not None else []
+
+    def take_checkpoint(self, memory: Memory) -> None:
+        """Keep a copy of the memory's recurrent state after the items recorded so far."""
+        if self.checkpoints is not None and self._items:
+            blob = memory.snapshot()
+            self.checkpoints.add(len(self._items), blob, memoryview(blob).nbytes)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.checkpoints.nbytes if self.checkpoints is not None else 0
+
+    def share_checkpoints(self, source: PrefixCache) -> None:
+        """Take ``source``'s checkpoints: this cache now records what ``source`` records."""
+        if self.checkpoints is not None and source.checkpoints is not None:
+            self.checkpoints = source.checkpoints.copy()
+
+    def _truncate(self, cut: int) -> None:
+        del self._items[cut:]
+        if self.checkpoints is not None:
+            self.checkpoints.drop_above(cut)
 
     def _holds_context(self, memory: Memory, reused: int) -> bool:
         """Whether memory still holds what position `reused` attends to (llama-server's test).
@@ -147,3 +209,5 @@ class PrefixCache:
     def reset(self) -> None:
         """Forget everything: the caller cleared memory or discarded the context."""
         self._items.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()

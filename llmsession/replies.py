@@ -17,6 +17,7 @@ class Usage:
     decoded_prompt_tokens: int = 0
     completion_tokens: int = 0
     restored_tokens: int = 0  # positions loaded from a saved session before this exchange
+    from_checkpoint: bool = False  # the reused positions came back from a checkpoint
     cache_note: str = ""  # why a loaded session's cache was or was not reused
 
 

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .detokenize import IncrementalDetokenizer
-from .engine import GROWTH, Seat
 from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
 from .native_context import DecodeAborted
 from .native_mtmd import ImageChunk
@@ -32,6 +31,7 @@ from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefix import starts_a_chunk
 from .replies import Message, Reply, Snapshot, Timings, Usage
 from .sampling import Sampler, TokenSampler
+from .seat import GROWTH, Seat
 from .splice import ReplyTokens
 from .stops import StopMatcher
 from .stream import Stream, Turn
@@ -215,7 +215,7 @@ class Session:
                         log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
                         seat.clear()
                     plan = seat.prepare(prompt.items, can_cut=partial(starts_a_chunk, prompt.items))
-                    usage.reused_tokens = plan.reused
+                    usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
                     first = self._prefill(turn, seat, plan.reused, usage, sampler)
                     timings.prefill_s = time.perf_counter() - started
                     cancelled = first is None
@@ -288,8 +288,10 @@ class Session:
         self, turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: TokenSampler
     ) -> tuple[int, int] | None:
         """Decode the prompt after its first ``reused`` items and sample the first reply token
-        from the last one's logits; (next position, that token), or None if cancelled."""
+        from the last one's logits; (next position, that token), or None if cancelled. On a
+        recurrent memory, stop where a checkpoint is due and take it."""
         items, pos, end, token = turn.prompt.items, reused, 0, -1
+        stops = set(seat.checkpoint_stops(len(items)))
         for piece in turn.prompt.pieces:
             size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
             start, end = end, end + size  # this piece holds items[start:end]
@@ -300,19 +302,23 @@ class Session:
                 if isinstance(piece, ImageChunk):
                     if turn.cancelled.is_set():
                         return None
+                    if pos in stops:
+                        seat.checkpoint()
                     pos, token = seat.eval_image(
                         piece, pos, items[start:end], sampler=sampler if last else None
                     )
                     usage.decoded_prompt_tokens += size
                     continue
-                todo = piece[max(0, reused - start) :]
-                for i in range(0, len(todo), self.batch_size):
+                while pos < end:
                     if turn.cancelled.is_set():
                         return None
-                    chunk = todo[i : i + self.batch_size]
-                    final = last and i + self.batch_size >= len(todo)
+                    if pos in stops:
+                        seat.checkpoint()
+                    stop = min([end, pos + self.batch_size, *(p for p in stops if p > pos)])
+                    chunk = piece[pos - start : stop - start]
+                    final = last and stop == end
                     token = seat.decode(chunk, pos, abortable=True, sampler=sampler if final else None)
-                    pos += len(chunk)
+                    pos = stop
                     usage.decoded_prompt_tokens += len(chunk)
             except DecodeAborted as aborted:
                 if aborted.cause is not None:

@@ -26,12 +26,23 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fixture_models import (
+    SEED,
+    add_tensors,
+    build_lfm2,
+    build_mamba,
+    build_t5,
+    copy_fields,
+    normal,
+    ones,
+    write_gguf,
+)
+
 from llmsession import paths
 
 # Bump when any fixture changes so that old caches are rebuilt.
-FIXTURE_VERSION = "2"  # 2: the Gemma 4 copy adds BOS
+FIXTURE_VERSION = "3"  # 2: the Gemma 4 copy adds BOS; 3: Mamba weights varied, LFM2 and T5
 STAMP_FILE = ".fixtures-version"
-SEED = 20240601
 GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
 # Matches none of llama_chat_detect_template's heuristics and has no Gemma 4 syntax.
 UNKNOWN_TEMPLATE = (
@@ -66,91 +77,6 @@ class Sources:
 
     def field(self, key: str) -> Any:
         return self.reader.fields[key].contents()
-
-
-def copy_fields(
-    reader: gguf.GGUFReader,
-    writer: gguf.GGUFWriter,
-    keep: Callable[[str], bool] = lambda key: True,
-    overrides: dict[str, Any] | None = None,
-) -> None:
-    """Copy metadata in file order; ``overrides`` swap values but keep key order and type."""
-    overrides = overrides or {}
-    for field in reader.fields.values():
-        name = field.name
-        if name.startswith("GGUF.") or name == gguf.Keys.General.ARCHITECTURE or not keep(name):
-            continue  # virtual fields, or written by GGUFWriter itself
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = overrides.get(name, field.contents())
-        writer.add_key_value(name, value, vtype, sub_type=sub_type)
-
-
-def write_gguf(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def add_tensors(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
-    for name, data in tensors.items():
-        writer.add_tensor(name, data)
-
-
-def normal(rng: np.random.Generator, *shape: int, scale: float = 0.02) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-def ones(n: int) -> np.ndarray:
-    return np.ones(n, dtype=np.float32)
-
-
-def build_mamba(out: Path, src: Sources) -> None:
-    """A 2-layer Mamba: recurrent memory, so partial ``seq_rm`` must be refused.
-
-    Shapes follow ``llama_model_mamba::load_arch_tensors`` (numpy order = reversed ggml ne).
-    """
-    n_embd, n_layer, d_inner, d_state, dt_rank, d_conv = 64, 2, 128, 16, 4, 4
-    n_vocab = len(src.reader.fields["tokenizer.ggml.tokens"].data)
-    rng = np.random.default_rng(SEED)
-
-    writer = gguf.GGUFWriter(out, "mamba")
-    writer.add_name("mamba-tiny (random weights, llmsession test fixture)")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_ssm_conv_kernel(d_conv)
-    writer.add_ssm_inner_size(d_inner)
-    writer.add_ssm_state_size(d_state)
-    writer.add_ssm_time_step_rank(dt_rank)
-    writer.add_layer_norm_rms_eps(1e-5)
-    copy_fields(src.reader, writer, keep=lambda key: key.startswith("tokenizer."))
-
-    tensors = {
-        "token_embd.weight": normal(rng, n_vocab, n_embd),  # output is tied to it
-        "output_norm.weight": ones(n_embd),
-    }
-    # Mamba's usual init: A = -[1..d_state] per channel, dt ~ 0.01 via inverse softplus.
-    a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
-    dt_bias = np.full(d_inner, np.log(np.expm1(0.01)), dtype=np.float32)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        tensors |= {
-            p + "attn_norm.weight": ones(n_embd),
-            p + "ssm_in.weight": normal(rng, 2 * d_inner, n_embd),
-            p + "ssm_conv1d.weight": normal(rng, d_inner, d_conv),
-            p + "ssm_conv1d.bias": normal(rng, d_inner),
-            p + "ssm_x.weight": normal(rng, dt_rank + 2 * d_state, d_inner),
-            p + "ssm_dt.weight": normal(rng, d_inner, dt_rank),
-            p + "ssm_dt.bias": dt_bias.copy(),
-            p + "ssm_a": a.copy(),
-            p + "ssm_d": ones(d_inner),
-            p + "ssm_out.weight": normal(rng, n_embd, d_inner),
-        }
-    add_tensors(writer, tensors)
-    write_gguf(writer)
 
 
 def build_mmproj(out: Path, src: Sources) -> None:
@@ -250,6 +176,8 @@ def build_blue(out: Path, src: Sources) -> None:
 
 FIXTURES: dict[str, Callable[[Path, Sources], None]] = {
     "mamba-tiny.gguf": build_mamba,
+    "lfm2-tiny.gguf": build_lfm2,
+    "t5-tiny.gguf": build_t5,
     "mmproj-tiny.gguf": build_mmproj,
     "smollm2-gemma4-template.gguf": build_gemma4_template,
     "smollm2-unknown-template.gguf": build_unknown_template,

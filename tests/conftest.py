@@ -52,7 +52,8 @@ def missing_native() -> list[Path]:
     """What the native tier needs and this machine lacks."""
     needed = [lib_dir() / f"lib{name}.so" for name in LIBRARIES]
     needed += [paths.default_model_path(), paths.gemma3_model_path()]
-    needed += [paths.fixtures_dir() / name for name in ("mmproj-tiny.gguf", "mamba-tiny.gguf")]
+    fixtures = ("mmproj-tiny.gguf", "mamba-tiny.gguf", "lfm2-tiny.gguf", "t5-tiny.gguf")
+    needed += [paths.fixtures_dir() / name for name in fixtures]
     return [path for path in needed if not path.exists()]
 
 

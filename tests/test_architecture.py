@@ -18,6 +18,7 @@ PURE = (
     "detokenize",
     "options",
     "splice",
+    "checkpoints",
 )
 NATIVE = {
     "native",

@@ -13,7 +13,7 @@ import internals
 import numpy as np
 import pytest
 
-from llmsession import ContextOverflowError, GenerationOptions, Model, NativeError, Session
+from llmsession import CheckpointConfig, ContextOverflowError, GenerationOptions, Model, NativeError, Session
 from llmsession.native import bindings
 from llmsession.native_context import NativeContext
 from llmsession.prefix import PrefixCache, common_prefix
@@ -239,20 +239,28 @@ def test_a_cancelled_turn_then_a_normal_one_equals_fresh(smollm2: Model) -> None
     assert reply.usage.reused_tokens > 0
 
 
-# -- recurrent memory: seq_rm refuses partial removals ---------------------------------------
-def test_recurrent_model_falls_back_to_a_full_decode(fixture_path: Callable[[str], Path]) -> None:
-    with Model(fixture_path("mamba-tiny.gguf"), threads=2) as model:
+# -- recurrent memory: seq_rm refuses partial removals, checkpoints resume below the cut ---------
+@pytest.mark.parametrize("kept", [8, 0], ids=["checkpoints", "no-checkpoints"])
+def test_recurrent_model_rewinds_to_a_checkpoint_or_decodes_everything(
+    fixture_path: Callable[[str], Path], kept: int
+) -> None:
+    config = CheckpointConfig(max_count=kept)
+    with Model(fixture_path("mamba-tiny.gguf"), threads=2, checkpoints=config) as model:
         assert model.native.is_recurrent
         session = model.session(system="You are a helpful assistant.", context_size=1024)
         for question in QUESTIONS[:2]:
             assert_same_as_fresh(session, question)
         session.messages[1]["content"] = "An edited first question."
         edited = assert_same_as_fresh(session, QUESTIONS[2])
-        assert edited.usage.reused_tokens == 0, "a rewind on recurrent memory must clear and re-decode"
+        assert edited.usage.reused_tokens == 0, "no checkpoint lies below an edit of the first message"
         last_user = session.messages[-2]["content"]
         del session.messages[-2:]
         regenerated = assert_same_as_fresh(session, last_user)
-        assert regenerated.usage.reused_tokens == 0
+        if kept:  # the checkpoint before the prompt's last token
+            assert regenerated.usage.from_checkpoint
+            assert regenerated.usage.decoded_prompt_tokens == 1
+        else:
+            assert (regenerated.usage.reused_tokens, regenerated.usage.from_checkpoint) == (0, False)
 
 
 def test_mamba_fixture_refuses_partial_removal(fixture_path: Callable[[str], Path]) -> None:

@@ -1,0 +1,129 @@
+"""A session's sequence for one exchange (``Seat``), and ``prefix.Memory`` over a sequence.
+
+Sessions touch memory only through a seat the engine gives them; every call takes the engine's
+lock, so a decode and the sampling of its logits happen under one hold.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .errors import MemoryBudgetError
+from .native_context import NativeContext
+from .native_mtmd import ImageChunk
+from .prefix import Item, Plan
+from .residency import BudgetError
+from .sampling import TokenSampler
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .engine import Engine, Lease
+
+GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
+
+
+class Seat:
+    """A session's sequence for one exchange. Every call takes the engine's lock."""
+
+    def __init__(
+        self, engine: Engine, lease: Lease, context: NativeContext, seq: int, cancelled: threading.Event
+    ) -> None:
+        self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
+        self.cancelled = cancelled
+
+    @property
+    def items(self) -> tuple[Item, ...]:
+        return self.lease.cache.items
+
+    def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool]) -> Plan:
+        with self.engine.lock:
+            plan = self.lease.cache.prepare(items, SequenceMemory(self.context, self.seq), can_cut=can_cut)
+            self.engine.counters.reused_tokens += plan.reused
+            return plan
+
+    def decode(
+        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: TokenSampler | None = None
+    ) -> int:
+        """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
+        from their logits before anyone else decodes (-1 without)."""
+        with self.engine.lock:
+            self._room(len(self.items) + len(tokens))
+            self.context.abort = self.cancelled
+            self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
+            self.lease.cache.extend(tokens)
+            return sampler.sample(self.context) if sampler is not None else -1
+
+    def eval_image(
+        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
+    ) -> tuple[int, int]:
+        """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
+        token sampled if a sampler is given (-1 without)."""
+        projector = self.engine.projector
+        assert projector is not None
+        with self.engine.lock:
+            self._room(len(self.items) + len(items))
+            self.context.abort = self.cancelled
+            pos = projector.eval_image(
+                self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
+            )
+            self.lease.cache.extend(items)
+            return pos, sampler.sample(self.context) if sampler is not None else -1
+
+    def checkpoint_stops(self, end: int) -> list[int]:
+        """Where a prefill up to position ``end`` should stop to take a checkpoint."""
+        return self.lease.cache.checkpoint_stops(end)
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent state after what the sequence holds now."""
+        with self.engine.lock:
+            self.lease.cache.take_checkpoint(SequenceMemory(self.context, self.seq))
+
+    def clear(self) -> None:
+        """Empty the sequence (the prompt cannot reuse it, or it no longer matches its record)."""
+        with self.engine.lock:
+            self.context.seq_rm(-1, self.seq)
+            self.lease.cache.reset()
+
+    def after_abort(self) -> None:
+        """An aborted decode may leave part of its batch in memory: go back to the record (a
+        recurrent state to its newest checkpoint), or to nothing."""
+        with self.engine.lock:
+            self.lease.cache.recover(SequenceMemory(self.context, self.seq))
+
+    def _room(self, cells: int) -> None:
+        pool, key = self.lease.pool, self.lease.key
+        if cells <= pool.residency.entry(key).cells:
+            return
+        try:
+            steps = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
+        except BudgetError as error:
+            raise MemoryBudgetError(str(error)) from None
+        self.engine._apply(pool, steps)
+
+
+class SequenceMemory:
+    """``prefix.Memory`` for one sequence of a shared context (never clears the others)."""
+
+    def __init__(self, context: NativeContext, seq: int) -> None:
+        self.context, self.seq = context, seq
+
+    def seq_rm(self, p0: int) -> bool:
+        return self.context.seq_rm(p0, self.seq)
+
+    def clear(self) -> None:
+        self.context.seq_rm(-1, self.seq)
+
+    def pos_min(self) -> int:
+        return self.context.pos_min(self.seq)
+
+    def snapshot(self) -> Buffer:
+        return self.context.state_get(self.seq, partial=True)
+
+    def resume(self, blob: Buffer, position: int) -> bool:
+        context, seq = self.context, self.seq
+        if not context.state_set(blob, seq, partial=True):
+            return False
+        return context.seq_rm(position, seq) and context.pos_max(seq) == position - 1
