@@ -162,8 +162,8 @@ class PrefixCache:
         hold the record or a prefix of it again (a recurrent state only through a checkpoint, as
         its cells may be partly written), or nothing."""
         held = len(self._items)
-        if self.checkpoints is None and memory.seq_rm(held):
-            return
+        if self.checkpoints is None and memory.seq_rm(held) and self._holds_context(memory, held):
+            return  # (a sliding window may have moved past what the next position needs)
         self.rewind(memory, held)
 
     def checkpoint_stops(self, end: int) -> list[int]:

@@ -5,6 +5,7 @@ of its record would leave them."""
 from __future__ import annotations
 
 import functools
+import pickle
 import random
 from collections.abc import Callable, Sequence
 from itertools import cycle
@@ -22,6 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from llmsession.checkpoints import Checkpoint, CheckpointConfig, Checkpoints
 from llmsession.prefix import Item, Plan, PrefixCache, common_prefix, image_items, plan, starts_a_chunk
 
 CLEARED = Plan(reused=0, remove_from=0, cleared=True)
@@ -229,6 +231,13 @@ class FakeRecurrent:
         last = fresh_states(items)[-1] if items else 0
         assert (self.pos, self.state) == (len(items) - 1, last), "state differs from the record"
 
+    def snapshot(self) -> bytes:
+        return pickle.dumps((self.pos, self.state))
+
+    def resume(self, blob: bytes, position: int) -> bool:
+        self.pos, self.state = pickle.loads(blob)
+        return self.seq_rm(position) and self.pos == position - 1
+
 
 class FakeHybrid:
     """llama_memory_hybrid: attention cache plus recurrent state; removal asks the recurrent
@@ -254,6 +263,12 @@ class FakeHybrid:
     def check(self, items: Sequence[Item]) -> None:
         self.attn.check(items)
         self.recr.check(items)
+
+    def snapshot(self) -> bytes:
+        return self.recr.snapshot()  # PARTIAL_ONLY: the recurrent part alone
+
+    def resume(self, blob: bytes, position: int) -> bool:
+        return self.recr.resume(blob, position) and self.attn.seq_rm(position)
 
 
 def decode(cache: PrefixCache, memory: FakeMemory, items: Sequence[Item]) -> None:
@@ -297,15 +312,17 @@ Run = tuple[list[int], list[int], tuple[str, int] | None]
 runs = st.tuples(
     st.lists(st.integers(1, 5), min_size=1, max_size=3),
     st.lists(st.integers(0, 3), max_size=4),
-    st.none() | st.tuples(st.sampled_from(["error", "cancel"]), st.integers(0, 6)),
+    st.none() | st.tuples(st.sampled_from(["error", "abort", "cancel"]), st.integers(0, 6)),
 )
 
 
 class Chat(RuleBasedStateMachine):
     """One session over a fake memory: each exchange prepares, then decodes the prompt's tail in
-    chunks and the generated tokens one by one, recording each; errors clear, cancels just stop."""
+    chunks (stopping to take the checkpoints the cache asks for) and the generated tokens one by
+    one, recording each; errors clear, aborted decodes recover, cancels just stop."""
 
     n_swa = 0
+    checkpoints: CheckpointConfig | None = None
 
     def new_memory(self, rng: random.Random) -> FakeMemory:
         raise NotImplementedError
@@ -316,7 +333,7 @@ class Chat(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = PrefixCache(self.n_swa)
+        self.cache = PrefixCache(self.n_swa, self.checkpoints)
         self.memory = self.new_memory(random.Random(0))
         self.transcript: list[Item] = []
         self.last_prompt: list[Item] = []
@@ -335,20 +352,26 @@ class Chat(RuleBasedStateMachine):
         self.memory.check(self.cache.items)
         self.last_prompt, self.transcript = prompt, prompt + generated
 
-        tail, sizes, batches = prompt[applied.reused :], cycle(chunks), []
-        while tail:
-            size = next(sizes)
-            batches.append(tail[:size])
-            tail = tail[size:]
+        stops = set(self.cache.checkpoint_stops(len(prompt)))
+        pos, sizes, batches = applied.reused, cycle(chunks), []
+        while pos < len(prompt):
+            end = min([len(prompt), pos + next(sizes), *(p for p in stops if p > pos)])
+            batches.append(prompt[pos:end])
+            pos = end
         batches += [[token] for token in generated]
         for i, batch in enumerate(batches):
+            if len(self.cache.items) in stops:
+                self.cache.take_checkpoint(self.memory)
             if stop is not None and stop[1] == i:
-                if stop[0] == "error":
+                if stop[0] in ("error", "abort"):
                     # a failed llama_decode may leave part of the batch in memory
                     for j, item in enumerate(batch[: len(batch) // 2]):
                         self.memory.decode(len(self.cache.items) + j, item)
-                    self.memory.clear()
-                    self.cache.reset()
+                    if stop[0] == "abort":
+                        self.cache.recover(self.memory)
+                    else:
+                        self.memory.clear()
+                        self.cache.reset()
                 return
             decode(self.cache, self.memory, batch)
             self.memory.check(self.cache.items)
@@ -409,6 +432,47 @@ class HybridChat(RecurrentChat):
         return FakeHybrid()
 
 
+class CheckpointedRecurrentChat(Chat):
+    """Recurrent memory with checkpoints: a refused cut resumes from one at or below it."""
+
+    checkpoints = CheckpointConfig(max_count=3, max_bytes=1 << 20, every=4)
+
+    def new_memory(self, rng: random.Random) -> FakeMemory:
+        return FakeRecurrent()
+
+    def allowed(self, planned: Plan) -> list[Plan]:
+        if planned.remove_from is None:
+            return [planned]
+        held = self.cache.checkpoints.positions if self.cache.checkpoints else []
+        resumed = [Plan(p, p, False, from_checkpoint=True) for p in range(1, planned.reused + 1)]
+        return [CLEARED, *resumed] if held or resumed else [CLEARED]
+
+    @invariant()
+    def checkpoints_fit(self) -> None:
+        assert self.cache.checkpoints is not None
+        held = self.cache.checkpoints.positions
+        assert len(held) <= 3 and all(0 < p <= len(self.cache.items) for p in held)
+
+
+class CheckpointedHybridChat(CheckpointedRecurrentChat):
+    def new_memory(self, rng: random.Random) -> FakeMemory:
+        return FakeHybrid()
+
+
+class ResumeAboveTheCut(Checkpoints):
+    """Broken on purpose: resumes from the newest checkpoint even when it lies above the cut."""
+
+    def best(self, cut: int, can_cut: Callable[[int], bool] | None = None) -> Checkpoint | None:
+        return max(self._held, key=lambda c: c.position, default=None)
+
+
+class BrokenCheckpointChat(CheckpointedRecurrentChat):
+    def __init__(self) -> None:
+        super().__init__()
+        assert self.checkpoints is not None
+        self.cache.checkpoints = ResumeAboveTheCut(self.checkpoints)
+
+
 class SlidingWindowChat(Chat):
     n_swa = WINDOW
 
@@ -425,15 +489,19 @@ class UncheckedSlidingWindowChat(SlidingWindowChat):
 CHAT_SETTINGS = settings(max_examples=30, stateful_step_count=20, deadline=None, database=None)
 
 
-@pytest.mark.parametrize("machine", [KVChat, RecurrentChat, HybridChat, SlidingWindowChat])
+@pytest.mark.parametrize(
+    "machine",
+    [KVChat, RecurrentChat, HybridChat, CheckpointedRecurrentChat, CheckpointedHybridChat, SlidingWindowChat],
+)
 def test_memory_always_matches_the_record(machine: type[Chat]) -> None:
     run_state_machine_as_test(machine, settings=CHAT_SETTINGS)
 
 
-def test_sliding_window_check_has_teeth() -> None:
+@pytest.mark.parametrize("machine", [UncheckedSlidingWindowChat, BrokenCheckpointChat])
+def test_the_checks_have_teeth(machine: type[Chat]) -> None:
     find_only = settings(CHAT_SETTINGS, max_examples=200, phases=[Phase.generate])
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(UncheckedSlidingWindowChat, settings=find_only)
+        run_state_machine_as_test(machine, settings=find_only)
 
 
 @pytest.mark.parametrize(("n_swa", "corrupt"), [(WINDOW, False), (0, True)])
