@@ -170,6 +170,22 @@ class Engine:
             with self.lock:
                 pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
 
+    @contextmanager
+    def single_use(self, lease: Lease, n_ctx: int, cancelled: _threading.Event) -> Iterator[Seat]:
+        """A context of its own for one exchange of an encoder-decoder model: its decoder state
+        depends on the whole encoded prompt, so there is no prefix to keep (as upstream does)."""
+        with self.lock:
+            self._reap()
+            self.counters.exchanges += 1
+            context = self.make_context(n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads)
+        lease.cache.reset()
+        try:
+            yield Seat(self, lease, context, 0, cancelled, single_use=True)
+        finally:
+            with self.lock:
+                context.close()
+                lease.cache.reset()
+
     def state(self, lease: Lease) -> Buffer | None:
         """A copy of the session's state (for saving): a parked one as it is, a live one from
         its sequence."""

@@ -127,6 +127,13 @@ class Model:
         self.use_jinja = use_jinja
         self.native = NativeModel(self.path, gpu_layers=gpu_layers)
         self.projector: Projector | None = None
+        if self.native.has_encoder and (mmproj_path is not None or not self.native.has_decoder):
+            self.native.close()
+            raise UnsupportedFeatureError(
+                f"{self.path.name}: an encoder-decoder model takes no images here"
+                if self.native.has_decoder
+                else f"{self.path.name} is encoder-only: it has no decoder to reply with"
+            )
         if mmproj_path is not None:
             try:
                 self.projector = Projector(

@@ -129,6 +129,9 @@ class NativeModel(Owner):
             lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr)
         )
         self.has_encoder = bool(lib.llama_model_has_encoder(self.ptr))
+        self.has_decoder = bool(lib.llama_model_has_decoder(self.ptr))
+        start = int(lib.llama_model_decoder_start_token(self.ptr))  # -1: BOS, as llama.cpp's tools do
+        self.decoder_start: int = start if start >= 0 else int(lib.llama_vocab_bos(self._vocab))
         self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
 
     @property

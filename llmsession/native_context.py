@@ -43,16 +43,16 @@ class Batch:
         np.frombuffer(ffi.buffer(self.raw.n_seq_id, 4 * capacity), dtype=np.int32)[:] = 1
         self._seqs = np.full(capacity, -1, dtype=np.int32)  # what each slot's seq_id holds
 
-    def fill(self, tokens: Sequence[int], start: int, seq: int = 0) -> None:
+    def fill(self, tokens: Sequence[int], start: int, seq: int = 0, *, outputs: bool = False) -> None:
         """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
-        the last one."""
+        the last one (for every one with ``outputs``: an encoder's batch)."""
         n = len(tokens)
         for i in np.flatnonzero(self._seqs[:n] != seq):
             self.raw.seq_id[i][0] = seq
         self._seqs[:n] = seq
         self.tokens[:n] = tokens
         self.positions[:n] = np.arange(start, start + n, dtype=np.int32)
-        self.logits[:n] = 0
+        self.logits[:n] = outputs
         self.logits[n - 1] = 1
         self.raw.n_tokens = n
 
@@ -161,6 +161,21 @@ class NativeContext(Owner):
         code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
+
+    def encode(self, tokens: Sequence[int], *, abortable: bool = False) -> None:
+        """Run an encoder-decoder model's encoder over the whole prompt in one batch (its
+        attention is not causal: it cannot be split) into a context whose memory is empty."""
+        lib, _ = bindings()
+        ptr = self.ptr
+        self.set_abortable(abortable)
+        if not 0 < len(tokens) <= self.n_batch:  # past n_ubatch llama_encode aborts the process
+            raise ContextOverflowError(f"the encoder takes 1 to {self.n_batch} tokens, got {len(tokens)}")
+        if self.pos_max(0) >= 0:  # llama_encode refuses to run over decoder state
+            raise ValueError("encode needs an empty context")
+        self.batch.fill(tokens, 0, outputs=True)
+        code = lib.llama_encode(ptr, self.batch.raw)
+        interrupted_by(code == DECODE_ABORTED)
+        check(code, "llama_encode")
 
     def set_abortable(self, abortable: bool) -> None:
         """Install the abort callback for prefill; it costs a GIL round trip per graph node."""

@@ -29,10 +29,18 @@ class Seat:
     """A session's sequence for one exchange. Every call takes the engine's lock."""
 
     def __init__(
-        self, engine: Engine, lease: Lease, context: NativeContext, seq: int, cancelled: threading.Event
+        self,
+        engine: Engine,
+        lease: Lease,
+        context: NativeContext,
+        seq: int,
+        cancelled: threading.Event,
+        *,
+        single_use: bool = False,
     ) -> None:
+        """``single_use``: ``context`` is the exchange's own, not a sequence of the shared one."""
         self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
-        self.cancelled = cancelled
+        self.cancelled, self.single_use = cancelled, single_use
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -55,6 +63,12 @@ class Seat:
             self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
             self.lease.cache.extend(tokens)
             return sampler.sample(self.context) if sampler is not None else -1
+
+    def encode(self, tokens: Sequence[int]) -> None:
+        """Run the encoder over the prompt (an encoder-decoder model's exchange starts here)."""
+        with self.engine.lock:
+            self.context.abort = self.cancelled
+            self.context.encode(tokens, abortable=True)
 
     def eval_image(
         self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
@@ -95,7 +109,7 @@ class Seat:
 
     def _room(self, cells: int) -> None:
         pool, key = self.lease.pool, self.lease.key
-        if cells <= pool.residency.entry(key).cells:
+        if self.single_use or cells <= pool.residency.entry(key).cells:
             return
         try:
             steps = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))

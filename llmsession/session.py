@@ -205,11 +205,13 @@ class Session:
         text, cancelled = "", False
         held = max(self.cached_tokens, len(prompt.items))
         cells = min(self.context_size, held + min(options.max_tokens, GROWTH))
+        engine = self.model._engine
+        if self.model.native.has_encoder:
+            seating = engine.single_use(self._lease, self.context_size, turn.cancelled)
+        else:
+            seating = engine.seat(self._lease, cells, turn.cancelled)
         try:
-            with (
-                closing(self._sampler(turn)) as sampler,
-                self.model._engine.seat(self._lease, cells, turn.cancelled) as seat,
-            ):
+            with closing(self._sampler(turn)) as sampler, seating as seat:
                 try:
                     if prompt.unsafe_reuse:  # upstream's rule for such prompts: from scratch
                         log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
@@ -290,6 +292,8 @@ class Session:
         """Decode the prompt after its first ``reused`` items and sample the first reply token
         from the last one's logits; (next position, that token), or None if cancelled. On a
         recurrent memory, stop where a checkpoint is due and take it."""
+        if seat.single_use:
+            return self._encode(turn, seat, usage, sampler)
         items, pos, end, token = turn.prompt.items, reused, 0, -1
         stops = set(seat.checkpoint_stops(len(items)))
         for piece in turn.prompt.pieces:
@@ -326,6 +330,21 @@ class Session:
                 seat.after_abort()
                 return None
         return pos, token
+
+    def _encode(self, turn: Turn, seat: Seat, usage: Usage, sampler: TokenSampler) -> tuple[int, int] | None:
+        """An encoder-decoder model's prefill: the whole prompt through the encoder, then the
+        decoder's start token; (next position, the first reply token), or None if cancelled."""
+        start = self.model.native.decoder_start
+        try:
+            if turn.cancelled.is_set():
+                return None
+            seat.encode(turn.prompt.tokens())
+            usage.decoded_prompt_tokens = len(turn.prompt.items)
+            return 1, seat.decode([start], 0, abortable=True, sampler=sampler)
+        except DecodeAborted as aborted:
+            if aborted.cause is not None:
+                raise
+            return None
 
     def _sample(
         self,

@@ -207,7 +207,7 @@ def build_t5(out: Path, src: Source) -> None:
             tensors |= {p + "ffn_gate.weight": w(n_ff, n_embd), p + "ffn_up.weight": w(n_ff, n_embd)}
             tensors[p + "ffn_down.weight"] = w(n_embd, n_ff)
             if i == 0:
-                tensors[p + "attn_rel_b.weight"] = w(n_head, buckets)
+                tensors[p + "attn_rel_b.weight"] = w(buckets, n_head)
             if side == "dec":
                 tensors[p + "cross_attn_norm.weight"] = ones(n_embd)
                 tensors |= {p + f"cross_attn_{x}.weight": w(n_embd, n_embd) for x in "qkvo"}
