@@ -55,7 +55,13 @@ class ContextPerSession:
 
     def __init__(self, model: Model, n_ctx: int) -> None:
         self.model, self.messages = model, [{"role": "system", "content": SYSTEM}]
-        self.context = NativeContext(model.native, n_ctx=n_ctx, n_batch=512, threads=model.threads)
+        self.context = NativeContext(
+            model.native,
+            n_ctx=n_ctx,
+            n_batch=512,
+            threads=model.threads,
+            flash_attention=model.flash_attention,
+        )
         self.cache = PrefixCache()
 
     def respond(self, content: str) -> dict[str, Any]:

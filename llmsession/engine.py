@@ -78,6 +78,7 @@ class Pool:
                 threads=e.threads,
                 swa_full=self.swa_full,
                 n_seq_max=self.budget.max_live,
+                flash_attention=e.flash_attention,
             )
         return self._context
 
@@ -99,10 +100,12 @@ class Engine:
         threads: int,
         config: MemoryConfig,
         make_context: Callable[..., NativeContext] | None = None,
+        flash_attention: bool | None = None,
     ) -> None:
         """``make_context``: how a shared context is made (tests pass a fake that keeps llama.cpp's
         semantics); by default a ``NativeContext`` of ``native``."""
         self.native, self.projector, self.threads, self.config = native, projector, threads, config
+        self.flash_attention = flash_attention
         self.make_context = make_context or functools.partial(NativeContext, native)
         self.lock = threading.RLock()
         self.lot = ParkingLot(config.disk_cache_dir)
@@ -110,6 +113,7 @@ class Engine:
         self._pools: dict[tuple[bool, int], Pool] = {}
         self._keys = itertools.count()
         self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
+        self._closed = False
 
     def lease(self, *, swa_full: bool, batch_size: int) -> Lease:
         """A new session's place. Sessions share one context per layout. The small sliding-window
@@ -118,16 +122,40 @@ class Engine:
         small-window cache let a deep rewind's logits drift past the split-noise tolerance)."""
         n_swa = max(0, self.native.n_swa)
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
-        layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
         with self.lock:
-            if layout not in self._pools:
-                live = self.config.max_live_sessions if swa_full else 1
-                self._pools[layout] = Pool(self, swa_full, layout[1], live)
-            pool = self._pools[layout]
+            pool = self._pool(swa_full, batch_size)
             lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa)
             pool.leases[lease.key] = lease
             pool.residency.add(lease.key)
             return lease
+
+    def _pool(self, swa_full: bool, batch_size: int) -> Pool:
+        layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
+        if layout not in self._pools:
+            live = self.config.max_live_sessions if swa_full else 1
+            self._pools[layout] = Pool(self, swa_full, layout[1], live)
+        return self._pools[layout]
+
+    def warm(self) -> threading.Thread | None:
+        """Make the default layout's shared context now, in the background, so that no exchange
+        waits for it (65-145 ms, most of a first turn's time); an exchange that comes first waits
+        for it under the lock. A failure here is left for that exchange to raise."""
+        if self.native.has_encoder:
+            return None  # its exchanges take contexts of their own
+        with self.lock:
+            pool = self._pool(True, self.config.batch_size)
+
+        def make() -> None:
+            with self.lock:
+                if not self._closed:
+                    try:
+                        pool.context  # noqa: B018  (made on first use)
+                    except Exception as error:
+                        log.debug("warming the shared context failed: %s", error)
+
+        thread = threading.Thread(target=make, name="llmsession-warm", daemon=True)
+        thread.start()
+        return thread
 
     def bury(self, lease: Lease) -> None:
         """Its session was collected: free its memory at the next safe point (this may run
@@ -177,7 +205,9 @@ class Engine:
         with self.lock:
             self._reap()
             self.counters.exchanges += 1
-            context = self.make_context(n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads)
+            context = self.make_context(
+                n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads, flash_attention=self.flash_attention
+            )
         lease.cache.reset()
         try:
             yield Seat(self, lease, context, 0, cancelled, single_use=True)
@@ -260,6 +290,7 @@ class Engine:
 
     def close(self) -> None:
         with self.lock:
+            self._closed = True
             for pool in self._pools.values():
                 pool.close()
             self.lot.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,18 @@ MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
 STATELESS_SESSIONS = 8  # sessions kept for Model.chat (their states live, parked or cold)
 
 
+def choose_flash_attention(asked: bool | None) -> bool | None:
+    """None leaves llama.cpp its choice (AUTO: on wherever supported, the CPU included). Off is
+    faster for the prefill at depth on the CPU (``llama-bench -fa 0,1 -p 29 -d 993``: 246 vs 182
+    tok/s on an AMD EPYC; 199 vs 152 for our own prefill on an Intel Xeon), but then a reply
+    depends on where its session's cells lie in the shared cache (the kernels' sums change with
+    the placement), so two sessions with one transcript may answer differently; with it on they
+    have answered alike in every differential test. ``llmsession bench kernels`` measures both."""
+    if asked is not None and not isinstance(asked, bool):
+        raise TypeError(f"flash_attention must be True, False or None, got {asked!r}")
+    return asked
+
+
 @dataclass
 class Prompt:
     """A tokenized prompt: text-token runs and image chunks, and the item at each position."""
@@ -43,6 +56,8 @@ class Prompt:
     pieces: list[Piece]
     chunks: Chunks | None = None  # owns the image chunks' native memory
     items: list[Item] = field(init=False)
+    render_s: float = 0.0  # what making it cost: rendering the transcript, then tokenizing it
+    tokenize_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.items = []
@@ -87,7 +102,10 @@ class Model:
     goes cold: its next exchange decodes its whole prompt). ``batch_size`` is the largest prefill
     batch. On recurrent and hybrid models each session keeps ``checkpoints`` of its state so an
     edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
-    ``with Model(path) as model:`` frees the model and every session's state on exit.
+    ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
+    depth on the CPU, at the price of replies that depend on the cache's placement
+    (``choose_flash_attention``). ``with Model(path) as model:`` frees the model and every
+    session's state on exit.
     """
 
     def __init__(
@@ -104,6 +122,7 @@ class Model:
         disk_cache_dir: str | Path | None = None,
         batch_size: int = 512,
         checkpoints: CheckpointConfig | None = None,
+        flash_attention: bool | None = None,
     ) -> None:
         if threads is not None:
             check_int("threads", threads, 1, MAX_THREADS)
@@ -125,6 +144,7 @@ class Model:
         self._digests: dict[Path, str] = {}
         self.threads = threads or default_threads()
         self.use_jinja = use_jinja
+        self.flash_attention = choose_flash_attention(flash_attention)
         self.native = NativeModel(self.path, gpu_layers=gpu_layers)
         self.projector: Projector | None = None
         if self.native.has_encoder and (mmproj_path is not None or not self.native.has_decoder):
@@ -142,7 +162,10 @@ class Model:
             except BaseException:
                 self.native.close()
                 raise
-        self._engine = Engine(self.native, self.projector, self.threads, config)
+        self._engine = Engine(
+            self.native, self.projector, self.threads, config, flash_attention=self.flash_attention
+        )
+        self._engine.warm()
         self.template = self.native.chat_template()
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -275,14 +298,18 @@ class Model:
                 "this model has no multimodal projector, so it cannot take images: "
                 "load one with Model(path, mmproj_path=...)"
             )
+        began = time.perf_counter()
         text = self.render(messages, thinking=thinking)
+        rendered = time.perf_counter()
         if not images:
-            return Prompt([self._text_tokens(messages, text, thinking, own)])
+            prompt = Prompt([self._text_tokens(messages, text, thinking, own)])
+            prompt.render_s, prompt.tokenize_s = rendered - began, time.perf_counter() - rendered
+            return prompt
         assert self.projector is not None
         chunks = self.projector.tokenize(text, images)
         if chunks.pieces and isinstance(chunks.pieces[0], list):
             self._drop_double_bos(chunks.pieces[0])
-        return Prompt(chunks.pieces, chunks)
+        return Prompt(chunks.pieces, chunks, rendered - began, time.perf_counter() - rendered)
 
     def constraint(self, options: GenerationOptions) -> Constraint | None:
         """The options' constraint compiled for this model (GrammarError if it cannot be used);

@@ -106,9 +106,12 @@ class NativeContext(Owner):
         threads: int,
         swa_full: bool = True,
         n_seq_max: int = 1,
+        flash_attention: bool | None = None,
     ) -> None:
+        """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported)."""
         lib, ffi = bindings()
         params = lib.llama_context_default_params()
+        params.flash_attn_type = flash_attn_type(flash_attention)
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
         params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
         params.swa_full, params.kv_unified = swa_full, n_seq_max > 1  # sequences share the cells
@@ -260,14 +263,22 @@ def _flags(partial: bool) -> int:
     return int(lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) if partial else int(lib.LLAMA_STATE_SEQ_FLAGS_NONE)
 
 
-def context_layout(swa_full: bool) -> dict[str, int | bool]:
+def flash_attn_type(flash_attention: bool | None) -> int:
+    lib, _ = bindings()
+    if flash_attention is None:
+        return int(lib.LLAMA_FLASH_ATTN_TYPE_AUTO)
+    return int(lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+
+def context_layout(swa_full: bool, flash_attention: bool | None) -> dict[str, int | bool]:
     """The context parameters a saved sequence state depends on, as NativeContext sets them
-    (a sequence's state does not depend on how many sequences share the context)."""
+    (a sequence's state does not depend on how many sequences share the context; its V cache
+    is stored transposed without flash attention)."""
     params = bindings()[0].llama_context_default_params()
     return {
         "type_k": int(params.type_k),
         "type_v": int(params.type_v),
-        "flash_attn_type": int(params.flash_attn_type),
+        "flash_attn_type": flash_attn_type(flash_attention),
         "swa_full": swa_full,
     }
 

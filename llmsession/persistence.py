@@ -43,7 +43,7 @@ def compat(model: Model, swa_full: bool) -> dict[str, Any]:
         "state_seq_version": state_seq_version(),
         "model_sha256": model.identity(),
         "projector_sha256": model.projector_identity(),
-        "context": context_layout(swa_full),
+        "context": context_layout(swa_full, model.flash_attention),
     }
 
 

@@ -23,8 +23,18 @@ class Usage:
 
 @dataclass
 class Timings:
+    """Where an exchange's time went. The time to first token runs from the ``stream()`` or
+    ``respond()`` call to the first reply token sampled; it splits into rendering the transcript,
+    tokenizing it, planning (taking the session's sequence, restoring or parking states, cutting
+    to the reused prefix, restoring a checkpoint), the prefill inside ``llama_decode`` and the
+    first sample (with any constraint's mask); what is left is Python's own bookkeeping."""
+
     time_to_first_token_s: float = 0.0
+    render_s: float = 0.0
+    tokenize_s: float = 0.0
+    plan_s: float = 0.0
     prefill_s: float = 0.0
+    first_sample_s: float = 0.0
     generation_s: float = 0.0
 
     @property

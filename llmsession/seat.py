@@ -7,6 +7,7 @@ lock, so a decode and the sampling of its logits happen under one hold.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ class Seat:
         """``single_use``: ``context`` is the exchange's own, not a sequence of the shared one."""
         self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
         self.cancelled, self.single_use = cancelled, single_use
+        self.decode_s = self.sample_s = 0.0  # inside llama_decode (and encode, images); sampling
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -60,15 +62,28 @@ class Seat:
         with self.engine.lock:
             self._room(len(self.items) + len(tokens))
             self.context.abort = self.cancelled
+            began = time.perf_counter()
             self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
             self.lease.cache.extend(tokens)
-            return sampler.sample(self.context) if sampler is not None else -1
+            return self._sample(began, sampler)
+
+    def _sample(self, began: float, sampler: TokenSampler | None) -> int:
+        """Sample the next token (-1 without a sampler), and account for the time since ``began``."""
+        decoded = time.perf_counter()
+        self.decode_s += decoded - began
+        if sampler is None:
+            return -1
+        token = sampler.sample(self.context)
+        self.sample_s += time.perf_counter() - decoded
+        return token
 
     def encode(self, tokens: Sequence[int]) -> None:
         """Run the encoder over the prompt (an encoder-decoder model's exchange starts here)."""
         with self.engine.lock:
             self.context.abort = self.cancelled
+            began = time.perf_counter()
             self.context.encode(tokens, abortable=True)
+            self.decode_s += time.perf_counter() - began
 
     def eval_image(
         self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
@@ -80,11 +95,12 @@ class Seat:
         with self.engine.lock:
             self._room(len(self.items) + len(items))
             self.context.abort = self.cancelled
+            began = time.perf_counter()
             pos = projector.eval_image(
                 self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
             )
             self.lease.cache.extend(items)
-            return pos, sampler.sample(self.context) if sampler is not None else -1
+            return pos, self._sample(began, sampler)
 
     def checkpoint_stops(self, end: int) -> list[int]:
         """Where a prefill up to position ``end`` should stop to take a checkpoint."""

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
 from .native_context import DecodeAborted
-from .native_mtmd import ImageChunk
 from .options import MAX_POSITIONS, GenerationOptions, check_int
+from .prefill import prefill
 from .prefix import starts_a_chunk
 from .replies import Message, Reply, Snapshot, Timings, Usage
 from .sampling import Sampler, TokenSampler
@@ -106,11 +106,15 @@ class Session:
     def _stream(self, user: Message, options: GenerationOptions, prompt: Prompt | None) -> Stream:
         """``stream`` for a user message, with its prompt if the caller already tokenized the
         transcript plus ``user`` (``Model.chat`` does, to choose the session); owns ``prompt``."""
+        began = time.perf_counter()
         with self._busy():
             if self._active is not None:  # an unfinished stream of this thread: finish it first
                 self._active()
+                began = time.perf_counter()
             if prompt is None:
                 prompt = self.model.prompt([*self.messages, user], thinking=self.thinking, own=self._replies)
+            else:  # made by the caller just before
+                began -= prompt.render_s + prompt.tokenize_s
             if prompt.n_positions >= self.context_size:
                 prompt.close()
                 raise ContextOverflowError(
@@ -122,7 +126,7 @@ class Session:
             except BaseException:
                 prompt.close()
                 raise
-            self._turn = Turn(user, prompt, options, constraint)
+            self._turn = Turn(user, prompt, options, constraint, began=began)
             stream = Stream(self, self._turn)
             self._active = stream._abandon
             return stream
@@ -199,7 +203,8 @@ class Session:
         """The exchange itself; runs step by step inside ``Stream.__next__``."""
         started = time.perf_counter()
         prompt, options = turn.prompt, turn.options
-        usage, timings = Usage(prompt_tokens=len(prompt.items)), Timings()
+        usage = Usage(prompt_tokens=len(prompt.items))
+        timings = Timings(render_s=prompt.render_s, tokenize_s=prompt.tokenize_s)
         if self._load_note is not None:
             (usage.restored_tokens, usage.cache_note), self._load_note = self._load_note, None
         text, cancelled = "", False
@@ -218,11 +223,12 @@ class Session:
                         seat.clear()
                     plan = seat.prepare(prompt.items, can_cut=partial(starts_a_chunk, prompt.items))
                     usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
-                    first = self._prefill(turn, seat, plan.reused, usage, sampler)
-                    timings.prefill_s = time.perf_counter() - started
+                    timings.plan_s = time.perf_counter() - started
+                    first = prefill(turn, seat, plan.reused, usage, sampler, self.batch_size)
+                    timings.prefill_s, timings.first_sample_s = seat.decode_s, seat.sample_s
                     cancelled = first is None
                     if first is not None:
-                        steps = self._sample(turn, seat, *first, sampler, usage, timings, started)
+                        steps = self._sample(turn, seat, *first, sampler, usage, timings, turn.began)
                         with closing(steps) as deltas:
                             for delta in deltas:
                                 text += delta
@@ -285,66 +291,6 @@ class Session:
             self._finish_turn(
                 turn, Reply("", "cancelled", Usage(prompt_tokens=len(turn.prompt.items)), Timings())
             )
-
-    def _prefill(
-        self, turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: TokenSampler
-    ) -> tuple[int, int] | None:
-        """Decode the prompt after its first ``reused`` items and sample the first reply token
-        from the last one's logits; (next position, that token), or None if cancelled. On a
-        recurrent memory, stop where a checkpoint is due and take it."""
-        if seat.single_use:
-            return self._encode(turn, seat, usage, sampler)
-        items, pos, end, token = turn.prompt.items, reused, 0, -1
-        stops = set(seat.checkpoint_stops(len(items)))
-        for piece in turn.prompt.pieces:
-            size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
-            start, end = end, end + size  # this piece holds items[start:end]
-            if end <= reused:
-                continue
-            last = end == len(items)
-            try:
-                if isinstance(piece, ImageChunk):
-                    if turn.cancelled.is_set():
-                        return None
-                    if pos in stops:
-                        seat.checkpoint()
-                    pos, token = seat.eval_image(
-                        piece, pos, items[start:end], sampler=sampler if last else None
-                    )
-                    usage.decoded_prompt_tokens += size
-                    continue
-                while pos < end:
-                    if turn.cancelled.is_set():
-                        return None
-                    if pos in stops:
-                        seat.checkpoint()
-                    stop = min([end, pos + self.batch_size, *(p for p in stops if p > pos)])
-                    chunk = piece[pos - start : stop - start]
-                    final = last and stop == end
-                    token = seat.decode(chunk, pos, abortable=True, sampler=sampler if final else None)
-                    pos = stop
-                    usage.decoded_prompt_tokens += len(chunk)
-            except DecodeAborted as aborted:
-                if aborted.cause is not None:
-                    raise  # _generate restores memory to the record and raises the cause
-                seat.after_abort()
-                return None
-        return pos, token
-
-    def _encode(self, turn: Turn, seat: Seat, usage: Usage, sampler: TokenSampler) -> tuple[int, int] | None:
-        """An encoder-decoder model's prefill: the whole prompt through the encoder, then the
-        decoder's start token; (next position, the first reply token), or None if cancelled."""
-        start = self.model.native.decoder_start
-        try:
-            if turn.cancelled.is_set():
-                return None
-            seat.encode(turn.prompt.tokens())
-            usage.decoded_prompt_tokens = len(turn.prompt.items)
-            return 1, seat.decode([start], 0, abortable=True, sampler=sampler)
-        except DecodeAborted as aborted:
-            if aborted.cause is not None:
-                raise
-            return None
 
     def _sample(
         self,

@@ -33,6 +33,7 @@ class Turn:
     reply: Reply | None = None
     done: bool = False
     closed: bool = False  # its model was closed before it finished
+    began: float = 0.0  # perf_counter() when it was asked for (its prompt made since)
 
 
 class Stream:

@@ -30,7 +30,16 @@ CONTEXT_SIZE = 16
 class FakeContext:
     """A unified KV cache: ``cells[i] = (position, item, sequences)``."""
 
-    def __init__(self, *, n_ctx: int, n_batch: int, threads: int, swa_full: bool, n_seq_max: int) -> None:
+    def __init__(
+        self,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        threads: int,
+        swa_full: bool,
+        n_seq_max: int,
+        flash_attention: bool | None,
+    ) -> None:
         self.n_ctx, self.n_batch, self.n_seq_max = n_ctx, n_batch, n_seq_max
         self.cells: dict[int, tuple[int, Any, set[int]]] = {}
         self.abort = threading.Event()

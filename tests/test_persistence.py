@@ -211,8 +211,12 @@ def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int)
     from llmsession.native_context import NativeContext
 
     tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
-    original = NativeContext(gemma3.native, n_ctx=2048, n_batch=512, threads=2)
-    copy_ = NativeContext(gemma3.native, n_ctx=2048, n_batch=512, threads=2)
+    original = NativeContext(
+        gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=gemma3.flash_attention
+    )
+    copy_ = NativeContext(
+        gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=gemma3.flash_attention
+    )
     try:
         for start in range(0, len(tokens), 512):
             original.decode(tokens[start : start + 512], start)

@@ -101,7 +101,9 @@ def read_logits(model: Model, context: NativeContext) -> np.ndarray:
 
 def fresh_logits(model: Model, tokens: list[int], splits: list[int]) -> np.ndarray:
     """Final logits of a fresh decode of tokens, cut into batches at the given positions."""
-    context = NativeContext(model.native, n_ctx=N_CTX, n_batch=len(tokens), threads=2)
+    context = NativeContext(
+        model.native, n_ctx=N_CTX, n_batch=len(tokens), threads=2, flash_attention=model.flash_attention
+    )
     try:
         for a, b in itertools.pairwise([0, *splits, len(tokens)]):
             context.decode(tokens[a:b], a)
@@ -127,7 +129,9 @@ def check_against_fresh(
     prompt, generated = recorded[: reply.usage.prompt_tokens], recorded[reply.usage.prompt_tokens :]
     assert len(generated) >= at_least, f"compare at least {at_least} generated tokens"
     problems = []
-    context = NativeContext(model.native, n_ctx=N_CTX, n_batch=512, threads=2)
+    context = NativeContext(
+        model.native, n_ctx=N_CTX, n_batch=512, threads=2, flash_attention=model.flash_attention
+    )
     try:
         for start in range(0, len(prompt), 512):
             context.decode(prompt[start : start + 512], start)
