@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .aio import AsyncStream
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
 from .native_context import DecodeAborted
@@ -41,6 +42,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 DEFAULT_CONTEXT_SIZE = 4096
+
+
+def checked(options: GenerationOptions | None) -> GenerationOptions:
+    if options is None:
+        return GenerationOptions()
+    if not isinstance(options, GenerationOptions):
+        raise TypeError(
+            f"options must be a GenerationOptions, got {type(options).__name__} "
+            "(write GenerationOptions(**values) for a dict)"
+        )
+    options.validate()
+    return options
 
 
 class Session:
@@ -92,16 +105,21 @@ class Session:
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
         """Send a user message; iterate the result for snapshots as tokens decode."""
-        if options is None:
-            options = GenerationOptions()
-        if not isinstance(options, GenerationOptions):
-            raise TypeError(
-                f"options must be a GenerationOptions, got {type(options).__name__} "
-                "(write GenerationOptions(**values) for a dict)"
-            )
-        options.validate()
-        user = {"role": "user", "content": content}
-        return self._stream(user, options, None)
+        return self._stream({"role": "user", "content": content}, checked(options), None)
+
+    def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
+        """``stream`` for asyncio: ``async for snapshot in session.astream(...)``. Every step runs
+        in a worker thread; cancelling the task cancels the exchange within one token."""
+        options = checked(options)
+        return AsyncStream(lambda: self._stream({"role": "user", "content": content}, options, None))
+
+    async def arespond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
+        """``respond`` for asyncio; the event loop runs on while the reply decodes."""
+        stream = self.astream(content, options)
+        async for _ in stream:
+            pass
+        assert stream.reply is not None
+        return stream.reply
 
     def _stream(self, user: Message, options: GenerationOptions, prompt: Prompt | None) -> Stream:
         """``stream`` for a user message, with its prompt if the caller already tokenized the
