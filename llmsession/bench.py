@@ -15,18 +15,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from . import paths
-from .bench_common import common_arguments, machine, progress, publish, run_worker, table
+from .bench_common import (
+    common_arguments,
+    llama_bench,
+    machine,
+    progress,
+    publish,
+    run_worker,
+    table,
+)
 from .model import Model
 from .options import GenerationOptions
 from .prefix import common_prefix
@@ -61,6 +65,11 @@ class Turn:
     completion_tokens: int
     generation_tokens_per_s: float
     library_ttft_s: float = 0.0
+    render_s: float = 0.0  # the split of our TTFT (see Timings)
+    tokenize_s: float = 0.0
+    plan_s: float = 0.0
+    prefill_s: float = 0.0
+    first_sample_s: float = 0.0
 
 
 def exchange(session: Session, question: str, options: GenerationOptions) -> tuple[Turn, str]:
@@ -73,7 +82,8 @@ def exchange(session: Session, question: str, options: GenerationOptions) -> tup
     u, t = stream.reply.usage, stream.reply.timings
     counts = (u.prompt_tokens, u.reused_tokens, u.decoded_prompt_tokens, u.completion_tokens)
     ttft = (first or time.perf_counter()) - began
-    return Turn(ttft, *counts, t.generation_tokens_per_s, t.time_to_first_token_s), stream.reply.text
+    split = (t.render_s, t.tokenize_s, t.plan_s, t.prefill_s, t.first_sample_s)
+    return Turn(ttft, *counts, t.generation_tokens_per_s, t.time_to_first_token_s, *split), stream.reply.text
 
 
 def fresh_exchange(shadow: Session, history: list[Message], text: str, options: GenerationOptions) -> Turn:
@@ -126,6 +136,21 @@ def multi_turn(model: Model, questions: list[str], options: GenerationOptions) -
         "replies_differing_from_fresh": diverged,
     }
     return {"cache": _rows(cached), "fresh": _rows(fresh), "new_tokens": new, "summary": summary}
+
+
+def compute_limits(exe: Path, model: Model, turns: list[Turn]) -> list[float | None]:
+    """What llama.cpp itself needs for each turn's prefill: ``llama-bench -p <decoded> -d <reused>``
+    on the same libraries, threads and flash-attention choice (None where it cannot run)."""
+    fa = {None: "auto", True: "on", False: "off"}[model.flash_attention]
+    limits: list[float | None] = []
+    for t in turns:
+        n, depth = str(t.decoded_prompt_tokens), str(t.reused_tokens)
+        run = llama_bench(
+            exe, model.path, model.threads, "-p", n, "-n", "0", "-d", depth, "-r", "3", "-fa", fa
+        )
+        rate = statistics.median(run["samples_ts"]) if "error" not in run else 0.0
+        limits.append(t.decoded_prompt_tokens / rate if rate > 0 else None)
+    return limits
 
 
 def session_plans() -> list[list[str]]:
@@ -183,22 +208,6 @@ def generation(model: Model, n_tokens: int, exe: Path, repeats: int = 5) -> dict
     return result | {"llama_bench": reference | {"build_commit": pp["build_commit"]}, "ratio": ratio}
 
 
-def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
-    """One llama-bench test on llmsession's very libraries: its tokens/s samples."""
-    if not exe.exists():
-        return {"error": f"llama-bench not found at {exe}: run python scripts/fetch_llama.py --bench"}
-    # Its rpath is its own folder: make it load the libraries llmsession loads.
-    search = [str(paths.llama_dir() / "lib"), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
-    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
-    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options, "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        return {"error": f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
-    (row,) = json.loads(out.stdout)
-    samples = [float(x) for x in row["samples_ts"]]
-    return {"samples_ts": samples, "build_commit": row["build_commit"], "command": " ".join(cmd)}
-
-
 def run_peer(python: str, config: dict[str, Any]) -> dict[str, Any]:
     """The peer's chats, with their totals."""
     peer = run_worker(python, config)
@@ -223,13 +232,17 @@ def _ms(seconds: float) -> str:
 
 def report_multi_turn(result: dict[str, Any], peer: list[Turn]) -> None:
     cached, fresh, s = _turns(result["cache"]), _turns(result["fresh"]), result["summary"]
+    limits = result.get("compute_limit_s") or [None] * len(cached)
     header = ["turn", "prompt", "reused", "decoded", "new", "TTFT cache", "TTFT fresh", "cache/fresh"]
-    header.append("tok/s")
+    header += ["tok/s", "render+tok", "plan", "prefill", "sample", "limit", "TTFT/limit"]
     rows = []
     for i, (c, f) in enumerate(zip(cached, fresh, strict=True)):
         row = [str(i + 1), str(c.prompt_tokens), str(c.reused_tokens), str(c.decoded_prompt_tokens)]
         row += [str(result["new_tokens"][i]), _ms(c.ttft_s), _ms(f.ttft_s), f"{c.ttft_s / f.ttft_s:.3f}"]
-        row.append(f"{c.generation_tokens_per_s:.0f}")
+        row += [f"{c.generation_tokens_per_s:.0f}", _ms(c.render_s + c.tokenize_s), _ms(c.plan_s)]
+        row += [_ms(c.prefill_s), _ms(c.first_sample_s)]
+        limit = limits[i]
+        row += [_ms(limit), f"{c.ttft_s / limit:.2f}"] if limit else ["-", "-"]
         if peer:
             row += ["|", str(peer[i].prompt_tokens), str(peer[i].reused_tokens), _ms(peer[i].ttft_s)]
         rows.append(row)
@@ -320,8 +333,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=20, help="turns of the multi-turn chat")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in the chats")
     parser.add_argument("--gen-tokens", type=int, default=128, help="tokens of the generation scenario")
-    default_bench = paths.llama_dir() / "bin" / "llama-bench"  # where fetch_llama.py --bench puts it
-    parser.add_argument("--llama-bench", type=Path, default=default_bench, help="the llama-bench binary")
     common_arguments(parser)
     parser.add_argument("--plot", type=Path, help="write a PNG of time to first token per turn")
     args = parser.parse_args(argv)
@@ -335,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_memory import main as memory_main
 
         return memory_main(argv[1:])
+    if argv and argv[0] == "concurrent":
+        from .bench_concurrent import main as concurrent_main
+
+        return concurrent_main(argv[1:])
     if argv and argv[0] == "structured":
         from .bench_structured import main as structured_main
 
@@ -352,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         results |= {"threads": model.threads, "max_tokens": args.max_tokens}
         progress(f"multi-turn chat ({args.turns} turns)", started)
         results["multi_turn"] = multi_turn(model, questions, options)
+        progress("compute limit per turn (llama-bench)", started)
+        limits = compute_limits(args.llama_bench, model, _turns(results["multi_turn"]["cache"]))
+        results["multi_turn"]["compute_limit_s"] = limits
         progress("interleaved sessions", started)
         results["interleaved"] = interleaved(model, plans, options)
         progress("generation and llama-bench", started)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llama_cffi import lib_dir
+
 from . import paths
 from .native import build_commit
 
@@ -22,7 +24,7 @@ PEER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peer.py"
 def run_worker(python: str, config: dict[str, Any]) -> dict[str, Any]:
     """llama-cpp-python in a worker process (its own venv is fine) on llmsession's llama.cpp build;
     ``{"skipped": why}`` when it cannot run."""
-    lib = os.environ.get("LLAMA_CPP_LIB_PATH") or str(paths.llama_dir() / "lib")
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH") or str(lib_dir())
     env = os.environ | {"LLAMA_CPP_LIB_PATH": lib}
     if not PEER_SCRIPT.exists():
         return {"skipped": f"{PEER_SCRIPT} is missing (it lives in the repository, not the package)"}
@@ -60,6 +62,9 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["llama-cpp-python"], help="also run the scenario through it")
     parser.add_argument("--peer-python", default=sys.executable, help="a Python that imports the peer")
     parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument(
+        "--llama-bench", type=Path, default=default_llama_bench(), help="its binary (references)"
+    )
 
 
 def publish(results: dict[str, Any], report: Callable[[dict[str, Any]], None], path: Path | None) -> int:
@@ -74,3 +79,29 @@ def publish(results: dict[str, Any], report: Callable[[dict[str, Any]], None], p
 def progress(step: str, started: float) -> None:
     """A line on stderr per step: a run takes minutes, and a busy machine makes it longer."""
     print(f"[{time.perf_counter() - started:6.1f}s] {step}", file=sys.stderr, flush=True)
+
+
+def default_llama_bench() -> Path:
+    return paths.llama_dir() / "bin" / "llama-bench"  # where fetch_llama.py --bench puts it
+
+
+def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
+    """One llama-bench run on llmsession's very libraries (``LLMSESSION_LIB_DIR`` included): its
+    tokens/s samples, one list per test it ran."""
+    if not exe.exists():
+        return {"error": f"llama-bench not found at {exe}: run python scripts/fetch_llama.py --bench"}
+    # Its rpath is its own folder: make it load the libraries llmsession loads.
+    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options, "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
+    rows = json.loads(out.stdout)
+    samples = [[float(x) for x in row["samples_ts"]] for row in rows]
+    return {
+        "samples_ts": samples[0],
+        "tests": samples,
+        "build_commit": rows[0]["build_commit"],
+        "command": " ".join(cmd),
+    }

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from .batching import Batcher
 from .budget import Counters, MemoryConfig, MemoryReport, SessionMemory
 from .errors import MemoryBudgetError
 from .native import NativeModel
@@ -108,6 +109,9 @@ class Engine:
         self.flash_attention = flash_attention
         self.make_context = make_context or functools.partial(NativeContext, native)
         self.lock = threading.RLock()
+        self._waiting = 0  # threads waiting in hold(): the decode thread lets them go first
+        self._counting = threading.Lock()
+        self.batcher = Batcher(self.lock, contended=lambda: self._waiting > 0)
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
         self._pools: dict[tuple[bool, int], Pool] = {}
@@ -128,6 +132,22 @@ class Engine:
             pool.leases[lease.key] = lease
             pool.residency.add(lease.key)
             return lease
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The engine's lock for a session's call (a prefill batch, a restore, ...); the decode
+        thread, which takes it between generation batches, lets such callers in first."""
+        with self._counting:
+            self._waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._counting:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def _pool(self, swa_full: bool, batch_size: int) -> Pool:
         layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
@@ -289,6 +309,7 @@ class Engine:
             )
 
     def close(self) -> None:
+        self.batcher.close()
         with self.lock:
             self._closed = True
             for pool in self._pools.values():

@@ -125,9 +125,9 @@ class GuidedSampler:
         allowed = np.unpackbits(self.mask.view(np.uint8), count=self.n_vocab, bitorder="little")
         logits[allowed == 0] = -np.inf
 
-    def sample(self, context: NativeContext) -> int:
-        self.restrict(context.last_logits(self.n_vocab))
-        token = self.chain.sample(context)
+    def sample(self, context: NativeContext, index: int = -1) -> int:
+        self.restrict(context.last_logits(self.n_vocab, index))
+        token = self.chain.sample(context, index)
         if not self.matcher.consume_token(token):
             self._check()
         return token

@@ -56,6 +56,26 @@ class Batch:
         self.logits[n - 1] = 1
         self.raw.n_tokens = n
 
+    def fill_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
+        """Several runs ``(tokens, start, seq)`` one after another, logits for each one's last
+        token; the indices of those tokens."""
+        n, ends = 0, []
+        if sum(len(tokens) for tokens, _, _ in runs) > self.capacity or not runs:
+            raise ValueError(f"a batch holds 1 to {self.capacity} tokens")
+        self.logits[: self.capacity] = 0
+        for tokens, start, seq in runs:
+            k = len(tokens)
+            for i in np.flatnonzero(self._seqs[n : n + k] != seq):
+                self.raw.seq_id[n + i][0] = seq
+            self._seqs[n : n + k] = seq
+            self.tokens[n : n + k] = tokens
+            self.positions[n : n + k] = np.arange(start, start + k, dtype=np.int32)
+            n += k
+            self.logits[n - 1] = 1
+            ends.append(n - 1)
+        self.raw.n_tokens = n
+        return ends
+
     def close(self) -> None:
         self._free()
 
@@ -148,10 +168,19 @@ class NativeContext(Owner):
         self.batch.close()
         super().close()
 
-    def decode(self, tokens: Sequence[int], start: int, *, seq: int = 0, abortable: bool = False) -> None:
-        """Decode tokens of sequence ``seq`` at positions start..; raise DecodeAborted if the
-        abort flag or an exception raised in a callback (Ctrl-C) stopped it: the batch may be
-        partly in memory."""
+    def decode(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        *,
+        seq: int = 0,
+        abortable: bool = False,
+        outputs: bool = False,
+    ) -> None:
+        """Decode tokens of sequence ``seq`` at positions start.. (logits for the last one, or for
+        each with ``outputs``: ``last_logits(n_vocab, i)``); raise DecodeAborted if the abort flag
+        or an exception raised in a callback (Ctrl-C) stopped it: the batch may be partly in
+        memory."""
         lib, _ = bindings()
         ptr = self.ptr  # first: once closed, the batch's memory is gone too
         self.set_abortable(abortable)
@@ -160,7 +189,7 @@ class NativeContext(Owner):
                 f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
             )
         self._check_seq(seq)
-        self.batch.fill(tokens, start, seq)
+        self.batch.fill(tokens, start, seq, outputs=outputs)
         code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
@@ -190,12 +219,31 @@ class NativeContext(Owner):
     def logits(self) -> Any:
         return bindings()[0].llama_get_logits_ith(self.ptr, -1)
 
-    def last_logits(self, n_vocab: int) -> np.ndarray:
-        """The last decoded token's logits, as a writable view of llama.cpp's own buffer: the
-        sampler chain reads them from there, so masking them here constrains the next sample."""
-        _, ffi = bindings()
-        pointer = not_null(self.logits(), "llama_get_logits_ith")
+    def last_logits(self, n_vocab: int, index: int = -1) -> np.ndarray:
+        """The logits of the last decode's token at batch ``index`` (-1: its last), as a writable
+        view of llama.cpp's own buffer: the sampler chain reads them from there, so masking them
+        here constrains the next sample."""
+        lib, ffi = bindings()
+        pointer = not_null(lib.llama_get_logits_ith(self.ptr, index), "llama_get_logits_ith")
         return np.frombuffer(ffi.buffer(pointer, 4 * n_vocab), dtype=np.float32)
+
+    def decode_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
+        """Decode several sequences' tokens in one batch: ``(tokens, start, seq)`` each, logits
+        for each run's last token; their batch indices, in order (for sampling each)."""
+        lib, _ = bindings()
+        ptr = self.ptr
+        self.set_abortable(False)
+        for tokens, start, seq in runs:
+            self._check_seq(seq)
+            if start + len(tokens) > self.n_ctx:
+                raise ContextOverflowError(
+                    f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
+                )
+        indices = self.batch.fill_many(runs)
+        code = lib.llama_decode(ptr, self.batch.raw)
+        interrupted_by(False)
+        check(code, "llama_decode")
+        return indices
 
     # The llama_memory operations the prefix cache and the engine need, per sequence.
     def _check_seq(self, seq: int) -> None:

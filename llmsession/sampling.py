@@ -18,7 +18,7 @@ from .options import LLAMA_DEFAULT_SEED, GenerationOptions
 class TokenSampler(Protocol):
     """What an exchange samples with: a ``Sampler``, or one held to a constraint."""
 
-    def sample(self, context: NativeContext) -> int: ...
+    def sample(self, context: NativeContext, index: int = -1) -> int: ...
     def forced(self) -> list[int]: ...
     def accept(self, token: int) -> None: ...
     def close(self) -> None: ...
@@ -62,8 +62,9 @@ class Sampler:
     def accept(self, token: int) -> None:
         bindings()[0].llama_sampler_accept(self.ptr, token)
 
-    def sample(self, context: NativeContext) -> int:
-        return int(bindings()[0].llama_sampler_sample(self.ptr, context.ptr, -1))
+    def sample(self, context: NativeContext, index: int = -1) -> int:
+        """The next token from the logits of the last decode's token at batch ``index``."""
+        return int(bindings()[0].llama_sampler_sample(self.ptr, context.ptr, index))
 
     def forced(self) -> list[int]:
         """Tokens that must follow the last sample (a constraint may force some): none here."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from .batching import Step, Tracker
 from .errors import MemoryBudgetError
 from .native_context import NativeContext
 from .native_mtmd import ImageChunk
@@ -49,7 +50,7 @@ class Seat:
         return self.lease.cache.items
 
     def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool]) -> Plan:
-        with self.engine.lock:
+        with self.engine.hold():
             plan = self.lease.cache.prepare(items, SequenceMemory(self.context, self.seq), can_cut=can_cut)
             self.engine.counters.reused_tokens += plan.reused
             return plan
@@ -59,13 +60,27 @@ class Seat:
     ) -> int:
         """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
         from their logits before anyone else decodes (-1 without)."""
-        with self.engine.lock:
-            self._room(len(self.items) + len(tokens))
+        with self.engine.hold():
+            self.make_room(len(self.items) + len(tokens))
             self.context.abort = self.cancelled
             began = time.perf_counter()
             self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
             self.lease.cache.extend(tokens)
             return self._sample(began, sampler)
+
+    def step(
+        self, tokens: Sequence[int], pos: int, sampler: TokenSampler, tracker: Tracker | None = None
+    ) -> int:
+        """A generation step: decode ``tokens`` from ``pos`` and sample the next token, in one
+        batch with the steps other streams of this model are waiting to take (``batching``)."""
+        return self.engine.batcher.run(Step(self, tokens, pos, sampler, tracker))
+
+    def sample_row(self, row: int, sampler: TokenSampler) -> int:
+        """Sample from the logits at batch ``row`` of the last decode (the lock is held)."""
+        began = time.perf_counter()
+        token = sampler.sample(self.context, row)
+        self.sample_s += time.perf_counter() - began
+        return token
 
     def _sample(self, began: float, sampler: TokenSampler | None) -> int:
         """Sample the next token (-1 without a sampler), and account for the time since ``began``."""
@@ -79,7 +94,7 @@ class Seat:
 
     def encode(self, tokens: Sequence[int]) -> None:
         """Run the encoder over the prompt (an encoder-decoder model's exchange starts here)."""
-        with self.engine.lock:
+        with self.engine.hold():
             self.context.abort = self.cancelled
             began = time.perf_counter()
             self.context.encode(tokens, abortable=True)
@@ -92,8 +107,8 @@ class Seat:
         token sampled if a sampler is given (-1 without)."""
         projector = self.engine.projector
         assert projector is not None
-        with self.engine.lock:
-            self._room(len(self.items) + len(items))
+        with self.engine.hold():
+            self.make_room(len(self.items) + len(items))
             self.context.abort = self.cancelled
             began = time.perf_counter()
             pos = projector.eval_image(
@@ -108,22 +123,22 @@ class Seat:
 
     def checkpoint(self) -> None:
         """Keep a copy of the recurrent state after what the sequence holds now."""
-        with self.engine.lock:
+        with self.engine.hold():
             self.lease.cache.take_checkpoint(SequenceMemory(self.context, self.seq))
 
     def clear(self) -> None:
         """Empty the sequence (the prompt cannot reuse it, or it no longer matches its record)."""
-        with self.engine.lock:
+        with self.engine.hold():
             self.context.seq_rm(-1, self.seq)
             self.lease.cache.reset()
 
     def after_abort(self) -> None:
         """An aborted decode may leave part of its batch in memory: go back to the record (a
         recurrent state to its newest checkpoint), or to nothing."""
-        with self.engine.lock:
+        with self.engine.hold():
             self.lease.cache.recover(SequenceMemory(self.context, self.seq))
 
-    def _room(self, cells: int) -> None:
+    def make_room(self, cells: int) -> None:
         pool, key = self.lease.pool, self.lease.key
         if self.single_use or cells <= pool.residency.entry(key).cells:
             return

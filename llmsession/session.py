@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .aio import AsyncStream
+from .batching import Tracker
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
 from .native_context import DecodeAborted
@@ -323,12 +324,27 @@ class Session:
     ) -> Generator[str, None, None]:
         """The reply from its first sampled ``token`` on: each token's text, then the tokens
         since the last decode (the sampled one and any a constraint forces after it) decoded,
-        and the next one sampled, in one step (the shared context's logits are its own then)."""
-        native, options = self.model.native, turn.options
-        detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
+        and the next one sampled, in one step, batched with other streams' (``batching``)."""
         turn.finish = "length"
         first_token_at = time.perf_counter()
         timings.time_to_first_token_s = first_token_at - started
+        with self.model._engine.batcher.generating(seat.context) as tracker:
+            yield from self._steps(turn, seat, pos, token, sampler, usage, timings, first_token_at, tracker)
+
+    def _steps(
+        self,
+        turn: Turn,
+        seat: Seat,
+        pos: int,
+        token: int,
+        sampler: TokenSampler,
+        usage: Usage,
+        timings: Timings,
+        first_token_at: float,
+        tracker: Tracker,
+    ) -> Generator[str, None, None]:
+        native, options = self.model.native, turn.options
+        detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
         pending, n = [token, *sampler.forced()], 0
         while pending:
             batch: list[int] = []
@@ -357,7 +373,7 @@ class Session:
             else:
                 for i in range(0, len(batch), self.batch_size):  # forced tokens may be many
                     chunk, last = batch[i : i + self.batch_size], i + self.batch_size >= len(batch)
-                    token = seat.decode(chunk, pos, sampler=sampler if last else None)
+                    token = seat.step(chunk, pos, sampler, tracker) if last else seat.decode(chunk, pos)
                     pos += len(chunk)
                 pending = [token, *sampler.forced()]
                 timings.generation_s = time.perf_counter() - first_token_at

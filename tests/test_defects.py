@@ -21,6 +21,7 @@ from typing import Any
 import internals
 import numpy as np
 import pytest
+from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import (
     ContextOverflowError,
@@ -170,17 +171,24 @@ def test_token_pieces_from_many_threads_are_never_mixed_up(smollm2: Model) -> No
 
 
 def test_threads_sharing_a_model_get_the_sequential_replies(smollm2: Model) -> None:
+    """Racing threads' streams are batched together: each reply is the sequential one, or (where
+    the batch noise measured for this build tips a near-tie) every choice it made is within that
+    noise of a fresh decode's best."""
     options = GenerationOptions(max_tokens=48, temperature=0)
 
-    def ask(question: str) -> tuple[str, list[int]]:
+    def ask(question: str) -> tuple[Any, Any]:
         session = smollm2.session(context_size=512)
-        reply = session.respond(question, options)
-        return reply.text, generated_tokens(session, reply)
+        return session, session.respond(question, options)
 
-    sequential = [ask(q) for q in QUESTIONS]
-    results: dict[int, tuple[str, list[int]]] = {}
+    sequential = [generated_tokens(*ask(q)) for q in QUESTIONS]
+    results: dict[int, tuple[Any, Any]] = {}
     run_racing([lambda i=i, q=q: results.__setitem__(i, ask(q)) for i, q in enumerate(QUESTIONS)])
-    assert [results[i] for i in range(len(QUESTIONS))] == sequential
+    tolerance = tolerance_for(batch_noise(smollm2))
+    for i, alone in enumerate(sequential):
+        session, reply = results[i]
+        if generated_tokens(session, reply) != alone:
+            assert batch_noise(smollm2) > 0, "batched replies differ where the build is batch-exact"
+            assert check_against_fresh(session, reply, tolerance, final=False, at_least=1) == []
 
 
 # 4. an exception raised inside a native callback ------------------------------------------------

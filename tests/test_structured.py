@@ -324,9 +324,9 @@ def test_a_matcher_error_mid_reply_is_a_typed_error(smollm2: Model, monkeypatch:
     calls = []
     (forbidden,) = smollm2.tokenize("<|im_start|>", add_special=False)
 
-    def rogue(self: sampling.Sampler, context: Any) -> int:
+    def rogue(self: sampling.Sampler, context: Any, index: int = -1) -> int:
         calls.append(1)
-        token = sample(self, context)
+        token = sample(self, context, index)
         return forbidden if len(calls) == 4 else token
 
     monkeypatch.setattr(sampling.Sampler, "sample", rogue)

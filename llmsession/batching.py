@@ -1,0 +1,179 @@
+"""Concurrent streams of one model decode their next tokens in one batch (llama-server's continuous
+batching, for threads and asyncio tasks).
+
+A stream's generation step asks for its tokens (the sampled one, and any a constraint forces) to be
+decoded into its sequence and the next token sampled from their logits. The engine's decode thread
+takes every step then waiting for the same context, decodes them in one ``llama_decode``, each run
+with logits on its last token, and samples each from its own row. While that decode runs, the other
+streams' next steps queue up, so N busy streams settle into batches of N. One thread decodes every
+step: llama.cpp's OpenMP workers belong to the thread that calls it, and measured here, a decode
+from another thread than the previous one's ran about a fifth slower. A lone stream's step is
+decoded at once, alone: nothing is decoded that nobody asked for. Streams in their generation
+loop register (``generating``); a leader waits a moment (at most ``GATHER_S``) until every one of
+them that stepped within ``RECENT_S`` has queued its next step, so the batches stay full although
+each stream does its own Python work (detokenizing, handing out the snapshot) between steps, and
+a stream whose consumer stopped reading soon stops being waited for. Prefills stay in their
+batches of ``batch_size`` and take the lock between them, so a long prompt lets the others step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .sampling import TokenSampler
+
+if TYPE_CHECKING:
+    from .native_context import NativeContext
+    from .seat import Seat
+
+GATHER_S = 0.002  # how long a leader waits for generating streams that have not queued yet
+RECENT_S = 0.05  # a stream that has not stepped for this long is not waited for
+
+
+@dataclass(eq=False)
+class Tracker:
+    """A generating stream, and when its last step ended."""
+
+    last: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class Step:
+    """One stream's generation step, and its outcome once ``done``."""
+
+    seat: Seat
+    tokens: Sequence[int]
+    pos: int
+    sampler: TokenSampler
+    tracker: Tracker | None = None
+    token: int = -1
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Batcher:
+    """The queue of steps waiting for a model's contexts; see the module's docstring."""
+
+    def __init__(self, lock: threading.RLock, contended: Callable[[], bool] = lambda: False) -> None:
+        self.lock = lock  # the engine's: held for every native call on its contexts
+        self._contended = contended  # whether another thread waits for the lock (a prefill, ...)
+        self._queue = threading.Condition()  # held only to add, count or take steps
+        self._pending: list[Step] = []
+        self._streams: dict[int, set[Tracker]] = {}  # the generating streams, per context
+        self.batches = self.steps = 0  # how many decodes, and how many steps they carried
+        self._worker: threading.Thread | None = None
+        self._closed = False
+
+    @contextmanager
+    def generating(self, context: NativeContext) -> Iterator[Tracker]:
+        """A stream's generation loop on ``context``: a leader may wait for its next step."""
+        tracker = Tracker()
+        with self._queue:
+            self._streams.setdefault(id(context), set()).add(tracker)
+        try:
+            yield tracker
+        finally:
+            with self._queue:
+                self._streams[id(context)].discard(tracker)
+                self._queue.notify_all()
+
+    def run(self, step: Step) -> int:
+        """Decode ``step`` (with whatever else is waiting) and return its sampled token."""
+        with self._queue:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="llmsession-decode", daemon=True)
+                self._worker.start()
+            self._pending.append(step)
+            self._queue.notify_all()
+        try:
+            step.done.wait()
+        except BaseException:  # Ctrl-C while waiting: the step ends first, so memory matches its record
+            while not step.done.wait(0.05):
+                pass
+            raise
+        if step.error is not None:
+            raise step.error
+        return step.token
+
+    def close(self) -> None:
+        """Let the decode thread end (it finishes the steps already queued)."""
+        with self._queue:
+            self._closed = True
+            self._queue.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._queue:
+                while not self._pending and not self._closed:
+                    self._queue.wait()
+                if not self._pending:
+                    return
+                context = self._pending[0].seat.context
+            while self._contended():  # a prefill batch goes between two generation batches
+                time.sleep(0.0005)
+            with self.lock:
+                self._lead(context)
+
+    def _gather(self, context: NativeContext) -> None:
+        """Wait (briefly) until as many steps wait for ``context`` as its last batch carried."""
+        deadline = time.perf_counter() + GATHER_S
+        with self._queue:
+            while (left := deadline - time.perf_counter()) > 0:
+                waiting = sum(1 for s in self._pending if s.seat.context is context)
+                now = time.perf_counter()
+                active = sum(1 for t in self._streams.get(id(context), ()) if now - t.last < RECENT_S)
+                if waiting >= active:
+                    return
+                self._queue.wait(left)
+
+    def _take(self, context: NativeContext) -> list[Step]:
+        """The waiting steps for ``context``, oldest first, as many as one batch holds."""
+        taken, room = [], context.batch.capacity
+        with self._queue:
+            for step in self._pending:
+                if step.seat.context is context and len(step.tokens) <= room:
+                    taken.append(step)
+                    room -= len(step.tokens)
+            self._pending = [s for s in self._pending if s not in taken]
+        return taken
+
+    def _lead(self, context: NativeContext) -> None:
+        self._gather(context)
+        ready = []
+        for step in self._take(context):
+            try:
+                step.seat.make_room(len(step.seat.items) + len(step.tokens))
+                ready.append(step)
+            except BaseException as error:  # this stream's budget error is its own
+                step.error = error
+                step.done.set()
+        if not ready:
+            return
+        began = time.perf_counter()
+        try:
+            rows = context.decode_many([(s.tokens, s.pos, s.seat.seq) for s in ready])
+        except BaseException as error:  # every sequence in the batch may be partly written
+            for step in ready:
+                step.error = error
+                step.done.set()
+            return
+        decoded = time.perf_counter() - began
+        self.batches, self.steps = self.batches + 1, self.steps + len(ready)
+        ended = time.perf_counter()
+        for step, row in zip(ready, rows, strict=True):
+            step.seat.lease.cache.extend(step.tokens)
+            step.seat.decode_s += decoded
+            try:
+                step.token = step.seat.sample_row(row, step.sampler)
+            except BaseException as error:  # a constraint's error is its stream's alone
+                step.error = error
+            if step.tracker is not None:
+                step.tracker.last = ended
+            step.done.set()

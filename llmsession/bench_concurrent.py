@@ -1,0 +1,126 @@
+"""Concurrent streams on one model: aggregate tokens/s and each stream's time to first token for
+1, 2, 4 and 8 streams run at once (one thread each, their generation steps batched), against the
+same streams run one after another, and llama.cpp's own gain from a batch of N tokens over one
+(``llama-bench -p 1,N -n 0 -d 100``), all in one run.
+
+    llmsession bench concurrent [--streams 1,2,4,8] [--max-tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import threading
+import time
+from typing import Any
+
+from .bench_common import common_arguments, llama_bench, machine, progress, publish, table
+from .model import Model
+from .options import GenerationOptions
+
+PROMPTS = (
+    "Tell me a story about a lighthouse.", "Describe the sea at night.", "Write a poem about winter.",
+    "Explain how bridges are built.", "Tell me about rivers.", "Describe a garden in spring.",
+    "What is a harbour for?", "Write about an old tower.",
+)  # fmt: skip
+
+
+def streams(model: Model, n: int, options: GenerationOptions, *, together: bool) -> dict[str, Any]:
+    """n fresh sessions, one prompt each, at once (threads) or one after another."""
+    sessions = [model.session() for _ in range(n)]
+    ttft, tokens = [0.0] * n, [0] * n
+    gate = threading.Barrier(n if together else 1)
+
+    def one(i: int) -> None:
+        gate.wait()
+        began, first = time.perf_counter(), 0.0
+        stream = sessions[i].stream(PROMPTS[i % len(PROMPTS)], options)
+        for _ in stream:
+            first = first or time.perf_counter()
+        assert stream.reply is not None
+        ttft[i], tokens[i] = first - began, stream.reply.usage.completion_tokens
+
+    batcher = model._engine.batcher
+    batches, steps, began = batcher.batches, batcher.steps, time.perf_counter()
+    if together:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        for i in range(n):
+            one(i)
+    wall = time.perf_counter() - began
+    for session in sessions:
+        session.close()
+    per_batch = (batcher.steps - steps) / max(1, batcher.batches - batches)
+    return {
+        "tokens_per_s": sum(tokens) / wall,
+        "ttft_s": ttft,
+        "tokens": tokens,
+        "steps_per_batch": per_batch,
+    }
+
+
+def scenario(model: Model, counts: list[int], options: GenerationOptions, exe: Any) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for n in counts:
+        results[str(n)] = {
+            "sequential": streams(model, n, options, together=False),
+            "concurrent": streams(model, n, options, together=True),
+        }
+    sizes = ",".join(str(n) for n in sorted({1, *counts}))
+    fa = {None: "auto", True: "on", False: "off"}[model.flash_attention]
+    reference = llama_bench(exe, model.path, model.threads, "-p", sizes, "-n", "0", "-d", "100", "-fa", fa)
+    if "error" not in reference:
+        rates = [statistics.median(t) for t in reference["tests"]]
+        gains = {str(n): rate / rates[0] for n, rate in zip(sorted({1, *counts}), rates, strict=True)}
+        reference |= {"batch_gain": gains}
+    return {"streams": results, "llama_bench": reference}
+
+
+def report(results: dict[str, Any]) -> None:
+    m, ref = results["machine"], results["llama_bench"]
+    print(
+        f"\n{results['model']} on {m['cpu']}: {m['cores']} cores, {m['threads']} threads, llama.cpp", end=""
+    )
+    print(f" {m['llama_cpp_commit']}; {results['max_tokens']} tokens per stream")
+    gains = ref.get("batch_gain", {})
+    header = ["streams", "tok/s together", "tok/s one by one", "gain", "llama.cpp gain", "steps/batch"]
+    header += ["TTFT together (mean, max)", "TTFT one by one (mean, max)"]
+    rows = []
+    for n, r in results["streams"].items():
+        con, seq = r["concurrent"], r["sequential"]
+        gain = con["tokens_per_s"] / seq["tokens_per_s"]
+        row = [n, f"{con['tokens_per_s']:.1f}", f"{seq['tokens_per_s']:.1f}", f"{gain:.2f}"]
+        row += [f"{gains[n]:.2f}" if n in gains else "-", f"{con['steps_per_batch']:.2f}"]
+        for side in (con, seq):
+            row.append(f"{statistics.fmean(side['ttft_s']) * 1e3:.0f}, {max(side['ttft_s']) * 1e3:.0f} ms")
+        rows.append(row)
+    table("concurrent streams (llama.cpp gain: llama-bench pN over p1 tok/s at depth 100)", header, rows)
+    if "error" in ref:
+        print(f"llama-bench: {ref['error']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmsession bench concurrent", description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", default="1,2,4,8", help="stream counts, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64, help="per stream")
+    common_arguments(parser)
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.streams.split(",")]
+    if not counts or min(counts) < 1 or args.max_tokens < 1:
+        parser.error("--streams takes counts >= 1, --max-tokens at least 1")
+    started = time.perf_counter()
+    options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
+    with Model(args.model, threads=args.threads, max_live_sessions=max(8, *counts)) as model:
+        model.session().respond("Hello", GenerationOptions(max_tokens=4, temperature=0))  # warm up
+        date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
+        results |= {"max_tokens": args.max_tokens}
+        progress(f"streams {counts}, together and one by one", started)
+        results |= scenario(model, counts, options, args.llama_bench)
+    progress("done", started)
+    return publish(results, report, args.json)

@@ -1,0 +1,67 @@
+"""Concurrent streams of one model decode their steps in one batch, and each still answers what it
+answers alone (teacher-forced against a fresh decode, within the measured split noise); a batch
+that hands a stream another's logits must be caught."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from test_reuse import batch_noise, check_against_fresh, tolerance_for
+
+from llmsession import GenerationOptions, Model, Reply, Session
+from llmsession.seat import Seat
+
+QUESTIONS = (
+    "Tell me a story about a lighthouse.",
+    "Describe the sea at night.",
+    "Write a poem about winter.",
+    "Explain how bridges are built.",
+)
+OPTIONS = GenerationOptions(max_tokens=24, temperature=0, stop=["\n\n\n"])
+
+
+def run_concurrently(model: Model) -> list[tuple[Session, Reply]]:
+    sessions = [model.session() for _ in QUESTIONS]
+    replies: list[Any] = [None] * len(sessions)
+    start = threading.Barrier(len(sessions))
+
+    def one(i: int) -> None:
+        start.wait()
+        replies[i] = sessions[i].respond(QUESTIONS[i], OPTIONS)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sessions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return list(zip(sessions, replies, strict=True))
+
+
+def test_concurrent_streams_share_batches_and_each_equals_its_solo_run(smollm2: Model) -> None:
+    batcher = smollm2._engine.batcher
+    batches, steps = batcher.batches, batcher.steps
+    answered = run_concurrently(smollm2)
+    assert (batcher.steps - steps) / (batcher.batches - batches) > 1.5, "the steps were not batched"
+    noise = batch_noise(smollm2)
+    solo = [smollm2.session().respond(q, OPTIONS).text for q in QUESTIONS]
+    for (session, reply), alone in zip(answered, solo, strict=True):
+        assert reply.usage.completion_tokens >= 16
+        assert check_against_fresh(session, reply, tolerance_for(noise), final=False) == []
+        if noise == 0:  # batched with the others, each decodes exactly what it decodes alone
+            assert reply.text == alone
+
+
+def test_a_batch_that_mixes_up_the_rows_is_caught(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    sample_row = Seat.sample_row
+
+    def neighbours_row(seat: Seat, row: int, sampler: Any) -> int:
+        return sample_row(seat, max(0, row - 1), sampler)  # the row of the run before its own
+
+    monkeypatch.setattr(Seat, "sample_row", neighbours_row)
+    answered = run_concurrently(smollm2)
+    monkeypatch.undo()
+    noise = batch_noise(smollm2)
+    problems = [check_against_fresh(s, r, tolerance_for(noise), final=False, at_least=1) for s, r in answered]
+    assert any(problems)
