@@ -2,18 +2,20 @@
 batching, for threads and asyncio tasks).
 
 A stream's generation step asks for its tokens (the sampled one, and any a constraint forces) to be
-decoded into its sequence and the next token sampled from their logits. The engine's decode thread
-takes every step then waiting for the same context, decodes them in one ``llama_decode``, each run
-with logits on its last token, and samples each from its own row. While that decode runs, the other
-streams' next steps queue up, so N busy streams settle into batches of N. One thread decodes every
-step: llama.cpp's OpenMP workers belong to the thread that calls it, and measured here, a decode
-from another thread than the previous one's ran about a fifth slower. A lone stream's step is
-decoded at once, alone: nothing is decoded that nobody asked for. Streams in their generation
-loop register (``generating``); a leader waits a moment (at most ``GATHER_S``) until every one of
-them that stepped within ``RECENT_S`` has queued its next step, so the batches stay full although
-each stream does its own Python work (detokenizing, handing out the snapshot) between steps, and
-a stream whose consumer stopped reading soon stops being waited for. Prefills stay in their
-batches of ``batch_size`` and take the lock between them, so a long prompt lets the others step.
+decoded into its sequence and the next token sampled from their logits. A lone stream's step is
+decoded at once on its own thread, as its prefill was: nothing is decoded that nobody asked for,
+and nothing crosses threads. When other streams of the context are stepping too, the engine's
+decode thread takes every step then waiting, decodes them in one ``llama_decode`` (each run with
+logits on its last token) and samples each from its own row; while it decodes, the next steps
+queue up, so N busy streams settle into batches of N. One thread decodes the batches because
+llama.cpp's OpenMP workers belong to the thread that calls it: measured here, a decode from
+another thread than the previous one's ran about a fifth slower. Streams in their generation loop
+register (``generating``); the decode thread waits a moment (at most ``GATHER_S``) until every one
+of them that stepped within ``RECENT_S`` has queued its step, so the batches stay full although
+each stream does its own Python work between steps, and a stream whose consumer stopped reading
+soon stops being waited for. Prefills stay in batches of ``batch_size``, and the decode thread
+lets a waiting one go between two generation batches, so a long prompt does not stall the others
+and is not stalled by them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class Batcher:
 
     def run(self, step: Step) -> int:
         """Decode ``step`` (with whatever else is waiting) and return its sampled token."""
+        if self._alone(step):  # on the caller's thread, which decoded its prefill too
+            with self.lock:
+                self._decode(step.seat.context, [step])
+            return self._outcome(step)
         with self._queue:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -98,6 +104,19 @@ class Batcher:
             while not step.done.wait(0.05):
                 pass
             raise
+        return self._outcome(step)
+
+    def _alone(self, step: Step) -> bool:
+        """No other stream is stepping on this context: nothing to batch with."""
+        context, now = step.seat.context, time.perf_counter()
+        with self._queue:
+            if any(s.seat.context is context for s in self._pending):
+                return False
+            trackers = self._streams.get(id(context), set())
+            return not any(t is not step.tracker and now - t.last < RECENT_S for t in trackers)
+
+    @staticmethod
+    def _outcome(step: Step) -> int:
         if step.error is not None:
             raise step.error
         return step.token
@@ -146,8 +165,12 @@ class Batcher:
 
     def _lead(self, context: NativeContext) -> None:
         self._gather(context)
+        self._decode(context, self._take(context))
+
+    def _decode(self, context: NativeContext, steps: list[Step]) -> None:
+        """Decode ``steps`` in one batch and sample each; every step ends done."""
         ready = []
-        for step in self._take(context):
+        for step in steps:
             try:
                 step.seat.make_room(len(step.seat.items) + len(step.tokens))
                 ready.append(step)

@@ -19,7 +19,7 @@ QUESTIONS = (
     "Write a poem about winter.",
     "Explain how bridges are built.",
 )
-OPTIONS = GenerationOptions(max_tokens=24, temperature=0, stop=["\n\n\n"])
+OPTIONS = GenerationOptions(max_tokens=18, temperature=0, stop=["\n\n\n"])
 
 
 def run_concurrently(model: Model) -> list[tuple[Session, Reply]]:

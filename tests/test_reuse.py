@@ -330,7 +330,8 @@ def drive_gemma3(session: Session, tolerance: float, *, until: str = "") -> list
 
     def step(content: str, label: str) -> Any:
         reply = session.respond(content, options)
-        problems.extend(f"{label}: {p}" for p in check_against_fresh(session, reply, tolerance))
+        if not until or label == until:  # drive up to ``until`` unchecked, then check it alone
+            problems.extend(f"{label}: {p}" for p in check_against_fresh(session, reply, tolerance))
         return reply
 
     step(paragraph(model, 1, 220), "turn 1")
