@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .aio import AsyncStream
-from .batching import Tracker
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
 from .native_context import DecodeAborted
@@ -329,57 +328,43 @@ class Session:
         first_token_at = time.perf_counter()
         timings.time_to_first_token_s = first_token_at - started
         with self.model._engine.batcher.generating(seat.context) as tracker:
-            yield from self._steps(turn, seat, pos, token, sampler, usage, timings, first_token_at, tracker)
-
-    def _steps(
-        self,
-        turn: Turn,
-        seat: Seat,
-        pos: int,
-        token: int,
-        sampler: TokenSampler,
-        usage: Usage,
-        timings: Timings,
-        first_token_at: float,
-        tracker: Tracker,
-    ) -> Generator[str, None, None]:
-        native, options = self.model.native, turn.options
-        detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
-        pending, n = [token, *sampler.forced()], 0
-        while pending:
-            batch: list[int] = []
-            for index, token in enumerate(pending):
-                if turn.cancelled.is_set():
-                    turn.finish = "cancelled"
-                elif native.is_eog(token):
-                    turn.finish = "complete" if sampler.complete else "stop"
+            native, options = self.model.native, turn.options
+            detokenizer, stops = IncrementalDetokenizer(), StopMatcher(options.stop)
+            pending, n = [token, *sampler.forced()], 0
+            while pending:
+                batch: list[int] = []
+                for index, token in enumerate(pending):
+                    if turn.cancelled.is_set():
+                        turn.finish = "cancelled"
+                    elif native.is_eog(token):
+                        turn.finish = "complete" if sampler.complete else "stop"
+                    else:
+                        usage.completion_tokens += 1
+                        n += 1
+                        delta = stops.push(detokenizer.push(native.piece(token)))
+                        if delta:
+                            yield delta
+                        batch.append(token)
+                        turn.tokens.append(token)
+                        if stops.stopped:
+                            turn.finish = "stop"
+                        elif n < options.max_tokens and pos + len(batch) < self.context_size:
+                            continue
+                        elif sampler.complete and all(native.is_eog(t) for t in pending[index + 1 :]):
+                            turn.finish = "complete"  # satisfied by the last token it was allowed
+                        # else "length": the last token needs no decode
+                    pending = []
+                    break
                 else:
-                    usage.completion_tokens += 1
-                    n += 1
-                    delta = stops.push(detokenizer.push(native.piece(token)))
-                    if delta:
-                        yield delta
-                    batch.append(token)
-                    turn.tokens.append(token)
-                    if stops.stopped:
-                        turn.finish = "stop"
-                    elif n < options.max_tokens and pos + len(batch) < self.context_size:
-                        continue
-                    elif sampler.complete and all(native.is_eog(t) for t in pending[index + 1 :]):
-                        turn.finish = "complete"  # satisfied by the last token it was allowed
-                    # else "length": the last token needs no decode
-                pending = []
-                break
-            else:
-                for i in range(0, len(batch), self.batch_size):  # forced tokens may be many
-                    chunk, last = batch[i : i + self.batch_size], i + self.batch_size >= len(batch)
-                    token = seat.step(chunk, pos, sampler, tracker) if last else seat.decode(chunk, pos)
-                    pos += len(chunk)
-                pending = [token, *sampler.forced()]
-                timings.generation_s = time.perf_counter() - first_token_at
-                timings._tokens = n
-        # The detokenizer may still hold the first bytes of a character the reply was cut
-        # inside of (max_tokens, cancel): they stay in the token record, not in the text.
-        tail = "" if stops.stopped else stops.flush()
-        if tail:
-            yield tail
+                    for i in range(0, len(batch), self.batch_size):  # forced tokens may be many
+                        chunk, last = batch[i : i + self.batch_size], i + self.batch_size >= len(batch)
+                        token = seat.step(chunk, pos, sampler, tracker) if last else seat.decode(chunk, pos)
+                        pos += len(chunk)
+                    pending = [token, *sampler.forced()]
+                    timings.generation_s = time.perf_counter() - first_token_at
+                    timings._tokens = n
+            # The detokenizer may still hold the first bytes of a character the reply was cut
+            # inside of (max_tokens, cancel): they stay in the token record, not in the text.
+            tail = "" if stops.stopped else stops.flush()
+            if tail:
+                yield tail

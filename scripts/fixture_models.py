@@ -62,6 +62,16 @@ def ones(n: int) -> np.ndarray:
     return np.ones(n, dtype=np.float32)
 
 
+def fixture_writer(out: Path, arch: str, *, context_length: int, n_embd: int) -> gguf.GGUFWriter:
+    """A writer for the random-weight fixture ``<arch>-tiny``, its common header written."""
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(f"{arch}-tiny (random weights, llmsession test fixture)")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(n_embd)
+    return writer
+
+
 def tokenizer_keys(key: str) -> bool:
     return key.startswith("tokenizer.")
 
@@ -79,11 +89,7 @@ def build_mamba(out: Path, src: Source) -> None:
     n_vocab = len(src.reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(SEED)
 
-    writer = gguf.GGUFWriter(out, "mamba")
-    writer.add_name("mamba-tiny (random weights, llmsession test fixture)")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(n_embd)
+    writer = fixture_writer(out, "mamba", context_length=2048, n_embd=n_embd)
     writer.add_block_count(n_layer)
     writer.add_ssm_conv_kernel(d_conv)
     writer.add_ssm_inner_size(d_inner)
@@ -125,11 +131,7 @@ def build_lfm2(out: Path, src: Source) -> None:
     """
     n_embd, n_ff, head, l_cache, kv_heads = 64, 128, 16, 3, [0, 2, 0, 2]
     rng = np.random.default_rng(SEED)
-    writer = gguf.GGUFWriter(out, "lfm2")
-    writer.add_name("lfm2-tiny (random weights, llmsession test fixture)")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(n_embd)
+    writer = fixture_writer(out, "lfm2", context_length=2048, n_embd=n_embd)
     writer.add_block_count(len(kv_heads))
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_embd // head)
@@ -176,11 +178,7 @@ def build_t5(out: Path, src: Source) -> None:
     it answers end-of-generation forever."""
     n_embd, n_ff, n_layer, n_head, buckets = 64, 128, 2, 2, 32
     rng = np.random.default_rng(SEED)
-    writer = gguf.GGUFWriter(out, "t5")
-    writer.add_name("t5-tiny (random weights, llmsession test fixture)")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_context_length(512)
-    writer.add_embedding_length(n_embd)
+    writer = fixture_writer(out, "t5", context_length=512, n_embd=n_embd)
     writer.add_feed_forward_length(n_ff)
     writer.add_block_count(n_layer)
     writer.add_decoder_block_count(n_layer)
