@@ -81,7 +81,10 @@ class Batcher:
             yield tracker
         finally:
             with self._queue:
-                self._streams[id(context)].discard(tracker)
+                streams = self._streams[id(context)]
+                streams.discard(tracker)
+                if not streams:  # (single-use contexts come and go)
+                    del self._streams[id(context)]
                 self._queue.notify_all()
 
     def run(self, step: Step) -> int:
@@ -135,10 +138,12 @@ class Batcher:
                 if not self._pending:
                     return
                 context = self._pending[0].seat.context
+            self._gather(context)
+            steps = self._take(context)  # never waits for the queue while holding the engine's lock
             while self._contended():  # a prefill batch goes between two generation batches
                 time.sleep(0.0005)
             with self.lock:
-                self._lead(context)
+                self._decode(context, steps)
 
     def _gather(self, context: NativeContext) -> None:
         """Wait (briefly) until as many steps wait for ``context`` as its last batch carried."""
@@ -154,18 +159,15 @@ class Batcher:
 
     def _take(self, context: NativeContext) -> list[Step]:
         """The waiting steps for ``context``, oldest first, as many as one batch holds."""
-        taken, room = [], context.batch.capacity
+        taken: list[Step] = []
+        room = context.batch.capacity
         with self._queue:
             for step in self._pending:
-                if step.seat.context is context and len(step.tokens) <= room:
-                    taken.append(step)
+                if step.seat.context is context and (len(step.tokens) <= room or not taken):
+                    taken.append(step)  # (one too long for any batch is taken alone: it errs)
                     room -= len(step.tokens)
             self._pending = [s for s in self._pending if s not in taken]
         return taken
-
-    def _lead(self, context: NativeContext) -> None:
-        self._gather(context)
-        self._decode(context, self._take(context))
 
     def _decode(self, context: NativeContext, steps: list[Step]) -> None:
         """Decode ``steps`` in one batch and sample each; every step ends done."""

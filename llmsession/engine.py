@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
@@ -111,7 +112,9 @@ class Engine:
         self.lock = threading.RLock()
         self._waiting = 0  # threads waiting in hold(): the decode thread lets them go first
         self._counting = threading.Lock()
-        self.batcher = Batcher(self.lock, contended=lambda: self._waiting > 0)
+        me = weakref.ref(self)  # the decode thread must not keep a dropped model alive
+        self.batcher = Batcher(self.lock, contended=lambda: (e := me()) is not None and e._waiting > 0)
+        weakref.finalize(self, self.batcher.close)
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
         self._pools: dict[tuple[bool, int], Pool] = {}
@@ -139,15 +142,17 @@ class Engine:
         thread, which takes it between generation batches, lets such callers in first."""
         with self._counting:
             self._waiting += 1
+        counted = True
         try:
-            self.lock.acquire()
+            with self.lock:  # released on every path, Ctrl-C included
+                with self._counting:
+                    self._waiting -= 1
+                counted = False
+                yield
         finally:
-            with self._counting:
-                self._waiting -= 1
-        try:
-            yield
-        finally:
-            self.lock.release()
+            if counted:  # interrupted before it got the lock
+                with self._counting:
+                    self._waiting -= 1
 
     def _pool(self, swa_full: bool, batch_size: int) -> Pool:
         layout = (True, self.config.batch_size) if swa_full else (False, batch_size)

@@ -20,7 +20,9 @@ def prefill(
     recurrent memory, stop where a checkpoint is due and take it."""
     if seat.single_use:
         return encode(turn, seat, usage, sampler)
-    items, pos, end, token = turn.prompt.items, reused, 0, -1
+    # ``done`` counts items (what the record holds), ``pos`` positions: an M-RoPE image spans
+    # fewer positions than items.
+    items, done, pos, end, token = turn.prompt.items, reused, reused, 0, -1
     stops = set(seat.checkpoint_stops(len(items)))
     for piece in turn.prompt.pieces:
         size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
@@ -32,21 +34,22 @@ def prefill(
             if isinstance(piece, ImageChunk):
                 if turn.cancelled.is_set():
                     return None
-                if pos in stops:
+                if done in stops:
                     seat.checkpoint()
                 pos, token = seat.eval_image(piece, pos, items[start:end], sampler=sampler if last else None)
+                done = end
                 usage.decoded_prompt_tokens += size
                 continue
-            while pos < end:
+            while done < end:
                 if turn.cancelled.is_set():
                     return None
-                if pos in stops:
+                if done in stops:
                     seat.checkpoint()
-                stop = min([end, pos + batch_size, *(p for p in stops if p > pos)])
-                chunk = piece[pos - start : stop - start]
+                stop = min([end, done + batch_size, *(p for p in stops if p > done)])
+                chunk = piece[done - start : stop - start]
                 final = last and stop == end
                 token = seat.decode(chunk, pos, abortable=True, sampler=sampler if final else None)
-                pos = stop
+                pos, done = pos + len(chunk), stop
                 usage.decoded_prompt_tokens += len(chunk)
         except DecodeAborted as aborted:
             if aborted.cause is not None:
