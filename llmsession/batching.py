@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .errors import ModelClosedError
 from .sampling import TokenSampler
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class Batcher:
             return self._outcome(step)
         with self._queue:
             if self._closed:
-                raise RuntimeError("the engine is closed")
+                raise ModelClosedError("this model is closed")
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="llmsession-decode", daemon=True)
                 self._worker.start()
