@@ -24,6 +24,7 @@ from typing import Any
 
 from .bench_common import (
     common_arguments,
+    flash_attn_option,
     llama_bench,
     machine,
     progress,
@@ -141,7 +142,7 @@ def multi_turn(model: Model, questions: list[str], options: GenerationOptions) -
 def compute_limits(exe: Path, model: Model, turns: list[Turn]) -> list[float | None]:
     """What llama.cpp itself needs for each turn's prefill: ``llama-bench -p <decoded> -d <reused>``
     on the same libraries, threads and flash-attention choice (None where it cannot run)."""
-    fa = {None: "auto", True: "on", False: "off"}[model.flash_attention]
+    fa = flash_attn_option(model.flash_attention)
     limits: list[float | None] = []
     for t in turns:
         n, depth = str(t.decoded_prompt_tokens), str(t.reused_tokens)

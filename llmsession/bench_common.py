@@ -85,6 +85,11 @@ def default_llama_bench() -> Path:
     return paths.llama_dir() / "bin" / "llama-bench"  # where fetch_llama.py --bench puts it
 
 
+def flash_attn_option(flash_attention: bool | None) -> str:
+    """llama-bench's ``-fa`` value for a model's flash-attention choice."""
+    return {None: "auto", True: "on", False: "off"}[flash_attention]
+
+
 def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
     """One llama-bench run on llmsession's very libraries (``LLMSESSION_LIB_DIR`` included): its
     tokens/s samples, one list per test it ran."""

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from .bench_common import common_arguments, llama_bench, machine, progress, publish, table
+from .bench_common import common_arguments, flash_attn_option, llama_bench, machine, progress, publish, table
 from .model import Model
 from .options import GenerationOptions
 
@@ -72,7 +72,7 @@ def scenario(model: Model, counts: list[int], options: GenerationOptions, exe: A
             "concurrent": streams(model, n, options, together=True),
         }
     sizes = ",".join(str(n) for n in sorted({1, *counts}))
-    fa = {None: "auto", True: "on", False: "off"}[model.flash_attention]
+    fa = flash_attn_option(model.flash_attention)
     reference = llama_bench(exe, model.path, model.threads, "-p", sizes, "-n", "0", "-d", "100", "-fa", fa)
     if "error" not in reference:
         rates = [statistics.median(t) for t in reference["tests"]]

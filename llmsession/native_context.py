@@ -46,15 +46,9 @@ class Batch:
     def fill(self, tokens: Sequence[int], start: int, seq: int = 0, *, outputs: bool = False) -> None:
         """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
         the last one (for every one with ``outputs``: an encoder's batch)."""
-        n = len(tokens)
-        for i in np.flatnonzero(self._seqs[:n] != seq):
-            self.raw.seq_id[i][0] = seq
-        self._seqs[:n] = seq
-        self.tokens[:n] = tokens
-        self.positions[:n] = np.arange(start, start + n, dtype=np.int32)
-        self.logits[:n] = outputs
-        self.logits[n - 1] = 1
-        self.raw.n_tokens = n
+        self.fill_many([(tokens, start, seq)])
+        if outputs:
+            self.logits[: len(tokens)] = 1
 
     def fill_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
         """Several runs ``(tokens, start, seq)`` one after another, logits for each one's last
@@ -184,11 +178,7 @@ class NativeContext(Owner):
         lib, _ = bindings()
         ptr = self.ptr  # first: once closed, the batch's memory is gone too
         self.set_abortable(abortable)
-        if start + len(tokens) > self.n_ctx:
-            raise ContextOverflowError(
-                f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
-            )
-        self._check_seq(seq)
+        self._check_run(tokens, start, seq)
         self.batch.fill(tokens, start, seq, outputs=outputs)
         code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
@@ -233,17 +223,20 @@ class NativeContext(Owner):
         lib, _ = bindings()
         ptr = self.ptr
         self.set_abortable(False)
-        for tokens, start, seq in runs:
-            self._check_seq(seq)
-            if start + len(tokens) > self.n_ctx:
-                raise ContextOverflowError(
-                    f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
-                )
+        for run in runs:
+            self._check_run(*run)
         indices = self.batch.fill_many(runs)
         code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(False)
         check(code, "llama_decode")
         return indices
+
+    def _check_run(self, tokens: Sequence[int], start: int, seq: int) -> None:
+        if start + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
+            )
+        self._check_seq(seq)
 
     # The llama_memory operations the prefix cache and the engine need, per sequence.
     def _check_seq(self, seq: int) -> None:
