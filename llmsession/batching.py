@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,6 +36,37 @@ if TYPE_CHECKING:
 
 GATHER_S = 0.002  # how long a leader waits for generating streams that have not queued yet
 RECENT_S = 0.05  # a stream that has not stepped for this long is not waited for
+
+
+class Gate:
+    """The engine's lock, and how many threads wait for it: a prefill goes first between two
+    generation batches, and background work (``anticipate``) gives way to anyone."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._waiting = 0
+        self._counting = threading.Lock()
+
+    @property
+    def contended(self) -> bool:
+        return self._waiting > 0
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The lock, counted as waited for until it is taken."""
+        with self._counting:
+            self._waiting += 1
+        counted = True
+        try:
+            with self.lock:  # released on every path, Ctrl-C included
+                with self._counting:
+                    self._waiting -= 1
+                counted = False
+                yield
+        finally:
+            if counted:  # interrupted before it got the lock
+                with self._counting:
+                    self._waiting -= 1
 
 
 @dataclass(eq=False)
@@ -62,9 +93,8 @@ class Step:
 class Batcher:
     """The queue of steps waiting for a model's contexts; see the module's docstring."""
 
-    def __init__(self, lock: threading.RLock, contended: Callable[[], bool] = lambda: False) -> None:
-        self.lock = lock  # the engine's: held for every native call on its contexts
-        self._contended = contended  # whether another thread waits for the lock (a prefill, ...)
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate  # the engine's lock: held for every native call on its contexts
         self._queue = threading.Condition()  # held only to add, count or take steps
         self._pending: list[Step] = []
         self._streams: dict[int, set[Tracker]] = {}  # the generating streams, per context
@@ -91,7 +121,7 @@ class Batcher:
     def run(self, step: Step) -> int:
         """Decode ``step`` (with whatever else is waiting) and return its sampled token."""
         if self._alone(step):  # on the caller's thread, which decoded its prefill too
-            with self.lock:
+            with self.gate.hold():
                 self._decode(step.seat.context, [step])
             return self._outcome(step)
         with self._queue:
@@ -141,9 +171,9 @@ class Batcher:
                 context = self._pending[0].seat.context
             self._gather(context)
             steps = self._take(context)  # never waits for the queue while holding the engine's lock
-            while self._contended():  # a prefill batch goes between two generation batches
+            while self.gate.contended:  # a prefill batch goes between two generation batches
                 time.sleep(0.0005)
-            with self.lock:
+            with self.gate.hold():
                 self._decode(context, steps)
 
     def _gather(self, context: NativeContext) -> None:

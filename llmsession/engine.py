@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from .batching import Batcher
+from .batching import Batcher, Gate
 from .budget import Counters, MemoryConfig, MemoryReport, SessionMemory
 from .errors import MemoryBudgetError
 from .native import NativeModel
@@ -109,11 +109,9 @@ class Engine:
         self.native, self.projector, self.threads, self.config = native, projector, threads, config
         self.flash_attention = flash_attention
         self.make_context = make_context or functools.partial(NativeContext, native)
-        self.lock = threading.RLock()
-        self._waiting = 0  # threads waiting in hold(): the decode thread lets them go first
-        self._counting = threading.Lock()
-        me = weakref.ref(self)  # the decode thread must not keep a dropped model alive
-        self.batcher = Batcher(self.lock, contended=lambda: (e := me()) is not None and e._waiting > 0)
+        self.gate = Gate()  # the lock, and who waits for it
+        self.lock, self.hold = self.gate.lock, self.gate.hold
+        self.batcher = Batcher(self.gate)  # its decode thread holds the gate, not the engine
         weakref.finalize(self, self.batcher.close)
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
@@ -136,23 +134,10 @@ class Engine:
             pool.residency.add(lease.key)
             return lease
 
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        """The engine's lock for a session's call (a prefill batch, a restore, ...); the decode
-        thread, which takes it between generation batches, lets such callers in first."""
-        with self._counting:
-            self._waiting += 1
-        counted = True
-        try:
-            with self.lock:  # released on every path, Ctrl-C included
-                with self._counting:
-                    self._waiting -= 1
-                counted = False
-                yield
-        finally:
-            if counted:  # interrupted before it got the lock
-                with self._counting:
-                    self._waiting -= 1
+    @property
+    def contended(self) -> bool:
+        """Whether a thread waits for the lock (background work gives way to it)."""
+        return self.gate.contended
 
     def _pool(self, swa_full: bool, batch_size: int) -> Pool:
         layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
@@ -194,11 +179,14 @@ class Engine:
             lease.cache.reset()
 
     @contextmanager
-    def seat(self, lease: Lease, cells: int, cancelled: _threading.Event) -> Iterator[Seat]:
+    def seat(
+        self, lease: Lease, cells: int, cancelled: _threading.Event, *, exchange: bool = True
+    ) -> Iterator[Seat]:
         """A sequence holding ``lease``'s state (restored if parked) with room for ``cells``
-        cells, for one exchange; the session is busy (never evicted) until the block ends."""
+        cells, for one exchange (else counted as none); the session is busy (never evicted)
+        until the block ends."""
         pool = lease.pool
-        with self.lock:
+        with self.hold():
             self._reap()
             if cells > pool.budget.kv_cells:
                 raise MemoryBudgetError(
@@ -215,7 +203,7 @@ class Engine:
                     self._restore(pool, lease, seq, self.lot.take(lease.key))
                 elif pool.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
                     lease.cache.reset()
-            self.counters.exchanges += 1
+            self.counters.exchanges += exchange
         seat = Seat(self, lease, pool.context, seq, cancelled)
         try:
             yield seat

@@ -6,12 +6,12 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import llguidance
 
+from . import anticipate
 from .budget import MemoryConfig, MemoryReport
 from .checkpoints import CheckpointConfig
 from .engine import Engine
@@ -20,9 +20,9 @@ from .guided import Constraint, tokenizer
 from .image import message_images
 from .messages import check_messages
 from .native import NativeModel, default_threads
-from .native_mtmd import Chunks, ImageChunk, Piece, Projector
+from .native_mtmd import Projector
 from .options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
-from .prefix import Item, image_items
+from .prompt import Prompt
 from .replies import Reply
 from .session import Session
 from .sessionfile import file_digest
@@ -49,50 +49,6 @@ def choose_flash_attention(asked: bool | None) -> bool | None:
     return asked
 
 
-@dataclass
-class Prompt:
-    """A tokenized prompt: text-token runs and image chunks, and the item at each position."""
-
-    pieces: list[Piece]
-    chunks: Chunks | None = None  # owns the image chunks' native memory
-    items: list[Item] = field(init=False)
-    render_s: float = 0.0  # what making it cost: rendering the transcript, then tokenizing it
-    tokenize_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.items = []
-        for piece in self.pieces:
-            self.items += (
-                image_items(piece.digest, piece.n_tokens) if isinstance(piece, ImageChunk) else piece
-            )
-
-    @property
-    def images(self) -> list[ImageChunk]:
-        return [piece for piece in self.pieces if isinstance(piece, ImageChunk)]
-
-    @property
-    def n_positions(self) -> int:
-        """Context positions the prompt fills (an image may take other than one per token)."""
-        return len(self.items) + sum(image.n_pos - image.n_tokens for image in self.images)
-
-    @property
-    def unsafe_reuse(self) -> str:
-        """Why this prompt's KV state cannot be reused position by position ("" when it can)."""
-        if any(image.n_pos != image.n_tokens for image in self.images):
-            return "the projector's image positions are not one per token (M-RoPE)"
-        if any(image.non_causal for image in self.images):
-            return "the projector decodes images with non-causal attention"
-        return ""
-
-    def tokens(self) -> list[int]:
-        """The text tokens, in order (for repetition penalties)."""
-        return [item for item in self.items if isinstance(item, int)]
-
-    def close(self) -> None:
-        if self.chunks is not None:
-            self.chunks.close()
-
-
 class Model:
     """A model file loaded once; any number of sessions chat with it under one memory budget.
 
@@ -104,8 +60,9 @@ class Model:
     edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
     ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
     depth on the CPU, at the price of replies that depend on the cache's placement
-    (``choose_flash_attention``). ``with Model(path) as model:`` frees the model and every
-    session's state on exit.
+    (``choose_flash_attention``). ``anticipate``: after each reply, decode the next prompt's
+    opening in the background (``anticipate``). ``with Model(path) as model:`` frees the model
+    and every session's state on exit.
     """
 
     def __init__(
@@ -123,6 +80,7 @@ class Model:
         batch_size: int = 512,
         checkpoints: CheckpointConfig | None = None,
         flash_attention: bool | None = None,
+        anticipate: bool = True,
     ) -> None:
         if threads is not None:
             check_int("threads", threads, 1, MAX_THREADS)
@@ -145,6 +103,7 @@ class Model:
         self.threads = threads or default_threads()
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
+        self.anticipate = bool(anticipate)
         self.native = NativeModel(self.path, gpu_layers=gpu_layers)
         self.projector: Projector | None = None
         if self.native.has_encoder and (mmproj_path is not None or not self.native.has_decoder):
@@ -378,6 +337,7 @@ class Model:
         self._stateless.close()
         for session in list(self._sessions):
             session._shut()
+        anticipate.stop_all(self._engine)  # collected sessions' too
         self._engine.close()
         if self.projector is not None:
             self.projector.close()

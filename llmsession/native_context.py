@@ -85,7 +85,7 @@ class AbortFlag:
 def _abort_callback(flag: AbortFlag) -> Any:
     """``bool(void *)`` for llama_set_abort_callback: stop when the flag is set, or when a
     signal handler raised inside a callback (the exception is kept for the caller to raise)."""
-    from llama_cffi import has_pending_error, stash_error
+    from llama_cffi import has_pending_error, note_abort, stash_error
 
     _, ffi = bindings()
 
@@ -94,7 +94,10 @@ def _abort_callback(flag: AbortFlag) -> Any:
         return True
 
     def should_abort(_data: Any) -> bool:
-        return flag.event.is_set() or has_pending_error()
+        if flag.event.is_set() or has_pending_error():
+            note_abort()
+            return True
+        return False
 
     return ffi.callback("bool(void *)", should_abort, onerror=on_error)
 

@@ -18,6 +18,7 @@ class Usage:
     completion_tokens: int = 0
     restored_tokens: int = 0  # positions loaded from a saved session before this exchange
     from_checkpoint: bool = False  # the reused positions came back from a checkpoint
+    anticipated_tokens: int = 0  # reused positions decoded ahead, after the last reply
     cache_note: str = ""  # why a loaded session's cache was or was not reused
 
 

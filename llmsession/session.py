@@ -17,19 +17,20 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import anticipate
 from .aio import AsyncStream
 from .detokenize import IncrementalDetokenizer
 from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
 from .native_context import DecodeAborted
 from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefill import prefill
-from .prefix import starts_a_chunk
+from .prefix import Item, starts_a_chunk
 from .replies import Message, Reply, Snapshot, Timings, Usage
 from .sampling import Sampler, TokenSampler
 from .seat import GROWTH, Seat
@@ -38,7 +39,9 @@ from .stops import StopMatcher
 from .stream import Stream, Turn
 
 if TYPE_CHECKING:
-    from .model import Model, Prompt
+    from .anticipate import Ahead
+    from .model import Model
+    from .prompt import Prompt
 
 log = logging.getLogger("llmsession")
 DEFAULT_CONTEXT_SIZE = 4096
@@ -90,6 +93,9 @@ class Session:
         self._lock = threading.Lock()
         self._replies = ReplyTokens(capacity=256)  # its own replies, as generated
         self._active: Callable[[], object] | None = None  # finishes the latest stream, once
+        self._superseded = False  # the latest stream is being finished for a new call
+        self._ahead: Ahead | None = None  # the next prompt's opening, decoding in the background
+        self._anticipated = 0  # positions decoded ahead that the next exchange reuses
         self._turn: Turn | None = None  # the latest stream's exchange
         self._closed = False
         self._load_note: tuple[int, str] | None = None  # from Model.load_session, for one reply
@@ -127,12 +133,13 @@ class Session:
         began = time.perf_counter()
         with self._busy():
             if self._active is not None:  # an unfinished stream of this thread: finish it first
-                self._active()
+                self._supersede()
                 began = time.perf_counter()
             if prompt is None:
                 prompt = self.model.prompt([*self.messages, user], thinking=self.thinking, own=self._replies)
             else:  # made by the caller just before
                 began -= prompt.render_s + prompt.tokenize_s
+            self._settle(prompt.items)
             if prompt.n_positions >= self.context_size:
                 prompt.close()
                 raise ContextOverflowError(
@@ -152,16 +159,14 @@ class Session:
     def clear_cached_context(self) -> None:
         """Forget the session's KV state (the next exchange decodes from scratch)."""
         with self._busy():
-            if self._active is not None:
-                self._active()
+            self._quiesce()
             self.model._engine.discard(self._lease)
 
     def fork(self) -> Session:
         """A new session with a copy of this transcript and of its KV cache (a copy of the
         state, not a re-decode): for alternatives and regenerations."""
         with self._busy():
-            if self._active is not None:
-                self._active()
+            self._quiesce()
             twin = self.model.session(
                 context_size=self.context_size,
                 batch_size=self.batch_size,
@@ -179,8 +184,7 @@ class Session:
         from .persistence import save
 
         with self._busy():
-            if self._active is not None:
-                self._active()
+            self._quiesce()
             save(self, path)
 
     def close(self) -> None:
@@ -213,9 +217,30 @@ class Session:
             turn.closed = True
             turn.cancelled.set()  # a prefill in another thread stops within a graph node
         with self._lock:
-            if self._active is not None:
-                self._active()
+            self._quiesce()
             self._closed = True
+
+    def _supersede(self) -> None:
+        """Finish the latest stream for a new call (so no anticipation starts after it)."""
+        assert self._active is not None
+        self._superseded = True
+        try:
+            self._active()
+        finally:
+            self._superseded = False
+
+    def _quiesce(self) -> None:
+        """Before the session's memory is used other than by an exchange: finish the latest
+        stream and stop any anticipatory prefill."""
+        if self._active is not None:
+            self._supersede()
+        self._settle(None)
+
+    def _settle(self, prompt: Sequence[Item] | None) -> None:
+        """Let a running anticipatory prefill finish if ``prompt`` (the next) begins with what it
+        decodes, else stop it; note what the exchange will reuse of it."""
+        ahead, self._ahead = self._ahead, None
+        self._anticipated = ahead.settle(prompt) if ahead is not None else 0
 
     def _generate(self, turn: Turn) -> Generator[Snapshot, None, None]:
         """The exchange itself; runs step by step inside ``Stream.__next__``."""
@@ -241,6 +266,7 @@ class Session:
                         seat.clear()
                     plan = seat.prepare(prompt.items, can_cut=partial(starts_a_chunk, prompt.items))
                     usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
+                    usage.anticipated_tokens = min(self._anticipated, plan.reused)
                     timings.plan_s = time.perf_counter() - started
                     first = prefill(turn, seat, plan.reused, usage, sampler, self.batch_size)
                     timings.prefill_s, timings.first_sample_s = seat.decode_s, seat.sample_s
@@ -300,6 +326,12 @@ class Session:
         turn.reply, turn.done = reply, True
         self.model.remember_reply(reply.text, turn.tokens, self._replies)
         self.messages += [turn.user, {"role": "assistant", "content": reply.text}]
+        if not (self._superseded or turn.closed):
+            self._look_ahead()
+
+    def _look_ahead(self) -> None:
+        """Start decoding the next prompt's opening in the background (``anticipate``)."""
+        self._ahead = anticipate.start(self)
 
     def _abandon_turn(self, turn: Turn, steps: Generator[Snapshot, None, None]) -> None:
         """Finish an exchange its stream gave up on (closed, dropped, or superseded)."""

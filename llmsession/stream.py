@@ -14,7 +14,7 @@ from .replies import FinishReason, Message, Reply, Snapshot
 
 if TYPE_CHECKING:
     from .guided import Constraint
-    from .model import Prompt
+    from .prompt import Prompt
     from .session import Session
 
 

@@ -11,21 +11,34 @@ from llmsession.prefix import Item
 from llmsession.residency import State
 
 
+def settled(session: Session) -> Session:
+    """The session once its anticipatory prefill (if any) has finished: its memory holds still."""
+    if session._ahead is not None:
+        session._ahead.wait()
+    return session
+
+
+def decoded_ahead(session: Session) -> int:
+    """How many positions at the end of the record the latest anticipatory prefill decoded."""
+    ahead = settled(session)._ahead
+    return ahead.decoded if ahead is not None else 0
+
+
 def record(session: Session) -> tuple[Item, ...]:
     """The items the session's KV state holds, position by position (live or parked)."""
-    return session._lease.cache.items
+    return settled(session)._lease.cache.items
 
 
 def placement(session: Session) -> tuple[str, int]:
     """Where the session's state is: (live / parked / cold, its sequence while live)."""
-    lease = session._lease
+    lease = settled(session)._lease
     entry = lease.pool.residency.entry(lease.key)
     return entry.state.value, entry.seq
 
 
 def live_context(session: Session) -> NativeContext | None:
     """The shared context holding the session's sequence, None unless it is live."""
-    lease = session._lease
+    lease = settled(session)._lease
     if lease.pool.residency.entry(lease.key).state is not State.LIVE:
         return None
     return lease.pool.context
@@ -45,7 +58,7 @@ def read_logits(n_vocab: int, context: NativeContext) -> np.ndarray:
 
 def state(session: Session) -> bytes:
     """A copy of the session's KV state (restored to a sequence first if it was parked)."""
-    blob = session.model._engine.state(session._lease)
+    blob = session.model._engine.state(settled(session)._lease)
     assert blob is not None, "the session holds no state"
     return bytes(blob)
 

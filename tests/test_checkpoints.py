@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 from test_reuse import GREEDY, assert_same_as_fresh
 
@@ -29,7 +30,7 @@ def chat(session: Session, turns: int) -> list[int]:
     """``turns`` exchanges; the record's length when each exchange began."""
     starts = []
     for i in range(turns):
-        starts.append(session.cached_tokens)
+        starts.append(len(internals.record(session)))  # with the opening decoded ahead
         session.respond(f"Question {i}: what do you know about item {7 * i}?", GREEDY)
     return starts
 

@@ -53,7 +53,8 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess[s
 
 
 def generated_tokens(session: Any, reply: Any) -> list[int]:
-    return [int(t) for t in internals.record(session)[reply.usage.prompt_tokens :]]
+    start = reply.usage.prompt_tokens  # (after the reply, the next prompt's opening may follow)
+    return [int(t) for t in internals.record(session)[start : start + reply.usage.completion_tokens]]
 
 
 # 1. penalties ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import PIL.Image
 import pytest
 
 from llmsession import GenerationOptions, Image, ImageError, Model, Session, UnsupportedFeatureError
-from llmsession.model import Prompt
+from llmsession.prompt import Prompt
 
 GREEDY = GenerationOptions(max_tokens=20, temperature=0)
 IMAGE_TOKENS = (32 // 16) ** 2  # the fixture projector: 32x32 images, 16-pixel patches

@@ -155,6 +155,7 @@ def check_against_fresh(
     recorded = [int(t) for t in internals.record(session)]
     prompt, generated = recorded[: reply.usage.prompt_tokens], recorded[reply.usage.prompt_tokens :]
     assert len(generated) >= at_least, f"compare at least {at_least} generated tokens"
+    ahead = internals.decoded_ahead(session)  # the next prompt's opening, decoded after the reply
     problems = []
     context = NativeContext(
         model.native, n_ctx=N_CTX, n_batch=512, threads=2, flash_attention=model.flash_attention
@@ -163,10 +164,15 @@ def check_against_fresh(
         for start in range(0, len(prompt), 512):
             context.decode(prompt[start : start + 512], start)
         steps = [read_logits(model, context)]  # what step 0 chose from, then each step's own
-        context.decode(generated, len(prompt), outputs=True)  # in one batch, within the split noise
-        n_vocab = model.native.n_vocab
-        steps += [context.last_logits(n_vocab, row).copy() for row in range(len(generated))]
-        for step, token in enumerate(generated):
+        n_vocab, reply_end = model.native.n_vocab, len(generated) - ahead
+        # The reply in one batch (within the split noise), then what was decoded ahead in another.
+        for start, end in ((0, reply_end), (reply_end, len(generated))):
+            if end > start:
+                context.decode(generated[start:end], len(prompt) + start, outputs=True)
+                steps += [context.last_logits(n_vocab, row).copy() for row in range(end - start)]
+        # The reply's own tokens; after them the record may hold the next prompt's opening,
+        # decoded ahead (not sampled: only the final logits say whether it went in right).
+        for step, token in enumerate(generated[: reply.usage.completion_tokens]):
             margin = float(steps[step].max() - steps[step][token])
             if margin > tolerance:
                 problems.append(f"step {step}: fresh prefers another token by {margin:.2f}")
@@ -227,10 +233,10 @@ def test_two_sessions_keep_their_own_caches(smollm2: Model) -> None:
 def test_overflow_leaves_the_cache_intact(smollm2: Model) -> None:
     session = smollm2.session(context_size=512)
     first = session.respond(QUESTIONS[0], GREEDY)
-    held = session.cached_tokens
+    held = internals.record(session)  # settled: with the next prompt's opening decoded ahead
     with pytest.raises(ContextOverflowError):
         session.respond("word " * 600, GREEDY)
-    assert session.cached_tokens == held
+    assert internals.record(session) == held
     second = session.respond(QUESTIONS[1], GREEDY)
     assert second.usage.reused_tokens > first.usage.prompt_tokens
 

@@ -95,10 +95,18 @@ def has_pending_error() -> bool:
     return getattr(_pending, "error", None) is not None
 
 
+def note_abort() -> None:
+    """An abort callback stopped this thread's decode: the errors llama.cpp logs about it
+    until the decode returns are expected, so they are logged at debug level only."""
+    _pending.aborting = True
+
+
 def take_pending_error() -> BaseException | None:
-    """The exception a callback raised on this thread since the last call, cleared."""
+    """The exception a callback raised on this thread since the last call, cleared (called
+    after every decode, which also ends a noted abort)."""
     error: BaseException | None = getattr(_pending, "error", None)
     _pending.error = None
+    _pending.aborting = False
     return error
 
 
@@ -111,7 +119,9 @@ def _route_logs(lib: _Lib) -> Any:
     def on_log(level: int, text: Any, _user: Any) -> None:
         if level != 5:  # GGML_LOG_LEVEL_CONT keeps the previous level
             line.level = _LEVELS.get(level, logging.DEBUG)
-        level = getattr(line, "level", logging.DEBUG)
+        level = (
+            logging.DEBUG if getattr(_pending, "aborting", False) else getattr(line, "level", logging.DEBUG)
+        )
         if not log.isEnabledFor(level):
             return
         line.text = getattr(line, "text", "") + ffi.string(text).decode("utf-8", "replace")
