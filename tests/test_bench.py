@@ -13,13 +13,14 @@ from llmsession.bench import QUESTIONS, Turn, multi_turn
 
 
 def test_multi_turn_reports_every_turn_and_reuses_the_cache(smollm2: Model) -> None:
-    result = multi_turn(smollm2, list(QUESTIONS[:3]), GenerationOptions(max_tokens=4, temperature=0))
+    options = GenerationOptions(max_tokens=4, temperature=0)
+    result = multi_turn(smollm2, list(QUESTIONS[:3]), options, think=0.3)
     json.dumps(result)  # everything lands in --json as is
     assert len(result["cache"]) == len(result["fresh"]) == len(result["new_tokens"]) == 3
     cached = [Turn(**row) for row in result["cache"]]
     fresh = [Turn(**row) for row in result["fresh"]]
     assert cached[0].reused_tokens == 0
-    assert cached[1].reused_tokens > 0
+    assert cached[1].reused_tokens > cached[1].anticipated_tokens > 0  # decoded while "thinking"
     assert all(t.reused_tokens == 0 and t.decoded_prompt_tokens == t.prompt_tokens for t in fresh)
     assert [t.prompt_tokens for t in cached] == [t.prompt_tokens for t in fresh]
     summary = result["summary"]
