@@ -7,9 +7,10 @@ The opening is found generically: the transcript rendered with two probe user me
 different kinds, and the tokens their prompts share. Being wrong is cheap and never changes an
 answer: the next exchange keeps the longest prefix its prompt shares with memory, as always (a
 recurrent memory resumes from the checkpoint taken where this prefill began, so models whose
-state cannot rewind are not anticipated for). It never delays anyone: it gives up the moment
-another exchange waits for the engine, and a new exchange of its own session waits for it only
-if its prompt begins with what is being decoded, else stops it within a graph node.
+state cannot rewind are not anticipated for). It never delays anyone: it uses the engine's idle time
+(a script's next question comes sooner than its quiet moment), gives up the moment another exchange waits for
+the engine, and a new exchange of its own session waits for it only if it has begun and the new
+prompt begins with what it decodes, else stops it within a graph node.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from .splice import ReplyTokens
 
 log = logging.getLogger("llmsession")
+QUIET_S = 0.05  # it begins once the engine has been idle this long (a script's next call comes sooner)
+PATIENCE_S = 1.0  # and gives up if the engine is not idle that long within this time
 PROBES = ("A", "1")  # two user messages that share nothing: their prompts share the opening
 _running: weakref.WeakSet[Ahead] = weakref.WeakSet()
 
@@ -85,23 +89,29 @@ class Ahead:
         self.cancelled = Yielding(self.engine, session)
         self.target: tuple[Item, ...] | None = None  # what memory will hold, once known
         self.decoded = 0  # positions decoded ahead
-        self._known = threading.Event()  # target is set, or will not be
+        self.started = False  # its first decode has begun
         self._thread = threading.Thread(target=self._run, args=(guess,), name="llmsession-ahead", daemon=True)
         _running.add(self)
         self._thread.start()
 
     def settle(self, prompt: Sequence[Item] | None) -> int:
-        """Before the session touches its memory: wait for this prefill if ``prompt`` (the next
-        one) begins with what it decodes, else stop it first (None: always stop it); how many
-        positions it decoded that ``prompt`` begins with."""
-        if prompt is None:
-            self.cancelled.set()
-        self._known.wait()  # rendering the probes takes a few milliseconds
+        """Before the session touches its memory: wait for this prefill if it has begun decoding
+        and ``prompt`` (the next one) begins with what it decodes, else stop it (None: always
+        stop it, and wait until its thread is done); how many positions it decoded that
+        ``prompt`` begins with. One that has not begun is not waited for: the exchange decodes
+        the opening in its own batch, which costs less than a batch of its own (it touches
+        memory only under the engine's lock, after checking that it was not stopped)."""
         target = self.target
-        wanted = prompt is not None and target is not None and tuple(prompt[: len(target)]) == target
+        wanted = (
+            self.started
+            and target is not None
+            and prompt is not None
+            and tuple(prompt[: len(target)]) == target
+        )
         if not wanted:
             self.cancelled.set()
-        self._thread.join()
+        if wanted or prompt is None:
+            self._thread.join()
         return self.decoded if wanted else 0
 
     def wait(self) -> None:
@@ -109,12 +119,16 @@ class Ahead:
         self._thread.join()
 
     def _run(self, guess: Guess) -> None:
+        deadline = time.monotonic() + PATIENCE_S
+        while self.engine.gate.idle_for() < QUIET_S:  # the engine's idle time only
+            if self.cancelled.wait(QUIET_S) or self.cancelled.is_set():
+                return  # stopped (the next call came: it decodes the opening in its own batch)
+            if time.monotonic() > deadline:
+                return
         try:
             decode_opening(self, guess)
         except Exception as error:  # it was only a guess: the next exchange does the work
             log.debug("anticipatory prefill stopped: %s", error)
-        finally:
-            self._known.set()
 
 
 def opening(guess: Guess) -> tuple[Item, ...]:
@@ -154,21 +168,24 @@ def decode_opening(ahead: Ahead, guess: Guess) -> None:
     if reused < len(lease.cache.items):
         return  # the transcript changed under memory: leave it to the exchange
     ahead.target = target
-    ahead._known.set()
-    while not ahead.cancelled.is_set():
-        with engine.hold(), engine.seat(lease, len(target), ahead.cancelled, exchange=False) as seat:
-            done = len(seat.items)
-            if done == len(target) or done < reused or seat.items != target[:done]:
-                return  # done, or lost meanwhile (parked, then dropped cold)
-            if done in seat.checkpoint_stops(len(target)) and not ahead.decoded:
-                seat.checkpoint()
-            chunk = [int(item) for item in target[done : done + guess.batch_size]]  # type: ignore[call-overload]
-            try:
-                seat.decode(chunk, done, abortable=True)
-            except DecodeAborted:
-                seat.after_abort()
-                return
-            ahead.decoded += len(chunk)
+    while True:
+        with engine.hold():
+            if ahead.cancelled.is_set():
+                return  # stopped, or another thread waits for the engine: give way
+            ahead.started = True
+            with engine.seat(lease, len(target), ahead.cancelled, exchange=False) as seat:
+                done = len(seat.items)
+                if done == len(target) or done < reused or seat.items != target[:done]:
+                    return  # done, or lost meanwhile (parked, then dropped cold)
+                if done in seat.checkpoint_stops(len(target)) and not ahead.decoded:
+                    seat.checkpoint()
+                chunk = [int(item) for item in target[done : done + guess.batch_size]]  # type: ignore[call-overload]
+                try:
+                    seat.decode(chunk, done, abortable=True)
+                except DecodeAborted:
+                    seat.after_abort()
+                    return
+                ahead.decoded += len(chunk)
 
 
 def stop_all(engine: Engine | None = None) -> None:

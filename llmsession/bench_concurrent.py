@@ -1,7 +1,8 @@
 """Concurrent streams on one model: aggregate tokens/s and each stream's time to first token for
 1, 2, 4 and 8 streams run at once (one thread each, their generation steps batched), against the
 same streams run one after another, and llama.cpp's own gain from a batch of N tokens over one
-(``llama-bench -p 1,N -n 0 -d 100``), all in one run.
+(``llama-bench -p 1,N -n 0 -d 100``), all in one run; and what a prefill's cancel check costs
+in a worker thread while another Python thread is busy, native against a Python callback.
 
     llmsession bench concurrent [--streams 1,2,4,8] [--max-tokens 64] [--json out.json]
 """
@@ -13,7 +14,10 @@ import datetime
 import statistics
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
+
+from llama_cffi import python_abort_checks
 
 from .bench_common import common_arguments, flash_attn_option, llama_bench, machine, progress, publish, table
 from .model import Model
@@ -81,6 +85,36 @@ def scenario(model: Model, counts: list[int], options: GenerationOptions, exe: A
     return {"streams": results, "llama_bench": reference}
 
 
+def prefill_checks(model: Model, repeats: int = 3) -> dict[str, Any]:
+    """A 600-token prefill in a worker thread (as ``astream`` runs it) with another Python thread
+    busy (a web server's event loop, say): the native cancel check against the Python callback."""
+    prompt = " ".join(["The lighthouse keeper counted the waves again."] * 60)
+    options = GenerationOptions(max_tokens=1, temperature=0)
+    busy, times = threading.Event(), {"native": list[float](), "python": list[float]()}
+
+    def spin() -> None:
+        while not busy.is_set():
+            pass
+
+    def prefill(into: list[float]) -> None:
+        session = model.session()
+        into.append(session.respond(prompt, options).timings.prefill_s)
+        session.close()
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        for _ in range(repeats):
+            for name, checks in (("native", nullcontext()), ("python", python_abort_checks())):
+                with checks:
+                    worker = threading.Thread(target=prefill, args=(times[name],))
+                    worker.start()
+                    worker.join()
+    finally:
+        busy.set()
+    return {name: statistics.median(samples) for name, samples in times.items()} | {"samples": times}
+
+
 def report(results: dict[str, Any]) -> None:
     m, ref = results["machine"], results["llama_bench"]
     print(
@@ -102,6 +136,10 @@ def report(results: dict[str, Any]) -> None:
     table("concurrent streams (llama.cpp gain: llama-bench pN over p1 tok/s at depth 100)", header, rows)
     if "error" in ref:
         print(f"llama-bench: {ref['error']}")
+    checks = results["prefill_checks"]
+    print("\n600-token prefill in a worker thread, another Python thread busy: native cancel check")
+    print(f"{checks['native'] * 1e3:.0f} ms, Python callback {checks['python'] * 1e3:.0f} ms", end="")
+    print(f" ({checks['python'] / checks['native']:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,5 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         results |= {"max_tokens": args.max_tokens}
         progress(f"streams {counts}, together and one by one", started)
         results |= scenario(model, counts, options, args.llama_bench)
+        progress("prefill cancel checks with a busy Python thread", started)
+        results["prefill_checks"] = prefill_checks(model)
     progress("done", started)
     return publish(results, report, args.json)

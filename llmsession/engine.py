@@ -183,8 +183,9 @@ class Engine:
         self, lease: Lease, cells: int, cancelled: _threading.Event, *, exchange: bool = True
     ) -> Iterator[Seat]:
         """A sequence holding ``lease``'s state (restored if parked) with room for ``cells``
-        cells, for one exchange (else counted as none); the session is busy (never evicted)
-        until the block ends."""
+        cells, for one exchange; the session is busy (never evicted) until the block ends. Not
+        for an exchange (background work): only a session that is not parked and fits without
+        evicting anyone, else ``MemoryBudgetError``; it is neither counted nor made recent."""
         pool = lease.pool
         with self.hold():
             self._reap()
@@ -192,8 +193,10 @@ class Engine:
                 raise MemoryBudgetError(
                     f"{cells} positions exceed the model's kv_tokens ({pool.budget.kv_cells})"
                 )
+            if not exchange and not pool.residency.fits(lease.key, cells):
+                raise MemoryBudgetError("background work evicts no one")
             try:
-                steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable)
+                steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
             except BudgetError as error:
                 raise MemoryBudgetError(str(error)) from None
             self._apply(pool, steps)

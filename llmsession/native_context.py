@@ -74,12 +74,40 @@ class Batch:
         self._free()
 
 
+class CancelFlag(threading.Event):
+    """An exchange's cancel flag, mirrored in a word native code reads: a decode outside the main
+    thread checks it without taking the GIL (``abort_check.c``)."""
+
+    def __init__(self) -> None:
+        from llama_cffi import ffi
+
+        super().__init__()
+        self.word = ffi.new("int *")
+
+    def set(self) -> None:
+        self.word[0] = 1
+        super().set()
+
+    def clear(self) -> None:
+        self.word[0] = 0
+        super().clear()
+
+
 class AbortFlag:
     """What the prefill abort callback reads. The callback closes over this, never over the
     context, so the context is in no reference cycle."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
+
+    def native_word(self) -> Any:
+        """The word to hand the native check, or None when the check must run in Python: on the
+        main thread (a Ctrl-C raises inside the Python callback, so it stops the decode), for a
+        flag with no word or one whose state Python computes (``anticipate.Yielding``)."""
+        event = self.event
+        if not isinstance(event, CancelFlag) or type(event).is_set is not CancelFlag.is_set:
+            return None
+        return None if threading.current_thread() is threading.main_thread() else event.word
 
 
 def _abort_callback(flag: AbortFlag) -> Any:
@@ -145,7 +173,7 @@ class NativeContext(Owner):
         self.batch = Batch(n_batch)
         self._flag = AbortFlag()
         self._abort_cb = _abort_callback(self._flag)
-        self._abort_installed = False
+        self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)
 
     @property
     def abort(self) -> threading.Event:
@@ -203,11 +231,18 @@ class NativeContext(Owner):
         check(code, "llama_encode")
 
     def set_abortable(self, abortable: bool) -> None:
-        """Install the abort callback for prefill; it costs a GIL round trip per graph node."""
+        """Install the abort callback for prefill: the native check of the flag's word where it
+        can be used, else the Python one (a GIL round trip per graph node)."""
+        from llama_cffi import abort_check
+
         lib, ffi = bindings()
-        if abortable != self._abort_installed:
-            lib.llama_set_abort_callback(self.ptr, self._abort_cb if abortable else ffi.NULL, ffi.NULL)
-            self._abort_installed = abortable
+        word = self._flag.native_word() if abortable else None
+        check = abort_check() if word is not None else None
+        wanted = (check, word) if check is not None else (self._abort_cb, ffi.NULL) if abortable else None
+        if wanted != self._abort_installed:
+            callback, data = wanted or (ffi.NULL, ffi.NULL)
+            lib.llama_set_abort_callback(self.ptr, callback, data)
+            self._abort_installed = wanted
 
     def logits(self) -> Any:
         return bindings()[0].llama_get_logits_ith(self.ptr, -1)

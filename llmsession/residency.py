@@ -93,6 +93,14 @@ class Residency:
     def live_count(self) -> int:
         return sum(e.state is State.LIVE for e in self._entries.values())
 
+    def fits(self, key: Key, cells: int) -> bool:
+        """Whether ``key`` (live, or cold) may hold ``cells`` cells without evicting anyone."""
+        entry = self._entries[key]
+        live = entry.state is State.LIVE
+        if entry.state is State.PARKED or not (live or self._free_seqs):
+            return False
+        return self.live_cells - (entry.cells if live else 0) + cells <= self.budget.kv_cells
+
     # -- changes -------------------------------------------------------------------------------
     def add(self, key: Key) -> None:
         if key in self._entries:
@@ -117,15 +125,18 @@ class Residency:
         entry.state, entry.parked_bytes = State.COLD, 0
         return steps
 
-    def acquire(self, key: Key, cells: int, *, parkable: bool = True) -> list[Step]:
+    def acquire(self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True) -> list[Step]:
         """Make ``key`` live holding ``cells`` cells and mark it busy; the steps evict what must
-        go and, for a parked session, restore it (last). Cold sessions come back empty."""
+        go and, for a parked session, restore it (last). Cold sessions come back empty.
+        ``touch``: this counts as a use (background work does not make a session recent)."""
         entry = self._entries[key]
         if cells > self.budget.kv_cells:
             raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
         steps = self._make_room(key, cells)
-        self._clock += 1
-        entry.stamp, entry.busy, entry.parkable = self._clock, True, parkable
+        if touch:
+            self._clock += 1
+            entry.stamp = self._clock
+        entry.busy, entry.parkable = True, parkable
         if entry.state is not State.LIVE:
             if entry.state is State.PARKED:
                 entry.parked_bytes = 0

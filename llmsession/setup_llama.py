@@ -25,7 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from llama_cffi import LIBRARIES
+import llama_cffi
+from llama_cffi import ABORT_CHECK, LIBRARIES
 
 from . import paths
 
@@ -285,6 +286,17 @@ def build_bench(dest: Path) -> None:
     step(f"ready: {bin_dir / 'llama-bench'}")
 
 
+def build_abort_check(lib_dir: Path) -> None:
+    """abort_check.c into lib/: the cancel check decodes outside the main thread use (no GIL)."""
+    source = Path(llama_cffi.__file__).with_name("abort_check.c")
+    target = lib_dir / llama_cffi.ABORT_CHECK
+    if shutil.which("cc") is None:
+        step(f"no C compiler (cc): {target.name} not built, cancels are checked in Python")
+        return
+    step(f"building {target.name}")
+    run(["cc", "-O2", "-shared", "-fPIC", "-o", str(target), str(source)])
+
+
 def adopt(dest: Path, lib_dir: Path, include_dir: Path) -> None:
     """Use a user's existing build of the same llama.cpp version."""
     step(f"adopting the existing build: libraries {lib_dir}, headers {include_dir}")
@@ -310,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
         else:
             install(dest, args)
+        if not (dest / "lib" / ABORT_CHECK).exists():
+            build_abort_check(dest / "lib")
         if bench_missing:
             build_bench(dest)
     except SetupError as error:

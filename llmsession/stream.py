@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import ModelClosedError
+from .native_context import CancelFlag
 from .options import GenerationOptions
 from .replies import FinishReason, Message, Reply, Snapshot
 
@@ -28,7 +29,7 @@ class Turn:
     options: GenerationOptions
     constraint: Constraint | None = None
     tokens: list[int] = field(default_factory=list)  # the reply's, as sampled or forced
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=CancelFlag)  # (native code reads it too)
     finish: FinishReason = "length"
     reply: Reply | None = None
     done: bool = False

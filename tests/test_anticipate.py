@@ -29,22 +29,25 @@ def settled_ahead(session: Session) -> anticipate.Ahead:
 
 
 def decoding(session: Session) -> anticipate.Ahead:
-    """A new anticipation of the session, once it has decoded something (it is running)."""
-    session._look_ahead()
-    ahead = session._ahead
-    assert ahead is not None, "nothing was anticipated"
+    """A new anticipation of the session, once it has decoded something (it is running); one
+    that gave way before that (to another test's background work) is started again."""
     deadline = time.monotonic() + 30
-    while ahead.decoded == 0 and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert ahead.decoded > 0
-    return ahead
+    while time.monotonic() < deadline:
+        session._look_ahead()
+        ahead = session._ahead
+        assert ahead is not None, "nothing was anticipated"
+        while ahead.decoded == 0 and ahead._thread.is_alive():
+            time.sleep(0.002)
+        if ahead.decoded > 0:
+            return ahead
+    raise AssertionError("the anticipation never began decoding")
 
 
 def test_the_next_exchange_decodes_only_the_users_words_and_equals_fresh(smollm2: Model) -> None:
     session = smollm2.session(system="You are a helpful assistant.")
     assert session._ahead is None  # only a reply starts one
     session.respond("Hello!", GREEDY)
-    for question in ("Tell me about the history of Paris.", "Now describe its museums, one by one."):
+    for question in ("Tell me about the history of Paris.",):
         before = internals.record(session)
         transcript = [*session.messages, {"role": "user", "content": question}]
         prompt = smollm2.prompt(transcript, own=session._replies)
@@ -94,18 +97,43 @@ def test_a_new_exchange_stops_an_anticipation_it_does_not_need(smollm2: Model) -
 
 
 def test_a_new_exchange_that_needs_it_waits_for_it(smollm2: Model) -> None:
+    """Once it decodes, that is: one that has not begun is stopped, and the exchange decodes the
+    opening in its own batch (cheaper than a batch of its own; see the next test)."""
     session = smollm2.session(system=paragraph(smollm2, 2, 300), batch_size=16)
-    session._look_ahead()
-    ahead = session._ahead
-    assert ahead is not None
+    ahead = decoding(session)
     reply = session.respond("Tell me about the history of Paris.", GREEDY)
     assert ahead.target is not None and ahead.decoded == len(ahead.target)
     assert reply.usage.anticipated_tokens == ahead.decoded
     assert reply.usage.reused_tokens == len(ahead.target)
 
 
+def test_one_that_has_not_begun_is_not_waited_for(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Questions back to back (a script): the exchange does not wait for an anticipation still
+    rendering its probes; it stops it, and decodes the opening in its own batch."""
+    rendering, release = threading.Event(), threading.Event()
+    slow_opening = anticipate.opening
+
+    def slow(guess: anticipate.Guess) -> tuple[object, ...]:
+        if guess.lease is session._lease:  # (not another test's session's)
+            rendering.set()
+            release.wait(30)
+        return slow_opening(guess)
+
+    monkeypatch.setattr(anticipate, "opening", slow)
+    session = smollm2.session(system="You are a helpful assistant.")
+    session.respond("Tell me about the history of Paris.", GREEDY)
+    ahead = session._ahead
+    assert ahead is not None and rendering.wait(5)
+    reply = session.respond("Now describe its museums, one by one.", GREEDY)
+    assert ahead._thread.is_alive()  # not waited for
+    assert reply.usage.anticipated_tokens == 0 and reply.usage.decoded_prompt_tokens > 10
+    release.set()
+    ahead.wait()
+    assert ahead.decoded == 0 and not ahead.started  # it saw it was stopped
+
+
 def test_it_gives_way_to_another_sessions_exchange(smollm2: Model) -> None:
-    slow = smollm2.session(system=paragraph(smollm2, 3, 300), batch_size=16)
+    slow = smollm2.session(system=paragraph(smollm2, 3, 200), batch_size=32)
     ahead = decoding(slow)
     smollm2.session().respond("Hello!", GREEDY)
     ahead.wait()
@@ -113,8 +141,24 @@ def test_it_gives_way_to_another_sessions_exchange(smollm2: Model) -> None:
     assert ahead.target is not None and 0 < ahead.decoded < len(ahead.target)
     held = internals.record(slow)
     assert held == ahead.target[: len(held)]
-    reply = assert_same_as_fresh(slow, "Tell me about the history of Paris.", batch_size=16)
+    reply = assert_same_as_fresh(slow, "Tell me about the history of Paris.", batch_size=32)
     assert reply.usage.reused_tokens == len(held) and reply.usage.anticipated_tokens == ahead.decoded
+
+
+def test_it_evicts_no_one(smollm2_path: Path) -> None:
+    """One live sequence: a session parked by another's exchange is not brought back (and the
+    other parked) for an anticipation; only exchanges move states."""
+    with Model(smollm2_path, threads=2, max_live_sessions=1) as model:
+        first, second = model.session(), model.session()
+        first.respond("Hello!", GREEDY)
+        pending = first._ahead
+        assert pending is not None
+        second.respond("Hi there!", GREEDY)  # parks the first
+        pending.wait()
+        settled_ahead(second)
+        states = {s.key: s.state for s in model.memory().sessions}
+        assert states[first._lease.key] == "parked" and states[second._lease.key] == "live"
+        assert model.memory().counters.parks == 1
 
 
 def test_an_undo_still_reuses_exactly_the_longest_common_prefix(smollm2: Model) -> None:

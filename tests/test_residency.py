@@ -97,6 +97,24 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.residency.release(key, len(memory) if not fail else 0, parkable=parkable)
 
     @precondition(lambda self: hasattr(self, "residency"))
+    @rule(key=st.integers(0, 7), grow=st.integers(1, 12))
+    def background(self, key: int, grow: int) -> None:
+        """Background work (an anticipatory prefill) takes a session only where it fits as it is:
+        then it evicts and restores nothing, and makes no session more recent."""
+        parkable = key not in self.unparkable
+        kept = self.held[key] if self.residency.entry(key).state is State.LIVE else []
+        if not self.residency.fits(key, len(kept) + grow):
+            return
+        stamps = {k: self.residency.entry(k).stamp for k in self.residency.sessions()}
+        assert self.residency.acquire(key, len(kept) + grow, parkable=parkable, touch=False) == []
+        assert {k: self.residency.entry(k).stamp for k in self.residency.sessions()} == stamps
+        memory = self.context.seqs[self.residency.entry(key).seq]
+        assert memory == kept
+        self.held[key] = memory
+        memory += [f"{key}:ahead:{i}" for i in range(grow)]
+        self.residency.release(key, len(memory), parkable=parkable)
+
+    @precondition(lambda self: hasattr(self, "residency"))
     @rule(key=st.integers(0, 7))
     def cool(self, key: int) -> None:
         for step in self.residency.cool(key):

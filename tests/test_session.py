@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llama_cffi import abort_check
 
 from llmsession import (
     ContextOverflowError,
@@ -197,16 +198,20 @@ def long_prompt(model: Model, n_tokens: int) -> str:
     return text
 
 
+@pytest.mark.parametrize("thread", ["main", "worker"])
 def test_cancel_during_a_long_prefill_stops_inside_the_batch_in_flight(
-    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch, thread: str
 ) -> None:
     """cancel() from another thread 20 ms into a 128-token batch (which takes far longer): the
     abort callback stops that batch, so nothing after the cancel is recorded. Were the check
-    between batches all there is, the batch would finish and 128 more tokens would count."""
-    prompt = long_prompt(smollm2, 1200)
+    between batches all there is, the batch would finish and 128 more tokens would count. On the
+    main thread the check is a Python callback (a Ctrl-C raises there); on any other it is the
+    native one, which reads the cancel flag's word without the GIL."""
+    prompt = long_prompt(smollm2, 600)
     session = smollm2.session(context_size=4096, batch_size=128)
     stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
     at_cancel: list[int] = []
+    checks: set[str] = set()
     decode = NativeContext.decode
 
     def cancelled_into(self: NativeContext, tokens: Any, *args: Any, **kwargs: Any) -> None:
@@ -214,13 +219,22 @@ def test_cancel_during_a_long_prefill_stops_inside_the_batch_in_flight(
             at_cancel.append(session.cached_tokens)
             threading.Timer(0.02, stream.cancel).start()
         decode(self, tokens, *args, **kwargs)
+        installed = self._abort_installed
+        checks.add("native" if installed and installed[0] == abort_check() else "python")
 
     monkeypatch.setattr(NativeContext, "decode", cancelled_into)
-    snapshots = list(stream)
+    snapshots: list[Any] = []
+    if thread == "main":
+        snapshots = list(stream)
+    else:
+        worker = threading.Thread(target=lambda: snapshots.extend(stream))
+        worker.start()
+        worker.join()
+    assert checks == {"python" if thread == "main" else "native"}
     assert stream.reply is not None
     assert snapshots == []
     assert stream.reply.finish_reason == "cancelled"
-    assert stream.reply.usage.prompt_tokens >= 1200
+    assert stream.reply.usage.prompt_tokens >= 600
     (held,) = at_cancel
     assert stream.reply.usage.decoded_prompt_tokens == held  # the batch in flight left no trace
     assert session.cached_tokens == held

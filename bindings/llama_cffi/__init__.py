@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,8 @@ if log.level == logging.NOTSET:
 
 ffi = FFI()
 ffi.cdef((Path(__file__).with_name("_cdef.h")).read_text())
+ffi.cdef("bool llmsession_should_abort(void *flag);")  # abort_check.c, built beside the libraries
+ABORT_CHECK = "libllmsession_abort.so"
 
 
 class LibraryNotFoundError(OSError):
@@ -149,11 +153,38 @@ def load(folder: str | Path | None = None) -> tuple[Any, FFI]:
     """Open the libraries (once per process) and initialise the llama.cpp backend."""
     with _lock:
         if "lib" not in _state:
-            lib = _open(Path(folder) if folder else lib_dir())
+            path = Path(folder) if folder else lib_dir()
+            lib = _open(path)
             _state["log_callback"] = _route_logs(lib)  # kept alive as long as the process
             lib.llama_backend_init()
             _state["lib"] = lib
+            _state["abort_check"] = _open_abort_check(path)
         return _state["lib"], ffi
+
+
+def _open_abort_check(folder: Path) -> Any:
+    """``llmsession_should_abort`` from abort_check.c, or None where it was not built (libraries
+    adopted from elsewhere): aborts then go through a Python callback."""
+    path = folder / ABORT_CHECK
+    if not path.exists():
+        log.debug("%s not found in %s: decodes check for cancels in Python", ABORT_CHECK, folder)
+        return None
+    return ffi.addressof(ffi.dlopen(str(path)), "llmsession_should_abort")
+
+
+def abort_check() -> Any:
+    """The native abort check (a ``ggml_abort_callback``), None if there is none; after ``load``."""
+    return None if _state.get("python_checks") else _state.get("abort_check")
+
+
+@contextmanager
+def python_abort_checks() -> Iterator[None]:
+    """Within it, every decode checks for cancels in Python (for the benchmark of what that costs)."""
+    _state["python_checks"] = True
+    try:
+        yield
+    finally:
+        _state["python_checks"] = False
 
 
 __all__ = [
@@ -161,6 +192,7 @@ __all__ = [
     "LLAMA_CPP_COMMIT",
     "NOT_EXPORTED",
     "LibraryNotFoundError",
+    "abort_check",
     "cache_root",
     "ffi",
     "has_pending_error",
@@ -168,6 +200,7 @@ __all__ = [
     "lib_dir",
     "llama_dir",
     "load",
+    "python_abort_checks",
     "stash_error",
     "take_pending_error",
 ]
