@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .cancel import ACTIVITY
 from .native_context import DecodeAborted
 from .prefix import Item, common_prefix
 
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
     from .splice import ReplyTokens
 
 log = logging.getLogger("llmsession")
-QUIET_S = 0.05  # it begins once the engine has been idle this long (a script's next call comes sooner)
-PATIENCE_S = 1.0  # and gives up if the engine is not idle that long within this time
+QUIET_S = 0.05  # it begins once nothing has decoded for this long (a script's next call comes sooner)
+PATIENCE_S = 1.0  # and gives up without such a pause within this time
 PROBES = ("A", "1")  # two user messages that share nothing: their prompts share the opening
 _running: weakref.WeakSet[Ahead] = weakref.WeakSet()
 
@@ -120,7 +121,7 @@ class Ahead:
 
     def _run(self, guess: Guess) -> None:
         deadline = time.monotonic() + PATIENCE_S
-        while self.engine.gate.idle_for() < QUIET_S:  # the engine's idle time only
+        while ACTIVITY.idle_for() < QUIET_S:  # idle time only: no decode anywhere in the process
             if self.cancelled.wait(QUIET_S) or self.cancelled.is_set():
                 return  # stopped (the next call came: it decodes the opening in its own batch)
             if time.monotonic() > deadline:

@@ -44,17 +44,12 @@ class Gate:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self._waiting = self._held = 0
+        self._waiting = 0
         self._counting = threading.Lock()
-        self._released = time.monotonic()
 
     @property
     def contended(self) -> bool:
         return self._waiting > 0
-
-    def idle_for(self) -> float:
-        """Seconds since anyone last held or waited for the lock (0 while someone does)."""
-        return 0.0 if self._waiting or self._held else time.monotonic() - self._released
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -66,11 +61,8 @@ class Gate:
             with self.lock:  # released on every path, Ctrl-C included
                 with self._counting:
                     self._waiting -= 1
-                counted, self._held = False, self._held + 1
-                try:
-                    yield
-                finally:
-                    self._held, self._released = self._held - 1, time.monotonic()
+                counted = False
+                yield
         finally:
             if counted:  # interrupted before it got the lock
                 with self._counting:

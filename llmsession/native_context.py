@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .cancel import ACTIVITY, AbortFlag, abort_callback
 from .errors import (
     ContextOverflowError,
 )
@@ -74,62 +75,6 @@ class Batch:
         self._free()
 
 
-class CancelFlag(threading.Event):
-    """An exchange's cancel flag, mirrored in a word native code reads: a decode outside the main
-    thread checks it without taking the GIL (``abort_check.c``)."""
-
-    def __init__(self) -> None:
-        from llama_cffi import ffi
-
-        super().__init__()
-        self.word = ffi.new("int *")
-
-    def set(self) -> None:
-        self.word[0] = 1
-        super().set()
-
-    def clear(self) -> None:
-        self.word[0] = 0
-        super().clear()
-
-
-class AbortFlag:
-    """What the prefill abort callback reads. The callback closes over this, never over the
-    context, so the context is in no reference cycle."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    def native_word(self) -> Any:
-        """The word to hand the native check, or None when the check must run in Python: on the
-        main thread (a Ctrl-C raises inside the Python callback, so it stops the decode), for a
-        flag with no word or one whose state Python computes (``anticipate.Yielding``)."""
-        event = self.event
-        if not isinstance(event, CancelFlag) or type(event).is_set is not CancelFlag.is_set:
-            return None
-        return None if threading.current_thread() is threading.main_thread() else event.word
-
-
-def _abort_callback(flag: AbortFlag) -> Any:
-    """``bool(void *)`` for llama_set_abort_callback: stop when the flag is set, or when a
-    signal handler raised inside a callback (the exception is kept for the caller to raise)."""
-    from llama_cffi import has_pending_error, note_abort, stash_error
-
-    _, ffi = bindings()
-
-    def on_error(kind: Any, error: BaseException | None, traceback: Any) -> bool:
-        stash_error(kind, error, traceback)
-        return True
-
-    def should_abort(_data: Any) -> bool:
-        if flag.event.is_set() or has_pending_error():
-            note_abort()
-            return True
-        return False
-
-    return ffi.callback("bool(void *)", should_abort, onerror=on_error)
-
-
 def _free_context(lib: Any, ptr: Any, _model: NativeModel) -> None:
     """Frees a context; holding ``_model`` keeps the model alive until then."""
     lib.llama_free(ptr)
@@ -172,7 +117,7 @@ class NativeContext(Owner):
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
         self.batch = Batch(n_batch)
         self._flag = AbortFlag()
-        self._abort_cb = _abort_callback(self._flag)
+        self._abort_cb = abort_callback(self._flag)
         self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)
 
     @property
@@ -211,7 +156,8 @@ class NativeContext(Owner):
         self.set_abortable(abortable)
         self._check_run(tokens, start, seq)
         self.batch.fill(tokens, start, seq, outputs=outputs)
-        code = lib.llama_decode(ptr, self.batch.raw)
+        with ACTIVITY.decoding():
+            code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
 
@@ -226,7 +172,8 @@ class NativeContext(Owner):
         if self.pos_max(0) >= 0:  # llama_encode refuses to run over decoder state
             raise ValueError("encode needs an empty context")
         self.batch.fill(tokens, 0, outputs=True)
-        code = lib.llama_encode(ptr, self.batch.raw)
+        with ACTIVITY.decoding():
+            code = lib.llama_encode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_encode")
 
@@ -264,7 +211,8 @@ class NativeContext(Owner):
         for run in runs:
             self._check_run(*run)
         indices = self.batch.fill_many(runs)
-        code = lib.llama_decode(ptr, self.batch.raw)
+        with ACTIVITY.decoding():
+            code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(False)
         check(code, "llama_decode")
         return indices

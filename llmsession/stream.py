@@ -8,8 +8,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .cancel import CancelFlag
 from .errors import ModelClosedError
-from .native_context import CancelFlag
 from .options import GenerationOptions
 from .replies import FinishReason, Message, Reply, Snapshot
 

@@ -21,6 +21,7 @@ PURE = (
     "checkpoints",
 )
 NATIVE = {
+    "cancel",
     "native",
     "native_context",
     "native_mtmd",
