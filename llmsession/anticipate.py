@@ -40,6 +40,7 @@ QUIET_S = 0.05  # it begins once nothing has decoded for this long (a script's n
 PATIENCE_S = 1.0  # and gives up without such a pause within this time
 PROBES = ("A", "1")  # two user messages that share nothing: their prompts share the opening
 _running: weakref.WeakSet[Ahead] = weakref.WeakSet()
+_exit_hook: list[object] = []
 
 
 class Yielding(threading.Event):
@@ -92,6 +93,8 @@ class Ahead:
         self.decoded = 0  # positions decoded ahead
         self.started = False  # its first decode has begun
         self._thread = threading.Thread(target=self._run, args=(guess,), name="llmsession-ahead", daemon=True)
+        if not _running and not _exit_hook:  # registered after the finalizers' own hook, so it runs first
+            _exit_hook.append(atexit.register(stop_all))
         _running.add(self)
         self._thread.start()
 
@@ -191,13 +194,12 @@ def decode_opening(ahead: Ahead, guess: Guess) -> None:
 
 def stop_all(engine: Engine | None = None) -> None:
     """Stop (and wait for) every anticipation, or ``engine``'s: before its model is freed, and at
-    exit (no thread may be inside llama.cpp then)."""
+    exit, before ``weakref.finalize``'s exit hook frees the contexts a thread may decode into
+    (atexit runs the newest hook first; ours is registered with the first anticipation, after
+    the model's finalizers registered theirs)."""
     for ahead in list(_running):
         if engine is None or ahead.engine is engine:
             ahead.settle(None)
-
-
-atexit.register(stop_all)
 
 
 def start(session: Session) -> Ahead | None:

@@ -7,6 +7,8 @@ code path with more to decode."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -194,6 +196,24 @@ def test_close_fork_and_save_during_an_anticipation(smollm2_path: Path, tmp_path
         began = time.perf_counter()
     assert time.perf_counter() - began < 1.0  # close stopped it within a batch
     assert not ahead._thread.is_alive() and ahead.decoded < 600
+
+
+EXIT_MID_DECODE = """
+import sys, time
+from llmsession import Model
+model = Model(sys.argv[1], threads=2)  # never closed: the interpreter's exit frees it
+session = model.session(system="word " * 600, batch_size=16)
+session._look_ahead()
+while session._ahead.decoded == 0:
+    time.sleep(0.002)
+"""
+
+
+def test_the_process_exits_cleanly_with_an_anticipation_decoding(smollm2_path: Path) -> None:
+    """At exit the finalizers free the contexts: every anticipation must have stopped first
+    (it segfaulted when its exit hook ran after theirs)."""
+    done = subprocess.run([sys.executable, "-c", EXIT_MID_DECODE, str(smollm2_path)], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
 
 
 def test_a_stateless_call_reuses_what_was_decoded_ahead(smollm2_path: Path) -> None:
