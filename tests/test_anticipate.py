@@ -23,6 +23,14 @@ from llmsession.prefix import common_prefix
 from llmsession.seat import Seat
 
 
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    """No anticipation left over from another test competes with this one's (they give way)."""
+    anticipate.stop_all()
+    yield
+    anticipate.stop_all()
+
+
 def settled_ahead(session: Session) -> anticipate.Ahead:
     ahead = session._ahead
     assert ahead is not None, "nothing was anticipated"
@@ -178,24 +186,24 @@ def test_an_undo_still_reuses_exactly_the_longest_common_prefix(smollm2: Model) 
 
 def test_close_fork_and_save_during_an_anticipation(smollm2_path: Path, tmp_path: Path) -> None:
     with Model(smollm2_path, threads=2) as model:
-        session = model.session(system=paragraph(model, 4, 600), batch_size=16)
+        session = model.session(system=paragraph(model, 4, 300), batch_size=16)
         decoding(session)
         twin = session.fork()  # stops it: the fork copies what memory holds then
         assert session._ahead is None
         held = internals.record(session)
-        assert 0 < len(held) < 600 and internals.record(twin) == held
+        assert 0 < len(held) < 300 and internals.record(twin) == held
         decoding(session)
         session.save(tmp_path / "s.json")  # stops it too
         saved = internals.record(session)
-        assert len(held) < len(saved) < 600
+        assert len(held) < len(saved) < 300
         loaded = model.load_session(tmp_path / "s.json")
         reply = loaded.respond("Hello!", GREEDY)
         assert reply.usage.restored_tokens == len(saved) and reply.usage.reused_tokens >= len(saved)
-        busy = model.session(system=paragraph(model, 5, 600), batch_size=16)
+        busy = model.session(system=paragraph(model, 5, 300), batch_size=16)
         ahead = decoding(busy)
         began = time.perf_counter()
     assert time.perf_counter() - began < 1.0  # close stopped it within a batch
-    assert not ahead._thread.is_alive() and ahead.decoded < 600
+    assert not ahead._thread.is_alive() and ahead.decoded < 300
 
 
 EXIT_MID_DECODE = """
