@@ -57,19 +57,18 @@ def test_the_next_exchange_decodes_only_the_users_words_and_equals_fresh(smollm2
     session = smollm2.session(system="You are a helpful assistant.")
     assert session._ahead is None  # only a reply starts one
     session.respond("Hello!", GREEDY)
-    for question in ("Tell me about the history of Paris.",):
-        before = internals.record(session)
-        transcript = [*session.messages, {"role": "user", "content": question}]
-        prompt = smollm2.prompt(transcript, own=session._replies)
-        reply = assert_same_as_fresh(session, question)
-        usage = reply.usage
-        assert usage.reused_tokens == len(before) and usage.anticipated_tokens > 0
-        assert usage.decoded_prompt_tokens == len(prompt.items) - len(before)
-        ahead = settled_ahead(session)  # after the reply: its end of turn, the next user header
-        assert ahead.target is not None and ahead.decoded >= 4
-        assert internals.record(session) == ahead.target
-        text = smollm2.native.detokenize([int(t) for t in ahead.target[-ahead.decoded :]], special=True)
-        assert text.endswith("<|im_start|>user\n"), text
+    ahead = settled_ahead(session)  # after the reply: its end of turn, the next user header
+    assert ahead.target is not None and ahead.decoded >= 4
+    assert internals.record(session) == ahead.target
+    text = smollm2.native.detokenize([int(t) for t in ahead.target[-ahead.decoded :]], special=True)
+    assert text.endswith("<|im_start|>user\n"), text
+    question = "Tell me about the history of Paris."
+    before = internals.record(session)
+    prompt = smollm2.prompt([*session.messages, {"role": "user", "content": question}], own=session._replies)
+    reply = assert_same_as_fresh(session, question)
+    usage = reply.usage
+    assert usage.reused_tokens == len(before) and usage.anticipated_tokens == ahead.decoded
+    assert usage.decoded_prompt_tokens == len(prompt.items) - len(before)
 
 
 def test_a_wrongly_decoded_opening_is_caught(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
