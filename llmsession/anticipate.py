@@ -92,6 +92,7 @@ class Ahead:
         self.target: tuple[Item, ...] | None = None  # what memory will hold, once known
         self.decoded = 0  # positions decoded ahead
         self.started = False  # its first decode has begun
+        self._wake = threading.Event()  # stop waiting for idle time: stopped, or waited for
         self._thread = threading.Thread(target=self._run, args=(guess,), name="llmsession-ahead", daemon=True)
         if not _running and not _exit_hook:  # registered after the finalizers' own hook, so it runs first
             _exit_hook.append(atexit.register(stop_all))
@@ -114,21 +115,26 @@ class Ahead:
         )
         if not wanted:
             self.cancelled.set()
+            self._wake.set()
         if wanted or prompt is None:
             self._thread.join()
         return self.decoded if wanted else 0
 
     def wait(self) -> None:
-        """Until it has finished (tests and benchmarks: to see what it decoded)."""
+        """Until it has finished, beginning now if it waits for idle time (someone waits for it:
+        tests and benchmarks, to see what it decoded)."""
+        self._wake.set()
         self._thread.join()
 
     def _run(self, guess: Guess) -> None:
         deadline = time.monotonic() + PATIENCE_S
         while ACTIVITY.idle_for() < QUIET_S:  # idle time only: no decode anywhere in the process
-            if self.cancelled.wait(QUIET_S) or self.cancelled.is_set():
-                return  # stopped (the next call came: it decodes the opening in its own batch)
-            if time.monotonic() > deadline:
-                return
+            if self._wake.wait(QUIET_S):
+                break  # waited for (or stopped: seen below)
+            if self.cancelled.is_set() or time.monotonic() > deadline:
+                return  # the next call came (it decodes the opening in its own batch), or no idle time
+        if self.cancelled.is_set():
+            return
         try:
             decode_opening(self, guess)
         except Exception as error:  # it was only a guess: the next exchange does the work
