@@ -49,11 +49,10 @@ class Yielding(threading.Event):
 
     def __init__(self, engine: Engine, session: Session) -> None:
         super().__init__()
-        self._engine, self._session = weakref.ref(engine), weakref.ref(session)
+        self._engine, self._session = engine, weakref.ref(session)  # (its Ahead holds the engine)
 
     def is_set(self) -> bool:
-        engine = self._engine()
-        return super().is_set() or engine is None or engine.contended or self._session() is None
+        return super().is_set() or self._engine.contended or self._session() is None
 
 
 @dataclass(frozen=True)

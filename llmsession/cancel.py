@@ -66,10 +66,10 @@ class AbortFlag:
 
     def native_word(self) -> Any:
         """The word to hand the native check, or None when the check must run in Python: on the
-        main thread (a Ctrl-C raises inside the Python callback, so it stops the decode), for a
-        flag with no word or one whose state Python computes (``anticipate.Yielding``)."""
+        main thread (a Ctrl-C raises inside the Python callback, so it stops the decode), and for
+        any other event (``anticipate.Yielding``'s state is computed in Python)."""
         event = self.event
-        if not isinstance(event, CancelFlag) or type(event).is_set is not CancelFlag.is_set:
+        if not isinstance(event, CancelFlag):
             return None
         return None if threading.current_thread() is threading.main_thread() else event.word
 
