@@ -2,6 +2,7 @@
 
 from .checkpoints import CheckpointConfig
 from .errors import (
+    BackendError,
     ContextOverflowError,
     GrammarError,
     ImageError,
@@ -23,6 +24,7 @@ from .session import Session
 from .stream import Stream
 
 __all__ = [
+    "BackendError",
     "CheckpointConfig",
     "ContextOverflowError",
     "GenerationOptions",

@@ -19,10 +19,13 @@ class Activity:
 
     def __init__(self) -> None:
         self._running, self._ended, self._lock = 0, time.monotonic(), threading.Lock()
+        self._began = self._ended
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
         with self._lock:
+            if not self._running:
+                self._began = time.monotonic()
             self._running += 1
         try:
             yield
@@ -33,6 +36,12 @@ class Activity:
     def idle_for(self) -> float:
         """Seconds since the last decode ended (0 while one runs)."""
         return 0.0 if self._running else time.monotonic() - self._ended
+
+    def busy_for(self) -> float:
+        """Seconds a decode has been running since any last ended (0 while none runs): how a
+        worker process tells a decode that hangs (an RPC server that stopped answering) from a
+        slow exchange."""
+        return time.monotonic() - max(self._began, self._ended) if self._running else 0.0
 
 
 ACTIVITY = Activity()

@@ -1,7 +1,8 @@
 """The ``llmsession`` command: chat with a local model, check the installation, run the benchmark.
 
     llmsession chat [--model PATH] [--mmproj PATH] [--system TEXT] ...
-    llmsession doctor
+    llmsession doctor [--rpc HOST:PORT ...]
+    llmsession rpc-server [--port P] [--host H] [--threads N]
     llmsession bench ...
 
 Chat reads one message per line, from a terminal or a pipe. Replies stream as they decode and
@@ -15,6 +16,7 @@ import codecs
 import contextlib
 import io
 import json
+import os
 import signal
 import sys
 import time
@@ -253,11 +255,47 @@ def chat(args: argparse.Namespace) -> int:
         return 1
 
 
-def doctor(_args: argparse.Namespace) -> int:
+def rpc_server(args: argparse.Namespace) -> int:
+    """Serve this machine's CPU to a model loaded on another host (``Model(rpc_servers=...)``)."""
+    from . import rpc
+
+    try:
+        command = rpc.server_command(args.port, args.host, args.threads)
+    except FileNotFoundError as e:
+        error(str(e))
+        return 1
+    print(f"serving on {args.host}:{args.port}: {' '.join(command)}", flush=True)
+    os.execv(command[0], command)
+
+
+def doctor_rpc(endpoints: list[str]) -> int:
+    """What each RPC endpoint answers, then the devices llama.cpp sees there."""
+    from . import native, rpc
+
+    status, ready = 0, []
+    for text in endpoints:
+        try:
+            info = rpc.preflight(rpc.parse_endpoint(text), timeout=5.0)
+        except (LlmSessionError, ValueError) as e:
+            error(str(e))
+            status = 1
+            continue
+        version = ".".join(map(str, info.version))
+        print(f"rpc {info.endpoint}: protocol {version}, {info.devices} device(s)")
+        ready.append(str(info.endpoint))
+    for line in native.device_names(ready) if ready else []:
+        print(f"  {line}")
+    return status
+
+
+def doctor(args: argparse.Namespace) -> int:
     """What a bug report needs: which llama.cpp, which CPU features, which models and fixtures."""
     from llama_cffi import lib_dir
 
     from . import native
+
+    if args.rpc:
+        return doctor_rpc(args.rpc)
 
     print(f"library dir: {lib_dir()}")
     info_path = paths.llama_dir() / "build-info.json"
@@ -277,7 +315,7 @@ def doctor(_args: argparse.Namespace) -> int:
     except (LlmSessionError, OSError) as e:
         error(f"the llama.cpp libraries do not load: {e}")
         status = 1
-    installer.models(_args)
+    installer.models(args)
     projector = paths.fixtures_dir() / "mmproj-tiny.gguf"
     print(f"projector fixture: {projector} {'present' if projector.exists() else 'missing'}")
     budget = MemoryConfig()
@@ -303,7 +341,9 @@ def bench(argv: list[str]) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="llmsession", description="Multi-turn chat with local GGUF models.")
-    commands = top.add_subparsers(dest="command", required=True, metavar="{chat,setup,models,doctor,bench}")
+    commands = top.add_subparsers(
+        dest="command", required=True, metavar="{chat,setup,models,doctor,rpc-server,bench}"
+    )
     chat_parser = commands.add_parser("chat", help="chat with a model in the terminal")
     add = chat_parser.add_argument
     add(
@@ -316,7 +356,20 @@ def parser() -> argparse.ArgumentParser:
     add("--max-tokens", type=int, default=512, metavar="N", help="per reply (default: %(default)s)")
     add("--threads", type=int, metavar="N", help="CPU threads (default: up to 8)")
     installer.add_commands(commands)
-    commands.add_parser("doctor", help="show the llama.cpp build, CPU features and cached models")
+    doctor_parser = commands.add_parser(
+        "doctor", help="show the llama.cpp build, CPU features and cached models"
+    )
+    doctor_parser.add_argument(
+        "--rpc", action="append", metavar="HOST:PORT", help="instead, check an RPC server (repeatable)"
+    )
+    server = commands.add_parser("rpc-server", help="serve this machine's CPU to a model on another host")
+    server.add_argument("--port", type=int, default=50052, help="TCP port (default: %(default)s)")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: %(default)s; the server trusts every client)",
+    )
+    server.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: the server's)")
     commands.add_parser("bench", help="benchmark sessions (arguments go to the benchmark)", add_help=False)
     return top
 
@@ -328,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         run = {"chat": chat, "setup": installer.setup, "models": installer.models, "doctor": doctor}
+        run["rpc-server"] = rpc_server
         return run[args.command](args)
     except KeyboardInterrupt:  # while loading the model, say
         return 130

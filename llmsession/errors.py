@@ -52,3 +52,8 @@ class GrammarError(LlmSessionError, ValueError):
     """A constraint (JSON schema, regex, grammar) that cannot be used: invalid, or using a
     feature the matcher does not implement (named in the message); or a matcher that failed
     mid-reply."""
+
+
+class BackendError(ModelClosedError):
+    """The process running an isolated model died or stopped answering (an RPC server lost
+    mid-decode, say): the model is closed; sessions' transcripts are as before the failed call."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import llguidance
 
-from . import anticipate
+from . import anticipate, rpc
 from .budget import MemoryConfig, MemoryReport
 from .checkpoints import CheckpointConfig
 from .engine import Engine
@@ -65,12 +65,21 @@ class Model:
     and every session's state on exit.
     """
 
+    def __new__(cls, path: str | Path, **kwargs: Any) -> Model:
+        """An ``isolated.IsolatedModel`` when asked for, or by default with ``rpc_servers``."""
+        isolated = kwargs.get("isolated")
+        if cls is Model and (isolated or (isolated is None and kwargs.get("rpc_servers"))):
+            from .isolated import IsolatedModel
+
+            return super().__new__(IsolatedModel)
+        return super().__new__(cls)
+
     def __init__(
         self,
         path: str | Path,
         *,
         mmproj_path: str | Path | None = None,
-        gpu_layers: int = 0,
+        gpu_layers: int | None = None,
         threads: int | None = None,
         use_jinja: bool = False,
         kv_tokens: int = 8192,
@@ -81,7 +90,13 @@ class Model:
         checkpoints: CheckpointConfig | None = None,
         flash_attention: bool | None = None,
         anticipate: bool = True,
+        rpc_servers: Sequence[str] = (),
+        isolated: bool | None = None,
+        worker_timeout: float = 60.0,
     ) -> None:
+        servers = [str(e) for e in rpc.parse_endpoints(rpc_servers)] if rpc_servers else []
+        if gpu_layers is None:  # every layer on the RPC servers' devices, else none offloaded
+            gpu_layers = -1 if servers else 0
         if threads is not None:
             check_int("threads", threads, 1, MAX_THREADS)
         check_int("gpu_layers", gpu_layers, -1, INT32_MAX)
@@ -104,7 +119,9 @@ class Model:
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
         self.anticipate = bool(anticipate)
-        self.native = NativeModel(self.path, gpu_layers=gpu_layers)
+        for endpoint in servers:  # llama.cpp would abort the process on one that is not there
+            rpc.preflight(rpc.parse_endpoint(endpoint), worker_timeout)
+        self.native = NativeModel(self.path, gpu_layers=gpu_layers, rpc_servers=servers)
         self.projector: Projector | None = None
         if self.native.has_encoder and (mmproj_path is not None or not self.native.has_decoder):
             self.native.close()
@@ -116,7 +133,7 @@ class Model:
         if mmproj_path is not None:
             try:
                 self.projector = Projector(
-                    mmproj_path, self.native, threads=self.threads, use_gpu=gpu_layers != 0
+                    mmproj_path, self.native, threads=self.threads, use_gpu=gpu_layers != 0 and not servers
                 )
             except BaseException:
                 self.native.close()

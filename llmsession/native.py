@@ -106,15 +106,48 @@ class Owner:
             self._free()
 
 
+def rpc_devices(endpoints: Sequence[str]) -> list[Any]:
+    """The devices the RPC servers at ``endpoints`` offer, in order."""
+    lib, _ = bindings()
+    devices = []
+    for endpoint in endpoints:
+        registry = not_null(
+            lib.ggml_backend_rpc_add_server(c_string(endpoint, "RPC endpoint")),
+            f"adding RPC server {endpoint}",
+            ModelLoadError,
+        )
+        count = lib.ggml_backend_reg_dev_count(registry)
+        devices += [
+            not_null(lib.ggml_backend_reg_dev_get(registry, i), "an RPC device") for i in range(count)
+        ]
+    return devices
+
+
+def device_names(endpoints: Sequence[str]) -> list[str]:
+    """``name: description`` of each RPC server's devices (``llmsession doctor --rpc``)."""
+    lib, ffi = bindings()
+    return [
+        f"{ffi.string(lib.ggml_backend_dev_name(d)).decode()}: "
+        f"{ffi.string(lib.ggml_backend_dev_description(d)).decode()}"
+        for d in rpc_devices(endpoints)
+    ]
+
+
 class NativeModel(Owner):
     """Owns a ``llama_model``; ``close()`` closes its contexts and projector first."""
 
-    def __init__(self, path: str | Path, *, gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | Path, *, gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> None:
+        """``rpc_servers``: endpoints that answered ``rpc.preflight`` (llama.cpp aborts the
+        process on one that does not); their devices take the ``gpu_layers`` offloaded layers."""
         path = Path(path)
         check_gguf_file(path)  # the caller's mistake first, whether or not the libraries load
         lib, ffi = bindings()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        devices = rpc_devices(rpc_servers)
+        listed = ffi.new("ggml_backend_dev_t[]", [*devices, ffi.NULL])  # alive until the load ends
+        if devices:
+            params.devices = listed
         pointer = lib.llama_model_load_from_file(c_string(str(path), "model path"), params)
         if pointer != ffi.NULL:
             self._free = weakref.finalize(self, _free_model, lib, pointer)

@@ -4,7 +4,7 @@ The source is the llama.cpp vendored in the PyPI sdist llama-cpp-python==0.3.36 
 release binaries cannot be downloaded here, and PyPI wheels carrying libllama need a newer glibc.
 The build ends with a smoke test in a subprocess, so a bad build fails now rather than at first use.
 
-    llmsession setup                      # download, verify, build (about 2.5 minutes), fetch the model
+    llmsession setup                      # download, verify, build (about 4 minutes), fetch the model
     python scripts/fetch_llama.py --lib-dir L --include-dir I   # adopt a build of the same version
     python scripts/fetch_llama.py --bench              # also build llama-bench (for the benchmarks)
 """
@@ -37,12 +37,16 @@ VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 # Only what the build, the headers, the reference templates and llama-bench need.
 SOURCE_PARTS = (
     "CMakeLists.txt", "LICENSE", "cmake/", "ggml/", "src/", "include/", "vendor/", "common/",
-    "licenses/", "tools/CMakeLists.txt", "tools/mtmd/", "tools/llama-bench/", "models/templates/",
+    "licenses/", "tools/CMakeLists.txt", "tools/mtmd/", "tools/llama-bench/", "tools/rpc/",
+    "models/templates/",
 )  # fmt: skip
 LIBS = tuple(f"lib{name}" for name in LIBRARIES)
 # The public headers and the ggml headers they include.
 HEADER_NAMES = ("llama.h", "mtmd.h", "mtmd-helper.h", "ggml.h", "ggml-cpu.h", "ggml-backend.h",
-                "ggml-alloc.h", "ggml-opt.h", "gguf.h")  # fmt: skip
+                "ggml-alloc.h", "ggml-opt.h", "gguf.h", "ggml-rpc.h")  # fmt: skip
+# llama.cpp's RPC server (GGML_RPC): serves this machine's CPU to a model on another host.
+RPC_SERVER = "ggml-rpc-server"
+RPC_SOURCE = "tools/rpc/rpc-server.cpp"
 # x86 features ggml can use, by the /proc/cpuinfo flag that enables each. AMX stays off:
 # its path faults (ldtilecfg) on CPUs that advertise it here, and GGML_NATIVE=ON would enable it.
 X86_FEATURES = {
@@ -182,8 +186,8 @@ def build(
         "LLAMA_OPENSSL": "OFF", "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_EXAMPLES": "OFF",
         "LLAMA_BUILD_SERVER": "OFF", "LLAMA_BUILD_APP": "OFF", "LLAMA_BUILD_MTMD": "ON",
         "LLAMA_BUILD_TOOLS": "OFF", "LLAMA_BUILD_COMMON": "ON" if common else "OFF",
-        "LLAMA_BUILD_COMMIT": paths.LLAMA_CPP_COMMIT[:7], "CMAKE_BUILD_RPATH": "$ORIGIN",
-        "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON", "CMAKE_INSTALL_RPATH": "$ORIGIN",
+        "LLAMA_BUILD_COMMIT": paths.LLAMA_CPP_COMMIT[:7], "GGML_RPC": "ON",
+        "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON", "CMAKE_INSTALL_RPATH": "$ORIGIN:$ORIGIN/../lib",
         "GIT_EXE": str(git_stub(build_dir.parent)),
     } | ggml_cpu_options() | (extra or {})  # fmt: skip
     on = sorted(k.removeprefix("GGML_") for k, v in ggml_cpu_options().items() if v == "ON")
@@ -195,7 +199,7 @@ def build(
     )
     jobs = str(os.cpu_count() or 2)
     for target in targets:
-        step(f"building {target} (-j{jobs}; libllama and libmtmd take about 2.5 minutes on 2 cores)")
+        step(f"building {target} (-j{jobs}; everything takes about 4 minutes on 2 cores)")
         run(["cmake", "--build", str(build_dir), "-j", jobs, "--target", target],
             log=build_dir.parent / f"build-{target}.log")  # fmt: skip
 
@@ -245,6 +249,14 @@ def smoke_test(lib_dir: Path, include_dir: Path) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
 
 
+def complete(dest: Path) -> bool:
+    """The cache holds a finished build with every library (one made before RPC was added lacks
+    libggml-rpc and the RPC server, and is built again)."""
+    libs = all(any((dest / "lib").glob(f"{name}.so*")) for name in LIBS)
+    adopted = "adopted" in json.loads((dest / "build-info.json").read_text()).get("origin", "")
+    return libs and (adopted or (dest / "bin" / RPC_SERVER).exists())
+
+
 def write_info(dest: Path, info: dict[str, object]) -> None:
     (dest / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
 
@@ -252,13 +264,25 @@ def write_info(dest: Path, info: dict[str, object]) -> None:
 def fetch(dest: Path) -> None:
     check_tools(dest)
     src = dest / "src"
-    if not (src / "CMakeLists.txt").exists():
+    if not (src / RPC_SOURCE).exists():  # absent too from sources extracted before RPC was added
         with tempfile.TemporaryDirectory(dir=dest) as tmp:
             extract_source(download_sdist(Path(tmp)), src)
     build_dir = dest / "build"
     build(src, build_dir, ["llama", "mtmd"])
     install_libs(build_dir / "bin", dest / "lib")
     install_headers([src / "include", src / "tools/mtmd", src / "ggml/include"], dest / "include")
+    build_rpc_server(dest)
+
+
+def build_rpc_server(dest: Path) -> None:
+    """ggml-rpc-server into bin/: one file against the installed headers and libggml (its
+    CMake target would build ggml a second time); its rpath reaches ../lib."""
+    target = dest / "bin" / RPC_SERVER
+    target.parent.mkdir(exist_ok=True)
+    step(f"building {RPC_SERVER}")
+    run(["c++", "-std=c++17", "-O2", "-o", str(target), str(dest / "src" / RPC_SOURCE),
+         "-I", str(dest / "include"), "-L", str(dest / "lib"), "-lggml", "-lggml-base",
+         "-Wl,-rpath,$ORIGIN/../lib"])  # fmt: skip
 
 
 BENCH_PROJECT = """# llama-bench alone: tools/CMakeLists.txt lists tools whose sources are not extracted.
@@ -315,10 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is complete")
     args = parser.parse_args(argv)
     dest = paths.llama_dir()
-    info_path = dest / "build-info.json"
     bench_missing = args.bench and not (dest / "bin" / "llama-bench").exists()
     try:
-        if info_path.exists() and not args.force:
+        if (dest / "build-info.json").exists() and complete(dest) and not args.force:
             print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
         else:
             install(dest, args)

@@ -29,8 +29,14 @@ from llmsession import paths  # noqa: E402
 
 OUTPUT = ROOT / "bindings" / "llama_cffi" / "_cdef.h"
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
-# ggml functions llmsession calls directly (the build's version and commit), kept as extra roots.
-EXTRA_FUNCTIONS = ("ggml_version", "ggml_commit")
+# ggml functions llmsession calls directly (the build's version and commit, the RPC backend and
+# its devices), kept as extra roots; EXTRA_HEADERS are read for them only.
+EXTRA_FUNCTIONS = (
+    "ggml_version", "ggml_commit", "ggml_backend_rpc_add_server", "ggml_backend_reg_dev_count",
+    "ggml_backend_reg_dev_get", "ggml_backend_dev_name", "ggml_backend_dev_description",
+    "ggml_backend_dev_memory",
+)  # fmt: skip
+EXTRA_HEADERS = ("ggml-rpc.h",)
 FAKE_LIBC = {
     "stddef.h": "typedef unsigned long size_t; typedef long ptrdiff_t;\n#define NULL 0\n",
     "stdint.h": "\n".join(
@@ -70,7 +76,7 @@ def preprocess(include_dir: Path) -> str:
         for name, text in FAKE_LIBC.items():
             (fake / name).write_text(text)
         main = fake / "all_api.h"
-        main.write_text("".join(f'#include "{h}"\n' for h in API_HEADERS))
+        main.write_text("".join(f'#include "{h}"\n' for h in (*API_HEADERS, *EXTRA_HEADERS)))
         cmd = ["cc", "-E", "-std=c11", "-nostdinc", "-undef", "-D__attribute__(x)=", "-D__x86_64__",
                "-I", str(fake), "-I", str(include_dir), str(main)]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True)

@@ -146,12 +146,18 @@ def tolerance_for(noise: float) -> float:
 
 
 def check_against_fresh(
-    session: Session, reply: Any, tolerance: float, *, final: bool = True, at_least: int = 16
+    session: Session,
+    reply: Any,
+    tolerance: float,
+    *,
+    final: bool = True,
+    at_least: int = 16,
+    reference: Model | None = None,
 ) -> list[str]:
-    """Teacher-force a fresh context through the session's prompt and reply tokens; report each
-    step where the cached choice is not within tolerance of the fresh top logit, and a final
-    logit difference above tolerance."""
-    model = session.model
+    """Teacher-force a fresh context (of ``reference``, else of the session's model) through the
+    session's prompt and reply tokens; report each step where the cached choice is not within
+    tolerance of the fresh top logit, and a final logit difference above tolerance."""
+    model = reference or session.model
     recorded = [int(t) for t in internals.record(session)]
     prompt, generated = recorded[: reply.usage.prompt_tokens], recorded[reply.usage.prompt_tokens :]
     assert len(generated) >= at_least, f"compare at least {at_least} generated tokens"

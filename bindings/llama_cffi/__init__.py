@@ -25,7 +25,7 @@ from cffi import FFI
 # The build facts, defined here once (llmsession.paths and the set-up read them from here).
 LLAMA_CPP_COMMIT = "0c1e57098"
 # Load order: each library after the ones it links against.
-LIBRARIES = ("ggml-base", "ggml-cpu", "ggml", "llama", "mtmd")
+LIBRARIES = ("ggml-base", "ggml-cpu", "ggml-rpc", "ggml", "llama", "mtmd")
 # Declared in the headers but not exported by the pinned libraries (C++-only declarations).
 NOT_EXPORTED = frozenset({"mtmd_get_memory_usage"})
 BUILD_HINT = "run `llmsession setup` to build them"

@@ -190,7 +190,13 @@ struct ggml_threadpool;
 typedef struct ggml_threadpool *ggml_threadpool_t;
 typedef struct ggml_backend_buffer_type *ggml_backend_buffer_type_t;
 typedef struct ggml_backend_buffer *ggml_backend_buffer_t;
+typedef struct ggml_backend_reg *ggml_backend_reg_t;
 typedef struct ggml_backend_device *ggml_backend_dev_t;
+extern const char *ggml_backend_dev_name(ggml_backend_dev_t device);
+extern const char *ggml_backend_dev_description(ggml_backend_dev_t device);
+extern void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t *free, size_t *total);
+extern size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+extern ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
 typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor *t, bool ask, void *user_data);
 enum ggml_numa_strategy
 {
@@ -1124,3 +1130,4 @@ int32_t mtmd_helper_gen_audio_set_input(mtmd_helper_gen_audio *ctx, const struct
 int32_t mtmd_helper_gen_audio_step_prompt(mtmd_helper_gen_audio *ctx, int32_t n_batch);
 int32_t mtmd_helper_gen_audio_step_gen(mtmd_helper_gen_audio *ctx, llama_token sampled, const float *h_state_in, const float **h_state_out, bool *out_stop);
 int32_t mtmd_helper_gen_audio_get_output(mtmd_helper_gen_audio *ctx, int32_t *out_sample_rate, const char **out_data, size_t *out_data_len, int64_t *out_n_samples);
+extern ggml_backend_reg_t ggml_backend_rpc_add_server(const char *endpoint);

@@ -1,0 +1,194 @@
+"""The process an isolated model runs in (``isolated.IsolatedModel``): a real ``Model`` and its
+sessions and streams, driven over a socket by the parent's proxies.
+
+llama.cpp ends the process on faults no callback can stop (an RPC server that dies mid-decode:
+SIGABRT; one that stops answering: a decode that never returns). Here that ends this process
+only; the parent sees the socket close, or hears in the heartbeat that a decode has been running
+too long, and raises ``BackendError``.
+
+Messages, both ways pickled tuples: the parent sends ``(request, op, args)`` (request None: no
+answer wanted) and ``("cancel", stream_id)``, which the reader thread applies at once, mid-decode;
+this process answers ``("ok" | "error", request, value)`` and sends ``("beat", seconds)`` every
+``BEAT_S``: how long the current native call (a decode, or the model's load) has been running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .cancel import ACTIVITY
+from .errors import NativeError
+from .model import Model
+from .options import GenerationOptions
+from .session import Session
+from .stream import Stream
+
+BEAT_S = 0.25
+MODEL_CALLS = frozenset(
+    {"render", "tokenize", "detokenize", "prompt_tokens", "identity", "projector_identity", "memory"}
+)
+SESSION_CALLS = frozenset({"clear_cached_context", "fork", "save", "close"})
+
+
+def portable(error: BaseException) -> BaseException:
+    """The error itself if it pickles (llmsession's do), else a NativeError that names it."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return NativeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+class Worker:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.requests: queue.SimpleQueue[tuple[Any, str, tuple[Any, ...]]] = queue.SimpleQueue()
+        self.objects: dict[int, Session | Stream] = {}
+        self.ids = itertools.count(1)
+        self.model: Model | None = None
+        self.loading_since: float | None = None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def read(self) -> None:
+        """The reader thread: cancels at once, everything else in order on the main thread."""
+        try:
+            while True:
+                message = self.conn.recv()
+                if message[0] == "cancel":
+                    stream = self.objects.get(message[1])
+                    if isinstance(stream, Stream):
+                        stream.cancel()
+                else:
+                    self.requests.put(message)
+        except (EOFError, OSError):  # the parent is gone: so is the reason to finish anything
+            os._exit(0)
+
+    def beat(self) -> None:
+        while True:
+            time.sleep(BEAT_S)
+            since = self.loading_since
+            stuck = time.monotonic() - since if since is not None else ACTIVITY.busy_for()
+            try:
+                self.send(("beat", stuck))
+            except OSError:
+                os._exit(0)
+
+    def run(self) -> None:
+        threading.Thread(target=self.read, daemon=True).start()
+        threading.Thread(target=self.beat, daemon=True).start()
+        while True:
+            request, op, args = self.requests.get()
+            try:
+                value, error = getattr(self, f"op_{op}")(*args), None
+            except BaseException as caught:  # returned to the caller, who raises it
+                value, error = None, portable(caught)
+            if request is not None:
+                self.send(("ok", request, value) if error is None else ("error", request, error))
+            if op == "close":
+                return
+
+    def keep(self, thing: Session | Stream) -> int:
+        key = next(self.ids)
+        self.objects[key] = thing
+        return key
+
+    def session(self, key: int) -> Session:
+        session = self.objects[key]
+        assert isinstance(session, Session)
+        return session
+
+    def stream(self, key: int) -> Stream:
+        stream = self.objects[key]
+        assert isinstance(stream, Stream)
+        return stream
+
+    def handle(self, session: Session) -> tuple[int, dict[str, Any], list[Any]]:
+        """What the parent's proxy of a session is made from."""
+        attrs = {k: getattr(session, k) for k in ("context_size", "batch_size", "thinking", "swa_full")}
+        return self.keep(session), attrs, session.messages
+
+    # -- operations ---------------------------------------------------------------------------
+    def op_load(self, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        self.loading_since = time.monotonic()
+        try:
+            self.model = model = Model(path, **kwargs, isolated=False)
+        finally:
+            self.loading_since = None
+        names = ("threads", "use_jinja", "flash_attention", "anticipate", "template", "media_marker")
+        return {name: getattr(model, name) for name in names}
+
+    def op_model(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self.model is not None and name in MODEL_CALLS
+        return getattr(self.model, name)(*args, **kwargs)
+
+    def op_session(self, system: str | None, kwargs: dict[str, Any]) -> Any:
+        assert self.model is not None
+        return self.handle(self.model.session(system, **kwargs))
+
+    def op_load_session(self, path: str, overrides: dict[str, Any]) -> Any:
+        assert self.model is not None
+        return self.handle(self.model.load_session(path, **overrides))
+
+    def op_stream(self, key: int, messages: list[Any], content: Any, options: GenerationOptions) -> int:
+        session = self.session(key)
+        session.messages = messages
+        return self.keep(session.stream(content, options))
+
+    def op_chat_stream(self, messages: list[Any], options: Any, kwargs: dict[str, Any]) -> int:
+        assert self.model is not None
+        return self.keep(self.model.chat_stream(messages, options, **kwargs))
+
+    def op_next(self, key: int) -> tuple[Any, ...]:
+        stream = self.stream(key)
+        try:
+            return ("snapshot", next(stream))
+        except StopIteration:
+            del self.objects[key]
+            return ("end", stream.reply, stream.session.messages)
+
+    def op_close_stream(self, key: int) -> tuple[Any, ...]:
+        stream = self.stream(key)
+        stream.close()
+        del self.objects[key]
+        return ("end", stream.reply, stream.session.messages)
+
+    def op_session_call(self, key: int, messages: list[Any], name: str, args: tuple[Any, ...]) -> Any:
+        assert name in SESSION_CALLS
+        session = self.session(key)
+        session.messages = messages
+        value = getattr(session, name)(*args)
+        if isinstance(value, Session):
+            value = self.handle(value)
+        return value, session.messages
+
+    def op_cached_tokens(self, key: int) -> int:
+        return self.session(key).cached_tokens
+
+    def op_drop(self, key: int) -> None:
+        self.objects.pop(key, None)
+
+    def op_close(self) -> None:
+        if self.model is not None:
+            self.model.close()
+
+
+def main() -> int:
+    conn = Connection(int(sys.argv[1]))
+    Worker(conn).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""A model's layers on llama.cpp RPC servers (two local ``ggml-rpc-server`` processes): replies
+equal a local run's, prefix reuse works the same, and every fault that kills llama.cpp's
+process (a server missing, killed or stopped) is a typed error in ours (``rpc_faults.py``)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rpc_faults import servers
+from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
+
+from llmsession import Model, ModelLoadError, rpc
+from llmsession.isolated import IsolatedModel
+
+FAULTS = Path(__file__).with_name("rpc_faults.py")
+
+
+@pytest.fixture()
+def endpoints(smollm2_path: Path) -> Iterator[list[str]]:
+    """Two fresh servers: each takes one client at a time."""
+    with servers(2) as started:
+        yield [endpoint for endpoint, _ in started]
+
+
+def test_a_chat_on_two_servers_equals_a_local_run(smollm2: Model, endpoints: list[str]) -> None:
+    """In this process (isolated=False), so the replies can be checked token by token against a
+    local fresh decode when they differ in text."""
+    tolerance = tolerance_for(short_prompt_noise(smollm2))
+    with Model(smollm2.path, threads=2, rpc_servers=endpoints, isolated=False) as remote:
+        assert not isinstance(remote, IsolatedModel)
+        ours = remote.session(system="You are a helpful assistant.")
+        for turn, question in enumerate(QUESTIONS[:3]):
+            before = copy.deepcopy(ours.messages)
+            reply = ours.respond(question, GREEDY)
+            local = smollm2.session()
+            local.messages = before
+            expected = local.respond(question, GREEDY)
+            assert reply.usage.prompt_tokens == expected.usage.prompt_tokens
+            if turn:
+                assert reply.usage.reused_tokens > 0
+            if reply.text != expected.text:
+                assert check_against_fresh(ours, reply, tolerance, reference=smollm2) == [], turn
+
+
+def test_an_isolated_chat_on_two_servers_equals_the_same_chat_in_process(
+    smollm2_path: Path, endpoints: list[str]
+) -> None:
+    """The worker process changes nothing: the same servers, batches and replies, exactly
+    (anticipation off, so both decode the same batches)."""
+    transcripts = []
+    for isolated in (True, False):
+        with Model(
+            smollm2_path, threads=2, rpc_servers=endpoints, isolated=isolated, anticipate=False
+        ) as remote:
+            assert isinstance(remote, IsolatedModel) == isolated
+            session = remote.session(system="You are a helpful assistant.")
+            replies = [session.respond(q, GREEDY) for q in QUESTIONS[:2]]
+            assert replies[1].usage.reused_tokens > replies[0].usage.prompt_tokens
+            fork = session.fork()
+            assert fork.messages == session.messages and fork.cached_tokens == session.cached_tokens > 0
+            transcripts.append(session.messages)
+    assert transcripts[0] == transcripts[1]
+
+
+def test_every_fault_is_a_typed_error_and_the_process_goes_on(smollm2_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(FAULTS), str(smollm2_path)], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    names = ["nothing_listening", "killed_after_load", "killed_mid_stream", "stopped_mid_stream"]
+    assert [line.split(":")[0] for line in out.stdout.splitlines()] == [*names, "healthy_local_chat"], out
+
+
+def test_the_preflight_names_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        rpc.parse_endpoint("localhost")
+    with pytest.raises(ValueError, match="twice"):
+        rpc.parse_endpoints(["a:1", "a:1"])
+    with pytest.raises(TypeError):
+        rpc.parse_endpoints("a:1")
+    with servers(1) as started:
+        info = rpc.preflight(rpc.parse_endpoint(started[0][0]), 2.0)
+        assert info.version[0] == rpc.PROTO_MAJOR and info.devices >= 1
+        started[0][1].kill()
+        started[0][1].wait()
+        with pytest.raises(ModelLoadError, match=started[0][0]):
+            rpc.preflight(rpc.parse_endpoint(started[0][0]), 2.0)
