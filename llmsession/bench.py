@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_concurrent import main as concurrent_main
 
         return concurrent_main(argv[1:])
+    if argv and argv[0] == "rpc":
+        from .bench_rpc import main as rpc_main
+
+        return rpc_main(argv[1:])
     if argv and argv[0] == "structured":
         from .bench_structured import main as structured_main
 

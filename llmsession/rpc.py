@@ -10,8 +10,13 @@ not load the native libraries.
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +135,39 @@ def server_command(port: int, host: str = "127.0.0.1", threads: int | None = Non
         raise FileNotFoundError(f"{binary} not found: run `llmsession setup` to build it")
     command = [str(binary), "-H", host, "-p", str(port)]
     return command + (["-t", str(threads)] if threads else [])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def local_servers(n: int, threads: int | None = None) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """``n`` RPC servers on this machine's loopback (tests, benchmarks): their endpoints and
+    processes, each answering the preflight before this yields; all killed on exit."""
+    started: list[tuple[str, subprocess.Popen[bytes]]] = []
+    try:
+        for _ in range(n):
+            port = free_port()
+            process = subprocess.Popen(
+                server_command(port, threads=threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            started.append((f"127.0.0.1:{port}", process))
+        for endpoint, _ in started:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    preflight(parse_endpoint(endpoint), 1.0)
+                    break
+                except ModelLoadError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        yield started
+    finally:
+        for _, process in started:
+            process.send_signal(signal.SIGCONT)  # a stopped one would not die
+            process.kill()
+            process.wait()

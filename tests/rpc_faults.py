@@ -11,52 +11,18 @@ from __future__ import annotations
 
 import copy
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
-from llmsession import BackendError, GenerationOptions, Model, ModelLoadError, rpc
+from llmsession import BackendError, GenerationOptions, Model, ModelLoadError
+from llmsession.rpc import free_port
+from llmsession.rpc import local_servers as servers
 from llmsession.session import Session
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 TIMEOUT_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def servers(n: int) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
-    """``n`` local RPC servers, each answering the preflight before this yields."""
-    started = []
-    try:
-        for _ in range(n):
-            port = free_port()
-            command = rpc.server_command(port, threads=1)
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            started.append((f"127.0.0.1:{port}", process))
-        for endpoint, _ in started:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    rpc.preflight(rpc.parse_endpoint(endpoint), 1.0)
-                    break
-                except ModelLoadError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-        yield started
-    finally:
-        for _, process in started:
-            process.send_signal(signal.SIGCONT)
-            process.kill()
-            process.wait()
 
 
 def expect_backend_error(session: Session, action: Callable[[], object], label: str) -> float:
@@ -85,7 +51,7 @@ def nothing_listening(path: str) -> str:
 
 
 def killed_after_load(path: str) -> str:
-    with servers(2) as started:
+    with servers(2, threads=1) as started:
         model = Model(path, rpc_servers=[e for e, _ in started], worker_timeout=TIMEOUT_S)
         session = model.session()
         started[1][1].kill()
@@ -94,7 +60,7 @@ def killed_after_load(path: str) -> str:
 
 
 def stream_then(path: str, fault: Callable[[subprocess.Popen[bytes]], None], label: str) -> tuple[float, str]:
-    with servers(2) as started:
+    with servers(2, threads=1) as started:
         model = Model(path, rpc_servers=[e for e, _ in started], worker_timeout=TIMEOUT_S)
         session = model.session()
         first = session.respond("Name a colour.", GREEDY)

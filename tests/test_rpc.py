@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rpc_faults import servers
 from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
 
 from llmsession import Model, ModelLoadError, rpc
 from llmsession.isolated import IsolatedModel
+from llmsession.rpc import local_servers as servers
 
 FAULTS = Path(__file__).with_name("rpc_faults.py")
 
@@ -23,7 +23,7 @@ FAULTS = Path(__file__).with_name("rpc_faults.py")
 @pytest.fixture()
 def endpoints(smollm2_path: Path) -> Iterator[list[str]]:
     """Two fresh servers: each takes one client at a time."""
-    with servers(2) as started:
+    with servers(2, threads=1) as started:
         yield [endpoint for endpoint, _ in started]
 
 
@@ -83,7 +83,7 @@ def test_the_preflight_names_what_is_wrong() -> None:
         rpc.parse_endpoints(["a:1", "a:1"])
     with pytest.raises(TypeError):
         rpc.parse_endpoints("a:1")
-    with servers(1) as started:
+    with servers(1, threads=1) as started:
         info = rpc.preflight(rpc.parse_endpoint(started[0][0]), 2.0)
         assert info.version[0] == rpc.PROTO_MAJOR and info.devices >= 1
         started[0][1].kill()
