@@ -3,7 +3,7 @@
 Usage: ``python tests/rpc_faults.py MODEL``. Each scenario starts its own ``ggml-rpc-server``
 processes, loads the model on them (in a worker process: the default with RPC), breaks a server
 and expects a typed error, with the session's transcript as it was before the failed exchange.
-Then this same process loads the model locally and chats. Prints one line per scenario; exits 0
+After each, this same process loads the model locally and chats. Prints one line per scenario; exits 0
 only if every one ended as expected (an abort of this process fails the test that runs it).
 """
 
@@ -93,14 +93,14 @@ def healthy_local_chat(path: str) -> str:
         session.respond("Hello!", GREEDY)
         second = session.respond("And then?", GREEDY)
         assert second.usage.reused_tokens > 0
-        return f"local chat after the faults: reused {second.usage.reused_tokens} tokens"
+        return f"a local chat reused {second.usage.reused_tokens} tokens"
 
 
 def main() -> int:
     path = sys.argv[1]
     scenarios = (nothing_listening, killed_after_load, killed_mid_stream, stopped_mid_stream)
-    for scenario in (*scenarios, healthy_local_chat):
-        print(f"{scenario.__name__}: {scenario(path)}", flush=True)
+    for scenario in scenarios:
+        print(f"{scenario.__name__}: {scenario(path)}; then {healthy_local_chat(path)}", flush=True)
     return 0
 
 

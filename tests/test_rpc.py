@@ -73,7 +73,9 @@ def test_every_fault_is_a_typed_error_and_the_process_goes_on(smollm2_path: Path
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     names = ["nothing_listening", "killed_after_load", "killed_mid_stream", "stopped_mid_stream"]
-    assert [line.split(":")[0] for line in out.stdout.splitlines()] == [*names, "healthy_local_chat"], out
+    lines = out.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == names, out
+    assert all("; then a local chat reused" in line for line in lines), out
 
 
 def test_the_preflight_names_what_is_wrong() -> None:
@@ -90,3 +92,30 @@ def test_the_preflight_names_what_is_wrong() -> None:
         started[0][1].wait()
         with pytest.raises(ModelLoadError, match=started[0][0]):
             rpc.preflight(rpc.parse_endpoint(started[0][0]), 2.0)
+
+
+def test_doctor_reports_each_endpoint_and_rpc_server_starts_one() -> None:
+    port = rpc.free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llmsession", "rpc-server", "--port", str(port), "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and f"serving on 127.0.0.1:{port}" in server.stdout.readline()
+        dead = f"127.0.0.1:{rpc.free_port()}"
+        for _ in range(200):  # the server binds right after exec
+            out = subprocess.run(
+                [sys.executable, "-m", "llmsession", "doctor", "--rpc", f"127.0.0.1:{port}", "--rpc", dead],
+                capture_output=True,
+                text=True,
+            )
+            if "protocol" in out.stdout:
+                break
+        assert out.returncode == 1 and dead in out.stderr, out
+        assert f"rpc 127.0.0.1:{port}: protocol 7.0.0, 1 device(s)" in out.stdout, out.stdout
+        assert "RPC" in out.stdout.splitlines()[-1], out.stdout  # the device llama.cpp sees there
+    finally:
+        server.kill()
+        server.wait()

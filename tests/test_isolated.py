@@ -1,0 +1,99 @@
+"""``Model(..., isolated=True)`` on a local model: the public API behaves as in-process, and a
+worker that dies or goes silent is a ``BackendError`` with the transcript intact."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_reuse import GREEDY, QUESTIONS
+
+from llmsession import BackendError, GenerationOptions, Model, ModelClosedError, Session
+from llmsession.isolated import IsolatedModel
+
+
+@pytest.fixture(scope="module")
+def isolated(smollm2_path: Path) -> Iterator[Model]:
+    """Anticipation off: then it decodes the same batches as an in-process twin, exactly."""
+    with Model(smollm2_path, threads=2, isolated=True, anticipate=False) as model:
+        yield model
+
+
+def test_it_answers_as_the_model_in_process(isolated: Model, smollm2_path: Path) -> None:
+    assert isinstance(isolated, IsolatedModel) and isinstance(isolated.session(), Session)
+    with Model(smollm2_path, threads=2, anticipate=False) as local:
+        ours, theirs = isolated.session("Be brief."), local.session("Be brief.")
+        for question in QUESTIONS[:2]:
+            reply, expected = ours.respond(question, GREEDY), theirs.respond(question, GREEDY)
+            assert (reply.text, reply.usage) == (expected.text, expected.usage)
+        assert ours.messages == theirs.messages and reply.usage.reused_tokens > 0
+        assert ours.cached_tokens == theirs.cached_tokens
+        assert isolated.tokenize("Hello") == local.tokenize("Hello")
+        assert isolated.render(ours.messages) == local.render(theirs.messages)
+    assert isolated.memory().live_sessions >= 1
+
+
+def test_a_cancelled_stream_keeps_what_it_said_and_the_session_goes_on(isolated: Model) -> None:
+    session = isolated.session()
+    stream = session.stream("Write a long story.", GenerationOptions(max_tokens=200, temperature=0))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            stream.cancel()
+    assert stream.reply is not None and stream.reply.finish_reason == "cancelled"
+    assert session.messages[-1] == {"role": "assistant", "content": stream.reply.text}
+    assert session.respond("Shorter, please.", GREEDY).usage.reused_tokens > 0
+
+
+def test_edits_forks_saves_and_stateless_calls(isolated: Model, tmp_path: Path) -> None:
+    session = isolated.session()
+    first = session.respond(QUESTIONS[0], GREEDY)
+    twin = session.fork()
+    assert twin.messages == session.messages and twin is not session
+    del session.messages[-2:]  # an undo, made here: the worker sees it on the next call
+    again = session.respond(QUESTIONS[0], GREEDY)
+    assert again.text == first.text and again.usage.reused_tokens > 0
+    session.save(tmp_path / "s.llms")
+    loaded = isolated.load_session(tmp_path / "s.llms")
+    assert loaded.messages == session.messages
+    assert loaded.respond(QUESTIONS[1], GREEDY).usage.restored_tokens > 0
+    history = [*copy.deepcopy(session.messages), {"role": "user", "content": QUESTIONS[1]}]
+    assert isolated.chat(history, GREEDY).text
+    reply = asyncio.run(session.arespond(QUESTIONS[2], GREEDY))
+    assert session.messages[-1]["content"] == reply.text
+
+
+def test_a_dead_worker_is_a_typed_error_and_a_new_model_takes_over(smollm2_path: Path) -> None:
+    model = Model(smollm2_path, threads=2, isolated=True)
+    session = model.session()
+    session.respond(QUESTIONS[0], GREEDY)
+    before = copy.deepcopy(session.messages)
+    assert isinstance(model, IsolatedModel)
+    os.kill(model._worker.process.pid, signal.SIGKILL)
+    with pytest.raises(BackendError, match="SIGKILL"):
+        session.respond(QUESTIONS[1], GREEDY)
+    assert session.messages == before and model.closed
+    with pytest.raises(ModelClosedError):
+        model.session()
+    model.close()
+    with Model(smollm2_path, threads=2, isolated=True) as again:
+        fresh = again.session()
+        fresh.messages = session.messages
+        assert fresh.respond(QUESTIONS[1], GREEDY).text
+
+
+def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> None:
+    with Model(smollm2_path, threads=2, isolated=True, worker_timeout=1.0) as model:
+        session = model.session()
+        assert isinstance(model, IsolatedModel)
+        os.kill(model._worker.process.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(BackendError, match="sent nothing for 1 s"):
+            session.respond(QUESTIONS[0], GREEDY)
+        assert time.monotonic() - began < 3
+        assert session.messages == []
