@@ -61,8 +61,13 @@ class Model:
     ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
     depth on the CPU, at the price of replies that depend on the cache's placement
     (``choose_flash_attention``). ``anticipate``: after each reply, decode the next prompt's
-    opening in the background (``anticipate``). ``with Model(path) as model:`` frees the model
-    and every session's state on exit.
+    opening in the background (``anticipate``). ``rpc_servers`` ("host:port" of llama.cpp RPC
+    servers) put the layers (all, unless ``gpu_layers`` says) on other hosts; each is checked
+    from Python first (``rpc.preflight``). ``isolated`` runs the model in a worker process
+    (default: with ``rpc_servers``), so a server that dies or hangs mid-decode is a
+    ``BackendError`` within ``worker_timeout`` seconds, not the end of this process
+    (``isolated``). ``with Model(path) as model:`` frees the model and every session's state on
+    exit.
     """
 
     def __new__(cls, path: str | Path, **kwargs: Any) -> Model:
