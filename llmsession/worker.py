@@ -9,7 +9,8 @@ too long, and raises ``BackendError``.
 Messages, both ways pickled tuples: the parent sends ``(request, op, args)`` (request None: no
 answer wanted) and ``("cancel", stream_id)``, which the reader thread applies at once, mid-decode;
 this process answers ``("ok" | "error", request, value)`` and sends ``("beat", seconds)`` every
-``BEAT_S``: how long the current native call (a decode, or the model's load) has been running.
+``BEAT_S`` while it works on a request: how long the current native call (a decode, or the
+model's load) has been running.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Worker:
         self.ids = itertools.count(1)
         self.model: Model | None = None
         self.loading_since: float | None = None
+        self.busy = False  # a request that wants an answer is running
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.send_lock:
@@ -76,8 +78,11 @@ class Worker:
             os._exit(0)
 
     def beat(self) -> None:
+        """While a request runs (idle, there is nobody to tell, and nobody reads)."""
         while True:
             time.sleep(BEAT_S)
+            if not self.busy:
+                continue
             since = self.loading_since
             stuck = time.monotonic() - since if since is not None else ACTIVITY.busy_for()
             try:
@@ -90,12 +95,14 @@ class Worker:
         threading.Thread(target=self.beat, daemon=True).start()
         while True:
             request, op, args = self.requests.get()
+            self.busy = request is not None
             try:
                 value, error = getattr(self, f"op_{op}")(*args), None
             except BaseException as caught:  # returned to the caller, who raises it
                 value, error = None, portable(caught)
             if request is not None:
                 self.send(("ok", request, value) if error is None else ("error", request, error))
+            self.busy = False
             if op == "close":
                 return
 

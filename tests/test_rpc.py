@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
 
-from llmsession import Model, ModelLoadError, rpc
+from llmsession import GenerationOptions, Image, Model, ModelLoadError, rpc
 from llmsession.isolated import IsolatedModel
 from llmsession.rpc import local_servers as servers
 
@@ -65,6 +65,25 @@ def test_an_isolated_chat_on_two_servers_equals_the_same_chat_in_process(
             assert fork.messages == session.messages and fork.cached_tokens == session.cached_tokens > 0
             transcripts.append(session.messages)
     assert transcripts[0] == transcripts[1]
+
+
+def test_images_go_through_the_worker_and_the_servers_as_locally(
+    smollm2_path: Path, fixture_path: Callable[[str], Path], endpoints: list[str]
+) -> None:
+    """The projector runs on this host's CPU; its embeddings are decoded on the servers."""
+    options = GenerationOptions(max_tokens=8, temperature=0)
+    answers = []
+    for remote in (False, True):
+        servers_ = {"rpc_servers": endpoints} if remote else {}
+        projector = fixture_path("mmproj-tiny.gguf")
+        with Model(smollm2_path, mmproj_path=projector, threads=2, anticipate=False, **servers_) as model:
+            assert isinstance(model, IsolatedModel) == remote
+            session = model.session()
+            first = session.respond(["What is this?", Image(fixture_path("image-red.png"))], options)
+            second = session.respond("And its colour?", options)
+            assert second.usage.reused_tokens > first.usage.prompt_tokens // 2  # the image is not re-encoded
+            answers.append((first.text, second.text, second.usage))
+    assert answers[0] == answers[1]
 
 
 def test_every_fault_is_a_typed_error_and_the_process_goes_on(smollm2_path: Path) -> None:
