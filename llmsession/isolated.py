@@ -1,7 +1,7 @@
 """A model run in a worker process (``Model(..., isolated=True)``; the default with
 ``rpc_servers``): the same public API, and a process that survives what kills llama.cpp.
 
-The parent keeps each session's transcript; every exchange sends it along, so when the worker
+The parent keeps each session's transcript (an exchange sends it along when it was edited), so when the worker
 dies (SIGABRT from a dead RPC server) or stops answering (a decode waiting on a stopped one for
 longer than ``worker_timeout``), the call raises ``BackendError``, the transcript is as it was
 before that exchange, and a new ``Model`` can take over. Calls into one worker run one at a
@@ -11,6 +11,7 @@ time (a stream's ``cancel()`` overtakes them); each step of a stream is one roun
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import os
 import signal
@@ -215,7 +216,8 @@ class IsolatedSession(Session):
 
     def __init__(self, model: IsolatedModel, handle: tuple[int, dict[str, Any], list[Any]]) -> None:
         self.model = model
-        self._key, attrs, self.messages = handle
+        self._key, attrs, messages = handle
+        self._sync(messages)
         self.context_size, self.batch_size = attrs["context_size"], attrs["batch_size"]
         self.thinking, self.swa_full = attrs["thinking"], attrs["swa_full"]
         self._closed = False
@@ -227,15 +229,25 @@ class IsolatedSession(Session):
         return self.model
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
-        key = self._isolated._call("stream", self._key, self.messages, content, checked(options))
+        key, messages = self._isolated._call("stream", self._key, self._edits(), content, checked(options))
+        self._sync(messages)  # with the exchange of an unfinished stream it finished first
         return IsolatedStream(self._isolated, self, key)
+
+    def _edits(self) -> list[Any] | None:
+        """The transcript if it was changed here since the worker's was last seen, else None:
+        the worker's stays (it holds exchanges of streams dropped unfinished, as locally)."""
+        return None if self.messages == self._synced else self.messages
+
+    def _sync(self, messages: list[Any]) -> None:
+        self.messages, self._synced = messages, copy.deepcopy(messages)
 
     def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
         options = checked(options)
         return AsyncStream(lambda: self.stream(content, options))
 
     def _session_call(self, name: str, *args: Any) -> Any:
-        value, self.messages = self._isolated._call("session_call", self._key, self.messages, name, args)
+        value, messages = self._isolated._call("session_call", self._key, self._edits(), name, args)
+        self._sync(messages)
         return value
 
     def clear_cached_context(self) -> None:
@@ -283,8 +295,8 @@ class IsolatedStream(Stream):
     def _end(self, reply: Reply, messages: list[Any]) -> None:
         self._done, self._reply = True, reply
         self._drop.detach()
-        if self.session is not None:
-            self.session.messages = messages
+        if isinstance(self.session, IsolatedSession):
+            self.session._sync(messages)
 
     def cancel(self) -> None:
         self._model._worker.tell("cancel", self._key)

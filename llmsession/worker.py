@@ -148,10 +148,15 @@ class Worker:
         assert self.model is not None
         return self.handle(self.model.load_session(path, **overrides))
 
-    def op_stream(self, key: int, messages: list[Any], content: Any, options: GenerationOptions) -> int:
+    def op_stream(
+        self, key: int, messages: list[Any] | None, content: Any, options: GenerationOptions
+    ) -> tuple[int, list[Any]]:
+        """``messages``: the caller's edited transcript, or None to keep this one."""
         session = self.session(key)
-        session.messages = messages
-        return self.keep(session.stream(content, options))
+        if messages is not None:
+            session.messages = messages
+        stream = session.stream(content, options)  # finishes an unfinished one first
+        return self.keep(stream), session.messages
 
     def op_chat_stream(self, messages: list[Any], options: Any, kwargs: dict[str, Any]) -> int:
         assert self.model is not None
@@ -171,10 +176,11 @@ class Worker:
         del self.objects[key]
         return ("end", stream.reply, stream.session.messages)
 
-    def op_session_call(self, key: int, messages: list[Any], name: str, args: tuple[Any, ...]) -> Any:
+    def op_session_call(self, key: int, messages: list[Any] | None, name: str, args: tuple[Any, ...]) -> Any:
         assert name in SESSION_CALLS
         session = self.session(key)
-        session.messages = messages
+        if messages is not None:
+            session.messages = messages
         value = getattr(session, name)(*args)
         if isinstance(value, Session):
             value = self.handle(value)

@@ -34,6 +34,12 @@ def test_it_answers_as_the_model_in_process(isolated: Model, smollm2_path: Path)
             assert (reply.text, reply.usage) == (expected.text, expected.usage)
         assert ours.messages == theirs.messages and reply.usage.reused_tokens > 0
         assert ours.cached_tokens == theirs.cached_tokens
+        for session in (ours, theirs):  # a stream dropped unfinished keeps what it said
+            stream = session.stream(QUESTIONS[2], GREEDY)
+            next(stream), next(stream)
+            del stream
+            session.respond(QUESTIONS[3], GREEDY)
+        assert ours.messages == theirs.messages and len(ours.messages) == 9
         assert isolated.tokenize("Hello") == local.tokenize("Hello")
         assert isolated.render(ours.messages) == local.render(theirs.messages)
     assert isolated.memory().live_sessions >= 1
