@@ -223,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_concurrent import main as concurrent_main
 
         return concurrent_main(argv[1:])
-    if argv and argv[0] == "rpc":
+    if argv and (argv[0] == "rpc" or "--rpc" in argv):  # `bench --rpc H:P` too
         from .bench_rpc import main as rpc_main
 
-        return rpc_main(argv[1:])
+        return rpc_main(argv[1:] if argv[0] == "rpc" else argv)
     if argv and argv[0] == "structured":
         from .bench_structured import main as structured_main
 

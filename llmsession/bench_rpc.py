@@ -33,7 +33,7 @@ CONTENDERS = (("local", False, False), ("local, worker", False, True), ("rpc, wo
               ("rpc, in-process", True, False))  # fmt: skip
 
 
-def chat(model: Model, options: GenerationOptions) -> dict[str, Any]:
+def chat(model: Model, options: GenerationOptions, turns: int) -> dict[str, Any]:
     """One chat, each exchange streamed: its TTFTs, generation rates and reply texts; and the
     time of a call that does nothing (a worker's round trip: each streamed token pays one)."""
     model.session().respond("Hello", GenerationOptions(max_tokens=4, temperature=0))  # warm up
@@ -43,7 +43,7 @@ def chat(model: Model, options: GenerationOptions) -> dict[str, Any]:
         _ = session.cached_tokens
     call_s = (time.perf_counter() - began) / ROUND_TRIPS
     ttft, rates, texts = [], [], []
-    for question in QUESTIONS:
+    for question in QUESTIONS[:turns]:
         began, first = time.perf_counter(), 0.0
         stream = session.stream(question, options)
         for _ in stream:
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with Model(args.model, threads=args.threads, isolated=isolated, **extra) as model:
                     results["machine"] = machine(model.threads)
                     runs = results["contenders"].setdefault(name, [])
-                    runs.append(chat(model, options))
+                    runs.append(chat(model, options, args.turns))
     return results
 
 
@@ -117,6 +117,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rpc", action="append", metavar="HOST:PORT", help="servers (default: 2 local ones)")
     parser.add_argument("--server-threads", type=int, default=1, help="threads of each local server")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=len(QUESTIONS), choices=range(2, len(QUESTIONS) + 1))
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every contender in turn")
     common_arguments(parser)
     args = parser.parse_args(argv)

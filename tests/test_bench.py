@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import jsonschema
+import pytest
 
-from llmsession import GenerationOptions, Model, bench_structured
+from llmsession import GenerationOptions, Model, bench_rpc, bench_structured
 from llmsession.bench import QUESTIONS, Turn, multi_turn
 
 
@@ -40,3 +41,20 @@ def test_structured_scenario_reports_both_contenders_rates(smollm2_path: Path) -
             jsonschema.validate(json.loads(schema_run["text"]), bench_structured.CASES[name]["schema"])
         else:
             assert schema_run["finish"] == "length" and schema_run["tokens"] == 24
+
+
+def test_rpc_scenario_runs_every_contender_and_prints_its_table(
+    smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = argparse.Namespace(
+        model=smollm2_path, threads=2, repeats=1, max_tokens=4, turns=2, rpc=None, server_threads=1
+    )
+    results = bench_rpc.run(args)
+    json.dumps(results)
+    assert list(results["contenders"]) == [name for name, _, _ in bench_rpc.CONTENDERS]
+    for runs in results["contenders"].values():
+        (run,) = runs
+        assert len(run["ttft_s"]) == 2 and min(run["tokens_per_s"]) > 0
+    assert results["contenders"]["local, worker"][0]["call_s"] > 0
+    bench_rpc.report(results)
+    assert "rpc, worker" in capsys.readouterr().out
