@@ -82,16 +82,18 @@ def fresh_exchange(shadow: Session, history: list[Message], text: str, options: 
 
 
 def multi_turn(
-    model: Model, questions: list[str], options: GenerationOptions, think: float
+    model: Model, questions: list[str], options: GenerationOptions, think: float, exe: Path | None = None
 ) -> dict[str, Any]:
     """One chat with the cache; each turn is also replayed fresh on the identical transcript,
-    after the user "thought" for ``think`` seconds (what anticipatory prefill has to work in).
+    after the user "thought" for ``think`` seconds (what anticipatory prefill has to work in),
+    and, with llama-bench's ``exe``, measured against the compute limit right after (this
+    machine's speed drifts by a fifth within minutes: a limit measured later is another one's).
 
     "New" tokens are what a perfect cache would decode: the prompt minus its common prefix with
     the previous prompt followed by the previous reply, tokenized on its own.
     """
     cache, shadow = model.session(SYSTEM), model.session(SYSTEM)
-    cached, fresh, new, held, diverged = [], [], [], list[int](), 0
+    cached, fresh, new, held, diverged, limits = [], [], [], list[int](), 0, list[float | None]()
     for question in questions:
         history = list(cache.messages)
         prompt = model.prompt_tokens([*history, {"role": "user", "content": question}])
@@ -102,6 +104,8 @@ def multi_turn(
         fresh.append(fresh_exchange(shadow, history, question, options))
         diverged += shadow.messages[-1]["content"] != text
         held = prompt + model.tokenize(text, add_special=False)
+        if exe is not None:
+            limits += compute_limits(exe, model, [turn])
     cache.close()
     shadow.close()
     summary = {
@@ -112,7 +116,8 @@ def multi_turn(
         "cache_over_fresh_ttft_last": cached[-1].ttft_s / fresh[-1].ttft_s,
         "replies_differing_from_fresh": diverged,
     }
-    return {"cache": rows_of(cached), "fresh": rows_of(fresh), "new_tokens": new, "summary": summary}
+    result = {"cache": rows_of(cached), "fresh": rows_of(fresh), "new_tokens": new, "summary": summary}
+    return result | ({"compute_limit_s": limits} if exe is not None else {})
 
 
 def compute_limits(exe: Path, model: Model, turns: list[Turn]) -> list[float | None]:
@@ -242,11 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
         results |= {"threads": model.threads, "max_tokens": args.max_tokens, "think_s": args.think}
-        progress(f"multi-turn chat ({args.turns} turns)", started)
-        results["multi_turn"] = multi_turn(model, questions, options, args.think)
-        progress("compute limit per turn (llama-bench)", started)
-        limits = compute_limits(args.llama_bench, model, turns_of(results["multi_turn"]["cache"]))
-        results["multi_turn"]["compute_limit_s"] = limits
+        progress(f"multi-turn chat ({args.turns} turns, each with its compute limit)", started)
+        results["multi_turn"] = multi_turn(model, questions, options, args.think, args.llama_bench)
         progress("interleaved sessions", started)
         results["interleaved"] = interleaved(model, plans, options, args.think)
         progress("generation and llama-bench", started)

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from . import rpc
 from .aio import AsyncStream
+from .budget import MemoryReport
 from .errors import BackendError, ModelClosedError, UnsupportedFeatureError
 from .model import Model
 from .options import GenerationOptions
@@ -140,6 +141,7 @@ class IsolatedModel(Model):
         mmproj = kwargs.get("mmproj_path")
         self.mmproj_path = None if mmproj is None else Path(mmproj)
         self._worker = WorkerProcess(worker_timeout)
+        weakref.finalize(self, self._worker.stop)  # dropped unclosed: the worker goes too
         try:
             info = self._worker.call(
                 "load", str(path), {**kwargs, "rpc_servers": servers}, limit=LOAD_TIMEOUT_S
@@ -182,8 +184,9 @@ class IsolatedModel(Model):
         value = self._model_call("projector_identity")
         return None if value is None else str(value)
 
-    def memory(self) -> Any:
-        return self._model_call("memory")
+    def memory(self) -> MemoryReport:
+        report: MemoryReport = self._model_call("memory")
+        return report
 
     def chat_stream(
         self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None, **kw: Any

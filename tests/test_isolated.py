@@ -103,3 +103,16 @@ def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> N
             session.respond(QUESTIONS[0], GREEDY)
         assert time.monotonic() - began < 3
         assert session.messages == []
+
+
+def test_the_proxies_override_every_public_method_that_reaches_native_state() -> None:
+    """An inherited method would run on state the proxies do not have; these few are built on
+    overridden ones only."""
+    from llmsession.isolated import IsolatedSession, IsolatedStream
+    from llmsession.stream import Stream
+
+    built_on_others = {"chat", "respond", "arespond"}
+    for proxy, base in ((IsolatedModel, Model), (IsolatedSession, Session), (IsolatedStream, Stream)):
+        public = {name for name in vars(base) if not name.startswith("_")}
+        missing = public - set(vars(proxy)) - built_on_others
+        assert not missing, f"{proxy.__name__} inherits {sorted(missing)}"
