@@ -51,6 +51,7 @@ class WorkerProcess:
                 pass_fds=[theirs.fileno()],
                 stdout=sys.__stderr__.fileno() if sys.__stderr__ else subprocess.DEVNULL,  # never ours
                 env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the caller, who passes it on
             )
         self.conn = Connection(ours.detach())
         self.timeout = timeout
@@ -244,6 +245,8 @@ class IsolatedSession(Session):
     def _sync(self, messages: list[Any]) -> None:
         self.messages, self._synced = messages, copy.deepcopy(messages)
 
+    _synced: list[Any] | None
+
     def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
         options = checked(options)
         return AsyncStream(lambda: self.stream(content, options))
@@ -288,7 +291,13 @@ class IsolatedStream(Stream):
     def __next__(self) -> Snapshot:
         if self._done:
             raise StopIteration
-        kind, *rest = self._model._call("next", self._key)
+        try:
+            kind, *rest = self._model._call("next", self._key)
+        except KeyboardInterrupt:  # as in-process: the decode stops, the transcript stays
+            self._model._worker.tell("interrupt")
+            if isinstance(self.session, IsolatedSession):
+                self.session._synced = None  # the worker's may hold the interrupted exchange
+            raise
         if kind == "snapshot":
             snapshot: Snapshot = rest[0]
             return snapshot

@@ -7,7 +7,8 @@ only; the parent sees the socket close, or hears in the heartbeat that a decode 
 too long, and raises ``BackendError``.
 
 Messages, both ways pickled tuples: the parent sends ``(request, op, args)`` (request None: no
-answer wanted) and ``("cancel", stream_id)``, which the reader thread applies at once, mid-decode;
+answer wanted), ``("cancel", stream_id)`` and ``("interrupt",)`` (the caller's Ctrl-C), which
+the reader thread applies at once, mid-decode;
 this process answers ``("ok" | "error", request, value)`` and sends ``("beat", seconds)`` every
 ``BEAT_S`` while it works on a request: how long the current native call (a decode, or the
 model's load) has been running.
@@ -15,6 +16,7 @@ model's load) has been running.
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import os
 import pickle
@@ -72,6 +74,9 @@ class Worker:
                     stream = self.objects.get(message[1])
                     if isinstance(stream, Stream):
                         stream.cancel()
+                elif message[0] == "interrupt":  # the caller's Ctrl-C, for the step it waited for
+                    if self.busy:
+                        _thread.interrupt_main()
                 else:
                     self.requests.put(message)
         except (EOFError, OSError):  # the parent is gone: so is the reason to finish anything
@@ -94,17 +99,24 @@ class Worker:
         threading.Thread(target=self.read, daemon=True).start()
         threading.Thread(target=self.beat, daemon=True).start()
         while True:
-            request, op, args = self.requests.get()
-            self.busy = request is not None
             try:
-                value, error = getattr(self, f"op_{op}")(*args), None
-            except BaseException as caught:  # returned to the caller, who raises it
-                value, error = None, portable(caught)
-            if request is not None:
-                self.send(("ok", request, value) if error is None else ("error", request, error))
-            self.busy = False
-            if op == "close":
-                return
+                if not self.serve_one():
+                    return
+            except KeyboardInterrupt:  # an interrupt that came as its step ended: it is over
+                self.busy = False
+
+    def serve_one(self) -> bool:
+        """Run the next request and answer it; False after ``close``."""
+        request, op, args = self.requests.get()
+        self.busy = request is not None
+        try:
+            value, error = getattr(self, f"op_{op}")(*args), None
+        except BaseException as caught:  # returned to the caller, who raises it
+            value, error = None, portable(caught)
+        if request is not None:
+            self.send(("ok", request, value) if error is None else ("error", request, error))
+        self.busy = False
+        return op != "close"
 
     def keep(self, thing: Session | Stream) -> int:
         key = next(self.ids)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_defects import run_python
 from test_reuse import GREEDY, QUESTIONS
 
 from llmsession import BackendError, GenerationOptions, Model, ModelClosedError, Session
@@ -116,3 +117,39 @@ def test_the_proxies_override_every_public_method_that_reaches_native_state() ->
         public = {name for name in vars(base) if not name.startswith("_")}
         missing = public - set(vars(proxy)) - built_on_others
         assert not missing, f"{proxy.__name__} inherits {sorted(missing)}"
+
+
+def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(smollm2_path: Path) -> None:
+    """As in-process (``test_defects``): KeyboardInterrupt propagates, the worker's decode stops
+    within a batch, the transcript is as it was, and the next exchange reuses what was decoded."""
+    result = run_python(
+        f"""
+        import os, signal, threading, time
+        from llmsession import Model, GenerationOptions
+        GREEDY = GenerationOptions(max_tokens=8, temperature=0)
+        with Model({str(smollm2_path)!r}, threads=2, isolated=True, anticipate=False) as model:
+            session = model.session(context_size=4096, batch_size=64)
+            text = " ".join(["river bridge lantern harbour meadow orchard"] * 500)
+            def interrupt():
+                time.sleep(1.0)  # inside the prefill of 3,000 tokens (several seconds)
+                os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=interrupt, daemon=True).start()
+            began = time.perf_counter()
+            try:
+                session.respond(text, GREEDY)
+            except KeyboardInterrupt:
+                waited = time.perf_counter() - began - 1.0
+            else:
+                raise SystemExit("the prefill ran to the end")
+            assert session.messages == [], session.messages
+            kept = session.cached_tokens
+            assert 0 < kept < 3000, kept
+            reply = session.respond("Hi", GREEDY)
+            assert session.messages[0] == {{"role": "user", "content": "Hi"}}, session.messages
+            fresh = model.session(context_size=4096).respond("Hi", GREEDY)
+            assert reply.text == fresh.text, (reply.text, fresh.text)
+            print("kept", kept, "after the signal", round(waited, 3), "s")
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "kept" in result.stdout
