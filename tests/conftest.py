@@ -27,6 +27,7 @@ NATIVE_FILES = {
     "test_fuzz",
     "test_images",
     "test_lifetimes",
+    "test_rpc",
     "test_wheel",
 }  # they load the libraries or run llmsession in a subprocess without a model fixture
 SLOW_FILES = {"test_fuzz", "test_wheel"}
