@@ -3,7 +3,7 @@ who typed the same words keeps the tokenizer's split), and only when the text is
 
 from __future__ import annotations
 
-from llmsession import Model
+from llmsession import GenerationOptions, Model
 from llmsession.splice import ReplyTokens, marker, splice, stretches
 
 
@@ -65,3 +65,21 @@ def test_a_session_holds_its_own_reply_even_when_another_said_the_same(smollm2: 
     assert held == smollm2.tokenize(smollm2.render([*mine.messages, *ask]))  # its own: canonical
     assert smollm2.prompt([*theirs.messages, *ask], own=theirs._replies).tokens() != held
     assert mine.fork()._replies.get(text) == tuple(canonical)
+
+
+def test_remembered_stretches_give_the_prompt_a_cold_tokenizer_gives(smollm2: Model) -> None:
+    """The text between spliced replies is tokenized once and remembered; a prompt built from
+    remembered stretches equals one built with none remembered, and a caller that changes the
+    tokens it got back changes nothing remembered."""
+    session = smollm2.session()
+    for question in ("Name a colour.", "And a fruit?", "And an animal?"):
+        session.respond(question, GenerationOptions(max_tokens=12, temperature=0.9, seed=13))
+    messages = [*session.messages, {"role": "user", "content": "Thanks!"}]
+    warm = smollm2.prompt(messages, own=session._replies).items
+    smollm2.prompt(messages, own=session._replies).items.clear()  # a caller's own copy
+    smollm2._stretches.clear()
+    cold = smollm2.prompt(messages, own=session._replies).items
+    assert warm == cold
+    tokens = [int(t) for t in cold]
+    assert smollm2.native.detokenize(tokens, special=True) == smollm2.render(messages)
+    assert tokens != smollm2.tokenize(smollm2.render(messages)), "seed 13's replies are not canonical"
