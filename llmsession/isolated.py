@@ -1,11 +1,12 @@
 """A model run in a worker process (``Model(..., isolated=True)``; the default with
 ``rpc_servers``): the same public API, and a process that survives what kills llama.cpp.
 
-The parent keeps each session's transcript (an exchange sends it along when it was edited), so when the worker
-dies (SIGABRT from a dead RPC server) or stops answering (a decode waiting on a stopped one for
-longer than ``worker_timeout``), the call raises ``BackendError``, the transcript is as it was
-before that exchange, and a new ``Model`` can take over. Calls into one worker run one at a
-time (a stream's ``cancel()`` overtakes them); each step of a stream is one round trip.
+The parent keeps each session's transcript (an exchange sends it along when it was edited), so
+when the worker dies (SIGABRT from a dead RPC server) or stops answering (a decode waiting on a
+stopped one for longer than ``worker_timeout``), the call raises ``BackendError``, the
+transcript is as it was before that exchange, and a new ``Model`` can take over. Calls into one
+worker run one at a time (a stream's ``cancel()`` and the caller's Ctrl-C overtake them); each
+step of a stream is one round trip.
 """
 
 from __future__ import annotations
