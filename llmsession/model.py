@@ -100,6 +100,8 @@ class Model:
         isolated: bool | None = None,
         worker_timeout: float = 60.0,
     ) -> None:
+        if not worker_timeout > 0:
+            raise ValueError(f"worker_timeout must be positive, got {worker_timeout!r}")
         servers = [str(e) for e in rpc.parse_endpoints(rpc_servers)] if rpc_servers else []
         if gpu_layers is None:  # every layer on the RPC servers' devices, else none offloaded
             gpu_layers = -1 if servers else 0
