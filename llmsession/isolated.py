@@ -134,11 +134,9 @@ class IsolatedModel(Model):
         worker_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
-        if not worker_timeout > 0:
-            raise ValueError(f"worker_timeout must be positive, got {worker_timeout!r}")
-        servers = [str(e) for e in rpc.parse_endpoints(rpc_servers)] if rpc_servers else []
-        for endpoint in servers:  # no process is started for a server that is not there
-            rpc.preflight(rpc.parse_endpoint(endpoint), worker_timeout)
+        # no process is started for a server that is not there (its worker checks them again,
+        # right before llama.cpp gets them)
+        servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         self.path = Path(path)
         mmproj = kwargs.get("mmproj_path")
         self.mmproj_path = None if mmproj is None else Path(mmproj)

@@ -100,9 +100,7 @@ class Model:
         isolated: bool | None = None,
         worker_timeout: float = 60.0,
     ) -> None:
-        if not worker_timeout > 0:
-            raise ValueError(f"worker_timeout must be positive, got {worker_timeout!r}")
-        servers = [str(e) for e in rpc.parse_endpoints(rpc_servers)] if rpc_servers else []
+        servers = rpc.checked_servers(rpc_servers, worker_timeout)
         if gpu_layers is None:  # every layer on the RPC servers' devices, else none offloaded
             gpu_layers = -1 if servers else 0
         if threads is not None:
@@ -127,9 +125,8 @@ class Model:
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
         self.anticipate = bool(anticipate)
-        for endpoint in servers:  # llama.cpp would abort the process on one that is not there
-            rpc.preflight(rpc.parse_endpoint(endpoint), worker_timeout)
-        self.native = NativeModel(self.path, gpu_layers=gpu_layers, rpc_servers=servers)
+        reachable = rpc.preflight_all(servers, worker_timeout)  # llama.cpp aborts on one that is not
+        self.native = NativeModel(self.path, gpu_layers=gpu_layers, rpc_servers=reachable)
         self.projector: Projector | None = None
         if self.native.has_encoder and (mmproj_path is not None or not self.native.has_decoder):
             self.native.close()

@@ -15,7 +15,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,19 @@ def parse_endpoints(texts: object) -> list[Endpoint]:
     if len(set(endpoints)) != len(endpoints):
         raise ValueError("rpc_servers names one server twice (a server takes one client at a time)")
     return endpoints
+
+
+def checked_servers(texts: Sequence[str], timeout: float) -> list[Endpoint]:
+    """A model's ``rpc_servers`` (none is fine) and ``worker_timeout``, which bounds reaching
+    them as well as its worker: checked before anything starts."""
+    if not timeout > 0:
+        raise ValueError(f"worker_timeout must be positive, got {timeout!r}")
+    return parse_endpoints(texts) if texts else []
+
+
+def preflight_all(endpoints: Sequence[Endpoint], timeout: float) -> list[str]:
+    """Each endpoint preflighted (``preflight``); their "host:port", to hand llama.cpp."""
+    return [str(preflight(endpoint, timeout).endpoint) for endpoint in endpoints]
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
