@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 
 class ReplyTokens:
-    """The tokens of the latest replies, by their text (least recently used forgotten)."""
+    """Tokens by their text, the least recently used forgotten: the latest replies as they were
+    generated (and the model's prompt stretches as tokenized)."""
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity

@@ -77,7 +77,7 @@ def test_remembered_stretches_give_the_prompt_a_cold_tokenizer_gives(smollm2: Mo
     messages = [*session.messages, {"role": "user", "content": "Thanks!"}]
     warm = smollm2.prompt(messages, own=session._replies).items
     smollm2.prompt(messages, own=session._replies).items.clear()  # a caller's own copy
-    smollm2._stretches.clear()
+    smollm2._stretches = (ReplyTokens(), ReplyTokens())  # none remembered
     cold = smollm2.prompt(messages, own=session._replies).items
     assert warm == cold
     tokens = [int(t) for t in cold]
