@@ -110,7 +110,7 @@ class Engine:
         self.flash_attention = flash_attention
         self.make_context = make_context or functools.partial(NativeContext, native)
         self.gate = Gate()  # the lock, and who waits for it
-        self.lock, self.hold = self.gate.lock, self.gate.hold
+        self.hold = self.gate.hold  # every taker counts as waiting: background work gives way to it
         self.batcher = Batcher(self.gate)  # its decode thread holds the gate, not the engine
         weakref.finalize(self, self.batcher.close)
         self.lot = ParkingLot(config.disk_cache_dir)
@@ -127,7 +127,7 @@ class Engine:
         small-window cache let a deep rewind's logits drift past the split-noise tolerance)."""
         n_swa = max(0, self.native.n_swa)
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
-        with self.lock:
+        with self.hold():
             pool = self._pool(swa_full, batch_size)
             lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa)
             pool.leases[lease.key] = lease
@@ -152,11 +152,11 @@ class Engine:
         for it under the lock. A failure here is left for that exchange to raise."""
         if self.native.has_encoder:
             return None  # its exchanges take contexts of their own
-        with self.lock:
+        with self.hold():
             pool = self._pool(True, self.config.batch_size)
 
         def make() -> None:
-            with self.lock:
+            with self.hold():
                 if not self._closed:
                     try:
                         pool.context  # noqa: B018  (made on first use)
@@ -174,7 +174,7 @@ class Engine:
 
     def discard(self, lease: Lease) -> None:
         """Forget a session's state wherever it is: the session goes cold."""
-        with self.lock:
+        with self.hold():
             self._free(lease, lease.pool.residency.cool(lease.key))
             lease.cache.reset()
 
@@ -211,14 +211,14 @@ class Engine:
         try:
             yield seat
         finally:
-            with self.lock:
+            with self.hold():
                 pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
 
     @contextmanager
     def single_use(self, lease: Lease, n_ctx: int, cancelled: _threading.Event) -> Iterator[Seat]:
         """A context of its own for one exchange of an encoder-decoder model: its decoder state
         depends on the whole encoded prompt, so there is no prefix to keep (as upstream does)."""
-        with self.lock:
+        with self.hold():
             self._reap()
             self.counters.exchanges += 1
             context = self.make_context(
@@ -228,14 +228,14 @@ class Engine:
         try:
             yield Seat(self, lease, context, 0, cancelled, single_use=True)
         finally:
-            with self.lock:
+            with self.hold():
                 context.close()
                 lease.cache.reset()
 
     def state(self, lease: Lease) -> Buffer | None:
         """A copy of the session's state (for saving): a parked one as it is, a live one from
         its sequence."""
-        with self.lock:
+        with self.hold():
             if not lease.cache.items:
                 return None
             if lease.pool.residency.entry(lease.key).state is not State.LIVE and self.lot.holds(lease.key):
@@ -260,7 +260,7 @@ class Engine:
         if not source.cache.items or not source.parkable:
             return
         record = source.cache.items
-        with self.lock, self.seat(source, len(record), threading.Event()) as mine:
+        with self.hold(), self.seat(source, len(record), threading.Event()) as mine:
             if not source.cache.items:
                 return
             try:
@@ -275,7 +275,7 @@ class Engine:
             target.cache.share_checkpoints(source.cache)
 
     def memory(self) -> MemoryReport:
-        with self.lock:
+        with self.hold():
             self._reap()
             sessions, live, parked, checkpoints = [], 0, 0, 0
             for pool in self._pools.values():
@@ -306,7 +306,7 @@ class Engine:
 
     def close(self) -> None:
         self.batcher.close()
-        with self.lock:
+        with self.hold():
             self._closed = True
             for pool in self._pools.values():
                 pool.close()

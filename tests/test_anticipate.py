@@ -141,11 +141,31 @@ def test_one_that_has_not_begun_is_not_waited_for(smollm2: Model, monkeypatch: p
     assert ahead.decoded == 0 and not ahead.started  # it saw it was stopped
 
 
-def test_it_gives_way_to_another_sessions_exchange(smollm2: Model) -> None:
+def test_it_gives_way_to_another_sessions_exchange(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The anticipation's batches after its first (at position 0: memory is empty) wait, holding
+    the engine, until another thread waits for it, so the other exchange comes while it runs
+    however fast this machine decodes."""
+    original, engine, first, waited_in_vain = Seat.decode, smollm2._engine, list[threading.Thread](), list[int]()
+
+    def patient(self: Seat, tokens: Sequence[int], pos: int, **kwargs: object) -> int:
+        me = threading.current_thread()
+        if me.name == "llmsession-ahead" and pos == 0 and not first:
+            first.append(me)
+        elif first and me is first[0]:
+            deadline = time.monotonic() + 10
+            while not engine.contended:
+                if time.monotonic() > deadline:
+                    waited_in_vain.append(pos)  # the other exchange took the engine uncounted
+                    break
+                time.sleep(0.001)
+        return original(self, tokens, pos, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Seat, "decode", patient)
     slow = smollm2.session(system=paragraph(smollm2, 3, 200), batch_size=32)
     ahead = decoding(slow)
     smollm2.session().respond("Hello!", GREEDY)
     ahead.wait()
+    assert not waited_in_vain
     assert not threading.Event.is_set(ahead.cancelled)  # nobody cancelled it: it gave way
     assert ahead.target is not None and 0 < ahead.decoded < len(ahead.target)
     held = internals.record(slow)
