@@ -145,7 +145,9 @@ def test_it_gives_way_to_another_sessions_exchange(smollm2: Model, monkeypatch: 
     """The anticipation's batches after its first (at position 0: memory is empty) wait, holding
     the engine, until another thread waits for it, so the other exchange comes while it runs
     however fast this machine decodes."""
-    original, engine, first, waited_in_vain = Seat.decode, smollm2._engine, list[threading.Thread](), list[int]()
+    original, engine = Seat.decode, smollm2._engine
+    first: list[threading.Thread] = []  # the anticipation that began at position 0
+    waited_in_vain: list[int] = []  # where it waited for a waiter that never came
 
     def patient(self: Seat, tokens: Sequence[int], pos: int, **kwargs: object) -> int:
         me = threading.current_thread()
