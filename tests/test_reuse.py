@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,44 @@ def check_against_fresh(
     assert len(generated) >= at_least, f"compare at least {at_least} generated tokens"
     ahead = internals.decoded_ahead(session)  # the next prompt's opening, decoded after the reply
     problems = []
+    steps = fresh_steps(model, tuple(prompt), tuple(generated), len(generated) - ahead)
+    # The reply's own tokens; after them the record may hold the next prompt's opening, decoded
+    # ahead (not sampled: only the final logits say whether it went in right).
+    for step, token in enumerate(generated[: reply.usage.completion_tokens]):
+        margin = float(steps[step].max() - steps[step][token])
+        if margin > tolerance:
+            problems.append(f"step {step}: fresh prefers another token by {margin:.2f}")
+    if final:  # the session's own logits: only while nothing else decoded since its reply
+        difference = float(np.abs(steps[-1] - internals.last_logits(session)).max())
+        if difference > tolerance:
+            problems.append(f"final logits differ by {difference:.2f}")
+    return problems
+
+
+FRESH: weakref.WeakKeyDictionary[Model, dict[tuple[object, ...], tuple[np.ndarray, ...]]]
+FRESH = weakref.WeakKeyDictionary()  # per model (held weakly), the last few fresh decodes
+FRESH_KEPT = 12
+
+
+def fresh_steps(
+    model: Model, prompt: tuple[int, ...], generated: tuple[int, ...], reply_end: int
+) -> tuple[np.ndarray, ...]:
+    """What a fresh context chooses from at each step of a teacher-forced reply: the prompt in
+    batches of 512, the reply in one batch, then what was decoded ahead in another. Kept for the
+    same model object and tokens, since it is the same computation (the Gemma 3 variants below
+    reach the same transcripts through different caches)."""
+    kept = FRESH.setdefault(model, {})
+    key = (prompt, generated, reply_end)
+    if key not in kept:
+        if len(kept) >= FRESH_KEPT:
+            del kept[next(iter(kept))]
+        kept[key] = decode_fresh(model, prompt, generated, reply_end)
+    return kept[key]
+
+
+def decode_fresh(
+    model: Model, prompt: tuple[int, ...], generated: tuple[int, ...], reply_end: int
+) -> tuple[np.ndarray, ...]:
     context = NativeContext(
         model.native, n_ctx=N_CTX, n_batch=512, threads=2, flash_attention=model.flash_attention
     )
@@ -170,25 +209,16 @@ def check_against_fresh(
         for start in range(0, len(prompt), 512):
             context.decode(prompt[start : start + 512], start)
         steps = [read_logits(model, context)]  # what step 0 chose from, then each step's own
-        n_vocab, reply_end = model.native.n_vocab, len(generated) - ahead
-        # The reply in one batch (within the split noise), then what was decoded ahead in another.
+        n_vocab = model.native.n_vocab
         for start, end in ((0, reply_end), (reply_end, len(generated))):
             if end > start:
                 context.decode(generated[start:end], len(prompt) + start, outputs=True)
                 steps += [context.last_logits(n_vocab, row).copy() for row in range(end - start)]
-        # The reply's own tokens; after them the record may hold the next prompt's opening,
-        # decoded ahead (not sampled: only the final logits say whether it went in right).
-        for step, token in enumerate(generated[: reply.usage.completion_tokens]):
-            margin = float(steps[step].max() - steps[step][token])
-            if margin > tolerance:
-                problems.append(f"step {step}: fresh prefers another token by {margin:.2f}")
-        if final:  # the session's own logits: only while nothing else decoded since its reply
-            difference = float(np.abs(steps[-1] - internals.last_logits(session)).max())
-            if difference > tolerance:
-                problems.append(f"final logits differ by {difference:.2f}")
     finally:
         context.close()
-    return problems
+    for step in steps:
+        step.flags.writeable = False
+    return tuple(steps)
 
 
 def test_turn_two_reuses_all_of_turn_one(smollm2: Model) -> None:
