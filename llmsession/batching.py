@@ -7,9 +7,9 @@ decoded at once on its own thread, as its prefill was: nothing is decoded that n
 and nothing crosses threads. When other streams of the context are stepping too, the engine's
 decode thread takes every step then waiting, decodes them in one ``llama_decode`` (each run with
 logits on its last token) and samples each from its own row; while it decodes, the next steps
-queue up, so N busy streams settle into batches of N. One thread decodes the batches because
-llama.cpp's OpenMP workers belong to the thread that calls it: measured here, a decode from
-another thread than the previous one's ran about a fifth slower. Streams in their generation loop
+queue up, so N busy streams settle into batches of N. (One thread decodes the batches: with an
+OpenMP build of ggml, which a user may bring, each decoding thread has a team of its own, and a
+second team ran a fifth slower; the set-up builds ggml's own thread pool.) Streams in their generation loop
 register (``generating``); the decode thread waits a moment (at most ``GATHER_S``) until every one
 of them that stepped within ``RECENT_S`` has queued its step, so the batches stay full although
 each stream does its own Python work between steps, and a stream whose consumer stopped reading

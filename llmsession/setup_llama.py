@@ -55,6 +55,12 @@ X86_FEATURES = {
     "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
     "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
 }  # fmt: skip
+# ggml's own thread pool, not OpenMP: with OpenMP every Python thread that decodes gets a team
+# of its own, and once there are two (an exchange on the main thread, then a stream's or an
+# anticipation's decode in another) libgomp throttles its spinning and decodes in the second
+# thread ran 0.72 times as fast (64 vs 89 tok/s, SmolLM2, 2 threads). Without it both ran at
+# the main thread's speed, and prefill and generation there were unchanged within noise.
+THREADING = {"GGML_OPENMP": "OFF"}
 MIN_FREE_BYTES = 2 * 1024**3
 START = time.monotonic()
 
@@ -189,7 +195,7 @@ def build(
         "LLAMA_BUILD_COMMIT": paths.LLAMA_CPP_COMMIT[:7], "GGML_RPC": "ON",
         "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON", "CMAKE_INSTALL_RPATH": "$ORIGIN:$ORIGIN/../lib",
         "GIT_EXE": str(git_stub(build_dir.parent)),
-    } | ggml_cpu_options() | (extra or {})  # fmt: skip
+    } | THREADING | ggml_cpu_options() | (extra or {})  # fmt: skip
     on = sorted(k.removeprefix("GGML_") for k, v in ggml_cpu_options().items() if v == "ON")
     step(f"configuring (cmake; CPU features: {', '.join(on) or 'defaults'})")
     defines = [f"-D{key}={value}" for key, value in options.items()]
@@ -250,11 +256,15 @@ def smoke_test(lib_dir: Path, include_dir: Path) -> str:
 
 
 def complete(dest: Path) -> bool:
-    """The cache holds a finished build with every library (one made before RPC was added lacks
-    libggml-rpc and the RPC server, and is built again)."""
+    """The cache holds a finished build with every library, made as this version makes it (one
+    made before RPC was added lacks libggml-rpc and the RPC server, one made with OpenMP lacks
+    ``THREADING`` in its record: both are built again, incrementally)."""
     libs = all(any((dest / "lib").glob(f"{name}.so*")) for name in LIBS)
-    adopted = "adopted" in json.loads((dest / "build-info.json").read_text()).get("origin", "")
-    return libs and (adopted or (dest / "bin" / RPC_SERVER).exists())
+    info = json.loads((dest / "build-info.json").read_text())
+    if "adopted" in info.get("origin", ""):
+        return libs  # the user's build, as it is
+    current = THREADING.items() <= dict(info.get("cmake", {})).items()
+    return libs and current and (dest / "bin" / RPC_SERVER).exists()
 
 
 def write_info(dest: Path, info: dict[str, object]) -> None:
@@ -372,7 +382,7 @@ def install(dest: Path, args: argparse.Namespace) -> None:
             f"the libraries report llama.cpp commit {commit!r}, expected {paths.LLAMA_CPP_COMMIT}; "
             "llmsession's bindings are generated from that exact version"
         )
-    options = ggml_cpu_options()
+    options = ggml_cpu_options() | ({} if args.lib_dir else THREADING)
     write_info(dest, {"commit": paths.LLAMA_CPP_COMMIT, "origin": origin, "cmake": options})
     step(f"ready: llama.cpp {paths.LLAMA_CPP_COMMIT} in {dest} (lib/, include/, src/)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import re
 import subprocess
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from llama_cffi import LIBRARIES, LLAMA_CPP_COMMIT, NOT_EXPORTED, ffi, include_dir, lib_dir, load
+
+from llmsession import setup_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
@@ -166,3 +169,35 @@ def test_native_logs_reach_python_logging(
     with caplog.at_level(level.upper(), logger="llmsession.native"), pytest.raises(ModelLoadError):
         Model(bad)
     assert any(record.name == "llmsession.native" for record in caplog.records)
+
+
+def test_the_built_libraries_run_on_ggmls_own_threads_not_openmp() -> None:
+    """With OpenMP a decode in a second Python thread ran 0.72 times as fast (libgomp throttles
+    its teams' spinning once there are two); see ``setup_llama.THREADING``."""
+    info = json.loads((lib_dir().parent / "build-info.json").read_text())
+    needed = subprocess.run(["ldd", str(lib_dir() / "libggml-cpu.so")], capture_output=True, text=True)
+    assert needed.returncode == 0, needed.stderr
+    if "adopted" not in info["origin"]:  # a user's own build is used as it is
+        assert info["cmake"]["GGML_OPENMP"] == "OFF"
+        assert "libgomp" not in needed.stdout, needed.stdout
+
+
+def test_a_cache_built_with_openmp_or_without_rpc_is_built_again(tmp_path: Path) -> None:
+    for name in LIBRARIES:
+        (tmp_path / "lib").mkdir(exist_ok=True)
+        (tmp_path / "lib" / f"lib{name}.so").touch()
+    (tmp_path / "bin").mkdir()
+    record = tmp_path / "build-info.json"
+
+    def written(origin: str, cmake: dict[str, str]) -> Path:
+        record.write_text(json.dumps({"commit": LLAMA_CPP_COMMIT, "origin": origin, "cmake": cmake}))
+        return tmp_path
+
+    built = "built from the sdist"
+    assert not setup_llama.complete(written(built, {"GGML_OPENMP": "OFF"}))  # no RPC server
+    (tmp_path / "bin" / setup_llama.RPC_SERVER).touch()
+    assert setup_llama.complete(written(built, {"GGML_AVX2": "ON", "GGML_OPENMP": "OFF"}))
+    assert not setup_llama.complete(written(built, {"GGML_AVX2": "ON"}))  # made with OpenMP
+    assert setup_llama.complete(written("adopted from /opt/llama", {"GGML_AVX2": "ON"}))
+    (tmp_path / "lib" / "libggml-rpc.so").unlink()
+    assert not setup_llama.complete(written(built, {"GGML_OPENMP": "OFF"}))
