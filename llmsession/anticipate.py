@@ -89,7 +89,7 @@ class Ahead:
         self.engine = session.model._engine
         self.cancelled = Yielding(self.engine, session)
         self.target: tuple[Item, ...] | None = None  # what memory will hold, once known
-        self.decoded = 0  # positions decoded ahead
+        self.start, self.decoded = 0, 0  # positions start.. start + decoded were decoded ahead
         self.started = False  # its first decode has begun
         self._wake = threading.Event()  # stop waiting for idle time: stopped, or waited for
         self._thread = threading.Thread(target=self._run, args=(guess,), name="llmsession-ahead", daemon=True)
@@ -98,13 +98,13 @@ class Ahead:
         _running.add(self)
         self._thread.start()
 
-    def settle(self, prompt: Sequence[Item] | None) -> int:
+    def settle(self, prompt: Sequence[Item] | None) -> None:
         """Before the session touches its memory: wait for this prefill if it has begun decoding
         and ``prompt`` (the next one) begins with what it decodes, else stop it (None: always
-        stop it, and wait until its thread is done); how many positions it decoded that
-        ``prompt`` begins with. One that has not begun is not waited for: the exchange decodes
-        the opening in its own batch, which costs less than a batch of its own (it touches
-        memory only under the engine's lock, after checking that it was not stopped)."""
+        stop it, and wait until its thread is done). One that has not begun is not waited for:
+        the exchange decodes the opening in its own batch, which costs less than a batch of its
+        own (it touches memory only under the engine's lock, after checking that it was not
+        stopped)."""
         target = self.target
         wanted = (
             self.started
@@ -117,7 +117,12 @@ class Ahead:
             self._wake.set()
         if wanted or prompt is None:
             self._thread.join()
-        return self.decoded if wanted else 0
+
+    def reused_of(self, reused: int) -> int:
+        """How many of the first ``reused`` positions were decoded ahead (read under the engine's
+        lock: a stopped prefill no longer changes memory then). Those of a stopped one count too,
+        where the exchange keeps them (after a ``fork`` or ``save``, say)."""
+        return max(0, min(reused - self.start, self.decoded))
 
     def wait(self) -> None:
         """Until it has finished, beginning now if it waits for idle time (someone waits for it:
@@ -176,7 +181,7 @@ def decode_opening(ahead: Ahead, guess: Guess) -> None:
     reused = common_prefix(lease.cache.items, target)
     if reused < len(lease.cache.items):
         return  # the transcript changed under memory: leave it to the exchange
-    ahead.target = target
+    ahead.target, ahead.start = target, reused
     while True:
         with engine.hold():
             if ahead.cancelled.is_set():

@@ -70,6 +70,22 @@ def exchange(session: Session, question: str, options: GenerationOptions) -> tup
     return turn, stream.reply.text
 
 
+def ttft_on_forks(session: Session, question: str, options: GenerationOptions, n: int) -> list[float]:
+    """The coming turn's time to first token on ``n`` forks of the session taken just before it:
+    each holds the same cells (a fork shares them), so it decodes the same new tokens at the same
+    depth. With the turn's own, their median is the turn's TTFT without one sample's noise (this
+    machine's speed moves by a fifth within minutes, and the limit is a median of three too)."""
+    samples = []
+    for _ in range(n):
+        twin = session.fork()
+        began = time.perf_counter()
+        with twin.stream(question, options) as stream:
+            next(stream, None)
+            samples.append(time.perf_counter() - began)
+        twin.close()
+    return samples
+
+
 def fresh_exchange(shadow: Session, history: list[Message], text: str, options: GenerationOptions) -> Turn:
     """The upstream "before": the same transcript decoded from scratch in a new context."""
     shadow.messages = [dict(m) for m in history]
@@ -82,24 +98,33 @@ def fresh_exchange(shadow: Session, history: list[Message], text: str, options: 
 
 
 def multi_turn(
-    model: Model, questions: list[str], options: GenerationOptions, think: float, exe: Path | None = None
+    model: Model,
+    questions: list[str],
+    options: GenerationOptions,
+    think: float,
+    exe: Path | None = None,
+    samples: int = 1,
 ) -> dict[str, Any]:
     """One chat with the cache; each turn is also replayed fresh on the identical transcript,
     after the user "thought" for ``think`` seconds (what anticipatory prefill has to work in),
     and, with llama-bench's ``exe``, measured against the compute limit right after (this
     machine's speed drifts by a fifth within minutes: a limit measured later is another one's).
+    With ``samples`` > 1 each turn's TTFT is also taken on forks (``ttft_on_forks``): the median.
 
     "New" tokens are what a perfect cache would decode: the prompt minus its common prefix with
     the previous prompt followed by the previous reply, tokenized on its own.
     """
     cache, shadow = model.session(SYSTEM), model.session(SYSTEM)
     cached, fresh, new, held, diverged, limits = [], [], [], list[int](), 0, list[float | None]()
+    medians = []
     for question in questions:
         history = list(cache.messages)
         prompt = model.prompt_tokens([*history, {"role": "user", "content": question}])
         new.append(len(prompt) - common_prefix(held, prompt))
+        forked = ttft_on_forks(cache, question, options, samples - 1)
         turn, text = exchange(cache, question, options)
         cached.append(turn)
+        medians.append(statistics.median([*forked, turn.ttft_s]))
         time.sleep(think)
         fresh.append(fresh_exchange(shadow, history, question, options))
         diverged += shadow.messages[-1]["content"] != text
@@ -117,6 +142,7 @@ def multi_turn(
         "replies_differing_from_fresh": diverged,
     }
     result = {"cache": rows_of(cached), "fresh": rows_of(fresh), "new_tokens": new, "summary": summary}
+    result["ttft_median_s"], result["ttft_samples"] = medians, samples
     return result | ({"compute_limit_s": limits} if exe is not None else {})
 
 
@@ -211,11 +237,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--think", type=float, default=0.25, help="seconds between a reply and the next question (0: none)"
     )
+    parser.add_argument(
+        "--ttft-samples", type=int, default=3, help="each turn's TTFT, also on forks: their median"
+    )
     common_arguments(parser)
     parser.add_argument("--plot", type=Path, help="write a PNG of time to first token per turn")
     args = parser.parse_args(argv)
-    if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2:
-        parser.error("--turns must be at least 2, --max-tokens at least 1, --gen-tokens at least 2")
+    if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2 or args.ttft_samples < 1:
+        parser.error(
+            "--turns must be at least 2, --max-tokens and --ttft-samples at least 1, --gen-tokens at least 2"
+        )
     return args
 
 
@@ -248,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
         results |= {"threads": model.threads, "max_tokens": args.max_tokens, "think_s": args.think}
         progress(f"multi-turn chat ({args.turns} turns, each with its compute limit)", started)
-        results["multi_turn"] = multi_turn(model, questions, options, args.think, args.llama_bench)
+        results["multi_turn"] = multi_turn(
+            model, questions, options, args.think, args.llama_bench, args.ttft_samples
+        )
         progress("interleaved sessions", started)
         results["interleaved"] = interleaved(model, plans, options, args.think)
         progress("generation and llama-bench", started)

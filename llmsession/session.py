@@ -95,7 +95,7 @@ class Session:
         self._active: Callable[[], object] | None = None  # finishes the latest stream, once
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: Ahead | None = None  # the next prompt's opening, decoding in the background
-        self._anticipated = 0  # positions decoded ahead that the next exchange reuses
+        self._anticipated: Ahead | None = None  # the last one, settled: what it decoded ahead
         self._turn: Turn | None = None  # the latest stream's exchange
         self._closed = False
         self._load_note: tuple[int, str] | None = None  # from Model.load_session, for one reply
@@ -240,7 +240,9 @@ class Session:
         """Let a running anticipatory prefill finish if ``prompt`` (the next) begins with what it
         decodes, else stop it; note what the exchange will reuse of it."""
         ahead, self._ahead = self._ahead, None
-        self._anticipated = ahead.settle(prompt) if ahead is not None else 0
+        if ahead is not None:
+            ahead.settle(prompt)
+            self._anticipated = ahead
 
     def _generate(self, turn: Turn) -> Generator[Snapshot, None, None]:
         """The exchange itself; runs step by step inside ``Stream.__next__``."""
@@ -266,7 +268,8 @@ class Session:
                         seat.clear()
                     plan = seat.prepare(prompt.items, can_cut=partial(starts_a_chunk, prompt.items))
                     usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
-                    usage.anticipated_tokens = min(self._anticipated, plan.reused)
+                    ahead, self._anticipated = self._anticipated, None
+                    usage.anticipated_tokens = ahead.reused_of(plan.reused) if ahead else 0
                     timings.plan_s = time.perf_counter() - started
                     first = prefill(turn, seat, plan.reused, usage, sampler, self.batch_size)
                     timings.prefill_s, timings.first_sample_s = seat.decode_s, seat.sample_s

@@ -176,6 +176,18 @@ def test_it_gives_way_to_another_sessions_exchange(smollm2: Model, monkeypatch: 
     assert reply.usage.reused_tokens == len(held) and reply.usage.anticipated_tokens == ahead.decoded
 
 
+def test_what_a_fork_stopped_is_still_counted_where_the_exchange_reuses_it(smollm2: Model) -> None:
+    """A fork stops the anticipation, but what it decoded stays in memory and the next exchange
+    reuses it: ``anticipated_tokens`` says so (it said 0)."""
+    session = smollm2.session(system="You are a helpful assistant.")
+    session.respond("Hello!", GREEDY)
+    ahead = settled_ahead(session)
+    session.fork().close()
+    reply = session.respond("Tell me about the history of Paris.", GREEDY)
+    assert ahead.decoded > 0 and reply.usage.anticipated_tokens == ahead.decoded
+    assert reply.usage.reused_tokens == ahead.start + ahead.decoded
+
+
 def test_it_evicts_no_one(smollm2_path: Path) -> None:
     """One live sequence: a session parked by another's exchange is not brought back (and the
     other parked) for an anticipation; only exchanges move states."""

@@ -15,9 +15,10 @@ from llmsession.bench import QUESTIONS, Turn, multi_turn
 
 def test_multi_turn_reports_every_turn_and_reuses_the_cache(smollm2: Model) -> None:
     options = GenerationOptions(max_tokens=4, temperature=0)
-    result = multi_turn(smollm2, list(QUESTIONS[:3]), options, think=0.3)
+    result = multi_turn(smollm2, list(QUESTIONS[:3]), options, think=0.3, samples=2)
     json.dumps(result)  # everything lands in --json as is
     assert len(result["cache"]) == len(result["fresh"]) == len(result["new_tokens"]) == 3
+    assert len(result["ttft_median_s"]) == 3 and min(result["ttft_median_s"]) > 0  # with a fork's
     cached = [Turn(**row) for row in result["cache"]]
     fresh = [Turn(**row) for row in result["fresh"]]
     assert cached[0].reused_tokens == 0
