@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .bench import exchange
 from .bench_common import common_arguments, machine, progress, publish, table
 from .model import Model
 from .options import GenerationOptions
@@ -44,14 +45,10 @@ def chat(model: Model, options: GenerationOptions, turns: int) -> dict[str, Any]
     call_s = (time.perf_counter() - began) / ROUND_TRIPS
     ttft, rates, texts = [], [], []
     for question in QUESTIONS[:turns]:
-        began, first = time.perf_counter(), 0.0
-        stream = session.stream(question, options)
-        for _ in stream:
-            first = first or time.perf_counter()
-        assert stream.reply is not None
-        ttft.append(first - began)
-        rates.append(stream.reply.timings.generation_tokens_per_s)
-        texts.append(stream.reply.text)
+        turn, text = exchange(session, question, options)
+        ttft.append(turn.ttft_s)
+        rates.append(turn.generation_tokens_per_s)
+        texts.append(text)
     return {"ttft_s": ttft, "tokens_per_s": rates, "texts": texts, "call_s": call_s}
 
 

@@ -255,11 +255,11 @@ class Model:
         if "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
             return self.tokenize(text)
         spliced = splice(around, list(known.values()), self._stretch_tokens)
-        detokenize = self.native.detokenize
-        if detokenize(spliced, special=True) == text:  # exactly the rendered text
+        spelled = self.native.detokenize(spliced, special=True)
+        if spelled == text:  # exactly the rendered text
             return spliced
         plain = self.tokenize(text)  # (a tokenizer that adds BOS or spaces spells it otherwise)
-        if spliced != plain and detokenize(spliced, special=True) == detokenize(plain, special=True):
+        if spliced != plain and spelled == self.native.detokenize(plain, special=True):
             return spliced
         return plain
 

@@ -133,6 +133,18 @@ class Worker:
         assert isinstance(stream, Stream)
         return stream
 
+    def edited(self, key: int, messages: list[Any] | None) -> Session:
+        """The session, given the caller's edited transcript (None: it keeps its own)."""
+        session = self.session(key)
+        if messages is not None:
+            session.messages = messages
+        return session
+
+    def ended(self, key: int, stream: Stream) -> tuple[Any, ...]:
+        """A stream that is over, forgotten: its reply and its session's transcript."""
+        del self.objects[key]
+        return ("end", stream.reply, stream.session.messages)
+
     def handle(self, session: Session) -> tuple[int, dict[str, Any], list[Any]]:
         """What the parent's proxy of a session is made from."""
         attrs = {k: getattr(session, k) for k in ("context_size", "batch_size", "thinking", "swa_full")}
@@ -163,10 +175,7 @@ class Worker:
     def op_stream(
         self, key: int, messages: list[Any] | None, content: Any, options: GenerationOptions
     ) -> tuple[int, list[Any]]:
-        """``messages``: the caller's edited transcript, or None to keep this one."""
-        session = self.session(key)
-        if messages is not None:
-            session.messages = messages
+        session = self.edited(key, messages)
         stream = session.stream(content, options)  # finishes an unfinished one first
         return self.keep(stream), session.messages
 
@@ -179,20 +188,16 @@ class Worker:
         try:
             return ("snapshot", next(stream))
         except StopIteration:
-            del self.objects[key]
-            return ("end", stream.reply, stream.session.messages)
+            return self.ended(key, stream)
 
     def op_close_stream(self, key: int) -> tuple[Any, ...]:
         stream = self.stream(key)
         stream.close()
-        del self.objects[key]
-        return ("end", stream.reply, stream.session.messages)
+        return self.ended(key, stream)
 
     def op_session_call(self, key: int, messages: list[Any] | None, name: str, args: tuple[Any, ...]) -> Any:
         assert name in SESSION_CALLS
-        session = self.session(key)
-        if messages is not None:
-            session.messages = messages
+        session = self.edited(key, messages)
         value = getattr(session, name)(*args)
         if isinstance(value, Session):
             value = self.handle(value)

@@ -34,7 +34,6 @@ API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
 EXTRA_FUNCTIONS = (
     "ggml_version", "ggml_commit", "ggml_backend_rpc_add_server", "ggml_backend_reg_dev_count",
     "ggml_backend_reg_dev_get", "ggml_backend_dev_name", "ggml_backend_dev_description",
-    "ggml_backend_dev_memory",
 )  # fmt: skip
 EXTRA_HEADERS = ("ggml-rpc.h",)
 FAKE_LIBC = {

@@ -194,7 +194,6 @@ typedef struct ggml_backend_reg *ggml_backend_reg_t;
 typedef struct ggml_backend_device *ggml_backend_dev_t;
 extern const char *ggml_backend_dev_name(ggml_backend_dev_t device);
 extern const char *ggml_backend_dev_description(ggml_backend_dev_t device);
-extern void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t *free, size_t *total);
 extern size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 extern ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
 typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor *t, bool ask, void *user_data);
