@@ -1,11 +1,14 @@
 """llama.cpp's sampler chains: what an exchange samples its tokens with. Part of the native layer
-(see ``native``): sampling runs in C, never per token over the vocabulary in Python."""
+(see ``native``): sampling runs in C (the chain, or numpy's argmax for a greedy pick), never per
+token over the vocabulary in Python."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from .native import (
     bindings,
@@ -29,7 +32,12 @@ class TokenSampler(Protocol):
 class Sampler:
     """Owns a ``llama_sampler`` chain; sampling runs in C, never per token over the vocabulary in Python."""
 
-    def __init__(self, links: Sequence[Callable[[Any], Any]]) -> None:
+    def __init__(self, links: Sequence[Callable[[Any], Any]], *, argmax_of: int = 0) -> None:
+        """``argmax_of``: the chain is llama.cpp's greedy pick alone over that many logits, so
+        ``sample`` takes their first maximum itself, as the greedy sampler does: it need not
+        copy the whole vocabulary into candidates first (0.09 ms a token on a 49k vocabulary,
+        against 0.01)."""
+        self.argmax_of = argmax_of
         lib, _ = bindings()
         params = lib.llama_sampler_chain_default_params()
         params.no_perf = True
@@ -48,6 +56,8 @@ class Sampler:
             links.append(lambda lib: lib.llama_sampler_init_penalties(*penalties))
         if o.greedy:
             links.append(lambda lib: lib.llama_sampler_init_greedy())
+            if len(links) == 1:
+                return cls(links, argmax_of=n_vocab)
         else:
             seed = LLAMA_DEFAULT_SEED if o.seed is None else o.seed
             links += [
@@ -64,6 +74,8 @@ class Sampler:
 
     def sample(self, context: NativeContext, index: int = -1) -> int:
         """The next token from the logits of the last decode's token at batch ``index``."""
+        if self.argmax_of:  # (the greedy sampler accepts nothing: no state to keep up)
+            return int(np.argmax(context.last_logits(self.argmax_of, index)))
         return int(bindings()[0].llama_sampler_sample(self.ptr, context.ptr, index))
 
     def forced(self) -> list[int]:

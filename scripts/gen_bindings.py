@@ -30,12 +30,14 @@ from llmsession import paths  # noqa: E402
 OUTPUT = ROOT / "bindings" / "llama_cffi" / "_cdef.h"
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
 # ggml functions llmsession calls directly (the build's version and commit, the RPC backend and
-# its devices), kept as extra roots; EXTRA_HEADERS are read for them only.
+# its devices, the CPU backend's thread pools), kept as extra roots; EXTRA_HEADERS are read for
+# them only.
 EXTRA_FUNCTIONS = (
     "ggml_version", "ggml_commit", "ggml_backend_rpc_add_server", "ggml_backend_reg_dev_count",
     "ggml_backend_reg_dev_get", "ggml_backend_dev_name", "ggml_backend_dev_description",
+    "ggml_threadpool_params_default", "ggml_threadpool_new", "ggml_threadpool_free",
 )  # fmt: skip
-EXTRA_HEADERS = ("ggml-rpc.h",)
+EXTRA_HEADERS = ("ggml-rpc.h", "ggml-cpu.h")
 FAKE_LIBC = {
     "stddef.h": "typedef unsigned long size_t; typedef long ptrdiff_t;\n#define NULL 0\n",
     "stdint.h": "\n".join(

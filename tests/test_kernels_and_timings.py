@@ -1,8 +1,11 @@
-"""Where an exchange's time goes (``Timings``), the shared context made while the model loads, and
-the flash-attention choice, on SmolLM2."""
+"""Where an exchange's time goes (``Timings``), the shared context made while the model loads, the
+flash-attention choice, each context's thread pool and the greedy pick, on SmolLM2."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 from llmsession import GenerationOptions, Model
 from llmsession.native import bindings
 from llmsession.native_context import NativeContext
+from llmsession.sampling import Sampler
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 
@@ -90,3 +94,80 @@ def test_a_state_saved_with_flash_attention_is_not_loaded_without(smollm2_path: 
         loaded = model.load_session(saved)
         assert loaded.cached_tokens == 0 and len(loaded.messages) == 2
         assert loaded.respond("Again", GREEDY).usage.reused_tokens == 0
+
+
+def threads_now() -> int:
+    return len(list(Path("/proc/self/task").iterdir()))
+
+
+def test_a_context_keeps_one_thread_pool_for_its_decodes(smollm2: Model) -> None:
+    """The pool's workers (threads - 1) live as long as the context, not one graph: without a
+    pool of its own, ggml starts and joins them for every graph it computes."""
+    before = threads_now()
+    context = NativeContext(smollm2.native, n_ctx=256, n_batch=32, threads=3)
+    try:
+        assert threads_now() == before + 2
+        for pos in range(4):
+            context.decode([pos + 10], pos)
+        assert threads_now() == before + 2
+    finally:
+        context.close()
+    assert threads_now() == before
+
+
+def test_a_forked_child_decodes_without_the_parents_pool(smollm2_path: Path) -> None:
+    """A forked child has none of the pool's threads (with them, its decode would wait for them
+    forever): it decodes without, and gets the parent's logits."""
+    code = f"""
+        import os, sys, time
+        import numpy as np
+        from llmsession.native import NativeModel
+        from llmsession.native_context import NativeContext
+        native = NativeModel({str(smollm2_path)!r})
+        context = NativeContext(native, n_ctx=256, n_batch=32, threads=2)
+        def logits():
+            context.clear()
+            context.decode([1, 2, 3, 4], 0)
+            return context.last_logits(native.n_vocab).copy()
+        mine = logits()
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if np.array_equal(logits(), mine) else 3)
+        for _ in range(600):  # 30 s
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                sys.exit(print("child", os.waitstatus_to_exitcode(status)))
+            time.sleep(0.05)
+        os.kill(child, 9)
+        print("child hung")
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.split()[-2:] == ["child", "0"], out.stdout + out.stderr
+
+
+def test_a_greedy_pick_is_the_greedy_samplers(smollm2: Model) -> None:
+    """The greedy chain's pick, taken as numpy's argmax, is llama.cpp's greedy sampler's: the
+    first maximum, over real logits, ties and a constraint's -inf alike."""
+    n_vocab = smollm2.native.n_vocab
+    fast = Sampler.from_options(GREEDY, n_vocab=n_vocab, last_n=0)
+    chain = Sampler([lambda lib: lib.llama_sampler_init_greedy()])
+    assert fast.argmax_of == n_vocab and chain.argmax_of == 0
+    context = NativeContext(smollm2.native, n_ctx=256, n_batch=64, threads=2)
+    try:
+        tokens = smollm2.tokenize("The river runs under seven bridges before it meets the sea.")
+        for end in range(1, len(tokens) + 1):
+            context.clear()
+            context.decode(tokens[:end], 0)
+            logits = context.last_logits(n_vocab)
+            assert fast.sample(context) == chain.sample(context)
+            low, high = sorted(np.argsort(logits)[-50:][:2])  # a tie: the first one wins
+            logits[low] = logits[high] = logits.max() + 1
+            assert fast.sample(context) == chain.sample(context) == low
+            logits[: high + 1] = -np.inf  # masked: the pick comes after
+            assert fast.sample(context) == chain.sample(context) > high
+    finally:
+        context.close()
+        fast.close()
+        chain.close()

@@ -186,8 +186,26 @@ typedef bool (*ggml_abort_callback)(void *data);
 extern const char *ggml_version(void);
 extern const char *ggml_commit(void);
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char *text, void *user_data);
+enum ggml_sched_priority
+{
+  GGML_SCHED_PRIO_LOW = -1,
+  GGML_SCHED_PRIO_NORMAL = 0,
+  GGML_SCHED_PRIO_MEDIUM = 1,
+  GGML_SCHED_PRIO_HIGH = 2,
+  GGML_SCHED_PRIO_REALTIME = 3
+};
+struct ggml_threadpool_params
+{
+  bool cpumask[512];
+  int n_threads;
+  enum ggml_sched_priority prio;
+  uint32_t poll;
+  bool strict_cpu;
+  bool paused;
+};
 struct ggml_threadpool;
 typedef struct ggml_threadpool *ggml_threadpool_t;
+extern struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
 typedef struct ggml_backend_buffer_type *ggml_backend_buffer_type_t;
 typedef struct ggml_backend_buffer *ggml_backend_buffer_t;
 typedef struct ggml_backend_reg *ggml_backend_reg_t;
@@ -206,6 +224,8 @@ enum ggml_numa_strategy
   GGML_NUMA_STRATEGY_MIRROR = 4,
   GGML_NUMA_STRATEGY_COUNT = 5
 };
+extern struct ggml_threadpool *ggml_threadpool_new(struct ggml_threadpool_params *params);
+extern void ggml_threadpool_free(struct ggml_threadpool *threadpool);
 struct ggml_opt_dataset;
 struct ggml_opt_context;
 struct ggml_opt_result;
