@@ -110,3 +110,18 @@ def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dic
         "build_commit": rows[0]["build_commit"],
         "command": " ".join(cmd),
     }
+
+
+def batched_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
+    """One llama-batched-bench run (N sequences prefilled, then generating in one batch per
+    step: llama.cpp's continuous batching) on llmsession's very libraries: a row per N."""
+    if not exe.exists():
+        return {"error": f"{exe.name} not found at {exe}: run python scripts/fetch_llama.py --bench"}
+    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options, "--output-format", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": f"{exe.name} failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {"rows": rows, "command": " ".join(cmd)}

@@ -34,12 +34,15 @@ SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_REQ = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-# Only what the build, the headers, the reference templates and llama-bench need.
+# Only what the build, the headers, the reference templates and the reference benchmarks need.
 SOURCE_PARTS = (
     "CMakeLists.txt", "LICENSE", "cmake/", "ggml/", "src/", "include/", "vendor/", "common/",
-    "licenses/", "tools/CMakeLists.txt", "tools/mtmd/", "tools/llama-bench/", "tools/rpc/",
-    "models/templates/",
+    "licenses/", "tools/CMakeLists.txt", "tools/mtmd/", "tools/llama-bench/", "tools/batched-bench/",
+    "tools/rpc/", "models/templates/",
 )  # fmt: skip
+# llama.cpp's own benchmarks, built with --bench: llama-bench (a prompt or a generation at a
+# depth) and llama-batched-bench (N sequences generating in one batch: continuous batching).
+BENCH_TOOLS = {"llama-bench": "tools/llama-bench", "llama-batched-bench": "tools/batched-bench"}
 LIBS = tuple(f"lib{name}" for name in LIBRARIES)
 # The public headers and the ggml headers they include.
 HEADER_NAMES = ("llama.h", "mtmd.h", "mtmd-helper.h", "ggml.h", "ggml-cpu.h", "ggml-backend.h",
@@ -295,29 +298,36 @@ def build_rpc_server(dest: Path) -> None:
          "-Wl,-rpath,$ORIGIN/../lib"])  # fmt: skip
 
 
-BENCH_PROJECT = """# llama-bench alone: tools/CMakeLists.txt lists tools whose sources are not extracted.
+BENCH_PROJECT = """# The benchmarks alone: tools/CMakeLists.txt lists tools whose sources are not extracted.
 cmake_minimum_required(VERSION 3.14)
 project(llama_bench_only C CXX)
 add_subdirectory(${LLAMA_SRC} llama)
-add_subdirectory(${LLAMA_SRC}/tools/llama-bench llama-bench)
-"""
+""" + "".join(
+    f"add_subdirectory(${{LLAMA_SRC}}/{folder} {Path(folder).name})\n" for folder in BENCH_TOOLS.values()
+)
 
 
 def build_bench(dest: Path) -> None:
-    """llama-bench for the benchmarks, in bin/. Its rpath reaches ../lib, so it measures the very
-    libraries llmsession loads, not a second copy."""
+    """llama-bench and llama-batched-bench for the benchmarks, in bin/. Their rpath reaches
+    ../lib, so they measure the very libraries llmsession loads, not a second copy."""
     check_tools(dest)
+    if not all((dest / "src" / folder).exists() for folder in BENCH_TOOLS.values()):
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:  # extracted before a tool was added
+            extract_source(download_sdist(Path(tmp)), dest / "src")
     project = dest / "bench"
     project.mkdir(exist_ok=True)
     (project / "CMakeLists.txt").write_text(BENCH_PROJECT)
     extra = {"LLAMA_SRC": str(dest / "src"), "CMAKE_INSTALL_RPATH": "$ORIGIN:$ORIGIN/../lib"}
-    build(project, project / "build", ["llama-bench"], common=True, extra=extra)
+    build(project, project / "build", list(BENCH_TOOLS), common=True, extra=extra)
     bin_dir = dest / "bin"
     bin_dir.mkdir(exist_ok=True)
-    built = [project / "build/llama-bench/llama-bench", project / "build/llama-bench/libllama-bench-impl.so"]
+    built = []
+    for tool, folder in BENCH_TOOLS.items():
+        out = project / "build" / Path(folder).name
+        built += [out / tool, out / f"lib{tool}-impl.so"]
     for path in [*built, *sorted((project / "build/bin").glob("libllama-common.so*"))]:
         shutil.copy2(path, bin_dir / path.name, follow_symlinks=True)
-    step(f"ready: {bin_dir / 'llama-bench'}")
+    step(f"ready: {', '.join(str(bin_dir / tool) for tool in BENCH_TOOLS)}")
 
 
 def build_abort_check(lib_dir: Path) -> None:
@@ -345,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--lib-dir", type=Path, default=os.environ.get("LLAMA_CPP_LIB_DIR"))
     parser.add_argument("--include-dir", type=Path, default=os.environ.get("LLAMA_CPP_INCLUDE_DIR"))
-    parser.add_argument("--bench", action="store_true", help="also build llama-bench")
+    parser.add_argument("--bench", action="store_true", help="also build llama-bench and llama-batched-bench")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is complete")
     args = parser.parse_args(argv)
     dest = paths.llama_dir()
-    bench_missing = args.bench and not (dest / "bin" / "llama-bench").exists()
+    bench_missing = args.bench and not all((dest / "bin" / tool).exists() for tool in BENCH_TOOLS)
     try:
         if (dest / "build-info.json").exists() and complete(dest) and not args.force:
             print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")

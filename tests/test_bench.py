@@ -9,7 +9,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from llmsession import GenerationOptions, Model, bench_rpc, bench_structured
+from llmsession import GenerationOptions, Model, bench_concurrent, bench_rpc, bench_structured
 from llmsession.bench import QUESTIONS, Turn, multi_turn
 
 
@@ -59,3 +59,23 @@ def test_rpc_scenario_runs_every_contender_and_prints_its_table(
     assert results["contenders"]["local, worker"][0]["call_s"] > 0
     bench_rpc.report(results)
     assert "rpc, worker" in capsys.readouterr().out
+
+
+def test_concurrent_scenario_reports_each_count_and_a_missing_reference(
+    smollm2: Model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = GenerationOptions(max_tokens=4, temperature=0)
+    results = bench_concurrent.scenario(smollm2, [1, 2], options, tmp_path / "llama-bench", repeats=1)
+    json.dumps(results)
+    assert list(results["streams"]) == ["1", "2"]
+    for sides in results["streams"].values():
+        for run in sides.values():
+            assert run["tokens_per_s"] > 0 and len(run["runs_tokens_per_s"]) == 1
+    assert "llama-batched-bench not found" in results["batched_bench"]["error"]
+    bench_concurrent.report(
+        results
+        | {"machine": {"cpu": "x", "cores": 2, "threads": 2, "llama_cpp_commit": "c"}}
+        | {"model": "m", "max_tokens": 4, "prefill_checks": {"native": 1.0, "python": 2.0}}
+    )
+    out = capsys.readouterr().out
+    assert "llama-batched-bench: llama-batched-bench not found" in out and "concurrent streams" in out
