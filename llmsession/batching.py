@@ -51,22 +51,31 @@ class Gate:
     def contended(self) -> bool:
         return self._waiting > 0
 
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        """The lock, counted as waited for until it is taken."""
+    def hold(self) -> Gate:
+        """The lock, counted as waited for until it is taken: ``with gate.hold():`` (a plain
+        context manager, no generator: every decode and sample takes it)."""
+        return self
+
+    def __enter__(self) -> None:
         with self._counting:
             self._waiting += 1
-        counted = True
         try:
-            with self.lock:  # released on every path, Ctrl-C included
-                with self._counting:
-                    self._waiting -= 1
-                counted = False
-                yield
-        finally:
-            if counted:  # interrupted before it got the lock
-                with self._counting:
-                    self._waiting -= 1
+            self.lock.acquire()
+        except BaseException:  # interrupted (Ctrl-C) before it got the lock
+            self._uncount()
+            raise
+        try:
+            self._uncount()
+        except BaseException:  # interrupted once it had the lock: let it go
+            self.lock.release()
+            raise
+
+    def _uncount(self) -> None:
+        with self._counting:
+            self._waiting -= 1
+
+    def __exit__(self, *_exc: object) -> None:
+        self.lock.release()
 
 
 @dataclass(eq=False)
@@ -78,7 +87,8 @@ class Tracker:
 
 @dataclass(eq=False)
 class Step:
-    """One stream's generation step, and its outcome once ``done``."""
+    """One stream's generation step, and its outcome once ``finish``ed (``done`` is set for a
+    step queued for the decode thread)."""
 
     seat: Seat
     tokens: Sequence[int]
@@ -87,7 +97,11 @@ class Step:
     tracker: Tracker | None = None
     token: int = -1
     error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event | None = None
+
+    def finish(self) -> None:
+        if self.done is not None:
+            self.done.set()
 
 
 class Batcher:
@@ -130,12 +144,13 @@ class Batcher:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="llmsession-decode", daemon=True)
                 self._worker.start()
+            step.done = done = threading.Event()
             self._pending.append(step)
             self._queue.notify_all()
         try:
-            step.done.wait()
+            done.wait()
         except BaseException:  # Ctrl-C while waiting: the step ends first, so memory matches its record
-            while not step.done.wait(0.05):
+            while not done.wait(0.05):
                 pass
             raise
         return self._outcome(step)
@@ -209,7 +224,7 @@ class Batcher:
                 ready.append(step)
             except BaseException as error:  # this stream's budget error is its own
                 step.error = error
-                step.done.set()
+                step.finish()
         if not ready:
             return
         began = time.perf_counter()
@@ -218,7 +233,7 @@ class Batcher:
         except BaseException as error:  # every sequence in the batch may be partly written
             for step in ready:
                 step.error = error
-                step.done.set()
+                step.finish()
             return
         decoded = time.perf_counter() - began
         self.batches, self.steps = self.batches + 1, self.steps + len(ready)
@@ -232,4 +247,4 @@ class Batcher:
                 step.error = error
             if step.tracker is not None:
                 step.tracker.last = ended
-            step.done.set()
+            step.finish()

@@ -198,26 +198,38 @@ def speeds(samples: list[float]) -> dict[str, Any]:
 
 def generation(model: Model, n_tokens: int, exe: Path, repeats: int = 5) -> dict[str, Any]:
     """Our decode loop (sampling and detokenizing included) against llama-bench's tg, run by run
-    in alternation so that a busy spell on the machine hits both; pp512 is there for reference."""
+    in alternation so that a busy spell on the machine hits both; pp512 is there for reference.
+    llama-bench generates at depth 0 and at our prompt's depth (its ``-d``): the same positions
+    as ours (each token attends to those before it, so a deeper one costs more)."""
     options = GenerationOptions(max_tokens=n_tokens, temperature=0)
     pp = llama_bench(exe, model.path, model.threads, "-p", "512", "-n", "0", "-r", str(repeats))
-    ours, lengths, tg = [], [], []
+    depth = len(model.prompt_tokens([{"role": "user", "content": LONG_PROMPT}]))
+    ours, lengths, tg, at_depth = [], [], list[float](), list[float]()
     for _ in range(repeats):
         session = model.session()
         reply = session.respond(LONG_PROMPT, options)
         session.close()
         ours.append(reply.timings.generation_tokens_per_s)
         lengths.append(reply.usage.completion_tokens)
-        run = llama_bench(exe, model.path, model.threads, "-p", "0", "-n", str(n_tokens), "-r", "1")
-        tg += run.get("samples_ts", [])
+        run = llama_bench(
+            exe, model.path, model.threads, "-p", "0", "-n", str(n_tokens), "-d", f"0,{depth}", "-r", "1"
+        )
+        tests = run.get("tests", [[], []])
+        tg, at_depth = tg + tests[0], at_depth + tests[-1]
     mine = speeds(ours)
-    result: dict[str, Any] = {"llmsession": mine, "completion_tokens": lengths}
+    result: dict[str, Any] = {"llmsession": mine, "completion_tokens": lengths, "depth": depth}
     if "error" in pp or not tg:
         return result | {"llama_bench": {"error": pp.get("error") or run.get("error")}}
-    theirs = speeds(tg)
-    ratio = {k: mine[k] / theirs[k] for k in ("median", "best")}
+    theirs, deep = speeds(tg), speeds(at_depth)
+    ratio = {k: mine[k] / deep[k] for k in ("median", "best")}
     reference = {"pp512": speeds(pp["samples_ts"]), f"tg{n_tokens}": theirs, "command": run["command"]}
-    return result | {"llama_bench": reference | {"build_commit": pp["build_commit"]}, "ratio": ratio}
+    reference |= {f"tg{n_tokens}_at_depth": deep}
+    ratio_d0 = {k: mine[k] / theirs[k] for k in ("median", "best")}
+    return result | {
+        "llama_bench": reference | {"build_commit": pp["build_commit"]},
+        "ratio": ratio,
+        "ratio_depth_0": ratio_d0,
+    }
 
 
 def run_peer(python: str, config: dict[str, Any]) -> dict[str, Any]:

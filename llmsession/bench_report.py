@@ -130,9 +130,18 @@ def report_generation(result: dict[str, Any], n_tokens: int) -> None:
         print(f"llama-bench: {ref['error']}")
         return
     tg, pp, ratio = ref[f"tg{n_tokens}"], ref["pp512"], result["ratio"]
+    deep, depth = ref.get(f"tg{n_tokens}_at_depth", tg), result.get("depth", 0)
+    print(
+        f"llama-bench tg{n_tokens} @ d{depth} (our prompt's depth): {deep['median']:.1f}, {deep['best']:.1f}"
+    )
     print(f"llama-bench tg{n_tokens}: {tg['median']:.1f}, {tg['best']:.1f}", end="")
     print(f" (pp512: {pp['median']:.1f}, {pp['best']:.1f})")
-    print(f"llmsession / llama-bench: {ratio['median']:.3f}, {ratio['best']:.3f}  (target >= 0.95)")
+    print(
+        f"llmsession / llama-bench @ d{depth}: {ratio['median']:.3f}, {ratio['best']:.3f}  (target >= 0.98)"
+    )
+    if "ratio_depth_0" in result:
+        d0 = result["ratio_depth_0"]
+        print(f"llmsession / llama-bench at depth 0: {d0['median']:.3f}, {d0['best']:.3f}")
 
 
 def report(results: dict[str, Any], n_tokens: int) -> None:

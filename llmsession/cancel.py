@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from .native import bindings
@@ -15,23 +13,22 @@ from .native import bindings
 
 class Activity:
     """Whether any context of this process is decoding, and since when none has: background work
-    (``anticipate``) waits for the CPU to be idle, whichever model or context used it."""
+    (``anticipate``) waits for the CPU to be idle, whichever model or context used it. A decode
+    runs inside ``with ACTIVITY:`` (a plain context manager: it runs once per generated token)."""
 
     def __init__(self) -> None:
         self._running, self._ended, self._lock = 0, time.monotonic(), threading.Lock()
         self._began = self._ended
 
-    @contextmanager
-    def decoding(self) -> Iterator[None]:
+    def __enter__(self) -> None:
         with self._lock:
             if not self._running:
                 self._began = time.monotonic()
             self._running += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running, self._ended = self._running - 1, time.monotonic()
+
+    def __exit__(self, *_exc: object) -> None:
+        with self._lock:
+            self._running, self._ended = self._running - 1, time.monotonic()
 
     def idle_for(self) -> float:
         """Seconds since the last decode ended (0 while one runs)."""
