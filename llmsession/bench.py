@@ -49,6 +49,7 @@ QUESTIONS = (
     "How tall is it?", "Can visitors climb it?",
     "What is a good time of year to visit?", "Thanks! Say goodbye in French.",
 )  # fmt: skip
+WARM_UP = "Hello"
 LONG_PROMPT = "Write a long, detailed story about a lighthouse keeper who befriends a whale."
 SESSIONS, SESSION_TURNS = 4, 5
 
@@ -87,7 +88,8 @@ def ttft_on_forks(session: Session, question: str, options: GenerationOptions, n
 
 
 def fresh_exchange(shadow: Session, history: list[Message], text: str, options: GenerationOptions) -> Turn:
-    """The upstream "before": the same transcript decoded from scratch in a new context."""
+    """The upstream "before": the same transcript decoded from scratch in a new context (the
+    shadow shares no prefix with other sessions)."""
     shadow.messages = [dict(m) for m in history]
     shadow.clear_cached_context()
     turn, _ = exchange(shadow, text, options)
@@ -114,7 +116,7 @@ def multi_turn(
     "New" tokens are what a perfect cache would decode: the prompt minus its common prefix with
     the previous prompt followed by the previous reply, tokenized on its own.
     """
-    cache, shadow = model.session(SYSTEM), model.session(SYSTEM)
+    cache, shadow = model.session(SYSTEM), model.session(SYSTEM, share_prefix=False)
     cached, fresh, new, held, diverged, limits = [], [], [], list[int](), 0, list[float | None]()
     medians = []
     for question in questions:
@@ -173,7 +175,7 @@ def interleaved(
     """Sessions answered round-robin on one model; each turn is also replayed in a fresh context
     after a pause of ``think`` seconds."""
     sessions = [model.session(SYSTEM) for _ in plans]
-    shadow = model.session(SYSTEM)
+    shadow = model.session(SYSTEM, share_prefix=False)
     cached: list[list[Turn]] = [[] for _ in plans]
     fresh: list[list[Turn]] = [[] for _ in plans]
     for t in range(max(len(p) for p in plans)):
@@ -284,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
     plans = session_plans()
     with Model(args.model, threads=args.threads) as model:
-        warm_up = model.session()  # page the weights in and start the threads before timing anything
-        warm_up.respond("Hello", GenerationOptions(max_tokens=4, temperature=0))
-        warm_up.close()
+        # Page the weights in and start the threads before timing anything: a conversation
+        # before the measured ones, under the same system prompt, on both sides. It stays open
+        # through the chat, as the peer's one context keeps it: both first turns start from its
+        # system prompt (the peer's context holds it; ours is another session's, shared).
+        warm_up = model.session(SYSTEM)
+        warm_up.respond(WARM_UP, GenerationOptions(max_tokens=4, temperature=0))
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
         results |= {"threads": model.threads, "max_tokens": args.max_tokens, "think_s": args.think}
@@ -294,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         results["multi_turn"] = multi_turn(
             model, questions, options, args.think, args.llama_bench, args.ttft_samples
         )
+        warm_up.close()
         progress("interleaved sessions", started)
         results["interleaved"] = interleaved(model, plans, options, args.think)
         progress("generation and llama-bench", started)
@@ -301,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         progress(f"peer {args.peer} ({args.peer_python})", started)
         config = {"model": str(args.model), "threads": results["threads"], "n_ctx": 4096, "system": SYSTEM}
+        config["warm_up"] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": WARM_UP}]
         config |= {"max_tokens": args.max_tokens, "questions": questions, "interleaved": plans}
         results["peer"] = run_peer(args.peer_python, config)
     progress("done", started)

@@ -29,7 +29,7 @@ from .native import NativeModel
 from .native_context import NativeContext
 from .native_mtmd import Projector
 from .parking import ParkingLot
-from .prefix import Item, PrefixCache
+from .prefix import Item, PrefixCache, best_donor
 from .residency import Budget, BudgetError, Residency, State, Step
 from .seat import Seat
 
@@ -42,10 +42,11 @@ log = logging.getLogger("llmsession")
 
 
 class Lease:
-    """A session's place in the engine: its key and the record of what its state holds."""
+    """A session's place in the engine: its key, the record of what its state holds, and whether
+    it shares prefixes with other sessions (``Engine.share``)."""
 
-    def __init__(self, pool: Pool, key: int, n_swa: int, window: int) -> None:
-        self.pool, self.key, self.n_swa = pool, key, n_swa
+    def __init__(self, pool: Pool, key: int, n_swa: int, window: int, shares: bool = True) -> None:
+        self.pool, self.key, self.n_swa, self.shares = pool, key, n_swa, shares
         engine = pool.engine
         # A recurrent state refuses cuts inside it: checkpoints let it rewind. Never a sliding
         # window's: its states past the window restore wrong in the pinned llama.cpp (#25295).
@@ -120,7 +121,7 @@ class Engine:
         self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
         self._closed = False
 
-    def lease(self, *, swa_full: bool, batch_size: int) -> Lease:
+    def lease(self, *, swa_full: bool, batch_size: int, shares: bool = True) -> Lease:
         """A new session's place. Sessions share one context per layout. The small sliding-window
         cache (``swa_full=False``, a memory saver) holds the window plus one batch per sequence:
         its sessions take turns in a context of their batch size, one live at a time (a unified
@@ -129,7 +130,7 @@ class Engine:
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
         with self.hold():
             pool = self._pool(swa_full, batch_size)
-            lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa)
+            lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa, shares=shares)
             pool.leases[lease.key] = lease
             pool.residency.add(lease.key)
             return lease
@@ -231,6 +232,34 @@ class Engine:
             with self.hold():
                 context.close()
                 lease.cache.reset()
+
+    def share(self, lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool]) -> int:
+        """Start an empty session from the longest prefix of ``prompt`` that another live session
+        of its context holds (a system prompt many conversations open with, say): those cells,
+        shared (``seq_cp``, then cut after the prefix), not decoded again. Only where sequences
+        share one pool of cells and a cut is exact: not for recurrent memories nor the small
+        sliding-window cache. How many positions it gave (the caller holds the lock)."""
+        pool = lease.pool
+        if lease.cache.items or not (lease.shares and pool.swa_full) or self.native.is_recurrent:
+            return 0
+        live = [pool.residency.entry(key) for key in pool.leases]
+        donors = [
+            (other, entry.seq)
+            for other, entry in zip(pool.leases.values(), live, strict=True)
+            if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
+        ]
+        index, shared = best_donor(prompt, [donor.cache.items for donor, _ in donors], can_cut=can_cut)
+        if not shared:
+            return 0
+        donor, donor_seq = donors[index]
+        context = pool.context
+        context.seq_cp(donor_seq, seq)
+        if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
+            context.seq_rm(-1, seq)
+            return 0
+        lease.cache.extend(donor.cache.items[:shared])
+        log.debug("session %d starts from %d positions of session %d", lease.key, shared, donor.key)
+        return shared
 
     def state(self, lease: Lease) -> Buffer | None:
         """A copy of the session's state (for saving): a parked one as it is, a live one from

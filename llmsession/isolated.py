@@ -223,6 +223,7 @@ class IsolatedSession(Session):
         self._sync(messages)
         self.context_size, self.batch_size = attrs["context_size"], attrs["batch_size"]
         self.thinking, self.swa_full = attrs["thinking"], attrs["swa_full"]
+        self.share_prefix = attrs["share_prefix"]
         self._closed = False
         weakref.finalize(self, model._worker.tell, None, "drop", (self._key,))
 

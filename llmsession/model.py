@@ -165,12 +165,17 @@ class Model:
         batch_size: int = 512,
         thinking: bool = False,
         swa_full: bool = True,
+        share_prefix: bool = True,
     ) -> Session:
         """A new conversation; its KV state lives in the model's shared memory.
 
         ``context_size`` bounds the positions the session uses (prompt and reply), exactly; it
         may not exceed the model's ``kv_tokens`` (default: 4,096, or ``kv_tokens`` if smaller).
-        ``batch_size`` is its prefill batch (at most the model's).
+        ``batch_size`` is its prefill batch (at most the model's). With ``share_prefix``, an
+        exchange that finds the session's memory empty starts from the longest prefix of its
+        prompt another live session holds (a common system prompt: its cells are shared, not
+        decoded again), and other sessions may start from this one's; ``False`` keeps the
+        session apart both ways (its timings then tell nothing of what others said).
         """
         if self.closed:
             raise ModelClosedError("this model is closed")
@@ -181,6 +186,7 @@ class Model:
             batch_size=batch_size,
             thinking=thinking,
             swa_full=swa_full,
+            share_prefix=share_prefix,
         )
         self._sessions.add(session)
         return session

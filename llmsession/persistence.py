@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 IMAGE_KEY = "llmsession_image"
-SETTINGS = ("context_size", "batch_size", "thinking", "swa_full")
+SETTINGS = ("context_size", "batch_size", "thinking", "swa_full", "share_prefix")
 
 
 def compat(model: Model, swa_full: bool) -> dict[str, Any]:

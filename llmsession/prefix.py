@@ -85,6 +85,23 @@ def plan(
     return Plan(reused=keep, remove_from=keep, cleared=keep == 0)
 
 
+def best_donor(
+    prompt: Sequence[Item],
+    records: Sequence[Sequence[Item]],
+    *,
+    can_cut: Callable[[int], bool] | None = None,
+) -> tuple[int, int]:
+    """For an empty memory: which of other memories' ``records`` gives the most of ``prompt``, as
+    ``plan`` would keep it of that record (the last prompt item still to decode, no image split),
+    and how many items; ``(-1, 0)`` when none gives any."""
+    best = (-1, 0)
+    for i, record in enumerate(records):
+        kept = plan(record, prompt, can_cut=can_cut).reused
+        if kept > best[1]:
+            best = (i, kept)
+    return best
+
+
 class Memory(Protocol):
     """The part of a llama context's memory (llama_memory_*, sequence 0) that prefix reuse needs."""
 

@@ -19,6 +19,7 @@ class Usage:
     restored_tokens: int = 0  # positions loaded from a saved session before this exchange
     from_checkpoint: bool = False  # the reused positions came back from a checkpoint
     anticipated_tokens: int = 0  # reused positions decoded ahead, after the last reply
+    shared_tokens: int = 0  # reused positions another session had decoded (its cells, shared)
     cache_note: str = ""  # why a loaded session's cache was or was not reused
 
 

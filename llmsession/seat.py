@@ -44,13 +44,18 @@ class Seat:
         self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
         self.cancelled, self.single_use = cancelled, single_use
         self.decode_s = self.sample_s = 0.0  # inside llama_decode (and encode, images); sampling
+        self.shared = 0  # positions the plan reused that another session had decoded
 
     @property
     def items(self) -> tuple[Item, ...]:
         return self.lease.cache.items
 
-    def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool]) -> Plan:
+    def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool], *, share: bool = True) -> Plan:
+        """Make the sequence hold the longest reusable prefix of ``items`` (an empty one starts
+        from another session's, with ``share``: ``Engine.share``)."""
         with self.engine.hold():
+            if share and not self.single_use:
+                self.shared = self.engine.share(self.lease, self.seq, items, can_cut)
             plan = self.lease.cache.prepare(items, SequenceMemory(self.context, self.seq), can_cut=can_cut)
             self.engine.counters.reused_tokens += plan.reused
             return plan

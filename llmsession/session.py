@@ -71,12 +71,15 @@ class Session:
         batch_size: int = 512,
         thinking: bool = False,
         swa_full: bool = True,
+        share_prefix: bool = True,
     ) -> None:
         engine = model._engine
         if context_size is None:  # 4,096 positions, or the whole budget if it is smaller
             context_size = min(DEFAULT_CONTEXT_SIZE, engine.config.kv_tokens)
         check_int("context_size", context_size, 16, MAX_POSITIONS)
         check_int("batch_size", batch_size, 1, MAX_POSITIONS)
+        if not isinstance(share_prefix, bool):
+            raise TypeError(f"share_prefix must be a bool, got {type(share_prefix).__name__}")
         if context_size > engine.config.kv_tokens:
             raise ValueError(
                 f"context_size: {context_size} positions exceed the model's kv_tokens "
@@ -87,8 +90,9 @@ class Session:
         self.batch_size = min(batch_size, context_size, engine.config.batch_size)
         self.thinking = thinking
         self.swa_full = swa_full
+        self.share_prefix = share_prefix
         self.messages: list[Message] = [{"role": "system", "content": system}] if system is not None else []
-        self._lease = engine.lease(swa_full=swa_full, batch_size=self.batch_size)
+        self._lease = engine.lease(swa_full=swa_full, batch_size=self.batch_size, shares=share_prefix)
         weakref.finalize(self, engine.bury, self._lease)  # a dropped session frees its memory
         self._lock = threading.Lock()
         self._replies = ReplyTokens(capacity=256)  # its own replies, as generated
@@ -157,7 +161,8 @@ class Session:
             return stream
 
     def clear_cached_context(self) -> None:
-        """Forget the session's KV state (the next exchange decodes from scratch)."""
+        """Forget the session's KV state (the next exchange decodes from scratch, but for what it
+        may start from of another session's: ``share_prefix``)."""
         with self._busy():
             self._quiesce()
             self.model._engine.discard(self._lease)
@@ -172,6 +177,7 @@ class Session:
                 batch_size=self.batch_size,
                 thinking=self.thinking,
                 swa_full=self.swa_full,
+                share_prefix=self.share_prefix,
             )
             twin.messages = copy.deepcopy(self.messages)
             twin._replies = self._replies.copy()
@@ -266,8 +272,10 @@ class Session:
                     if prompt.unsafe_reuse:  # upstream's rule for such prompts: from scratch
                         log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
                         seat.clear()
-                    plan = seat.prepare(prompt.items, can_cut=partial(starts_a_chunk, prompt.items))
+                    can_cut = partial(starts_a_chunk, prompt.items)
+                    plan = seat.prepare(prompt.items, can_cut, share=not prompt.unsafe_reuse)
                     usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
+                    usage.shared_tokens = min(seat.shared, plan.reused)
                     ahead, self._anticipated = self._anticipated, None
                     usage.anticipated_tokens = ahead.reused_of(plan.reused) if ahead else 0
                     timings.plan_s = time.perf_counter() - started

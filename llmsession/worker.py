@@ -147,7 +147,8 @@ class Worker:
 
     def handle(self, session: Session) -> tuple[int, dict[str, Any], list[Any]]:
         """What the parent's proxy of a session is made from."""
-        attrs = {k: getattr(session, k) for k in ("context_size", "batch_size", "thinking", "swa_full")}
+        names = ("context_size", "batch_size", "thinking", "swa_full", "share_prefix")
+        attrs = {k: getattr(session, k) for k in names}
         return self.keep(session), attrs, session.messages
 
     # -- operations ---------------------------------------------------------------------------

@@ -37,7 +37,8 @@ class RecordingLlama(Llama):  # type: ignore[misc]
 
 
 def load(config: dict[str, Any]) -> RecordingLlama:
-    """The peer's Llama as every scenario uses it, warmed up as the llmsession side is.
+    """The peer's Llama as every scenario uses it, warmed up as the llmsession side is (with the
+    scenario's ``warm_up`` messages: a conversation before the measured ones).
     flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU."""
     threads = config["threads"]
     llm = RecordingLlama(
@@ -48,7 +49,7 @@ def load(config: dict[str, Any]) -> RecordingLlama:
         flash_attn=True,
         verbose=False,
     )
-    exchange(llm, [{"role": "user", "content": "Hello"}], 4)
+    exchange(llm, config.get("warm_up", [{"role": "user", "content": "Hello"}]), 4)
     return llm
 
 

@@ -10,13 +10,14 @@ skipped anything, so CI cannot pass by skipping.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from llama_cffi import LIBRARIES, lib_dir
 
-from llmsession import Model, paths
+from llmsession import LlmSessionError, Model, paths
 
 SETUP = "llmsession setup --models && python scripts/make_fixtures.py"  # or `make setup`
 NATIVE_FIXTURES = {"smollm2", "gemma3", "smollm2_path", "gemma3_path", "fixture_path", "terminal", "control"}
@@ -103,6 +104,23 @@ def fixture_path() -> object:
         return _require(paths.fixtures_dir() / name)
 
     return find
+
+
+SHARED_MODELS = ("smollm2", "gemma3", "vision")  # fixtures whose model outlives a test
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_tests_sessions(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test, the sessions it left on a model other tests use forget their KV state: a
+    session one test dropped (collected only by a later garbage collection, if it is in a
+    cycle) must not be where another test's session starts from (``share_prefix``)."""
+    yield
+    for name in SHARED_MODELS:
+        if name in request.fixturenames:
+            model = request.getfixturevalue(name)
+            for session in list(model._sessions):
+                with contextlib.suppress(LlmSessionError):  # busy in a thread the test left, closed
+                    session.close()
 
 
 @pytest.fixture(scope="session")

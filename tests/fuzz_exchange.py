@@ -8,7 +8,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import internals
@@ -90,12 +90,14 @@ class ShadowedSessions:
         k: int = 0,
         delay: float = 0.0,
         other: int = 0,
+        alongside: Sequence[object] = (),
     ) -> Reply | None:
-        """One call on session i in the given mode, checked against the expectation."""
+        """One call on session i in the given mode, checked against the expectation
+        (``alongside``: the prompt of a call on another session running meanwhile)."""
         session = self.sessions[i]
         pending = self.settle(i)  # a valid call finishes a pending stream first
         user = {"role": "user", "content": content}
-        expectation = expect(session, self.expected[i], user)
+        expectation = expect(session, self.expected[i], user, alongside)
         cached_before, context_before = session.cached_tokens, internals.placement(session)
         stream: Stream | None = None
         reply: Reply | None = None

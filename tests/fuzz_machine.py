@@ -57,13 +57,25 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         ),
         small=st.integers(64, 128),
         thinking=st.booleans(),
+        apart=st.sampled_from([None, 0, 1, 2]),
     )
     def open_sessions(
-        self, systems: list[str | None], batches: tuple[int, int, int], small: int, thinking: bool
+        self,
+        systems: list[str | None],
+        batches: tuple[int, int, int],
+        small: int,
+        thinking: bool,
+        apart: int | None,
     ) -> None:
-        self.note("open_sessions", systems=systems, batches=batches, small=small, thinking=thinking)
-        for system, batch, size in zip(systems, batches, [*CONTEXT_SIZES, small], strict=True):
-            session = env().model.session(system, context_size=size, batch_size=batch, thinking=thinking)
+        """Three sessions; ``apart`` (if any) shares no prefix with the others."""
+        self.note(
+            "open_sessions", systems=systems, batches=batches, small=small, thinking=thinking, apart=apart
+        )
+        sizes = [*CONTEXT_SIZES, small]
+        for i, (system, batch, size) in enumerate(zip(systems, batches, sizes, strict=True)):
+            session = env().model.session(
+                system, context_size=size, batch_size=batch, thinking=thinking, share_prefix=i != apart
+            )
             self.sessions.append(session)
             self.expected.append([] if system is None else [{"role": "system", "content": system}])
             self.pending.append(None)
@@ -126,10 +138,23 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
         """Two sessions of the one model answer at the same time, from two threads."""
         j = (i + other) % len(self.sessions)
         self.note("concurrent", i=i, j=j, first=first, second=second, options=options)
+        ours, theirs = self.prompt_items(i, first), self.prompt_items(j, second)
         in_threads(
-            functools.partial(self.exchange, i, first, options),
-            functools.partial(self.exchange, j, second, options, mode="exhaust"),
+            functools.partial(self.exchange, i, first, options, alongside=theirs),
+            functools.partial(self.exchange, j, second, options, mode="exhaust", alongside=ours),
         )
+
+    def prompt_items(self, i: int, content: Any) -> tuple[object, ...]:
+        """The prompt a call on session i would decode (none where it cannot be built)."""
+        messages = [*self.expected[i], {"role": "user", "content": content}]
+        try:
+            prompt = env().model.prompt(messages, thinking=self.sessions[i].thinking)
+        except TYPED:
+            return ()
+        try:
+            return tuple(prompt.items)
+        finally:
+            prompt.close()
 
     @precondition(lambda self: any(p is not None for p in self.pending))
     @rule(how=st.sampled_from(["close", "drop", "resume"]))
@@ -361,6 +386,8 @@ class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
     def bad_session_arguments(self, name: str, value: Any) -> None:
         self.note("misuse: bad session arguments", name=name, value=value)
         if name == "batch_size" and value == 15:  # too small a context, a fine batch
+            value = 0
+        if name == "context_size" and value is None:  # the default size: a fine one
             value = 0
         try:
             env().model.session(**{name: value})

@@ -50,11 +50,25 @@ class Expectation:
     error: type[Exception] | None  # the prompt cannot be built: this error
     overflow: bool = False
     prompt_items: int = 0
-    reused: int = 0
+    reused: int = 0  # of its own record
+    shareable: int = 0  # at most this much of another session's, when its own is empty
 
 
-def expect(session: Session, shadow: list[Message], user: Message) -> Expectation:
-    """Build the prompt the session will build (for the shadow transcript plus ``user``)."""
+def kept(record: Sequence[object], items: Sequence[object]) -> int:
+    """What a prompt of ``items`` keeps of a record: the common prefix, the last item left to
+    decode, never resuming inside an image."""
+    keep = min(common_prefix(record, items), len(items) - 1)
+    while keep > 0 and getattr(items[keep], "offset", 0) > 0:
+        keep -= 1
+    return keep
+
+
+def expect(
+    session: Session, shadow: list[Message], user: Message, alongside: Sequence[object] = ()
+) -> Expectation:
+    """Build the prompt the session will build (for the shadow transcript plus ``user``).
+    ``alongside``: the prompt another session decodes meanwhile (a concurrent call), which may
+    be held, with a reply of its own after it, by the time this one starts from it."""
     try:
         prompt = env().model.prompt([*shadow, user], thinking=session.thinking)
     except TYPED as error:
@@ -65,10 +79,17 @@ def expect(session: Session, shadow: list[Message], user: Message) -> Expectatio
         unsafe = bool(prompt.unsafe_reuse)
     finally:
         prompt.close()
-    keep = 0 if unsafe else min(common_prefix(internals.record(session), items), len(items) - 1)
-    while keep > 0 and getattr(items[keep], "offset", 0) > 0:  # never resume inside an image
-        keep -= 1
-    return Expectation(error=None, overflow=overflow, prompt_items=len(items), reused=keep)
+    record = internals.record(session)
+    keep = 0 if unsafe else kept(record, items)
+    shareable = 0
+    if not (unsafe or record) and session.share_prefix:
+        shareable = max((kept(other, items) for other in internals.donor_records(session)), default=0)
+        if alongside:  # a prefix of ours: its reply may go on matching
+            whole = common_prefix(alongside, items) == len(alongside)
+            shareable = max(shareable, len(items) - 1 if whole else kept(alongside, items))
+    return Expectation(
+        error=None, overflow=overflow, prompt_items=len(items), reused=keep, shareable=shareable
+    )
 
 
 def check_reply(
@@ -92,8 +113,9 @@ def check_reply(
     never_started = reply.finish_reason == "cancelled" and usage == type(usage)(
         prompt_tokens=usage.prompt_tokens
     )
-    if not never_started:
-        assert usage.reused_tokens == expectation.reused, (usage, expectation, cached_before)
+    if not never_started:  # its own reuse, and what another session's cells gave an empty one
+        assert usage.reused_tokens == expectation.reused + usage.shared_tokens, (usage, expectation)
+        assert usage.shared_tokens <= expectation.shareable, (usage, expectation, cached_before)
     assert 0 <= usage.reused_tokens <= usage.prompt_tokens, usage
     if reply.finish_reason == "cancelled":
         assert usage.decoded_prompt_tokens <= usage.prompt_tokens - usage.reused_tokens, usage
@@ -173,7 +195,9 @@ def fresh_first_logits(
 ) -> tuple[Reply, np.ndarray | None] | BaseException:
     """A fresh session's one-token greedy reply on a copy of ``messages`` and the logits it
     sampled from (None if its context was discarded), or the typed error it raised."""
-    fresh = env().model.session(context_size=like.context_size, batch_size=batch_size, thinking=like.thinking)
+    fresh = env().model.session(
+        context_size=like.context_size, batch_size=batch_size, thinking=like.thinking, share_prefix=False
+    )
     fresh.messages = copy.deepcopy(messages)
     try:
         reply = fresh.respond(content, GREEDY_ONE)

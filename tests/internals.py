@@ -29,6 +29,14 @@ def record(session: Session) -> tuple[Item, ...]:
     return settled(session)._lease.cache.items
 
 
+def donor_records(session: Session) -> list[tuple[Item, ...]]:
+    """The records of the model's other sessions that an empty ``session`` may start from (they
+    share prefixes and live in its context's pool), each settled."""
+    mine = session._lease
+    others = [s for s in list(session.model._sessions) if s is not session and s.share_prefix]
+    return [record(s) for s in others if s._lease.pool is mine.pool and not s._closed]
+
+
 def placement(session: Session) -> tuple[str, int]:
     """Where the session's state is: (live / parked / cold, its sequence while live)."""
     lease = settled(session)._lease

@@ -100,12 +100,12 @@ def test_without_a_projector_images_are_refused_and_text_still_works(smollm2: Mo
 def test_a_follow_up_about_an_image_reuses_it_and_equals_a_fresh_session(vision: Model, red: Image) -> None:
     session = vision.session(system="You are a helpful assistant.")
     first = session.respond(["What colour is this?", red], GREEDY)
-    assert first.usage.reused_tokens == 0
+    assert first.usage.reused_tokens == first.usage.shared_tokens  # none of its own yet
     history = copy.deepcopy(session.messages)
     second = session.respond("Are you sure? Explain.", GREEDY)
     assert second.usage.reused_tokens >= first.usage.prompt_tokens  # the image and all earlier text
     assert second.usage.decoded_prompt_tokens == second.usage.prompt_tokens - second.usage.reused_tokens
-    fresh = vision.session()
+    fresh = vision.session(share_prefix=False)
     fresh.messages = history
     expected = fresh.respond("Are you sure? Explain.", GREEDY)
     assert expected.usage.reused_tokens == 0
@@ -117,7 +117,7 @@ def test_editing_text_before_an_image_re_decodes_the_image(vision: Model, red: I
     session.respond(["Look:", red, "What is it?"], GREEDY)
     session.messages[0]["content"] = ["Look closely:", blue, "What is it?"]
     edited = session.respond("And now?", GREEDY)
-    fresh = vision.session()
+    fresh = vision.session(share_prefix=False)
     fresh.messages = copy.deepcopy(session.messages[:2])
     assert edited.usage.reused_tokens < 10
     assert edited.text == fresh.respond("And now?", GREEDY).text
@@ -133,7 +133,7 @@ def test_a_cancelled_image_turn_keeps_the_session_correct(vision: Model, red: Im
     history = copy.deepcopy(session.messages)
     reply = session.respond("Go on.", GREEDY)
     assert reply.usage.reused_tokens > IMAGE_TOKENS
-    fresh = vision.session()
+    fresh = vision.session(share_prefix=False)
     fresh.messages = history
     assert reply.text == fresh.respond("Go on.", GREEDY).text
 
@@ -151,7 +151,7 @@ def test_unsafe_projectors_fall_back_to_a_fresh_context(
         second = session.respond("Go on.", GREEDY)
     assert second.usage.reused_tokens == 0
     assert "pretend M-RoPE" in caplog.text
-    fresh = vision.session()
+    fresh = vision.session(share_prefix=False)
     fresh.messages = history
     assert second.text == fresh.respond("Go on.", GREEDY).text
 

@@ -108,7 +108,8 @@ def test_a_mismatch_is_reported_in_the_next_reply(smollm2: Model, tmp_path: Path
     assert data.compat["model_sha256"] == smollm2.identity()
     loaded = smollm2.load_session(saved, swa_full=False)  # another context layout
     reply = loaded.respond(SECOND, GREEDY)
-    assert reply.usage.reused_tokens == 0 and reply.usage.restored_tokens == 0
+    assert reply.usage.restored_tokens == 0  # what it reused, it shared with the saved session
+    assert reply.usage.reused_tokens == reply.usage.shared_tokens
     assert "swa_full" in reply.usage.cache_note or "context" in reply.usage.cache_note
 
 
@@ -146,7 +147,8 @@ def test_a_sliding_window_past_its_window_is_saved_without_its_cache(gemma3: Mod
     loaded = gemma3.load_session(saved)
     assert loaded.messages == session.messages
     reply = loaded.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
-    assert reply.usage.reused_tokens == 0 and "no KV state" in reply.usage.cache_note
+    assert "no KV state" in reply.usage.cache_note and reply.usage.restored_tokens == 0
+    assert reply.usage.reused_tokens == reply.usage.shared_tokens  # the live original's cells
 
 
 def test_damaged_files_are_typed_errors_never_handed_to_llama_cpp(smollm2_path: Path, tmp_path: Path) -> None:

@@ -24,7 +24,16 @@ from hypothesis.stateful import (
 )
 
 from llmsession.checkpoints import Checkpoint, CheckpointConfig, Checkpoints
-from llmsession.prefix import Item, Plan, PrefixCache, common_prefix, image_items, plan, starts_a_chunk
+from llmsession.prefix import (
+    Item,
+    Plan,
+    PrefixCache,
+    best_donor,
+    common_prefix,
+    image_items,
+    plan,
+    starts_a_chunk,
+)
 
 CLEARED = Plan(reused=0, remove_from=0, cleared=True)
 IMAGE_LEN = 3
@@ -65,6 +74,22 @@ def test_plan_keeps_the_longest_allowed_prefix(case: Case) -> None:
     assert (p.remove_from is None) == (p.reused == len(recorded))
     assert p.remove_from in (None, p.reused)
     assert p.cleared == (p.remove_from == 0)
+
+
+@given(st.lists(symbols, max_size=4), symbols.filter(bool), st.frozensets(st.integers(1, 25)))
+def test_the_best_donor_gives_the_most_an_own_record_would(
+    records: list[list[int]], prompt: list[int], banned: frozenset[int]
+) -> None:
+    def can_cut(k: int) -> bool:
+        return k not in banned
+
+    index, kept = best_donor(prompt, records, can_cut=can_cut)
+    gives = [plan(r, prompt, can_cut=can_cut).reused for r in records]
+    assert kept == max([0, *gives])
+    assert (index == -1) == (kept == 0)
+    if kept:
+        assert gives.index(kept) == index  # the first of the best
+        assert records[index][:kept] == prompt[:kept] and kept < len(prompt) and can_cut(kept)
 
 
 @given(symbols, symbols)

@@ -29,8 +29,9 @@ QUESTIONS = (
 
 
 def fresh_reply(model: Model, messages: list[dict[str, Any]], content: str, **session_args: Any) -> Any:
-    """What a brand-new session answers given the same transcript."""
-    session = model.session(**session_args)
+    """What a brand-new session answers given the same transcript (kept apart: it starts from
+    nothing another session holds)."""
+    session = model.session(share_prefix=False, **session_args)
     session.messages = copy.deepcopy(messages)
     return session.respond(content, GREEDY)
 

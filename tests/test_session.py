@@ -208,7 +208,7 @@ def test_cancel_during_a_long_prefill_stops_inside_the_batch_in_flight(
     main thread the check is a Python callback (a Ctrl-C raises there); on any other it is the
     native one, which reads the cancel flag's word without the GIL."""
     prompt = long_prompt(smollm2, 600)
-    session = smollm2.session(context_size=4096, batch_size=128)
+    session = smollm2.session(context_size=4096, batch_size=128, share_prefix=False)  # all to decode
     stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
     at_cancel: list[int] = []
     checks: set[str] = set()
@@ -271,10 +271,10 @@ def test_a_session_used_from_two_threads_raises_busy(smollm2: Model, monkeypatch
 def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
     results: dict[int, str] = {}
     options = GenerationOptions(max_tokens=16, temperature=0)
-    expected = smollm2.session().respond("Name a fruit.", options).text
+    expected = smollm2.session(share_prefix=False).respond("Name a fruit.", options).text
 
-    def chat(i: int) -> None:
-        results[i] = smollm2.session().respond("Name a fruit.", options).text
+    def chat(i: int) -> None:  # (apart: one sharing the other's prompt would decode other batches)
+        results[i] = smollm2.session(share_prefix=False).respond("Name a fruit.", options).text
 
     threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
     for t in threads:

@@ -71,7 +71,7 @@ def test_remembered_stretches_give_the_prompt_a_cold_tokenizer_gives(smollm2: Mo
     """The text between spliced replies is tokenized once and remembered; a prompt built from
     remembered stretches equals one built with none remembered, and a caller that changes the
     tokens it got back changes nothing remembered."""
-    session = smollm2.session()
+    session = smollm2.session(share_prefix=False)  # sampled from its own decodes alone
     for question in ("Name a colour.", "And a fruit?", "And an animal?"):
         session.respond(question, GenerationOptions(max_tokens=12, temperature=0.9, seed=13))
     messages = [*session.messages, {"role": "user", "content": "Thanks!"}]
