@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -19,7 +20,7 @@ from .errors import ModelClosedError, SessionFileError, TemplateError, Unsupport
 from .guided import Constraint, tokenizer
 from .image import message_images
 from .messages import check_messages
-from .native import NativeModel, default_threads
+from .native import NativeModel, default_threads, usable_cores
 from .native_mtmd import Projector
 from .options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
 from .prompt import Prompt
@@ -31,6 +32,7 @@ from .stateless import StatelessPool
 from .stream import Stream
 from .templates import render_prompt
 
+log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
 MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
@@ -122,6 +124,13 @@ class Model:
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
         self._digests: dict[Path, str] = {}
         self.threads = threads or default_threads()
+        if self.threads > (cores := usable_cores()):
+            log.warning(
+                "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
+                "for each other at every graph node, so each decode may run hundreds of times slower",
+                self.threads,
+                cores,
+            )
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
         self.anticipate = bool(anticipate)

@@ -3,6 +3,8 @@ flash-attention choice, each context's thread pool and the greedy pick, on SmolL
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from llmsession import GenerationOptions, Model
-from llmsession.native import bindings
+from llmsession.native import bindings, default_threads, usable_cores
 from llmsession.native_context import NativeContext
 from llmsession.sampling import Sampler
 
@@ -104,15 +106,40 @@ def test_a_context_keeps_one_thread_pool_for_its_decodes(smollm2: Model) -> None
     """The pool's workers (threads - 1) live as long as the context, not one graph: without a
     pool of its own, ggml starts and joins them for every graph it computes."""
     before = threads_now()
-    context = NativeContext(smollm2.native, n_ctx=256, n_batch=32, threads=3)
+    context = NativeContext(smollm2.native, n_ctx=256, n_batch=32, threads=2)
     try:
-        assert threads_now() == before + 2
+        assert threads_now() == before + 1
         for pos in range(4):
             context.decode([pos + 10], pos)
-        assert threads_now() == before + 2
+        assert threads_now() == before + 1
     finally:
         context.close()
     assert threads_now() == before
+
+
+def test_threads_default_to_the_usable_cores_and_more_are_warned_of(
+    smollm2_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """More threads than cores make every decode wait at each barrier for a descheduled thread
+    (three on two cores: 3 s a SmolLM2 token instead of 5 ms): the default takes the cores the
+    process may use (its affinity, its cgroup's quota), and a larger choice is warned of."""
+    quota = tmp_path / "cpu.max"
+    affinity = len(os.sched_getaffinity(0))
+    for text, cores in (
+        ("max 100000", affinity),
+        ("50000 100000", 1),
+        (f"{affinity * 200000} 100000", affinity),
+    ):
+        quota.write_text(text + "\n")
+        assert usable_cores(quota) == cores
+    assert usable_cores(tmp_path / "absent") == affinity
+    assert default_threads() == min(usable_cores(), 8)
+    with caplog.at_level(logging.WARNING, logger="llmsession"):
+        Model(smollm2_path, threads=usable_cores() + 1).close()
+        assert "more than the" in caplog.text
+        caplog.clear()
+        Model(smollm2_path, threads=usable_cores()).close()
+        assert "more than the" not in caplog.text
 
 
 def test_a_forked_child_decodes_without_the_parents_pool(smollm2_path: Path) -> None:
