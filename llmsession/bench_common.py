@@ -90,38 +90,41 @@ def flash_attn_option(flash_attention: bool | None) -> str:
     return {None: "auto", True: "on", False: "off"}[flash_attention]
 
 
-def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
-    """One llama-bench run on llmsession's very libraries (``LLMSESSION_LIB_DIR`` included): its
-    tokens/s samples, one list per test it ran."""
+def reference(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, str]:
+    """Run one of llama.cpp's own benchmarks (llama-bench, llama-batched-bench) on llmsession's
+    very libraries (``LLMSESSION_LIB_DIR`` included): its output and command, or an error."""
     if not exe.exists():
-        return {"error": f"llama-bench not found at {exe}: run python scripts/fetch_llama.py --bench"}
+        return {"error": f"{exe.name} not found at {exe}: run python scripts/fetch_llama.py --bench"}
     # Its rpath is its own folder: make it load the libraries llmsession loads.
     search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
     env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
-    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options, "-o", "json"]
+    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        return {"error": f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
-    rows = json.loads(out.stdout)
+        return {"error": f"{exe.name} failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
+    return {"stdout": out.stdout, "command": " ".join(cmd)}
+
+
+def llama_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
+    """One llama-bench run: its tokens/s samples, one list per test it ran."""
+    run = reference(exe, model_path, threads, *options, "-o", "json")
+    if "error" in run:
+        return run
+    rows = json.loads(run["stdout"])
     samples = [[float(x) for x in row["samples_ts"]] for row in rows]
     return {
         "samples_ts": samples[0],
         "tests": samples,
         "build_commit": rows[0]["build_commit"],
-        "command": " ".join(cmd),
+        "command": run["command"],
     }
 
 
 def batched_bench(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, Any]:
     """One llama-batched-bench run (N sequences prefilled, then generating in one batch per
-    step: llama.cpp's continuous batching) on llmsession's very libraries: a row per N."""
-    if not exe.exists():
-        return {"error": f"{exe.name} not found at {exe}: run python scripts/fetch_llama.py --bench"}
-    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
-    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
-    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options, "--output-format", "jsonl"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        return {"error": f"{exe.name} failed ({out.returncode}): {out.stderr.strip()[-500:]}"}
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return {"rows": rows, "command": " ".join(cmd)}
+    step: llama.cpp's continuous batching): a row per N."""
+    run = reference(exe, model_path, threads, *options, "--output-format", "jsonl")
+    if "error" in run:
+        return run
+    rows = [json.loads(line) for line in run["stdout"].splitlines() if line.startswith("{")]
+    return {"rows": rows, "command": run["command"]}

@@ -103,9 +103,10 @@ def engine_contender(model: Model) -> Callable[[], Callable[[str], dict[str, Any
             assert stream.reply is not None
             u = stream.reply.usage
             kind = "restored" if model.memory().counters.restores > restores else "live"
+            own = u.reused_tokens - u.shared_tokens  # (a first exchange shares the system prompt's opening)
             return {
                 "ttft_s": ttft,
-                "kind": kind if u.reused_tokens else "cold",
+                "kind": kind if own else "cold",
                 "decoded": u.decoded_prompt_tokens,
                 "tokens_per_s": stream.reply.timings.generation_tokens_per_s,
             }

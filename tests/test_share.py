@@ -4,8 +4,8 @@ the one it started from keeps its own; ``share_prefix=False`` keeps a session ap
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import internals
@@ -110,18 +110,10 @@ def test_sessions_in_threads_start_from_each_other_and_equal_fresh(smollm2: Mode
     donor.respond("Hello!", GREEDY)
     sessions = [smollm2.session(system=SYSTEM) for _ in range(2)]
     questions = ["Tell me about the history of Paris.", "Which rivers should a visitor see?"]
-    replies: dict[int, object] = {}
-
-    def chat(i: int) -> None:
-        replies[i] = sessions[i].respond(questions[i], GREEDY)
-
-    threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda i: sessions[i].respond(questions[i], GREEDY), range(2)))
     tolerance = tolerance_for(short_prompt_noise(smollm2))
     for i, session in enumerate(sessions):
         reply = replies[i]
-        assert reply.usage.shared_tokens > 20  # type: ignore[attr-defined]
+        assert reply.usage.shared_tokens > 20
         assert check_against_fresh(session, reply, tolerance, final=False) == []
