@@ -242,10 +242,10 @@ class Engine:
         pool = lease.pool
         if lease.cache.items or not (lease.shares and pool.swa_full) or self.native.is_recurrent:
             return 0
-        live = [pool.residency.entry(key) for key in pool.leases]
+        entries = [pool.residency.entry(key) for key in pool.leases]
         donors = [
             (other, entry.seq)
-            for other, entry in zip(pool.leases.values(), live, strict=True)
+            for other, entry in zip(pool.leases.values(), entries, strict=True)
             if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
         ]
         index, shared = best_donor(prompt, [donor.cache.items for donor, _ in donors], can_cut=can_cut)
