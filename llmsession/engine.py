@@ -164,7 +164,9 @@ class Engine:
                     except Exception as error:
                         log.debug("warming the shared context failed: %s", error)
 
-        thread = threading.Thread(target=make, name="llmsession-warm", daemon=True)
+        # Not a daemon: the interpreter's exit joins it before ``weakref.finalize``'s exit hook
+        # frees the model, which under a context still being made crashed the process.
+        thread = threading.Thread(target=make, name="llmsession-warm")
         thread.start()
         return thread
 
