@@ -27,6 +27,8 @@ class TokenSampler(Protocol):
     def close(self) -> None: ...
     @property
     def complete(self) -> bool: ...
+    @property
+    def finished(self) -> bool: ...
 
 
 class Sampler:
@@ -85,6 +87,11 @@ class Sampler:
     @property
     def complete(self) -> bool:
         """Whether a constraint is satisfied (there is none)."""
+        return False
+
+    @property
+    def finished(self) -> bool:
+        """Whether a constraint allows nothing more (there is none)."""
         return False
 
     def close(self) -> None:
