@@ -67,6 +67,7 @@ class Guess:
     thinking: bool
     context_size: int
     batch_size: int
+    shared: bool  # its prompts splice other sessions' replies too (``share_prefix``)
 
     @classmethod
     def of(cls, session: Session) -> Guess:
@@ -79,6 +80,7 @@ class Guess:
             session.thinking,
             session.context_size,
             session.batch_size,
+            session.share_prefix,
         )
 
 
@@ -150,7 +152,9 @@ def opening(guess: Guess) -> tuple[Item, ...]:
     probes = []
     for probe in PROBES:
         transcript = [*guess.messages, {"role": "user", "content": probe}]
-        prompt = guess.model.prompt(transcript, thinking=guess.thinking, own=guess.replies)
+        prompt = guess.model.prompt(
+            transcript, thinking=guess.thinking, own=guess.replies, shared=guess.shared
+        )
         prompt.close()
         probes.append(prompt.items)
     return tuple(probes[0][: common_prefix(*probes)])

@@ -241,14 +241,21 @@ class Model:
         return self._text_tokens(messages, self.render(messages, thinking=thinking), thinking)
 
     def _text_tokens(
-        self, messages: Sequence[Mapping[str, Any]], text: str, thinking: bool, own: ReplyTokens | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        text: str,
+        thinking: bool,
+        own: ReplyTokens | None = None,
+        shared: bool = True,
     ) -> list[int]:
         """``text`` (the rendered ``messages``) tokenized, with the replies this model generated
         as the tokens it generated (``splice``) when that spells exactly the same text; a
-        session's ``own`` replies first (another session may have said the same words otherwise)."""
+        session's ``own`` replies first (another session may have said the same words otherwise),
+        and only those unless ``shared``: how a prompt splits would tell what others were told."""
 
         def recorded(content: str) -> tuple[int, ...] | None:
-            return (own.get(content) if own is not None else None) or self._replies.get(content)
+            mine = own.get(content) if own is not None else None
+            return mine or (self._replies.get(content) if shared else None)
 
         known = {
             i: tokens
@@ -289,18 +296,28 @@ class Model:
             remembered.remember(stretch, tokens)
         return list(tokens)
 
-    def remember_reply(self, text: str, tokens: Sequence[int], own: ReplyTokens | None = None) -> None:
+    def remember_reply(
+        self, text: str, tokens: Sequence[int], own: ReplyTokens | None = None, shared: bool = True
+    ) -> None:
         """A reply generated here: later prompts hold it as ``tokens`` if they spell ``text``
-        (in the session's ``own`` record too, which its prompts consult first)."""
+        (in the session's ``own`` record too, which its prompts consult first; only there
+        unless ``shared``)."""
         if tokens and self.native.detokenize(tokens) == text:
-            self._replies.remember(text, tokens)
+            if shared:
+                self._replies.remember(text, tokens)
             if own is not None:
                 own.remember(text, tokens)
 
     def prompt(
-        self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False, own: ReplyTokens | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        thinking: bool = False,
+        own: ReplyTokens | None = None,
+        shared: bool = True,
     ) -> Prompt:
-        """The tokenized prompt for a transcript; images go through the projector."""
+        """The tokenized prompt for a transcript; images go through the projector. Replies are
+        spliced from ``own``, and from every session's unless not ``shared``."""
         check_messages(messages)
         images = list(message_images(messages))
         if images and self.projector is None:
@@ -312,7 +329,7 @@ class Model:
         text = self.render(messages, thinking=thinking)
         rendered = time.perf_counter()
         if not images:
-            prompt = Prompt([self._text_tokens(messages, text, thinking, own)])
+            prompt = Prompt([self._text_tokens(messages, text, thinking, own, shared)])
             prompt.render_s, prompt.tokenize_s = rendered - began, time.perf_counter() - rendered
             return prompt
         assert self.projector is not None
@@ -350,11 +367,18 @@ class Model:
         self,
         messages: Sequence[Mapping[str, Any]],
         options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
         **session_args: Any,
     ) -> Reply:
         """Answer the last (user) message of a whole message list, reusing the cached prefix of
-        an earlier call: a client that resends a growing history decodes only what is new."""
-        stream = self.chat_stream(messages, options, **session_args)
+        an earlier call: a client that resends a growing history decodes only what is new.
+
+        ``tenant`` names whose call this is (a user, an API key): a call reuses only sessions
+        its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
+        call without a tenant starts from nothing of any other call's, and no call starts from
+        its cells; with a tenant it reuses only that tenant's sessions (``StatelessPool``)."""
+        stream = self.chat_stream(messages, options, tenant=tenant, **session_args)
         for _ in stream:
             pass
         assert stream.reply is not None
@@ -364,10 +388,12 @@ class Model:
         self,
         messages: Sequence[Mapping[str, Any]],
         options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
         **session_args: Any,
     ) -> Stream:
         """``chat`` as a stream of snapshots; ``session_args`` as for ``session()``."""
-        return self._stateless.stream(messages, options, **session_args)
+        return self._stateless.stream(messages, options, tenant, **session_args)
 
     def load_session(self, path: str | Path, **overrides: Any) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it

@@ -78,8 +78,9 @@ class Session:
             context_size = min(DEFAULT_CONTEXT_SIZE, engine.config.kv_tokens)
         check_int("context_size", context_size, 16, MAX_POSITIONS)
         check_int("batch_size", batch_size, 1, MAX_POSITIONS)
-        if not isinstance(share_prefix, bool):
-            raise TypeError(f"share_prefix must be a bool, got {type(share_prefix).__name__}")
+        for name, flag in (("thinking", thinking), ("swa_full", swa_full), ("share_prefix", share_prefix)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if context_size > engine.config.kv_tokens:
             raise ValueError(
                 f"context_size: {context_size} positions exceed the model's kv_tokens "
@@ -140,7 +141,12 @@ class Session:
                 self._supersede()
                 began = time.perf_counter()
             if prompt is None:
-                prompt = self.model.prompt([*self.messages, user], thinking=self.thinking, own=self._replies)
+                prompt = self.model.prompt(
+                    [*self.messages, user],
+                    thinking=self.thinking,
+                    own=self._replies,
+                    shared=self.share_prefix,
+                )
             else:  # made by the caller just before
                 began -= prompt.render_s + prompt.tokenize_s
             self._settle(prompt.items)
@@ -275,6 +281,7 @@ class Session:
                     can_cut = partial(starts_a_chunk, prompt.items)
                     plan = seat.prepare(prompt.items, can_cut, share=not prompt.unsafe_reuse)
                     usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
+                    usage.restored_tokens = min(usage.restored_tokens, plan.reused)  # what was used
                     usage.shared_tokens = min(seat.shared, plan.reused)
                     ahead, self._anticipated = self._anticipated, None
                     usage.anticipated_tokens = ahead.reused_of(plan.reused) if ahead else 0
@@ -335,7 +342,7 @@ class Session:
         """Record a finished exchange: the user message and the reply, as far as it got."""
         turn.prompt.close()
         turn.reply, turn.done = reply, True
-        self.model.remember_reply(reply.text, turn.tokens, self._replies)
+        self.model.remember_reply(reply.text, turn.tokens, self._replies, shared=self.share_prefix)
         self.messages += [turn.user, {"role": "assistant", "content": reply.text}]
         if not (self._superseded or turn.closed):
             self._look_ahead()
@@ -393,8 +400,8 @@ class Session:
                             turn.finish = "stop"
                         elif n < options.max_tokens and pos + len(batch) < self.context_size:
                             continue
-                        elif sampler.complete and all(native.is_eog(t) for t in pending[index + 1 :]):
-                            turn.finish = "complete"  # satisfied by the last token it was allowed
+                        elif sampler.finished and all(native.is_eog(t) for t in pending[index + 1 :]):
+                            turn.finish = "complete"  # finished by the last token it was allowed
                         # else "length": the last token needs no decode
                     pending = []
                     break

@@ -70,7 +70,12 @@ def expect(
     ``alongside``: the prompt another session decodes meanwhile (a concurrent call), which may
     be held, with a reply of its own after it, by the time this one starts from it."""
     try:
-        prompt = env().model.prompt([*shadow, user], thinking=session.thinking)
+        prompt = env().model.prompt(
+            [*shadow, user],
+            thinking=session.thinking,
+            own=internals.own_replies(session),
+            shared=session.share_prefix,
+        )
     except TYPED as error:
         return Expectation(error=type(error))
     try:
@@ -199,6 +204,7 @@ def fresh_first_logits(
         context_size=like.context_size, batch_size=batch_size, thinking=like.thinking, share_prefix=False
     )
     fresh.messages = copy.deepcopy(messages)
+    internals.tokenize_like(fresh, like)  # its prompt tokenized as ``like``'s is
     try:
         reply = fresh.respond(content, GREEDY_ONE)
         logits = internals.last_logits(fresh) if internals.record(fresh) else None

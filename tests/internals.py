@@ -9,6 +9,7 @@ from llmsession.native import bindings
 from llmsession.native_context import NativeContext
 from llmsession.prefix import Item
 from llmsession.residency import State
+from llmsession.splice import ReplyTokens
 
 
 def settled(session: Session) -> Session:
@@ -35,6 +36,28 @@ def donor_records(session: Session) -> list[tuple[Item, ...]]:
     mine = session._lease
     others = [s for s in list(session.model._sessions) if s is not session and s.share_prefix]
     return [record(s) for s in others if s._lease.pool is mine.pool and not s._closed]
+
+
+def own_replies(session: Session) -> ReplyTokens:
+    """The replies a session's prompts splice first (its own, as generated)."""
+    return session._replies
+
+
+def splice_record(session: Session) -> ReplyTokens:
+    """Every reply a session's prompts may splice, in one record a fresh session kept apart can
+    be given to tokenize its transcript alike: its own first, then (if it shares) the model's."""
+    merged = ReplyTokens(capacity=1 << 20)
+    if session.share_prefix:
+        for text, tokens in list(session.model._replies._tokens.items()):
+            merged.remember(text, tokens)
+    for text, tokens in list(session._replies._tokens.items()):
+        merged.remember(text, tokens)
+    return merged
+
+
+def tokenize_like(fresh: Session, like: Session) -> None:
+    """Let a fresh reference session splice the replies ``like``'s prompts splice."""
+    fresh._replies = splice_record(like)
 
 
 def placement(session: Session) -> tuple[str, int]:
