@@ -74,7 +74,7 @@ def save(session: Session, path: str | Path) -> None:
 
 def load(model: Model, path: str | Path, **overrides: Any) -> Session:
     """A new session holding the saved transcript, and the saved KV state where it is valid."""
-    saved = read(path)
+    saved = read(path, max_positions=model._engine.config.kv_tokens)
     settings = {name: saved.settings[name] for name in SETTINGS if name in saved.settings}
     try:
         model.session(**settings)  # the file's own settings must be valid on their own
@@ -82,7 +82,7 @@ def load(model: Model, path: str | Path, **overrides: Any) -> Session:
         raise SessionFileError(f"{path}: invalid saved settings: {error}") from None
     session = model.session(**{**settings, **overrides})
     session.messages = [_decode_message(message, saved) for message in saved.messages]
-    reason = _mismatch(saved, compat(model, session.swa_full), session.context_size)
+    reason = _mismatch(saved, compat(model, session.swa_full), session.context_size, model.native.n_vocab)
     try:
         if not reason and not model._engine.adopt(session._lease, saved.blobs["state"], saved.record):
             reason = "llama.cpp did not accept the saved state"
@@ -95,7 +95,7 @@ def load(model: Model, path: str | Path, **overrides: Any) -> Session:
     return session
 
 
-def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int) -> str:
+def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int, n_vocab: int) -> str:
     if "state" not in saved.blobs or not saved.record:
         return "the file holds no KV state"
     for key, value in current.items():
@@ -103,6 +103,8 @@ def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int) -
             return f"{key} differs (saved {saved.compat.get(key)!r}, now {value!r})"
     if len(saved.record) >= context_size:
         return f"the state holds {len(saved.record)} positions; the session's context is {context_size}"
+    if not all(0 <= item < n_vocab for item in saved.record if isinstance(item, int)):
+        return "the saved record holds tokens outside the model's vocabulary"
     return ""
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,8 @@ FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
 _DIGEST = 32
 MAX_HEADER_BYTES = 1 << 30
+MAX_FILE_BYTES = 1 << 40  # a sanity bound: a state of 2**24 positions of a large model fits
+MAX_RECORD = 1 << 24  # positions a context may hold (options.MAX_POSITIONS)
 
 
 @dataclass
@@ -69,29 +73,46 @@ def encode_record(items: Sequence[Item]) -> list[Any]:
     return out
 
 
-def decode_record(encoded: Any) -> list[Item]:
+def decode_record(encoded: Any, limit: int = MAX_RECORD) -> list[Item]:
+    """The items of a saved record of at most ``limit`` positions (a loading model's
+    ``kv_tokens``: no session of it holds more), counted before any is built: a hostile image
+    run's count would build billions."""
     if not isinstance(encoded, list):
         raise SessionFileError("the record is not a list")
+    entries = [_record_entry(entry) for entry in encoded]
+    positions = sum(1 if isinstance(entry, int) else entry[3] for entry in entries)
+    if positions > limit:
+        raise SessionFileError(f"the record names {positions} positions; this model holds at most {limit}")
     items: list[Item] = []
-    for entry in encoded:
-        if isinstance(entry, int) and not isinstance(entry, bool):
+    for entry in entries:
+        if isinstance(entry, int):
             items.append(entry)
-            continue
-        try:
-            digest, n, start, count = entry["image"], entry["n"], entry["from"], entry["count"]
-        except (TypeError, KeyError):
-            raise SessionFileError(f"a record entry is malformed: {entry!r:.80}") from None
-        if not (isinstance(digest, str) and all(isinstance(v, int) for v in (n, start, count))):
-            raise SessionFileError(f"a record entry is malformed: {entry!r:.80}")
-        if not (start >= 0 and count > 0 and start + count <= n):
-            raise SessionFileError(f"an image run is out of range: {entry!r:.80}")
-        items += [ImagePosition(digest, n, start + i) for i in range(count)]
+        else:
+            digest, n, start, count = entry
+            items += [ImagePosition(digest, n, start + i) for i in range(count)]
     return items
 
 
+def _record_entry(entry: Any) -> int | tuple[str, int, int, int]:
+    """A token, or an image run as (digest, n, from, count), checked."""
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        return entry
+    try:
+        digest, n, start, count = entry["image"], entry["n"], entry["from"], entry["count"]
+    except (TypeError, KeyError):
+        raise SessionFileError(f"a record entry is malformed: {entry!r:.80}") from None
+    if not (isinstance(digest, str) and all(type(v) is int for v in (n, start, count))):
+        raise SessionFileError(f"a record entry is malformed: {entry!r:.80}")
+    if not (start >= 0 and count > 0 and start + count <= n):
+        raise SessionFileError(f"an image run is out of range: {entry!r:.80}")
+    return digest, n, start, count
+
+
 def write(path: str | Path, saved: SavedSession) -> None:
-    """Write atomically: a temporary file beside ``path``, fsynced, then renamed over it."""
-    path = Path(path)
+    """Write atomically: a new temporary file beside ``path``, fsynced, then renamed over it. A
+    symlink is followed (its target is written); a path that exists and is not a regular file
+    (a device, a FIFO, a directory) is refused: renaming over it would replace it."""
+    path = target_file(path)
     blobs = list(saved.blobs.items())
     header = {
         "format": FORMAT_VERSION,
@@ -107,9 +128,13 @@ def write(path: str | Path, saved: SavedSession) -> None:
     }
     head = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     digest = hashlib.sha256()
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with temporary.open("wb") as f:
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise SessionFileError(f"cannot write beside {path}: {error.strerror or error}") from None
+    temporary = Path(name)
+    try:
+        with os.fdopen(handle, "wb") as f:
             for chunk in (MAGIC, _LENGTH.pack(len(head)), head, *(b for _, b in blobs)):
                 digest.update(chunk)
                 f.write(chunk)
@@ -127,13 +152,28 @@ def write(path: str | Path, saved: SavedSession) -> None:
         os.close(directory)
 
 
-def read(path: str | Path) -> SavedSession:
-    """Read and verify a file; any defect is a SessionFileError naming it."""
-    path = Path(path)
+def target_file(path: str | Path) -> Path:
+    """Where a save writes: ``path`` with symlinks resolved, which must be a regular file if it
+    exists, in a directory that exists."""
+    resolved = Path(os.path.realpath(path))
     try:
-        data = path.read_bytes()
+        mode = resolved.stat().st_mode
+    except FileNotFoundError:
+        mode = None
     except OSError as error:
-        raise SessionFileError(f"cannot read {path}: {error.strerror or error}") from None
+        raise SessionFileError(f"cannot write {path}: {error.strerror or error}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise SessionFileError(f"cannot write {path}: it exists and is not a regular file")
+    if not resolved.parent.is_dir():
+        raise SessionFileError(f"cannot write {path}: {resolved.parent} is not a directory")
+    return resolved
+
+
+def read(path: str | Path, max_positions: int = MAX_RECORD) -> SavedSession:
+    """Read and verify a file; any defect is a SessionFileError naming it, a record of more than
+    ``max_positions`` (a loading model's ``kv_tokens``) too."""
+    path = Path(path)
+    data = _read_regular(path)
     if len(data) < len(MAGIC) + _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
         raise SessionFileError(f"{path} is not an llmsession file (or is truncated)")
     body, checksum = data[:-_DIGEST], data[-_DIGEST:]
@@ -145,7 +185,7 @@ def read(path: str | Path) -> SavedSession:
         raise SessionFileError(f"{path}: the header length {length} is out of range")
     try:
         header = json.loads(body[start : start + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise SessionFileError(f"{path}: the header is not valid JSON: {error}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
         version = header.get("format") if isinstance(header, dict) else None
@@ -161,11 +201,33 @@ def read(path: str | Path) -> SavedSession:
     return SavedSession(
         compat=compat,
         settings=settings,
-        record=decode_record(header.get("record")),
+        record=decode_record(header.get("record"), limit=max_positions),
         messages=messages,
         images={digest: (size[0], size[1]) for digest, size in images.items()},
         blobs=blobs,
     )
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of a regular file, checked before reading: a FIFO would block forever and a
+    device (``/dev/zero``) would never end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise SessionFileError(f"cannot read {path}: {error.strerror or error}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise SessionFileError(f"cannot read {path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if info.st_size > MAX_FILE_BYTES:
+            raise SessionFileError(
+                f"{path} has {info.st_size} bytes; a session file has at most {MAX_FILE_BYTES}"
+            )
+        data = f.read(info.st_size + 1)
+    if len(data) != info.st_size:
+        raise SessionFileError(f"{path} changed while it was read")
+    return data
 
 
 def _is_size(value: Any) -> bool:
