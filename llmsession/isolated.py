@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -30,6 +32,8 @@ from . import rpc
 from .aio import AsyncStream
 from .budget import MemoryReport
 from .errors import BackendError, ModelClosedError, UnsupportedFeatureError
+from .guided import schema_document
+from .messages import check_messages
 from .model import Model
 from .options import GenerationOptions
 from .replies import Reply, Snapshot
@@ -75,9 +79,10 @@ class WorkerProcess:
                 self.conn.send(message)
 
     def send(self, message: tuple[Any, ...]) -> None:
+        data = picklable(message)
         try:
             with self.send_lock:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
         except OSError:
             self.fail(self.death())
 
@@ -120,6 +125,30 @@ class WorkerProcess:
             self.process.kill()
         self.process.wait()
         self.conn.close()
+
+
+def picklable(message: tuple[Any, ...]) -> bytes:
+    """A request as bytes for the worker, or a TypeError that says why it cannot travel (a
+    lambda, a class defined inside a function, an open file...)."""
+    try:
+        return pickle.dumps(message)
+    except (pickle.PicklingError, AttributeError, TypeError, RecursionError) as error:
+        raise TypeError(
+            "an isolated model runs in a worker process, so every argument must pickle "
+            f"(no lambdas, local classes or open files): {error}"
+        ) from None
+
+
+def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | None, type | None]:
+    """Options that travel to the worker: a JSON schema as a plain JSON object, checked here as
+    in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
+    pydantic class goes as its schema, and comes back with the reply (``IsolatedStream``
+    parses ``parsed`` into it here)."""
+    options = checked(options)
+    if options.json_schema is None:
+        return options, None
+    schema_class, document = schema_document(options.json_schema)
+    return dataclasses.replace(options, json_schema=document), schema_class
 
 
 class IsolatedModel(Model):
@@ -191,7 +220,11 @@ class IsolatedModel(Model):
     def chat_stream(
         self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None, **kw: Any
     ) -> Stream:
-        return IsolatedStream(self, None, self._call("chat_stream", list(messages), options, kw))
+        check_messages(messages)  # as in-process, before pickling
+        options, schema_class = portable(options)
+        return IsolatedStream(
+            self, None, self._call("chat_stream", list(messages), options, kw), schema_class
+        )
 
     def load_session(self, path: str | Path, **overrides: Any) -> Session:
         return IsolatedSession(self, self._call("load_session", str(path), overrides))
@@ -233,9 +266,11 @@ class IsolatedSession(Session):
         return self.model
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
-        key, messages = self._isolated._call("stream", self._key, self._edits(), content, checked(options))
+        check_messages([{"role": "user", "content": content}])  # as in-process, before pickling
+        options, schema_class = portable(options)
+        key, messages = self._isolated._call("stream", self._key, self._edits(), content, options)
         self._sync(messages)  # with the exchange of an unfinished stream it finished first
-        return IsolatedStream(self._isolated, self, key)
+        return IsolatedStream(self._isolated, self, key, schema_class)
 
     def _edits(self) -> list[Any] | None:
         """The transcript if it was changed here since the worker's was last seen, else None:
@@ -276,10 +311,16 @@ class IsolatedSession(Session):
 class IsolatedStream(Stream):
     """A stream whose steps run in the worker, one round trip each (nothing decodes between)."""
 
-    def __init__(self, model: IsolatedModel, session: IsolatedSession | None, key: int) -> None:
+    def __init__(
+        self,
+        model: IsolatedModel,
+        session: IsolatedSession | None,
+        key: int,
+        schema_class: type | None = None,
+    ) -> None:
         # None for Model.chat_stream: its session is the worker's own
         self.session = session  # type: ignore[assignment]
-        self._model, self._key = model, key
+        self._model, self._key, self._schema_class = model, key, schema_class
         self._reply: Reply | None = None
         self._done = False
         self._drop = weakref.finalize(self, model._worker.tell, None, "close_stream", (key,))
@@ -305,6 +346,8 @@ class IsolatedStream(Stream):
         raise StopIteration
 
     def _end(self, reply: Reply, messages: list[Any]) -> None:
+        if self._schema_class is not None and reply.parsed is not None:  # validated in the worker
+            reply = dataclasses.replace(reply, parsed=self._schema_class.model_validate_json(reply.text))  # type: ignore[attr-defined]
         self._done, self._reply = True, reply
         self._drop.detach()
         if isinstance(self.session, IsolatedSession):
