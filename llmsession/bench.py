@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .argtypes import output_file, seconds
 from .bench_common import (
     common_arguments,
     flash_attn_option,
@@ -249,13 +250,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in the chats")
     parser.add_argument("--gen-tokens", type=int, default=128, help="tokens of the generation scenario")
     parser.add_argument(
-        "--think", type=float, default=0.25, help="seconds between a reply and the next question (0: none)"
+        "--think", type=seconds, default=0.25, help="seconds between a reply and the next question (0: none)"
     )
     parser.add_argument(
         "--ttft-samples", type=int, default=3, help="each turn's TTFT, also on forks: their median"
     )
     common_arguments(parser)
-    parser.add_argument("--plot", type=Path, help="write a PNG of time to first token per turn")
+    parser.add_argument("--plot", type=output_file, help="write a PNG of time to first token per turn")
     args = parser.parse_args(argv)
     if args.turns < 2 or args.max_tokens < 1 or args.gen_tokens < 2 or args.ttft_samples < 1:
         parser.error(

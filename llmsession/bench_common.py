@@ -16,6 +16,7 @@ from typing import Any
 from llama_cffi import lib_dir
 
 from . import paths
+from .argtypes import output_file, positive_int
 from .native import build_commit
 
 PEER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peer.py"
@@ -58,10 +59,10 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 def common_arguments(parser: argparse.ArgumentParser) -> None:
     """What every ``llmsession bench`` scenario takes: the model, threads, the peer, --json."""
     parser.add_argument("--model", type=Path, default=paths.default_model_path())
-    parser.add_argument("--threads", type=int, default=None, help="default: llmsession's default")
+    parser.add_argument("--threads", type=positive_int, default=None, help="default: llmsession's default")
     parser.add_argument("--peer", choices=["llama-cpp-python"], help="also run the scenario through it")
     parser.add_argument("--peer-python", default=sys.executable, help="a Python that imports the peer")
-    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--json", type=output_file, help="write every number here")
     parser.add_argument(
         "--llama-bench", type=Path, default=default_llama_bench(), help="its binary (references)"
     )

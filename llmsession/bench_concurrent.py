@@ -27,6 +27,7 @@ from typing import Any
 
 from llama_cffi import python_abort_checks
 
+from .argtypes import positive_int, positive_ints
 from .bench_common import (
     batched_bench,
     common_arguments,
@@ -209,14 +210,16 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmsession bench concurrent", description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", default="1,2,4,8", help="stream counts, comma-separated")
-    parser.add_argument("--max-tokens", type=int, default=64, help="per stream")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, and of the reference")
+    parser.add_argument(
+        "--streams", type=positive_ints, default=[1, 2, 4, 8], help="stream counts, comma-separated"
+    )
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="per stream")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs of each side, and of the reference"
+    )
     common_arguments(parser)
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.streams.split(",")]
-    if not counts or min(counts) < 1 or args.max_tokens < 1 or args.repeats < 1:
-        parser.error("--streams takes counts >= 1, --max-tokens and --repeats at least 1")
+    counts = args.streams
     started = time.perf_counter()
     options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
     with Model(args.model, threads=args.threads, max_live_sessions=max(8, *counts)) as model:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .argtypes import positive_int, positive_ints
 from .bench_common import common_arguments, machine, progress, publish, run_worker, table
 from .model import Model
 from .native_context import NativeContext
@@ -247,9 +248,9 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmsession bench memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[4, 16, 64])
-    parser.add_argument("--rounds", type=int, default=3, help="exchanges per session")
-    parser.add_argument("--first-tokens", type=int, default=1000, help="size of each first message")
+    parser.add_argument("--sessions", type=positive_ints, default=[4, 16, 64], help="counts, comma-separated")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="exchanges per session")
+    parser.add_argument("--first-tokens", type=positive_int, default=1000, help="size of each first message")
     common_arguments(parser)
     args = parser.parse_args(argv)
     return publish(run(args), report, args.json)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .argtypes import positive_int
 from .bench import exchange
 from .bench_common import common_arguments, machine, progress, publish, table
 from .model import Model
@@ -112,10 +113,10 @@ def report(results: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmsession bench rpc", description=__doc__.splitlines()[0])
     parser.add_argument("--rpc", action="append", metavar="HOST:PORT", help="servers (default: 2 local ones)")
-    parser.add_argument("--server-threads", type=int, default=1, help="threads of each local server")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--server-threads", type=positive_int, default=1, help="threads of each local server")
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--turns", type=int, default=len(QUESTIONS), choices=range(2, len(QUESTIONS) + 1))
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of every contender in turn")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of every contender in turn")
     common_arguments(parser)
     args = parser.parse_args(argv)
     return publish(run(args), report, args.json)

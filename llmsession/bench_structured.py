@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .argtypes import positive_int
 from .bench_common import common_arguments, machine, progress, publish, run_worker, table
 from .model import Model
 from .options import GenerationOptions
@@ -150,8 +151,8 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmsession bench structured", description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
     common_arguments(parser)
     args = parser.parse_args(argv)
     return publish(run(args), report, args.json)

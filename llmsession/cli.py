@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import installer, paths
+from .argtypes import port, positive_int, temperature
 from .budget import MemoryConfig
 from .errors import LlmSessionError
 from .installer import SETUP_COMMAND
@@ -132,8 +133,8 @@ class Chat:
             return
         try:
             schema = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as problem:
-            error(f"cannot read a JSON schema from {path}: {problem}")
+        except (OSError, ValueError, RecursionError) as problem:  # (nested too deep for json)
+            error(f"cannot read a JSON schema from {path}: {problem or type(problem).__name__}")
             return
         self.session.model.constraint(GenerationOptions(json_schema=schema))  # GrammarError now
         self.schema = schema
@@ -351,10 +352,18 @@ def parser() -> argparse.ArgumentParser:
     )
     add("--mmproj", type=Path, metavar="PATH", help="multimodal projector GGUF, enables /image")
     add("--system", metavar="TEXT", help="system message")
-    add("--context-size", type=int, default=4096, metavar="N", help="context tokens (default: %(default)s)")
-    add("--temperature", type=float, default=0.8, metavar="T", help="0 is greedy (default: %(default)s)")
-    add("--max-tokens", type=int, default=512, metavar="N", help="per reply (default: %(default)s)")
-    add("--threads", type=int, metavar="N", help="CPU threads (default: up to 8)")
+    add(
+        "--context-size",
+        type=positive_int,
+        default=4096,
+        metavar="N",
+        help="context tokens (default: %(default)s)",
+    )
+    add(
+        "--temperature", type=temperature, default=0.8, metavar="T", help="0 is greedy (default: %(default)s)"
+    )
+    add("--max-tokens", type=positive_int, default=512, metavar="N", help="per reply (default: %(default)s)")
+    add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")
     installer.add_commands(commands)
     doctor_parser = commands.add_parser(
         "doctor", help="show the llama.cpp build, CPU features and cached models"
@@ -363,13 +372,15 @@ def parser() -> argparse.ArgumentParser:
         "--rpc", action="append", metavar="HOST:PORT", help="instead, check an RPC server (repeatable)"
     )
     server = commands.add_parser("rpc-server", help="serve this machine's CPU to a model on another host")
-    server.add_argument("--port", type=int, default=50052, help="TCP port (default: %(default)s)")
+    server.add_argument("--port", type=port, default=50052, help="TCP port (default: %(default)s)")
     server.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to bind (default: %(default)s; the server trusts every client)",
     )
-    server.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: the server's)")
+    server.add_argument(
+        "--threads", type=positive_int, metavar="N", help="CPU threads (default: the server's)"
+    )
     commands.add_parser("bench", help="benchmark sessions (arguments go to the benchmark)", add_help=False)
     return top
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from . import paths
+from .argtypes import directory
 
 SETUP_COMMAND = "llmsession setup"
 
 
 def setup(args: argparse.Namespace) -> int:
     if args.prefix is not None:
-        os.environ["LLMSESSION_CACHE"] = str(Path(args.prefix).expanduser().resolve())
+        os.environ["LLMSESSION_CACHE"] = str(args.prefix)
     from . import setup_llama, setup_models  # after the prefix is set: they read the cache root
 
     status = setup_models.main([] if args.models else ["--only", "smollm2"])  # first: the build's
@@ -40,6 +40,8 @@ def models(_args: argparse.Namespace) -> int:
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     setup_parser = commands.add_parser("setup", help="build llama.cpp for this machine and fetch the model")
     setup_parser.add_argument("--models", action="store_true", help="also fetch the test models (Gemma 3)")
-    setup_parser.add_argument("--prefix", type=Path, metavar="DIR", help="cache root (as $LLMSESSION_CACHE)")
+    setup_parser.add_argument(
+        "--prefix", type=directory, metavar="DIR", help="cache root (as $LLMSESSION_CACHE)"
+    )
     setup_parser.add_argument("--force", action="store_true", help="rebuild llama.cpp even if it is built")
     commands.add_parser("models", help="list the models in the cache")

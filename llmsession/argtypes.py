@@ -1,0 +1,85 @@
+"""Argument types for the commands: a bad value or an output path that cannot be written is
+argparse's ``error: ...`` and exit status 2 before any work, not a traceback after it. Pure."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def port(text: str) -> int:
+    value = _int_at_least(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is at most 65535, not {value}")
+    return value
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (``time.sleep`` refuses the others)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
+
+
+def temperature(text: str) -> float:
+    return seconds(text)  # the same rule: finite and not negative
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated counts, each at least 1: ``4,16,64``."""
+    values = [positive_int(part.strip()) for part in text.split(",")]
+    if not values:
+        raise argparse.ArgumentTypeError("no counts given")
+    return values
+
+
+def output_file(text: str) -> Path:
+    """A file a command writes when it ends: checked now, so a long run does not end in an
+    error. A regular file or nothing, in a directory that exists and takes a new file."""
+    path = Path(text)
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it exists and is not a regular file")
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror or error}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return path
+
+
+def directory(text: str) -> Path:
+    """A directory a command fills (made now if missing)."""
+    path = Path(text).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"cannot make the directory {text}: {error.strerror or error}"
+        ) from None
+    return path.resolve()
