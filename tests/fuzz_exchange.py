@@ -120,7 +120,7 @@ class ShadowedSessions:
         assert expectation.error is None, f"expected {expectation.error}, the call succeeded"
         assert not expectation.overflow, f"the prompt does not fit, yet no error: {expectation}"
         user = copy_message(user)
-        natural = ("stop", "length")
+        natural = ("stop", "length", "complete") if options.constrained else ("stop", "length")
         if stream is None:
             assert reply is not None
             check_reply(

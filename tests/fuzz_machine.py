@@ -11,7 +11,8 @@ from typing import Any
 
 import internals
 from fuzz_env import STATS, env
-from fuzz_exchange import ShadowedSessions, in_threads
+from fuzz_exchange import in_threads
+from fuzz_hostile import HostileRules
 from fuzz_inputs import (
     BAD_CONTENT_KINDS,
     BAD_FIELDS,
@@ -42,7 +43,7 @@ from llmsession import GenerationOptions
 CONTEXT_SIZES = (1024, 512)  # sessions 0 and 1; session 2 gets 64-128 positions
 
 
-class SessionFuzzer(ShadowedSessions, RuleBasedStateMachine):
+class SessionFuzzer(HostileRules, RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         STATS.examples += 1

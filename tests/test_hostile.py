@@ -1,0 +1,379 @@
+"""Regression tests for the eleven defects adversarial use found in the wave-2 features (issue
+25), on the real library. Where the old code crashed or hung, the probe runs in a subprocess
+with a timeout that must exit 0."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fuzz_hostile import not_a_regular_file
+from pydantic import BaseModel, ConfigDict, Field
+from test_defects import run_python
+
+from llmsession import GenerationOptions, GrammarError, Model, SessionFileError, TemplateError, sessionfile
+
+GREEDY = GenerationOptions(max_tokens=16, temperature=0)
+SYSTEM = {"role": "system", "content": "You are a bank's assistant."}
+
+
+def forge(path: Path, header: bytes | dict[str, Any], blobs: tuple[bytes, ...] = ()) -> Path:
+    """A session file with valid checksums around whatever header and blobs a test wants."""
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    body = sessionfile.MAGIC + struct.pack("<Q", len(head)) + head + b"".join(blobs)
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    return path
+
+
+def saved_header(smollm2: Model, tmp_path: Path) -> tuple[dict[str, Any], bytes]:
+    """The header and state blob of a real saved session (one short exchange)."""
+    session = smollm2.session("Be brief.", share_prefix=False)
+    session.respond("Hi", GREEDY)
+    path = tmp_path / "real.llms"
+    session.save(path)
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<Q", data, len(sessionfile.MAGIC))
+    start = len(sessionfile.MAGIC) + 8
+    return json.loads(data[start : start + length]), data[start + length : -32]
+
+
+# 1. exit while the shared context is being made ------------------------------------------------
+EXIT_EARLY = """
+import sys, threading, time
+import llmsession.native as native
+from llmsession import Model
+lib, ffi = native.bindings()
+freed_while_warming = []
+
+class SlowInit:
+    def __getattr__(self, name):
+        return getattr(lib, name)
+    def llama_init_from_model(self, model, params):
+        time.sleep(0.4)  # the context is still being made when the main thread ends
+        return lib.llama_init_from_model(model, params)
+
+real_free = native._free_model
+def watched_free(l, ptr):
+    warming = any(t.name == "llmsession-warm" and t.is_alive() for t in threading.enumerate())
+    freed_while_warming.append(warming)
+    if warming:
+        sys.stderr.write("the model was freed while its context was being made\\n")
+        sys.stderr.flush()
+        native.os._exit(3)
+    real_free(l, ptr)
+
+native._loaded = (SlowInit(), ffi)
+native._free_model = watched_free
+m = Model(sys.argv[1], threads=1)
+try:
+    m.detokenize([10**6])
+except ValueError:
+    pass
+"""
+
+
+def test_exit_waits_for_the_shared_context_being_made(smollm2_path: Path, tmp_path: Path) -> None:
+    """The model's finalizer ran at exit while the warm thread was inside llama_init_from_model:
+    a SIGSEGV about 1 time in 10. Slowed on purpose, the old code freed it under the thread."""
+    script = tmp_path / "exit_early.py"
+    script.write_text(EXIT_EARLY)
+    out = subprocess.run(
+        [sys.executable, str(script), str(smollm2_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_short_scripts_never_die_at_exit_on_a_busy_machine(smollm2_path: Path) -> None:
+    code = f"""
+    from llmsession import Model
+    m = Model({str(smollm2_path)!r}, threads=1)
+    try:
+        m.detokenize([10**6])
+    except ValueError:
+        pass
+    """
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        codes = [run_python(code, timeout=120).returncode for _ in range(12)]
+    finally:
+        burner.kill()
+        burner.wait()
+    assert codes == [0] * 12
+
+
+# 2, 7, 11. schemas -------------------------------------------------------------------------------
+def test_a_schema_that_contains_itself_is_a_grammar_error_not_a_crash(smollm2_path: Path) -> None:
+    code = f"""
+    from llmsession import GenerationOptions, GrammarError, Model
+    schema = {{"type": "object", "properties": {{}}}}
+    schema["properties"]["x"] = schema
+    deep = {{"type": "array"}}
+    node = deep
+    for _ in range(5000):
+        node["items"] = {{"type": "array"}}
+        node = node["items"]
+    for isolated in (False, True):
+        with Model({str(smollm2_path)!r}, threads=1, isolated=isolated) as m:
+            s = m.session()
+            for bad in (schema, deep, "[" * 100000, '{{"type": "object"}}' + "]" * 10):
+                try:
+                    s.respond("Hi", GenerationOptions(json_schema=bad, max_tokens=4))
+                except GrammarError as e:
+                    print("typed:", str(e)[:60])
+                else:
+                    raise SystemExit("accepted " + repr(bad)[:40])
+            assert s.messages == [], s.messages  # nothing decoded, nothing recorded
+            print("after:", s.respond("Hi", GenerationOptions(max_tokens=2, temperature=0)).finish_reason)
+    """
+    out = run_python(code, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("typed:") == 8 and out.stdout.count("after:") == 2, out.stdout
+
+
+class Tags(BaseModel):
+    tags: set[int]
+
+
+def test_keywords_the_mask_cannot_enforce_are_checked_after_the_reply(smollm2: Model) -> None:
+    """A pydantic ``set`` field (``uniqueItems``) is accepted; a reply that breaks it is never
+    handed out as valid: forced to [1, 1], it is a GrammarError naming the keyword."""
+    session = smollm2.session(share_prefix=False)
+    reply = session.respond("Give three tags as numbers.", GenerationOptions(json_schema=Tags, max_tokens=48))
+    if reply.finish_reason == "complete":
+        assert isinstance(reply.parsed, Tags)
+        assert len(json.loads(reply.text)["tags"]) == len(reply.parsed.tags)  # none deduplicated away
+    forced_duplicates = {
+        "type": "array",
+        "items": {"const": 1},
+        "minItems": 2,
+        "maxItems": 2,
+        "uniqueItems": True,
+    }
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        session.respond("Two ones.", GenerationOptions(json_schema=forced_duplicates, max_tokens=16))
+    assert session.messages[-1]["content"].replace(" ", "") == "[1,1]"
+    with pytest.raises(GrammarError, match="invalid schema"):
+        session.respond("Hi", GenerationOptions(json_schema={"type": 5}, max_tokens=4))
+    needs_b = {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}  # was refused
+    assert smollm2.constraint(GenerationOptions(json_schema=needs_b)) is not None
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": ["b"]}}
+    assert smollm2.constraint(GenerationOptions(json_schema=draft7)) is not None  # draft 7 checks it
+    with pytest.raises(GrammarError, match="dependencies"):  # 2020-12 does not: nobody would
+        smollm2.constraint(GenerationOptions(json_schema={"dependencies": {"a": ["b"]}}))
+
+
+# 3. share_prefix=False through model.chat ---------------------------------------------------------
+def test_an_apart_stateless_call_never_starts_from_another_calls_cells(smollm2: Model) -> None:
+    secret = [SYSTEM, {"role": "user", "content": "My PIN is 4 9 1 7. Remember it."}]
+    smollm2.chat(secret, GREEDY, share_prefix=False)
+    for guess in ("0 0 0 0", "4 0 0 0", "4 9 0 0", "4 9 1 7"):
+        probe = [SYSTEM, {"role": "user", "content": f"My PIN is {guess}. Remember it."}]
+        usage = smollm2.chat(probe, GREEDY, share_prefix=False).usage
+        assert (usage.reused_tokens, usage.shared_tokens) == (0, 0), guess
+        usage = smollm2.chat(probe, GREEDY, share_prefix=False, tenant=f"mallory {guess}").usage
+        assert (usage.reused_tokens, usage.shared_tokens) == (0, 0), guess
+
+
+def test_a_tenant_reuses_only_what_its_own_calls_left(smollm2: Model) -> None:
+    history = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    first = smollm2.chat(history, GREEDY, share_prefix=False, tenant="alice")
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another?"}]
+    again = smollm2.chat(history, GREEDY, share_prefix=False, tenant="alice")
+    assert again.usage.reused_tokens >= first.usage.prompt_tokens  # its own history, spliced
+    other = smollm2.chat(history, GREEDY, share_prefix=False, tenant="bob")
+    assert (other.usage.reused_tokens, other.usage.shared_tokens) == (0, 0)
+    with pytest.raises(TypeError, match="tenant"):
+        smollm2.chat(history, GREEDY, tenant=7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="share_prefix"):
+        smollm2.chat(history, GREEDY, share_prefix="no")
+
+
+# 4. save never replaces what is not a regular file ----------------------------------------------------
+def test_save_refuses_devices_fifos_and_directories_and_follows_symlinks(
+    smollm2: Model, tmp_path: Path
+) -> None:
+    session = smollm2.session("Be brief.", share_prefix=False)
+    session.respond("Hi", GREEDY)
+    odd, linked = tmp_path / "odd", tmp_path / "linked"
+    odd.mkdir()
+    linked.mkdir()
+    # Never the machine's own /dev/null: a regression would replace it (it did, here, once).
+    targets = [not_a_regular_file(odd, kind) for kind in ("device", "fifo", "socket")]
+    targets += [odd, not_a_regular_file(linked, "fifo", link=True)]  # a directory; a link to a FIFO
+    for target in targets:
+        with pytest.raises(SessionFileError, match="not a regular file"):
+            session.save(target)
+        assert not target.resolve().is_file()
+    real = tmp_path / "real.llms"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.llms"
+    link.symlink_to(real)
+    session.save(link)
+    assert link.is_symlink() and real.read_bytes().startswith(sessionfile.MAGIC)
+    assert smollm2.load_session(link).messages == session.messages
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.llms", "linked", "odd", "real.llms"]
+
+
+# 5. a constrained reply cut by max_tokens is "length", never parsed ---------------------------------
+@pytest.mark.parametrize(
+    ("constraint", "max_tokens"),
+    [
+        ({"json_schema": {"type": "integer"}}, 2),
+        ({"regex": "[0-9]+"}, 3),
+        ({"json_schema": {"type": "number"}}, 6),
+    ],
+)
+def test_a_constrained_reply_cut_short_is_length_not_complete(
+    smollm2: Model, constraint: dict[str, Any], max_tokens: int
+) -> None:
+    session = smollm2.session(share_prefix=False)
+    options = GenerationOptions(max_tokens=max_tokens, temperature=0, **constraint)
+    reply = session.respond("Write the number 1234567.", options)
+    assert reply.usage.completion_tokens == max_tokens, reply
+    assert (reply.finish_reason, reply.parsed) == ("length", None), reply
+
+
+def test_a_constraint_that_allows_nothing_more_is_complete(smollm2: Model) -> None:
+    session = smollm2.session(share_prefix=False)
+    reply = session.respond("Two digits.", GenerationOptions(regex="[0-9]{2}", max_tokens=2, temperature=0))
+    assert reply.finish_reason == "complete" and len(reply.text) == 2, reply
+    reply = session.respond("1234567", GenerationOptions(json_schema={"enum": [12, 345]}, max_tokens=8))
+    assert reply.finish_reason == "complete" and reply.parsed in (12, 345), reply
+
+
+# 6, 7, 10. hostile session files ------------------------------------------------------------------
+def test_hostile_session_files_are_typed_errors_quickly(smollm2_path: Path, tmp_path: Path) -> None:
+    header = {"format": 1, "compat": {}, "settings": {}, "messages": [], "images": {}, "blobs": []}
+    huge_run = forge(
+        tmp_path / "run.llms",
+        {**header, "record": [{"image": "x", "n": 10**10 + 1, "from": 0, "count": 10**10}]},
+    )
+    deep = forge(tmp_path / "deep.llms", b"[" * 200000)
+    os.mkfifo(tmp_path / "fifo.llms")
+    code = f"""
+    import time
+    from llmsession import Model, SessionFileError
+    m = Model({str(smollm2_path)!r}, threads=1)
+    for path in ({str(huge_run)!r}, {str(deep)!r}, {str(tmp_path / "fifo.llms")!r}, "/dev/zero", "/proc"):
+        began = time.perf_counter()
+        try:
+            m.load_session(path)
+        except SessionFileError as e:
+            print("typed in %.2f s: %s" % (time.perf_counter() - began, str(e)[:70]))
+        else:
+            raise SystemExit("loaded " + path)
+    """
+    out = run_python(code, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    times = [float(line.split()[2]) for line in out.stdout.splitlines() if line.startswith("typed")]
+    assert len(times) == 5 and max(times) < 2, out.stdout
+
+
+def test_a_record_that_does_not_match_its_state_restores_nothing(smollm2: Model, tmp_path: Path) -> None:
+    header, blobs = saved_header(smollm2, tmp_path)
+    n = len(header["record"])
+    bad = forge(tmp_path / "minus5.llms", {**header, "record": [-5] * n}, (blobs,))
+    session = smollm2.load_session(bad)
+    reply = session.respond("And?", GREEDY)
+    assert reply.usage.restored_tokens == 0 and "vocabulary" in reply.usage.cache_note, reply.usage
+    good = forge(tmp_path / "good.llms", header, (blobs,))
+    reply = smollm2.load_session(good).respond("And?", GREEDY)
+    assert 0 < reply.usage.restored_tokens == n <= reply.usage.reused_tokens, reply.usage
+    for name, value in (("swa_full", [1]), ("thinking", "yes"), ("share_prefix", 1)):
+        forged = forge(
+            tmp_path / f"{name}.llms", {**header, "settings": {**header["settings"], name: value}}, (blobs,)
+        )
+        with pytest.raises(SessionFileError, match=name):
+            smollm2.load_session(forged)
+        with pytest.raises(TypeError, match=name):
+            smollm2.session(**{name: value})
+
+
+# 8. isolated models and arguments that cannot travel ----------------------------------------------
+def test_an_isolated_model_takes_a_local_pydantic_class_and_refuses_a_lambda_typed(
+    smollm2_path: Path,
+) -> None:
+    class City(BaseModel):  # defined inside a function: it cannot be pickled
+        model_config = ConfigDict(extra="forbid")
+        name: str = Field(max_length=12)
+
+    options = GenerationOptions(json_schema=City, max_tokens=32, temperature=0)
+    replies = []
+    for isolated in (False, True):
+        with Model(smollm2_path, threads=1, isolated=isolated) as model:
+            session = model.session(share_prefix=False)
+            replies.append(session.respond("Name a city.", options))
+            with pytest.raises(TemplateError):  # refused alike in both homes
+                session.respond(lambda: "hi", GREEDY)  # type: ignore[arg-type]
+            with pytest.raises(TemplateError):
+                model.chat([{"role": "user", "content": lambda: "hi"}], GREEDY)
+            odd = [{"type": "text", "text": "Hi", "note": lambda: 1}]  # fine here; cannot travel
+            if isolated:
+                with pytest.raises(TypeError, match="pickle"):
+                    session.respond(odd, GREEDY)
+            else:
+                session.respond(odd, GREEDY)
+            assert session.respond("Thanks", GenerationOptions(max_tokens=2, temperature=0)).text is not None
+    local, isolated = replies
+    assert local.text == isolated.text and local.finish_reason == isolated.finish_reason == "complete"
+    assert isinstance(isolated.parsed, City) and isolated.parsed == local.parsed
+
+
+# 9. commands check their arguments before any work -------------------------------------------------
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["setup", "--prefix", "/proc/x"],
+        ["setup", "--prefix", "/etc/passwd/x"],
+        ["bench", "--think", "-5"],
+        ["bench", "--think", "nan"],
+        ["bench", "memory", "--sessions", "0"],
+        ["bench", "memory", "--sessions", "4,,2"],
+        ["bench", "structured", "--repeats", "-1"],
+        ["bench", "concurrent", "--json", "/proc/x.json"],
+        ["bench", "concurrent", "--json", "/dev/null"],
+        ["bench", "--plot", "/nonexistent-dir/plot.png"],
+        ["chat", "--max-tokens", "0"],
+        ["chat", "--temperature", "inf"],
+        ["rpc-server", "--port", "70000"],
+    ],
+)
+def test_a_bad_argument_is_an_error_and_status_2_before_any_work(args: list[str]) -> None:
+    began = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "llmsession", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert time.perf_counter() - began < 10  # no model loaded, no run
+
+
+def test_chat_reports_a_schema_file_nested_too_deep_and_goes_on(smollm2_path: Path, tmp_path: Path) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"type": "array", "items": ' * 200 + "{}" + "}" * 200)
+    stdin = f"/json {deep}\n/json {nested}\nSay hi\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "llmsession", "chat", "--model", str(smollm2_path), "--max-tokens", "4"],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, out.stderr
+    assert "[prompt" in out.stdout  # the chat went on to the next line
