@@ -14,10 +14,8 @@ end-of-generation id as an end (SmolLM2 ends turns with ``<|im_end|>``, not its 
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +27,7 @@ from .native import NativeModel
 from .native_context import NativeContext
 from .options import GenerationOptions
 from .sampling import Sampler
+from .schemas import after_reply_validator, checked_schema, schema_document, violation
 
 log = logging.getLogger("llmsession")
 COMPACT = {"whitespace_flexible": False}  # small models given free whitespace may never stop
@@ -56,86 +55,7 @@ def tokenizer(native: NativeModel) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(wrapper, n_vocab=native.n_vocab, eos_token=vocabulary.eog or None)
 
 
-MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and arrays (the matcher recurses)
-COMPILE = {**COMPACT, "lenient": True}  # keywords the mask cannot enforce are checked after
-
-
-def schema_document(given: Mapping[str, Any] | str | type) -> tuple[type | None, dict[str, Any]]:
-    """A caller's schema as a plain, acyclic JSON object (and the pydantic class it came from),
-    or GrammarError: a schema that contains itself crashed the matcher's converter, and one
-    nested past ``MAX_SCHEMA_DEPTH`` would exhaust a stack."""
-    schema_class, schema = None, given
-    try:
-        if isinstance(given, type):
-            schema_class, schema = given, given.model_json_schema()  # type: ignore[attr-defined]
-        text = schema if isinstance(schema, str) else json.dumps(schema, allow_nan=False)
-        if _depth(text) > MAX_SCHEMA_DEPTH:
-            raise GrammarError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
-        document = json.loads(text)
-    except (ValueError, TypeError, RecursionError) as error:  # circular, not JSON, too deep
-        if isinstance(error, GrammarError):
-            raise
-        raise GrammarError(f"json_schema: not a JSON document: {error}") from None
-    if not isinstance(document, dict):
-        raise GrammarError(f"json_schema: a schema is a JSON object, not {type(document).__name__}")
-    return schema_class, document
-
-
-def _depth(text: str) -> int:
-    """The deepest nesting of brackets outside strings in JSON text, without recursion."""
-    deepest = depth = 0
-    in_string = escaped = False
-    for char in text:
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
-
-
-def schema_validator(document: dict[str, Any]) -> Any:
-    """A jsonschema validator for the whole schema (formats included), checking the schema
-    first; it never fetches a remote ``$ref``. The token mask enforces most keywords; this
-    catches the ones it cannot (``uniqueItems``, say) once the reply is complete. Remembered
-    by the schema's text: checking a schema costs 2-3 ms, and a client sends the same one often."""
-    return _validator(json.dumps(document, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=64)
-def _validator(text: str) -> Any:
-    import jsonschema  # loaded with the first constraint, not with llmsession
-
-    document = json.loads(text)
-    cls = jsonschema.validators.validator_for(document, default=jsonschema.Draft202012Validator)
-    try:
-        cls.check_schema(document)
-    except jsonschema.SchemaError as error:
-        raise GrammarError(f"json_schema: invalid schema: {error.message}") from None
-    return cls(document, format_checker=cls.FORMAT_CHECKER)
-
-
-UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's lenient warning, then a JSON list
-
-
-def unenforced(warning: str, validator: Any) -> str:
-    """What a lenient compile's ``warning`` leaves enforced by no one ("" if the validator
-    checks it after the reply): a keyword the mask skips and this draft's ``jsonschema`` does
-    not know either, or anything else the strict compile refused (an unknown format)."""
-    if validator is None:  # a regex or grammar: its warnings were only ever logged
-        return ""
-    if not warning.startswith(UNIMPLEMENTED):
-        return warning
-    try:
-        keys = json.loads(warning.removeprefix(UNIMPLEMENTED))
-    except ValueError:
-        return warning
-    missing = [key for key in keys if key not in validator.VALIDATORS]
-    return f"{UNIMPLEMENTED}{json.dumps(missing)}" if missing else ""
+COMPILE = {**COMPACT, "lenient": True}  # keywords the mask cannot enforce: checked after
 
 
 @dataclass(frozen=True)
@@ -146,17 +66,17 @@ class Constraint:
     end: int  # the end-of-generation token that follows a complete reply
     schema_class: type | None = None  # a pydantic model: replies are parsed into it
     json: bool = False
-    validator: Any = None  # the whole JSON schema, checked on the complete reply
+    validator: Any = None  # the whole JSON schema, where the mask leaves keywords to it
 
     @classmethod
     def compile(cls, options: GenerationOptions, tokenizer: llguidance.LLTokenizer) -> Constraint:
         """Raise GrammarError (naming what is wrong) for a constraint that cannot be used."""
-        schema_class, kind, validator = None, "grammar", None
+        schema_class, kind, document = None, "grammar", None
         try:
             if options.json_schema is not None:
                 kind = "json_schema"
                 schema_class, document = schema_document(options.json_schema)
-                validator = schema_validator(document)
+                checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=COMPILE)  # type: ignore[arg-type]
             elif options.regex is not None:
                 kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
@@ -170,11 +90,10 @@ class Constraint:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # compiles it once
         if matcher.is_error():
             raise GrammarError(f"{kind}: {matcher.get_error()}")
-        for warning in matcher.get_grammar_warnings():
-            unchecked = unenforced(warning, validator)
-            if unchecked:
-                raise GrammarError(f"{kind}: {unchecked}")
-            log.info("%s: %s (checked after the reply)", kind, warning)
+        warnings = matcher.get_grammar_warnings()
+        for warning in warnings:
+            log.info("%s: %s", kind, warning)
+        validator = None if document is None else after_reply_validator(document, warnings)
         return cls(
             matcher, tokenizer.eos_token, schema_class, json=kind == "json_schema", validator=validator
         )
@@ -187,11 +106,13 @@ class Constraint:
         ValueError if it breaks a keyword of its schema the mask could not enforce."""
         if not self.json:
             return None
-        value = json.loads(text)
-        problem = next(iter(self.validator.iter_errors(value)), None) if self.validator else None
-        if problem is not None:
-            where = "/".join(str(p) for p in problem.absolute_path) or "the reply"
-            raise ValueError(f"{where}: {problem.message} ({problem.validator!r} is checked after the reply)")
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            raise ValueError("the reply is nested too deep to parse") from None
+        problem = violation(self.validator, value) if self.validator is not None else ""
+        if problem:
+            raise ValueError(problem)
         if self.schema_class is not None:
             return self.schema_class.model_validate_json(text)  # type: ignore[attr-defined]
         return value

@@ -31,12 +31,12 @@ from typing import Any, NoReturn
 from . import rpc
 from .aio import AsyncStream
 from .budget import MemoryReport
-from .errors import BackendError, ModelClosedError, UnsupportedFeatureError
-from .guided import schema_document
+from .errors import BackendError, GrammarError, ModelClosedError, UnsupportedFeatureError
 from .messages import check_messages
 from .model import Model
 from .options import GenerationOptions
 from .replies import Reply, Snapshot
+from .schemas import schema_document
 from .session import Session, checked
 from .stream import Stream
 
@@ -346,12 +346,21 @@ class IsolatedStream(Stream):
         raise StopIteration
 
     def _end(self, reply: Reply, messages: list[Any]) -> None:
-        if self._schema_class is not None and reply.parsed is not None:  # validated in the worker
-            reply = dataclasses.replace(reply, parsed=self._schema_class.model_validate_json(reply.text))  # type: ignore[attr-defined]
-        self._done, self._reply = True, reply
+        """The exchange ended in the worker: here too, and the reply parsed into the caller's
+        pydantic class (the worker knew its schema only: the class's own validators run here, a
+        failure being the GrammarError it is in-process, after the transcript is in step)."""
+        self._done = True
         self._drop.detach()
         if isinstance(self.session, IsolatedSession):
             self.session._sync(messages)
+        if self._schema_class is not None and reply.parsed is not None:  # the schema held
+            try:
+                parsed = self._schema_class.model_validate_json(reply.text)  # type: ignore[attr-defined]
+            except ValueError as problem:
+                self._reply = dataclasses.replace(reply, parsed=None)
+                raise GrammarError(f"the reply does not match its schema: {problem}") from None
+            reply = dataclasses.replace(reply, parsed=parsed)
+        self._reply = reply
 
     def cancel(self) -> None:
         self._model._worker.tell("cancel", self._key)

@@ -276,7 +276,8 @@ class Model:
         contents = [messages[i]["content"] for i in known]
         if "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
             return self.tokenize(text)
-        spliced = splice(around, list(known.values()), self._stretch_tokens)
+        stretch_tokens = self._stretch_tokens if shared else self._tokenize_stretch
+        spliced = splice(around, list(known.values()), stretch_tokens)
         spelled = self.native.detokenize(spliced, special=True)
         if spelled == text:  # exactly the rendered text
             return spliced
@@ -284,6 +285,11 @@ class Model:
         if spliced != plain and spelled == self.native.detokenize(plain, special=True):
             return spliced
         return plain
+
+    def _tokenize_stretch(self, stretch: str, first: bool) -> list[int]:
+        """``tokenize`` for a stretch of a prompt kept apart: not remembered, since how fast a
+        prompt tokenizes would tell whether another prompt held the same text."""
+        return self.tokenize(stretch, first)
 
     def _stretch_tokens(self, stretch: str, first: bool) -> list[int]:
         """``tokenize`` for the text between spliced replies, remembered: a transcript's earlier

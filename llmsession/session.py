@@ -103,6 +103,7 @@ class Session:
         self._anticipated: Ahead | None = None  # the last one, settled: what it decoded ahead
         self._turn: Turn | None = None  # the latest stream's exchange
         self._closed = False
+        self._disposable = False  # a stateless call's alone: no exchange follows its reply
         self._load_note: tuple[int, str] | None = None  # from Model.load_session, for one reply
 
     # -- public API ---------------------------------------------------------------------------
@@ -344,7 +345,7 @@ class Session:
         turn.reply, turn.done = reply, True
         self.model.remember_reply(reply.text, turn.tokens, self._replies, shared=self.share_prefix)
         self.messages += [turn.user, {"role": "assistant", "content": reply.text}]
-        if not (self._superseded or turn.closed):
+        if not (self._superseded or turn.closed or self._disposable):
             self._look_ahead()
 
     def _look_ahead(self) -> None:
@@ -402,7 +403,9 @@ class Session:
                             continue
                         elif sampler.finished and all(native.is_eog(t) for t in pending[index + 1 :]):
                             turn.finish = "complete"  # finished by the last token it was allowed
-                        # else "length": the last token needs no decode
+                        # else "length": the last token needs no decode; forced ones before it do
+                        for i in range(0, len(batch) - 1, self.batch_size):
+                            seat.decode(batch[i : min(i + self.batch_size, len(batch) - 1)], pos + i)
                     pending = []
                     break
                 else:

@@ -142,8 +142,10 @@ def write(path: str | Path, saved: SavedSession) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):  # a full disk, a read-only file system...
+            raise SessionFileError(f"cannot write {path}: {error.strerror or error}") from None
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:

@@ -87,6 +87,7 @@ class StatelessPool:
                 session = session or self.model.session(**session_args)
                 if record is not None:
                     session._replies = record  # its prompts splice only its tenant's replies
+                session._disposable = not keep  # nothing will follow: decode nothing ahead
                 session.messages = history
                 stream = session._stream(user, options, prompt)  # the stream owns prompt now
             except BaseException:

@@ -7,16 +7,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from fuzz_hostile import not_a_regular_file
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from test_defects import run_python
 
 from llmsession import GenerationOptions, GrammarError, Model, SessionFileError, TemplateError, sessionfile
@@ -139,17 +140,25 @@ def test_a_schema_that_contains_itself_is_a_grammar_error_not_a_crash(smollm2_pa
 
 
 class Tags(BaseModel):
-    tags: set[int]
+    model_config = ConfigDict(extra="forbid")
+    tags: set[Literal["red", "green", "blue"]] = Field(max_length=3)
+    sizes: set[Literal[1, 2, 3]] = Field(max_length=3)  # two set fields: one warning, counted twice
 
 
 def test_keywords_the_mask_cannot_enforce_are_checked_after_the_reply(smollm2: Model) -> None:
     """A pydantic ``set`` field (``uniqueItems``) is accepted; a reply that breaks it is never
     handed out as valid: forced to [1, 1], it is a GrammarError naming the keyword."""
     session = smollm2.session(share_prefix=False)
-    reply = session.respond("Give three tags as numbers.", GenerationOptions(json_schema=Tags, max_tokens=48))
-    if reply.finish_reason == "complete":
-        assert isinstance(reply.parsed, Tags)
-        assert len(json.loads(reply.text)["tags"]) == len(reply.parsed.tags)  # none deduplicated away
+    options = GenerationOptions(json_schema=Tags, max_tokens=64, temperature=0)
+    try:
+        reply = session.respond("Tag a sunset with colours and sizes.", options)
+    except GrammarError as error:  # a greedy reply that repeated an item: told, not parsed
+        assert "uniqueItems" in str(error)
+    else:
+        assert reply.finish_reason == "complete" and isinstance(reply.parsed, Tags), reply
+        written = json.loads(reply.text)
+        assert len(written["tags"]) == len(reply.parsed.tags)  # none deduplicated away
+        assert len(written["sizes"]) == len(reply.parsed.sizes)
     forced_duplicates = {
         "type": "array",
         "items": {"const": 1},
@@ -168,6 +177,29 @@ def test_keywords_the_mask_cannot_enforce_are_checked_after_the_reply(smollm2: M
     assert smollm2.constraint(GenerationOptions(json_schema=draft7)) is not None  # draft 7 checks it
     with pytest.raises(GrammarError, match="dependencies"):  # 2020-12 does not: nobody would
         smollm2.constraint(GenerationOptions(json_schema={"dependencies": {"a": ["b"]}}))
+    rust_only = {"type": "string", "pattern": "^\\p{Lu}+$"}  # Python's re lacks \p{...}; the mask has it
+    assert smollm2.constraint(GenerationOptions(json_schema=rust_only)) is not None
+    deep = smollm2.constraint(GenerationOptions(json_schema={"type": "array", "items": {"$ref": "#"}}))
+    assert deep is not None
+    with pytest.raises(ValueError):  # typed, where a RecursionError escaped
+        deep.parse("[" * 5000 + "]" * 5000)
+
+
+def test_a_schema_never_makes_the_library_fetch_a_url(smollm2: Model) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/schema.json"
+        session = smollm2.session(share_prefix=False)
+        for schema in (
+            {"type": "integer", "$dynamicRef": url},
+            {"not": {"$dynamicRef": url}},
+            {"$ref": url},
+            {"type": "array", "uniqueItems": True, "items": {"$ref": url}},
+        ):
+            with pytest.raises(GrammarError):
+                session.respond("7", GenerationOptions(json_schema=schema, max_tokens=8))
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came
 
 
 # 3. share_prefix=False through model.chat ---------------------------------------------------------
@@ -247,6 +279,12 @@ def test_a_constraint_that_allows_nothing_more_is_complete(smollm2: Model) -> No
     assert reply.finish_reason == "complete" and len(reply.text) == 2, reply
     reply = session.respond("1234567", GenerationOptions(json_schema={"enum": [12, 345]}, max_tokens=8))
     assert reply.finish_reason == "complete" and reply.parsed in (12, 345), reply
+    # Finished exactly at max_tokens by a forced token ("2" after "1"): the tokens before the
+    # last are decoded, so the next exchange keeps them (they were dropped from the cache).
+    options = GenerationOptions(json_schema={"enum": [12, 345]}, max_tokens=2, temperature=0)
+    reply = session.respond("Write 12.", options)
+    assert (reply.text, reply.finish_reason, reply.parsed) == ("12", "complete", 12), reply
+    assert session.cached_tokens >= reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
 
 
 # 6, 7, 10. hostile session files ------------------------------------------------------------------
@@ -305,6 +343,12 @@ def test_an_isolated_model_takes_a_local_pydantic_class_and_refuses_a_lambda_typ
         model_config = ConfigDict(extra="forbid")
         name: str = Field(max_length=12)
 
+    class Nowhere(City):  # its own validator runs in this process only
+        @field_validator("name")
+        @classmethod
+        def refuse(cls, value: str) -> str:
+            raise ValueError("no such place")
+
     options = GenerationOptions(json_schema=City, max_tokens=32, temperature=0)
     replies = []
     for isolated in (False, True):
@@ -322,6 +366,11 @@ def test_an_isolated_model_takes_a_local_pydantic_class_and_refuses_a_lambda_typ
             else:
                 session.respond(odd, GREEDY)
             assert session.respond("Thanks", GenerationOptions(max_tokens=2, temperature=0)).text is not None
+            with pytest.raises(GrammarError, match="no such place"):
+                session.respond("Name a town.", GenerationOptions(json_schema=Nowhere, max_tokens=32))
+            asked, answered = session.messages[-2:]  # the transcript keeps the reply, in step
+            assert asked["content"] == "Name a town." and answered["content"].startswith('{"name"')
+            assert session.respond("Bye", GenerationOptions(max_tokens=2, temperature=0)).text is not None
     local, isolated = replies
     assert local.text == isolated.text and local.finish_reason == isolated.finish_reason == "complete"
     assert isinstance(isolated.parsed, City) and isolated.parsed == local.parsed
