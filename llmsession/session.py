@@ -34,6 +34,7 @@ from .prefix import Item, starts_a_chunk
 from .replies import Message, Reply, Snapshot, Timings, Usage
 from .sampling import Sampler, TokenSampler
 from .seat import GROWTH, Seat
+from .sessionfile import target_file
 from .splice import ReplyTokens
 from .stops import StopMatcher
 from .stream import Stream, Turn
@@ -196,9 +197,10 @@ class Session:
         reads it back, here or in another process. An unfinished stream is finished first."""
         from .persistence import save
 
+        target = target_file(path)  # a path that cannot be written is refused before any work
         with self._busy():
             self._quiesce()
-            save(self, path)
+            save(self, target)
 
     def close(self) -> None:
         """Forget the KV state; the session stays usable (its model's ``close()`` ends it)."""

@@ -16,7 +16,7 @@ from fuzz_env import STATS, env
 from fuzz_inputs import GREEDY_ONE, TYPED, Message
 from fuzz_oracle import Pending, Taken, check_reply, check_settled, copy_message, expect
 
-from llmsession import ContextOverflowError, GenerationOptions, Reply, Session, Stream
+from llmsession import ContextOverflowError, GenerationOptions, MemoryBudgetError, Reply, Session, Stream
 
 
 def in_threads(*calls: Callable[[], object]) -> None:
@@ -36,6 +36,18 @@ def in_threads(*calls: Callable[[], object]) -> None:
         thread.join()
     if errors:
         raise errors[0]
+
+
+def check_untouched(
+    session: Session, cached_before: int, context_before: tuple[str, int], *, concurrent: bool
+) -> None:
+    """A refused call changed nothing of its session's memory; while another session's exchange
+    runs (``concurrent``), that one may have evicted it, idle as it was: parked, or cold."""
+    cached, where = session.cached_tokens, internals.placement(session)
+    if (cached, where) == (cached_before, context_before):
+        return
+    evicted = (where[0] == "parked" and cached == cached_before) or (where[0] == "cold" and cached == 0)
+    assert concurrent and evicted, (cached, where, cached_before, context_before)
 
 
 class ShadowedSessions:
@@ -111,10 +123,15 @@ class ShadowedSessions:
             STATS.outcomes[f"error {type(error).__name__}"] += 1
             if expectation.error is not None:
                 assert isinstance(error, expectation.error), (error, expectation)
+            elif isinstance(error, MemoryBudgetError):
+                # Every sequence held by exchanges: a stream left pending on a third session,
+                # and the call running alongside (the fuzzer's model has two live sequences).
+                others = [k for k, p in enumerate(self.pending) if p is not None and k != i]
+                assert alongside and others, f"a valid call raised {error!r}"
             else:
                 assert expectation.overflow, f"a valid call raised {error!r}"
                 assert isinstance(error, ContextOverflowError), error
-            assert session.cached_tokens == cached_before and internals.placement(session) == context_before
+            check_untouched(session, cached_before, context_before, concurrent=bool(alongside))
             return None
         check_settled(pending)
         assert expectation.error is None, f"expected {expectation.error}, the call succeeded"

@@ -90,7 +90,7 @@ class HostileRules(ShadowedSessions):
         folder = Path(tempfile.mkdtemp(prefix="fuzz-save-"))
         try:
             path = self._odd_path(folder, kind)
-            before = (session.cached_tokens, internals.placement(session), session.messages)
+            before = (len(internals.record(session)), internals.placement(session), session.messages)
             if kind == "link to a file":
                 session.save(path)
                 assert path.is_symlink() and path.resolve().stat().st_size > 0
@@ -105,7 +105,7 @@ class HostileRules(ShadowedSessions):
                 else:
                     raise AssertionError(f"a save onto {kind} was accepted")
                 assert not path.resolve().is_file(), f"the save replaced the {kind}"
-            assert (session.cached_tokens, internals.placement(session), session.messages) == before
+            assert (len(internals.record(session)), internals.placement(session), session.messages) == before
             assert session.messages == self.expected[i]
         finally:
             shutil.rmtree(folder)
