@@ -3,6 +3,7 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .budget import Counters, MemoryReport, SessionMemory
 from .checkpoints import CheckpointConfig
 from .errors import (
     BackendError,
@@ -20,9 +21,10 @@ from .errors import (
     UnsupportedFeatureError,
 )
 from .options import GenerationOptions
-from .replies import Reply, Snapshot, Timings, Usage
+from .replies import FinishReason, Reply, Snapshot, Timings, Usage
 
 if TYPE_CHECKING:
+    from .aio import AsyncStream
     from .image import Image
     from .model import Model
     from .session import Session
@@ -30,10 +32,23 @@ if TYPE_CHECKING:
 
 # Loaded when first named: they bring numpy, PIL, llguidance and the bindings, which a bare
 # ``import llmsession`` (a command's start, a server's import of its errors) should not pay for.
-_LAZY = {"Image": ".image", "Model": ".model", "Session": ".session", "Stream": ".stream"}
+_LAZY = {
+    "AsyncStream": ".aio",
+    "Image": ".image",
+    "Model": ".model",
+    "Session": ".session",
+    "Stream": ".stream",
+}
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed distribution's, read when asked
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("llmsession")
+        except PackageNotFoundError:
+            return "0+unknown"
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # once: later lookups find it directly
@@ -42,15 +57,19 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncStream",
     "BackendError",
     "CheckpointConfig",
     "ContextOverflowError",
+    "Counters",
+    "FinishReason",
     "GenerationOptions",
     "GrammarError",
     "Image",
     "ImageError",
     "LlmSessionError",
     "MemoryBudgetError",
+    "MemoryReport",
     "Model",
     "ModelClosedError",
     "ModelLoadError",
@@ -59,6 +78,7 @@ __all__ = [
     "Session",
     "SessionBusyError",
     "SessionFileError",
+    "SessionMemory",
     "Snapshot",
     "Stream",
     "TemplateError",

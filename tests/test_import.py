@@ -48,6 +48,7 @@ def test_every_public_name_resolves() -> None:
     for name in llmsession.__all__:
         assert getattr(llmsession, name) is not None, name
     assert llmsession.Model.__module__ == "llmsession.model"
+    assert llmsession.__version__ == "0.1.0"  # the installed distribution's (pyproject.toml)
     try:
         llmsession.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018
     except AttributeError as error:
