@@ -56,6 +56,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 __all__ = [
     "AsyncStream",
     "BackendError",

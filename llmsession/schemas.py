@@ -24,6 +24,8 @@ UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's lenient warning: a JSON l
 REPEATED = re.compile(r" \(\d+ times?\)$")  # a warning given more than once says how often
 # References the validator would resolve on its own (a URL included): never on a caller's word.
 REFUSED = frozenset({"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor"})
+# Keywords jsonschema checks inside another's validator rather than on their own.
+CHECKED_WITH = {"then": "if", "else": "if", "minContains": "contains", "maxContains": "contains"}
 
 
 def schema_document(given: Mapping[str, Any] | str | type) -> tuple[type | None, dict[str, Any]]:
@@ -79,7 +81,10 @@ def after_reply_validator(document: dict[str, Any], warnings: Sequence[str]) -> 
             keys += json.loads(warning.removeprefix(UNIMPLEMENTED))
         except ValueError:
             raise GrammarError(f"json_schema: {warning}") from None
-    unchecked = sorted({key for key in keys if key in REFUSED or key not in validator.VALIDATORS})
+    known = validator.VALIDATORS
+    unchecked = sorted(
+        {key for key in keys if key in REFUSED or (key not in known and CHECKED_WITH.get(key) not in known)}
+    )
     if unchecked:
         raise GrammarError(f"json_schema: {UNIMPLEMENTED}{json.dumps(unchecked)}")
     return validator if keys else None
@@ -89,24 +94,36 @@ def after_reply_validator(document: dict[str, Any], warnings: Sequence[str]) -> 
 def checked_schema(text: str) -> Any:
     """A validator for a schema (its JSON text), once the schema is checked against its draft's
     metaschema (GrammarError if invalid). Remembered: checking costs 2-3 ms, and a client sends
-    one schema often. It resolves no reference outside the schema (an empty registry), and
-    leaves ``pattern`` and ``format`` to the mask."""
+    one schema often. It resolves no reference outside the schema (an empty registry). Formats
+    are checked where jsonschema has a checker; a pattern Python's ``re`` cannot compile (Rust
+    syntax the mask understands, ``\\p{Lu}``) is left to the mask."""
     import jsonschema  # loaded with the first schema, not with llmsession
     import referencing
 
     document = json.loads(text)
+    if not isinstance(document.get("$schema", ""), str):
+        raise GrammarError("json_schema: $schema must be a string naming a draft")
     draft = jsonschema.validators.validator_for(document, default=jsonschema.Draft202012Validator)
     try:
         draft.check_schema(document, format_checker=None)  # type: ignore[call-arg]  # (Rust patterns)
     except jsonschema.SchemaError as error:
         raise GrammarError(f"json_schema: invalid schema: {error.message}") from None
-    enforced = {"pattern": _enforced, "format": _enforced}
-    masked = jsonschema.validators.extend(draft, enforced)  # type: ignore[no-untyped-call]
-    return masked(document, registry=referencing.Registry())
+    tolerant = {key: _python_regex_only(draft.VALIDATORS[key]) for key in ("pattern", "patternProperties")}
+    extended = jsonschema.validators.extend(draft, tolerant)  # type: ignore[no-untyped-call]
+    return extended(document, registry=referencing.Registry(), format_checker=draft.FORMAT_CHECKER)
 
 
-def _enforced(*_: Any) -> None:
-    """A keyword the token mask already enforced: nothing to check after."""
+def _python_regex_only(check: Any) -> Any:
+    """``check`` (a pattern keyword's validator), silent where Python's ``re`` cannot compile
+    the pattern: Rust syntax the mask enforced, which Python would call a broken schema."""
+
+    def checked(*args: Any) -> Any:
+        try:
+            yield from check(*args) or ()
+        except re.error:
+            return
+
+    return checked
 
 
 def violation(validator: Any, value: Any) -> str:

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 from . import anticipate
 from .aio import AsyncStream
 from .detokenize import IncrementalDetokenizer
-from .errors import ContextOverflowError, GrammarError, ModelClosedError, NativeError, SessionBusyError
+from .errors import (
+    ContextOverflowError,
+    GrammarError,
+    MemoryBudgetError,
+    ModelClosedError,
+    NativeError,
+    SessionBusyError,
+)
 from .native_context import DecodeAborted
 from .options import MAX_POSITIONS, GenerationOptions, check_int
 from .prefill import prefill
@@ -350,6 +357,15 @@ class Session:
         if not (self._superseded or turn.closed or self._disposable):
             self._look_ahead()
 
+    def _keep_forced(self, seat: Seat, tokens: list[int], pos: int) -> None:
+        """Decode the tokens of a reply that ended inside a forced run, all but its last, so the
+        next exchange keeps them; a bonus, skipped when memory is short."""
+        try:
+            for i in range(0, len(tokens), self.batch_size):
+                seat.decode(tokens[i : i + self.batch_size], pos + i)
+        except MemoryBudgetError:
+            log.debug("the reply's forced tokens were left undecoded: no room")
+
     def _look_ahead(self) -> None:
         """Start decoding the next prompt's opening in the background (``anticipate``)."""
         self._ahead = anticipate.start(self)
@@ -406,8 +422,7 @@ class Session:
                         elif sampler.finished and all(native.is_eog(t) for t in pending[index + 1 :]):
                             turn.finish = "complete"  # finished by the last token it was allowed
                         # else "length": the last token needs no decode; forced ones before it do
-                        for i in range(0, len(batch) - 1, self.batch_size):
-                            seat.decode(batch[i : min(i + self.batch_size, len(batch) - 1)], pos + i)
+                        self._keep_forced(seat, batch[:-1], pos)
                     pending = []
                     break
                 else:

@@ -103,9 +103,10 @@ class ShadowedSessions:
         delay: float = 0.0,
         other: int = 0,
         alongside: Sequence[object] = (),
+        beside: int | None = None,
     ) -> Reply | None:
         """One call on session i in the given mode, checked against the expectation
-        (``alongside``: the prompt of a call on another session running meanwhile)."""
+        (``alongside``: the prompt of a call on session ``beside`` running meanwhile)."""
         session = self.sessions[i]
         pending = self.settle(i)  # a valid call finishes a pending stream first
         user = {"role": "user", "content": content}
@@ -124,10 +125,15 @@ class ShadowedSessions:
             if expectation.error is not None:
                 assert isinstance(error, expectation.error), (error, expectation)
             elif isinstance(error, MemoryBudgetError):
-                # Every sequence held by exchanges: a stream left pending on a third session,
-                # and the call running alongside (the fuzzer's model has two live sequences).
-                others = [k for k, p in enumerate(self.pending) if p is not None and k != i]
-                assert alongside and others, f"a valid call raised {error!r}"
+                # Every sequence held by exchanges: a started stream left pending on a third
+                # session, and the call running beside (the fuzzer's model has two sequences).
+                third = [
+                    k
+                    for k, p in enumerate(self.pending)
+                    if p is not None and k not in (i, beside) and internals.started(p.stream)
+                ]
+                assert beside is not None and third, f"a valid call raised {error!r}"
+                assert "2 sequences" in str(error), error
             else:
                 assert expectation.overflow, f"a valid call raised {error!r}"
                 assert isinstance(error, ContextOverflowError), error

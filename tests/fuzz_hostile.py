@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from llmsession import GenerationOptions, SessionFileError
+from llmsession.image import message_images
 
 TENANTS = st.sampled_from([None, "alice", "bob"])
 # (options, a regex the whole complete reply matches, whether the constraint can finish by itself)
@@ -125,9 +126,11 @@ class HostileRules(ShadowedSessions):
 
 def same_transcript(loaded: list[Any], saved: list[Any]) -> bool:
     """A transcript as a file gives it back: JSON's lists for tuples, an image's pixels for its
-    path, so compared as the model renders them."""
-    model = env().model
-    return loaded == saved or model.render(loaded, False) == model.render(saved, False)
+    path, so compared as the model renders them, and image by image by their pixels."""
+    if loaded == saved:
+        return True
+    model, pixels = env().model, [[image.digest for image in message_images(m)] for m in (loaded, saved)]
+    return model.render(loaded, False) == model.render(saved, False) and pixels[0] == pixels[1]
 
 
 def not_a_regular_file(folder: Path, kind: str, link: bool = False) -> Path:

@@ -141,8 +141,8 @@ class SessionFuzzer(HostileRules, RuleBasedStateMachine):
         self.note("concurrent", i=i, j=j, first=first, second=second, options=options)
         ours, theirs = self.prompt_items(i, first), self.prompt_items(j, second)
         in_threads(
-            functools.partial(self.exchange, i, first, options, alongside=theirs),
-            functools.partial(self.exchange, j, second, options, mode="exhaust", alongside=ours),
+            functools.partial(self.exchange, i, first, options, alongside=theirs, beside=j),
+            functools.partial(self.exchange, j, second, options, mode="exhaust", alongside=ours, beside=i),
         )
 
     def prompt_items(self, i: int, content: Any) -> tuple[object, ...]:

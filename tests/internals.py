@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
-from llmsession import Session
+from llmsession import Session, Stream
 from llmsession.native import bindings
 from llmsession.native_context import NativeContext
 from llmsession.prefix import Item
@@ -36,6 +38,11 @@ def donor_records(session: Session) -> list[tuple[Item, ...]]:
     mine = session._lease
     others = [s for s in list(session.model._sessions) if s is not session and s.share_prefix]
     return [record(s) for s in others if s._lease.pool is mine.pool and not s._closed]
+
+
+def started(stream: Stream) -> bool:
+    """Whether a stream's exchange has begun (it holds its session's sequence until it ends)."""
+    return inspect.getgeneratorstate(stream._steps) != inspect.GEN_CREATED
 
 
 def own_replies(session: Session) -> ReplyTokens:
