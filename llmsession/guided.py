@@ -71,12 +71,12 @@ class Constraint:
     @classmethod
     def compile(cls, options: GenerationOptions, tokenizer: llguidance.LLTokenizer) -> Constraint:
         """Raise GrammarError (naming what is wrong) for a constraint that cannot be used."""
-        schema_class, kind, document = None, "grammar", None
+        schema_class, kind, whole = None, "grammar", None
         try:
             if options.json_schema is not None:
                 kind = "json_schema"
                 schema_class, document = schema_document(options.json_schema)
-                checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
+                whole = checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=COMPILE)  # type: ignore[arg-type]
             elif options.regex is not None:
                 kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
@@ -93,7 +93,7 @@ class Constraint:
         warnings = matcher.get_grammar_warnings()
         for warning in warnings:
             log.info("%s: %s", kind, warning)
-        validator = None if document is None else after_reply_validator(document, warnings)
+        validator = None if whole is None else after_reply_validator(whole, warnings)
         return cls(
             matcher, tokenizer.eos_token, schema_class, json=kind == "json_schema", validator=validator
         )

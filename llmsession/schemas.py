@@ -67,11 +67,11 @@ def check_nodes(document: dict[str, Any]) -> None:
             stack += [(child, level + 1) for child in node]
 
 
-def after_reply_validator(document: dict[str, Any], warnings: Sequence[str]) -> Any:
-    """The validator that checks a complete reply, if the lenient compile's ``warnings`` left
-    keywords to it (None if the mask enforces them all); GrammarError for a warning that leaves
-    something enforced by no one (an unknown format; a keyword this draft does not define)."""
-    validator = checked_schema(json.dumps(document, sort_keys=True))
+def after_reply_validator(validator: Any, warnings: Sequence[str]) -> Any:
+    """``validator`` (the whole schema's, ``checked_schema``) if the lenient compile's
+    ``warnings`` left keywords to it, None if the mask enforces them all; GrammarError for a
+    warning that leaves something enforced by no one (an unknown format; a keyword this draft
+    does not define)."""
     keys: list[str] = []
     for warning in warnings:
         warning = REPEATED.sub("", warning)
