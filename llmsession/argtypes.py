@@ -12,10 +12,6 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
-def non_negative_int(text: str) -> int:
-    return _int_at_least(text, 0)
-
-
 def port(text: str) -> int:
     value = _int_at_least(text, 0)
     if value > 65535:
@@ -50,19 +46,16 @@ def temperature(text: str) -> float:
 
 def positive_ints(text: str) -> list[int]:
     """Comma-separated counts, each at least 1: ``4,16,64``."""
-    values = [positive_int(part.strip()) for part in text.split(",")]
-    if not values:
-        raise argparse.ArgumentTypeError("no counts given")
-    return values
+    return [positive_int(part.strip()) for part in text.split(",")]
 
 
 def output_file(text: str) -> Path:
     """A file a command writes when it ends: checked now, so a long run does not end in an
     error. A regular file or nothing, in a directory that exists and takes a new file."""
     path = Path(text)
-    if path.exists() and not path.is_file():
-        raise argparse.ArgumentTypeError(f"cannot write {text}: it exists and is not a regular file")
     existed = path.exists()
+    if existed and not path.is_file():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it exists and is not a regular file")
     try:
         with path.open("a"):
             pass

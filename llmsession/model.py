@@ -276,7 +276,9 @@ class Model:
         contents = [messages[i]["content"] for i in known]
         if "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
             return self.tokenize(text)
-        stretch_tokens = self._stretch_tokens if shared else self._tokenize_stretch
+        # A prompt kept apart tokenizes its stretches afresh: how fast a remembered one came back
+        # would tell whether another prompt held the same text.
+        stretch_tokens = self._stretch_tokens if shared else self.tokenize
         spliced = splice(around, list(known.values()), stretch_tokens)
         spelled = self.native.detokenize(spliced, special=True)
         if spelled == text:  # exactly the rendered text
@@ -285,11 +287,6 @@ class Model:
         if spliced != plain and spelled == self.native.detokenize(plain, special=True):
             return spliced
         return plain
-
-    def _tokenize_stretch(self, stretch: str, first: bool) -> list[int]:
-        """``tokenize`` for a stretch of a prompt kept apart: not remembered, since how fast a
-        prompt tokenizes would tell whether another prompt held the same text."""
-        return self.tokenize(stretch, first)
 
     def _stretch_tokens(self, stretch: str, first: bool) -> list[int]:
         """``tokenize`` for the text between spliced replies, remembered: a transcript's earlier

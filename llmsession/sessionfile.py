@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 from .errors import SessionFileError
+from .options import MAX_POSITIONS
 from .prefix import ImagePosition, Item
 
 MAGIC = b"LLMSESS1"
@@ -35,7 +36,6 @@ _LENGTH = struct.Struct("<Q")
 _DIGEST = 32
 MAX_HEADER_BYTES = 1 << 30
 MAX_FILE_BYTES = 1 << 40  # a sanity bound: a state of 2**24 positions of a large model fits
-MAX_RECORD = 1 << 24  # positions a context may hold (options.MAX_POSITIONS)
 
 
 @dataclass
@@ -73,7 +73,7 @@ def encode_record(items: Sequence[Item]) -> list[Any]:
     return out
 
 
-def decode_record(encoded: Any, limit: int = MAX_RECORD) -> list[Item]:
+def decode_record(encoded: Any, limit: int = MAX_POSITIONS) -> list[Item]:
     """The items of a saved record of at most ``limit`` positions (a loading model's
     ``kv_tokens``: no session of it holds more), counted before any is built: a hostile image
     run's count would build billions."""
@@ -171,7 +171,7 @@ def target_file(path: str | Path) -> Path:
     return resolved
 
 
-def read(path: str | Path, max_positions: int = MAX_RECORD) -> SavedSession:
+def read(path: str | Path, max_positions: int = MAX_POSITIONS) -> SavedSession:
     """Read and verify a file; any defect is a SessionFileError naming it, a record of more than
     ``max_positions`` (a loading model's ``kv_tokens``) too."""
     path = Path(path)

@@ -63,10 +63,7 @@ class StatelessPool:
             raise TemplateError("a stateless chat needs a message list that ends with a user message")
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        apart = session_args.get("share_prefix", True)
-        if not isinstance(apart, bool):
-            raise TypeError(f"share_prefix must be a bool, got {type(apart).__name__}")
-        apart = not apart
+        apart = session_args.get("share_prefix", True) is False  # (a non-bool: Session refuses it)
         options = options or GenerationOptions()
         if not isinstance(options, GenerationOptions):
             raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}")
