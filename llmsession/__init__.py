@@ -3,9 +3,9 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .budget import Counters, MemoryReport, SessionMemory
-from .checkpoints import CheckpointConfig
-from .errors import (
+from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
+from llmsession.engine.checkpoints import CheckpointConfig
+from llmsession.errors import (
     BackendError,
     ContextOverflowError,
     GrammarError,
@@ -20,24 +20,24 @@ from .errors import (
     TemplateError,
     UnsupportedFeatureError,
 )
-from .options import GenerationOptions
-from .replies import FinishReason, Reply, Snapshot, Timings, Usage
+from llmsession.options import GenerationOptions
+from llmsession.replies import FinishReason, Reply, Snapshot, Timings, Usage
 
 if TYPE_CHECKING:
-    from .aio import AsyncStream
-    from .image import Image
-    from .model import Model
-    from .session import Session
-    from .stream import Stream
+    from llmsession.runtime.aio import AsyncStream
+    from llmsession.runtime.model import Model
+    from llmsession.runtime.session import Session
+    from llmsession.runtime.stream import Stream
+    from llmsession.text.images import Image
 
 # Loaded when first named: they bring numpy, PIL, llguidance and the bindings, which a bare
 # ``import llmsession`` (a command's start, a server's import of its errors) should not pay for.
 _LAZY = {
-    "AsyncStream": ".aio",
-    "Image": ".image",
-    "Model": ".model",
-    "Session": ".session",
-    "Stream": ".stream",
+    "AsyncStream": ".runtime.aio",
+    "Image": ".text.images",
+    "Model": ".runtime.model",
+    "Session": ".runtime.session",
+    "Stream": ".runtime.stream",
 }
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmsession.bench import main
+from llmsession.commands.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmsession import GenerationOptions, Model, paths
+from llmsession import GenerationOptions, Model
+from llmsession.commands import paths
 
 QUESTIONS = (
     "What is the capital of France?",

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmsession.setup_llama import main
+from llmsession.commands.setup_llama import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ from pycparser import c_ast, c_generator, c_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from llmsession import paths  # noqa: E402
+from llmsession.commands import paths  # noqa: E402
 
 OUTPUT = ROOT / "bindings" / "llama_cffi" / "_cdef.h"
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")

@@ -38,7 +38,7 @@ from fixture_models import (
     write_gguf,
 )
 
-from llmsession import paths
+from llmsession.commands import paths
 
 # Bump when any fixture changes so that old caches are rebuilt.
 FIXTURE_VERSION = "3"  # 2: the Gemma 4 copy adds BOS; 3: Mamba weights varied, LFM2 and T5

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from llama_cffi import LIBRARIES, lib_dir
 
-from llmsession import LlmSessionError, Model, paths
+from llmsession import LlmSessionError, Model
+from llmsession.commands import paths
 
 SETUP = "llmsession setup --models && python scripts/make_fixtures.py"  # or `make setup`
 NATIVE_FIXTURES = {"smollm2", "gemma3", "smollm2_path", "gemma3_path", "fixture_path", "terminal", "control"}

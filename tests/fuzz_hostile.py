@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from llmsession import GenerationOptions, SessionFileError
-from llmsession.image import message_images
+from llmsession.text.images import message_images
 
 TENANTS = st.sampled_from([None, "alice", "bob"])
 # (options, a regex the whole complete reply matches, whether the constraint can finish by itself)

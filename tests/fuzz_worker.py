@@ -29,7 +29,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import run_state_machine_as_test
 from test_reuse import short_prompt_noise, tolerance_for
 
-from llmsession import Image, Model, paths
+from llmsession import Image, Model
+from llmsession.commands import paths
 
 COMMON = {
     "deadline": None,

@@ -7,11 +7,11 @@ import inspect
 import numpy as np
 
 from llmsession import Session, Stream
-from llmsession.native import bindings
-from llmsession.native_context import NativeContext
-from llmsession.prefix import Item
-from llmsession.residency import State
-from llmsession.splice import ReplyTokens
+from llmsession.engine.prefix import Item
+from llmsession.engine.residency import State
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import bindings
+from llmsession.text.splice import ReplyTokens
 
 
 def settled(session: Session) -> Session:

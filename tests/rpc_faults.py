@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 
 from llmsession import BackendError, GenerationOptions, Model, ModelLoadError
-from llmsession.rpc import free_port
-from llmsession.rpc import local_servers as servers
-from llmsession.session import Session
+from llmsession.remote.rpc import free_port
+from llmsession.remote.rpc import local_servers as servers
+from llmsession.runtime.session import Session
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 TIMEOUT_S = 3.0

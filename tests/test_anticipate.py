@@ -18,9 +18,10 @@ import internals
 import pytest
 from test_reuse import GREEDY, assert_same_as_fresh, check_against_fresh, paragraph, short_prompt_noise
 
-from llmsession import CheckpointConfig, Model, Session, Usage, anticipate
-from llmsession.prefix import common_prefix
-from llmsession.seat import Seat
+from llmsession import CheckpointConfig, Model, Session, Usage
+from llmsession.engine import anticipate
+from llmsession.engine.prefix import common_prefix
+from llmsession.engine.seat import Seat
 
 
 @pytest.fixture(autouse=True)

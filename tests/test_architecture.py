@@ -1,61 +1,121 @@
-"""The seams hold: no import cycles between llmsession's modules, and the planning modules never
-reach the native layer (so hypothesis machines can drive them without a model)."""
+"""The seams hold: llmsession's layers import only downwards, no module takes part in an import
+cycle of any kind (top-level, inside a function, or for type checking only), the planning modules
+never reach the native layer (so hypothesis machines drive them without a model), only the native
+layer calls the bindings, and no module reads another module's private attributes."""
 
 from __future__ import annotations
 
 import ast
+import builtins
+from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmsession"
-PURE = (
-    "prefix",
-    "residency",
-    "parking",
-    "budget",
-    "sessionfile",
-    "messages",
-    "stops",
-    "detokenize",
-    "options",
-    "splice",
-    "checkpoints",
+# Lowest first: a module may import its own layer's modules (without cycles) and lower layers'.
+LAYERS = (
+    ("llmsession.errors", "llmsession.options", "llmsession.replies"),
+    ("llmsession.text",),
+    ("llmsession.native",),
+    ("llmsession.engine",),
+    ("llmsession.runtime",),
+    ("llmsession.remote",),
+    ("llmsession.api", "llmsession"),
+    ("llmsession.commands", "llmsession.__main__"),
 )
-NATIVE = {
-    "cancel",
-    "native",
-    "native_context",
-    "native_mtmd",
-    "sampling",
-    "smoke_llama",
-}  # the modules that call the bindings
+PURE = (  # decisions without effects: no path to the native layer
+    "llmsession.engine.prefix",
+    "llmsession.engine.residency",
+    "llmsession.engine.parking",
+    "llmsession.engine.budget",
+    "llmsession.engine.sessionfile",
+    "llmsession.engine.checkpoints",
+    "llmsession.options",
+    "llmsession.text.messages",
+    "llmsession.text.stops",
+    "llmsession.text.detokenize",
+    "llmsession.text.splice",
+    "llmsession.text.schemas",
+    "llmsession.text.templates",
+)
 
 
-def imports(module: str) -> set[str]:
-    """llmsession modules ``module`` imports when it is imported (not inside functions, not for
-    type checking only)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module is not None:
-            name = node.module.removeprefix("llmsession.") if node.level == 0 else node.module
-            if node.level == 1 or node.module.startswith("llmsession."):
-                found.add(name.split(".")[0])
-    return found & {p.stem for p in PACKAGE.glob("*.py")}
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_no_import_cycles() -> None:
-    graph = {p.stem: imports(p.stem) for p in PACKAGE.glob("*.py")}
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+@cache
+def tree(module: str) -> ast.Module:
+    return ast.parse(MODULES[module].read_text())
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """Every llmsession module ``module`` imports: at the top, inside functions, and under
+    ``TYPE_CHECKING`` alike (``from package import module`` counts as the module)."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree(module)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in MODULES else base)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return frozenset(found & set(MODULES) - {module})
+
+
+def layer(module: str) -> int:
+    """The index in ``LAYERS`` of the longest prefix naming ``module``'s layer."""
+    best, rank = -1, -1
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, rank = len(name), index
+    assert rank >= 0, f"{module} belongs to no layer: add it to LAYERS"
+    return rank
+
+
+def test_every_module_belongs_to_a_layer_and_imports_only_downwards() -> None:
+    wrong = [
+        f"{module} (layer {layer(module)}) imports {other} (layer {layer(other)})"
+        for module in MODULES
+        for other in imports(module)
+        if layer(other) > layer(module)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles_of_any_kind() -> None:
     done: set[str] = set()
 
     def visit(module: str, path: tuple[str, ...]) -> None:
         assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
         if module not in done:
-            for child in graph[module]:
-                visit(child, (*path, module))
+            for child in sorted(imports(module)):
+                if child != module.rpartition(".")[0]:  # a package's __init__ runs first anyway
+                    visit(child, (*path, module))
             done.add(module)
 
-    for module in graph:
+    for module in sorted(MODULES):
         visit(module, ())
+
+
+def test_the_check_sees_function_level_and_type_checking_imports() -> None:
+    """A variant that must fail: the walk finds imports the old top-level-only check missed."""
+    assert "llmsession.engine.engine" in imports("llmsession.engine.seat") or any(
+        "TYPE_CHECKING" in ast.unparse(node) for node in ast.walk(tree("llmsession.engine.seat"))
+    )
+    lazy = {m for m in imports("llmsession") if m.startswith("llmsession.runtime")}
+    assert lazy, "llmsession/__init__.py names its lazy modules under TYPE_CHECKING"
 
 
 def test_planning_modules_never_reach_the_native_layer() -> None:
@@ -65,12 +125,91 @@ def test_planning_modules_never_reach_the_native_layer() -> None:
             current = todo.pop()
             seen.add(current)
             todo += [m for m in imports(current) if m not in seen]
-        native = seen & NATIVE
-        assert not native, f"{module} imports the native layer {native} (through {sorted(seen)})"
-        assert "llama_cffi" not in (PACKAGE / f"{module}.py").read_text(), module
+        native = {m for m in seen if m.startswith("llmsession.native")}
+        assert not native, f"{module} reaches the native layer {native}"
+        assert "llama_cffi" not in MODULES[module].read_text(), module
 
 
-def test_only_the_native_layer_touches_the_bindings() -> None:
-    for path in PACKAGE.glob("*.py"):
-        if path.stem not in NATIVE:
-            assert "bindings()" not in path.read_text(), f"{path.name} calls the bindings directly"
+def test_only_the_native_layer_calls_the_bindings() -> None:
+    for module, path in MODULES.items():
+        if not module.startswith("llmsession.native"):
+            assert "bindings()" not in path.read_text(), f"{module} calls the bindings directly"
+
+
+def own_private_names(module: str) -> set[str]:
+    """The private names ``module`` defines: its functions, classes and their methods, and the
+    attributes its code assigns (``self._x = ...``, ``other._x = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree(module)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return {name for name in names if name.startswith("_")}
+
+
+def private_reads(module: str) -> list[str]:
+    """``thing._name`` where ``_name`` is not one of ``module``'s own private names and
+    ``thing`` is not an imported module of the standard library or a dependency."""
+    own = own_private_names(module)
+    outside = {
+        alias.asname or alias.name
+        for node in ast.walk(tree(module))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and not (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("llmsession")))
+        for alias in node.names
+    }
+    found = []
+    for node in ast.walk(tree(module)):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr not in own
+            and not (isinstance(node.value, ast.Name) and (node.value.id in outside or hasattr(builtins, node.value.id)))
+        ):
+            found.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_attributes() -> None:
+    found = [read for module in MODULES for read in private_reads(module)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_read_check_catches_one() -> None:
+    """A variant that must fail: a read of another module's private attribute is found."""
+    source = "def f(model):\n    return model._engine\n"
+    module = "llmsession.errors"
+    tree.cache_clear()
+    try:
+        MODULES[module].read_text()  # (exists)
+        original = tree(module)
+        assert not private_reads(module)
+        tree.cache_clear()
+        import unittest.mock
+
+        with unittest.mock.patch(f"{__name__}.tree", return_value=ast.parse(source)):
+            assert private_reads(module) == [f"{module}:2 reads model._engine"]
+        assert ast.dump(tree(module)) == ast.dump(original)
+    finally:
+        tree.cache_clear()
+
+
+def test_no_module_over_400_lines_nor_function_over_60() -> None:
+    long_modules = [
+        f"{m} has {n} lines" for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400
+    ]
+    long_functions = [
+        f"{m}.{node.name} has {node.end_lineno - node.lineno + 1} lines"
+        for m in MODULES
+        for node in ast.walk(tree(m))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert not long_modules + long_functions, "\n".join(long_modules + long_functions)

@@ -11,7 +11,7 @@ import pytest
 from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import GenerationOptions, Model, Reply, Session
-from llmsession.seat import Seat
+from llmsession.engine.seat import Seat
 
 QUESTIONS = (
     "Tell me a story about a lighthouse.",

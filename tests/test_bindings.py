@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from llama_cffi import LIBRARIES, LLAMA_CPP_COMMIT, NOT_EXPORTED, ffi, include_dir, lib_dir, load
 
-from llmsession import setup_llama
+from llmsession.commands import setup_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
@@ -134,8 +134,8 @@ def test_chat_template_is_chatml(smollm2_path: Path) -> None:
 
 
 def test_short_decode_gives_finite_logits(smollm2_path: Path) -> None:
-    from llmsession.native import NativeModel
-    from llmsession.native_context import NativeContext
+    from llmsession.native.context import NativeContext
+    from llmsession.native.llama import NativeModel
 
     model = NativeModel(smollm2_path)
     context = NativeContext(model, n_ctx=128, n_batch=32, threads=2)
@@ -150,7 +150,7 @@ def test_short_decode_gives_finite_logits(smollm2_path: Path) -> None:
 
 
 def test_gemma3_reports_its_sliding_window(gemma3_path: Path) -> None:
-    from llmsession.native import NativeModel
+    from llmsession.native.llama import NativeModel
 
     model = NativeModel(gemma3_path)
     assert model.n_swa == 512

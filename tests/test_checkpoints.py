@@ -13,8 +13,8 @@ import pytest
 from test_reuse import GREEDY, assert_same_as_fresh
 
 from llmsession import CheckpointConfig, Model, Session
-from llmsession.native import bindings
-from llmsession.seat import Seat
+from llmsession.engine.seat import Seat
+from llmsession.native.llama import bindings
 
 CAP = CheckpointConfig(max_count=4, max_bytes=200_000, every=64)
 

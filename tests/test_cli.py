@@ -23,7 +23,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from llmsession import paths
+from llmsession.commands import paths
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 180.0  # per step: the machine is slow and shared

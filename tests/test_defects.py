@@ -31,8 +31,8 @@ from llmsession import (
     Model,
     TemplateError,
 )
-from llmsession.native import NativeModel, bindings
-from llmsession.native_context import NativeContext
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel, bindings
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from itertools import pairwise
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmsession.detokenize import IncrementalDetokenizer
+from llmsession.text.detokenize import IncrementalDetokenizer
 
 # Byte runs that exercise every branch of a UTF-8 decoder: valid 1-4 byte characters,
 # stray continuation bytes, overlong forms, encoded surrogates, code points above

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from llmsession import ContextOverflowError, GenerationOptions, Model, UnsupportedFeatureError
-from llmsession.seat import Seat
+from llmsession.engine.seat import Seat
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 

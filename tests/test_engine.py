@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmsession import MemoryBudgetError, NativeError
-from llmsession.budget import MemoryConfig
-from llmsession.engine import Engine, Lease
-from llmsession.residency import State
+from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.engine import Engine, Lease
+from llmsession.engine.residency import State
 
 CONTEXT_SIZE = 16
 

@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmsession.errors import TemplateError
-from llmsession.gemma4 import (
+from llmsession.text.gemma4 import (
     is_gemma4_template,
     merges_model_turns,
     primes_empty_thought,
     render_gemma4,
     strip_thinking,
 )
-from llmsession.jinja_template import render_jinja
+from llmsession.text.jinja import render_jinja
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 CANONICAL = (TEMPLATES / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8")

@@ -20,15 +20,9 @@ from fuzz_hostile import not_a_regular_file
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from test_defects import run_python
 
-from llmsession import (
-    GenerationOptions,
-    GrammarError,
-    Model,
-    SessionFileError,
-    TemplateError,
-    cli,
-    sessionfile,
-)
+from llmsession import GenerationOptions, GrammarError, Model, SessionFileError, TemplateError
+from llmsession.commands import cli
+from llmsession.engine import sessionfile
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 SYSTEM = {"role": "system", "content": "You are a bank's assistant."}
@@ -57,7 +51,7 @@ def saved_header(smollm2: Model, tmp_path: Path) -> tuple[dict[str, Any], bytes]
 # 1. exit while the shared context is being made ------------------------------------------------
 EXIT_EARLY = """
 import sys, threading, time
-import llmsession.native as native
+import llmsession.native.llama as native
 from llmsession import Model
 lib, ffi = native.bindings()
 freed_while_warming = []

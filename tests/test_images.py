@@ -17,7 +17,7 @@ import PIL.Image
 import pytest
 
 from llmsession import GenerationOptions, Image, ImageError, Model, Session, UnsupportedFeatureError
-from llmsession.prompt import Prompt
+from llmsession.engine.prompt import Prompt
 
 GREEDY = GenerationOptions(max_tokens=20, temperature=0)
 IMAGE_TOKENS = (32 // 16) ** 2  # the fixture projector: 32x32 images, 16-pixel patches
@@ -162,7 +162,7 @@ def test_every_kind_of_source_gives_the_same_image(fixture_path: Callable[[str],
     url = "data:image/png;base64," + base64.b64encode(data).decode()
     with PIL.Image.open(path) as pil:
         sources = [Image(data), Image(str(path)), Image(pil), Image(np.asarray(pil.convert("RGB")))]
-    from llmsession.image import image_from_part
+    from llmsession.text.images import image_from_part
 
     sources += [
         image_from_part({"type": "image", "image": str(path)}),

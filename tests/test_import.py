@@ -47,7 +47,7 @@ def test_the_first_heavy_name_loads_what_it_needs() -> None:
 def test_every_public_name_resolves() -> None:
     for name in llmsession.__all__:
         assert getattr(llmsession, name) is not None, name
-    assert llmsession.Model.__module__ == "llmsession.model"
+    assert llmsession.Model.__module__ == "llmsession.runtime.model"
     assert llmsession.__version__ == "0.1.0"  # the installed distribution's (pyproject.toml)
     try:
         llmsession.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018

@@ -16,7 +16,7 @@ from test_defects import run_python
 from test_reuse import GREEDY, QUESTIONS
 
 from llmsession import BackendError, GenerationOptions, Model, ModelClosedError, Session
-from llmsession.isolated import IsolatedModel
+from llmsession.remote.isolated import IsolatedModel
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,8 @@ def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> N
 def test_the_proxies_override_every_public_method_that_reaches_native_state() -> None:
     """An inherited method would run on state the proxies do not have; these few are built on
     overridden ones only."""
-    from llmsession.isolated import IsolatedSession, IsolatedStream
-    from llmsession.stream import Stream
+    from llmsession.remote.isolated import IsolatedSession, IsolatedStream
+    from llmsession.runtime.stream import Stream
 
     built_on_others = {"chat", "respond", "arespond"}
     for proxy, base in ((IsolatedModel, Model), (IsolatedSession, Session), (IsolatedStream, Stream)):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from llmsession import GenerationOptions, Model
-from llmsession.native import bindings, default_threads, usable_cores
-from llmsession.native_context import NativeContext
-from llmsession.sampling import Sampler
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import bindings, default_threads, usable_cores
+from llmsession.native.sampler import Sampler
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 
@@ -148,8 +148,8 @@ def test_a_forked_child_decodes_without_the_parents_pool(smollm2_path: Path) -> 
     code = f"""
         import os, sys, time
         import numpy as np
-        from llmsession.native import NativeModel
-        from llmsession.native_context import NativeContext
+        from llmsession.native.llama import NativeModel
+        from llmsession.native.context import NativeContext
         native = NativeModel({str(smollm2_path)!r})
         context = NativeContext(native, n_ctx=256, n_batch=32, threads=2)
         def logits():

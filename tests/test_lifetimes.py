@@ -104,8 +104,8 @@ def test_a_context_after_its_model_closed_raises(smollm2_path: Path) -> None:
     result = run_python(
         f"""
         from llmsession import ModelClosedError
-        from llmsession.native import NativeModel
-        from llmsession.native_context import NativeContext
+        from llmsession.native.llama import NativeModel
+        from llmsession.native.context import NativeContext
         native = NativeModel({str(smollm2_path)!r})
         context = NativeContext(native, n_ctx=256, n_batch=32, threads=2)
         native.close()

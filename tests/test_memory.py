@@ -15,7 +15,7 @@ import pytest
 from test_reuse import check_against_fresh, short_prompt_noise, tolerance_for
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, Reply, Session
-from llmsession.engine import Engine, Lease, Pool
+from llmsession.engine.engine import Engine, Lease, Pool
 
 REPLY = GenerationOptions(max_tokens=4, temperature=0)
 TOPICS = ("rivers", "bridges", "lanterns", "harbours", "meadows", "orchards", "towers", "valleys")

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from llmsession import parking
-from llmsession.parking import ParkingLot
+from llmsession.engine import parking
+from llmsession.engine.parking import ParkingLot
 
 
 def open_fds() -> int:

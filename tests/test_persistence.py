@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from llmsession import GenerationOptions, Image, Model, SessionFileError
-from llmsession.sessionfile import read
+from llmsession.engine.sessionfile import read
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 REPO = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int)
     logits as the original below its 512-token window, and different ones past it."""
     from test_reuse import read_logits
 
-    from llmsession.native_context import NativeContext
+    from llmsession.native.context import NativeContext
 
     tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
     original = NativeContext(

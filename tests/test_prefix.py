@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from llmsession.checkpoints import Checkpoint, CheckpointConfig, Checkpoints
-from llmsession.prefix import (
+from llmsession.engine.checkpoints import Checkpoint, CheckpointConfig, Checkpoints
+from llmsession.engine.prefix import (
     Item,
     Plan,
     PrefixCache,

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmsession.residency import Budget, BudgetError, Residency, State, Step
+from llmsession.engine.residency import Budget, BudgetError, Residency, State, Step
 
 BYTES_PER_CELL = 10
 

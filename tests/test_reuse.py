@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from llmsession import CheckpointConfig, ContextOverflowError, GenerationOptions, Model, NativeError, Session
-from llmsession.native import bindings
-from llmsession.native_context import NativeContext
-from llmsession.prefix import PrefixCache, common_prefix
+from llmsession.engine.prefix import PrefixCache, common_prefix
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import bindings
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 QUESTIONS = (
@@ -340,7 +340,7 @@ def test_recurrent_model_rewinds_to_a_checkpoint_or_decodes_everything(
 
 
 def test_mamba_fixture_refuses_partial_removal(fixture_path: Callable[[str], Path]) -> None:
-    from llmsession.native import NativeModel
+    from llmsession.native.llama import NativeModel
 
     model = NativeModel(fixture_path("mamba-tiny.gguf"))
     context = NativeContext(model, n_ctx=64, n_batch=16, threads=2)

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
 
-from llmsession import GenerationOptions, Image, Model, ModelLoadError, rpc
-from llmsession.isolated import IsolatedModel
-from llmsession.rpc import local_servers as servers
+from llmsession import GenerationOptions, Image, Model, ModelLoadError
+from llmsession.remote import rpc
+from llmsession.remote.isolated import IsolatedModel
+from llmsession.remote.rpc import local_servers as servers
 
 FAULTS = Path(__file__).with_name("rpc_faults.py")
 

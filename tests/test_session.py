@@ -18,8 +18,8 @@ from llmsession import (
     SessionBusyError,
     TemplateError,
 )
-from llmsession.detokenize import IncrementalDetokenizer
-from llmsession.native_context import NativeContext
+from llmsession.native.context import NativeContext
+from llmsession.text.detokenize import IncrementalDetokenizer
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 

@@ -18,7 +18,7 @@ from test_reuse import (
 )
 
 from llmsession import GenerationOptions, Model
-from llmsession.native_context import NativeContext
+from llmsession.native.context import NativeContext
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 SYSTEM = "You are a patient guide to the old city. Answer in full sentences, with one example each."

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmsession import GenerationOptions, Model, Session
-from llmsession.splice import ReplyTokens, marker, splice, stretches
+from llmsession.text.splice import ReplyTokens, marker, splice, stretches
 
 
 def test_stretches_find_each_stand_in_once_in_order() -> None:

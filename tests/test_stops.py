@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmsession.stops import StopMatcher
+from llmsession.text.stops import StopMatcher
 
 # Small alphabets so stops overlap, nest and occur often; one includes multi-code-unit
 # and combining characters.

@@ -318,7 +318,7 @@ def test_stop_strings_streaming_and_cancel_work_under_a_constraint(smollm2: Mode
 def test_a_matcher_error_mid_reply_is_a_typed_error(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token the constraint forbids (a control token, here forced past the mask) ends the
     reply with GrammarError: the process lives on and the transcript is as it was."""
-    from llmsession import sampling
+    from llmsession.native import sampler as sampling
 
     sample = sampling.Sampler.sample
     calls = []

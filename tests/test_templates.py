@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from llmsession.errors import TemplateError
-from llmsession.jinja_template import render_jinja
-from llmsession.messages import check_messages, flatten_content
-from llmsession.templates import render_prompt, template_family
+from llmsession.text.jinja import render_jinja
+from llmsession.text.messages import check_messages, flatten_content
+from llmsession.text.templates import render_prompt, template_family
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 GEMMA4 = (TEMPLATES / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8")

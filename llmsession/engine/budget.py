@@ -1,0 +1,69 @@
+"""The memory budget a model's sessions share, and what ``Model.memory()`` reports of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmsession.engine.checkpoints import CheckpointConfig
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The model's memory budget (``Model(kv_tokens=..., ...)``)."""
+
+    kv_tokens: int = 8192  # KV cells shared by the live sessions (per layout: swa_full)
+    max_live_sessions: int = 8  # sequences of the shared context
+    host_cache_bytes: int = 1 << 30  # parked states in RAM
+    disk_cache_dir: Path | None = None  # parked states the RAM budget lets go (else forgotten)
+    batch_size: int = 512  # the largest prefill batch
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # per session, recurrent only
+
+
+@dataclass
+class Counters:
+    exchanges: int = 0
+    reused_tokens: int = 0
+    parks: int = 0
+    restores: int = 0  # from RAM or disk
+    disk_writes: int = 0
+    drops: int = 0  # states lost: evicted unparkable, or past every budget
+    failed_restores: int = 0
+
+
+@dataclass(frozen=True)
+class SessionMemory:
+    key: int
+    state: str  # live, parked, disk, cold
+    tokens: int  # positions its state holds (wherever it is)
+    parked_bytes: int  # its parked state's size (RAM or disk)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """``Model.memory()``: what the budget holds now, and what happened so far."""
+
+    kv_tokens: int
+    live_tokens: int
+    max_live_sessions: int
+    live_sessions: int
+    host_cache_bytes: int
+    parked_bytes: int
+    disk_entries: int
+    disk_bytes: int
+    sessions: list[SessionMemory]
+    checkpoint_bytes: int = 0  # recurrent states kept to rewind to, all sessions
+    counters: Counters = field(default_factory=Counters)
+
+    def __str__(self) -> str:
+        c = self.counters
+        return (
+            f"memory: {self.live_sessions}/{self.max_live_sessions} sessions live holding "
+            f"{self.live_tokens}/{self.kv_tokens} KV cells; parked {self.parked_bytes / MIB:.1f}"
+            f"/{self.host_cache_bytes / MIB:.0f} MiB in RAM, {self.disk_entries} on disk "
+            f"({self.disk_bytes / MIB:.1f} MiB), checkpoints {self.checkpoint_bytes / MIB:.1f} MiB "
+            f"| parks {c.parks}, restores {c.restores}, "
+            f"disk writes {c.disk_writes}, drops {c.drops}, failed restores {c.failed_restores}"
+        )

@@ -1,0 +1,407 @@
+"""The engine: a model's shared llama contexts, and where every session's KV state lives.
+
+A live session holds one sequence of a shared context made with ``kv_unified``: the KV cells are
+shared, so memory follows the tokens sessions hold, not their context sizes. When an exchange
+needs a sequence or cells that are not free, ``Residency`` (pure) picks idle sessions to park
+(their state copied to host RAM by ``llama_state_seq_get_data``; past the RAM budget to disk, or
+forgotten) or drop cold, and the engine applies its steps. A session's record (its
+``PrefixCache``) follows its state: a restore must give back exactly that many positions, else
+the session goes cold. One lock per engine serializes every native call on the shared contexts,
+and a decode and the sampling of its logits happen under one hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+from llmsession.engine.batching import Batcher, Gate
+from llmsession.engine.budget import Counters, MemoryConfig, MemoryReport, SessionMemory
+from llmsession.engine.parking import ParkingLot
+from llmsession.engine.prefix import Item, PrefixCache, best_donor
+from llmsession.engine.residency import Budget, BudgetError, Residency, State, Step
+from llmsession.engine.seat import Seat
+from llmsession.errors import MemoryBudgetError
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel
+from llmsession.native.projector import Projector
+
+if TYPE_CHECKING:
+    import threading as _threading
+
+    from typing_extensions import Buffer
+
+log = logging.getLogger("llmsession")
+
+
+class Lease:
+    """A session's place in the engine: its key, the record of what its state holds, and whether
+    it shares prefixes with other sessions (``Engine.share``)."""
+
+    def __init__(self, pool: Pool, key: int, n_swa: int, window: int, shares: bool = True) -> None:
+        self.pool, self.key, self.n_swa, self.shares = pool, key, n_swa, shares
+        engine = pool.engine
+        # A recurrent state refuses cuts inside it: checkpoints let it rewind. Never a sliding
+        # window's: its states past the window restore wrong in the pinned llama.cpp (#25295).
+        recurrent = engine.native.is_recurrent and window == 0
+        self.cache = PrefixCache(n_swa=window, checkpoints=engine.config.checkpoints if recurrent else None)
+
+    @property
+    def parkable(self) -> bool:
+        """A sliding-window state past its window restores wrong in the pinned llama.cpp
+        (#25295): such a state is never parked, it goes cold."""
+        return not (self.n_swa > 0 and len(self.cache.items) > self.n_swa)
+
+
+class Pool:
+    """One shared context (made on first use) for one memory layout, and its ledger."""
+
+    def __init__(self, engine: Engine, swa_full: bool, n_batch: int, n_seq_max: int) -> None:
+        self.engine, self.swa_full, self.n_batch = engine, swa_full, n_batch
+        c = engine.config
+        self.budget = Budget(c.kv_tokens, max_live=n_seq_max, host_bytes=c.host_cache_bytes)
+        self.residency = Residency(self.budget, park_bytes=self._park_bytes)
+        self.leases: dict[int, Lease] = {}
+        self._context: NativeContext | None = None
+
+    @property
+    def context(self) -> NativeContext:
+        if self._context is None:
+            e = self.engine
+            self._context = e.make_context(
+                n_ctx=e.config.kv_tokens,
+                n_batch=self.n_batch,
+                threads=e.threads,
+                swa_full=self.swa_full,
+                n_seq_max=self.budget.max_live,
+                flash_attention=e.flash_attention,
+            )
+        return self._context
+
+    def _park_bytes(self, key: object) -> int:
+        return self.context.state_size(self.residency.entry(key).seq)
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._context.close()
+
+
+class Engine:
+    """Owns a model's shared contexts and parked states; sessions reach memory only through it."""
+
+    def __init__(
+        self,
+        native: NativeModel,
+        projector: Projector | None,
+        threads: int,
+        config: MemoryConfig,
+        make_context: Callable[..., NativeContext] | None = None,
+        flash_attention: bool | None = None,
+    ) -> None:
+        """``make_context``: how a shared context is made (tests pass a fake that keeps llama.cpp's
+        semantics); by default a ``NativeContext`` of ``native``."""
+        self.native, self.projector, self.threads, self.config = native, projector, threads, config
+        self.flash_attention = flash_attention
+        self.make_context = make_context or functools.partial(NativeContext, native)
+        self.gate = Gate()  # the lock, and who waits for it
+        self.hold = self.gate.hold  # every taker counts as waiting: background work gives way to it
+        self.batcher = Batcher(self.gate)  # its decode thread holds the gate, not the engine
+        weakref.finalize(self, self.batcher.close)
+        self.lot = ParkingLot(config.disk_cache_dir)
+        self.counters = Counters()
+        self._pools: dict[tuple[bool, int], Pool] = {}
+        self._keys = itertools.count()
+        self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
+        self._closed = False
+
+    def lease(self, *, swa_full: bool, batch_size: int, shares: bool = True) -> Lease:
+        """A new session's place. Sessions share one context per layout. The small sliding-window
+        cache (``swa_full=False``, a memory saver) holds the window plus one batch per sequence:
+        its sessions take turns in a context of their batch size, one live at a time (a unified
+        small-window cache let a deep rewind's logits drift past the split-noise tolerance)."""
+        n_swa = max(0, self.native.n_swa)
+        swa_full = swa_full or n_swa == 0  # one layout when there is no window
+        with self.hold():
+            pool = self._pool(swa_full, batch_size)
+            lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa, shares=shares)
+            pool.leases[lease.key] = lease
+            pool.residency.add(lease.key)
+            return lease
+
+    @property
+    def contended(self) -> bool:
+        """Whether a thread waits for the lock (background work gives way to it)."""
+        return self.gate.contended
+
+    def _pool(self, swa_full: bool, batch_size: int) -> Pool:
+        layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
+        if layout not in self._pools:
+            live = self.config.max_live_sessions if swa_full else 1
+            self._pools[layout] = Pool(self, swa_full, layout[1], live)
+        return self._pools[layout]
+
+    def warm(self) -> threading.Thread | None:
+        """Make the default layout's shared context now, in the background, so that no exchange
+        waits for it (65-145 ms, most of a first turn's time); an exchange that comes first waits
+        for it under the lock. A failure here is left for that exchange to raise."""
+        if self.native.has_encoder:
+            return None  # its exchanges take contexts of their own
+        with self.hold():
+            pool = self._pool(True, self.config.batch_size)
+
+        def make() -> None:
+            with self.hold():
+                if not self._closed:
+                    try:
+                        pool.context  # noqa: B018  (made on first use)
+                    except Exception as error:
+                        log.debug("warming the shared context failed: %s", error)
+
+        # Not a daemon: the interpreter's exit joins it before ``weakref.finalize``'s exit hook
+        # frees the model, which under a context still being made crashed the process.
+        thread = threading.Thread(target=make, name="llmsession-warm")
+        thread.start()
+        return thread
+
+    def bury(self, lease: Lease) -> None:
+        """Its session was collected: free its memory at the next safe point (this may run
+        inside a garbage collection, in any thread, even while the lock is held)."""
+        self._dead.append(lease)
+
+    def discard(self, lease: Lease) -> None:
+        """Forget a session's state wherever it is: the session goes cold."""
+        with self.hold():
+            self._free(lease, lease.pool.residency.cool(lease.key))
+            lease.cache.reset()
+
+    @contextmanager
+    def seat(
+        self, lease: Lease, cells: int, cancelled: _threading.Event, *, exchange: bool = True
+    ) -> Iterator[Seat]:
+        """A sequence holding ``lease``'s state (restored if parked) with room for ``cells``
+        cells, for one exchange; the session is busy (never evicted) until the block ends. Not
+        for an exchange (background work): only a session that is not parked and fits without
+        evicting anyone, else ``MemoryBudgetError``; it is neither counted nor made recent."""
+        pool = lease.pool
+        with self.hold():
+            self._reap()
+            if cells > pool.budget.kv_cells:
+                raise MemoryBudgetError(
+                    f"{cells} positions exceed the model's kv_tokens ({pool.budget.kv_cells})"
+                )
+            if not exchange and not pool.residency.fits(lease.key, cells):
+                raise MemoryBudgetError("background work evicts no one")
+            try:
+                steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
+            except BudgetError as error:
+                raise MemoryBudgetError(str(error)) from None
+            self._apply(pool, steps)
+            seq = pool.residency.entry(lease.key).seq
+            if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
+                if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
+                    self._restore(pool, lease, seq, self.lot.take(lease.key))
+                elif pool.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
+                    lease.cache.reset()
+            self.counters.exchanges += exchange
+        seat = Seat(self, lease, pool.context, seq, cancelled)
+        try:
+            yield seat
+        finally:
+            with self.hold():
+                pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
+
+    @contextmanager
+    def single_use(self, lease: Lease, n_ctx: int, cancelled: _threading.Event) -> Iterator[Seat]:
+        """A context of its own for one exchange of an encoder-decoder model: its decoder state
+        depends on the whole encoded prompt, so there is no prefix to keep (as upstream does)."""
+        with self.hold():
+            self._reap()
+            self.counters.exchanges += 1
+            context = self.make_context(
+                n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads, flash_attention=self.flash_attention
+            )
+        lease.cache.reset()
+        try:
+            yield Seat(self, lease, context, 0, cancelled, single_use=True)
+        finally:
+            with self.hold():
+                context.close()
+                lease.cache.reset()
+
+    def share(self, lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool]) -> int:
+        """Start an empty session from the longest prefix of ``prompt`` that another live session
+        of its context holds (a system prompt many conversations open with, say): those cells,
+        shared (``seq_cp``, then cut after the prefix), not decoded again. Only where sequences
+        share one pool of cells and a cut is exact: not for recurrent memories nor the small
+        sliding-window cache. How many positions it gave (the caller holds the lock)."""
+        pool = lease.pool
+        if lease.cache.items or not (lease.shares and pool.swa_full) or self.native.is_recurrent:
+            return 0
+        entries = [pool.residency.entry(key) for key in pool.leases]
+        donors = [
+            (other, entry.seq)
+            for other, entry in zip(pool.leases.values(), entries, strict=True)
+            if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
+        ]
+        index, shared = best_donor(prompt, [donor.cache.items for donor, _ in donors], can_cut=can_cut)
+        if not shared:
+            return 0
+        donor, donor_seq = donors[index]
+        context = pool.context
+        context.seq_cp(donor_seq, seq)
+        if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
+            context.seq_rm(-1, seq)
+            return 0
+        lease.cache.extend(donor.cache.items[:shared])
+        log.debug("session %d starts from %d positions of session %d", lease.key, shared, donor.key)
+        return shared
+
+    def state(self, lease: Lease) -> Buffer | None:
+        """A copy of the session's state (for saving): a parked one as it is, a live one from
+        its sequence."""
+        with self.hold():
+            if not lease.cache.items:
+                return None
+            if lease.pool.residency.entry(lease.key).state is not State.LIVE and self.lot.holds(lease.key):
+                return self.lot.peek(lease.key)
+        with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
+            return seat.context.state_get(seat.seq) if lease.cache.items else None
+
+    def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item]) -> bool:
+        """Load a saved state into a cold session; False (still cold) if llama.cpp refused it
+        or it does not hold exactly ``record``'s positions."""
+        with self.seat(lease, len(record), threading.Event()) as seat:
+            context = seat.context
+            if context.state_set(blob, seat.seq) and context.pos_max(seat.seq) == len(record) - 1:
+                lease.cache.extend(record)
+                return True
+            context.seq_rm(-1, seat.seq)
+            return False
+
+    def fork(self, source: Lease, target: Lease) -> None:
+        """Give a cold ``target`` what ``source`` holds: the same cells (``seq_cp``) when both
+        fit at once, else a copy of the state; cold when the state cannot be copied exactly."""
+        if not source.cache.items or not source.parkable:
+            return
+        record = source.cache.items
+        with self.hold(), self.seat(source, len(record), threading.Event()) as mine:
+            if not source.cache.items:
+                return
+            try:
+                with self.seat(target, len(record), threading.Event()) as theirs:
+                    mine.context.seq_cp(mine.seq, theirs.seq)
+                    target.cache.extend(record)
+                    target.cache.share_checkpoints(source.cache)
+                    return
+            except MemoryBudgetError:
+                blob = mine.context.state_get(mine.seq)
+        if self.adopt(target, blob, record):
+            target.cache.share_checkpoints(source.cache)
+
+    def memory(self) -> MemoryReport:
+        with self.hold():
+            self._reap()
+            sessions, live, parked, checkpoints = [], 0, 0, 0
+            for pool in self._pools.values():
+                for key, lease in pool.leases.items():
+                    entry = pool.residency.entry(key)
+                    held = len(lease.cache.items)
+                    where = self.lot.holds(key) if entry.state is not State.LIVE else "live"
+                    state = {"host": "parked", "disk": "disk", "": "cold", "live": "live"}[where]
+                    size = self.lot.size(key)
+                    sessions.append(SessionMemory(key, state, held if state != "cold" else 0, size))
+                    checkpoints += lease.cache.checkpoint_bytes
+                live += pool.residency.live_count
+                parked += pool.residency.parked_bytes
+            c = self.config
+            return MemoryReport(
+                kv_tokens=c.kv_tokens,
+                live_tokens=sum(s.tokens for s in sessions if s.state == "live"),
+                max_live_sessions=c.max_live_sessions,
+                live_sessions=live,
+                host_cache_bytes=c.host_cache_bytes,
+                parked_bytes=parked,
+                disk_entries=self.lot.disk_entries,
+                disk_bytes=self.lot.disk_bytes,
+                checkpoint_bytes=checkpoints,
+                sessions=sessions,
+                counters=Counters(**{f.name: getattr(self.counters, f.name) for f in fields(Counters)}),
+            )
+
+    def close(self) -> None:
+        self.batcher.close()
+        with self.hold():
+            self._closed = True
+            for pool in self._pools.values():
+                pool.close()
+            self.lot.close()
+
+    # -- applying the ledger's steps -------------------------------------------------------------
+    def _apply(self, pool: Pool, steps: list[Step]) -> None:
+        for step in steps:
+            lease = pool.leases[step.key]  # type: ignore[index]
+            if step.action == "park":
+                blob = pool.context.state_get(step.seq)
+                pool.context.seq_rm(-1, step.seq)
+                self.lot.park(lease.key, blob)
+                self.counters.parks += 1
+                log.debug(
+                    "parked session %d: %d positions, %d bytes",
+                    lease.key,
+                    len(lease.cache.items),
+                    memoryview(blob).nbytes,
+                )
+            elif step.action == "drop" and self.lot.disk_dir and lease.cache.items and lease.parkable:
+                self.lot.park(lease.key, pool.context.state_get(step.seq))  # too big for RAM
+                pool.context.seq_rm(-1, step.seq)
+                self._apply(pool, [Step("forget", lease.key, -1)])
+            elif step.action == "drop":
+                pool.context.seq_rm(-1, step.seq)
+                if lease.cache.items:
+                    self.counters.drops += 1
+                    log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
+                lease.cache.reset()
+            elif step.action == "forget":
+                if self.lot.spill(lease.key):
+                    self.counters.disk_writes += 1
+                    log.debug("moved session %d's parked state to disk", lease.key)
+                else:
+                    self.counters.drops += 1
+                    log.debug("forgot session %d's parked state (cold)", lease.key)
+                    lease.cache.reset()
+            else:
+                self._restore(pool, lease, step.seq, self.lot.take(lease.key))
+
+    def _restore(self, pool: Pool, lease: Lease, seq: int, blob: Buffer | None) -> None:
+        context, held = pool.context, len(lease.cache.items)
+        if blob is not None and context.state_set(blob, seq) and context.pos_max(seq) == held - 1:
+            self.counters.restores += 1
+            log.debug("restored session %d: %d positions", lease.key, held)
+            return
+        context.seq_rm(-1, seq)
+        lease.cache.reset()
+        self.counters.failed_restores += 1
+        log.info("session %d's parked state did not restore: it starts cold", lease.key)
+
+    def _reap(self) -> None:
+        while self._dead:
+            lease = self._dead.pop()
+            pool = lease.pool
+            if lease.key in pool.leases:
+                self._free(lease, pool.residency.remove(lease.key))
+                del pool.leases[lease.key]
+
+    def _free(self, lease: Lease, steps: list[Step]) -> None:
+        """Let a session's state go on purpose (closed or collected): not an eviction. Its
+        parked state goes too, also one on disk the ledger already counts as cold."""
+        for step in steps:
+            if step.action == "drop":
+                lease.pool.context.seq_rm(-1, step.seq)
+        self.lot.discard(lease.key)

@@ -1,0 +1,75 @@
+"""An exchange's prefill: the prompt's tail decoded in batches into the session's sequence (stopping
+where a recurrent memory's checkpoint is due), or an encoder-decoder model's prompt encoded whole;
+both end with the first reply token sampled from the last logits."""
+
+from __future__ import annotations
+
+from llmsession.engine.seat import Seat
+from llmsession.native.context import DecodeAborted
+from llmsession.native.projector import ImageChunk
+from llmsession.native.sampler import TokenSampler
+from llmsession.replies import Usage
+from llmsession.runtime.stream import Turn
+
+
+def prefill(
+    turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: TokenSampler, batch_size: int
+) -> tuple[int, int] | None:
+    """Decode the prompt after its first ``reused`` items and sample the first reply token
+    from the last one's logits; (next position, that token), or None if cancelled. On a
+    recurrent memory, stop where a checkpoint is due and take it."""
+    if seat.single_use:
+        return encode(turn, seat, usage, sampler)
+    # ``done`` counts items (what the record holds), ``pos`` positions: an M-RoPE image spans
+    # fewer positions than items.
+    items, done, pos, end, token = turn.prompt.items, reused, reused, 0, -1
+    stops = set(seat.checkpoint_stops(len(items)))
+    for piece in turn.prompt.pieces:
+        size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
+        start, end = end, end + size  # this piece holds items[start:end]
+        if end <= reused:
+            continue
+        last = end == len(items)
+        try:
+            if isinstance(piece, ImageChunk):
+                if turn.cancelled.is_set():
+                    return None
+                if done in stops:
+                    seat.checkpoint()
+                pos, token = seat.eval_image(piece, pos, items[start:end], sampler=sampler if last else None)
+                done = end
+                usage.decoded_prompt_tokens += size
+                continue
+            while done < end:
+                if turn.cancelled.is_set():
+                    return None
+                if done in stops:
+                    seat.checkpoint()
+                stop = min([end, done + batch_size, *(p for p in stops if p > done)])
+                chunk = piece[done - start : stop - start]
+                final = last and stop == end
+                token = seat.decode(chunk, pos, abortable=True, sampler=sampler if final else None)
+                pos, done = pos + len(chunk), stop
+                usage.decoded_prompt_tokens += len(chunk)
+        except DecodeAborted as aborted:
+            if aborted.cause is not None:
+                raise  # _generate restores memory to the record and raises the cause
+            seat.after_abort()
+            return None
+    return pos, token
+
+
+def encode(turn: Turn, seat: Seat, usage: Usage, sampler: TokenSampler) -> tuple[int, int] | None:
+    """An encoder-decoder model's prefill: the whole prompt through the encoder, then the
+    decoder's start token; (next position, the first reply token), or None if cancelled."""
+    start = seat.engine.native.decoder_start
+    try:
+        if turn.cancelled.is_set():
+            return None
+        seat.encode(turn.prompt.tokens())
+        usage.decoded_prompt_tokens = len(turn.prompt.items)
+        return 1, seat.decode([start], 0, abortable=True, sampler=sampler)
+    except DecodeAborted as aborted:
+        if aborted.cause is not None:
+            raise
+        return None

@@ -1,0 +1,179 @@
+"""A session's sequence for one exchange (``Seat``), and ``prefix.Memory`` over a sequence.
+
+Sessions touch memory only through a seat the engine gives them; every call takes the engine's
+lock, so a decode and the sampling of its logits happen under one hold.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from llmsession.engine.batching import Step, Tracker
+from llmsession.engine.prefix import Item, Plan
+from llmsession.engine.residency import BudgetError
+from llmsession.errors import MemoryBudgetError
+from llmsession.native.context import NativeContext
+from llmsession.native.projector import ImageChunk
+from llmsession.native.sampler import TokenSampler
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from llmsession.engine.engine import Engine, Lease
+
+GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
+
+
+class Seat:
+    """A session's sequence for one exchange. Every call takes the engine's lock."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        lease: Lease,
+        context: NativeContext,
+        seq: int,
+        cancelled: threading.Event,
+        *,
+        single_use: bool = False,
+    ) -> None:
+        """``single_use``: ``context`` is the exchange's own, not a sequence of the shared one."""
+        self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
+        self.cancelled, self.single_use = cancelled, single_use
+        self.decode_s = self.sample_s = 0.0  # inside llama_decode (and encode, images); sampling
+        self.shared = 0  # positions the plan reused that another session had decoded
+
+    @property
+    def items(self) -> tuple[Item, ...]:
+        return self.lease.cache.items
+
+    def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool], *, share: bool = True) -> Plan:
+        """Make the sequence hold the longest reusable prefix of ``items`` (an empty one starts
+        from another session's, with ``share``: ``Engine.share``)."""
+        with self.engine.hold():
+            if share and not self.single_use:
+                self.shared = self.engine.share(self.lease, self.seq, items, can_cut)
+            plan = self.lease.cache.prepare(items, SequenceMemory(self.context, self.seq), can_cut=can_cut)
+            self.engine.counters.reused_tokens += plan.reused
+            return plan
+
+    def decode(
+        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: TokenSampler | None = None
+    ) -> int:
+        """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
+        from their logits before anyone else decodes (-1 without)."""
+        with self.engine.hold():
+            self.make_room(len(self.items) + len(tokens))
+            self.context.abort = self.cancelled
+            began = time.perf_counter()
+            self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
+            self.lease.cache.extend(tokens)
+            return self._sample(began, sampler)
+
+    def step(
+        self, tokens: Sequence[int], pos: int, sampler: TokenSampler, tracker: Tracker | None = None
+    ) -> int:
+        """A generation step: decode ``tokens`` from ``pos`` and sample the next token, in one
+        batch with the steps other streams of this model are waiting to take (``batching``)."""
+        return self.engine.batcher.run(Step(self, tokens, pos, sampler, tracker))
+
+    def sample_row(self, row: int, sampler: TokenSampler) -> int:
+        """Sample from the logits at batch ``row`` of the last decode (the lock is held)."""
+        began = time.perf_counter()
+        token = sampler.sample(self.context, row)
+        self.sample_s += time.perf_counter() - began
+        return token
+
+    def _sample(self, began: float, sampler: TokenSampler | None) -> int:
+        """Sample the next token (-1 without a sampler), and account for the time since ``began``."""
+        decoded = time.perf_counter()
+        self.decode_s += decoded - began
+        if sampler is None:
+            return -1
+        token = sampler.sample(self.context)
+        self.sample_s += time.perf_counter() - decoded
+        return token
+
+    def encode(self, tokens: Sequence[int]) -> None:
+        """Run the encoder over the prompt (an encoder-decoder model's exchange starts here)."""
+        with self.engine.hold():
+            self.context.abort = self.cancelled
+            began = time.perf_counter()
+            self.context.encode(tokens, abortable=True)
+            self.decode_s += time.perf_counter() - began
+
+    def eval_image(
+        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
+    ) -> tuple[int, int]:
+        """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
+        token sampled if a sampler is given (-1 without)."""
+        projector = self.engine.projector
+        assert projector is not None
+        with self.engine.hold():
+            self.make_room(len(self.items) + len(items))
+            self.context.abort = self.cancelled
+            began = time.perf_counter()
+            pos = projector.eval_image(
+                self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
+            )
+            self.lease.cache.extend(items)
+            return pos, self._sample(began, sampler)
+
+    def checkpoint_stops(self, end: int) -> list[int]:
+        """Where a prefill up to position ``end`` should stop to take a checkpoint."""
+        return self.lease.cache.checkpoint_stops(end)
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent state after what the sequence holds now."""
+        with self.engine.hold():
+            self.lease.cache.take_checkpoint(SequenceMemory(self.context, self.seq))
+
+    def clear(self) -> None:
+        """Empty the sequence (the prompt cannot reuse it, or it no longer matches its record)."""
+        with self.engine.hold():
+            self.context.seq_rm(-1, self.seq)
+            self.lease.cache.reset()
+
+    def after_abort(self) -> None:
+        """An aborted decode may leave part of its batch in memory: go back to the record (a
+        recurrent state to its newest checkpoint), or to nothing."""
+        with self.engine.hold():
+            self.lease.cache.recover(SequenceMemory(self.context, self.seq))
+
+    def make_room(self, cells: int) -> None:
+        pool, key = self.lease.pool, self.lease.key
+        if self.single_use or cells <= pool.residency.entry(key).cells:
+            return
+        try:
+            steps = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
+        except BudgetError as error:
+            raise MemoryBudgetError(str(error)) from None
+        self.engine._apply(pool, steps)
+
+
+class SequenceMemory:
+    """``prefix.Memory`` for one sequence of a shared context (never clears the others)."""
+
+    def __init__(self, context: NativeContext, seq: int) -> None:
+        self.context, self.seq = context, seq
+
+    def seq_rm(self, p0: int) -> bool:
+        return self.context.seq_rm(p0, self.seq)
+
+    def clear(self) -> None:
+        self.context.seq_rm(-1, self.seq)
+
+    def pos_min(self) -> int:
+        return self.context.pos_min(self.seq)
+
+    def snapshot(self) -> Buffer:
+        return self.context.state_get(self.seq, partial=True)
+
+    def resume(self, blob: Buffer, position: int) -> bool:
+        context, seq = self.context, self.seq
+        if not context.state_set(blob, seq, partial=True):
+            return False
+        return context.seq_rm(position, seq) and context.pos_max(seq) == position - 1

@@ -1,0 +1,173 @@
+"""Structured output: replies held to a JSON schema, a regex or a grammar by llguidance.
+
+Per token, llguidance computes the set of tokens the constraint allows (a bitmask, about 0.05 ms
+on a 49k vocabulary); the others' logits are set to -inf in llama.cpp's own logits buffer and the
+usual C sampler chain picks from the rest, so temperature, top-k and penalties keep working.
+Tokens the constraint forces (a JSON key after its opening quote, say) are not sampled: they are
+decoded together in the next batch. The reply ends when the constraint is complete. llama.cpp's
+own grammar sampler is not used: it aborts the process on some tokens it forbids.
+
+The matcher's tokenizer comes from the GGUF vocabulary alone: each token's bytes with special
+tokens spelled out, control tokens marked with a 0xFF prefix (llguidance's convention), and every
+end-of-generation id as an end (SmolLM2 ends turns with ``<|im_end|>``, not its ``eos``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from llmsession.errors import GrammarError
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel
+from llmsession.native.sampler import Sampler
+from llmsession.options import GenerationOptions
+from llmsession.text.schemas import after_reply_validator, checked_schema, schema_document, violation
+
+log = logging.getLogger("llmsession")
+COMPACT = {"whitespace_flexible": False}  # small models given free whitespace may never stop
+
+
+class _Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads from a tokenizer, from the GGUF."""
+
+    def __init__(self, native: NativeModel) -> None:
+        pieces, control, self.eog = native.vocabulary()
+        self.tokens = [b"\xff" + piece if ctl else piece for piece, ctl in zip(pieces, control, strict=True)]
+        self.special_token_ids = [token for token, ctl in enumerate(control) if ctl]
+        self.eos_token_id = self.eog[0] if self.eog else native.eos()
+        self.bos_token_id = native.bos() if native.bos() >= 0 else None
+        self._native = native
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._native.tokenize_bytes(data, add_special=False, parse_special=False)
+
+
+def tokenizer(native: NativeModel) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for a model (about 0.3 s at 49k tokens: build it once per model)."""
+    vocabulary = _Vocabulary(native)
+    wrapper = llguidance.TokenizerWrapper(vocabulary)
+    return llguidance.LLTokenizer(wrapper, n_vocab=native.n_vocab, eos_token=vocabulary.eog or None)
+
+
+COMPILE = {**COMPACT, "lenient": True}  # keywords the mask cannot enforce: checked after
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A constraint compiled for one model's tokenizer; ``sampler()`` starts a reply under it."""
+
+    matcher: llguidance.LLMatcher  # compiled and untouched: each reply works on a copy
+    end: int  # the end-of-generation token that follows a complete reply
+    schema_class: type | None = None  # a pydantic model: replies are parsed into it
+    json: bool = False
+    validator: Any = None  # the whole JSON schema, where the mask leaves keywords to it
+
+    @classmethod
+    def compile(cls, options: GenerationOptions, tokenizer: llguidance.LLTokenizer) -> Constraint:
+        """Raise GrammarError (naming what is wrong) for a constraint that cannot be used."""
+        schema_class, kind, whole = None, "grammar", None
+        try:
+            if options.json_schema is not None:
+                kind = "json_schema"
+                schema_class, document = schema_document(options.json_schema)
+                whole = checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=COMPILE)  # type: ignore[arg-type]
+            elif options.regex is not None:
+                kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
+            else:
+                assert options.grammar is not None
+                grammar = llguidance.grammar_from("grammar", options.grammar)
+        except (ValueError, TypeError, RecursionError) as error:  # bad GBNF, an unusable schema
+            if isinstance(error, GrammarError):
+                raise
+            raise GrammarError(f"{kind}: {error}") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # compiles it once
+        if matcher.is_error():
+            raise GrammarError(f"{kind}: {matcher.get_error()}")
+        warnings = matcher.get_grammar_warnings()
+        for warning in warnings:
+            log.info("%s: %s", kind, warning)
+        validator = None if whole is None else after_reply_validator(whole, warnings)
+        return cls(
+            matcher, tokenizer.eos_token, schema_class, json=kind == "json_schema", validator=validator
+        )
+
+    def sampler(self, chain: Sampler, n_vocab: int) -> GuidedSampler:
+        return GuidedSampler(chain, self.matcher.deep_copy(), n_vocab, end=self.end)
+
+    def parse(self, text: str) -> Any:
+        """A complete JSON reply as an object (a ``schema_class`` instance when there is one);
+        ValueError if it breaks a keyword of its schema the mask could not enforce."""
+        if not self.json:
+            return None
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            raise ValueError("the reply is nested too deep to parse") from None
+        problem = violation(self.validator, value) if self.validator is not None else ""
+        if problem:
+            raise ValueError(problem)
+        if self.schema_class is not None:
+            return self.schema_class.model_validate_json(text)  # type: ignore[attr-defined]
+        return value
+
+
+class GuidedSampler:
+    """A sampler chain held to a constraint: masks the logits, samples, advances the matcher."""
+
+    def __init__(self, chain: Sampler, matcher: llguidance.LLMatcher, n_vocab: int, *, end: int) -> None:
+        self.chain, self.matcher, self.n_vocab, self.end = chain, matcher, n_vocab, end
+        self.mask = np.full((n_vocab + 31) // 32, -1, dtype=np.int32)
+
+    @property
+    def complete(self) -> bool:
+        """The reply so far satisfies the constraint (it may still allow more: ``12`` of an
+        integer)."""
+        return bool(self.matcher.is_accepting())
+
+    @property
+    def finished(self) -> bool:
+        """The constraint allows nothing more: a reply cut here is whole, not cut short."""
+        return bool(self.matcher.is_stopped())
+
+    def accept(self, token: int) -> None:
+        self.chain.accept(token)
+
+    def restrict(self, logits: np.ndarray) -> None:
+        """Set the logits of every token the constraint forbids next to -inf."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self._check()
+        allowed = np.unpackbits(self.mask.view(np.uint8), count=self.n_vocab, bitorder="little")
+        logits[allowed == 0] = -np.inf
+
+    def sample(self, context: NativeContext, index: int = -1) -> int:
+        self.restrict(context.last_logits(self.n_vocab, index))
+        token = self.chain.sample(context, index)
+        if not self.matcher.consume_token(token):
+            self._check()
+        return token
+
+    def forced(self) -> list[int]:
+        """The tokens the constraint allows next and no other: decoded with the sampled one. Once
+        it is complete and allows nothing more, the end of generation."""
+        if self.matcher.is_stopped():
+            return [self.end]
+        tokens = self.matcher.compute_ff_tokens()
+        if tokens and not self.matcher.consume_tokens(tokens):
+            self._check()
+        for token in tokens:
+            self.chain.accept(token)
+        return tokens
+
+    def close(self) -> None:
+        self.chain.close()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the constraint's matcher failed: {self.matcher.get_error()}")

@@ -1,0 +1,370 @@
+"""A llama context and what decodes into it: batches, the abort flag, each sequence's memory and
+state. Part of the native layer (see ``native``): every call's return code is checked."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llmsession.engine.parking import mapping
+from llmsession.errors import (
+    ContextOverflowError,
+)
+from llmsession.native.cancel import ACTIVITY, AbortFlag, abort_callback
+from llmsession.native.llama import (
+    NativeModel,
+    Owner,
+    bindings,
+    check,
+    not_null,
+    raise_pending,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
+POLL = 1  # how long a thread pool's workers spin for the next graph before they sleep (a few ms)
+
+
+class Batch:
+    """Owns a ``llama_batch`` reused for every decode of one context. It is filled through cffi
+    slices, not numpy views: right after a decode the caches are cold, and there each numpy
+    call cost 5-15 µs (a one-token fill took 30-40 µs of a SmolLM2 token's 5 ms)."""
+
+    def __init__(self, capacity: int) -> None:
+        lib, _ = bindings()
+        self.raw = lib.llama_batch_init(capacity, 0, 1)
+        self._free = weakref.finalize(self, lib.llama_batch_free, self.raw)
+        self.capacity = capacity
+        self.raw.n_seq_id[0:capacity] = [1] * capacity
+        self._seqs = [-1] * capacity  # what each slot's seq_id holds
+        self._filled = capacity  # the slots the last fill used (whose logits flags to clear)
+
+    def fill(self, tokens: Sequence[int], start: int, seq: int = 0, *, outputs: bool = False) -> None:
+        """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
+        the last one (for every one with ``outputs``: an encoder's batch)."""
+        self.fill_many([(tokens, start, seq)])
+        if outputs:
+            self.raw.logits[0 : len(tokens)] = b"\x01" * len(tokens)
+
+    def fill_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
+        """Several runs ``(tokens, start, seq)`` one after another, logits for each one's last
+        token; the indices of those tokens."""
+        n, ends, raw, seqs = 0, [], self.raw, self._seqs
+        if sum(len(tokens) for tokens, _, _ in runs) > self.capacity or not runs:
+            raise ValueError(f"a batch holds 1 to {self.capacity} tokens")
+        raw.logits[0 : self._filled] = bytes(self._filled)
+        for tokens, start, seq in runs:
+            k = len(tokens)
+            raw.token[n : n + k] = tokens
+            raw.pos[n : n + k] = range(start, start + k)
+            for i in range(n, n + k):
+                if seqs[i] != seq:
+                    raw.seq_id[i][0] = seqs[i] = seq
+            n += k
+            raw.logits[n - 1] = 1
+            ends.append(n - 1)
+        raw.n_tokens = self._filled = n
+        return ends
+
+    def close(self) -> None:
+        self._free()
+
+
+class ThreadPool:
+    """Owns the ggml thread pool a context decodes with. Without one, the CPU backend starts and
+    joins its worker threads for every graph it computes, which cost 3-4 % of a generated token
+    here (llama-bench and llama-server keep one too). Its workers spin ``POLL`` for the next graph
+    (a stream's next token comes within a millisecond), then sleep. A forked child has none of
+    its threads: there the context decodes without it (``_forget_pools``) and it is never freed."""
+
+    def __init__(self, threads: int) -> None:
+        lib, ffi = bindings()
+        params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(threads))
+        params.poll = POLL
+        self.ptr = not_null(lib.ggml_threadpool_new(params), "creating a ggml thread pool")
+        self.pid = os.getpid()
+
+    def free(self) -> None:
+        if self.ptr is not None and self.pid == os.getpid():
+            bindings()[0].ggml_threadpool_free(self.ptr)
+        self.ptr = None
+
+
+def _free_context(lib: Any, ptr: Any, pool: ThreadPool, _model: NativeModel) -> None:
+    """Frees a context, then its thread pool; holding ``_model`` keeps the model alive until then."""
+    lib.llama_free(ptr)
+    pool.free()
+
+
+_POOLED: weakref.WeakSet[NativeContext] = weakref.WeakSet()  # the contexts with a thread pool
+
+
+def _forget_pools() -> None:
+    """In a forked child: the pools' worker threads are the parent's, so decode without them."""
+    for context in list(_POOLED):
+        if not context.closed:
+            bindings()[0].llama_detach_threadpool(context.ptr)
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+class NativeContext(Owner):
+    """Owns a ``llama_context`` (and its batch); decodes with an optional abort flag.
+
+    ``n_ctx`` is the size asked for: llama.cpp pads its own up (to a multiple of 256), and a
+    session must not use positions its caller did not give it.
+    """
+
+    def __init__(
+        self,
+        model: NativeModel,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        threads: int,
+        swa_full: bool = True,
+        n_seq_max: int = 1,
+        flash_attention: bool | None = None,
+    ) -> None:
+        """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported)."""
+        lib, ffi = bindings()
+        params = lib.llama_context_default_params()
+        params.flash_attn_type = flash_attn_type(flash_attention)
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
+        params.swa_full, params.kv_unified = swa_full, n_seq_max > 1  # sequences share the cells
+        params.no_perf = True
+        pool = ThreadPool(threads)
+        pointer = lib.llama_init_from_model(model.ptr, params)
+        if pointer == ffi.NULL:
+            pool.free()
+        else:
+            self._free = weakref.finalize(self, _free_context, lib, pointer, pool, model)
+        raise_pending()
+        self._ptr = not_null(pointer, "creating a llama context")
+        lib.llama_attach_threadpool(self._ptr, pool.ptr, pool.ptr)
+        _POOLED.add(self)
+        model.adopt(self)
+        self._memory = lib.llama_get_memory(self.ptr)
+        self.n_ctx: int = min(n_ctx, lib.llama_n_ctx(self.ptr))
+        self.n_batch, self.n_seq_max = n_batch, n_seq_max
+        self.batch = Batch(n_batch)
+        self._flag = AbortFlag()
+        self._abort_cb = abort_callback(self._flag)
+        self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)
+
+    @property
+    def abort(self) -> threading.Event:
+        """The event that stops an abortable decode (a stream's cancel flag)."""
+        return self._flag.event
+
+    @abort.setter
+    def abort(self, event: threading.Event) -> None:
+        self._flag.event = event
+
+    @property
+    def memory(self) -> Any:
+        self.ptr  # noqa: B018  (raises once the context is closed)
+        return self._memory
+
+    def close(self) -> None:
+        self.batch.close()
+        super().close()
+
+    def decode(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        *,
+        seq: int = 0,
+        abortable: bool = False,
+        outputs: bool = False,
+    ) -> None:
+        """Decode tokens of sequence ``seq`` at positions start.. (logits for the last one, or for
+        each with ``outputs``: ``last_logits(n_vocab, i)``); raise DecodeAborted if the abort flag
+        or an exception raised in a callback (Ctrl-C) stopped it: the batch may be partly in
+        memory."""
+        lib, _ = bindings()
+        ptr = self.ptr  # first: once closed, the batch's memory is gone too
+        self.set_abortable(abortable)
+        self._check_run(tokens, start, seq)
+        self.batch.fill(tokens, start, seq, outputs=outputs)
+        with ACTIVITY:
+            code = lib.llama_decode(ptr, self.batch.raw)
+        interrupted_by(code == DECODE_ABORTED)
+        check(code, "llama_decode")
+
+    def encode(self, tokens: Sequence[int], *, abortable: bool = False) -> None:
+        """Run an encoder-decoder model's encoder over the whole prompt in one batch (its
+        attention is not causal: it cannot be split) into a context whose memory is empty."""
+        lib, _ = bindings()
+        ptr = self.ptr
+        self.set_abortable(abortable)
+        if not 0 < len(tokens) <= self.n_batch:  # past n_ubatch llama_encode aborts the process
+            raise ContextOverflowError(f"the encoder takes 1 to {self.n_batch} tokens, got {len(tokens)}")
+        if self.pos_max(0) >= 0:  # llama_encode refuses to run over decoder state
+            raise ValueError("encode needs an empty context")
+        self.batch.fill(tokens, 0, outputs=True)
+        with ACTIVITY:
+            code = lib.llama_encode(ptr, self.batch.raw)
+        interrupted_by(code == DECODE_ABORTED)
+        check(code, "llama_encode")
+
+    def set_abortable(self, abortable: bool) -> None:
+        """Install the abort callback for prefill: the native check of the flag's word where it
+        can be used, else the Python one (a GIL round trip per graph node)."""
+        from llama_cffi import abort_check
+
+        lib, ffi = bindings()
+        word = self._flag.native_word() if abortable else None
+        check = abort_check() if word is not None else None
+        wanted = (check, word) if check is not None else (self._abort_cb, ffi.NULL) if abortable else None
+        if wanted != self._abort_installed:
+            callback, data = wanted or (ffi.NULL, ffi.NULL)
+            lib.llama_set_abort_callback(self.ptr, callback, data)
+            self._abort_installed = wanted
+
+    def logits(self) -> Any:
+        return bindings()[0].llama_get_logits_ith(self.ptr, -1)
+
+    def last_logits(self, n_vocab: int, index: int = -1) -> np.ndarray:
+        """The logits of the last decode's token at batch ``index`` (-1: its last), as a writable
+        view of llama.cpp's own buffer: the sampler chain reads them from there, so masking them
+        here constrains the next sample."""
+        lib, ffi = bindings()
+        pointer = not_null(lib.llama_get_logits_ith(self.ptr, index), "llama_get_logits_ith")
+        return np.frombuffer(ffi.buffer(pointer, 4 * n_vocab), dtype=np.float32)
+
+    def decode_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
+        """Decode several sequences' tokens in one batch: ``(tokens, start, seq)`` each, logits
+        for each run's last token; their batch indices, in order (for sampling each)."""
+        lib, _ = bindings()
+        ptr = self.ptr
+        self.set_abortable(False)
+        for run in runs:
+            self._check_run(*run)
+        indices = self.batch.fill_many(runs)
+        with ACTIVITY:
+            code = lib.llama_decode(ptr, self.batch.raw)
+        interrupted_by(False)
+        check(code, "llama_decode")
+        return indices
+
+    def _check_run(self, tokens: Sequence[int], start: int, seq: int) -> None:
+        if start + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
+            )
+        self._check_seq(seq)
+
+    # The llama_memory operations the prefix cache and the engine need, per sequence.
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"sequence {seq} is outside this context's 0..{self.n_seq_max - 1}")
+
+    def seq_rm(self, p0: int, seq: int = 0) -> bool:
+        """Remove positions >= p0 of ``seq`` (p0 = -1: all of them); False when refused."""
+        self._check_seq(seq)
+        return bool(bindings()[0].llama_memory_seq_rm(self.memory, seq, p0, -1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make ``dst`` hold what ``src`` holds (the cells are shared, not copied)."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
+    def clear(self) -> None:
+        """Empty the whole memory (every sequence)."""
+        bindings()[0].llama_memory_clear(self.memory, True)
+
+    def pos_min(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_memory_seq_pos_min(self.memory, seq))
+
+    def pos_max(self, seq: int = 0) -> int:
+        self._check_seq(seq)
+        return int(bindings()[0].llama_memory_seq_pos_max(self.memory, seq))
+
+    # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session, and
+    # (``partial``: a hybrid memory's recurrent part alone) for checkpoints.
+    def state_size(self, seq: int = 0, *, partial: bool = False) -> int:
+        self._check_seq(seq)
+        size = int(bindings()[0].llama_state_seq_get_size_ext(self.ptr, seq, _flags(partial)))
+        return check(size, "llama_state_seq_get_size", (0).__lt__)  # a state has a header
+
+    def state_get(self, seq: int = 0, *, partial: bool = False) -> Buffer:
+        """The state, in an anonymous mapping of its exact size made for it: freed whole when the
+        last reference goes (a heap block of tens of MiB would stay in the process once freed),
+        and prefaulted (MAP_POPULATE), which costs a quarter of faulting it page by page."""
+        lib, ffi = bindings()
+        size = self.state_size(seq, partial=partial)
+        blob = mapping(size)
+        with ffi.from_buffer("uint8_t[]", blob) as buf:
+            written = lib.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, _flags(partial))
+        check(written, "llama_state_seq_get_data", size.__eq__)
+        return blob
+
+    def state_set(self, blob: Buffer, seq: int = 0, *, partial: bool = False) -> bool:
+        """Load a state this build wrote for the same model and layout into ``seq`` (never
+        anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
+        refused it (then ``seq`` is empty)."""
+        lib, ffi = bindings()
+        self._check_seq(seq)
+        with ffi.from_buffer("uint8_t[]", blob) as source:
+            size = len(source)
+            if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:
+                return True
+        lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return False
+
+
+def _flags(partial: bool) -> int:
+    lib, _ = bindings()
+    return int(lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) if partial else int(lib.LLAMA_STATE_SEQ_FLAGS_NONE)
+
+
+def flash_attn_type(flash_attention: bool | None) -> int:
+    lib, _ = bindings()
+    if flash_attention is None:
+        return int(lib.LLAMA_FLASH_ATTN_TYPE_AUTO)
+    return int(lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+
+def context_layout(swa_full: bool, flash_attention: bool | None) -> dict[str, int | bool]:
+    """The context parameters a saved sequence state depends on, as NativeContext sets them
+    (a sequence's state does not depend on how many sequences share the context; its V cache
+    is stored transposed without flash attention)."""
+    params = bindings()[0].llama_context_default_params()
+    return {
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn_type": flash_attn_type(flash_attention),
+        "swa_full": swa_full,
+    }
+
+
+class DecodeAborted(Exception):
+    """A decode stopped early: the abort flag was set (``cause`` None), or a callback raised
+    ``cause`` (the caller re-raises it once its memory matches its record again)."""
+
+    def __init__(self, cause: BaseException | None = None) -> None:
+        super().__init__()
+        self.cause = cause
+
+
+def interrupted_by(aborted: bool) -> None:
+    """After a decode: raise DecodeAborted if it was aborted, or if a callback raised meanwhile
+    (then the decode may have finished, but the caller must treat its batch as not recorded)."""
+    from llama_cffi import take_pending_error
+
+    cause = take_pending_error()
+    if aborted or cause is not None:
+        raise DecodeAborted(cause)

@@ -1,0 +1,362 @@
+"""The thin layer over the cffi bindings: every native call llmsession makes goes through here
+(this module: loading, return codes, the model and its vocabulary; ``native_context``: contexts,
+decoding, memory and state; ``native_mtmd``: the projector; ``sampling``: sampler chains).
+
+Each native object (model, context, batch, sampler) has exactly one owner object here, freed by a
+``weakref.finalize`` on every path: ``close()``, garbage collection or interpreter exit. A child's
+finalizer holds its parent (a context its model), so a parent is never freed under a child, and no
+owner sits in a reference cycle: dropping it frees the native memory at once, not at the next
+cyclic GC. Return codes are checked by ``check`` and ``not_null``; token ids from callers are
+range-checked before llama.cpp sees them; nothing else in llmsession touches ``lib``.
+
+An exception that a native callback raised (Ctrl-C during a decode) is re-raised here once the
+native call returns; a decode it interrupted raises ``DecodeAborted`` carrying it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmsession.errors import (
+    ModelClosedError,
+    ModelLoadError,
+    NativeError,
+)
+
+GGUF_MAGIC = b"GGUF"
+
+_loaded: tuple[Any, Any] | None = None
+
+
+def bindings() -> tuple[Any, Any]:
+    """The loaded libraries and the ffi, opened on first use (importing llmsession loads nothing)."""
+    global _loaded
+    if _loaded is None:
+        from llama_cffi import LibraryNotFoundError, load
+
+        try:
+            _loaded = load()
+        except LibraryNotFoundError as error:
+            raise ModelLoadError(str(error)) from error
+    return _loaded
+
+
+def check(code: int, what: str, ok: Callable[[int], bool] = lambda c: c == 0) -> int:
+    """Raise NativeError unless a native return code means success."""
+    if not ok(code):
+        raise NativeError(f"{what} failed (return code {code})")
+    return code
+
+
+def not_null(pointer: Any, what: str, error: type[Exception] = NativeError) -> Any:
+    _, ffi = bindings()
+    if pointer == ffi.NULL:
+        raise error(f"{what} failed")
+    return pointer
+
+
+def c_string(text: str, what: str) -> bytes:
+    """UTF-8 bytes for a NUL-terminated C string; a NUL inside would silently truncate it."""
+    if "\0" in text:
+        raise ValueError(f"{what} contains a NUL character, which C strings cannot carry")
+    return text.encode("utf-8")
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on: its CPU affinity (a cpuset, ``taskset``), at most its
+    cgroup's CPU quota (``docker --cpus``); ``os.cpu_count`` knows neither."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def default_threads() -> int:
+    """One thread per usable core, at most 8: llama.cpp's threads spin at every graph node's
+    barrier, so one more thread than cores makes each decode wait for a descheduled one (three
+    threads on two cores took 3 s per SmolLM2 token instead of 5 ms)."""
+    return min(usable_cores(), 8)
+
+
+def raise_pending() -> None:
+    """Re-raise an exception a native callback raised on this thread during the last call."""
+    from llama_cffi import take_pending_error
+
+    error = take_pending_error()
+    if error is not None:
+        raise error
+
+
+def _free_model(lib: Any, ptr: Any) -> None:
+    lib.llama_model_free(ptr)
+
+
+class Owner:
+    """One native object's owner: ``ptr`` while it lives, ``ModelClosedError`` after ``close()``
+    (a freed pointer handed to llama.cpp would crash the process)."""
+
+    _free: weakref.finalize[Any, Any]
+    _ptr: Any = None
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None or not self._free.alive:
+            raise ModelClosedError(f"this {type(self).__name__} is closed (its model was closed)")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None or not self._free.alive
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._free()
+
+
+def rpc_devices(endpoints: Sequence[str]) -> list[Any]:
+    """The devices the RPC servers at ``endpoints`` offer, in order."""
+    lib, _ = bindings()
+    devices = []
+    for endpoint in endpoints:
+        registry = not_null(
+            lib.ggml_backend_rpc_add_server(c_string(endpoint, "RPC endpoint")),
+            f"adding RPC server {endpoint}",
+            ModelLoadError,
+        )
+        count = lib.ggml_backend_reg_dev_count(registry)
+        devices += [
+            not_null(lib.ggml_backend_reg_dev_get(registry, i), "an RPC device") for i in range(count)
+        ]
+    return devices
+
+
+def device_names(endpoints: Sequence[str]) -> list[str]:
+    """``name: description`` of each RPC server's devices (``llmsession doctor --rpc``)."""
+    lib, ffi = bindings()
+    return [
+        f"{ffi.string(lib.ggml_backend_dev_name(d)).decode()}: "
+        f"{ffi.string(lib.ggml_backend_dev_description(d)).decode()}"
+        for d in rpc_devices(endpoints)
+    ]
+
+
+class NativeModel(Owner):
+    """Owns a ``llama_model``; ``close()`` closes its contexts and projector first."""
+
+    def __init__(self, path: str | Path, *, gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> None:
+        """``rpc_servers``: endpoints that answered ``rpc.preflight`` (llama.cpp aborts the
+        process on one that does not); their devices take the ``gpu_layers`` offloaded layers."""
+        path = Path(path)
+        check_gguf_file(path)  # the caller's mistake first, whether or not the libraries load
+        lib, ffi = bindings()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        devices = rpc_devices(rpc_servers)
+        listed = ffi.new("ggml_backend_dev_t[]", [*devices, ffi.NULL])  # alive until the load ends
+        if devices:
+            params.devices = listed
+        pointer = lib.llama_model_load_from_file(c_string(str(path), "model path"), params)
+        if pointer != ffi.NULL:
+            self._free = weakref.finalize(self, _free_model, lib, pointer)
+        raise_pending()  # Ctrl-C while loading: the finalizer above frees what was loaded
+        self._ptr = not_null(pointer, f"loading model {path}", ModelLoadError)
+        self._vocab = lib.llama_model_get_vocab(self.ptr)
+        self._children: weakref.WeakSet[Owner] = weakref.WeakSet()
+        self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train: int = lib.llama_model_n_ctx_train(self.ptr)
+        self.n_swa: int = lib.llama_model_n_swa(self.ptr)
+        self.is_recurrent = bool(
+            lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr)
+        )
+        self.has_encoder = bool(lib.llama_model_has_encoder(self.ptr))
+        self.has_decoder = bool(lib.llama_model_has_decoder(self.ptr))
+        start = int(lib.llama_model_decoder_start_token(self.ptr))  # -1: BOS, as llama.cpp's tools do
+        self.decoder_start: int = start if start >= 0 else int(lib.llama_vocab_bos(self._vocab))
+        self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
+
+    @property
+    def vocab(self) -> Any:
+        self.ptr  # noqa: B018  (raises once the model is closed)
+        return self._vocab
+
+    def adopt(self, child: Owner) -> None:
+        """Register a context or projector made from this model, to be closed before it."""
+        self._children.add(child)
+
+    def close(self) -> None:
+        for child in list(self._children):
+            child.close()
+        super().close()
+
+    def chat_template(self) -> str | None:
+        lib, ffi = bindings()
+        text = lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        return None if text == ffi.NULL else ffi.string(text).decode("utf-8", "replace")
+
+    def meta(self, key: str) -> str | None:
+        lib, ffi = bindings()
+        buf = ffi.new("char[4096]")
+        n = lib.llama_model_meta_val_str(self.ptr, c_string(key, "key"), buf, len(buf))
+        return None if n < 0 else ffi.string(buf).decode("utf-8", "replace")
+
+    def check_token(self, token: object) -> int:
+        """A caller's token id as an int in range; llama.cpp aborts the process on a bad one."""
+        try:
+            value = operator.index(token)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"a token id must be an int, got {type(token).__name__}") from None
+        if not 0 <= value < self.n_vocab:
+            raise ValueError(f"token id {value} is out of range: the vocabulary has {self.n_vocab} tokens")
+        return value
+
+    def token_text(self, token: int) -> str:
+        """The special-token spelling of a token (for BOS/EOS text in templates)."""
+        lib, ffi = bindings()
+        if token < 0:
+            return ""
+        token = self.check_token(token)
+        return str(ffi.string(lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", "replace"))
+
+    def bos(self) -> int:
+        return int(bindings()[0].llama_vocab_bos(self.vocab))
+
+    def eos(self) -> int:
+        return int(bindings()[0].llama_vocab_eos(self.vocab))
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        # llama_tokenize takes a length: NUL characters survive
+        return self.tokenize_bytes(text.encode("utf-8"), add_special=add_special, parse_special=parse_special)
+
+    def tokenize_bytes(self, data: bytes, *, add_special: bool, parse_special: bool) -> list[int]:
+        lib, ffi = bindings()
+        capacity = len(data) + 8
+        for _ in range(2):
+            out = ffi.new("llama_token[]", capacity)
+            n = lib.llama_tokenize(self.vocab, data, len(data), out, capacity, add_special, parse_special)
+            if n >= 0:
+                return list(ffi.unpack(out, n))
+            capacity = -n
+        raise NativeError("llama_tokenize failed")
+
+    def vocabulary(self) -> tuple[list[bytes], list[bool], list[int]]:
+        """What a grammar matcher needs: every token's bytes with special tokens spelled out,
+        which tokens are control tokens (or user-defined ones spelled like ``<...>``), and every
+        end-of-generation id."""
+        lib, ffi = bindings()
+        buf, pieces, control, eog = ffi.new("char[256]"), [], [], []
+        attr_control, attr_user = lib.LLAMA_TOKEN_ATTR_CONTROL, lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+        for token in range(self.n_vocab):
+            piece = self._piece(token, buf, special=True)
+            attr = int(lib.llama_vocab_get_attr(self.vocab, token))
+            spelled = piece.startswith(b"<") and piece.endswith(b">")
+            pieces.append(piece)
+            control.append(bool(attr & attr_control or (attr & attr_user and spelled)))
+            if lib.llama_vocab_is_eog(self.vocab, token):
+                eog.append(token)
+        return pieces, control, eog
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes, without special-token text (generation output)."""
+        buf = bindings()[1].new("char[64]")  # per call: the GIL is released while llama.cpp writes it
+        return self._piece(self.check_token(token), buf, special=False)
+
+    def _piece(self, token: int, buf: Any, *, special: bool) -> bytes:
+        """``llama_token_to_piece`` into ``buf``, or into a larger buffer when it asks for one."""
+        lib, ffi = bindings()
+        n = lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = check(
+                lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special),
+                "token_to_piece",
+                non_negative,
+            )
+        return bytes(ffi.buffer(buf, n))
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        lib, ffi = bindings()
+        if isinstance(tokens, str | bytes):
+            raise TypeError("tokens must be a sequence of token ids")
+        tokens = [self.check_token(token) for token in tokens]
+        ids = ffi.new("llama_token[]", tokens)
+        capacity = max(64, 8 * len(tokens))
+        for _ in range(2):
+            buf = ffi.new("char[]", capacity)
+            n = lib.llama_detokenize(self.vocab, ids, len(tokens), buf, capacity, False, special)
+            if n >= 0:
+                return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
+            capacity = -n
+        raise NativeError("llama_detokenize failed")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(bindings()[0].llama_vocab_is_eog(self.vocab, self.check_token(token)))
+
+    def apply_template(
+        self, template: str | None, messages: Sequence[tuple[str, str]], add_ass: bool
+    ) -> str | None:
+        """llama_chat_apply_template; None when llama.cpp does not know the template."""
+        lib, ffi = bindings()
+        keep = [(c_string(role, "role"), c_string(content, "message")) for role, content in messages]
+        chat = ffi.new("struct llama_chat_message[]", len(keep))
+        owned = []
+        for i, (role, content) in enumerate(keep):
+            owned.append((ffi.new("char[]", role), ffi.new("char[]", content)))
+            chat[i].role, chat[i].content = owned[-1]
+        tmpl = ffi.NULL if template is None else ffi.new("char[]", c_string(template, "template"))
+        capacity = 2 * sum(len(r) + len(c) for r, c in keep) + 256
+        for _ in range(2):
+            buf = ffi.new("char[]", capacity)
+            n = lib.llama_chat_apply_template(tmpl, chat, len(keep), add_ass, buf, capacity)
+            if n < 0:
+                return None
+            if n <= capacity:
+                return bytes(ffi.buffer(buf, n)).decode("utf-8")
+            capacity = n + 1
+        raise NativeError("llama_chat_apply_template kept growing its output")
+
+
+def non_negative(code: int) -> bool:
+    return code >= 0
+
+
+def check_gguf_file(path: Path, kind: str = "model") -> None:
+    """Clear errors for what llama.cpp would only log: missing, unreadable, not a GGUF."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{kind} file not found: {path}") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {kind} file {path}: {error.strerror or error}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r})")
+
+
+def state_seq_version() -> int:
+    return int(bindings()[0].LLAMA_STATE_SEQ_VERSION)
+
+
+def system_info() -> str:
+    lib, ffi = bindings()
+    return str(ffi.string(lib.llama_print_system_info()).decode())
+
+
+def build_commit() -> str:
+    lib, ffi = bindings()
+    return str(ffi.string(lib.ggml_commit()).decode())

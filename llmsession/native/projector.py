@@ -1,0 +1,175 @@
+"""libmtmd: a multimodal projector, and prompts tokenized into text runs and image chunks. Part of
+the native layer (see ``native``)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmsession.errors import (
+    ContextOverflowError,
+    ImageError,
+    ModelLoadError,
+    UnsupportedFeatureError,
+)
+from llmsession.native.context import NativeContext, interrupted_by
+from llmsession.native.llama import (
+    NativeModel,
+    Owner,
+    bindings,
+    c_string,
+    check,
+    check_gguf_file,
+    not_null,
+    raise_pending,
+)
+from llmsession.text.images import Image
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    """One image's chunk of a tokenized prompt; ``ptr`` is borrowed from its ``Chunks``."""
+
+    ptr: Any
+    n_tokens: int
+    n_pos: int
+    digest: str
+    non_causal: bool
+
+
+Piece = list[int] | ImageChunk
+"""A run of text tokens, or one image chunk."""
+
+
+class Chunks:
+    """Owns an ``mtmd_input_chunks``: a prompt as text-token runs and image chunks, in order."""
+
+    def __init__(self, ptr: Any, pieces: list[Piece]) -> None:
+        self.ptr = ptr
+        self._free = weakref.finalize(self, bindings()[0].mtmd_input_chunks_free, ptr)
+        self.pieces = pieces
+
+    def close(self) -> None:
+        self._free()
+
+
+def _free_projector(lib: Any, ptr: Any, _model: NativeModel) -> None:
+    lib.mtmd_free(ptr)
+
+
+class Projector(Owner):
+    """Owns an ``mtmd_context`` (a multimodal projector loaded beside a model).
+
+    libmtmd's context is not thread-safe: ``lock`` serializes tokenizing and image evaluation.
+    """
+
+    def __init__(self, path: str | Path, model: NativeModel, *, threads: int, use_gpu: bool) -> None:
+        lib, ffi = bindings()
+        path = Path(path)
+        check_gguf_file(path, "projector")
+        params = lib.mtmd_context_params_default()
+        params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
+        pointer = lib.mtmd_init_from_file(c_string(str(path), "projector path"), model.ptr, params)
+        if pointer != ffi.NULL:
+            self._free = weakref.finalize(self, _free_projector, lib, pointer, model)
+        raise_pending()
+        self._ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
+        model.adopt(self)
+        self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
+        self.vision = bool(lib.mtmd_support_vision(self.ptr))
+        self.lock = threading.Lock()
+
+    def tokenize(self, text: str, images: Sequence[Image]) -> Chunks:
+        """Split ``text`` at its media markers into text tokens and one image chunk per image."""
+        lib, ffi = bindings()
+        if images and not self.vision:
+            raise UnsupportedFeatureError("this projector does not take images")
+        markers = text.count(self.marker)
+        if markers != len(images):
+            raise ImageError(
+                f"the prompt has {markers} media markers ({self.marker!r}) for {len(images)} images; "
+                "a message's text may not contain the marker itself"
+            )
+        data = ffi.new("char[]", text.encode("utf-8"))  # mtmd reads text_len bytes: NULs survive
+        source = ffi.new("mtmd_input_text *", {"text": data, "text_len": len(data) - 1})
+        source.add_special, source.parse_special = True, True
+        bitmaps = ffi.new("mtmd_bitmap *[]", max(1, len(images)))
+        with self.lock:
+            try:
+                for i, image in enumerate(images):
+                    pixels = ffi.from_buffer(image.pixels)
+                    bitmaps[i] = not_null(
+                        lib.mtmd_bitmap_init(image.width, image.height, pixels), "mtmd_bitmap_init"
+                    )
+                    lib.mtmd_bitmap_set_id(bitmaps[i], image.digest.encode())
+                chunks = Chunks(not_null(lib.mtmd_input_chunks_init(), "mtmd_input_chunks_init"), [])
+                code = lib.mtmd_tokenize(self.ptr, chunks.ptr, source, bitmaps, len(images))
+                try:
+                    raise_pending()
+                except BaseException:
+                    chunks.close()
+                    raise
+                if code != 0:
+                    chunks.close()
+                    raise ImageError(
+                        f"libmtmd could not tokenize the prompt's images (mtmd_tokenize: {code})"
+                    )
+                try:
+                    chunks.pieces.extend(self._pieces(chunks.ptr))
+                except BaseException:
+                    chunks.close()
+                    raise
+                return chunks
+            finally:
+                for i in range(len(images)):
+                    if bitmaps[i] != ffi.NULL:
+                        lib.mtmd_bitmap_free(bitmaps[i])
+
+    def _pieces(self, chunks: Any) -> list[Piece]:
+        lib, ffi = bindings()
+        pieces: list[Piece] = []
+        n_tokens = ffi.new("size_t *")
+        for i in range(lib.mtmd_input_chunks_size(chunks)):
+            chunk = lib.mtmd_input_chunks_get(chunks, i)
+            kind = lib.mtmd_input_chunk_get_type(chunk)
+            if kind == lib.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                tokens = lib.mtmd_input_chunk_get_tokens_text(chunk, n_tokens)
+                pieces.append(list(ffi.unpack(tokens, n_tokens[0])))
+            elif kind == lib.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                pieces.append(
+                    ImageChunk(
+                        ptr=chunk,
+                        n_tokens=int(lib.mtmd_input_chunk_get_n_tokens(chunk)),
+                        n_pos=int(lib.mtmd_input_chunk_get_n_pos(chunk)),
+                        digest=str(ffi.string(lib.mtmd_input_chunk_get_id(chunk)).decode()),
+                        non_causal=bool(lib.mtmd_decode_use_non_causal(self.ptr, chunk)),
+                    )
+                )
+            else:
+                raise UnsupportedFeatureError("only text and image chunks are supported")
+        return pieces
+
+    def eval_image(
+        self, context: NativeContext, chunk: ImageChunk, start: int, *, seq: int = 0, logits_last: bool
+    ) -> int:
+        """Encode an image chunk and decode its embeddings into ``seq`` from ``start``; return the
+        next position."""
+        lib, ffi = bindings()
+        if start + chunk.n_pos > context.n_ctx:
+            raise ContextOverflowError(
+                f"position {start + chunk.n_pos} exceeds the context size {context.n_ctx}"
+            )
+        context._check_seq(seq)
+        context.set_abortable(True)
+        next_pos = ffi.new("llama_pos *", start)
+        with self.lock:
+            code = lib.mtmd_helper_eval_chunk_single(
+                self.ptr, context.ptr, chunk.ptr, start, seq, context.n_batch, logits_last, next_pos
+            )
+        interrupted_by(code != 0 and context.abort.is_set())
+        check(code, "evaluating an image chunk (mtmd_helper_eval_chunk_single)")
+        return int(next_pos[0])

@@ -1,0 +1,371 @@
+"""A model run in a worker process (``Model(..., isolated=True)``; the default with
+``rpc_servers``): the same public API, and a process that survives what kills llama.cpp.
+
+The parent keeps each session's transcript (an exchange sends it along when it was edited), so
+when the worker dies (SIGABRT from a dead RPC server) or stops answering (a decode waiting on a
+stopped one for longer than ``worker_timeout``), the call raises ``BackendError``, the
+transcript is as it was before that exchange, and a new ``Model`` can take over. Calls into one
+worker run one at a time (a stream's ``cancel()`` and the caller's Ctrl-C overtake them); each
+step of a stream is one round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import itertools
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, NoReturn
+
+from llmsession.engine.budget import MemoryReport
+from llmsession.errors import BackendError, GrammarError, ModelClosedError, UnsupportedFeatureError
+from llmsession.options import GenerationOptions
+from llmsession.remote import rpc
+from llmsession.replies import Reply, Snapshot
+from llmsession.runtime.aio import AsyncStream
+from llmsession.runtime.model import Model
+from llmsession.runtime.session import Session, checked
+from llmsession.runtime.stream import Stream
+from llmsession.text.messages import check_messages
+from llmsession.text.schemas import schema_document
+
+LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
+
+
+class WorkerProcess:
+    """The parent's end of a worker: one request at a time, each answered or failed in time."""
+
+    def __init__(self, timeout: float) -> None:
+        ours, theirs = socket.socketpair()
+        # ggml's abort handler would attach gdb to print a backtrace: slow, and nothing for us
+        env = {"GGML_NO_BACKTRACE": "1", **os.environ}
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "llmsession.remote.worker", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdout=sys.__stderr__.fileno() if sys.__stderr__ else subprocess.DEVNULL,  # never ours
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the caller, who passes it on
+            )
+        self.conn = Connection(ours.detach())
+        self.timeout = timeout
+        self.lock, self.send_lock = threading.Lock(), threading.Lock()
+        self.requests = itertools.count()
+        self.failure: str | None = None
+
+    def call(self, op: str, *args: Any, limit: float | None = None) -> Any:
+        with self.lock:
+            if self.failure is not None:
+                raise BackendError(self.failure)
+            request = next(self.requests)
+            self.send((request, op, args))
+            return self.answer(request, limit or self.timeout)
+
+    def tell(self, *message: Any) -> None:
+        """A message that wants no answer (a cancel, a dropped object); lost if the worker is."""
+        if self.failure is None:
+            with contextlib.suppress(OSError), self.send_lock:
+                self.conn.send(message)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = picklable(message)
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(data)
+        except OSError:
+            self.fail(self.death())
+
+    def answer(self, request: int, limit: float) -> Any:
+        while True:
+            if not self.conn.poll(limit):
+                self.fail(f"the model's worker process sent nothing for {limit:g} s")
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.fail(self.death())
+            if message[0] == "beat":
+                if message[1] > limit:
+                    self.fail(
+                        f"a decode in the model's worker process has not returned for {message[1]:.1f} s "
+                        f"(worker_timeout {limit:g} s): an RPC server stopped answering?"
+                    )
+                continue
+            kind, answered, value = message
+            if answered == request:
+                if kind == "error":
+                    raise value
+                return value
+
+    def death(self) -> str:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "the model's worker process closed its connection"
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"the model's worker process died ({how}; an RPC server lost?)"
+
+    def fail(self, why: str) -> NoReturn:
+        self.failure = f"{why}; the model is closed (load it again)"
+        self.stop()
+        raise BackendError(self.failure)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+def picklable(message: tuple[Any, ...]) -> bytes:
+    """A request as bytes for the worker, or a TypeError that says why it cannot travel (a
+    lambda, a class defined inside a function, an open file...)."""
+    try:
+        return pickle.dumps(message)
+    except (pickle.PicklingError, AttributeError, TypeError, RecursionError) as error:
+        raise TypeError(
+            "an isolated model runs in a worker process, so every argument must pickle "
+            f"(no lambdas, local classes or open files): {error}"
+        ) from None
+
+
+def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | None, type | None]:
+    """Options that travel to the worker: a JSON schema as a plain JSON object, checked here as
+    in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
+    pydantic class goes as its schema, and comes back with the reply (``IsolatedStream``
+    parses ``parsed`` into it here)."""
+    options = checked(options)
+    if options.json_schema is None:
+        return options, None
+    schema_class, document = schema_document(options.json_schema)
+    return dataclasses.replace(options, json_schema=document), schema_class
+
+
+class IsolatedModel(Model):
+    """``Model`` whose llama.cpp runs in a worker process; ``Model(...)`` makes one when asked."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        rpc_servers: Sequence[str] = (),
+        isolated: bool | None = None,
+        worker_timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        # no process is started for a server that is not there (its worker checks them again,
+        # right before llama.cpp gets them)
+        servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
+        self.path = Path(path)
+        mmproj = kwargs.get("mmproj_path")
+        self.mmproj_path = None if mmproj is None else Path(mmproj)
+        self._worker = WorkerProcess(worker_timeout)
+        weakref.finalize(self, self._worker.stop)  # dropped unclosed: the worker goes too
+        try:
+            info = self._worker.call(
+                "load", str(path), {**kwargs, "rpc_servers": servers}, limit=LOAD_TIMEOUT_S
+            )
+        except BaseException:
+            self._worker.stop()
+            raise
+        self.__dict__.update(info)
+        self._closed = False
+
+    def _call(self, op: str, *args: Any) -> Any:
+        if self._closed:
+            raise ModelClosedError("this model is closed")
+        return self._worker.call(op, *args)
+
+    def _model_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self._call("model", name, args, kwargs)
+
+    def session(self, system: str | None = None, **kwargs: Any) -> Session:
+        return IsolatedSession(self, self._call("session", system, kwargs))
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:
+        return str(self._model_call("render", list(messages), add_generation_prompt, **kw))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return list(self._model_call("tokenize", text, add_special))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return str(self._model_call("detokenize", list(tokens)))
+
+    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
+        return list(self._model_call("prompt_tokens", list(messages), thinking=thinking))
+
+    def identity(self) -> str:
+        return str(self._model_call("identity"))
+
+    def projector_identity(self) -> str | None:
+        value = self._model_call("projector_identity")
+        return None if value is None else str(value)
+
+    def memory(self) -> MemoryReport:
+        report: MemoryReport = self._model_call("memory")
+        return report
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None, **kw: Any
+    ) -> Stream:
+        check_messages(messages)  # as in-process, before pickling
+        options, schema_class = portable(options)
+        return IsolatedStream(
+            self, None, self._call("chat_stream", list(messages), options, kw), schema_class
+        )
+
+    def load_session(self, path: str | Path, **overrides: Any) -> Session:
+        return IsolatedSession(self, self._call("load_session", str(path), overrides))
+
+    def _internal(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise UnsupportedFeatureError("this model runs in a worker process: only the public API reaches it")
+
+    remember_reply = prompt = constraint = _internal
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._worker.failure is None:
+                with contextlib.suppress(BackendError):
+                    self._worker.call("close")
+            self._worker.stop()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._worker.failure is not None
+
+
+class IsolatedSession(Session):
+    """A session of an ``IsolatedModel``: its transcript is here, its state in the worker."""
+
+    def __init__(self, model: IsolatedModel, handle: tuple[int, dict[str, Any], list[Any]]) -> None:
+        self.model = model
+        self._key, attrs, messages = handle
+        self._sync(messages)
+        self.context_size, self.batch_size = attrs["context_size"], attrs["batch_size"]
+        self.thinking, self.swa_full = attrs["thinking"], attrs["swa_full"]
+        self.share_prefix = attrs["share_prefix"]
+        self._closed = False
+        weakref.finalize(self, model._worker.tell, None, "drop", (self._key,))
+
+    @property
+    def _isolated(self) -> IsolatedModel:
+        assert isinstance(self.model, IsolatedModel)
+        return self.model
+
+    def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
+        check_messages([{"role": "user", "content": content}])  # as in-process, before pickling
+        options, schema_class = portable(options)
+        key, messages = self._isolated._call("stream", self._key, self._edits(), content, options)
+        self._sync(messages)  # with the exchange of an unfinished stream it finished first
+        return IsolatedStream(self._isolated, self, key, schema_class)
+
+    def _edits(self) -> list[Any] | None:
+        """The transcript if it was changed here since the worker's was last seen, else None:
+        the worker's stays (it holds exchanges of streams dropped unfinished, as locally)."""
+        return None if self.messages == self._synced else self.messages
+
+    def _sync(self, messages: list[Any]) -> None:
+        self.messages, self._synced = messages, copy.deepcopy(messages)
+
+    _synced: list[Any] | None
+
+    def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
+        options = checked(options)
+        return AsyncStream(lambda: self.stream(content, options))
+
+    def _session_call(self, name: str, *args: Any) -> Any:
+        value, messages = self._isolated._call("session_call", self._key, self._edits(), name, args)
+        self._sync(messages)
+        return value
+
+    def clear_cached_context(self) -> None:
+        self._session_call("clear_cached_context")
+
+    def fork(self) -> Session:
+        return IsolatedSession(self._isolated, self._session_call("fork"))
+
+    def save(self, path: str | Path) -> None:
+        self._session_call("save", str(path))
+
+    def close(self) -> None:
+        self._session_call("close")
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self._isolated._call("cached_tokens", self._key))
+
+
+class IsolatedStream(Stream):
+    """A stream whose steps run in the worker, one round trip each (nothing decodes between)."""
+
+    def __init__(
+        self,
+        model: IsolatedModel,
+        session: IsolatedSession | None,
+        key: int,
+        schema_class: type | None = None,
+    ) -> None:
+        # None for Model.chat_stream: its session is the worker's own
+        self.session = session  # type: ignore[assignment]
+        self._model, self._key, self._schema_class = model, key, schema_class
+        self._reply: Reply | None = None
+        self._done = False
+        self._drop = weakref.finalize(self, model._worker.tell, None, "close_stream", (key,))
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._reply
+
+    def __next__(self) -> Snapshot:
+        if self._done:
+            raise StopIteration
+        try:
+            kind, *rest = self._model._call("next", self._key)
+        except KeyboardInterrupt:  # as in-process: the decode stops, the transcript stays
+            self._model._worker.tell("interrupt")
+            if isinstance(self.session, IsolatedSession):
+                self.session._synced = None  # the worker's may hold the interrupted exchange
+            raise
+        if kind == "snapshot":
+            snapshot: Snapshot = rest[0]
+            return snapshot
+        self._end(*rest)
+        raise StopIteration
+
+    def _end(self, reply: Reply, messages: list[Any]) -> None:
+        """The exchange ended in the worker: here too, and the reply parsed into the caller's
+        pydantic class (the worker knew its schema only: the class's own validators run here, a
+        failure being the GrammarError it is in-process, after the transcript is in step)."""
+        self._done = True
+        self._drop.detach()
+        if isinstance(self.session, IsolatedSession):
+            self.session._sync(messages)
+        if self._schema_class is not None and reply.parsed is not None:  # the schema held
+            try:
+                parsed = self._schema_class.model_validate_json(reply.text)  # type: ignore[attr-defined]
+            except ValueError as problem:
+                self._reply = dataclasses.replace(reply, parsed=None)
+                raise GrammarError(f"the reply does not match its schema: {problem}") from None
+            reply = dataclasses.replace(reply, parsed=parsed)
+        self._reply = reply
+
+    def cancel(self) -> None:
+        self._model._worker.tell("cancel", self._key)
+
+    def close(self) -> None:
+        if not self._done:
+            _, reply, messages = self._model._call("close_stream", self._key)
+            self._end(reply, messages)

@@ -1,0 +1,225 @@
+"""The process an isolated model runs in (``isolated.IsolatedModel``): a real ``Model`` and its
+sessions and streams, driven over a socket by the parent's proxies.
+
+llama.cpp ends the process on faults no callback can stop (an RPC server that dies mid-decode:
+SIGABRT; one that stops answering: a decode that never returns). Here that ends this process
+only; the parent sees the socket close, or hears in the heartbeat that a decode has been running
+too long, and raises ``BackendError``.
+
+Messages, both ways pickled tuples: the parent sends ``(request, op, args)`` (request None: no
+answer wanted), ``("cancel", stream_id)`` and ``("interrupt",)`` (the caller's Ctrl-C), which
+the reader thread applies at once, mid-decode;
+this process answers ``("ok" | "error", request, value)`` and sends ``("beat", seconds)`` every
+``BEAT_S`` while it works on a request: how long the current native call (a decode, or the
+model's load) has been running.
+"""
+
+from __future__ import annotations
+
+import _thread
+import itertools
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from llmsession.errors import NativeError
+from llmsession.native.cancel import ACTIVITY
+from llmsession.options import GenerationOptions
+from llmsession.runtime.model import Model
+from llmsession.runtime.session import Session
+from llmsession.runtime.stream import Stream
+
+BEAT_S = 0.25
+MODEL_CALLS = frozenset(
+    {"render", "tokenize", "detokenize", "prompt_tokens", "identity", "projector_identity", "memory"}
+)
+SESSION_CALLS = frozenset({"clear_cached_context", "fork", "save", "close"})
+
+
+def portable(error: BaseException) -> BaseException:
+    """The error itself if it pickles (llmsession's do), else a NativeError that names it."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return NativeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+class Worker:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.requests: queue.SimpleQueue[tuple[Any, str, tuple[Any, ...]]] = queue.SimpleQueue()
+        self.objects: dict[int, Session | Stream] = {}
+        self.ids = itertools.count(1)
+        self.model: Model | None = None
+        self.loading_since: float | None = None
+        self.busy = False  # a request that wants an answer is running
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def read(self) -> None:
+        """The reader thread: cancels at once, everything else in order on the main thread."""
+        try:
+            while True:
+                message = self.conn.recv()
+                if message[0] == "cancel":
+                    stream = self.objects.get(message[1])
+                    if isinstance(stream, Stream):
+                        stream.cancel()
+                elif message[0] == "interrupt":  # the caller's Ctrl-C, for the step it waited for
+                    if self.busy:
+                        _thread.interrupt_main()
+                else:
+                    self.requests.put(message)
+        except (EOFError, OSError):  # the parent is gone: so is the reason to finish anything
+            os._exit(0)
+
+    def beat(self) -> None:
+        """While a request runs (idle, there is nobody to tell, and nobody reads)."""
+        while True:
+            time.sleep(BEAT_S)
+            if not self.busy:
+                continue
+            since = self.loading_since
+            stuck = time.monotonic() - since if since is not None else ACTIVITY.busy_for()
+            try:
+                self.send(("beat", stuck))
+            except OSError:
+                os._exit(0)
+
+    def run(self) -> None:
+        threading.Thread(target=self.read, daemon=True).start()
+        threading.Thread(target=self.beat, daemon=True).start()
+        while True:
+            try:
+                if not self.serve_one():
+                    return
+            except KeyboardInterrupt:  # an interrupt that came as its step ended: it is over
+                self.busy = False
+
+    def serve_one(self) -> bool:
+        """Run the next request and answer it; False after ``close``."""
+        request, op, args = self.requests.get()
+        self.busy = request is not None
+        try:
+            value, error = getattr(self, f"op_{op}")(*args), None
+        except BaseException as caught:  # returned to the caller, who raises it
+            value, error = None, portable(caught)
+        if request is not None:
+            self.send(("ok", request, value) if error is None else ("error", request, error))
+        self.busy = False
+        return op != "close"
+
+    def keep(self, thing: Session | Stream) -> int:
+        key = next(self.ids)
+        self.objects[key] = thing
+        return key
+
+    def session(self, key: int) -> Session:
+        session = self.objects[key]
+        assert isinstance(session, Session)
+        return session
+
+    def stream(self, key: int) -> Stream:
+        stream = self.objects[key]
+        assert isinstance(stream, Stream)
+        return stream
+
+    def edited(self, key: int, messages: list[Any] | None) -> Session:
+        """The session, given the caller's edited transcript (None: it keeps its own)."""
+        session = self.session(key)
+        if messages is not None:
+            session.messages = messages
+        return session
+
+    def ended(self, key: int, stream: Stream) -> tuple[Any, ...]:
+        """A stream that is over, forgotten: its reply and its session's transcript."""
+        del self.objects[key]
+        return ("end", stream.reply, stream.session.messages)
+
+    def handle(self, session: Session) -> tuple[int, dict[str, Any], list[Any]]:
+        """What the parent's proxy of a session is made from."""
+        names = ("context_size", "batch_size", "thinking", "swa_full", "share_prefix")
+        attrs = {k: getattr(session, k) for k in names}
+        return self.keep(session), attrs, session.messages
+
+    # -- operations ---------------------------------------------------------------------------
+    def op_load(self, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        self.loading_since = time.monotonic()
+        try:
+            self.model = model = Model(path, **kwargs, isolated=False)
+        finally:
+            self.loading_since = None
+        names = ("threads", "use_jinja", "flash_attention", "anticipate", "template", "media_marker")
+        return {name: getattr(model, name) for name in names}
+
+    def op_model(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self.model is not None and name in MODEL_CALLS
+        return getattr(self.model, name)(*args, **kwargs)
+
+    def op_session(self, system: str | None, kwargs: dict[str, Any]) -> Any:
+        assert self.model is not None
+        return self.handle(self.model.session(system, **kwargs))
+
+    def op_load_session(self, path: str, overrides: dict[str, Any]) -> Any:
+        assert self.model is not None
+        return self.handle(self.model.load_session(path, **overrides))
+
+    def op_stream(
+        self, key: int, messages: list[Any] | None, content: Any, options: GenerationOptions
+    ) -> tuple[int, list[Any]]:
+        session = self.edited(key, messages)
+        stream = session.stream(content, options)  # finishes an unfinished one first
+        return self.keep(stream), session.messages
+
+    def op_chat_stream(self, messages: list[Any], options: Any, kwargs: dict[str, Any]) -> int:
+        assert self.model is not None
+        return self.keep(self.model.chat_stream(messages, options, **kwargs))
+
+    def op_next(self, key: int) -> tuple[Any, ...]:
+        stream = self.stream(key)
+        try:
+            return ("snapshot", next(stream))
+        except StopIteration:
+            return self.ended(key, stream)
+
+    def op_close_stream(self, key: int) -> tuple[Any, ...]:
+        stream = self.stream(key)
+        stream.close()
+        return self.ended(key, stream)
+
+    def op_session_call(self, key: int, messages: list[Any] | None, name: str, args: tuple[Any, ...]) -> Any:
+        assert name in SESSION_CALLS
+        session = self.edited(key, messages)
+        value = getattr(session, name)(*args)
+        if isinstance(value, Session):
+            value = self.handle(value)
+        return value, session.messages
+
+    def op_cached_tokens(self, key: int) -> int:
+        return self.session(key).cached_tokens
+
+    def op_drop(self, key: int) -> None:
+        self.objects.pop(key, None)
+
+    def op_close(self) -> None:
+        if self.model is not None:
+            self.model.close()
+
+
+def main() -> int:
+    conn = Connection(int(sys.argv[1]))
+    Worker(conn).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Save a session to one file and load it back, in this process or another.
+
+The file (``sessionfile``) holds the transcript and, when it is safe to restore, the session's
+KV state with the item record it matches. On load the transcript always comes back; the state is
+restored only if everything it depends on is the same (llama.cpp commit, state format, model and
+projector digests, context layout) and llama.cpp accepts it with the expected positions, so the
+next exchange decodes only the new tail. Otherwise the reason is logged and reported in the next
+reply's ``usage.cache_note``, and that exchange decodes from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llmsession.engine.sessionfile import SavedSession, read, write
+from llmsession.errors import MemoryBudgetError, SessionFileError
+from llmsession.native.context import context_layout
+from llmsession.native.llama import build_commit, state_seq_version
+from llmsession.text.images import Image, image_from_part
+from llmsession.text.messages import is_image_part
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from llmsession.runtime.model import Model
+    from llmsession.runtime.session import Session
+
+log = logging.getLogger("llmsession")
+IMAGE_KEY = "llmsession_image"
+SETTINGS = ("context_size", "batch_size", "thinking", "swa_full", "share_prefix")
+
+
+def compat(model: Model, swa_full: bool) -> dict[str, Any]:
+    """Everything a saved KV state depends on."""
+    return {
+        "llama_commit": build_commit(),
+        "state_seq_version": state_seq_version(),
+        "model_sha256": model.identity(),
+        "projector_sha256": model.projector_identity(),
+        "context": context_layout(swa_full, model.flash_attention),
+    }
+
+
+def save(session: Session, path: str | Path) -> None:
+    """Write the transcript and, when restoring it is exact, the KV state (caller holds the lock)."""
+    images: dict[str, Image] = {}
+    messages = [_encode_message(message, images) for message in session.messages]
+    blobs: dict[str, Buffer] = {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
+    lease = session._lease
+    state = session.model._engine.state(lease) if lease.parkable else None
+    record = list(lease.cache.items)
+    if state is not None and record:
+        blobs["state"] = state
+    else:  # nothing cached, or a sliding window past its size (llama.cpp restores those wrong)
+        record = []
+    write(
+        path,
+        SavedSession(
+            compat=compat(session.model, session.swa_full),
+            settings={name: getattr(session, name) for name in SETTINGS},
+            record=record,
+            messages=messages,
+            images={digest: (image.width, image.height) for digest, image in images.items()},
+            blobs=blobs,
+        ),
+    )
+
+
+def load(model: Model, path: str | Path, **overrides: Any) -> Session:
+    """A new session holding the saved transcript, and the saved KV state where it is valid."""
+    saved = read(path, max_positions=model._engine.config.kv_tokens)
+    settings = {name: saved.settings[name] for name in SETTINGS if name in saved.settings}
+    try:
+        model.session(**settings)  # the file's own settings must be valid on their own
+    except (TypeError, ValueError) as error:
+        raise SessionFileError(f"{path}: invalid saved settings: {error}") from None
+    session = model.session(**{**settings, **overrides})
+    session.messages = [_decode_message(message, saved) for message in saved.messages]
+    reason = _mismatch(saved, compat(model, session.swa_full), session.context_size, model.native.n_vocab)
+    try:
+        if not reason and not model._engine.adopt(session._lease, saved.blobs["state"], saved.record):
+            reason = "llama.cpp did not accept the saved state"
+    except MemoryBudgetError as error:  # other sessions' exchanges hold all the live memory
+        reason = f"no live memory was free to load it: {error}"
+    restored = 0 if reason else len(saved.record)
+    note = f"cache not reused: {reason}" if reason else f"restored {restored} positions from {path}"
+    (log.debug if not reason else log.info)("load_session: %s", note)
+    session._load_note = (restored, note)
+    return session
+
+
+def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int, n_vocab: int) -> str:
+    if "state" not in saved.blobs or not saved.record:
+        return "the file holds no KV state"
+    for key, value in current.items():
+        if saved.compat.get(key) != value:
+            return f"{key} differs (saved {saved.compat.get(key)!r}, now {value!r})"
+    if len(saved.record) >= context_size:
+        return f"the state holds {len(saved.record)} positions; the session's context is {context_size}"
+    if not all(0 <= item < n_vocab for item in saved.record if isinstance(item, int)):
+        return "the saved record holds tokens outside the model's vocabulary"
+    return ""
+
+
+def _encode_message(message: Mapping[str, Any], images: dict[str, Image]) -> dict[str, Any]:
+    content = message.get("content")
+    out = dict(message)
+    if isinstance(content, list | tuple):
+        out["content"] = [_encode_part(part, images) for part in content]
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"cannot save this message: {error}") from None
+    return out
+
+
+def _encode_part(part: Any, images: dict[str, Image]) -> Any:
+    if isinstance(part, str) or (isinstance(part, Mapping) and not is_image_part(part)):
+        return part
+    image = image_from_part(part)  # pixels, whatever the source: the file may move elsewhere
+    images[image.digest] = image
+    return {"type": "image", IMAGE_KEY: image.digest}
+
+
+def _decode_message(message: Any, saved: SavedSession) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise SessionFileError("a saved message is not an object")
+    content = message.get("content")
+    decoded: dict[str, Any] = dict(message)
+    if isinstance(content, list):
+        decoded["content"] = [_decode_part(part, saved) for part in content]
+    return decoded
+
+
+def _decode_part(part: Any, saved: SavedSession) -> Any:
+    if not (isinstance(part, dict) and IMAGE_KEY in part):
+        return part
+    digest = part[IMAGE_KEY]
+    blob, size = saved.blobs.get(f"image:{digest}"), saved.images.get(digest)
+    if blob is None or size is None or memoryview(blob).nbytes != size[0] * size[1] * 3:
+        raise SessionFileError(f"the saved image {digest!r:.40} is missing or has the wrong size")
+    image = Image(np.frombuffer(memoryview(blob), dtype=np.uint8).reshape(size[1], size[0], 3))
+    if image.digest != digest:
+        raise SessionFileError(f"the saved image {digest!r:.40} does not match its pixels")
+    return image

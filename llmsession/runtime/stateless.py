@@ -1,0 +1,152 @@
+"""Stateless calls (``Model.chat``): the caller resends the whole message list every time, as
+OpenAI-style clients and most frameworks do, and still gets prefix reuse.
+
+The model keeps a few sessions for these calls. Each call tokenizes its prompt and takes the idle
+kept session whose cached items share the longest prefix with it (llama-server's slot similarity,
+mlx-lm's prompt cache), gives it the call's history and answers the last message; only the rest
+is decoded. A session is reused only if at least half of its cache is such a prefix. A call that
+branches off a cached conversation (a regeneration, an edit: more than ``BRANCH`` cached items
+past the shared prefix) takes a fork of it, sharing the cells (``seq_cp``), so the original stays
+whole for the call that continues it. A session is taken out while its stream runs, so concurrent
+calls never share one. Past ``capacity`` the least recently used idle session is closed; the
+sessions kept are parked and restored by the model's engine like any other.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from llmsession.engine.prefix import common_prefix
+from llmsession.errors import TemplateError
+from llmsession.options import GenerationOptions
+from llmsession.text.messages import check_messages
+from llmsession.text.splice import ReplyTokens
+
+SIMILARITY = 0.5
+BRANCH = 16
+RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
+
+if TYPE_CHECKING:
+    from llmsession.runtime.model import Model
+    from llmsession.runtime.session import Session
+    from llmsession.runtime.stream import Stream
+
+
+class StatelessPool:
+    """The sessions kept for ``Model.chat``, most recently used last, each with the tenant whose
+    calls it serves (None: calls that name none). A call takes only its own tenant's sessions.
+    A ``share_prefix=False`` call without a tenant is nobody's to follow: its session is not
+    kept, so it neither starts from another call's cells nor leaves any (its engine lease
+    neither takes nor gives shared prefixes either)."""
+
+    def __init__(self, model: Model, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self._sessions: list[Session] = []
+        self._tenants: dict[Session, str | None] = {}  # whose calls each kept session serves
+        self._records: OrderedDict[str | None, ReplyTokens] = OrderedDict()  # each tenant's replies
+        self._lock = threading.Lock()
+
+    def stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None,
+        tenant: str | None = None,
+        **session_args: Any,
+    ) -> Stream:
+        check_messages(messages)
+        if not messages or messages[-1].get("role") != "user":
+            raise TemplateError("a stateless chat needs a message list that ends with a user message")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+        apart = session_args.get("share_prefix", True) is False  # (a non-bool: Session refuses it)
+        options = options or GenerationOptions()
+        if not isinstance(options, GenerationOptions):
+            raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}")
+        options.validate()
+        history = [dict(m) for m in copy.deepcopy(list(messages[:-1]))]
+        user = {"role": "user", "content": messages[-1]["content"]}
+        keep = not (apart and tenant is None)
+        record = None
+        if apart:
+            with self._lock:
+                record = self._record(tenant) if keep else ReplyTokens(capacity=256)
+        # Tokenized once: to choose the session, then as the session's prompt.
+        thinking = bool(session_args.get("thinking", False))
+        prompt = self.model.prompt([*history, user], thinking=thinking, own=record, shared=not apart)
+        with self._lock:
+            try:
+                session = self._take(tenant, prompt.items, session_args) if keep else None
+                session = session or self.model.session(**session_args)
+                if record is not None:
+                    session._replies = record  # its prompts splice only its tenant's replies
+                session._disposable = not keep  # nothing will follow: decode nothing ahead
+                session.messages = history
+                stream = session._stream(user, options, prompt)  # the stream owns prompt now
+            except BaseException:
+                prompt.close()  # idempotent: a refused prompt may be closed already
+                raise
+            if keep:
+                self._sessions.append(session)  # busy until its stream is done
+                self._tenants[session] = tenant
+                self._evict()
+            return stream
+
+    def _record(self, tenant: str | None) -> ReplyTokens:
+        """The replies a tenant's kept-apart calls generated, for splicing its next prompts
+        (the least recently used tenant's forgotten past ``RECORDS``)."""
+        record = self._records.pop(tenant, None) or ReplyTokens(capacity=256)
+        self._records[tenant] = record
+        while len(self._records) > RECORDS:
+            self._records.popitem(last=False)
+        return record
+
+    def _take(
+        self, tenant: str | None, items: Sequence[object], session_args: dict[str, Any]
+    ) -> Session | None:
+        """The tenant's idle kept session whose cache is mostly a prefix of ``items`` (at least
+        half of it: llama-server's similarity rule), else None (a new one) while there is room,
+        else the least recently used idle one of the tenant's. Taking a session with little in
+        common would throw away a cache another conversation is coming back to."""
+        fitting = [
+            s
+            for s in self._sessions
+            if self._tenants[s] == tenant
+            and _idle(s)
+            and all(getattr(s, k) == v for k, v in session_args.items())
+        ]
+        scored = [(common_prefix(s._lease.cache.items, items), s) for s in fitting]
+        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s._lease.cache.items)]
+        if similar:
+            shared, chosen = max(similar, key=lambda pair: pair[0])
+            if len(chosen._lease.cache.items) - shared > BRANCH:
+                return chosen.fork()  # the fork's own transcript is replaced by the caller
+        elif len(self._sessions) >= self.capacity and fitting:
+            chosen = fitting[0]  # least recently used
+        else:
+            return None
+        self._sessions.remove(chosen)
+        del self._tenants[chosen]
+        return chosen
+
+    def _evict(self) -> None:
+        idle = [s for s in self._sessions if _idle(s)]
+        while len(self._sessions) > self.capacity and idle:
+            oldest = idle.pop(0)
+            self._sessions.remove(oldest)
+            del self._tenants[oldest]
+            oldest.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+            self._tenants.clear()
+            self._records.clear()
+
+
+def _idle(session: Session) -> bool:
+    return session._turn is None or session._turn.done

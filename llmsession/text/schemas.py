@@ -1,0 +1,138 @@
+"""JSON schemas from callers: made plain and bounded before the matcher sees them, and the
+keywords its token mask cannot enforce checked on the finished reply.
+
+llguidance compiles a schema leniently: a keyword it does not implement (``uniqueItems``, which
+pydantic writes for a ``set`` field; ``contains``, ``not``, ``if``...) is reported, not refused.
+Each must be one ``jsonschema`` checks, and then every reply of that schema is validated against
+the whole schema once complete; a schema whose keywords the mask enforces all is not checked
+again (the mask's regex and formats are Rust's, which Python's would second-guess). Pure: no
+llguidance, no bindings; ``jsonschema`` loads with the first schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llmsession.errors import GrammarError
+
+MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays (the matcher recurses)
+UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's lenient warning: a JSON list follows
+REPEATED = re.compile(r" \(\d+ times?\)$")  # a warning given more than once says how often
+# References the validator would resolve on its own (a URL included): never on a caller's word.
+REFUSED = frozenset({"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor"})
+# Keywords jsonschema checks inside another's validator rather than on their own.
+CHECKED_WITH = {"then": "if", "else": "if", "minContains": "contains", "maxContains": "contains"}
+
+
+def schema_document(given: Mapping[str, Any] | str | type) -> tuple[type | None, dict[str, Any]]:
+    """A caller's schema as a plain, acyclic JSON object (and the pydantic class it came from),
+    or GrammarError: a schema that contains itself crashed the matcher's converter, and one
+    nested past ``MAX_SCHEMA_DEPTH`` would exhaust a stack."""
+    schema_class, schema = None, given
+    try:
+        if isinstance(given, type):
+            schema_class, schema = given, given.model_json_schema()  # type: ignore[attr-defined]
+        text = schema if isinstance(schema, str) else json.dumps(schema, allow_nan=False)
+        document = json.loads(text)
+    except RecursionError:
+        raise GrammarError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    except (ValueError, TypeError) as error:  # contains itself, not JSON
+        raise GrammarError(f"json_schema: not a JSON document: {error}") from None
+    if not isinstance(document, dict):
+        raise GrammarError(f"json_schema: a schema is a JSON object, not {type(document).__name__}")
+    check_nodes(document)
+    return schema_class, document
+
+
+def check_nodes(document: dict[str, Any]) -> None:
+    """Walk a schema without recursion: GrammarError if it nests past ``MAX_SCHEMA_DEPTH`` or
+    refers outside itself (a ``$ref`` that is not ``#...``, a dynamic reference), which a
+    validator would try to fetch; the matcher does not look everywhere (inside ``not``, say)."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        node, level = stack.pop()
+        if level > MAX_SCHEMA_DEPTH and isinstance(node, dict | list):
+            raise GrammarError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, dict):
+            reference = node.get("$ref")
+            if REFUSED & node.keys() or (isinstance(reference, str) and not reference.startswith("#")):
+                shown = sorted(REFUSED & node.keys()) or [str(reference)]
+                raise GrammarError(f"json_schema: only references inside the schema are allowed: {shown}")
+            stack += [(child, level + 1) for child in node.values()]
+        elif isinstance(node, list):
+            stack += [(child, level + 1) for child in node]
+
+
+def after_reply_validator(validator: Any, warnings: Sequence[str]) -> Any:
+    """``validator`` (the whole schema's, ``checked_schema``) if the lenient compile's
+    ``warnings`` left keywords to it, None if the mask enforces them all; GrammarError for a
+    warning that leaves something enforced by no one (an unknown format; a keyword this draft
+    does not define)."""
+    keys: list[str] = []
+    for warning in warnings:
+        warning = REPEATED.sub("", warning)
+        if not warning.startswith(UNIMPLEMENTED):
+            raise GrammarError(f"json_schema: {warning}")
+        try:
+            keys += json.loads(warning.removeprefix(UNIMPLEMENTED))
+        except ValueError:
+            raise GrammarError(f"json_schema: {warning}") from None
+    known = validator.VALIDATORS
+    unchecked = sorted(
+        {key for key in keys if key in REFUSED or (key not in known and CHECKED_WITH.get(key) not in known)}
+    )
+    if unchecked:
+        raise GrammarError(f"json_schema: {UNIMPLEMENTED}{json.dumps(unchecked)}")
+    return validator if keys else None
+
+
+@functools.lru_cache(maxsize=64)
+def checked_schema(text: str) -> Any:
+    """A validator for a schema (its JSON text), once the schema is checked against its draft's
+    metaschema (GrammarError if invalid). Remembered: checking costs 2-3 ms, and a client sends
+    one schema often. It resolves no reference outside the schema (an empty registry). Formats
+    are checked where jsonschema has a checker; a pattern Python's ``re`` cannot compile (Rust
+    syntax the mask understands, ``\\p{Lu}``) is left to the mask."""
+    import jsonschema  # loaded with the first schema, not with llmsession
+    import referencing
+
+    document = json.loads(text)
+    if not isinstance(document.get("$schema", ""), str):
+        raise GrammarError("json_schema: $schema must be a string naming a draft")
+    draft = jsonschema.validators.validator_for(document, default=jsonschema.Draft202012Validator)
+    try:
+        draft.check_schema(document, format_checker=None)  # type: ignore[call-arg]  # (Rust patterns)
+    except jsonschema.SchemaError as error:
+        raise GrammarError(f"json_schema: invalid schema: {error.message}") from None
+    tolerant = {key: _python_regex_only(draft.VALIDATORS[key]) for key in ("pattern", "patternProperties")}
+    extended = jsonschema.validators.extend(draft, tolerant)  # type: ignore[no-untyped-call]
+    return extended(document, registry=referencing.Registry(), format_checker=draft.FORMAT_CHECKER)
+
+
+def _python_regex_only(check: Any) -> Any:
+    """``check`` (a pattern keyword's validator), silent where Python's ``re`` cannot compile
+    the pattern: Rust syntax the mask enforced, which Python would call a broken schema."""
+
+    def checked(*args: Any) -> Any:
+        try:
+            yield from check(*args) or ()
+        except re.error:
+            return
+
+    return checked
+
+
+def violation(validator: Any, value: Any) -> str:
+    """What in a complete reply breaks its schema ("" if nothing does)."""
+    try:
+        problem = next(iter(validator.iter_errors(value)), None)
+    except Exception as error:  # deep recursion, an unresolvable reference, a regex Python lacks
+        return f"the reply could not be checked against its schema: {type(error).__name__}: {error}"
+    if problem is None:
+        return ""
+    where = "/".join(str(p) for p in problem.absolute_path) or "the reply"
+    return f"{where}: {problem.message} ({problem.validator!r} is checked after the reply)"

@@ -1,0 +1,112 @@
+"""Turn chat messages into prompt text, trying renderers in a fixed order.
+
+1. ``use_jinja=True``: the model's template through jinja2, exactly as Hugging Face renders it.
+2. llama.cpp's built-in templates (``llama_chat_apply_template``, through the caller's
+   ``native``), as llama.cpp itself would format the chat; a model without an embedded
+   template gets llama.cpp's chatml default.
+3. Our Gemma 4 renderer: llama.cpp recognises templates by marker strings, and Gemma 4's
+   ``<|turn>`` has none it knows (it looks for Gemma 1-3's ``<start_of_turn>``).
+4. Otherwise a TemplateError naming the template family, so the user knows to try jinja.
+
+Messages and their parts are described in ``messages``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from llmsession.errors import TemplateError
+from llmsession.text.gemma4 import is_gemma4_template, render_gemma4
+from llmsession.text.jinja import render_jinja
+from llmsession.text.messages import Message, check_messages, flatten_content
+
+NativeApply = Callable[[str | None, Sequence[tuple[str, str]], bool], str | None]
+"""llama_chat_apply_template: (template or None for chatml, [(role, content)], add
+generation prompt) -> the prompt, or None when llama.cpp cannot format it."""
+
+
+def template_family(template: str | None) -> str:
+    """A rough guess of a template's family, for error messages only."""
+    if template is None:
+        return "none (llama.cpp's chatml default)"
+    for marker, family in (
+        ("<|im_start|>", "chatml"),
+        ("<start_of_turn>", "gemma"),
+        ("<|turn>", "gemma4"),
+        ("<|start_header_id|>", "llama3"),
+        ("[INST]", "mistral"),
+    ):
+        if marker in template:
+            return family
+    return "unknown"
+
+
+def _hf_part(part: object) -> object:
+    """A part as Hugging Face templates expect it: dicts as they are, a str as a text dict,
+    any other object as ``{"type": "image"}`` so jinja never sees an ``llmsession.Image``."""
+    if isinstance(part, Mapping):
+        return part
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    return {"type": "image"}
+
+
+def _hf_message(message: Message) -> dict[str, Any]:
+    content = message["content"]
+    if not isinstance(content, str):
+        content = [_hf_part(part) for part in content]
+    return {**message, "content": content}
+
+
+def render_prompt(
+    messages: Sequence[Message],
+    *,
+    template: str | None,
+    native: NativeApply,
+    add_generation_prompt: bool = True,
+    thinking: bool = False,
+    use_jinja: bool = False,
+    bos_token: str = "",
+    eos_token: str = "",
+    media_marker: str = "<__media__>",
+) -> str:
+    """The prompt text for ``messages``, from the first renderer in the order above.
+
+    With ``use_jinja`` the template decides how images appear (``media_marker`` is unused)
+    and ``thinking`` is passed as ``enable_thinking``; elsewhere images become
+    ``media_marker``, and ``thinking`` reaches only the Gemma 4 renderer (llama.cpp's
+    built-in templates have no switch for it). BOS is left to tokenization unless a jinja
+    template writes it.
+    """
+    check_messages(messages)
+    if use_jinja:
+        if template is None:
+            raise TemplateError("use_jinja needs a chat template, and the model has none")
+        return render_jinja(
+            template,
+            [_hf_message(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            enable_thinking=thinking,
+        )
+
+    flat = [(m["role"], flatten_content(m["content"], media_marker)) for m in messages]
+    text = native(template, flat, add_generation_prompt)
+    if text is not None:
+        return text
+
+    if template is not None and is_gemma4_template(template):
+        return render_gemma4(
+            messages,
+            template=template,
+            add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            media_marker=media_marker,
+        )
+    start = "" if template is None else f", starting {template[:60]!r}"
+    raise TemplateError(
+        f"llama.cpp cannot format this chat template (family: {template_family(template)}"
+        f"{start}); pass use_jinja=True to render it with jinja2"
+    )
