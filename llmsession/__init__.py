@@ -24,8 +24,8 @@ from llmsession.options import GenerationOptions
 from llmsession.replies import FinishReason, Reply, Snapshot, Timings, Usage
 
 if TYPE_CHECKING:
+    from llmsession.api.model import Model
     from llmsession.runtime.aio import AsyncStream
-    from llmsession.runtime.model import Model
     from llmsession.runtime.session import Session
     from llmsession.runtime.stream import Stream
     from llmsession.text.images import Image
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "AsyncStream": ".runtime.aio",
     "Image": ".text.images",
-    "Model": ".runtime.model",
+    "Model": ".api.model",
     "Session": ".runtime.session",
     "Stream": ".runtime.stream",
 }

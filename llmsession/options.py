@@ -114,3 +114,16 @@ def _is_real(value: object) -> bool:
 def _require(name: str, value: object, ok: bool) -> None:
     if not ok:
         raise ValueError(f"GenerationOptions.{name}: invalid value {value!r}")
+
+
+def checked_options(options: GenerationOptions | None) -> GenerationOptions:
+    """A caller's options, validated once here for every entry point (defaults for None)."""
+    if options is None:
+        return GenerationOptions()
+    if not isinstance(options, GenerationOptions):
+        raise TypeError(
+            f"options must be a GenerationOptions, got {type(options).__name__} "
+            "(write GenerationOptions(**values) for a dict)"
+        )
+    options.validate()
+    return options

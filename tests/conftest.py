@@ -119,7 +119,7 @@ def _forget_the_tests_sessions(request: pytest.FixtureRequest) -> Iterator[None]
     for name in SHARED_MODELS:
         if name in request.fixturenames:
             model = request.getfixturevalue(name)
-            for session in list(model._sessions):
+            for session in list(model.local.sessions):
                 with contextlib.suppress(LlmSessionError):  # busy in a thread the test left, closed
                     session.close()
 

@@ -177,7 +177,7 @@ class ShadowedSessions:
             elif mode == "close":
                 stream.close()
             elif mode == "drop":
-                turn = stream._turn
+                turn = stream.exchange
                 gone = weakref.ref(stream)
                 del stream, taken.stream
                 assert gone() is None, "something still holds the dropped stream"

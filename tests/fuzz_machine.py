@@ -149,7 +149,7 @@ class SessionFuzzer(HostileRules, RuleBasedStateMachine):
         """The prompt a call on session i would decode (none where it cannot be built)."""
         messages = [*self.expected[i], {"role": "user", "content": content}]
         try:
-            prompt = env().model.prompt(messages, thinking=self.sessions[i].thinking)
+            prompt = env().model.local.prompt(messages, thinking=self.sessions[i].thinking)
         except TYPED:
             return ()
         try:
@@ -176,7 +176,7 @@ class SessionFuzzer(HostileRules, RuleBasedStateMachine):
         )
         text: str | None = pending.text
         if how == "drop":
-            turn = pending.stream._turn
+            turn = pending.stream.exchange
             gone = weakref.ref(pending.stream)
             del pending
             assert gone() is None, "something still holds the dropped stream"

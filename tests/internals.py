@@ -29,15 +29,15 @@ def decoded_ahead(session: Session) -> int:
 
 def record(session: Session) -> tuple[Item, ...]:
     """The items the session's KV state holds, position by position (live or parked)."""
-    return settled(session)._lease.cache.items
+    return settled(session).lease.cache.items
 
 
 def donor_records(session: Session) -> list[tuple[Item, ...]]:
     """The records of the model's other sessions that an empty ``session`` may start from (they
     share prefixes and live in its context's pool), each settled."""
-    mine = session._lease
-    others = [s for s in list(session.model._sessions) if s is not session and s.share_prefix]
-    return [record(s) for s in others if s._lease.pool is mine.pool and not s._closed]
+    mine = session.lease
+    others = [s for s in list(session.model.sessions) if s is not session and s.share_prefix]
+    return [record(s) for s in others if s.lease.pool is mine.pool and not s._closed]
 
 
 def started(stream: Stream) -> bool:
@@ -47,7 +47,7 @@ def started(stream: Stream) -> bool:
 
 def own_replies(session: Session) -> ReplyTokens:
     """The replies a session's prompts splice first (its own, as generated)."""
-    return session._replies
+    return session.replies
 
 
 def splice_record(session: Session) -> ReplyTokens:
@@ -55,28 +55,28 @@ def splice_record(session: Session) -> ReplyTokens:
     be given to tokenize its transcript alike: its own first, then (if it shares) the model's."""
     merged = ReplyTokens(capacity=1 << 20)
     if session.share_prefix:
-        for text, tokens in list(session.model._replies._tokens.items()):
+        for text, tokens in list(session.model.replies._tokens.items()):
             merged.remember(text, tokens)
-    for text, tokens in list(session._replies._tokens.items()):
+    for text, tokens in list(session.replies._tokens.items()):
         merged.remember(text, tokens)
     return merged
 
 
 def tokenize_like(fresh: Session, like: Session) -> None:
     """Let a fresh reference session splice the replies ``like``'s prompts splice."""
-    fresh._replies = splice_record(like)
+    fresh.replies = splice_record(like)
 
 
 def placement(session: Session) -> tuple[str, int]:
     """Where the session's state is: (live / parked / cold, its sequence while live)."""
-    lease = settled(session)._lease
+    lease = settled(session).lease
     entry = lease.pool.residency.entry(lease.key)
     return entry.state.value, entry.seq
 
 
 def live_context(session: Session) -> NativeContext | None:
     """The shared context holding the session's sequence, None unless it is live."""
-    lease = settled(session)._lease
+    lease = settled(session).lease
     if lease.pool.residency.entry(lease.key).state is not State.LIVE:
         return None
     return lease.pool.context
@@ -96,7 +96,7 @@ def read_logits(n_vocab: int, context: NativeContext) -> np.ndarray:
 
 def state(session: Session) -> bytes:
     """A copy of the session's KV state (restored to a sequence first if it was parked)."""
-    blob = session.model._engine.state(settled(session)._lease)
+    blob = session.model.engine.state(settled(session).lease)
     assert blob is not None, "the session holds no state"
     return bytes(blob)
 
@@ -107,7 +107,7 @@ def logits_after(session: Session, tokens: list[int]) -> np.ndarray:
     import threading
 
     held = len(record(session))
-    with session.model._engine.seat(session._lease, held + len(tokens), threading.Event()) as seat:
+    with session.model.engine.seat(session.lease, held + len(tokens), threading.Event()) as seat:
         seat.context.decode(tokens, held, seq=seat.seq)
         logits = read_logits(session.model.native.n_vocab, seat.context)
         if not seat.context.seq_rm(held, seat.seq):

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 from llmsession import BackendError, GenerationOptions, Model, ModelLoadError
-from llmsession.remote.rpc import free_port
-from llmsession.remote.rpc import local_servers as servers
+from llmsession.native.rpc import free_port
+from llmsession.native.rpc import local_servers as servers
 from llmsession.runtime.session import Session
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)

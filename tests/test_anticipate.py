@@ -65,7 +65,9 @@ def test_the_next_exchange_decodes_only_the_users_words_and_equals_fresh(smollm2
     assert text.endswith("<|im_start|>user\n"), text
     question = "Tell me about the history of Paris."
     before = internals.record(session)
-    prompt = smollm2.prompt([*session.messages, {"role": "user", "content": question}], own=session._replies)
+    prompt = smollm2.local.prompt(
+        [*session.messages, {"role": "user", "content": question}], own=session.replies
+    )
     reply = assert_same_as_fresh(session, question)
     usage = reply.usage
     assert usage.reused_tokens == len(before) and usage.anticipated_tokens == ahead.decoded
@@ -124,7 +126,7 @@ def test_one_that_has_not_begun_is_not_waited_for(smollm2: Model, monkeypatch: p
     slow_opening = anticipate.opening
 
     def slow(guess: anticipate.Guess) -> tuple[object, ...]:
-        if guess.lease is session._lease:  # (not another test's session's)
+        if guess.lease is session.lease:  # (not another test's session's)
             rendering.set()
             release.wait(30)
         return slow_opening(guess)
@@ -146,7 +148,7 @@ def test_it_gives_way_to_another_sessions_exchange(smollm2: Model, monkeypatch: 
     """The anticipation's batches after its first (at position 0: memory is empty) wait, holding
     the engine, until another thread waits for it, so the other exchange comes while it runs
     however fast this machine decodes."""
-    original, engine = Seat.decode, smollm2._engine
+    original, engine = Seat.decode, smollm2.local.engine
     first: list[threading.Thread] = []  # the anticipation that began at position 0
     waited_in_vain: list[int] = []  # where it waited for a waiter that never came
 
@@ -201,7 +203,7 @@ def test_it_evicts_no_one(smollm2_path: Path) -> None:
         pending.wait()
         settled_ahead(second)
         states = {s.key: s.state for s in model.memory().sessions}
-        assert states[first._lease.key] == "parked" and states[second._lease.key] == "live"
+        assert states[first.lease.key] == "parked" and states[second.lease.key] == "live"
         assert model.memory().counters.parks == 1
 
 
@@ -213,7 +215,9 @@ def test_an_undo_still_reuses_exactly_the_longest_common_prefix(smollm2: Model) 
     held = internals.record(session)
     del session.messages[-2:]
     question = "Which rivers should a visitor see?"
-    prompt = smollm2.prompt([*session.messages, {"role": "user", "content": question}], own=session._replies)
+    prompt = smollm2.local.prompt(
+        [*session.messages, {"role": "user", "content": question}], own=session.replies
+    )
     reply = assert_same_as_fresh(session, question)
     assert reply.usage.reused_tokens == min(common_prefix(held, prompt.items), len(prompt.items) - 1)
 
@@ -262,7 +266,7 @@ def test_a_stateless_call_reuses_what_was_decoded_ahead(smollm2_path: Path) -> N
     with Model(smollm2_path, threads=2) as model:
         history = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hi!"}]
         first = model.chat(history, GREEDY)
-        (kept,) = model._stateless._sessions
+        (kept,) = model.local.stateless._sessions
         settled_ahead(kept)
         history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And you?"}]
         ahead = kept._ahead

@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "llmsession"
 # Lowest first: a module may import its own layer's modules (without cycles) and lower layers'.
 LAYERS = (
-    ("llmsession.errors", "llmsession.options", "llmsession.replies"),
+    ("llmsession.errors", "llmsession.options", "llmsession.replies", "llmsession.buffers"),
     ("llmsession.text",),
     ("llmsession.native",),
     ("llmsession.engine",),
@@ -160,7 +160,9 @@ def private_reads(module: str) -> list[str]:
         alias.asname or alias.name
         for node in ast.walk(tree(module))
         if isinstance(node, ast.Import | ast.ImportFrom)
-        and not (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("llmsession")))
+        and not (
+            isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("llmsession"))
+        )
         for alias in node.names
     }
     found = []
@@ -170,7 +172,10 @@ def private_reads(module: str) -> list[str]:
             and node.attr.startswith("_")
             and not node.attr.startswith("__")
             and node.attr not in own
-            and not (isinstance(node.value, ast.Name) and (node.value.id in outside or hasattr(builtins, node.value.id)))
+            and not (
+                isinstance(node.value, ast.Name)
+                and (node.value.id in outside or hasattr(builtins, node.value.id))
+            )
         ):
             found.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
     return found

@@ -40,7 +40,7 @@ def run_concurrently(model: Model) -> list[tuple[Session, Reply]]:
 
 
 def test_concurrent_streams_share_batches_and_each_equals_its_solo_run(smollm2: Model) -> None:
-    batcher = smollm2._engine.batcher
+    batcher = smollm2.local.engine.batcher
     batches, steps = batcher.batches, batcher.steps
     answered = run_concurrently(smollm2)
     assert (batcher.steps - steps) / (batcher.batches - batches) > 1.5, "the steps were not batched"

@@ -13,7 +13,8 @@ from llmsession import GenerationOptions, Model
 from llmsession.commands.bench import concurrent as bench_concurrent
 from llmsession.commands.bench import rpc as bench_rpc
 from llmsession.commands.bench import structured as bench_structured
-from llmsession.commands.bench.main import QUESTIONS, Turn, multi_turn
+from llmsession.commands.bench.main import QUESTIONS, multi_turn
+from llmsession.commands.bench.report import MeasuredTurn as Turn
 
 
 def test_multi_turn_reports_every_turn_and_reuses_the_cache(smollm2: Model) -> None:

@@ -66,7 +66,7 @@ def test_regenerating_after_twenty_turns_decodes_under_five_percent(recurrent: M
     reply = session.respond(question, GREEDY)
     assert reply.usage.from_checkpoint
     assert reply.usage.decoded_prompt_tokens <= 0.05 * transcript, (reply.usage, transcript)
-    held = session._lease.cache.checkpoints
+    held = session.lease.cache.checkpoints
     assert held is not None and len(held.positions) <= CAP.max_count
     assert held.nbytes <= CAP.max_bytes
 
@@ -91,7 +91,7 @@ def test_an_aborted_prefill_goes_back_to_a_checkpoint(
     cancelled = session.respond("A question that is cancelled before it is answered. " * 4, GREEDY)
     monkeypatch.undo()
     assert cancelled.finish_reason == "cancelled" and len(calls) == 3
-    kept = session._lease.cache.checkpoints
+    kept = session.lease.cache.checkpoints
     assert kept is not None and session.cached_tokens in kept.positions  # where it began, or on the way
     assert held <= session.cached_tokens <= held + 16
     reply = assert_same_as_fresh(session, "And now a real one.")
@@ -115,7 +115,7 @@ def test_llama_cpp_rollback_stays_off(recurrent: Model) -> None:
     lib, _ = bindings()
     session = recurrent.session()
     session.respond("Hello", GREEDY)
-    context = session._lease.pool.context
+    context = session.lease.pool.context
     assert lib.llama_n_rs_seq(context.ptr) == 0
 
 
@@ -126,5 +126,5 @@ def test_an_attention_cache_needs_no_checkpoint(smollm2: Model) -> None:
     del session.messages[-2:]
     reply = assert_same_as_fresh(session, question)
     assert not reply.usage.from_checkpoint and reply.usage.decoded_prompt_tokens == 1
-    assert session._lease.cache.checkpoints is None
+    assert session.lease.cache.checkpoints is None
     assert smollm2.memory().checkpoint_bytes == 0

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import llmsession
 
@@ -39,15 +42,33 @@ def test_a_bare_import_loads_nothing_heavy() -> None:
     assert not loaded_after("from llmsession import GenerationOptions, LlmSessionError, Reply") & HEAVY
 
 
-def test_the_first_heavy_name_loads_what_it_needs() -> None:
-    assert {"numpy", "llguidance"} <= loaded_after("from llmsession import Model")
+def test_the_public_classes_load_nothing_heavy_until_used() -> None:
+    assert not loaded_after("from llmsession import AsyncStream, Model") & HEAVY
+    runtime = loaded_after("from llmsession import Session, Stream")  # (numpy: the native layer's arrays)
+    assert not runtime & {"PIL", "llguidance", "jinja2", "jsonschema", "pydantic"}
     assert "numpy" in loaded_after("import llmsession; llmsession.Image")
+    assert "PIL" not in loaded_after("import llmsession; llmsession.Image")  # until one is decoded
+
+
+@pytest.mark.native
+def test_each_heavy_library_loads_when_first_needed(smollm2_path: Path) -> None:
+    """Opening a model brings the bindings and numpy, not the matcher, PIL or jinja2; the first
+    constraint compiled brings llguidance, the first image decoded PIL."""
+    opened = f"from llmsession import Model\nmodel = Model({str(smollm2_path)!r}, threads=1)"
+    assert {"numpy", "llama_cffi", "_cffi_backend"} <= loaded_after(opened)
+    assert not loaded_after(opened) & {"llguidance", "PIL", "jinja2", "jsonschema", "pydantic"}
+    regex = "GenerationOptions(regex='[0-9]')"
+    constrained = f"{opened}\nfrom llmsession import GenerationOptions\nmodel.local.constraint({regex})"
+    assert "llguidance" in loaded_after(constrained)
+    decoded = "import llmsession\ntry:\n    llmsession.Image(b'not an image')\n"
+    decoded += "except llmsession.ImageError:\n    pass"
+    assert "PIL" in loaded_after(decoded)
 
 
 def test_every_public_name_resolves() -> None:
     for name in llmsession.__all__:
         assert getattr(llmsession, name) is not None, name
-    assert llmsession.Model.__module__ == "llmsession.runtime.model"
+    assert llmsession.Model.__module__ == "llmsession.api.model"
     assert llmsession.__version__ == "0.1.0"  # the installed distribution's (pyproject.toml)
     try:
         llmsession.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018

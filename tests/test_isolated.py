@@ -27,7 +27,7 @@ def isolated(smollm2_path: Path) -> Iterator[Model]:
 
 
 def test_it_answers_as_the_model_in_process(isolated: Model, smollm2_path: Path) -> None:
-    assert isinstance(isolated, IsolatedModel) and isinstance(isolated.session(), Session)
+    assert isolated.isolated and isinstance(isolated.session(), Session)
     with Model(smollm2_path, threads=2, anticipate=False) as local:
         ours, theirs = isolated.session("Be brief."), local.session("Be brief.")
         for question in QUESTIONS[:2]:
@@ -80,8 +80,8 @@ def test_a_dead_worker_is_a_typed_error_and_a_new_model_takes_over(smollm2_path:
     session = model.session()
     session.respond(QUESTIONS[0], GREEDY)
     before = copy.deepcopy(session.messages)
-    assert isinstance(model, IsolatedModel)
-    os.kill(model._worker.process.pid, signal.SIGKILL)
+    assert model.isolated
+    os.kill(model.backend.worker.process.pid, signal.SIGKILL)
     with pytest.raises(BackendError, match="SIGKILL"):
         session.respond(QUESTIONS[1], GREEDY)
     assert session.messages == before and model.closed
@@ -97,8 +97,8 @@ def test_a_dead_worker_is_a_typed_error_and_a_new_model_takes_over(smollm2_path:
 def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> None:
     with Model(smollm2_path, threads=2, isolated=True, worker_timeout=1.0) as model:
         session = model.session()
-        assert isinstance(model, IsolatedModel)
-        os.kill(model._worker.process.pid, signal.SIGSTOP)
+        assert model.isolated
+        os.kill(model.backend.worker.process.pid, signal.SIGSTOP)
         began = time.monotonic()
         with pytest.raises(BackendError, match="sent nothing for 1 s"):
             session.respond(QUESTIONS[0], GREEDY)
@@ -109,11 +109,17 @@ def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> N
 def test_the_proxies_override_every_public_method_that_reaches_native_state() -> None:
     """An inherited method would run on state the proxies do not have; these few are built on
     overridden ones only."""
+    from llmsession.api.model import Backend
     from llmsession.remote.isolated import IsolatedSession, IsolatedStream
+    from llmsession.runtime.local import LocalModel
     from llmsession.runtime.stream import Stream
 
-    built_on_others = {"chat", "respond", "arespond"}
-    for proxy, base in ((IsolatedModel, Model), (IsolatedSession, Session), (IsolatedStream, Stream)):
+    calls = {name for name, value in vars(Backend).items() if callable(value) or isinstance(value, property)}
+    for backend in (IsolatedModel, LocalModel):  # ``Model`` holds one or the other
+        missing = {name for name in calls if not name.startswith("_") and not hasattr(backend, name)}
+        assert not missing, f"{backend.__name__} lacks {sorted(missing)}"
+    built_on_others = {"respond", "arespond", "settings"}
+    for proxy, base in ((IsolatedSession, Session), (IsolatedStream, Stream)):
         public = {name for name in vars(base) if not name.startswith("_")}
         missing = public - set(vars(proxy)) - built_on_others
         assert not missing, f"{proxy.__name__} inherits {sorted(missing)}"

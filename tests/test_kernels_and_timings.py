@@ -35,10 +35,10 @@ def test_the_split_accounts_for_the_time_to_first_token(smollm2: Model) -> None:
 
 def test_the_shared_context_is_made_while_the_model_loads(smollm2_path: Path) -> None:
     with Model(smollm2_path, threads=2) as model:
-        warm = model._engine.warm()  # a second call joins the same pool; wait for it
+        warm = model.local.engine.warm()  # a second call joins the same pool; wait for it
         assert warm is not None
         warm.join()
-        (pool,) = model._engine._pools.values()
+        (pool,) = model.local.engine._pools.values()
         assert pool._context is not None  # before any session spoke
         reply = model.session().respond("Hello", GREEDY)
         assert reply.timings.plan_s < reply.timings.prefill_s

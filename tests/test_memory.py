@@ -102,9 +102,9 @@ def test_sessions_past_a_sliding_window_go_cold_and_within_it_are_parked(gemma3_
         long_.respond("word " * 600, GenerationOptions(max_tokens=2, temperature=0))
         short.respond("Hello there.", GenerationOptions(max_tokens=2, temperature=0))  # evicts long_
         states = {s.key: s.state for s in model.memory().sessions}
-        assert states[long_._lease.key] == "cold", "a state past its window was parked"
+        assert states[long_.lease.key] == "cold", "a state past its window was parked"
         long_.respond("More.", GenerationOptions(max_tokens=2, temperature=0))  # evicts short: parked
-        assert {s.key: s.state for s in model.memory().sessions}[short._lease.key] == "parked"
+        assert {s.key: s.state for s in model.memory().sessions}[short.lease.key] == "parked"
         again = short.respond("And?", GenerationOptions(max_tokens=2, temperature=0))
         assert again.usage.reused_tokens > 0 and model.memory().counters.restores == 1
 

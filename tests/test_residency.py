@@ -9,7 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmsession.engine.residency import Budget, BudgetError, Residency, State, Step
+from llmsession.engine.budget import Budget, BudgetError
+from llmsession.engine.residency import Move, Residency, State
 
 BYTES_PER_CELL = 10
 
@@ -22,7 +23,7 @@ class FakeContext:
         self.n_cells = n_cells
         self.parked: dict[object, list[str]] = {}
 
-    def apply(self, step: Step) -> None:
+    def apply(self, step: Move) -> None:
         if step.action == "park":
             assert step.key not in self.parked
             self.parked[step.key] = list(self.seqs[step.seq])
@@ -166,7 +167,7 @@ def test_a_busy_session_is_never_evicted() -> None:
         residency.acquire("b", 6)
     residency.release("a", 6)
     steps = residency.acquire("b", 6)
-    assert steps == [Step("park", "a", residency.entry("b").seq)] or steps[0].action == "park"
+    assert steps == [Move("park", "a", residency.entry("b").seq)] or steps[0].action == "park"
     assert residency.entry("a").state is State.PARKED
 
 

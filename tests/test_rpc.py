@@ -14,9 +14,8 @@ import pytest
 from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
 
 from llmsession import GenerationOptions, Image, Model, ModelLoadError
-from llmsession.remote import rpc
-from llmsession.remote.isolated import IsolatedModel
-from llmsession.remote.rpc import local_servers as servers
+from llmsession.native import rpc
+from llmsession.native.rpc import local_servers as servers
 
 FAULTS = Path(__file__).with_name("rpc_faults.py")
 
@@ -33,7 +32,7 @@ def test_a_chat_on_two_servers_equals_a_local_run(smollm2: Model, endpoints: lis
     local fresh decode when they differ in text."""
     tolerance = tolerance_for(short_prompt_noise(smollm2))
     with Model(smollm2.path, threads=2, rpc_servers=endpoints, isolated=False) as remote:
-        assert not isinstance(remote, IsolatedModel)
+        assert not remote.isolated
         ours = remote.session(system="You are a helpful assistant.")
         for turn, question in enumerate(QUESTIONS[:2]):
             before = copy.deepcopy(ours.messages)
@@ -58,7 +57,7 @@ def test_an_isolated_chat_on_two_servers_equals_the_same_chat_in_process(
         with Model(
             smollm2_path, threads=2, rpc_servers=endpoints, isolated=isolated, anticipate=False
         ) as remote:
-            assert isinstance(remote, IsolatedModel) == isolated
+            assert remote.isolated == isolated
             session = remote.session(system="You are a helpful assistant.")
             replies = [session.respond(q, GREEDY) for q in QUESTIONS[:2]]
             assert replies[1].usage.reused_tokens > replies[0].usage.prompt_tokens
@@ -78,7 +77,7 @@ def test_images_go_through_the_worker_and_the_servers_as_locally(
         servers_ = {"rpc_servers": endpoints} if remote else {}
         projector = fixture_path("mmproj-tiny.gguf")
         with Model(smollm2_path, mmproj_path=projector, threads=2, anticipate=False, **servers_) as model:
-            assert isinstance(model, IsolatedModel) == remote
+            assert model.isolated == remote
             session = model.session()
             first = session.respond(["What is this?", Image(fixture_path("image-red.png"))], options)
             second = session.respond("And its colour?", options)

@@ -24,14 +24,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmsession.api.model import Model
 from llmsession.commands import installer, paths
 from llmsession.commands.argtypes import port, positive_int, temperature
+from llmsession.commands.doctor import doctor, error
 from llmsession.commands.installer import SETUP_COMMAND
-from llmsession.engine.budget import MemoryConfig
 from llmsession.errors import LlmSessionError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
-from llmsession.runtime.model import Model
 from llmsession.runtime.session import Session
 
 HELP = """commands:
@@ -219,10 +219,6 @@ class Chat:
             self.send(line)
 
 
-def error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-
-
 def not_decodable() -> str:
     """What is wrong with a line of bytes that stdin's encoding cannot decode."""
     encoding = getattr(sys.stdin, "encoding", None) or "utf-8"
@@ -258,7 +254,7 @@ def chat(args: argparse.Namespace) -> int:
 
 def rpc_server(args: argparse.Namespace) -> int:
     """Serve this machine's CPU to a model loaded on another host (``Model(rpc_servers=...)``)."""
-    from llmsession.remote import rpc
+    from llmsession.native import rpc
 
     try:
         command = rpc.server_command(args.port, args.host, args.threads)
@@ -267,66 +263,6 @@ def rpc_server(args: argparse.Namespace) -> int:
         return 1
     print(f"serving on {args.host}:{args.port}: {' '.join(command)}", flush=True)
     os.execv(command[0], command)
-
-
-def doctor_rpc(endpoints: list[str]) -> int:
-    """What each RPC endpoint answers, then the devices llama.cpp sees there."""
-    from llmsession.native import llama as native
-    from llmsession.remote import rpc
-
-    status, ready = 0, []
-    for text in endpoints:
-        try:
-            info = rpc.preflight(rpc.parse_endpoint(text), timeout=5.0)
-        except (LlmSessionError, ValueError) as e:
-            error(str(e))
-            status = 1
-            continue
-        version = ".".join(map(str, info.version))
-        print(f"rpc {info.endpoint}: protocol {version}, {info.devices} device(s)")
-        ready.append(str(info.endpoint))
-    for line in native.device_names(ready) if ready else []:
-        print(f"  {line}")
-    return status
-
-
-def doctor(args: argparse.Namespace) -> int:
-    """What a bug report needs: which llama.cpp, which CPU features, which models and fixtures."""
-    from llama_cffi import lib_dir
-
-    from llmsession.native import llama as native
-
-    if args.rpc:
-        return doctor_rpc(args.rpc)
-
-    print(f"library dir: {lib_dir()}")
-    info_path = paths.llama_dir() / "build-info.json"
-    if info_path.exists():
-        info = json.loads(info_path.read_text())
-        print(f"build info: {info_path}")
-        for key, value in info.items():
-            if isinstance(value, dict):  # cmake options
-                value = " ".join(f"{k}={v}" for k, v in value.items())
-            print(f"  {key}: {value}")
-    else:
-        print(f"build info: {info_path} missing (run `{SETUP_COMMAND}`)")
-    status = 0
-    try:
-        print(f"llama.cpp commit: {native.build_commit()} (pinned {paths.LLAMA_CPP_COMMIT})")
-        print(f"system info: {native.system_info().strip()}")
-    except (LlmSessionError, OSError) as e:
-        error(f"the llama.cpp libraries do not load: {e}")
-        status = 1
-    installer.models(args)
-    projector = paths.fixtures_dir() / "mmproj-tiny.gguf"
-    print(f"projector fixture: {projector} {'present' if projector.exists() else 'missing'}")
-    budget = MemoryConfig()
-    print(
-        "memory budget per model (the defaults; Model() arguments change them): "
-        f"kv_tokens {budget.kv_tokens}, max_live_sessions {budget.max_live_sessions}, "
-        f"host_cache_bytes {budget.host_cache_bytes >> 20} MiB, disk_cache_dir none"
-    )
-    return status
 
 
 def bench(argv: list[str]) -> int:

@@ -1,13 +1,12 @@
 """Build the pinned llama.cpp (libllama, libmtmd, ggml) into the cache, or adopt an existing build.
 
 The source is the llama.cpp vendored in the PyPI sdist llama-cpp-python==0.3.36 (commit 0c1e57098):
-release binaries cannot be downloaded here, and PyPI wheels carrying libllama need a newer glibc.
-The build ends with a smoke test in a subprocess, so a bad build fails now rather than at first use.
+release binaries cannot be downloaded here, PyPI wheels carrying libllama need a newer glibc. A smoke
+test in a subprocess ends the build: a bad build fails now, not at first use.
 
     llmsession setup                      # download, verify, build (about 4 minutes), fetch the model
     python scripts/fetch_llama.py --lib-dir L --include-dir I   # adopt a build of the same version
-    python scripts/fetch_llama.py --bench              # also build llama-bench (for the benchmarks)
-"""
+    python scripts/fetch_llama.py --bench              # also build llama-bench (for the benchmarks)"""
 
 from __future__ import annotations
 

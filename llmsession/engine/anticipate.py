@@ -20,20 +20,17 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from llmsession.engine.engine import Engine
+from llmsession.engine.lease import Lease
 from llmsession.engine.prefix import Item, common_prefix
+from llmsession.engine.prompt import Prompt
 from llmsession.native.cancel import ACTIVITY
 from llmsession.native.context import DecodeAborted
-
-if TYPE_CHECKING:
-    from llmsession.engine.engine import Engine, Lease
-    from llmsession.replies import Message
-    from llmsession.runtime.model import Model
-    from llmsession.runtime.session import Session
-    from llmsession.text.splice import ReplyTokens
+from llmsession.native.llama import NativeModel
+from llmsession.replies import Message
 
 log = logging.getLogger("llmsession")
 QUIET_S = 0.05  # it begins once nothing has decoded for this long (a script's next call comes sooner)
@@ -47,49 +44,34 @@ class Yielding(threading.Event):
     """An abort flag that is also set while another thread waits for the engine, or once the
     session is gone."""
 
-    def __init__(self, engine: Engine, session: Session) -> None:
+    def __init__(self, engine: Engine, alive: Callable[[], bool]) -> None:
         super().__init__()
-        self._engine, self._session = engine, weakref.ref(session)  # (its Ahead holds the engine)
+        self.engine, self.alive = engine, alive  # (its Ahead holds the engine)
 
     def is_set(self) -> bool:
-        return super().is_set() or self._engine.contended or self._session() is None
+        return super().is_set() or self.engine.contended or not self.alive()
 
 
 @dataclass(frozen=True)
 class Guess:
-    """What the background thread needs of its session (which it holds only weakly, so that a
-    dropped session goes at once): the transcript so far and how its prompts are made."""
+    """What the background thread needs of its session (which it never holds, so that a
+    dropped session goes at once): how its prompts are made, and the transcript so far."""
 
-    model: Model
+    prompt: Callable[[list[Message]], Prompt]  # the session's prompt for a transcript
+    native: NativeModel
+    enabled: bool  # the model's ``anticipate``
     lease: Lease
-    replies: ReplyTokens
     messages: list[Message]
-    thinking: bool
     context_size: int
     batch_size: int
-    shared: bool  # its prompts splice other sessions' replies too (``share_prefix``)
-
-    @classmethod
-    def of(cls, session: Session) -> Guess:
-        messages = [dict(m) for m in session.messages]
-        return cls(
-            session.model,
-            session._lease,
-            session._replies,
-            messages,
-            session.thinking,
-            session.context_size,
-            session.batch_size,
-            session.share_prefix,
-        )
 
 
 class Ahead:
     """One session's anticipatory prefill, running in its own thread."""
 
-    def __init__(self, session: Session, guess: Guess) -> None:
-        self.engine = session.model._engine
-        self.cancelled = Yielding(self.engine, session)
+    def __init__(self, engine: Engine, guess: Guess, alive: Callable[[], bool]) -> None:
+        self.engine = engine
+        self.cancelled = Yielding(engine, alive)
         self.target: tuple[Item, ...] | None = None  # what memory will hold, once known
         self.start, self.decoded = 0, 0  # positions start.. start + decoded were decoded ahead
         self.started = False  # its first decode has begun
@@ -152,9 +134,7 @@ def opening(guess: Guess) -> tuple[Item, ...]:
     probes = []
     for probe in PROBES:
         transcript = [*guess.messages, {"role": "user", "content": probe}]
-        prompt = guess.model.prompt(
-            transcript, thinking=guess.thinking, own=guess.replies, shared=guess.shared
-        )
+        prompt = guess.prompt(transcript)
         prompt.close()
         probes.append(prompt.items)
     return tuple(probes[0][: common_prefix(*probes)])
@@ -164,10 +144,10 @@ def worth_it(guess: Guess) -> bool:
     """Whether the opening is worth decoding ahead: never for an encoder-decoder model (each
     exchange has a context of its own), a recurrent memory that cannot rewind if the guess is
     wrong (no checkpoints), or a transcript with images (re-tokenizing them is not free)."""
-    native, cache = guess.model.native, guess.lease.cache
+    native, cache = guess.native, guess.lease.cache
     rewinds = not native.is_recurrent or bool(cache.checkpoint_stops(len(cache.items) + 1))
     return (
-        guess.model.anticipate
+        guess.enabled
         and not native.has_encoder
         and rewinds
         and all(isinstance(m.get("content"), str) for m in guess.messages)
@@ -181,7 +161,7 @@ def decode_opening(ahead: Ahead, guess: Guess) -> None:
     target = opening(guess)
     if len(target) + 1 >= guess.context_size:
         return  # the next prompt cannot fit anyway
-    engine, lease = guess.model._engine, guess.lease
+    engine, lease = ahead.engine, guess.lease
     reused = common_prefix(lease.cache.items, target)
     if reused < len(lease.cache.items):
         return  # the transcript changed under memory: leave it to the exchange
@@ -216,9 +196,7 @@ def stop_all(engine: Engine | None = None) -> None:
             ahead.settle(None)
 
 
-def start(session: Session) -> Ahead | None:
-    """Begin decoding the next prompt's opening in the background (None if not worth it)."""
-    if session._closed or session.model.closed:
-        return None
-    guess = Guess.of(session)
-    return Ahead(session, guess) if worth_it(guess) else None
+def start(engine: Engine, guess: Guess, alive: Callable[[], bool]) -> Ahead | None:
+    """Begin decoding the next prompt's opening in the background (None if not worth it);
+    ``alive`` says whether the session still exists."""
+    return Ahead(engine, guess, alive) if worth_it(guess) else None

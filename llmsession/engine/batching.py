@@ -25,14 +25,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmsession.errors import ModelClosedError
+from llmsession.native.context import NativeContext
 from llmsession.native.sampler import TokenSampler
-
-if TYPE_CHECKING:
-    from llmsession.engine.seat import Seat
-    from llmsession.native.context import NativeContext
 
 GATHER_S = 0.002  # how long a leader waits for generating streams that have not queued yet
 RECENT_S = 0.05  # a stream that has not stepped for this long is not waited for
@@ -85,12 +82,26 @@ class Tracker:
     last: float = field(default_factory=time.perf_counter)
 
 
+class Target(Protocol):
+    """The sequence a step decodes into (``seat.Seat``): the same three calls make a lone
+    decode's room, record and sample."""
+
+    context: NativeContext
+    seq: int
+
+    def make_room(self, n_tokens: int) -> None: ...
+
+    def decoded(self, items: Sequence[int], seconds: float) -> None: ...
+
+    def sample_row(self, row: int, sampler: TokenSampler) -> int: ...
+
+
 @dataclass(eq=False)
 class Step:
     """One stream's generation step, and its outcome once ``finish``ed (``done`` is set for a
     step queued for the decode thread)."""
 
-    seat: Seat
+    target: Target
     tokens: Sequence[int]
     pos: int
     sampler: TokenSampler
@@ -136,7 +147,7 @@ class Batcher:
         """Decode ``step`` (with whatever else is waiting) and return its sampled token."""
         if self._alone(step):  # on the caller's thread, which decoded its prefill too
             with self.gate.hold():
-                self._decode(step.seat.context, [step])
+                self._decode(step.target.context, [step])
             return self._outcome(step)
         with self._queue:
             if self._closed:
@@ -157,9 +168,9 @@ class Batcher:
 
     def _alone(self, step: Step) -> bool:
         """No other stream is stepping on this context: nothing to batch with."""
-        context, now = step.seat.context, time.perf_counter()
+        context, now = step.target.context, time.perf_counter()
         with self._queue:
-            if any(s.seat.context is context for s in self._pending):
+            if any(s.target.context is context for s in self._pending):
                 return False
             trackers = self._streams.get(id(context), set())
             return not any(t is not step.tracker and now - t.last < RECENT_S for t in trackers)
@@ -183,7 +194,7 @@ class Batcher:
                     self._queue.wait()
                 if not self._pending:
                     return
-                context = self._pending[0].seat.context
+                context = self._pending[0].target.context
             self._gather(context)
             steps = self._take(context)  # never waits for the queue while holding the engine's lock
             while self.gate.contended:  # a prefill batch goes between two generation batches
@@ -196,7 +207,7 @@ class Batcher:
         deadline = time.perf_counter() + GATHER_S
         with self._queue:
             while (left := deadline - time.perf_counter()) > 0:
-                waiting = sum(1 for s in self._pending if s.seat.context is context)
+                waiting = sum(1 for s in self._pending if s.target.context is context)
                 now = time.perf_counter()
                 active = sum(1 for t in self._streams.get(id(context), ()) if now - t.last < RECENT_S)
                 if waiting >= active:
@@ -209,7 +220,7 @@ class Batcher:
         room = context.batch.capacity
         with self._queue:
             for step in self._pending:
-                if step.seat.context is context and (len(step.tokens) <= room or not taken):
+                if step.target.context is context and (len(step.tokens) <= room or not taken):
                     taken.append(step)  # (one too long for any batch is taken alone: it errs)
                     room -= len(step.tokens)
             self._pending = [s for s in self._pending if s not in taken]
@@ -220,7 +231,7 @@ class Batcher:
         ready = []
         for step in steps:
             try:
-                step.seat.make_room(len(step.seat.items) + len(step.tokens))
+                step.target.make_room(len(step.tokens))
                 ready.append(step)
             except BaseException as error:  # this stream's budget error is its own
                 step.error = error
@@ -229,7 +240,7 @@ class Batcher:
             return
         began = time.perf_counter()
         try:
-            rows = context.decode_many([(s.tokens, s.pos, s.seat.seq) for s in ready])
+            rows = context.decode_many([(s.tokens, s.pos, s.target.seq) for s in ready])
         except BaseException as error:  # every sequence in the batch may be partly written
             for step in ready:
                 step.error = error
@@ -239,10 +250,9 @@ class Batcher:
         self.batches, self.steps = self.batches + 1, self.steps + len(ready)
         ended = time.perf_counter()
         for step, row in zip(ready, rows, strict=True):
-            step.seat.lease.cache.extend(step.tokens)
-            step.seat.decode_s += decoded
+            step.target.decoded(step.tokens, decoded)
             try:
-                step.token = step.seat.sample_row(row, step.sampler)
+                step.token = step.target.sample_row(row, step.sampler)
             except BaseException as error:  # a constraint's error is its stream's alone
                 step.error = error
             if step.tracker is not None:

@@ -10,6 +10,21 @@ from llmsession.engine.checkpoints import CheckpointConfig
 MIB = 1 << 20
 
 
+class BudgetError(Exception):
+    """The request cannot fit even after evicting every idle session."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    kv_cells: int  # KV cells of the shared context
+    max_live: int  # its sequences
+    host_bytes: int  # parked states in host RAM, in total
+
+    def __post_init__(self) -> None:
+        if self.kv_cells < 1 or self.max_live < 1 or self.host_bytes < 0:
+            raise ValueError(f"invalid budget {self}")
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     """The model's memory budget (``Model(kv_tokens=..., ...)``)."""

@@ -23,10 +23,11 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from llmsession.engine.batching import Batcher, Gate
-from llmsession.engine.budget import Counters, MemoryConfig, MemoryReport, SessionMemory
+from llmsession.engine.budget import Budget, BudgetError, Counters, MemoryConfig, MemoryReport, SessionMemory
+from llmsession.engine.lease import Lease, Pool
 from llmsession.engine.parking import ParkingLot
-from llmsession.engine.prefix import Item, PrefixCache, best_donor
-from llmsession.engine.residency import Budget, BudgetError, Residency, State, Step
+from llmsession.engine.prefix import Item, best_donor
+from llmsession.engine.residency import Move, State
 from llmsession.engine.seat import Seat
 from llmsession.errors import MemoryBudgetError
 from llmsession.native.context import NativeContext
@@ -39,58 +40,6 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("llmsession")
-
-
-class Lease:
-    """A session's place in the engine: its key, the record of what its state holds, and whether
-    it shares prefixes with other sessions (``Engine.share``)."""
-
-    def __init__(self, pool: Pool, key: int, n_swa: int, window: int, shares: bool = True) -> None:
-        self.pool, self.key, self.n_swa, self.shares = pool, key, n_swa, shares
-        engine = pool.engine
-        # A recurrent state refuses cuts inside it: checkpoints let it rewind. Never a sliding
-        # window's: its states past the window restore wrong in the pinned llama.cpp (#25295).
-        recurrent = engine.native.is_recurrent and window == 0
-        self.cache = PrefixCache(n_swa=window, checkpoints=engine.config.checkpoints if recurrent else None)
-
-    @property
-    def parkable(self) -> bool:
-        """A sliding-window state past its window restores wrong in the pinned llama.cpp
-        (#25295): such a state is never parked, it goes cold."""
-        return not (self.n_swa > 0 and len(self.cache.items) > self.n_swa)
-
-
-class Pool:
-    """One shared context (made on first use) for one memory layout, and its ledger."""
-
-    def __init__(self, engine: Engine, swa_full: bool, n_batch: int, n_seq_max: int) -> None:
-        self.engine, self.swa_full, self.n_batch = engine, swa_full, n_batch
-        c = engine.config
-        self.budget = Budget(c.kv_tokens, max_live=n_seq_max, host_bytes=c.host_cache_bytes)
-        self.residency = Residency(self.budget, park_bytes=self._park_bytes)
-        self.leases: dict[int, Lease] = {}
-        self._context: NativeContext | None = None
-
-    @property
-    def context(self) -> NativeContext:
-        if self._context is None:
-            e = self.engine
-            self._context = e.make_context(
-                n_ctx=e.config.kv_tokens,
-                n_batch=self.n_batch,
-                threads=e.threads,
-                swa_full=self.swa_full,
-                n_seq_max=self.budget.max_live,
-                flash_attention=e.flash_attention,
-            )
-        return self._context
-
-    def _park_bytes(self, key: object) -> int:
-        return self.context.state_size(self.residency.entry(key).seq)
-
-    def close(self) -> None:
-        if self._context is not None:
-            self._context.close()
 
 
 class Engine:
@@ -130,7 +79,9 @@ class Engine:
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
         with self.hold():
             pool = self._pool(swa_full, batch_size)
-            lease = Lease(pool, next(self._keys), n_swa, window=0 if swa_full else n_swa, shares=shares)
+            recurrent = self.config.checkpoints if self.native.is_recurrent else None
+            window = 0 if swa_full else n_swa
+            lease = Lease(pool, next(self._keys), n_swa, window, checkpoints=recurrent, shares=shares)
             pool.leases[lease.key] = lease
             pool.residency.add(lease.key)
             return lease
@@ -144,7 +95,18 @@ class Engine:
         layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
         if layout not in self._pools:
             live = self.config.max_live_sessions if swa_full else 1
-            self._pools[layout] = Pool(self, swa_full, layout[1], live)
+            c = self.config
+            make = functools.partial(
+                self.make_context,
+                n_ctx=c.kv_tokens,
+                n_batch=layout[1],
+                threads=self.threads,
+                swa_full=swa_full,
+                n_seq_max=live,
+                flash_attention=self.flash_attention,
+            )
+            budget = Budget(c.kv_tokens, max_live=live, host_bytes=c.host_cache_bytes)
+            self._pools[layout] = Pool(make, budget, swa_full=swa_full, n_batch=layout[1])
         return self._pools[layout]
 
     def warm(self) -> threading.Thread | None:
@@ -202,7 +164,7 @@ class Engine:
                 steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
             except BudgetError as error:
                 raise MemoryBudgetError(str(error)) from None
-            self._apply(pool, steps)
+            self.apply(pool, steps)
             seq = pool.residency.entry(lease.key).seq
             if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
                 if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
@@ -229,7 +191,9 @@ class Engine:
             )
         lease.cache.reset()
         try:
-            yield Seat(self, lease, context, 0, cancelled, single_use=True)
+            yield Seat(
+                self, lease, context, 0, cancelled, single_use=True, decoder_start=self.native.decoder_start
+            )
         finally:
             with self.hold():
                 context.close()
@@ -344,7 +308,8 @@ class Engine:
             self.lot.close()
 
     # -- applying the ledger's steps -------------------------------------------------------------
-    def _apply(self, pool: Pool, steps: list[Step]) -> None:
+    def apply(self, pool: Pool, steps: list[Move]) -> None:
+        """Carry out the ledger's moves on ``pool``'s context and the parking lot."""
         for step in steps:
             lease = pool.leases[step.key]  # type: ignore[index]
             if step.action == "park":
@@ -361,7 +326,7 @@ class Engine:
             elif step.action == "drop" and self.lot.disk_dir and lease.cache.items and lease.parkable:
                 self.lot.park(lease.key, pool.context.state_get(step.seq))  # too big for RAM
                 pool.context.seq_rm(-1, step.seq)
-                self._apply(pool, [Step("forget", lease.key, -1)])
+                self.apply(pool, [Move("forget", lease.key, -1)])
             elif step.action == "drop":
                 pool.context.seq_rm(-1, step.seq)
                 if lease.cache.items:
@@ -398,7 +363,7 @@ class Engine:
                 self._free(lease, pool.residency.remove(lease.key))
                 del pool.leases[lease.key]
 
-    def _free(self, lease: Lease, steps: list[Step]) -> None:
+    def _free(self, lease: Lease, steps: list[Move]) -> None:
         """Let a session's state go on purpose (closed or collected): not an eviction. Its
         parked state goes too, also one on disk the ledger already counts as cold."""
         for step in steps:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import shutil
 import tempfile
@@ -29,18 +28,14 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmsession.buffers import mapping
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("llmsession")
 Key = Hashable
 FOLDER_PREFIX = "llmsession-"
-
-
-def mapping(size: int) -> mmap.mmap:
-    """An anonymous, prefaulted mapping of ``size`` bytes (at least one: mmap refuses zero)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(-1, max(size, 1), flags=flags)
 
 
 def running(pid: int) -> bool:

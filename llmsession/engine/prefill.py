@@ -4,27 +4,27 @@ both end with the first reply token sampled from the last logits."""
 
 from __future__ import annotations
 
+from llmsession.engine.prompt import Prompt
 from llmsession.engine.seat import Seat
 from llmsession.native.context import DecodeAborted
 from llmsession.native.projector import ImageChunk
 from llmsession.native.sampler import TokenSampler
 from llmsession.replies import Usage
-from llmsession.runtime.stream import Turn
 
 
 def prefill(
-    turn: Turn, seat: Seat, reused: int, usage: Usage, sampler: TokenSampler, batch_size: int
+    seat: Seat, prompt: Prompt, reused: int, sampler: TokenSampler, *, usage: Usage, batch_size: int
 ) -> tuple[int, int] | None:
     """Decode the prompt after its first ``reused`` items and sample the first reply token
     from the last one's logits; (next position, that token), or None if cancelled. On a
     recurrent memory, stop where a checkpoint is due and take it."""
     if seat.single_use:
-        return encode(turn, seat, usage, sampler)
+        return encode(seat, prompt, sampler, usage=usage)
     # ``done`` counts items (what the record holds), ``pos`` positions: an M-RoPE image spans
     # fewer positions than items.
-    items, done, pos, end, token = turn.prompt.items, reused, reused, 0, -1
+    items, done, pos, end, token = prompt.items, reused, reused, 0, -1
     stops = set(seat.checkpoint_stops(len(items)))
-    for piece in turn.prompt.pieces:
+    for piece in prompt.pieces:
         size = piece.n_tokens if isinstance(piece, ImageChunk) else len(piece)
         start, end = end, end + size  # this piece holds items[start:end]
         if end <= reused:
@@ -32,7 +32,7 @@ def prefill(
         last = end == len(items)
         try:
             if isinstance(piece, ImageChunk):
-                if turn.cancelled.is_set():
+                if seat.cancelled.is_set():
                     return None
                 if done in stops:
                     seat.checkpoint()
@@ -41,7 +41,7 @@ def prefill(
                 usage.decoded_prompt_tokens += size
                 continue
             while done < end:
-                if turn.cancelled.is_set():
+                if seat.cancelled.is_set():
                     return None
                 if done in stops:
                     seat.checkpoint()
@@ -59,16 +59,15 @@ def prefill(
     return pos, token
 
 
-def encode(turn: Turn, seat: Seat, usage: Usage, sampler: TokenSampler) -> tuple[int, int] | None:
+def encode(seat: Seat, prompt: Prompt, sampler: TokenSampler, *, usage: Usage) -> tuple[int, int] | None:
     """An encoder-decoder model's prefill: the whole prompt through the encoder, then the
     decoder's start token; (next position, the first reply token), or None if cancelled."""
-    start = seat.engine.native.decoder_start
     try:
-        if turn.cancelled.is_set():
+        if seat.cancelled.is_set():
             return None
-        seat.encode(turn.prompt.tokens())
-        usage.decoded_prompt_tokens = len(turn.prompt.items)
-        return 1, seat.decode([start], 0, abortable=True, sampler=sampler)
+        seat.encode(prompt.tokens())
+        usage.decoded_prompt_tokens = len(prompt.items)
+        return 1, seat.decode([seat.decoder_start], 0, abortable=True, sampler=sampler)
     except DecodeAborted as aborted:
         if aborted.cause is not None:
             raise

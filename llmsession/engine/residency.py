@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, NamedTuple
 
+from llmsession.engine.budget import Budget, BudgetError
+
 Key = Hashable
 
 
@@ -27,7 +29,7 @@ class State(Enum):
     COLD = "cold"
 
 
-class Step(NamedTuple):
+class Move(NamedTuple):
     """One thing the engine must do, in order: ``park`` copies a live sequence's state to host
     RAM and frees the sequence; ``drop`` frees a live sequence (the session goes cold);
     ``forget`` releases a parked state (cold); ``restore`` loads a parked state into ``seq``."""
@@ -35,21 +37,6 @@ class Step(NamedTuple):
     action: Literal["park", "drop", "forget", "restore"]
     key: Key
     seq: int
-
-
-class BudgetError(Exception):
-    """The request cannot fit even after evicting every idle session."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    kv_cells: int  # KV cells of the shared context
-    max_live: int  # its sequences
-    host_bytes: int  # parked states in host RAM, in total
-
-    def __post_init__(self) -> None:
-        if self.kv_cells < 1 or self.max_live < 1 or self.host_bytes < 0:
-            raise ValueError(f"invalid budget {self}")
 
 
 @dataclass
@@ -107,25 +94,25 @@ class Residency:
             raise KeyError(f"{key!r} is already known")
         self._entries[key] = Entry()
 
-    def remove(self, key: Key) -> list[Step]:
+    def remove(self, key: Key) -> list[Move]:
         """Forget a session (closed or collected): free its sequence or parked state."""
         steps = self.cool(key)
         del self._entries[key]
         return steps
 
-    def cool(self, key: Key) -> list[Step]:
+    def cool(self, key: Key) -> list[Move]:
         """Make a session cold (its state was lost or is no longer wanted)."""
         entry = self._entries[key]
         steps = []
         if entry.state is State.LIVE:
-            steps.append(Step("drop", key, entry.seq))
+            steps.append(Move("drop", key, entry.seq))
             self._free(entry)
         elif entry.state is State.PARKED:
-            steps.append(Step("forget", key, -1))
+            steps.append(Move("forget", key, -1))
         entry.state, entry.parked_bytes = State.COLD, 0
         return steps
 
-    def acquire(self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True) -> list[Step]:
+    def acquire(self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True) -> list[Move]:
         """Make ``key`` live holding ``cells`` cells and mark it busy; the steps evict what must
         go and, for a parked session, restore it (last). Cold sessions come back empty.
         ``touch``: this counts as a use (background work does not make a session recent)."""
@@ -141,14 +128,14 @@ class Residency:
             if entry.state is State.PARKED:
                 entry.parked_bytes = 0
                 entry.seq = self._free_seqs.pop()
-                steps.append(Step("restore", key, entry.seq))
+                steps.append(Move("restore", key, entry.seq))
             else:
                 entry.seq = self._free_seqs.pop()
             entry.state = State.LIVE
         entry.cells = cells
         return steps
 
-    def grow(self, key: Key, cells: int) -> list[Step]:
+    def grow(self, key: Key, cells: int) -> list[Move]:
         """A busy live session needs ``cells`` cells now (prompt decoded, reply growing)."""
         entry = self._entries[key]
         if entry.state is not State.LIVE or not entry.busy:
@@ -167,7 +154,7 @@ class Residency:
             entry.cells = cells
 
     # -- policy --------------------------------------------------------------------------------
-    def _make_room(self, key: Key, cells: int) -> list[Step]:
+    def _make_room(self, key: Key, cells: int) -> list[Move]:
         """Evict idle sessions, least recently used first, until ``key`` fits. Checked before
         anything changes, so a refusal leaves the ledger as it was."""
         entry = self._entries[key]
@@ -181,13 +168,13 @@ class Residency:
                 f"sessions in an exchange hold {busy_cells} cells and {len(busy)} sequences: "
                 f"{cells} more cells do not fit the budget ({self.budget})"
             )
-        steps: list[Step] = []
+        steps: list[Move] = []
         victims = sorted((v for v in others if not self._entries[v[1]].busy), key=lambda v: v[0])
         while (needs_seq and not self._free_seqs) or self.live_cells - held + cells > self.budget.kv_cells:
             steps += self._evict(victims.pop(0)[1], key)
         return steps
 
-    def _evict(self, key: Key, requester: Key) -> list[Step]:
+    def _evict(self, key: Key, requester: Key) -> list[Move]:
         """Park ``key`` (dropping the oldest parked states to make room, never the requester's,
         which is about to be restored), or drop it cold when it may not or cannot be parked."""
         entry = self._entries[key]
@@ -195,7 +182,7 @@ class Residency:
         restoring = mine.parked_bytes if mine.state is State.PARKED else 0
         size = self._park_bytes(key) if entry.parkable else self.budget.host_bytes + 1
         if size > self.budget.host_bytes - restoring:
-            steps = [Step("drop", key, entry.seq)]
+            steps = [Move("drop", key, entry.seq)]
             self._free(entry)
             entry.state = State.COLD
             return steps
@@ -205,7 +192,7 @@ class Residency:
                 (e.stamp, k) for k, e in self._entries.items() if e.state is State.PARKED and k != requester
             ]
             steps += self.cool(min(parked, key=lambda v: v[0])[1])
-        steps.append(Step("park", key, entry.seq))
+        steps.append(Move("park", key, entry.seq))
         self._free(entry)
         entry.state, entry.parked_bytes = State.PARKED, size
         return steps

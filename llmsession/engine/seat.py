@@ -1,7 +1,8 @@
 """A session's sequence for one exchange (``Seat``), and ``prefix.Memory`` over a sequence.
 
-Sessions touch memory only through a seat the engine gives them; every call takes the engine's
-lock, so a decode and the sampling of its logits happen under one hold.
+Sessions touch memory only through a seat the engine gives them. Every call that touches the
+context takes the engine's lock (``step`` takes it inside the batcher, and ``sample_row`` and
+``make_room`` run under it), so a decode and the sampling of its logits happen under one hold.
 """
 
 from __future__ import annotations
@@ -9,40 +10,59 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
 
-from llmsession.engine.batching import Step, Tracker
+from llmsession.engine.batching import Batcher, Step, Tracker
+from llmsession.engine.budget import BudgetError, Counters
+from llmsession.engine.lease import Lease, Pool
 from llmsession.engine.prefix import Item, Plan
-from llmsession.engine.residency import BudgetError
+from llmsession.engine.residency import Move
 from llmsession.errors import MemoryBudgetError
 from llmsession.native.context import NativeContext
-from llmsession.native.projector import ImageChunk
+from llmsession.native.projector import ImageChunk, Projector
 from llmsession.native.sampler import TokenSampler
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from llmsession.engine.engine import Engine, Lease
-
 GROWTH = 256  # cells reserved beyond what an exchange holds, taken again as its reply grows
 
 
+class Host(Protocol):
+    """What a seat needs of the engine that gave it (``engine.Engine``)."""
+
+    projector: Projector | None
+    counters: Counters
+    batcher: Batcher
+
+    def hold(self) -> AbstractContextManager[None]: ...
+
+    def share(
+        self, lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool]
+    ) -> int: ...
+
+    def apply(self, pool: Pool, moves: list[Move]) -> None: ...
+
+
 class Seat:
-    """A session's sequence for one exchange. Every call takes the engine's lock."""
+    """A session's sequence for one exchange."""
 
     def __init__(
         self,
-        engine: Engine,
+        host: Host,
         lease: Lease,
         context: NativeContext,
         seq: int,
         cancelled: threading.Event,
         *,
         single_use: bool = False,
+        decoder_start: int = -1,
     ) -> None:
-        """``single_use``: ``context`` is the exchange's own, not a sequence of the shared one."""
-        self.engine, self.lease, self.context, self.seq = engine, lease, context, seq
-        self.cancelled, self.single_use = cancelled, single_use
+        """``single_use``: ``context`` is the exchange's own, not a sequence of the shared one
+        (an encoder-decoder model's, whose decoder begins with ``decoder_start``)."""
+        self.host, self.lease, self.context, self.seq = host, lease, context, seq
+        self.cancelled, self.single_use, self.decoder_start = cancelled, single_use, decoder_start
         self.decode_s = self.sample_s = 0.0  # inside llama_decode (and encode, images); sampling
         self.shared = 0  # positions the plan reused that another session had decoded
 
@@ -53,11 +73,11 @@ class Seat:
     def prepare(self, items: Sequence[Item], can_cut: Callable[[int], bool], *, share: bool = True) -> Plan:
         """Make the sequence hold the longest reusable prefix of ``items`` (an empty one starts
         from another session's, with ``share``: ``Engine.share``)."""
-        with self.engine.hold():
+        with self.host.hold():
             if share and not self.single_use:
-                self.shared = self.engine.share(self.lease, self.seq, items, can_cut)
+                self.shared = self.host.share(self.lease, self.seq, items, can_cut)
             plan = self.lease.cache.prepare(items, SequenceMemory(self.context, self.seq), can_cut=can_cut)
-            self.engine.counters.reused_tokens += plan.reused
+            self.host.counters.reused_tokens += plan.reused
             return plan
 
     def decode(
@@ -65,41 +85,49 @@ class Seat:
     ) -> int:
         """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
         from their logits before anyone else decodes (-1 without)."""
-        with self.engine.hold():
-            self.make_room(len(self.items) + len(tokens))
+        with self.host.hold():
+            self.make_room(len(tokens))
             self.context.abort = self.cancelled
             began = time.perf_counter()
             self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
-            self.lease.cache.extend(tokens)
-            return self._sample(began, sampler)
+            self.decoded(tokens, time.perf_counter() - began)
+            return -1 if sampler is None else self.sample_row(-1, sampler)
 
     def step(
         self, tokens: Sequence[int], pos: int, sampler: TokenSampler, tracker: Tracker | None = None
     ) -> int:
         """A generation step: decode ``tokens`` from ``pos`` and sample the next token, in one
         batch with the steps other streams of this model are waiting to take (``batching``)."""
-        return self.engine.batcher.run(Step(self, tokens, pos, sampler, tracker))
+        return self.host.batcher.run(Step(self, tokens, pos, sampler, tracker))
+
+    # -- one decode step, lone or batched (the lock is held) -----------------------------------
+    def make_room(self, n_tokens: int) -> None:
+        """Cells for ``n_tokens`` more than the sequence holds (idle sessions parked if need be)."""
+        pool, key = self.lease.pool, self.lease.key
+        cells = len(self.items) + n_tokens
+        if self.single_use or cells <= pool.residency.entry(key).cells:
+            return
+        try:
+            moves = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
+        except BudgetError as error:
+            raise MemoryBudgetError(str(error)) from None
+        self.host.apply(pool, moves)
+
+    def decoded(self, items: Sequence[Item], seconds: float) -> None:
+        """Record what a decode of ``seconds`` put in the sequence."""
+        self.lease.cache.extend(items)
+        self.decode_s += seconds
 
     def sample_row(self, row: int, sampler: TokenSampler) -> int:
-        """Sample from the logits at batch ``row`` of the last decode (the lock is held)."""
+        """Sample from the logits at batch ``row`` of the last decode (-1: its last row)."""
         began = time.perf_counter()
         token = sampler.sample(self.context, row)
         self.sample_s += time.perf_counter() - began
         return token
 
-    def _sample(self, began: float, sampler: TokenSampler | None) -> int:
-        """Sample the next token (-1 without a sampler), and account for the time since ``began``."""
-        decoded = time.perf_counter()
-        self.decode_s += decoded - began
-        if sampler is None:
-            return -1
-        token = sampler.sample(self.context)
-        self.sample_s += time.perf_counter() - decoded
-        return token
-
     def encode(self, tokens: Sequence[int]) -> None:
         """Run the encoder over the prompt (an encoder-decoder model's exchange starts here)."""
-        with self.engine.hold():
+        with self.host.hold():
             self.context.abort = self.cancelled
             began = time.perf_counter()
             self.context.encode(tokens, abortable=True)
@@ -110,17 +138,17 @@ class Seat:
     ) -> tuple[int, int]:
         """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
         token sampled if a sampler is given (-1 without)."""
-        projector = self.engine.projector
+        projector = self.host.projector
         assert projector is not None
-        with self.engine.hold():
-            self.make_room(len(self.items) + len(items))
+        with self.host.hold():
+            self.make_room(len(items))
             self.context.abort = self.cancelled
             began = time.perf_counter()
             pos = projector.eval_image(
                 self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
             )
-            self.lease.cache.extend(items)
-            return pos, self._sample(began, sampler)
+            self.decoded(items, time.perf_counter() - began)
+            return pos, -1 if sampler is None else self.sample_row(-1, sampler)
 
     def checkpoint_stops(self, end: int) -> list[int]:
         """Where a prefill up to position ``end`` should stop to take a checkpoint."""
@@ -128,30 +156,20 @@ class Seat:
 
     def checkpoint(self) -> None:
         """Keep a copy of the recurrent state after what the sequence holds now."""
-        with self.engine.hold():
+        with self.host.hold():
             self.lease.cache.take_checkpoint(SequenceMemory(self.context, self.seq))
 
     def clear(self) -> None:
         """Empty the sequence (the prompt cannot reuse it, or it no longer matches its record)."""
-        with self.engine.hold():
+        with self.host.hold():
             self.context.seq_rm(-1, self.seq)
             self.lease.cache.reset()
 
     def after_abort(self) -> None:
         """An aborted decode may leave part of its batch in memory: go back to the record (a
         recurrent state to its newest checkpoint), or to nothing."""
-        with self.engine.hold():
+        with self.host.hold():
             self.lease.cache.recover(SequenceMemory(self.context, self.seq))
-
-    def make_room(self, cells: int) -> None:
-        pool, key = self.lease.pool, self.lease.key
-        if self.single_use or cells <= pool.residency.entry(key).cells:
-            return
-        try:
-            steps = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
-        except BudgetError as error:
-            raise MemoryBudgetError(str(error)) from None
-        self.engine._apply(pool, steps)
 
 
 class SequenceMemory:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmsession.engine.parking import mapping
+from llmsession.buffers import mapping
 from llmsession.errors import (
     ContextOverflowError,
 )
@@ -263,22 +263,22 @@ class NativeContext(Owner):
             raise ContextOverflowError(
                 f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
             )
-        self._check_seq(seq)
+        self.check_seq(seq)
 
     # The llama_memory operations the prefix cache and the engine need, per sequence.
-    def _check_seq(self, seq: int) -> None:
+    def check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.n_seq_max:
             raise ValueError(f"sequence {seq} is outside this context's 0..{self.n_seq_max - 1}")
 
     def seq_rm(self, p0: int, seq: int = 0) -> bool:
         """Remove positions >= p0 of ``seq`` (p0 = -1: all of them); False when refused."""
-        self._check_seq(seq)
+        self.check_seq(seq)
         return bool(bindings()[0].llama_memory_seq_rm(self.memory, seq, p0, -1))
 
     def seq_cp(self, src: int, dst: int) -> None:
         """Make ``dst`` hold what ``src`` holds (the cells are shared, not copied)."""
-        self._check_seq(src)
-        self._check_seq(dst)
+        self.check_seq(src)
+        self.check_seq(dst)
         bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
     def clear(self) -> None:
@@ -286,17 +286,17 @@ class NativeContext(Owner):
         bindings()[0].llama_memory_clear(self.memory, True)
 
     def pos_min(self, seq: int = 0) -> int:
-        self._check_seq(seq)
+        self.check_seq(seq)
         return int(bindings()[0].llama_memory_seq_pos_min(self.memory, seq))
 
     def pos_max(self, seq: int = 0) -> int:
-        self._check_seq(seq)
+        self.check_seq(seq)
         return int(bindings()[0].llama_memory_seq_pos_max(self.memory, seq))
 
     # A sequence's KV state as bytes (llama_state_seq_*): for parking and saving a session, and
     # (``partial``: a hybrid memory's recurrent part alone) for checkpoints.
     def state_size(self, seq: int = 0, *, partial: bool = False) -> int:
-        self._check_seq(seq)
+        self.check_seq(seq)
         size = int(bindings()[0].llama_state_seq_get_size_ext(self.ptr, seq, _flags(partial)))
         return check(size, "llama_state_seq_get_size", (0).__lt__)  # a state has a header
 
@@ -317,7 +317,7 @@ class NativeContext(Owner):
         anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
         refused it (then ``seq`` is empty)."""
         lib, ffi = bindings()
-        self._check_seq(seq)
+        self.check_seq(seq)
         with ffi.from_buffer("uint8_t[]", blob) as source:
             size = len(source)
             if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:

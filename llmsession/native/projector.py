@@ -163,7 +163,7 @@ class Projector(Owner):
             raise ContextOverflowError(
                 f"position {start + chunk.n_pos} exceeds the context size {context.n_ctx}"
             )
-        context._check_seq(seq)
+        context.check_seq(seq)
         context.set_abortable(True)
         next_pos = ffi.new("llama_pos *", start)
         with self.lock:

@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from llmsession.engine.budget import MemoryReport
-from llmsession.errors import BackendError, GrammarError, ModelClosedError, UnsupportedFeatureError
-from llmsession.options import GenerationOptions
-from llmsession.remote import rpc
-from llmsession.replies import Reply, Snapshot
+from llmsession.engine.prompt import Prompt
+from llmsession.errors import BackendError, GrammarError, ModelClosedError
+from llmsession.options import GenerationOptions, checked_options
+from llmsession.replies import Message, Reply, Snapshot
 from llmsession.runtime.aio import AsyncStream
-from llmsession.runtime.model import Model
-from llmsession.runtime.session import Session, checked
+from llmsession.runtime.session import Session
 from llmsession.runtime.stream import Stream
 from llmsession.text.messages import check_messages
 from llmsession.text.schemas import schema_document
@@ -144,42 +143,41 @@ def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | Non
     in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
     pydantic class goes as its schema, and comes back with the reply (``IsolatedStream``
     parses ``parsed`` into it here)."""
-    options = checked(options)
+    options = checked_options(options)
     if options.json_schema is None:
         return options, None
     schema_class, document = schema_document(options.json_schema)
     return dataclasses.replace(options, json_schema=document), schema_class
 
 
-class IsolatedModel(Model):
-    """``Model`` whose llama.cpp runs in a worker process; ``Model(...)`` makes one when asked."""
+class IsolatedModel:
+    """The worker backend of ``api.Model``: the model's llama.cpp runs in a worker process, and
+    this object speaks for it (the same calls as ``runtime.local.LocalModel``)."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        rpc_servers: Sequence[str] = (),
-        isolated: bool | None = None,
-        worker_timeout: float = 60.0,
-        **kwargs: Any,
-    ) -> None:
-        # no process is started for a server that is not there (its worker checks them again,
-        # right before llama.cpp gets them)
-        servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
+    def __init__(self, path: str | Path, *, worker_timeout: float = 60.0, **settings: Any) -> None:
+        """``settings`` as for ``LocalModel`` (``rpc_servers`` already checked and reachable)."""
         self.path = Path(path)
-        mmproj = kwargs.get("mmproj_path")
+        mmproj = settings.get("mmproj_path")
         self.mmproj_path = None if mmproj is None else Path(mmproj)
         self._worker = WorkerProcess(worker_timeout)
         weakref.finalize(self, self._worker.stop)  # dropped unclosed: the worker goes too
         try:
-            info = self._worker.call(
-                "load", str(path), {**kwargs, "rpc_servers": servers}, limit=LOAD_TIMEOUT_S
-            )
+            info = self._worker.call("load", str(path), settings, limit=LOAD_TIMEOUT_S)
         except BaseException:
             self._worker.stop()
             raise
-        self.__dict__.update(info)
+        self.threads: int = info["threads"]
+        self.use_jinja: bool = info["use_jinja"]
+        self.flash_attention: bool | None = info["flash_attention"]
+        self.anticipate: bool = info["anticipate"]
+        self.template: str | None = info["template"]
+        self.media_marker: str = info["media_marker"]
         self._closed = False
+
+    @property
+    def worker(self) -> WorkerProcess:
+        """The worker process's parent end (its ``process`` is the ``Popen``)."""
+        return self._worker
 
     def _call(self, op: str, *args: Any) -> Any:
         if self._closed:
@@ -189,7 +187,7 @@ class IsolatedModel(Model):
     def _model_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self._call("model", name, args, kwargs)
 
-    def session(self, system: str | None = None, **kwargs: Any) -> Session:
+    def session(self, system: str | None = None, **kwargs: Any) -> IsolatedSession:
         return IsolatedSession(self, self._call("session", system, kwargs))
 
     def render(
@@ -226,13 +224,8 @@ class IsolatedModel(Model):
             self, None, self._call("chat_stream", list(messages), options, kw), schema_class
         )
 
-    def load_session(self, path: str | Path, **overrides: Any) -> Session:
+    def load_session(self, path: str | Path, **overrides: Any) -> IsolatedSession:
         return IsolatedSession(self, self._call("load_session", str(path), overrides))
-
-    def _internal(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise UnsupportedFeatureError("this model runs in a worker process: only the public API reaches it")
-
-    remember_reply = prompt = constraint = _internal
 
     def close(self) -> None:
         if not self._closed:
@@ -251,7 +244,7 @@ class IsolatedSession(Session):
     """A session of an ``IsolatedModel``: its transcript is here, its state in the worker."""
 
     def __init__(self, model: IsolatedModel, handle: tuple[int, dict[str, Any], list[Any]]) -> None:
-        self.model = model
+        self.model = model  # type: ignore[assignment]  # (its model is the worker's)
         self._key, attrs, messages = handle
         self._sync(messages)
         self.context_size, self.batch_size = attrs["context_size"], attrs["batch_size"]
@@ -283,7 +276,7 @@ class IsolatedSession(Session):
     _synced: list[Any] | None
 
     def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
-        options = checked(options)
+        options = checked_options(options)
         return AsyncStream(lambda: self.stream(content, options))
 
     def _session_call(self, name: str, *args: Any) -> Any:
@@ -301,7 +294,23 @@ class IsolatedSession(Session):
         self._session_call("save", str(path))
 
     def close(self) -> None:
-        self._session_call("close")
+        if not self._closed and not self._isolated.closed:
+            self._session_call("close")
+        self._closed = True
+
+    def start(self, user: Message, options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
+        """``stream`` for a whole user message (its prompt is always made in the worker)."""
+        if prompt is not None:
+            prompt.close()
+        return self.stream(user["content"], options)
+
+    def shut(self) -> None:
+        self._closed = True
+
+    @property
+    def idle(self) -> bool:
+        """Always: only the worker's own stateless calls take sessions, never a proxy."""
+        return True
 
     @property
     def cached_tokens(self) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 from llmsession.errors import NativeError
 from llmsession.native.cancel import ACTIVITY
 from llmsession.options import GenerationOptions
-from llmsession.runtime.model import Model
+from llmsession.runtime.local import LocalModel
 from llmsession.runtime.session import Session
 from llmsession.runtime.stream import Stream
 
@@ -57,7 +57,7 @@ class Worker:
         self.requests: queue.SimpleQueue[tuple[Any, str, tuple[Any, ...]]] = queue.SimpleQueue()
         self.objects: dict[int, Session | Stream] = {}
         self.ids = itertools.count(1)
-        self.model: Model | None = None
+        self.model: LocalModel | None = None
         self.loading_since: float | None = None
         self.busy = False  # a request that wants an answer is running
 
@@ -147,15 +147,13 @@ class Worker:
 
     def handle(self, session: Session) -> tuple[int, dict[str, Any], list[Any]]:
         """What the parent's proxy of a session is made from."""
-        names = ("context_size", "batch_size", "thinking", "swa_full", "share_prefix")
-        attrs = {k: getattr(session, k) for k in names}
-        return self.keep(session), attrs, session.messages
+        return self.keep(session), session.settings, session.messages
 
     # -- operations ---------------------------------------------------------------------------
     def op_load(self, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         self.loading_since = time.monotonic()
         try:
-            self.model = model = Model(path, **kwargs, isolated=False)
+            self.model = model = LocalModel(path, **kwargs)
         finally:
             self.loading_since = None
         names = ("threads", "use_jinja", "flash_attention", "anticipate", "template", "media_marker")

@@ -18,25 +18,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmsession.engine.lease import Lease
 from llmsession.engine.sessionfile import SavedSession, read, write
 from llmsession.errors import MemoryBudgetError, SessionFileError
 from llmsession.native.context import context_layout
 from llmsession.native.llama import build_commit, state_seq_version
+from llmsession.replies import Message
+from llmsession.runtime.core import ModelCore
 from llmsession.text.images import Image, image_from_part
 from llmsession.text.messages import is_image_part
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from llmsession.runtime.model import Model
-    from llmsession.runtime.session import Session
-
 log = logging.getLogger("llmsession")
 IMAGE_KEY = "llmsession_image"
 SETTINGS = ("context_size", "batch_size", "thinking", "swa_full", "share_prefix")
 
 
-def compat(model: Model, swa_full: bool) -> dict[str, Any]:
+def compat(model: ModelCore, swa_full: bool) -> dict[str, Any]:
     """Everything a saved KV state depends on."""
     return {
         "llama_commit": build_commit(),
@@ -47,13 +47,15 @@ def compat(model: Model, swa_full: bool) -> dict[str, Any]:
     }
 
 
-def save(session: Session, path: str | Path) -> None:
-    """Write the transcript and, when restoring it is exact, the KV state (caller holds the lock)."""
+def save(
+    model: ModelCore, lease: Lease, messages: list[Message], settings: dict[str, Any], path: str | Path
+) -> None:
+    """Write a session's transcript and, when restoring it is exact, its KV state (the caller
+    holds the session's lock)."""
     images: dict[str, Image] = {}
-    messages = [_encode_message(message, images) for message in session.messages]
+    encoded = [_encode_message(message, images) for message in messages]
     blobs: dict[str, Buffer] = {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
-    lease = session._lease
-    state = session.model._engine.state(lease) if lease.parkable else None
+    state = model.engine.state(lease) if lease.parkable else None
     record = list(lease.cache.items)
     if state is not None and record:
         blobs["state"] = state
@@ -62,37 +64,48 @@ def save(session: Session, path: str | Path) -> None:
     write(
         path,
         SavedSession(
-            compat=compat(session.model, session.swa_full),
-            settings={name: getattr(session, name) for name in SETTINGS},
+            compat=compat(model, settings["swa_full"]),
+            settings=settings,
             record=record,
-            messages=messages,
+            messages=encoded,
             images={digest: (image.width, image.height) for digest, image in images.items()},
             blobs=blobs,
         ),
     )
 
 
-def load(model: Model, path: str | Path, **overrides: Any) -> Session:
-    """A new session holding the saved transcript, and the saved KV state where it is valid."""
-    saved = read(path, max_positions=model._engine.config.kv_tokens)
-    settings = {name: saved.settings[name] for name in SETTINGS if name in saved.settings}
+def read_saved(model: ModelCore, path: str | Path) -> tuple[SavedSession, dict[str, Any]]:
+    """A saved session and its ``session()`` settings (the file's own)."""
+    saved = read(path, max_positions=model.engine.config.kv_tokens)
+    return saved, {name: saved.settings[name] for name in SETTINGS if name in saved.settings}
+
+
+def saved_messages(saved: SavedSession) -> list[Message]:
+    """The saved transcript, its images back as ``Image``s."""
+    return [_decode_message(message, saved) for message in saved.messages]
+
+
+def restore(
+    model: ModelCore,
+    lease: Lease,
+    saved: SavedSession,
+    *,
+    swa_full: bool,
+    context_size: int,
+    path: str | Path,
+) -> tuple[int, str]:
+    """Load the saved KV state into a new session's cold ``lease`` where it is valid: (how many
+    positions were restored, the note its next reply reports)."""
+    reason = _mismatch(saved, compat(model, swa_full), context_size, model.native.n_vocab)
     try:
-        model.session(**settings)  # the file's own settings must be valid on their own
-    except (TypeError, ValueError) as error:
-        raise SessionFileError(f"{path}: invalid saved settings: {error}") from None
-    session = model.session(**{**settings, **overrides})
-    session.messages = [_decode_message(message, saved) for message in saved.messages]
-    reason = _mismatch(saved, compat(model, session.swa_full), session.context_size, model.native.n_vocab)
-    try:
-        if not reason and not model._engine.adopt(session._lease, saved.blobs["state"], saved.record):
+        if not reason and not model.engine.adopt(lease, saved.blobs["state"], saved.record):
             reason = "llama.cpp did not accept the saved state"
     except MemoryBudgetError as error:  # other sessions' exchanges hold all the live memory
         reason = f"no live memory was free to load it: {error}"
     restored = 0 if reason else len(saved.record)
     note = f"cache not reused: {reason}" if reason else f"restored {restored} positions from {path}"
     (log.debug if not reason else log.info)("load_session: %s", note)
-    session._load_note = (restored, note)
-    return session
+    return restored, note
 
 
 def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int, n_vocab: int) -> str:

@@ -18,22 +18,20 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmsession.engine.prefix import common_prefix
 from llmsession.errors import TemplateError
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, checked_options
+from llmsession.runtime.core import ModelCore
+from llmsession.runtime.session import Session
+from llmsession.runtime.stream import Stream
 from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens
 
 SIMILARITY = 0.5
 BRANCH = 16
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
-
-if TYPE_CHECKING:
-    from llmsession.runtime.model import Model
-    from llmsession.runtime.session import Session
-    from llmsession.runtime.stream import Stream
 
 
 class StatelessPool:
@@ -43,7 +41,7 @@ class StatelessPool:
     kept, so it neither starts from another call's cells nor leaves any (its engine lease
     neither takes nor gives shared prefixes either)."""
 
-    def __init__(self, model: Model, capacity: int) -> None:
+    def __init__(self, model: ModelCore, capacity: int) -> None:
         self.model = model
         self.capacity = capacity
         self._sessions: list[Session] = []
@@ -64,10 +62,7 @@ class StatelessPool:
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         apart = session_args.get("share_prefix", True) is False  # (a non-bool: Session refuses it)
-        options = options or GenerationOptions()
-        if not isinstance(options, GenerationOptions):
-            raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}")
-        options.validate()
+        options = checked_options(options)
         history = [dict(m) for m in copy.deepcopy(list(messages[:-1]))]
         user = {"role": "user", "content": messages[-1]["content"]}
         keep = not (apart and tenant is None)
@@ -81,12 +76,12 @@ class StatelessPool:
         with self._lock:
             try:
                 session = self._take(tenant, prompt.items, session_args) if keep else None
-                session = session or self.model.session(**session_args)
+                session = session or Session(self.model, **session_args)
                 if record is not None:
-                    session._replies = record  # its prompts splice only its tenant's replies
-                session._disposable = not keep  # nothing will follow: decode nothing ahead
+                    session.replies = record  # its prompts splice only its tenant's replies
+                session.looks_ahead = keep  # else nothing will follow: decode nothing ahead
                 session.messages = history
-                stream = session._stream(user, options, prompt)  # the stream owns prompt now
+                stream = session.start(user, options, prompt)  # the stream owns prompt now
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 raise
@@ -116,14 +111,14 @@ class StatelessPool:
             s
             for s in self._sessions
             if self._tenants[s] == tenant
-            and _idle(s)
+            and s.idle
             and all(getattr(s, k) == v for k, v in session_args.items())
         ]
-        scored = [(common_prefix(s._lease.cache.items, items), s) for s in fitting]
-        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s._lease.cache.items)]
+        scored = [(common_prefix(s.lease.cache.items, items), s) for s in fitting]
+        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s.lease.cache.items)]
         if similar:
             shared, chosen = max(similar, key=lambda pair: pair[0])
-            if len(chosen._lease.cache.items) - shared > BRANCH:
+            if len(chosen.lease.cache.items) - shared > BRANCH:
                 return chosen.fork()  # the fork's own transcript is replaced by the caller
         elif len(self._sessions) >= self.capacity and fitting:
             chosen = fitting[0]  # least recently used
@@ -134,7 +129,7 @@ class StatelessPool:
         return chosen
 
     def _evict(self) -> None:
-        idle = [s for s in self._sessions if _idle(s)]
+        idle = [s for s in self._sessions if s.idle]
         while len(self._sessions) > self.capacity and idle:
             oldest = idle.pop(0)
             self._sessions.remove(oldest)
@@ -146,7 +141,3 @@ class StatelessPool:
             self._sessions.clear()
             self._tenants.clear()
             self._records.clear()
-
-
-def _idle(session: Session) -> bool:
-    return session._turn is None or session._turn.done

@@ -12,17 +12,21 @@ import base64
 import binascii
 import hashlib
 import io
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import PIL.Image
 
 from llmsession.errors import ImageError
 from llmsession.text.messages import is_image_part
 
-ImageSource = bytes | bytearray | memoryview | str | Path | PIL.Image.Image | np.ndarray
+# PIL loads when the first encoded image is decoded (a PIL image passed in has loaded it already).
+if TYPE_CHECKING:
+    import PIL.Image
+
+    ImageSource = bytes | bytearray | memoryview | str | Path | PIL.Image.Image | np.ndarray
 
 
 class Image:
@@ -54,7 +58,8 @@ def _rgb_pixels(source: ImageSource) -> np.ndarray:
         if source.shape[0] == 0 or source.shape[1] == 0:
             raise ImageError(f"an image array must not be empty, got shape {source.shape}")
         return np.array(source, dtype=np.uint8, order="C", copy=True)
-    if isinstance(source, PIL.Image.Image):
+    pil = sys.modules.get("PIL.Image")
+    if pil is not None and isinstance(source, pil.Image):
         return _from_pil(source, "the PIL image")
     if isinstance(source, bytes | bytearray | memoryview):
         return _decode(bytes(source), f"{len(source)} bytes")
@@ -69,6 +74,8 @@ def _rgb_pixels(source: ImageSource) -> np.ndarray:
 
 
 def _decode(data: bytes, what: str) -> np.ndarray:
+    import PIL.Image
+
     try:
         with PIL.Image.open(io.BytesIO(data)) as image:
             return _from_pil(image, what)

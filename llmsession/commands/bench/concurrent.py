@@ -27,6 +27,7 @@ from typing import Any
 
 from llama_cffi import python_abort_checks
 
+from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int, positive_ints
 from llmsession.commands.bench.common import (
     batched_bench,
@@ -39,7 +40,6 @@ from llmsession.commands.bench.common import (
     table,
 )
 from llmsession.options import GenerationOptions
-from llmsession.runtime.model import Model
 
 PROMPTS = (
     "Tell me a story about a lighthouse.", "Describe the sea at night.", "Write a poem about winter.",
@@ -63,7 +63,7 @@ def streams(model: Model, n: int, options: GenerationOptions, *, together: bool)
         assert stream.reply is not None
         ttft[i], tokens[i] = first - began, stream.reply.usage.completion_tokens
 
-    batcher = model._engine.batcher
+    batcher = model.local.engine.batcher
     batches, steps, began = batcher.batches, batcher.steps, time.perf_counter()
     if together:
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -122,7 +122,7 @@ def batched_reference(model: Model, sizes: str, max_tokens: int, exe: Path, repe
     length, ``max_tokens`` each, the engine's cells and batch size; medians of ``repeats`` runs."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(int(n) for n in sizes.split(",")))]
     npp = round(statistics.fmean(len(model.prompt_tokens([{"role": "user", "content": p}])) for p in prompts))
-    c = model._engine.config
+    c = model.local.engine.config
     options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size), "-kvu"]
     options += ["-npp", str(npp), "-ntg", str(max_tokens), "-npl", sizes]
     options += ["-fa", flash_attn_option(model.flash_attention)]

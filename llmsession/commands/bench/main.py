@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmsession.api.model import Model
 from llmsession.commands.argtypes import output_file, seconds
 from llmsession.commands.bench.common import (
     common_arguments,
@@ -30,11 +31,10 @@ from llmsession.commands.bench.common import (
     publish,
     run_worker,
 )
-from llmsession.commands.bench.report import Turn, plot, report, rows_of, totals, turns_of
+from llmsession.commands.bench.report import MeasuredTurn, exchange, plot, report, rows_of, totals, turns_of
 from llmsession.engine.prefix import common_prefix
 from llmsession.options import GenerationOptions
 from llmsession.replies import Message
-from llmsession.runtime.model import Model
 from llmsession.runtime.session import Session
 
 SYSTEM = "You are a helpful, concise assistant."
@@ -55,23 +55,6 @@ LONG_PROMPT = "Write a long, detailed story about a lighthouse keeper who befrie
 SESSIONS, SESSION_TURNS = 4, 5
 
 
-def exchange(session: Session, question: str, options: GenerationOptions) -> tuple[Turn, str]:
-    """One streamed exchange; the first snapshot marks the first token."""
-    began, first = time.perf_counter(), 0.0
-    stream = session.stream(question, options)
-    for _ in stream:
-        first = first or time.perf_counter()
-    assert stream.reply is not None
-    u, t = stream.reply.usage, stream.reply.timings
-    counts = (u.prompt_tokens, u.reused_tokens, u.decoded_prompt_tokens, u.completion_tokens)
-    ttft = (first or time.perf_counter()) - began
-    split = (t.render_s, t.tokenize_s, t.plan_s, t.prefill_s, t.first_sample_s)
-    turn = Turn(
-        ttft, *counts, t.generation_tokens_per_s, t.time_to_first_token_s, u.anticipated_tokens, *split
-    )
-    return turn, stream.reply.text
-
-
 def ttft_on_forks(session: Session, question: str, options: GenerationOptions, n: int) -> list[float]:
     """The coming turn's time to first token on ``n`` forks of the session taken just before it:
     each holds the same cells (a fork shares them), so it decodes the same new tokens at the same
@@ -88,7 +71,9 @@ def ttft_on_forks(session: Session, question: str, options: GenerationOptions, n
     return samples
 
 
-def fresh_exchange(shadow: Session, history: list[Message], text: str, options: GenerationOptions) -> Turn:
+def fresh_exchange(
+    shadow: Session, history: list[Message], text: str, options: GenerationOptions
+) -> MeasuredTurn:
     """The upstream "before": the same transcript decoded from scratch in a new context (the
     shadow shares no prefix with other sessions)."""
     shadow.messages = [dict(m) for m in history]
@@ -149,7 +134,7 @@ def multi_turn(
     return result | ({"compute_limit_s": limits} if exe is not None else {})
 
 
-def compute_limits(exe: Path, model: Model, turns: list[Turn]) -> list[float | None]:
+def compute_limits(exe: Path, model: Model, turns: list[MeasuredTurn]) -> list[float | None]:
     """What llama.cpp itself needs for each turn's prefill: ``llama-bench -p <decoded> -d <reused>``
     on the same libraries, threads and flash-attention choice (None where it cannot run)."""
     fa = flash_attn_option(model.flash_attention)
@@ -177,8 +162,8 @@ def interleaved(
     after a pause of ``think`` seconds."""
     sessions = [model.session(SYSTEM) for _ in plans]
     shadow = model.session(SYSTEM, share_prefix=False)
-    cached: list[list[Turn]] = [[] for _ in plans]
-    fresh: list[list[Turn]] = [[] for _ in plans]
+    cached: list[list[MeasuredTurn]] = [[] for _ in plans]
+    fresh: list[list[MeasuredTurn]] = [[] for _ in plans]
     for t in range(max(len(p) for p in plans)):
         for i, (session, plan) in enumerate(zip(sessions, plans, strict=True)):
             if t < len(plan):

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int, positive_ints
 from llmsession.commands.bench.common import common_arguments, machine, progress, publish, run_worker, table
 from llmsession.engine.prefix import PrefixCache
@@ -27,7 +28,6 @@ from llmsession.engine.seat import SequenceMemory
 from llmsession.native.context import NativeContext
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
-from llmsession.runtime.model import Model
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 WORDS = ("river", "bridge", "lantern", "harbour", "meadow", "orchard", "tower", "valley", "garden")

@@ -1,19 +1,22 @@
-"""The session benchmark's records and report: one ``Turn`` per exchange per contender, the
+"""The session benchmark's records and report: one ``MeasuredTurn`` per exchange per contender, the
 totals over a chat, and the tables (and optional plot) ``llmsession bench`` prints."""
 
 from __future__ import annotations
 
 import importlib
 import statistics
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from llmsession.commands.bench.common import table
+from llmsession.options import GenerationOptions
+from llmsession.runtime.session import Session
 
 
 @dataclass
-class Turn:
+class MeasuredTurn:
     """One exchange as one contender saw it (``library_ttft_s`` leaves out rendering and tokenizing)."""
 
     ttft_s: float
@@ -31,7 +34,7 @@ class Turn:
     first_sample_s: float = 0.0
 
 
-def totals(turns: list[Turn]) -> dict[str, float]:
+def totals(turns: list[MeasuredTurn]) -> dict[str, float]:
     """Sums over one contender's chat; the reused fraction leaves out turn 1 (nothing to reuse)."""
     later = turns[1:]
     return {
@@ -43,20 +46,20 @@ def totals(turns: list[Turn]) -> dict[str, float]:
     }
 
 
-def rows_of(turns: list[Turn]) -> list[dict[str, Any]]:
+def rows_of(turns: list[MeasuredTurn]) -> list[dict[str, Any]]:
     return [asdict(t) for t in turns]
 
 
-def turns_of(rows: list[dict[str, Any]]) -> list[Turn]:
-    names = {f.name for f in fields(Turn)}
-    return [Turn(**{k: v for k, v in row.items() if k in names}) for row in rows]
+def turns_of(rows: list[dict[str, Any]]) -> list[MeasuredTurn]:
+    names = {f.name for f in fields(MeasuredTurn)}
+    return [MeasuredTurn(**{k: v for k, v in row.items() if k in names}) for row in rows]
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
 
-def report_multi_turn(result: dict[str, Any], peer: list[Turn]) -> None:
+def report_multi_turn(result: dict[str, Any], peer: list[MeasuredTurn]) -> None:
     cached, fresh, s = turns_of(result["cache"]), turns_of(result["fresh"]), result["summary"]
     limits = result.get("compute_limit_s") or [None] * len(cached)
     header = [
@@ -181,3 +184,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def exchange(session: Session, question: str, options: GenerationOptions) -> tuple[MeasuredTurn, str]:
+    """One streamed exchange; the first snapshot marks the first token."""
+    began, first = time.perf_counter(), 0.0
+    stream = session.stream(question, options)
+    for _ in stream:
+        first = first or time.perf_counter()
+    assert stream.reply is not None
+    u, t = stream.reply.usage, stream.reply.timings
+    counts = (u.prompt_tokens, u.reused_tokens, u.decoded_prompt_tokens, u.completion_tokens)
+    ttft = (first or time.perf_counter()) - began
+    split = (t.render_s, t.tokenize_s, t.plan_s, t.prefill_s, t.first_sample_s)
+    turn = MeasuredTurn(
+        ttft, *counts, t.generation_tokens_per_s, t.time_to_first_token_s, u.anticipated_tokens, *split
+    )
+    return turn, stream.reply.text

@@ -19,12 +19,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int
 from llmsession.commands.bench.common import common_arguments, machine, progress, publish, table
-from llmsession.commands.bench.main import exchange
+from llmsession.commands.bench.report import exchange
+from llmsession.native.rpc import local_servers
 from llmsession.options import GenerationOptions
-from llmsession.remote.rpc import local_servers
-from llmsession.runtime.model import Model
 
 QUESTIONS = (
     "What is the capital of France?", "What is it famous for?", "Name one river that flows through it.",

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int
 from llmsession.commands.bench.common import common_arguments, machine, progress, publish, run_worker, table
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
-from llmsession.runtime.model import Model
 
 CASES: dict[str, dict[str, Any]] = {
     "person": {
@@ -74,7 +74,7 @@ def ours(model: Model, ask: str, schema: dict[str, Any] | None, max_tokens: int)
 def mask_cost(model: Model, schema: dict[str, Any], text: str) -> float:
     """Milliseconds per token to compute llguidance's mask and apply it to a logits row, walking
     the matcher along ``text``'s tokens: what a constrained step adds to the decode."""
-    constraint = model.constraint(GenerationOptions(json_schema=schema))
+    constraint = model.local.constraint(GenerationOptions(json_schema=schema))
     assert constraint is not None
     n_vocab = model.native.n_vocab
     guide = constraint.sampler(Sampler.from_options(GenerationOptions(), n_vocab=n_vocab, last_n=0), n_vocab)
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ours": {}}
     with Model(args.model, threads=args.threads) as model:
         model.session().respond("Hello", GenerationOptions(max_tokens=4, temperature=0))  # warm up
-        model.constraint(GenerationOptions(json_schema={"type": "object"}))  # build the tokenizer once
+        model.local.constraint(GenerationOptions(json_schema={"type": "object"}))  # build the tokenizer once
         results["machine"] = machine(model.threads)
         for name, case in CASES.items():
             progress(f"structured: {name}", started)

@@ -1,4 +1,8 @@
-"""A loaded GGUF model: tokenizer, chat rendering, and the factory for sessions."""
+"""A GGUF model loaded in this process: its native model and projector, the engine that keeps
+its sessions' memory, and how a transcript becomes a prompt (rendered, tokenized, with the
+replies generated here spliced in as the tokens they were) or a constraint a compiled matcher.
+
+``local.LocalModel`` adds its sessions on top; ``api.Model`` is what users hold."""
 
 from __future__ import annotations
 
@@ -8,9 +12,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import llguidance
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryConfig, MemoryReport
@@ -18,27 +20,25 @@ from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import file_digest
-from llmsession.errors import ModelClosedError, SessionFileError, TemplateError, UnsupportedFeatureError
-from llmsession.native.constraints import Constraint, tokenizer
+from llmsession.errors import SessionFileError, TemplateError, UnsupportedFeatureError
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
 from llmsession.options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
-from llmsession.remote import rpc
-from llmsession.replies import Reply
-from llmsession.runtime.session import Session
-from llmsession.runtime.stateless import StatelessPool
-from llmsession.runtime.stream import Stream
 from llmsession.text.images import message_images
 from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens, marker, splice, stretches
 from llmsession.text.templates import render_prompt
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from llmsession.native.constraints import Constraint
 
 log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
 MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
 STRETCHES = 1024  # tokenized texts between spliced replies, kept for the next prompts
-STATELESS_SESSIONS = 8  # sessions kept for Model.chat (their states live, parked or cold)
 
 
 def choose_flash_attention(asked: bool | None) -> bool | None:
@@ -53,35 +53,75 @@ def choose_flash_attention(asked: bool | None) -> bool | None:
     return asked
 
 
-class Model:
-    """A model file loaded once; any number of sessions chat with it under one memory budget.
+def memory_config(
+    *,
+    kv_tokens: int,
+    max_live_sessions: int,
+    host_cache_bytes: int,
+    disk_cache_dir: str | Path | None,
+    batch_size: int,
+    checkpoints: CheckpointConfig | None,
+) -> MemoryConfig:
+    """The memory settings, checked (TypeError or ValueError naming the first wrong one)."""
+    check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
+    check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
+    check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
+    check_int("batch_size", batch_size, 1, MAX_POSITIONS)
+    return MemoryConfig(
+        kv_tokens=kv_tokens,
+        max_live_sessions=max_live_sessions,
+        host_cache_bytes=host_cache_bytes,
+        disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
+        batch_size=min(batch_size, kv_tokens),
+        checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
+    )
 
-    Live sessions share one llama context of ``kv_tokens`` KV cells in up to ``max_live_sessions``
-    sequences; when an exchange needs room, the least recently used idle session is parked in
-    host RAM (up to ``host_cache_bytes``, then on disk in ``disk_cache_dir`` if given, else it
-    goes cold: its next exchange decodes its whole prompt). ``batch_size`` is the largest prefill
-    batch. On recurrent and hybrid models each session keeps ``checkpoints`` of its state so an
-    edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
-    ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
-    depth on the CPU, at the price of replies that depend on the cache's placement
-    (``choose_flash_attention``). ``anticipate``: after each reply, decode the next prompt's
-    opening in the background (``anticipate``). ``rpc_servers`` ("host:port" of llama.cpp RPC
-    servers) put the layers (all, unless ``gpu_layers`` says) on other hosts; each is checked
-    from Python first (``rpc.preflight``). ``isolated`` runs the model in a worker process
-    (default: with ``rpc_servers``), so a server that dies or hangs mid-decode is a
-    ``BackendError`` within ``worker_timeout`` seconds, not the end of this process
-    (``isolated``). ``with Model(path) as model:`` frees the model and every session's state on
-    exit.
-    """
 
-    def __new__(cls, path: str | Path, **kwargs: Any) -> Model:
-        """An ``isolated.IsolatedModel`` when asked for, or by default with ``rpc_servers``."""
-        isolated = kwargs.get("isolated")
-        if cls is Model and (isolated or (isolated is None and kwargs.get("rpc_servers"))):
-            from llmsession.remote.isolated import IsolatedModel
+def checked_threads(threads: int | None) -> int:
+    """The decode threads: the caller's (warned about if more than this process may use), or
+    a default for this machine."""
+    if threads is None:
+        return default_threads()
+    check_int("threads", threads, 1, MAX_THREADS)
+    if threads > (cores := usable_cores()):
+        log.warning(
+            "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
+            "for each other at every graph node, so each decode may run hundreds of times slower",
+            threads,
+            cores,
+        )
+    return threads
 
-            return super().__new__(IsolatedModel)
-        return super().__new__(cls)
+
+def load_native(
+    path: Path, mmproj_path: Path | None, *, gpu_layers: int, threads: int, rpc_servers: Sequence[str]
+) -> tuple[NativeModel, Projector | None]:
+    """The model, and its projector if given; neither is left open on an error."""
+    native = NativeModel(path, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
+    if native.has_encoder and (mmproj_path is not None or not native.has_decoder):
+        native.close()
+        raise UnsupportedFeatureError(
+            f"{path.name}: an encoder-decoder model takes no images here"
+            if native.has_decoder
+            else f"{path.name} is encoder-only: it has no decoder to reply with"
+        )
+    if mmproj_path is None:
+        return native, None
+    try:
+        use_gpu = gpu_layers != 0 and not rpc_servers
+        return native, Projector(mmproj_path, native, threads=threads, use_gpu=use_gpu)
+    except BaseException:
+        native.close()
+        raise
+
+
+class Shuttable(Protocol):
+    def shut(self) -> None: ...
+
+
+class ModelCore:
+    """A model file loaded once, with its engine; see ``api.Model`` for the settings. Sessions
+    built on it register in ``sessions`` (its ``close`` stops them first)."""
 
     def __init__(
         self,
@@ -100,106 +140,41 @@ class Model:
         flash_attention: bool | None = None,
         anticipate: bool = True,
         rpc_servers: Sequence[str] = (),
-        isolated: bool | None = None,
-        worker_timeout: float = 60.0,
     ) -> None:
-        servers = rpc.checked_servers(rpc_servers, worker_timeout)
+        """``rpc_servers``: already checked and reachable (``api.Model`` checks them once)."""
         if gpu_layers is None:  # every layer on the RPC servers' devices, else none offloaded
-            gpu_layers = -1 if servers else 0
-        if threads is not None:
-            check_int("threads", threads, 1, MAX_THREADS)
+            gpu_layers = -1 if rpc_servers else 0
+        self.threads = checked_threads(threads)
         check_int("gpu_layers", gpu_layers, -1, INT32_MAX)
-        check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
-        check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
-        check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
-        check_int("batch_size", batch_size, 1, MAX_POSITIONS)
-        config = MemoryConfig(
+        config = memory_config(
             kv_tokens=kv_tokens,
             max_live_sessions=max_live_sessions,
             host_cache_bytes=host_cache_bytes,
-            disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
-            batch_size=min(batch_size, kv_tokens),
-            checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
+            disk_cache_dir=disk_cache_dir,
+            batch_size=batch_size,
+            checkpoints=checkpoints,
         )
         self.path = Path(path)
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
-        self._digests: dict[Path, str] = {}
-        self.threads = threads or default_threads()
-        if self.threads > (cores := usable_cores()):
-            log.warning(
-                "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
-                "for each other at every graph node, so each decode may run hundreds of times slower",
-                self.threads,
-                cores,
-            )
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
         self.anticipate = bool(anticipate)
-        reachable = rpc.preflight_all(servers, worker_timeout)  # llama.cpp aborts on one that is not
-        self.native = NativeModel(self.path, gpu_layers=gpu_layers, rpc_servers=reachable)
-        self.projector: Projector | None = None
-        if self.native.has_encoder and (mmproj_path is not None or not self.native.has_decoder):
-            self.native.close()
-            raise UnsupportedFeatureError(
-                f"{self.path.name}: an encoder-decoder model takes no images here"
-                if self.native.has_decoder
-                else f"{self.path.name} is encoder-only: it has no decoder to reply with"
-            )
-        if mmproj_path is not None:
-            try:
-                self.projector = Projector(
-                    mmproj_path, self.native, threads=self.threads, use_gpu=gpu_layers != 0 and not servers
-                )
-            except BaseException:
-                self.native.close()
-                raise
-        self._engine = Engine(
+        self.native, self.projector = load_native(
+            self.path, self.mmproj_path, gpu_layers=gpu_layers, threads=self.threads, rpc_servers=rpc_servers
+        )
+        self.engine = Engine(
             self.native, self.projector, self.threads, config, flash_attention=self.flash_attention
         )
-        self._engine.warm()
+        self.engine.warm()
         self.template = self.native.chat_template()
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
-        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
-        self._stateless = StatelessPool(self, capacity=STATELESS_SESSIONS)
-        self._replies = ReplyTokens()
+        self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
+        self.replies = ReplyTokens()  # every reply generated here, for splicing
+        self._digests: dict[Path, str] = {}
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
         # Tokenized texts between spliced replies, without and with BOS (``_stretch_tokens``).
         self._stretches = (ReplyTokens(STRETCHES), ReplyTokens(STRETCHES))
-
-    def session(
-        self,
-        system: str | None = None,
-        *,
-        context_size: int | None = None,
-        batch_size: int = 512,
-        thinking: bool = False,
-        swa_full: bool = True,
-        share_prefix: bool = True,
-    ) -> Session:
-        """A new conversation; its KV state lives in the model's shared memory.
-
-        ``context_size`` bounds the positions the session uses (prompt and reply), exactly; it
-        may not exceed the model's ``kv_tokens`` (default: 4,096, or ``kv_tokens`` if smaller).
-        ``batch_size`` is its prefill batch (at most the model's). With ``share_prefix``, an
-        exchange that finds the session's memory empty starts from the longest prefix of its
-        prompt another live session holds (a common system prompt: its cells are shared, not
-        decoded again), and other sessions may start from this one's; ``False`` keeps the
-        session apart both ways (its timings then tell nothing of what others said).
-        """
-        if self.closed:
-            raise ModelClosedError("this model is closed")
-        session = Session(
-            self,
-            system=system,
-            context_size=context_size,
-            batch_size=batch_size,
-            thinking=thinking,
-            swa_full=swa_full,
-            share_prefix=share_prefix,
-        )
-        self._sessions.add(session)
-        return session
 
     def render(
         self,
@@ -256,7 +231,7 @@ class Model:
 
         def recorded(content: str) -> tuple[int, ...] | None:
             mine = own.get(content) if own is not None else None
-            return mine or (self._replies.get(content) if shared else None)
+            return mine or (self.replies.get(content) if shared else None)
 
         known = {
             i: tokens
@@ -308,7 +283,7 @@ class Model:
         unless ``shared``)."""
         if tokens and self.native.detokenize(tokens) == text:
             if shared:
-                self._replies.remember(text, tokens)
+                self.replies.remember(text, tokens)
             if own is not None:
                 own.remember(text, tokens)
 
@@ -347,6 +322,8 @@ class Model:
         the matcher's tokenizer is built on first use, once."""
         if not options.constrained:
             return None
+        from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)
+
         with self._guidance_lock:
             if self._guidance is None:
                 self._guidance = tokenizer(self.native)
@@ -367,59 +344,18 @@ class Model:
                 raise SessionFileError(f"cannot read {path} to identify it: {error}") from None
         return self._digests[path]
 
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        **session_args: Any,
-    ) -> Reply:
-        """Answer the last (user) message of a whole message list, reusing the cached prefix of
-        an earlier call: a client that resends a growing history decodes only what is new.
-
-        ``tenant`` names whose call this is (a user, an API key): a call reuses only sessions
-        its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
-        call without a tenant starts from nothing of any other call's, and no call starts from
-        its cells; with a tenant it reuses only that tenant's sessions (``StatelessPool``)."""
-        stream = self.chat_stream(messages, options, tenant=tenant, **session_args)
-        for _ in stream:
-            pass
-        assert stream.reply is not None
-        return stream.reply
-
-    def chat_stream(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        **session_args: Any,
-    ) -> Stream:
-        """``chat`` as a stream of snapshots; ``session_args`` as for ``session()``."""
-        return self._stateless.stream(messages, options, tenant, **session_args)
-
-    def load_session(self, path: str | Path, **overrides: Any) -> Session:
-        """A session saved with ``Session.save``: its transcript always, its KV cache when it
-        belongs to this model and build (else the next reply's ``usage.cache_note`` says why).
-        ``overrides`` take the place of saved ``session()`` arguments (``context_size``, ...)."""
-        from llmsession.runtime.persistence import load
-
-        return load(self, path, **overrides)
-
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the
         counts of parks, restores and drops so far."""
-        return self._engine.memory()
+        return self.engine.memory()
 
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free the shared
         memory, then the projector and the model. Any later use raises ModelClosedError."""
-        self._stateless.close()
-        for session in list(self._sessions):
-            session._shut()
-        anticipate.stop_all(self._engine)  # collected sessions' too
-        self._engine.close()
+        for session in list(self.sessions):
+            session.shut()
+        anticipate.stop_all(self.engine)  # collected sessions' too
+        self.engine.close()
         if self.projector is not None:
             self.projector.close()
         self.native.close()
@@ -427,9 +363,3 @@ class Model:
     @property
     def closed(self) -> bool:
         return self.native.closed
-
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,0 +1,303 @@
+"""One exchange, as one pipeline: the prompt (rendered, tokenized and spliced by the session's
+model before it gets here) is planned against the session's memory, its tail prefilled, the reply
+generated token by token, and the exchange finished, in that order and in this module.
+
+``Exchange.run`` is a generator: each ``next`` decodes up to the next token's text, on the
+consumer's thread, so nothing decodes between two of them and an abandoned exchange costs
+nothing. Its ``phase`` says where it is; once ``FINISHED`` its ``reply`` holds what was said.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, closing
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+from typing import TYPE_CHECKING
+
+from llmsession.engine.batching import Tracker
+from llmsession.engine.engine import Engine
+from llmsession.engine.lease import Lease
+from llmsession.engine.prefill import prefill
+from llmsession.engine.prefix import starts_a_chunk
+from llmsession.engine.prompt import Prompt
+from llmsession.engine.seat import GROWTH, Seat
+from llmsession.errors import GrammarError, MemoryBudgetError, NativeError
+from llmsession.native.cancel import CancelFlag
+from llmsession.native.context import DecodeAborted
+from llmsession.native.llama import NativeModel
+from llmsession.native.sampler import Sampler, TokenSampler
+from llmsession.options import GenerationOptions
+from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, Usage
+from llmsession.text.detokenize import IncrementalDetokenizer
+from llmsession.text.stops import StopMatcher
+
+if TYPE_CHECKING:
+    from llmsession.engine.anticipate import Ahead
+    from llmsession.native.constraints import Constraint
+
+log = logging.getLogger("llmsession")
+
+
+class Phase(Enum):
+    """Where an exchange is: made (prompt and constraint ready, nothing decoded), planning and
+    prefilling its prompt, generating its reply, or finished (its reply recorded)."""
+
+    READY = "ready"
+    PREFILL = "prefill"
+    GENERATE = "generate"
+    FINISHED = "finished"
+
+
+@dataclass
+class Carry:
+    """What a session hands its next exchange: a loaded file's note and the anticipatory
+    prefill settled before it (each reported once, by the exchange that plans first)."""
+
+    load_note: tuple[int, str] | None = None
+    anticipated: Ahead | None = None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an exchange runs: its session's lease on the engine and its sizes."""
+
+    engine: Engine
+    native: NativeModel
+    lease: Lease
+    context_size: int
+    batch_size: int
+    carry: Carry
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One exchange's state. ``finished`` records the reply in the session (called once, in the
+    consumer's thread); nothing here holds the ``Stream`` that reads it."""
+
+    place: Place
+    user: Message
+    prompt: Prompt
+    options: GenerationOptions
+    constraint: Constraint | None
+    finished: Callable[[Exchange, Reply], None]
+    began: float = 0.0  # perf_counter() when it was asked for (its prompt made since)
+    tokens: list[int] = field(default_factory=list)  # the reply's, as sampled or forced
+    cancelled: threading.Event = field(default_factory=CancelFlag)  # (native code reads it too)
+    phase: Phase = Phase.READY
+    finish: FinishReason = "length"
+    reply: Reply | None = None
+    model_closed: bool = False  # its model was closed before it finished
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def run(self) -> Generator[Snapshot, None, None]:
+        """Plan, prefill, generate, finish; a snapshot per token's text."""
+        started, prompt = time.perf_counter(), self.prompt
+        usage = Usage(prompt_tokens=len(prompt.items))
+        timings = Timings(render_s=prompt.render_s, tokenize_s=prompt.tokenize_s)
+        carry = self.place.carry
+        if carry.load_note is not None:
+            (usage.restored_tokens, usage.cache_note), carry.load_note = carry.load_note, None
+        text, cancelled = "", False
+        self.phase = Phase.PREFILL
+        try:
+            with closing(self._sampler()) as sampler, self._seat() as seat:
+                try:
+                    first = self._plan_and_prefill(seat, sampler, usage, timings, started)
+                    cancelled = first is None
+                    if first is not None:
+                        with closing(self._generate(seat, *first, sampler, usage, timings)) as deltas:
+                            for delta in deltas:
+                                text += delta
+                                yield Snapshot(delta, text)
+                except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
+                    cancelled = True
+                except BaseException as error:
+                    _restore_memory(seat, error)
+                    raise
+                finally:
+                    if prompt.unsafe_reuse:
+                        seat.clear()
+        except BaseException:
+            self.phase = Phase.FINISHED  # failed: the transcript stays as it was
+            prompt.close()
+            raise
+        self._conclude(text, "cancelled" if cancelled else self.finish, usage, timings)
+
+    def _seat(self) -> AbstractContextManager[Seat]:
+        """The session's sequence, with room for the prompt and the reply's first stretch (an
+        encoder-decoder model's exchange takes a context of its own)."""
+        place, engine = self.place, self.place.engine
+        if place.native.has_encoder:
+            return engine.single_use(place.lease, place.context_size, self.cancelled)
+        held = max(len(place.lease.cache.items), len(self.prompt.items))
+        cells = min(place.context_size, held + min(self.options.max_tokens, GROWTH))
+        return engine.seat(place.lease, cells, self.cancelled)
+
+    def _plan_and_prefill(
+        self, seat: Seat, sampler: TokenSampler, usage: Usage, timings: Timings, started: float
+    ) -> tuple[int, int] | None:
+        """Keep the longest reusable prefix, decode the rest and sample the first token: (its
+        position, the token), or None if cancelled."""
+        prompt, carry = self.prompt, self.place.carry
+        if prompt.unsafe_reuse:  # upstream's rule for such prompts: from scratch
+            log.debug("no prefix reuse for this prompt: %s", prompt.unsafe_reuse)
+            seat.clear()
+        can_cut = partial(starts_a_chunk, prompt.items)
+        plan = seat.prepare(prompt.items, can_cut, share=not prompt.unsafe_reuse)
+        usage.reused_tokens, usage.from_checkpoint = plan.reused, plan.from_checkpoint
+        usage.restored_tokens = min(usage.restored_tokens, plan.reused)  # what was used
+        usage.shared_tokens = min(seat.shared, plan.reused)
+        ahead, carry.anticipated = carry.anticipated, None
+        usage.anticipated_tokens = ahead.reused_of(plan.reused) if ahead else 0
+        timings.plan_s = time.perf_counter() - started
+        first = prefill(seat, prompt, plan.reused, sampler, usage=usage, batch_size=self.place.batch_size)
+        timings.prefill_s, timings.first_sample_s = seat.decode_s, seat.sample_s
+        return first
+
+    def _generate(
+        self, seat: Seat, pos: int, token: int, sampler: TokenSampler, usage: Usage, timings: Timings
+    ) -> Generator[str, None, None]:
+        """The reply from its first sampled ``token`` on: each token's text, then the tokens
+        since the last decode (the sampled one and any a constraint forces after it) decoded,
+        and the next one sampled, in one step, batched with other streams' (``batching``)."""
+        self.phase, self.finish = Phase.GENERATE, "length"
+        first_token_at = time.perf_counter()
+        timings.time_to_first_token_s = first_token_at - self.began
+        with self.place.engine.batcher.generating(seat.context) as tracker:
+            detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
+            pending = [token, *sampler.forced()]
+            while pending:
+                batch: list[int] = []
+                ended = yield from self._emit(pending, batch, seat, pos, sampler, usage, detokenizer, stops)
+                if ended:
+                    break
+                pos, token = self._decode_step(seat, batch, pos, sampler, tracker)
+                pending = [token, *sampler.forced()]
+                timings.generation_s = time.perf_counter() - first_token_at
+                timings._tokens = usage.completion_tokens
+            # The detokenizer may still hold the first bytes of a character the reply was cut
+            # inside of (max_tokens, cancel): they stay in the token record, not in the text.
+            tail = "" if stops.stopped else stops.flush()
+            if tail:
+                yield tail
+
+    def _emit(
+        self,
+        pending: Sequence[int],
+        batch: list[int],
+        seat: Seat,
+        pos: int,
+        sampler: TokenSampler,
+        usage: Usage,
+        detokenizer: IncrementalDetokenizer,
+        stops: StopMatcher,
+    ) -> Generator[str, None, bool]:
+        """Each pending token's text, the tokens gathered into ``batch`` for the next decode;
+        True once the reply ends here (``finish`` says why)."""
+        native, options = self.place.native, self.options
+        for index, token in enumerate(pending):
+            if self.cancelled.is_set():
+                self.finish = "cancelled"
+                return True
+            if native.is_eog(token):
+                self.finish = "complete" if sampler.complete else "stop"
+                return True
+            usage.completion_tokens += 1
+            delta = stops.push(detokenizer.push(native.piece(token)))
+            if delta:
+                yield delta
+            batch.append(token)
+            self.tokens.append(token)
+            if stops.stopped:
+                self.finish = "stop"
+            elif usage.completion_tokens < options.max_tokens and pos + len(batch) < self.place.context_size:
+                continue
+            elif sampler.finished and all(native.is_eog(t) for t in pending[index + 1 :]):
+                self.finish = "complete"  # finished by the last token it was allowed
+            # else "length": the last token needs no decode; forced ones before it do
+            self._keep_forced(seat, batch[:-1], pos)
+            return True
+        return False
+
+    def _decode_step(
+        self, seat: Seat, batch: list[int], pos: int, sampler: TokenSampler, tracker: Tracker
+    ) -> tuple[int, int]:
+        """Decode ``batch`` from ``pos`` and sample the next token: (the next position, it)."""
+        size, token = self.place.batch_size, -1
+        for i in range(0, len(batch), size):  # forced tokens may be many
+            chunk, last = batch[i : i + size], i + size >= len(batch)
+            token = seat.step(chunk, pos, sampler, tracker) if last else seat.decode(chunk, pos)
+            pos += len(chunk)
+        return pos, token
+
+    def _keep_forced(self, seat: Seat, tokens: list[int], pos: int) -> None:
+        """Decode the tokens of a reply that ended inside a forced run, all but its last, so the
+        next exchange keeps them; a bonus, skipped when memory is short."""
+        size = self.place.batch_size
+        try:
+            for i in range(0, len(tokens), size):
+                seat.decode(tokens[i : i + size], pos + i)
+        except MemoryBudgetError:
+            log.debug("the reply's forced tokens were left undecoded: no room")
+
+    def _sampler(self) -> TokenSampler:
+        """The exchange's sampler chain, its penalty window primed with the prompt's tokens,
+        held to the exchange's constraint if it has one."""
+        options, context_size, n_vocab = self.options, self.place.context_size, self.place.native.n_vocab
+        # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
+        window = options.repeat_last_n
+        last_n = context_size if window == -1 else min(window, context_size)
+        sampler = Sampler.from_options(options, n_vocab=n_vocab, last_n=last_n)
+        if options.penalized and last_n > 0:
+            for token in self.prompt.tokens()[-last_n:]:
+                sampler.accept(token)
+        if self.constraint is not None:
+            return self.constraint.sampler(sampler, n_vocab)
+        return sampler
+
+    # -- the end ----------------------------------------------------------------------------------
+    def _conclude(self, text: str, finish: FinishReason, usage: Usage, timings: Timings) -> None:
+        """Record the reply; a constrained one that is complete is parsed (a GrammarError if the
+        matcher let through what does not parse, raised once the reply is recorded)."""
+        parsed, error = None, None
+        if self.constraint is not None and finish == "complete":
+            try:
+                parsed = self.constraint.parse(text)
+            except ValueError as problem:
+                error = GrammarError(f"the reply does not match its schema: {problem}")
+        self._record(Reply(text, finish, usage, timings, parsed))
+        if error is not None:
+            raise error
+
+    def _record(self, reply: Reply) -> None:
+        self.prompt.close()
+        self.reply, self.phase = reply, Phase.FINISHED
+        self.finished(self, reply)
+
+    def abandon(self, steps: Generator[Snapshot, None, None]) -> None:
+        """Finish an exchange its stream gave up on (closed, dropped, or superseded): a started
+        one finishes itself, as cancelled, when ``steps`` closes; one never started decoded
+        nothing."""
+        self.cancelled.set()
+        steps.close()
+        if not self.done:
+            self._record(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt.items)), Timings()))
+
+
+def _restore_memory(seat: Seat, error: BaseException) -> None:
+    """After a failed step, make memory match the session's record again, and raise what the
+    caller should see."""
+    if isinstance(error, DecodeAborted):  # a callback raised (Ctrl-C): memory can be kept
+        seat.after_abort()
+        raise (error.cause or NativeError("a decode was aborted")) from None
+    if not isinstance(error, GrammarError):  # (raised after a decode was recorded: memory matches)
+        seat.clear()  # the memory may not match the record any more
