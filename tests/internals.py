@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import numpy as np
 
@@ -10,7 +11,7 @@ from llmsession import Session, Stream
 from llmsession.engine.prefix import Item
 from llmsession.engine.residency import State
 from llmsession.native.context import NativeContext
-from llmsession.native.llama import bindings
+from llmsession.native.llama import NativeModel, bindings
 from llmsession.text.splice import ReplyTokens
 
 
@@ -91,7 +92,20 @@ def last_logits(session: Session) -> np.ndarray:
 
 def read_logits(n_vocab: int, context: NativeContext) -> np.ndarray:
     _, ffi = bindings()
-    return np.frombuffer(ffi.buffer(context.logits(), 4 * n_vocab), dtype=np.float32).copy()
+    return np.frombuffer(ffi.buffer(raw_logits(context), 4 * n_vocab), dtype=np.float32).copy()
+
+
+def raw_logits(context: NativeContext) -> Any:
+    """llama.cpp's pointer to the last decode's last logits (tests read them; the library never)."""
+    return bindings()[0].llama_get_logits_ith(context.ptr, -1)
+
+
+def meta(native: NativeModel, key: str) -> str | None:
+    """A GGUF metadata value of a loaded model, as text."""
+    lib, ffi = bindings()
+    buf = ffi.new("char[4096]")
+    n = lib.llama_model_meta_val_str(native.ptr, key.encode(), buf, len(buf))
+    return None if n < 0 else ffi.string(buf).decode("utf-8", "replace")
 
 
 def state(session: Session) -> bytes:

@@ -49,8 +49,26 @@ def split(draw: st.DrawFn, data: bytes) -> list[bytes]:
     return [data[a:b] for a, b in pairwise(bounds)]
 
 
-def run(pieces: list[bytes]) -> tuple[list[str], str, IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer()
+class Recording(IncrementalDetokenizer):
+    """The detokenizer, keeping all it emitted (``text``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+
+    def push(self, piece: bytes) -> str:
+        out = super().push(piece)
+        self.text += out
+        return out
+
+    def flush(self) -> str:
+        out = super().flush()
+        self.text += out
+        return out
+
+
+def run(pieces: list[bytes]) -> tuple[list[str], str, Recording]:
+    detok = Recording()
     return [detok.push(p) for p in pieces], detok.flush(), detok
 
 
@@ -78,7 +96,7 @@ def test_valid_text_never_shows_replacement(data: st.DataObject, text: str) -> N
 @given(st.data(), tricky_bytes)
 def test_emits_as_soon_as_characters_are_complete(data: st.DataObject, raw: bytes) -> None:
     """After each push, only an incomplete (at most 3 byte) tail may be held back."""
-    detok = IncrementalDetokenizer()
+    detok = Recording()
     seen = b""
     for piece in data.draw(split(raw)):
         seen += piece
@@ -92,7 +110,7 @@ def test_emits_as_soon_as_characters_are_complete(data: st.DataObject, raw: byte
 
 
 def test_two_byte_char_split_in_two() -> None:
-    detok = IncrementalDetokenizer()
+    detok = Recording()
     assert detok.push(b"caf\xc3") == "caf"
     assert detok.push(b"\xa9") == "é"
     assert detok.flush() == ""
@@ -100,26 +118,26 @@ def test_two_byte_char_split_in_two() -> None:
 
 
 def test_emoji_split_into_single_bytes() -> None:
-    detok = IncrementalDetokenizer()
+    detok = Recording()
     pieces = [bytes([b]) for b in "😀".encode()]
     assert [detok.push(p) for p in pieces] == ["", "", "", "😀"]
     assert detok.flush() == ""
 
 
 def test_invalid_bytes_are_replaced_immediately() -> None:
-    detok = IncrementalDetokenizer()
+    detok = Recording()
     assert detok.push(b"a\xffb") == "a\ufffdb"
     assert detok.push(b"\xed\xa0\x80") == "\ufffd\ufffd\ufffd"
 
 
 def test_truncated_tail_becomes_replacement_on_flush() -> None:
-    detok = IncrementalDetokenizer()
+    detok = Recording()
     assert detok.push(b"ok\xf0\x9f\x98") == "ok"
     assert detok.flush() == "\ufffd"
     assert detok.text == "ok\ufffd"
 
 
 def test_broken_sequence_then_ascii() -> None:
-    detok = IncrementalDetokenizer()
+    detok = Recording()
     assert detok.push(b"\xe2\x82") == ""
     assert detok.push(b"x") == "\ufffdx"

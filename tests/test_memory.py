@@ -152,7 +152,7 @@ def test_a_parked_session_costs_its_tokens_not_its_context(smollm2: Model) -> No
     whatever the session's context_size."""
     native = smollm2.native
     keys = ("block_count", "attention.head_count", "attention.head_count_kv", "embedding_length")
-    layers, heads, kv_heads, width = (int(native.meta(f"llama.{key}") or 0) for key in keys)
+    layers, heads, kv_heads, width = (int(internals.meta(native, f"llama.{key}") or 0) for key in keys)
     per_token = layers * 2 * (kv_heads * width // heads) * 2  # K and V rows, f16
     session = smollm2.session(context_size=8192)
     session.respond("Tell me a story about a lighthouse keeper.", REPLY)

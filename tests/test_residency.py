@@ -106,9 +106,9 @@ class ResidencyMachine(RuleBasedStateMachine):
         kept = self.held[key] if self.residency.entry(key).state is State.LIVE else []
         if not self.residency.fits(key, len(kept) + grow):
             return
-        stamps = {k: self.residency.entry(k).stamp for k in self.residency.sessions()}
+        stamps = {k: self.residency.entry(k).stamp for k in list(self.residency._entries)}
         assert self.residency.acquire(key, len(kept) + grow, parkable=parkable, touch=False) == []
-        assert {k: self.residency.entry(k).stamp for k in self.residency.sessions()} == stamps
+        assert {k: self.residency.entry(k).stamp for k in list(self.residency._entries)} == stamps
         memory = self.context.seqs[self.residency.entry(key).seq]
         assert memory == kept
         self.held[key] = memory
@@ -130,14 +130,14 @@ class ResidencyMachine(RuleBasedStateMachine):
         assert r.live_count <= self.budget.max_live
         assert r.live_cells <= self.budget.kv_cells
         assert r.parked_bytes <= self.budget.host_bytes
-        seqs = [r.entry(k).seq for k in r.sessions() if r.entry(k).state is State.LIVE]
+        seqs = [r.entry(k).seq for k in list(r._entries) if r.entry(k).state is State.LIVE]
         assert len(set(seqs)) == len(seqs)
 
     @invariant()
     def memory_matches_every_record(self) -> None:
         if not hasattr(self, "residency"):
             return
-        for key in self.residency.sessions():
+        for key in list(self.residency._entries):
             entry = self.residency.entry(key)
             held = self.where(key)
             if entry.state is State.LIVE:
@@ -147,7 +147,7 @@ class ResidencyMachine(RuleBasedStateMachine):
                 assert held == self.held[key]
         owned = {
             self.residency.entry(k).seq
-            for k in self.residency.sessions()
+            for k in list(self.residency._entries)
             if self.residency.entry(k).state is State.LIVE
         }
         for seq, cells in self.context.seqs.items():

@@ -124,7 +124,7 @@ def paragraph(model: Model, seed: int, n_tokens: int) -> str:
 
 def read_logits(model: Model, context: NativeContext) -> np.ndarray:
     _, ffi = bindings()
-    buffer = ffi.buffer(context.logits(), 4 * model.native.n_vocab)
+    buffer = ffi.buffer(internals.raw_logits(context), 4 * model.native.n_vocab)
     return np.frombuffer(buffer, dtype=np.float32).copy()
 
 

@@ -67,7 +67,7 @@ def include_dir() -> Path:
 
 
 class _Lib:
-    """One namespace over the five libraries: attributes resolve in load order and are cached."""
+    """One namespace over the libraries (``LIBRARIES``): attributes resolve in load order and are cached."""
 
     def __init__(self, handles: list[Any]) -> None:
         self._handles = handles

@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmsession.engine.checkpoints import CheckpointConfig
+from llmsession.errors import MemoryBudgetError
 
 MIB = 1 << 20
 
 
-class BudgetError(Exception):
+class BudgetError(MemoryBudgetError):
     """The request cannot fit even after evicting every idle session."""
 
 

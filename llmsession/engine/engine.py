@@ -23,7 +23,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from llmsession.engine.batching import Batcher, Gate
-from llmsession.engine.budget import Budget, BudgetError, Counters, MemoryConfig, MemoryReport, SessionMemory
+from llmsession.engine.budget import Budget, Counters, MemoryConfig, MemoryReport, SessionMemory
 from llmsession.engine.lease import Lease, Pool
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item, best_donor
@@ -160,10 +160,8 @@ class Engine:
                 )
             if not exchange and not pool.residency.fits(lease.key, cells):
                 raise MemoryBudgetError("background work evicts no one")
-            try:
-                steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
-            except BudgetError as error:
-                raise MemoryBudgetError(str(error)) from None
+            # (a BudgetError is the MemoryBudgetError callers see)
+            steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
             self.apply(pool, steps)
             seq = pool.residency.entry(lease.key).seq
             if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:

@@ -1,8 +1,8 @@
 """Reuse the longest prefix of a chat session's context memory from one exchange to the next.
 
-A session keeps one llama context and a record of the item (token id, or one position of an
-image chunk) held at each position of its memory. Each exchange keeps the longest prefix the new
-prompt shares with that record, removes the rest and decodes only the new tail. The planning is
+A session's state is one sequence of a shared llama context, with a record of the item (token id,
+or one position of an image chunk) held at each of its positions. Each exchange keeps the longest
+prefix the new prompt shares with that record, removes the rest and decodes only the new tail. The planning is
 pure; `PrefixCache.prepare` applies it through the small `Memory` protocol. Where the memory cannot
 give back a correct prefix (a recurrent state refuses a cut inside it; a sliding-window cache has
 evicted what the next position attends to) it resumes from the newest checkpoint at or below the
@@ -103,7 +103,8 @@ def best_donor(
 
 
 class Memory(Protocol):
-    """The part of a llama context's memory (llama_memory_*, sequence 0) that prefix reuse needs."""
+    """The part of a llama context's memory (``llama_memory_*`` on the session's sequence) that
+    prefix reuse needs."""
 
     def seq_rm(self, p0: int) -> bool:
         """Remove positions >= p0; False when the memory refuses (recurrent state)."""

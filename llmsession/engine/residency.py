@@ -65,9 +65,6 @@ class Residency:
     def entry(self, key: Key) -> Entry:
         return self._entries[key]
 
-    def sessions(self) -> list[Key]:
-        return list(self._entries)
-
     @property
     def live_cells(self) -> int:
         return sum(e.cells for e in self._entries.values() if e.state is State.LIVE)

@@ -14,11 +14,10 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 from llmsession.engine.batching import Batcher, Step, Tracker
-from llmsession.engine.budget import BudgetError, Counters
+from llmsession.engine.budget import Counters
 from llmsession.engine.lease import Lease, Pool
 from llmsession.engine.prefix import Item, Plan
 from llmsession.engine.residency import Move
-from llmsession.errors import MemoryBudgetError
 from llmsession.native.context import NativeContext
 from llmsession.native.projector import ImageChunk, Projector
 from llmsession.native.sampler import TokenSampler
@@ -91,7 +90,7 @@ class Seat:
             began = time.perf_counter()
             self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
             self.decoded(tokens, time.perf_counter() - began)
-            return -1 if sampler is None else self.sample_row(-1, sampler)
+            return -1 if sampler is None else self._sample(sampler)
 
     def step(
         self, tokens: Sequence[int], pos: int, sampler: TokenSampler, tracker: Tracker | None = None
@@ -107,10 +106,7 @@ class Seat:
         cells = len(self.items) + n_tokens
         if self.single_use or cells <= pool.residency.entry(key).cells:
             return
-        try:
-            moves = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))
-        except BudgetError as error:
-            raise MemoryBudgetError(str(error)) from None
+        moves = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))  # or BudgetError
         self.host.apply(pool, moves)
 
     def decoded(self, items: Sequence[Item], seconds: float) -> None:
@@ -119,7 +115,11 @@ class Seat:
         self.decode_s += seconds
 
     def sample_row(self, row: int, sampler: TokenSampler) -> int:
-        """Sample from the logits at batch ``row`` of the last decode (-1: its last row)."""
+        """Sample from the logits at batch ``row`` of the last (batched) decode."""
+        return self._sample(sampler, row)
+
+    def _sample(self, sampler: TokenSampler, row: int = -1) -> int:
+        """Sample from the logits at ``row`` of the last decode (-1: its last), timed."""
         began = time.perf_counter()
         token = sampler.sample(self.context, row)
         self.sample_s += time.perf_counter() - began
@@ -148,7 +148,7 @@ class Seat:
                 self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
             )
             self.decoded(items, time.perf_counter() - began)
-            return pos, -1 if sampler is None else self.sample_row(-1, sampler)
+            return pos, -1 if sampler is None else self._sample(sampler)
 
     def checkpoint_stops(self, end: int) -> list[int]:
         """Where a prefill up to position ``end`` should stop to take a checkpoint."""

@@ -232,9 +232,6 @@ class NativeContext(Owner):
             lib.llama_set_abort_callback(self.ptr, callback, data)
             self._abort_installed = wanted
 
-    def logits(self) -> Any:
-        return bindings()[0].llama_get_logits_ith(self.ptr, -1)
-
     def last_logits(self, n_vocab: int, index: int = -1) -> np.ndarray:
         """The logits of the last decode's token at batch ``index`` (-1: its last), as a writable
         view of llama.cpp's own buffer: the sampler chain reads them from there, so masking them

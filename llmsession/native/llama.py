@@ -1,13 +1,14 @@
 """The thin layer over the cffi bindings: every native call llmsession makes goes through here
-(this module: loading, return codes, the model and its vocabulary; ``native_context``: contexts,
-decoding, memory and state; ``native_mtmd``: the projector; ``sampling``: sampler chains).
+(this module: loading, return codes, the model and its vocabulary; ``context``: contexts,
+decoding, memory and state; ``projector``: libmtmd; ``sampler``: sampler chains; ``cancel``).
 
 Each native object (model, context, batch, sampler) has exactly one owner object here, freed by a
 ``weakref.finalize`` on every path: ``close()``, garbage collection or interpreter exit. A child's
 finalizer holds its parent (a context its model), so a parent is never freed under a child, and no
 owner sits in a reference cycle: dropping it frees the native memory at once, not at the next
 cyclic GC. Return codes are checked by ``check`` and ``not_null``; token ids from callers are
-range-checked before llama.cpp sees them; nothing else in llmsession touches ``lib``.
+range-checked before llama.cpp sees them; outside the native layer nothing touches ``lib``
+(``smoke`` does, in the subprocess that checks a fresh build).
 
 An exception that a native callback raised (Ctrl-C during a decode) is re-raised here once the
 native call returns; a decode it interrupted raises ``DecodeAborted`` carrying it.
@@ -208,12 +209,6 @@ class NativeModel(Owner):
         lib, ffi = bindings()
         text = lib.llama_model_chat_template(self.ptr, ffi.NULL)
         return None if text == ffi.NULL else ffi.string(text).decode("utf-8", "replace")
-
-    def meta(self, key: str) -> str | None:
-        lib, ffi = bindings()
-        buf = ffi.new("char[4096]")
-        n = lib.llama_model_meta_val_str(self.ptr, c_string(key, "key"), buf, len(buf))
-        return None if n < 0 else ffi.string(buf).decode("utf-8", "replace")
 
     def check_token(self, token: object) -> int:
         """A caller's token id as an int in range; llama.cpp aborts the process on a bad one."""

@@ -227,7 +227,14 @@ class Session:
         model = self.model
         place = Place(model.engine, model.native, self.lease, self.context_size, self.batch_size, self.carry)
         constraint = model.constraint(options)
-        return Exchange(place, user, prompt, options, constraint, self._record, began=began)
+        record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)
+
+        def finished(exchange: Exchange, reply: Reply) -> None:
+            method = record()
+            if method is not None:
+                method(exchange, reply)
+
+        return Exchange(place, user, prompt, options, constraint, finished, began=began)
 
     def _record(self, exchange: Exchange, reply: Reply) -> None:
         """A finished exchange: the user message and the reply, as far as it got."""

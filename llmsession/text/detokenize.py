@@ -19,7 +19,6 @@ class IncrementalDetokenizer:
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._chunks: list[str] = []
 
     def push(self, piece: bytes) -> str:
         """Add one piece; return the text it completes (possibly "")."""
@@ -29,20 +28,8 @@ class IncrementalDetokenizer:
             # CPython keeps an encoded-surrogate prefix in case of "surrogatepass"; under
             # "replace" it is already two U+FFFD, so release it now rather than a piece later.
             text += self._decoder.decode(b"", final=True)
-        return self._emit(text)
+        return text
 
     def flush(self) -> str:
         """End of generation: release held bytes, an incomplete tail becoming U+FFFD."""
-        return self._emit(self._decoder.decode(b"", final=True))
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        if len(self._chunks) > 1:
-            self._chunks = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self._chunks.append(text)
-        return text
+        return self._decoder.decode(b"", final=True)

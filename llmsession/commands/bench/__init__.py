@@ -1,1 +1,2 @@
-"""TODO"""
+"""``llmsession bench``: the session benchmark against a peer (``main``, ``report``) and its
+variants (``memory``, ``concurrent``, ``structured``, ``rpc``), on shared helpers (``common``)."""
