@@ -218,3 +218,15 @@ def test_no_module_over_400_lines_nor_function_over_60() -> None:
         and node.end_lineno - node.lineno + 1 > 60
     ]
     assert not long_modules + long_functions, "\n".join(long_modules + long_functions)
+
+
+def test_every_subpackage_ships_in_the_wheel() -> None:
+    """pyproject.toml lists the packages by name: a new layer left out would import here and
+    fail once installed."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    packages = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
+    assert packages <= listed, f"missing from pyproject.toml: {sorted(packages - listed)}"

@@ -226,7 +226,7 @@ def test_jinja2_stays_optional() -> None:
     """The modules import, and the non-jinja renderers work, without jinja2."""
     code = (
         "import sys; sys.modules['jinja2'] = None\n"
-        "from llmsession.templates import render_prompt\n"
+        "from llmsession.text.templates import render_prompt\n"
         "text = render_prompt([{'role': 'user', 'content': 'Hi'}], template='<|turn>',"
         " native=lambda t, c, g: None)\n"
         "assert text == '<|turn>user\\nHi<turn|>\\n<|turn>model\\n', repr(text)\n"

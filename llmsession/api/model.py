@@ -98,22 +98,43 @@ class Model:
         ``checkpoints``, ``flash_attention``, ``anticipate`` (see the class)."""
         from llmsession.native import rpc
 
-        # llama.cpp aborts on a server that is not there: each is checked once, here
-        servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
+        servers = [str(endpoint) for endpoint in rpc.checked_servers(rpc_servers, worker_timeout)]
         self.isolated = bool(isolated or (isolated is None and servers))
         self.backend: Backend
-        if self.isolated:
+        if self.isolated:  # (its worker's LocalModel checks the servers, right before llama.cpp)
             from llmsession.remote.isolated import IsolatedModel
 
             self.backend = IsolatedModel(path, worker_timeout=worker_timeout, rpc_servers=servers, **settings)
         else:
             from llmsession.runtime.local import LocalModel
 
-            self.backend = LocalModel(path, rpc_servers=servers, **settings)
-        b = self.backend
-        self.path, self.mmproj_path, self.threads = b.path, b.mmproj_path, b.threads
-        self.use_jinja, self.flash_attention, self.anticipate = b.use_jinja, b.flash_attention, b.anticipate
-        self.template, self.media_marker = b.template, b.media_marker
+            self.backend = LocalModel(path, rpc_servers=servers, worker_timeout=worker_timeout, **settings)
+        self.path, self.mmproj_path = self.backend.path, self.backend.mmproj_path
+
+    @property
+    def threads(self) -> int:
+        return self.backend.threads
+
+    @property
+    def use_jinja(self) -> bool:
+        return self.backend.use_jinja
+
+    @property
+    def flash_attention(self) -> bool | None:
+        return self.backend.flash_attention
+
+    @property
+    def anticipate(self) -> bool:
+        return self.backend.anticipate
+
+    @property
+    def template(self) -> str | None:
+        """The model's chat template (from its GGUF), None if it has none."""
+        return self.backend.template
+
+    @property
+    def media_marker(self) -> str:
+        return self.backend.media_marker
 
     @property
     def local(self) -> LocalModel:

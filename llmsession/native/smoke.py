@@ -1,6 +1,6 @@
 """Smoke-test a llama.cpp build: load the libraries and, given a model, decode a few tokens.
 
-Run in a subprocess by ``llmsession setup`` (``python -m llmsession.smoke_llama LIB_DIR [MODEL]``),
+Run in a subprocess by ``llmsession setup`` (``python -m llmsession.native.smoke LIB_DIR [MODEL]``),
 so a crashing build fails set-up with a clear message.
 Prints the build's commit on the last line.
 """

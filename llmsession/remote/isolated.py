@@ -155,13 +155,14 @@ class IsolatedModel:
     this object speaks for it (the same calls as ``runtime.local.LocalModel``)."""
 
     def __init__(self, path: str | Path, *, worker_timeout: float = 60.0, **settings: Any) -> None:
-        """``settings`` as for ``LocalModel`` (``rpc_servers`` already checked and reachable)."""
+        """``settings`` as for ``LocalModel``, which the worker makes with them."""
         self.path = Path(path)
         mmproj = settings.get("mmproj_path")
         self.mmproj_path = None if mmproj is None else Path(mmproj)
         self._worker = WorkerProcess(worker_timeout)
         weakref.finalize(self, self._worker.stop)  # dropped unclosed: the worker goes too
         try:
+            settings = {**settings, "worker_timeout": worker_timeout}
             info = self._worker.call("load", str(path), settings, limit=LOAD_TIMEOUT_S)
         except BaseException:
             self._worker.stop()
@@ -304,13 +305,17 @@ class IsolatedSession(Session):
             prompt.close()
         return self.stream(user["content"], options)
 
-    def shut(self) -> None:
+    def shut(self, *, model_closing: bool = True) -> None:
         self._closed = True
 
     @property
     def idle(self) -> bool:
-        """Always: only the worker's own stateless calls take sessions, never a proxy."""
-        return True
+        """Never: only the worker's own stateless calls take sessions, never a proxy."""
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._isolated.closed
 
     @property
     def cached_tokens(self) -> int:

@@ -21,6 +21,7 @@ from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import file_digest
 from llmsession.errors import SessionFileError, TemplateError, UnsupportedFeatureError
+from llmsession.native import rpc
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
 from llmsession.options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
@@ -140,8 +141,10 @@ class ModelCore:
         flash_attention: bool | None = None,
         anticipate: bool = True,
         rpc_servers: Sequence[str] = (),
+        worker_timeout: float = 60.0,
     ) -> None:
-        """``rpc_servers``: already checked and reachable (``api.Model`` checks them once)."""
+        """``rpc_servers`` ("host:port") are preflighted here, after every other check:
+        llama.cpp aborts the process on one that is not there."""
         if gpu_layers is None:  # every layer on the RPC servers' devices, else none offloaded
             gpu_layers = -1 if rpc_servers else 0
         self.threads = checked_threads(threads)
@@ -159,8 +162,9 @@ class ModelCore:
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
         self.anticipate = bool(anticipate)
+        servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         self.native, self.projector = load_native(
-            self.path, self.mmproj_path, gpu_layers=gpu_layers, threads=self.threads, rpc_servers=rpc_servers
+            self.path, self.mmproj_path, gpu_layers=gpu_layers, threads=self.threads, rpc_servers=servers
         )
         self.engine = Engine(
             self.native, self.projector, self.threads, config, flash_attention=self.flash_attention

@@ -162,7 +162,7 @@ class Session:
         ``ModelClosedError`` (the transcript stays readable). Idempotent."""
         if self._closed:
             return
-        self.shut()
+        self.shut(model_closing=False)
         if not self.model.closed:
             self.model.engine.discard(self.lease)
 
@@ -184,15 +184,19 @@ class Session:
 
     @property
     def idle(self) -> bool:
-        """No stream of it is running (a stateless call may take it)."""
-        return self._latest is None or self._latest.done
+        """Open, and no stream of it is running (a stateless call may take it)."""
+        return not self._closed and (self._latest is None or self._latest.done)
 
-    def shut(self) -> None:
-        """Its model is closing (or it is): stop the running stream (waiting out its current
-        step) and refuse any later use. The transcript stays readable."""
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def shut(self, *, model_closing: bool = True) -> None:
+        """Its model is closing (or, not ``model_closing``, it is): stop the running stream
+        (waiting out its current step) and refuse any later use. The transcript stays readable."""
         latest = self._latest
         if latest is not None and not latest.done:
-            latest.model_closed = True
+            latest.model_closed = model_closing  # (its stream then says the model was closed)
             latest.cancelled.set()  # a prefill in another thread stops within a graph node
         with self._lock:
             self._quiesce()

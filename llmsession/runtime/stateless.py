@@ -107,6 +107,7 @@ class StatelessPool:
         half of it: llama-server's similarity rule), else None (a new one) while there is room,
         else the least recently used idle one of the tenant's. Taking a session with little in
         common would throw away a cache another conversation is coming back to."""
+        self._forget_closed()
         fitting = [
             s
             for s in self._sessions
@@ -127,6 +128,12 @@ class StatelessPool:
         self._sessions.remove(chosen)
         del self._tenants[chosen]
         return chosen
+
+    def _forget_closed(self) -> None:
+        """Sessions their callers closed (``chat_stream(...).session.close()``) are no one's."""
+        for session in [s for s in self._sessions if s.closed]:
+            self._sessions.remove(session)
+            del self._tenants[session]
 
     def _evict(self) -> None:
         idle = [s for s in self._sessions if s.idle]
