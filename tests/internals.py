@@ -38,7 +38,7 @@ def donor_records(session: Session) -> list[tuple[Item, ...]]:
     share prefixes and live in its context's pool), each settled."""
     mine = session.lease
     others = [s for s in list(session.model.sessions) if s is not session and s.share_prefix]
-    return [record(s) for s in others if s.lease.pool is mine.pool and not s._closed]
+    return [record(s) for s in others if s.lease.shared_context is mine.shared_context and not s._closed]
 
 
 def started(stream: Stream) -> bool:
@@ -71,16 +71,16 @@ def tokenize_like(fresh: Session, like: Session) -> None:
 def placement(session: Session) -> tuple[str, int]:
     """Where the session's state is: (live / parked / cold, its sequence while live)."""
     lease = settled(session).lease
-    entry = lease.pool.residency.entry(lease.key)
+    entry = lease.shared_context.residency.entry(lease.key)
     return entry.state.value, entry.seq
 
 
 def live_context(session: Session) -> NativeContext | None:
     """The shared context holding the session's sequence, None unless it is live."""
     lease = settled(session).lease
-    if lease.pool.residency.entry(lease.key).state is not State.LIVE:
+    if lease.shared_context.residency.entry(lease.key).state is not State.LIVE:
         return None
-    return lease.pool.context
+    return lease.shared_context.context
 
 
 def last_logits(session: Session) -> np.ndarray:

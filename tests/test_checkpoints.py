@@ -115,7 +115,7 @@ def test_llama_cpp_rollback_stays_off(recurrent: Model) -> None:
     lib, _ = bindings()
     session = recurrent.session()
     session.respond("Hello", GREEDY)
-    context = session.lease.pool.context
+    context = session.lease.shared_context.context
     assert lib.llama_n_rs_seq(context.ptr) == 0
 
 

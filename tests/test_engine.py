@@ -133,7 +133,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @property
     def context(self) -> FakeContext:
-        (pool,) = self.engine._pools.values()
+        (pool,) = self.engine._shared_contexts.values()
         return pool.context  # type: ignore[return-value]
 
     @precondition(lambda self: hasattr(self, "engine") and self.leases)
@@ -223,7 +223,7 @@ class EngineMachine(RuleBasedStateMachine):
         for lease in self.leases:
             record = list(lease.cache.items)
             assert record == self.history[lease.key][: len(record)], "a record holds foreign items"
-            entry = lease.pool.residency.entry(lease.key)
+            entry = lease.shared_context.residency.entry(lease.key)
             where = engine.lot.holds(lease.key)
             if entry.state is State.LIVE:
                 owned.add(entry.seq)
@@ -235,12 +235,12 @@ class EngineMachine(RuleBasedStateMachine):
                 assert self.n_swa == 0 or len(record) <= self.n_swa, "a state past its window was parked"
             else:
                 assert record == [], "a cold session kept a record"
-        for _, _, seqs in self.context.cells.values() if self.engine._pools else []:
+        for _, _, seqs in self.context.cells.values() if self.engine._shared_contexts else []:
             assert seqs <= owned, f"cells of sequences nobody owns: {seqs - owned}"
 
     @invariant()
     def within_budget(self) -> None:
-        if not hasattr(self, "engine") or not self.engine._pools:
+        if not hasattr(self, "engine") or not self.engine._shared_contexts:
             return
         report = self.engine.memory()
         assert len(self.context.cells) <= self.kv

@@ -39,7 +39,7 @@ def test_the_shared_context_is_made_while_the_model_loads(smollm2_path: Path) ->
         warm = model.local.engine.warm()  # a second call joins the same pool; wait for it
         assert warm is not None
         warm.join()
-        (pool,) = model.local.engine._pools.values()
+        (pool,) = model.local.engine._shared_contexts.values()
         assert pool._context is not None  # before any session spoke
         reply = model.session().respond("Hello", GREEDY)
         assert reply.timings.plan_s < reply.timings.prefill_s

@@ -15,7 +15,7 @@ import pytest
 from test_reuse import check_against_fresh, short_prompt_noise, tolerance_for
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, Reply, Session
-from llmsession.engine.engine import Engine, Lease, Pool
+from llmsession.engine.engine import Engine, Lease, SharedContext
 
 REPLY = GenerationOptions(max_tokens=4, temperature=0)
 TOPICS = ("rivers", "bridges", "lanterns", "harbours", "meadows", "orchards", "towers", "valleys")
@@ -82,7 +82,7 @@ def test_a_restore_with_damaged_values_is_caught(
     the position check; the differential must see it."""
     real_restore = Engine._restore
 
-    def damaged(self: Engine, pool: Pool, lease: Lease, seq: int, blob: bytes | None) -> None:
+    def damaged(self: Engine, pool: SharedContext, lease: Lease, seq: int, blob: bytes | None) -> None:
         real_restore(self, pool, lease, seq, blob)
         held = len(lease.cache.items)
         if held > 4:  # the last 4 positions hold other tokens' keys and values

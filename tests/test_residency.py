@@ -28,9 +28,9 @@ class FakeContext:
             assert step.key not in self.parked
             self.parked[step.key] = list(self.seqs[step.seq])
             self.seqs[step.seq] = []
-        elif step.action == "drop":
+        elif step.action == "evict":
             self.seqs[step.seq] = []
-        elif step.action == "forget":
+        elif step.action == "release":
             del self.parked[step.key]
         else:  # restore into a free sequence
             assert self.seqs[step.seq] == [], "restored into a sequence that holds cells"

@@ -222,7 +222,7 @@ class Model:
         ``tenant`` names whose call this is (a user, an API key): a call reuses only sessions
         its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
         call without a tenant starts from nothing of any other call's, and no call starts from
-        its cells; with a tenant it reuses only that tenant's sessions (``StatelessPool``)."""
+        its cells; with a tenant it reuses only that tenant's sessions (``StatelessSessions``)."""
         from llmsession.runtime.stream import drain
 
         return drain(self.chat_stream(messages, options, tenant=tenant, **session_args))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from llmsession.engine.batching import Batcher, Gate
 from llmsession.engine.budget import Budget, Counters, MemoryConfig, MemoryReport, SessionMemory
-from llmsession.engine.lease import Lease, Pool
+from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item, best_donor
 from llmsession.engine.residency import Move, State
@@ -65,7 +65,7 @@ class Engine:
         weakref.finalize(self, self.batcher.close)
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
-        self._pools: dict[tuple[bool, int], Pool] = {}
+        self._shared_contexts: dict[tuple[bool, int], SharedContext] = {}
         self._keys = itertools.count()
         self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
         self._closed = False
@@ -78,12 +78,12 @@ class Engine:
         n_swa = max(0, self.native.n_swa)
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
         with self.hold():
-            pool = self._pool(swa_full, batch_size)
+            home = self._shared_context(swa_full, batch_size)
             recurrent = self.config.checkpoints if self.native.is_recurrent else None
             window = 0 if swa_full else n_swa
-            lease = Lease(pool, next(self._keys), n_swa, window, checkpoints=recurrent, shares=shares)
-            pool.leases[lease.key] = lease
-            pool.residency.add(lease.key)
+            lease = Lease(home, next(self._keys), n_swa, window, checkpoints=recurrent, shares=shares)
+            home.leases[lease.key] = lease
+            home.residency.add(lease.key)
             return lease
 
     @property
@@ -91,9 +91,9 @@ class Engine:
         """Whether a thread waits for the lock (background work gives way to it)."""
         return self.gate.contended
 
-    def _pool(self, swa_full: bool, batch_size: int) -> Pool:
+    def _shared_context(self, swa_full: bool, batch_size: int) -> SharedContext:
         layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
-        if layout not in self._pools:
+        if layout not in self._shared_contexts:
             live = self.config.max_live_sessions if swa_full else 1
             c = self.config
             make = functools.partial(
@@ -106,8 +106,8 @@ class Engine:
                 flash_attention=self.flash_attention,
             )
             budget = Budget(c.kv_tokens, max_live=live, host_bytes=c.host_cache_bytes)
-            self._pools[layout] = Pool(make, budget, swa_full=swa_full, n_batch=layout[1])
-        return self._pools[layout]
+            self._shared_contexts[layout] = SharedContext(make, budget, swa_full=swa_full, n_batch=layout[1])
+        return self._shared_contexts[layout]
 
     def warm(self) -> threading.Thread | None:
         """Make the default layout's shared context now, in the background, so that no exchange
@@ -116,13 +116,13 @@ class Engine:
         if self.native.has_encoder:
             return None  # its exchanges take contexts of their own
         with self.hold():
-            pool = self._pool(True, self.config.batch_size)
+            home = self._shared_context(True, self.config.batch_size)
 
         def make() -> None:
             with self.hold():
                 if not self._closed:
                     try:
-                        pool.context  # noqa: B018  (made on first use)
+                        home.context  # noqa: B018  (made on first use)
                     except Exception as error:
                         log.debug("warming the shared context failed: %s", error)
 
@@ -140,7 +140,7 @@ class Engine:
     def discard(self, lease: Lease) -> None:
         """Forget a session's state wherever it is: the session goes cold."""
         with self.hold():
-            self._free(lease, lease.pool.residency.cool(lease.key))
+            self._free(lease, lease.shared_context.residency.cool(lease.key))
             lease.cache.reset()
 
     @contextmanager
@@ -151,31 +151,31 @@ class Engine:
         cells, for one exchange; the session is busy (never evicted) until the block ends. Not
         for an exchange (background work): only a session that is not parked and fits without
         evicting anyone, else ``MemoryBudgetError``; it is neither counted nor made recent."""
-        pool = lease.pool
+        home = lease.shared_context
         with self.hold():
             self._reap()
-            if cells > pool.budget.kv_cells:
+            if cells > home.budget.kv_cells:
                 raise MemoryBudgetError(
-                    f"{cells} positions exceed the model's kv_tokens ({pool.budget.kv_cells})"
+                    f"{cells} positions exceed the model's kv_tokens ({home.budget.kv_cells})"
                 )
-            if not exchange and not pool.residency.fits(lease.key, cells):
+            if not exchange and not home.residency.fits(lease.key, cells):
                 raise MemoryBudgetError("background work evicts no one")
             # (a BudgetError is the MemoryBudgetError callers see)
-            steps = pool.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
-            self.apply(pool, steps)
-            seq = pool.residency.entry(lease.key).seq
+            steps = home.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
+            self.apply(home, steps)
+            seq = home.residency.entry(lease.key).seq
             if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
                 if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
-                    self._restore(pool, lease, seq, self.lot.take(lease.key))
-                elif pool.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
+                    self._restore(home, lease, seq, self.lot.take(lease.key))
+                elif home.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
                     lease.cache.reset()
             self.counters.exchanges += exchange
-        seat = Seat(self, lease, pool.context, seq, cancelled)
+        seat = Seat(self, lease, home.context, seq, cancelled)
         try:
             yield seat
         finally:
             with self.hold():
-                pool.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
+                home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
 
     @contextmanager
     def single_use(self, lease: Lease, n_ctx: int, cancelled: _threading.Event) -> Iterator[Seat]:
@@ -201,22 +201,22 @@ class Engine:
         """Start an empty session from the longest prefix of ``prompt`` that another live session
         of its context holds (a system prompt many conversations open with, say): those cells,
         shared (``seq_cp``, then cut after the prefix), not decoded again. Only where sequences
-        share one pool of cells and a cut is exact: not for recurrent memories nor the small
+        share one set of cells and a cut is exact: not for recurrent memories nor the small
         sliding-window cache. How many positions it gave (the caller holds the lock)."""
-        pool = lease.pool
-        if lease.cache.items or not (lease.shares and pool.swa_full) or self.native.is_recurrent:
+        home = lease.shared_context
+        if lease.cache.items or not (lease.shares and home.swa_full) or self.native.is_recurrent:
             return 0
-        entries = [pool.residency.entry(key) for key in pool.leases]
+        entries = [home.residency.entry(key) for key in home.leases]
         donors = [
             (other, entry.seq)
-            for other, entry in zip(pool.leases.values(), entries, strict=True)
+            for other, entry in zip(home.leases.values(), entries, strict=True)
             if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
         ]
         index, shared = best_donor(prompt, [donor.cache.items for donor, _ in donors], can_cut=can_cut)
         if not shared:
             return 0
         donor, donor_seq = donors[index]
-        context = pool.context
+        context = home.context
         context.seq_cp(donor_seq, seq)
         if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
             context.seq_rm(-1, seq)
@@ -231,7 +231,8 @@ class Engine:
         with self.hold():
             if not lease.cache.items:
                 return None
-            if lease.pool.residency.entry(lease.key).state is not State.LIVE and self.lot.holds(lease.key):
+            live = lease.shared_context.residency.entry(lease.key).state is State.LIVE
+            if not live and self.lot.holds(lease.key):
                 return self.lot.peek(lease.key)
         with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
             return seat.context.state_get(seat.seq) if lease.cache.items else None
@@ -271,17 +272,17 @@ class Engine:
         with self.hold():
             self._reap()
             sessions, live, parked, checkpoints = [], 0, 0, 0
-            for pool in self._pools.values():
-                for key, lease in pool.leases.items():
-                    entry = pool.residency.entry(key)
+            for home in self._shared_contexts.values():
+                for key, lease in home.leases.items():
+                    entry = home.residency.entry(key)
                     held = len(lease.cache.items)
                     where = self.lot.holds(key) if entry.state is not State.LIVE else "live"
                     state = {"host": "parked", "disk": "disk", "": "cold", "live": "live"}[where]
                     size = self.lot.size(key)
                     sessions.append(SessionMemory(key, state, held if state != "cold" else 0, size))
                     checkpoints += lease.cache.checkpoint_bytes
-                live += pool.residency.live_count
-                parked += pool.residency.parked_bytes
+                live += home.residency.live_count
+                parked += home.residency.parked_bytes
             c = self.config
             return MemoryReport(
                 kv_tokens=c.kv_tokens,
@@ -301,18 +302,18 @@ class Engine:
         self.batcher.close()
         with self.hold():
             self._closed = True
-            for pool in self._pools.values():
-                pool.close()
+            for home in self._shared_contexts.values():
+                home.close()
             self.lot.close()
 
     # -- applying the ledger's steps -------------------------------------------------------------
-    def apply(self, pool: Pool, steps: list[Move]) -> None:
-        """Carry out the ledger's moves on ``pool``'s context and the parking lot."""
+    def apply(self, home: SharedContext, steps: list[Move]) -> None:
+        """Carry out the ledger's moves on ``home``'s context and the parking lot."""
         for step in steps:
-            lease = pool.leases[step.key]  # type: ignore[index]
+            lease = home.leases[step.key]  # type: ignore[index]
             if step.action == "park":
-                blob = pool.context.state_get(step.seq)
-                pool.context.seq_rm(-1, step.seq)
+                blob = home.context.state_get(step.seq)
+                home.context.seq_rm(-1, step.seq)
                 self.lot.park(lease.key, blob)
                 self.counters.parks += 1
                 log.debug(
@@ -321,17 +322,17 @@ class Engine:
                     len(lease.cache.items),
                     memoryview(blob).nbytes,
                 )
-            elif step.action == "drop" and self.lot.disk_dir and lease.cache.items and lease.parkable:
-                self.lot.park(lease.key, pool.context.state_get(step.seq))  # too big for RAM
-                pool.context.seq_rm(-1, step.seq)
-                self.apply(pool, [Move("forget", lease.key, -1)])
-            elif step.action == "drop":
-                pool.context.seq_rm(-1, step.seq)
+            elif step.action == "evict" and self.lot.disk_dir and lease.cache.items and lease.parkable:
+                self.lot.park(lease.key, home.context.state_get(step.seq))  # too big for RAM
+                home.context.seq_rm(-1, step.seq)
+                self.apply(home, [Move("release", lease.key, -1)])
+            elif step.action == "evict":
+                home.context.seq_rm(-1, step.seq)
                 if lease.cache.items:
                     self.counters.drops += 1
                     log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
                 lease.cache.reset()
-            elif step.action == "forget":
+            elif step.action == "release":
                 if self.lot.spill(lease.key):
                     self.counters.disk_writes += 1
                     log.debug("moved session %d's parked state to disk", lease.key)
@@ -340,10 +341,10 @@ class Engine:
                     log.debug("forgot session %d's parked state (cold)", lease.key)
                     lease.cache.reset()
             else:
-                self._restore(pool, lease, step.seq, self.lot.take(lease.key))
+                self._restore(home, lease, step.seq, self.lot.take(lease.key))
 
-    def _restore(self, pool: Pool, lease: Lease, seq: int, blob: Buffer | None) -> None:
-        context, held = pool.context, len(lease.cache.items)
+    def _restore(self, home: SharedContext, lease: Lease, seq: int, blob: Buffer | None) -> None:
+        context, held = home.context, len(lease.cache.items)
         if blob is not None and context.state_set(blob, seq) and context.pos_max(seq) == held - 1:
             self.counters.restores += 1
             log.debug("restored session %d: %d positions", lease.key, held)
@@ -356,15 +357,15 @@ class Engine:
     def _reap(self) -> None:
         while self._dead:
             lease = self._dead.pop()
-            pool = lease.pool
-            if lease.key in pool.leases:
-                self._free(lease, pool.residency.remove(lease.key))
-                del pool.leases[lease.key]
+            home = lease.shared_context
+            if lease.key in home.leases:
+                self._free(lease, home.residency.remove(lease.key))
+                del home.leases[lease.key]
 
     def _free(self, lease: Lease, steps: list[Move]) -> None:
         """Let a session's state go on purpose (closed or collected): not an eviction. Its
         parked state goes too, also one on disk the ledger already counts as cold."""
         for step in steps:
-            if step.action == "drop":
-                lease.pool.context.seq_rm(-1, step.seq)
+            if step.action == "evict":
+                lease.shared_context.context.seq_rm(-1, step.seq)
         self.lot.discard(lease.key)

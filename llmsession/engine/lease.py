@@ -1,4 +1,4 @@
-"""A session's place in the engine (``Lease``) and one shared context with its ledger (``Pool``):
+"""A session's place in the engine (``Lease``) and one shared context with its ledger (``SharedContext``):
 the records a seat works on, apart from the engine that hands them out."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from llmsession.engine.residency import Residency
 from llmsession.native.context import NativeContext
 
 
-class Pool:
+class SharedContext:
     """One shared context (made on first use by ``make_context``) for one memory layout, and
     its ledger."""
 
@@ -45,7 +45,7 @@ class Lease:
 
     def __init__(
         self,
-        pool: Pool,
+        home: SharedContext,
         key: int,
         n_swa: int,
         window: int,
@@ -54,7 +54,7 @@ class Lease:
         shares: bool = True,
     ) -> None:
         """``checkpoints``: a recurrent memory's (None for attention-only models)."""
-        self.pool, self.key, self.n_swa, self.shares = pool, key, n_swa, shares
+        self.shared_context, self.key, self.n_swa, self.shares = home, key, n_swa, shares
         # A recurrent state refuses cuts inside it: checkpoints let it rewind. Never a sliding
         # window's: its states past the window restore wrong in the pinned llama.cpp (#25295).
         self.cache = PrefixCache(n_swa=window, checkpoints=checkpoints if window == 0 else None)

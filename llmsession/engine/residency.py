@@ -31,10 +31,12 @@ class State(Enum):
 
 class Move(NamedTuple):
     """One thing the engine must do, in order: ``park`` copies a live sequence's state to host
-    RAM and frees the sequence; ``drop`` frees a live sequence (the session goes cold);
-    ``forget`` releases a parked state (cold); ``restore`` loads a parked state into ``seq``."""
+    RAM and frees the sequence; ``evict`` frees a live sequence whose state does not go to RAM
+    (the engine writes it to its disk tier if it has one, else the session goes cold);
+    ``release`` lets a parked state leave RAM (to the disk tier, else cold); ``restore`` loads a
+    parked state into ``seq``."""
 
-    action: Literal["park", "drop", "forget", "restore"]
+    action: Literal["park", "evict", "release", "restore"]
     key: Key
     seq: int
 
@@ -51,7 +53,8 @@ class Entry:
 
 
 class Residency:
-    """The ledger of every session of one model, and the eviction policy."""
+    """The ledger of the sessions of one shared context (a model has one per memory layout),
+    and the eviction policy."""
 
     def __init__(self, budget: Budget, park_bytes: Callable[[Key], int]) -> None:
         """``park_bytes(key)``: the size a live session's parked state would take."""
@@ -102,10 +105,10 @@ class Residency:
         entry = self._entries[key]
         steps = []
         if entry.state is State.LIVE:
-            steps.append(Move("drop", key, entry.seq))
+            steps.append(Move("evict", key, entry.seq))
             self._free(entry)
         elif entry.state is State.PARKED:
-            steps.append(Move("forget", key, -1))
+            steps.append(Move("release", key, -1))
         entry.state, entry.parked_bytes = State.COLD, 0
         return steps
 
@@ -179,7 +182,7 @@ class Residency:
         restoring = mine.parked_bytes if mine.state is State.PARKED else 0
         size = self._park_bytes(key) if entry.parkable else self.budget.host_bytes + 1
         if size > self.budget.host_bytes - restoring:
-            steps = [Move("drop", key, entry.seq)]
+            steps = [Move("evict", key, entry.seq)]
             self._free(entry)
             entry.state = State.COLD
             return steps

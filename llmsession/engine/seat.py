@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmsession.engine.batching import Batcher, Step, Tracker
 from llmsession.engine.budget import Counters
-from llmsession.engine.lease import Lease, Pool
+from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.prefix import Item, Plan
 from llmsession.engine.residency import Move
 from llmsession.native.context import NativeContext
@@ -41,7 +41,7 @@ class Host(Protocol):
         self, lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool]
     ) -> int: ...
 
-    def apply(self, pool: Pool, moves: list[Move]) -> None: ...
+    def apply(self, home: SharedContext, moves: list[Move]) -> None: ...
 
 
 class Seat:
@@ -102,12 +102,12 @@ class Seat:
     # -- one decode step, lone or batched (the lock is held) -----------------------------------
     def make_room(self, n_tokens: int) -> None:
         """Cells for ``n_tokens`` more than the sequence holds (idle sessions parked if need be)."""
-        pool, key = self.lease.pool, self.lease.key
+        home, key = self.lease.shared_context, self.lease.key
         cells = len(self.items) + n_tokens
-        if self.single_use or cells <= pool.residency.entry(key).cells:
+        if self.single_use or cells <= home.residency.entry(key).cells:
             return
-        moves = pool.residency.grow(key, min(pool.budget.kv_cells, cells + GROWTH))  # or BudgetError
-        self.host.apply(pool, moves)
+        moves = home.residency.grow(key, min(home.budget.kv_cells, cells + GROWTH))  # or BudgetError
+        self.host.apply(home, moves)
 
     def decoded(self, items: Sequence[Item], seconds: float) -> None:
         """Record what a decode of ``seconds`` put in the sequence."""

@@ -12,7 +12,7 @@ from llmsession.options import GenerationOptions
 from llmsession.runtime import persistence
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.session import Session
-from llmsession.runtime.stateless import StatelessPool
+from llmsession.runtime.stateless import StatelessSessions
 from llmsession.runtime.stream import Stream
 
 STATELESS_SESSIONS = 8  # sessions kept for Model.chat (their states live, parked or cold)
@@ -23,7 +23,7 @@ class LocalModel(ModelCore):
 
     def __init__(self, path: str | Path, **settings: Any) -> None:
         super().__init__(path, **settings)
-        self.stateless = StatelessPool(self, capacity=STATELESS_SESSIONS)
+        self.stateless = StatelessSessions(self, capacity=STATELESS_SESSIONS)
 
     def session(self, system: str | None = None, **settings: Any) -> Session:
         """A new conversation (``api.Model.session`` says what ``settings`` may be)."""

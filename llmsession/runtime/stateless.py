@@ -34,7 +34,7 @@ BRANCH = 16
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
 
 
-class StatelessPool:
+class StatelessSessions:
     """The sessions kept for ``Model.chat``, most recently used last, each with the tenant whose
     calls it serves (None: calls that name none). A call takes only its own tenant's sessions.
     A ``share_prefix=False`` call without a tenant is nobody's to follow: its session is not
