@@ -3,8 +3,6 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
-from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.errors import (
     BackendError,
     ContextOverflowError,
@@ -21,10 +19,23 @@ from llmsession.errors import (
     UnsupportedFeatureError,
 )
 from llmsession.options import GenerationOptions
-from llmsession.replies import FinishReason, Reply, Snapshot, Timings, Usage
+from llmsession.replies import (
+    ContentPart,
+    FinishReason,
+    ImagePart,
+    ImageURLPart,
+    Message,
+    Reply,
+    Snapshot,
+    TextPart,
+    Timings,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
+    from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
+    from llmsession.engine.checkpoints import CheckpointConfig
     from llmsession.runtime.aio import AsyncStream
     from llmsession.runtime.session import Session
     from llmsession.runtime.stream import Stream
@@ -34,6 +45,10 @@ if TYPE_CHECKING:
 # ``import llmsession`` (a command's start, a server's import of its errors) should not pay for.
 _LAZY = {
     "AsyncStream": ".runtime.aio",
+    "CheckpointConfig": ".engine.checkpoints",
+    "Counters": ".engine.budget",
+    "MemoryReport": ".engine.budget",
+    "SessionMemory": ".engine.budget",
     "Image": ".text.images",
     "Model": ".api.model",
     "Session": ".runtime.session",
@@ -64,6 +79,7 @@ __all__ = [
     "AsyncStream",
     "BackendError",
     "CheckpointConfig",
+    "ContentPart",
     "ContextOverflowError",
     "Counters",
     "FinishReason",
@@ -71,9 +87,12 @@ __all__ = [
     "GrammarError",
     "Image",
     "ImageError",
+    "ImagePart",
+    "ImageURLPart",
     "LlmSessionError",
     "MemoryBudgetError",
     "MemoryReport",
+    "Message",
     "Model",
     "ModelClosedError",
     "ModelLoadError",
@@ -86,6 +105,7 @@ __all__ = [
     "Snapshot",
     "Stream",
     "TemplateError",
+    "TextPart",
     "Timings",
     "UnsupportedFeatureError",
     "Usage",

@@ -3,11 +3,45 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Union
 
 # "complete": a constrained reply ended because its constraint was satisfied
 FinishReason = Literal["stop", "length", "cancelled", "complete"]
-Message = dict[str, Any]
+
+
+class TextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(TypedDict):
+    url: str  # a data: URL, or a local file path (never fetched from the network)
+
+
+class ImageURLPart(TypedDict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ImagePart(TypedDict):
+    type: Literal["image"]
+    image: Any  # an ``llmsession.Image``, encoded bytes, a path, a PIL image or an array
+
+
+# A str is a text part; any other object (an ``llmsession.Image``) is an image.
+ContentPart = Union[str, TextPart, ImageURLPart, ImagePart, Any]  # noqa: UP007  (Any in a |: 3.10)
+
+
+class _Said(TypedDict):
+    role: str  # "system", "user", "assistant" (others as the template allows)
+    content: str | list[ContentPart]
+
+
+class Message(_Said, total=False):
+    """One message of a transcript, as ``Session.messages`` holds them and ``Model.chat`` takes
+    them (plain dicts: this is their shape for type checkers)."""
+
+    name: str
 
 
 @dataclass

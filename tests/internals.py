@@ -38,7 +38,7 @@ def donor_records(session: Session) -> list[tuple[Item, ...]]:
     share prefixes and live in its context's pool), each settled."""
     mine = session.lease
     others = [s for s in list(session.model.sessions) if s is not session and s.share_prefix]
-    return [record(s) for s in others if s.lease.shared_context is mine.shared_context and not s._closed]
+    return [record(s) for s in others if s.lease.shared_context is mine.shared_context and not s.closed]
 
 
 def started(stream: Stream) -> bool:

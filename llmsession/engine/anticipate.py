@@ -133,7 +133,7 @@ def opening(guess: Guess) -> tuple[Item, ...]:
     """The items every next prompt of this transcript begins with, whatever the user writes."""
     probes = []
     for probe in PROBES:
-        transcript = [*guess.messages, {"role": "user", "content": probe}]
+        transcript: list[Message] = [*guess.messages, {"role": "user", "content": probe}]
         prompt = guess.prompt(transcript)
         prompt.close()
         probes.append(prompt.items)

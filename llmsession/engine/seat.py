@@ -64,6 +64,7 @@ class Seat:
         self.cancelled, self.single_use, self.decoder_start = cancelled, single_use, decoder_start
         self.decode_s = self.sample_s = 0.0  # inside llama_decode (and encode, images); sampling
         self.shared = 0  # positions the plan reused that another session had decoded
+        self._granted = 0  # cells the ledger gave the sequence, as last read
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -102,12 +103,16 @@ class Seat:
     # -- one decode step, lone or batched (the lock is held) -----------------------------------
     def make_room(self, n_tokens: int) -> None:
         """Cells for ``n_tokens`` more than the sequence holds (idle sessions parked if need be)."""
-        home, key = self.lease.shared_context, self.lease.key
         cells = len(self.items) + n_tokens
-        if self.single_use or cells <= home.residency.entry(key).cells:
+        if self.single_use or cells <= self._granted:
+            return
+        home, key = self.lease.shared_context, self.lease.key
+        self._granted = home.residency.entry(key).cells  # (the seat's session is busy: only it grows it)
+        if cells <= self._granted:
             return
         moves = home.residency.grow(key, min(home.budget.kv_cells, cells + GROWTH))  # or BudgetError
         self.host.apply(home, moves)
+        self._granted = home.residency.entry(key).cells
 
     def decoded(self, items: Sequence[Item], seconds: float) -> None:
         """Record what a decode of ``seconds`` put in the sequence."""

@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -141,14 +141,14 @@ def _encode_part(part: Any, images: dict[str, Image]) -> Any:
     return {"type": "image", IMAGE_KEY: image.digest}
 
 
-def _decode_message(message: Any, saved: SavedSession) -> dict[str, Any]:
+def _decode_message(message: Any, saved: SavedSession) -> Message:
     if not isinstance(message, dict):
         raise SessionFileError("a saved message is not an object")
     content = message.get("content")
     decoded: dict[str, Any] = dict(message)
     if isinstance(content, list):
         decoded["content"] = [_decode_part(part, saved) for part in content]
-    return decoded
+    return cast(Message, decoded)  # (checked as any transcript is, when it is next rendered)
 
 
 def _decode_part(part: Any, saved: SavedSession) -> Any:

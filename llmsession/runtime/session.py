@@ -12,11 +12,9 @@ background (``engine.anticipate``).
 from __future__ import annotations
 
 import copy
-import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,14 +22,14 @@ from typing import Any
 from llmsession.engine import anticipate
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
-from llmsession.errors import ContextOverflowError, ModelClosedError, SessionBusyError
+from llmsession.errors import ContextOverflowError, ModelClosedError
 from llmsession.options import MAX_POSITIONS, GenerationOptions, check_int, checked_options
 from llmsession.replies import Message, Reply
 from llmsession.runtime import persistence
 from llmsession.runtime.aio import AsyncStream
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Carry, Exchange, Place
-from llmsession.runtime.stream import Stream, drain
+from llmsession.runtime.stream import Guard, Stream, drain
 from llmsession.text.splice import ReplyTokens
 
 DEFAULT_CONTEXT_SIZE = 4096
@@ -77,12 +75,11 @@ class Session:
         self.replies = ReplyTokens(capacity=256)  # its own replies, as generated
         self.carry = Carry()  # what its next exchange reports of before it
         self.looks_ahead = True  # decode the next prompt's opening after a reply (stateless: no)
-        self._lock = threading.Lock()
+        self._guard = Guard()  # one thread at a time; none once closed
         self._latest: Exchange | None = None  # the latest stream's exchange
         self._abandon: Callable[[], object] | None = None  # finishes it, once (not holding its stream)
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: anticipate.Ahead | None = None  # the next prompt's opening, decoding now
-        self._closed = False
         model.sessions.add(self)  # its model's close() ends it
 
     # -- public API ---------------------------------------------------------------------------
@@ -113,7 +110,7 @@ class Session:
         already tokenized the transcript plus ``user`` (a stateless call does, to choose the
         session); owns ``prompt``."""
         began = time.perf_counter()
-        with self._busy():
+        with self._guard:
             if self._abandon is not None:  # an unfinished stream of this thread: finish it first
                 self._supersede()
                 began = time.perf_counter()
@@ -127,21 +124,21 @@ class Session:
             except BaseException:
                 prompt.close()
                 raise
-            stream = Stream(self, exchange, self._busy)
+            stream = Stream(self, exchange, self._guard)
             self._latest, self._abandon = exchange, stream.abandon
             return stream
 
     def clear_cached_context(self) -> None:
         """Forget the session's KV state (the next exchange decodes from scratch, but for what it
         may start from of another session's: ``share_prefix``)."""
-        with self._busy():
+        with self._guard:
             self._quiesce()
             self.model.engine.discard(self.lease)
 
     def fork(self) -> Session:
         """A new session with a copy of this transcript and of its KV cache (a copy of the
         state, not a re-decode): for alternatives and regenerations."""
-        with self._busy():
+        with self._guard:
             self._quiesce()
             twin = Session(self.model, **self.settings)
             twin.messages = copy.deepcopy(self.messages)
@@ -153,14 +150,14 @@ class Session:
         """Write the transcript and the KV cache to one file (atomically); ``Model.load_session``
         reads it back, here or in another process. An unfinished stream is finished first."""
         target = target_file(path)  # a path that cannot be written is refused before any work
-        with self._busy():
+        with self._guard:
             self._quiesce()
             persistence.save(self.model, self.lease, self.messages, self.settings, target)
 
     def close(self) -> None:
         """End the session: finish its stream, free its KV state; later calls raise
         ``ModelClosedError`` (the transcript stays readable). Idempotent."""
-        if self._closed:
+        if self._guard.closed:
             return
         self.shut(model_closing=False)
         if not self.model.closed:
@@ -185,11 +182,11 @@ class Session:
     @property
     def idle(self) -> bool:
         """Open, and no stream of it is running (a stateless call may take it)."""
-        return not self._closed and (self._latest is None or self._latest.done)
+        return not self._guard.closed and (self._latest is None or self._latest.done)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._guard.closed
 
     def shut(self, *, model_closing: bool = True) -> None:
         """Its model is closing (or, not ``model_closing``, it is): stop the running stream
@@ -198,22 +195,11 @@ class Session:
         if latest is not None and not latest.done:
             latest.model_closed = model_closing  # (its stream then says the model was closed)
             latest.cancelled.set()  # a prefill in another thread stops within a graph node
-        with self._lock:
+        with self._guard.lock:
             self._quiesce()
-            self._closed = True
+            self._guard.closed = True
 
     # -- internals ----------------------------------------------------------------------------
-    @contextmanager
-    def _busy(self) -> Iterator[None]:
-        if not self._lock.acquire(blocking=False):
-            raise SessionBusyError("this session is already generating in another thread")
-        try:
-            if self._closed:
-                raise ModelClosedError("this session is closed (or its model is)")
-            yield
-        finally:
-            self._lock.release()
-
     def _prompt(self, transcript: list[Message]) -> Prompt:
         """This session's prompt for a transcript: its own replies spliced, and other sessions'
         unless it is kept apart."""
@@ -274,14 +260,14 @@ class Session:
     def _look_ahead(self) -> None:
         """Start decoding the next prompt's opening in the background (``anticipate``)."""
         model = self.model
-        if self._closed or model.closed:
+        if self._guard.closed or model.closed:
             return
         guess = anticipate.Guess(
             prompt=partial(model.prompt, thinking=self.thinking, own=self.replies, shared=self.share_prefix),
             native=model.native,
             enabled=model.anticipate,
             lease=self.lease,
-            messages=[dict(m) for m in self.messages],
+            messages=[m.copy() for m in self.messages],
             context_size=self.context_size,
             batch_size=self.batch_size,
         )

@@ -18,11 +18,12 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from llmsession.engine.prefix import common_prefix
 from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions, checked_options
+from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.session import Session
 from llmsession.runtime.stream import Stream
@@ -63,8 +64,9 @@ class StatelessSessions:
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         apart = session_args.get("share_prefix", True) is False  # (a non-bool: Session refuses it)
         options = checked_options(options)
-        history = [dict(m) for m in copy.deepcopy(list(messages[:-1]))]
-        user = {"role": "user", "content": messages[-1]["content"]}
+        # (checked above: each is a role and a content)
+        history = cast(list[Message], [dict(m) for m in copy.deepcopy(list(messages[:-1]))])
+        user: Message = {"role": "user", "content": messages[-1]["content"]}
         keep = not (apart and tenant is None)
         record = None
         if apart:

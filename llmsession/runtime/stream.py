@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from typing import Protocol
 
-from llmsession.errors import ModelClosedError
+from llmsession.errors import ModelClosedError, SessionBusyError
 from llmsession.replies import Message, Reply, Snapshot
 from llmsession.runtime.exchange import Exchange
 
@@ -28,6 +28,25 @@ class Replying(Protocol):
     def __iter__(self) -> Iterator[Snapshot]: ...
 
 
+class Guard:
+    """A session's busy guard, held for each step of its exchanges: one thread at a time (a
+    second gets ``SessionBusyError`` at once), and none once the session is ``closed``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            raise SessionBusyError("this session is already generating in another thread")
+        if self.closed:
+            self.lock.release()
+            raise ModelClosedError("this session is closed (or its model is)")
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
 def drain(stream: Replying) -> Reply:
     """Run a stream to its end and return its reply (``respond`` and ``chat`` are this)."""
     for _ in stream:
@@ -39,13 +58,10 @@ def drain(stream: Replying) -> Reply:
 class Stream:
     """An iterator of ``Snapshot``s; ``reply`` holds the final ``Reply`` once it ends."""
 
-    def __init__(
-        self, session: Transcript, exchange: Exchange, busy: Callable[[], AbstractContextManager[None]]
-    ) -> None:
-        """``busy``: the session's guard, held for each step (one thread at a time)."""
+    def __init__(self, session: Transcript, exchange: Exchange, guard: Guard) -> None:
         self.session = session
         self.exchange = exchange
-        self._busy = busy
+        self._guard = guard
         self._steps = exchange.run()
         # Runs once: on close(), when the session moves on, or when the stream is dropped.
         self.abandon = weakref.finalize(self, exchange.abandon, self._steps)
@@ -62,7 +78,7 @@ class Stream:
             raise ModelClosedError("the model was closed while this stream was open")
         if self.exchange.done:
             raise StopIteration
-        with self._busy():
+        with self._guard:
             try:
                 return next(self._steps)
             except StopIteration:
@@ -79,7 +95,7 @@ class Stream:
         self.cancel()
         if self.exchange.done:
             return  # finished, or ended by its model's close()
-        with self._busy():
+        with self._guard:
             self.abandon()
 
     def __enter__(self) -> Stream:

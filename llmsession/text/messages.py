@@ -12,7 +12,7 @@ from typing import Any
 
 from llmsession.errors import TemplateError
 
-Message = Mapping[str, Any]
+Message = Mapping[str, Any]  # what renderers read: a ``replies.Message`` or any mapping like it
 
 IMAGE_PART_TYPES = ("image", "image_url")
 

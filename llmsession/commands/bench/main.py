@@ -76,7 +76,7 @@ def fresh_exchange(
 ) -> MeasuredTurn:
     """The upstream "before": the same transcript decoded from scratch in a new context (the
     shadow shares no prefix with other sessions)."""
-    shadow.messages = [dict(m) for m in history]
+    shadow.messages = [m.copy() for m in history]
     shadow.clear_cached_context()
     turn, _ = exchange(shadow, text, options)
     shadow.clear_cached_context()  # (and stop its anticipation: only the cached chat goes on)
