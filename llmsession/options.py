@@ -9,6 +9,7 @@ from typing import Any
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
 INT32_MAX = 2**31 - 1  # llama.cpp's counts are int32_t: a larger Python int cannot be passed
+TOOL_FORMATS = ("hermes", "llama3", "mistral", "generic")
 MAX_POSITIONS = 2**24  # a context or batch size beyond this is a typo, not a plan (16.7M positions)
 
 
@@ -44,8 +45,14 @@ class GenerationOptions:
     json_schema: Mapping[str, Any] | str | type | None = None
     regex: str | None = None
     grammar: str | None = None
+    tools: tuple[Mapping[str, Any] | type, ...] | None = None
+    tool_choice: str | Mapping[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    tool_format: str | None = None  # "hermes", "llama3", "mistral", "generic"; None: from the template
 
     def __post_init__(self) -> None:
+        if isinstance(self.tools, list):
+            object.__setattr__(self, "tools", tuple(self.tools))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, Iterable) and not isinstance(self.stop, bytes | Mapping):
@@ -78,6 +85,13 @@ class GenerationOptions:
         _require("json_schema", schema, schema_ok)
         _require("regex", self.regex, self.regex is None or isinstance(self.regex, str))
         _require("grammar", self.grammar, self.grammar is None or isinstance(self.grammar, str))
+        tools_ok = self.tools is None or isinstance(self.tools, tuple)
+        _require("tools", self.tools, tools_ok)
+        choice_ok = isinstance(self.tool_choice, str | Mapping)
+        _require("tool_choice", self.tool_choice, choice_ok)
+        _require("parallel_tool_calls", self.parallel_tool_calls, isinstance(self.parallel_tool_calls, bool))
+        format_ok = self.tool_format is None or self.tool_format in TOOL_FORMATS
+        _require("tool_format", self.tool_format, format_ok)
         given = self._constraints()
         if len(given) > 1:
             raise ValueError(f"GenerationOptions: {' and '.join(given)} given; a reply takes one constraint")
@@ -92,7 +106,13 @@ class GenerationOptions:
 
     def _constraints(self) -> list[str]:
         """The constraint fields that are set (at most one passes validation)."""
-        return [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        return [*given, "tools"] if self.calls_tools else given
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are given and the reply may call them."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def penalized(self) -> bool:

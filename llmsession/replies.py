@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, Union
 
 # "complete": a constrained reply ended because its constraint was satisfied
-FinishReason = Literal["stop", "length", "cancelled", "complete"]
+# "tool_calls": the reply called tools (``Reply.tool_calls``)
+FinishReason = Literal["stop", "length", "cancelled", "complete", "tool_calls"]
 
 
 class TextPart(TypedDict):
@@ -82,12 +84,43 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call a reply made: ``arguments`` is its JSON text as generated, ``parsed`` that object
+    (it validated against the tool's schema)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @property
+    def parsed(self) -> Any:
+        return json.loads(self.arguments)
+
+    def message_part(self) -> dict[str, Any]:
+        """As an OpenAI assistant message's ``tool_calls`` holds it."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed call, as OpenAI streams them: the call's ``index`` in the reply,
+    its ``id`` and ``name`` in its first piece, then ``arguments`` text to append."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class Reply:
-    text: str
+    text: str  # with tool calls, the text before them
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
     parsed: Any = None  # a complete json_schema reply, parsed (a pydantic instance for a model class)
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,3 +129,4 @@ class Snapshot:
 
     delta: str
     text: str
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls this step wrote

@@ -41,9 +41,14 @@ from fixture_models import (
 from llmsession.commands import paths
 
 # Bump when any fixture changes so that old caches are rebuilt.
-FIXTURE_VERSION = "3"  # 2: the Gemma 4 copy adds BOS; 3: Mamba weights varied, LFM2 and T5
+FIXTURE_VERSION = "4"  # 2: the Gemma 4 copy adds BOS; 3: Mamba weights varied, LFM2 and T5; 4: tool templates
 STAMP_FILE = ".fixtures-version"
 GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
+TOOL_TEMPLATES = {  # each family's real template, for tool calling in its own format
+    "smollm2-qwen25-template.gguf": "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja",
+    "smollm2-llama31-template.gguf": "models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "smollm2-mistral-template.gguf": "models/templates/mistralai-Mistral-Nemo-Instruct-2407.jinja",
+}
 # Matches none of llama_chat_detect_template's heuristics and has no Gemma 4 syntax.
 UNKNOWN_TEMPLATE = (
     "{% for m in messages %}{{ '<<' + m.role | upper + '>> ' + m.content + '\\n' }}{% endfor %}"
@@ -158,6 +163,13 @@ def build_gemma4_template(out: Path, src: Sources) -> None:
     copy_with_template(out, src, template, add_bos=True)
 
 
+def build_tool_template(out: Path, src: Sources) -> None:
+    template = (src.llama_src / TOOL_TEMPLATES[out.name.lstrip(".").removesuffix(".tmp")]).read_text(
+        encoding="utf-8"
+    )
+    copy_with_template(out, src, template)
+
+
 def build_unknown_template(out: Path, src: Sources) -> None:
     copy_with_template(out, src, UNKNOWN_TEMPLATE)
 
@@ -181,6 +193,7 @@ FIXTURES: dict[str, Callable[[Path, Sources], None]] = {
     "mmproj-tiny.gguf": build_mmproj,
     "smollm2-gemma4-template.gguf": build_gemma4_template,
     "smollm2-unknown-template.gguf": build_unknown_template,
+    **dict.fromkeys(TOOL_TEMPLATES, build_tool_template),
     "image-red.png": build_red,
     "image-blue.png": build_blue,
 }
@@ -219,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
 
     src = Sources(paths.default_model_path(), args.llama_src)
     try:
-        if "smollm2-gemma4-template.gguf" in todo and not (args.llama_src / GEMMA4_TEMPLATE).is_file():
+        needed = [GEMMA4_TEMPLATE, *TOOL_TEMPLATES.values()]
+        missing = [n for n in needed if not (args.llama_src / n).is_file()]
+        if any(n.startswith("smollm2-") for n in todo) and missing:
             raise FixtureError(
-                f"{args.llama_src / GEMMA4_TEMPLATE} not found; pass --llama-src PATH "
+                f"the chat templates {missing} are not in {args.llama_src}; pass --llama-src PATH "
                 "pointing at the extracted llama.cpp source"
             )
         if todo:

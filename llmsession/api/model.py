@@ -74,7 +74,7 @@ class Model:
     edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
     ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
     depth on the CPU, at the price of replies that depend on the cache's placement
-    (``runtime.core.choose_flash_attention``). ``anticipate``: after each reply, decode the next
+    (``runtime.loading.choose_flash_attention``). ``anticipate``: after each reply, decode the next
     prompt's opening in the background (``engine.anticipate``). ``rpc_servers`` ("host:port" of
     llama.cpp RPC servers) put the layers (all, unless ``gpu_layers`` says) on other hosts; each
     is checked from Python first (``native.rpc.preflight``). ``isolated`` runs the model in a

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -31,8 +32,9 @@ from llmsession.commands.doctor import doctor, error
 from llmsession.commands.installer import SETUP_COMMAND
 from llmsession.errors import LlmSessionError
 from llmsession.options import GenerationOptions
-from llmsession.replies import Reply
+from llmsession.replies import Reply, ToolCall
 from llmsession.runtime.session import Session
+from llmsession.text.tools import checked_tools
 
 HELP = """commands:
   /image PATH   attach an image to the next message (needs --mmproj)
@@ -168,6 +170,30 @@ class Chat:
         reply = stream.reply
         if reply is None:
             return
+        self.report(reply, options, began)
+        if reply.tool_calls:
+            self.answer_calls(reply.tool_calls)
+
+    def answer_calls(self, calls: Sequence[ToolCall]) -> None:
+        """Print each call, read its result (a line), and send the results for the next reply."""
+        results: list[Any] = []
+        for call in calls:
+            self.note(f"[call {call.name}({call.arguments}), id {call.id}]")
+            prompt = f"result of {call.name}> " if sys.stdin.isatty() else ""
+            result = input(prompt)
+            results.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        began = time.perf_counter()
+        stream = self.session.stream(results, self.options)
+        for snapshot in stream:
+            self.out.write(snapshot.delta)
+            self.out.flush()
+        if stream.reply is not None:
+            self.report(stream.reply, self.options, began)
+            if stream.reply.tool_calls:
+                self.answer_calls(stream.reply.tool_calls)
+
+    def report(self, reply: Reply, options: GenerationOptions, began: float) -> None:
+        """The line after a reply: how it ended, and what it cost."""
         self.out.write("\n" if reply.text and not reply.text.endswith("\n") else "")
         if reply.finish_reason == "cancelled":
             self.note("[cancelled]")
@@ -241,7 +267,8 @@ def chat(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        options = GenerationOptions(max_tokens=args.max_tokens, temperature=args.temperature)
+        tools = read_tools(args.tools) if args.tools else None
+        options = GenerationOptions(max_tokens=args.max_tokens, temperature=args.temperature, tools=tools)
         with Model(model_path, mmproj_path=args.mmproj, threads=args.threads) as model:
             session = model.session(system=args.system, context_size=args.context_size)
             if sys.stdin.isatty():
@@ -250,6 +277,18 @@ def chat(args: argparse.Namespace) -> int:
     except (LlmSessionError, ValueError) as e:
         error(str(e))
         return 1
+
+
+def read_tools(path: Path) -> tuple[Any, ...]:
+    """The tools in a JSON file, checked now (ValueError naming the problem)."""
+    try:
+        specs = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as problem:
+        raise ValueError(f"cannot read tools from {path}: {problem or type(problem).__name__}") from None
+    if not isinstance(specs, list):
+        raise ValueError(f"{path}: tools must be a JSON list of function specs")
+    checked_tools(specs)
+    return tuple(specs)
 
 
 def rpc_server(args: argparse.Namespace) -> int:
@@ -289,6 +328,12 @@ def parser() -> argparse.ArgumentParser:
     )
     add("--mmproj", type=Path, metavar="PATH", help="multimodal projector GGUF, enables /image")
     add("--system", metavar="TEXT", help="system message")
+    add(
+        "--tools",
+        type=Path,
+        metavar="FILE",
+        help="a JSON list of OpenAI function specs: calls are printed, you type each result",
+    )
     add(
         "--context-size",
         type=positive_int,

@@ -98,6 +98,19 @@ class Constraint:
             matcher, tokenizer.eos_token, schema_class, json=kind == "json_schema", validator=validator
         )
 
+    @classmethod
+    def from_lark(cls, lark: str, tokenizer: llguidance.LLTokenizer, kind: str = "tools") -> Constraint:
+        """A constraint from a Lark grammar this library wrote (tool calls): GrammarError if
+        llguidance refuses it (a tool's schema it cannot take, say)."""
+        try:
+            grammar = llguidance.grammar_from("lark", lark)
+        except (ValueError, TypeError, RecursionError) as error:
+            raise GrammarError(f"{kind}: {error}") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{kind}: {matcher.get_error()}")
+        return cls(matcher, tokenizer.eos_token)
+
     def sampler(self, chain: Sampler, n_vocab: int) -> GuidedSampler:
         return GuidedSampler(chain, self.matcher.deep_copy(), n_vocab, end=self.end)
 

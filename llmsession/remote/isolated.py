@@ -34,10 +34,11 @@ from llmsession.errors import BackendError, GrammarError, ModelClosedError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply, Snapshot
 from llmsession.runtime.aio import AsyncStream
-from llmsession.runtime.session import Session
+from llmsession.runtime.session import Session, said_messages
 from llmsession.runtime.stream import Stream
 from llmsession.text.messages import check_messages
 from llmsession.text.schemas import schema_document
+from llmsession.text.tools import tool_from
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
@@ -142,8 +143,11 @@ def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | Non
     """Options that travel to the worker: a JSON schema as a plain JSON object, checked here as
     in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
     pydantic class goes as its schema, and comes back with the reply (``IsolatedStream``
-    parses ``parsed`` into it here)."""
+    parses ``parsed`` into it here). Tools go as their specs, checked here first."""
     options = checked_options(options)
+    if options.tools:
+        tools = tuple(tool_from(spec, i).spec() for i, spec in enumerate(options.tools))
+        options = dataclasses.replace(options, tools=tools)
     if options.json_schema is None:
         return options, None
     schema_class, document = schema_document(options.json_schema)
@@ -260,7 +264,7 @@ class IsolatedSession(Session):
         return self.model
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
-        check_messages([{"role": "user", "content": content}])  # as in-process, before pickling
+        check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
         options, schema_class = portable(options)
         key, messages = self._isolated._call("stream", self._key, self._edits(), content, options)
         self._sync(messages)  # with the exchange of an unfinished stream it finished first
@@ -299,11 +303,11 @@ class IsolatedSession(Session):
             self._session_call("close")
         self._closed = True
 
-    def start(self, user: Message, options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
-        """``stream`` for a whole user message (its prompt is always made in the worker)."""
+    def start(self, said: list[Message], options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
+        """``stream`` for whole messages (their prompt is always made in the worker)."""
         if prompt is not None:
             prompt.close()
-        return self.stream(user["content"], options)
+        return self.stream(said, options)
 
     def shut(self, *, model_closing: bool = True) -> None:
         self._closed = True

@@ -15,20 +15,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmsession.engine import anticipate
-from llmsession.engine.budget import MemoryConfig, MemoryReport
+from llmsession.engine.budget import MemoryReport
 from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import file_digest
 from llmsession.errors import SessionFileError, TemplateError, UnsupportedFeatureError
 from llmsession.native import rpc
-from llmsession.native.llama import NativeModel, default_threads, usable_cores
-from llmsession.native.projector import Projector
-from llmsession.options import INT32_MAX, MAX_POSITIONS, GenerationOptions, check_int
+from llmsession.options import INT32_MAX, GenerationOptions, check_int
+from llmsession.runtime.loading import checked_threads, choose_flash_attention, load_native, memory_config
 from llmsession.text.images import message_images
 from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens, marker, splice, stretches
 from llmsession.text.templates import render_prompt
+from llmsession.text.tool_formats import FORMATS, GENERIC, ToolFormat, detect, grammar, said_text, stand_in
+from llmsession.text.tools import Tools
 
 if TYPE_CHECKING:
     import llguidance
@@ -37,83 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
-MAX_THREADS = 512  # GGML_MAX_N_THREADS
-MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
 STRETCHES = 1024  # tokenized texts between spliced replies, kept for the next prompts
-
-
-def choose_flash_attention(asked: bool | None) -> bool | None:
-    """None leaves llama.cpp its choice (AUTO: on wherever supported, the CPU included). Off is
-    faster for the prefill at depth on the CPU (``llama-bench -fa 0,1 -p 29 -d 993``: 246 vs 182
-    tok/s on an AMD EPYC; 199 vs 152 for our own prefill on an Intel Xeon), but then a reply
-    depends on where its session's cells lie in the shared cache (the kernels' sums change with
-    the placement), so two sessions with one transcript may answer differently; with it on they
-    have answered alike in every differential test. ``llmsession bench kernels`` measures both."""
-    if asked is not None and not isinstance(asked, bool):
-        raise TypeError(f"flash_attention must be True, False or None, got {asked!r}")
-    return asked
-
-
-def memory_config(
-    *,
-    kv_tokens: int,
-    max_live_sessions: int,
-    host_cache_bytes: int,
-    disk_cache_dir: str | Path | None,
-    batch_size: int,
-    checkpoints: CheckpointConfig | None,
-) -> MemoryConfig:
-    """The memory settings, checked (TypeError or ValueError naming the first wrong one)."""
-    check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
-    check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
-    check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
-    check_int("batch_size", batch_size, 1, MAX_POSITIONS)
-    return MemoryConfig(
-        kv_tokens=kv_tokens,
-        max_live_sessions=max_live_sessions,
-        host_cache_bytes=host_cache_bytes,
-        disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
-        batch_size=min(batch_size, kv_tokens),
-        checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
-    )
-
-
-def checked_threads(threads: int | None) -> int:
-    """The decode threads: the caller's (warned about if more than this process may use), or
-    a default for this machine."""
-    if threads is None:
-        return default_threads()
-    check_int("threads", threads, 1, MAX_THREADS)
-    if threads > (cores := usable_cores()):
-        log.warning(
-            "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
-            "for each other at every graph node, so each decode may run hundreds of times slower",
-            threads,
-            cores,
-        )
-    return threads
-
-
-def load_native(
-    path: Path, mmproj_path: Path | None, *, gpu_layers: int, threads: int, rpc_servers: Sequence[str]
-) -> tuple[NativeModel, Projector | None]:
-    """The model, and its projector if given; neither is left open on an error."""
-    native = NativeModel(path, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
-    if native.has_encoder and (mmproj_path is not None or not native.has_decoder):
-        native.close()
-        raise UnsupportedFeatureError(
-            f"{path.name}: an encoder-decoder model takes no images here"
-            if native.has_decoder
-            else f"{path.name} is encoder-only: it has no decoder to reply with"
-        )
-    if mmproj_path is None:
-        return native, None
-    try:
-        use_gpu = gpu_layers != 0 and not rpc_servers
-        return native, Projector(mmproj_path, native, threads=threads, use_gpu=use_gpu)
-    except BaseException:
-        native.close()
-        raise
 
 
 class Shuttable(Protocol):
@@ -186,8 +111,10 @@ class ModelCore:
         add_generation_prompt: bool = True,
         *,
         thinking: bool = False,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
     ) -> str:
-        """The exact prompt text a session would tokenize for these messages."""
+        """The exact prompt text a session would tokenize for these messages (and tools)."""
         return render_prompt(
             messages,
             template=self.template,
@@ -198,7 +125,16 @@ class ModelCore:
             bos_token=self.native.token_text(self.native.bos()),
             eos_token=self.native.token_text(self.native.eos()),
             media_marker=self.media_marker,
+            tools=tools,
+            tool_format=self.tool_format(tool_format),
         )
+
+    def tool_format(self, name: str | None = None) -> ToolFormat:
+        """How calls are written: ``name``'s format, else the template's own where jinja
+        renders it, else the generic one (llama.cpp's built-in templates know no tools)."""
+        if name is not None:
+            return FORMATS[name]
+        return detect(self.template) if self.use_jinja else GENERIC
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
@@ -227,6 +163,8 @@ class ModelCore:
         thinking: bool,
         own: ReplyTokens | None = None,
         shared: bool = True,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
     ) -> list[int]:
         """``text`` (the rendered ``messages``) tokenized, with the replies this model generated
         as the tokens it generated (``splice``) when that spells exactly the same text; a
@@ -237,23 +175,22 @@ class ModelCore:
             mine = own.get(content) if own is not None else None
             return mine or (self.replies.get(content) if shared else None)
 
+        fmt = self.tool_format(tool_format)
+        said = [said_text(m, fmt) for m in messages]
         known = {
-            i: tokens
-            for i, m in enumerate(messages)
-            if m.get("role") == "assistant"
-            and isinstance(m.get("content"), str)
-            and (tokens := recorded(m["content"])) is not None
+            i: tokens for i, s in enumerate(said) if s is not None and (tokens := recorded(s)) is not None
         }
         if not known:
             return self.tokenize(text)
-        marked = [{**m, "content": marker(i)} if i in known else m for i, m in enumerate(messages)]
+        marked = [stand_in(m, marker(i)) if i in known else m for i, m in enumerate(messages)]
         try:
-            around = stretches(self.render(marked, thinking=thinking), list(known))
+            rendered = self.render(marked, thinking=thinking, tools=tools, tool_format=tool_format)
+            around = stretches(rendered, list(known))
         except TemplateError:  # a template that cannot take the stand-ins: no splice
             return self.tokenize(text)
         if around is None:
             return self.tokenize(text)
-        contents = [messages[i]["content"] for i in known]
+        contents = [said[i] or "" for i in known]
         if "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
             return self.tokenize(text)
         # A prompt kept apart tokenizes its stretches afresh: how fast a remembered one came back
@@ -298,9 +235,12 @@ class ModelCore:
         thinking: bool = False,
         own: ReplyTokens | None = None,
         shared: bool = True,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
     ) -> Prompt:
-        """The tokenized prompt for a transcript; images go through the projector. Replies are
-        spliced from ``own``, and from every session's unless not ``shared``."""
+        """The tokenized prompt for a transcript (and the exchange's tools); images go through
+        the projector. Replies are spliced from ``own``, and from every session's unless not
+        ``shared``."""
         check_messages(messages)
         images = list(message_images(messages))
         if images and self.projector is None:
@@ -309,10 +249,10 @@ class ModelCore:
                 "load one with Model(path, mmproj_path=...)"
             )
         began = time.perf_counter()
-        text = self.render(messages, thinking=thinking)
+        text = self.render(messages, thinking=thinking, tools=tools, tool_format=tool_format)
         rendered = time.perf_counter()
         if not images:
-            prompt = Prompt([self._text_tokens(messages, text, thinking, own, shared)])
+            prompt = Prompt([self._text_tokens(messages, text, thinking, own, shared, tools, tool_format)])
             prompt.render_s, prompt.tokenize_s = rendered - began, time.perf_counter() - rendered
             return prompt
         assert self.projector is not None
@@ -321,9 +261,12 @@ class ModelCore:
             self._drop_double_bos(chunks.pieces[0])
         return Prompt(chunks.pieces, chunks, rendered - began, time.perf_counter() - rendered)
 
-    def constraint(self, options: GenerationOptions) -> Constraint | None:
-        """The options' constraint compiled for this model (GrammarError if it cannot be used);
-        the matcher's tokenizer is built on first use, once."""
+    def constraint(
+        self, options: GenerationOptions, tools: Tools | None = None, ids: Sequence[str] = ()
+    ) -> Constraint | None:
+        """The options' constraint compiled for this model (GrammarError if it cannot be used),
+        or the tool calls' (written with ``ids`` where the format carries them); the matcher's
+        tokenizer is built on first use, once."""
         if not options.constrained:
             return None
         from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)
@@ -331,6 +274,10 @@ class ModelCore:
         with self._guidance_lock:
             if self._guidance is None:
                 self._guidance = tokenizer(self.native)
+        if tools is not None and tools.mode != "none":
+            return Constraint.from_lark(
+                grammar(self.tool_format(options.tool_format), tools, ids), self._guidance
+            )
         return Constraint.compile(options, self._guidance)
 
     def identity(self) -> str:

@@ -32,7 +32,8 @@ from llmsession.native.context import DecodeAborted
 from llmsession.native.llama import NativeModel
 from llmsession.native.sampler import Sampler, TokenSampler
 from llmsession.options import GenerationOptions
-from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, Usage
+from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, ToolCall, Usage
+from llmsession.runtime.calling import Calling
 from llmsession.text.detokenize import IncrementalDetokenizer
 from llmsession.text.stops import StopMatcher
 
@@ -80,7 +81,7 @@ class Exchange:
     consumer's thread); nothing here holds the ``Stream`` that reads it."""
 
     place: Place
-    user: Message
+    said: list[Message]  # the messages this exchange answers (a user's, or tool results)
     prompt: Prompt
     options: GenerationOptions
     constraint: Constraint | None
@@ -92,6 +93,8 @@ class Exchange:
     finish: FinishReason = "length"
     reply: Reply | None = None
     model_closed: bool = False  # its model was closed before it finished
+    calling: Calling | None = None  # its tools, when the reply may call them
+    text: str = ""  # the reply as generated (its calls included)
 
     @property
     def done(self) -> bool:
@@ -117,7 +120,9 @@ class Exchange:
                         with closing(self._generate(seat, *first, sampler, usage, timings)) as deltas:
                             for delta in deltas:
                                 text += delta
-                                yield Snapshot(delta, text)
+                                yield self._snapshot(delta, text)
+                            if self.calling is not None and (tail := self.calling.tail()) is not None:
+                                yield tail
                 except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
                     cancelled = True
                 except BaseException as error:
@@ -131,6 +136,9 @@ class Exchange:
             prompt.close()
             raise
         self._conclude(text, "cancelled" if cancelled else self.finish, usage, timings)
+
+    def _snapshot(self, delta: str, text: str) -> Snapshot:
+        return Snapshot(delta, text) if self.calling is None else self.calling.snapshot(delta)
 
     def _seat(self) -> AbstractContextManager[Seat]:
         """The session's sequence, with room for the prompt and the reply's first stretch (an
@@ -268,13 +276,17 @@ class Exchange:
     def _conclude(self, text: str, finish: FinishReason, usage: Usage, timings: Timings) -> None:
         """Record the reply; a constrained one that is complete is parsed (a GrammarError if the
         matcher let through what does not parse, raised once the reply is recorded)."""
+        self.text = text
         parsed, error = None, None
-        if self.constraint is not None and finish == "complete":
+        calls: tuple[ToolCall, ...] = ()
+        if self.calling is not None:
+            text, calls, finish, error = self.calling.conclude(text, finish)
+        elif self.constraint is not None and finish == "complete":
             try:
                 parsed = self.constraint.parse(text)
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")
-        self._record(Reply(text, finish, usage, timings, parsed))
+        self._record(Reply(text, finish, usage, timings, parsed, calls))
         if error is not None:
             raise error
 

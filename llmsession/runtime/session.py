@@ -14,10 +14,10 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from llmsession.engine import anticipate
 from llmsession.engine.prompt import Prompt
@@ -27,12 +27,30 @@ from llmsession.options import MAX_POSITIONS, GenerationOptions, check_int, chec
 from llmsession.replies import Message, Reply
 from llmsession.runtime import persistence
 from llmsession.runtime.aio import AsyncStream
+from llmsession.runtime.calling import Calling
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Carry, Exchange, Place
 from llmsession.runtime.stream import Guard, Stream, drain
 from llmsession.text.splice import ReplyTokens
+from llmsession.text.tool_formats import CallIds
+from llmsession.text.tools import Tools, options_tools
 
 DEFAULT_CONTEXT_SIZE = 4096
+MAX_CALLS = 8  # calls in one reply, where the format writes their ids
+
+
+def said_messages(content: Any) -> list[Message]:
+    """What ``stream`` sends: a message (a mapping with a ``role``: a tool result, say), a list of
+    them, or else a user message's content."""
+    if isinstance(content, Mapping) and "role" in content:
+        return [cast(Message, dict(content))]
+    if (
+        isinstance(content, list | tuple)
+        and content
+        and all(isinstance(m, Mapping) and "role" in m for m in content)
+    ):
+        return [cast(Message, dict(m)) for m in content]
+    return [{"role": "user", "content": content}]
 
 
 class Session:
@@ -80,6 +98,7 @@ class Session:
         self._abandon: Callable[[], object] | None = None  # finishes it, once (not holding its stream)
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: anticipate.Ahead | None = None  # the next prompt's opening, decoding now
+        self._tools: tuple[Tools | None, str | None] = (None, None)  # the latest exchange's, for its prompts
         model.sessions.add(self)  # its model's close() ends it
 
     # -- public API ---------------------------------------------------------------------------
@@ -88,14 +107,15 @@ class Session:
         return drain(self.stream(content, options))
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
-        """Send a user message; iterate the result for snapshots as tokens decode."""
-        return self.start({"role": "user", "content": content}, checked_options(options))
+        """Send a user message (or a message, or messages: tool results); iterate the result
+        for snapshots as tokens decode."""
+        return self.start(said_messages(content), checked_options(options))
 
     def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
         """``stream`` for asyncio: ``async for snapshot in session.astream(...)``. Every step runs
         in a worker thread; cancelling the task cancels the exchange within one token."""
         options = checked_options(options)
-        return AsyncStream(lambda: self.start({"role": "user", "content": content}, options))
+        return AsyncStream(lambda: self.start(said_messages(content), options))
 
     async def arespond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
         """``respond`` for asyncio; the event loop runs on while the reply decodes."""
@@ -105,22 +125,23 @@ class Session:
         assert stream.reply is not None
         return stream.reply
 
-    def start(self, user: Message, options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
-        """``stream`` for a user message and checked options, with its prompt if the caller
-        already tokenized the transcript plus ``user`` (a stateless call does, to choose the
-        session); owns ``prompt``."""
+    def start(self, said: list[Message], options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
+        """``stream`` for the messages an exchange answers and checked options, with its prompt
+        if the caller already tokenized the transcript plus ``said`` (a stateless call does, to
+        choose the session); owns ``prompt``."""
         began = time.perf_counter()
         with self._guard:
             if self._abandon is not None:  # an unfinished stream of this thread: finish it first
                 self._supersede()
                 began = time.perf_counter()
+            self._tools = (options_tools(options), options.tool_format)
             if prompt is None:
-                prompt = self._prompt([*self.messages, user])
+                prompt = self._prompter()([*self.messages, *said])
             else:  # made by the caller just before
                 began -= prompt.render_s + prompt.tokenize_s
             self._settle(prompt)
             try:
-                exchange = self._exchange(user, options, prompt, began)
+                exchange = self._exchange(said, options, prompt, began)
             except BaseException:
                 prompt.close()
                 raise
@@ -200,14 +221,22 @@ class Session:
             self._guard.closed = True
 
     # -- internals ----------------------------------------------------------------------------
-    def _prompt(self, transcript: list[Message]) -> Prompt:
-        """This session's prompt for a transcript: its own replies spliced, and other sessions'
-        unless it is kept apart."""
-        return self.model.prompt(
-            transcript, thinking=self.thinking, own=self.replies, shared=self.share_prefix
+    def _prompter(self) -> Callable[[list[Message]], Prompt]:
+        """How this session's prompts are made (with its latest exchange's tools): its own
+        replies spliced, and other sessions' unless it is kept apart."""
+        tools, tool_format = self._tools
+        return partial(
+            self.model.prompt,
+            thinking=self.thinking,
+            own=self.replies,
+            shared=self.share_prefix,
+            tools=tools,
+            tool_format=tool_format,
         )
 
-    def _exchange(self, user: Message, options: GenerationOptions, prompt: Prompt, began: float) -> Exchange:
+    def _exchange(
+        self, said: list[Message], options: GenerationOptions, prompt: Prompt, began: float
+    ) -> Exchange:
         """The exchange for a prompt that fits, with its constraint compiled."""
         if prompt.n_positions >= self.context_size:
             raise ContextOverflowError(
@@ -216,7 +245,13 @@ class Session:
             )
         model = self.model
         place = Place(model.engine, model.native, self.lease, self.context_size, self.batch_size, self.carry)
-        constraint = model.constraint(options)
+        tools = self._tools[0]
+        calling = None
+        if tools is not None and tools.mode != "none":
+            fmt = model.tool_format(options.tool_format)
+            calling = Calling(tools, fmt, CallIds(fmt))
+        ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
+        constraint = model.constraint(options, tools, ids)
         record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)
 
         def finished(exchange: Exchange, reply: Reply) -> None:
@@ -224,12 +259,15 @@ class Session:
             if method is not None:
                 method(exchange, reply)
 
-        return Exchange(place, user, prompt, options, constraint, finished, began=began)
+        return Exchange(place, said, prompt, options, constraint, finished, began=began, calling=calling)
 
     def _record(self, exchange: Exchange, reply: Reply) -> None:
         """A finished exchange: the user message and the reply, as far as it got."""
-        self.model.remember_reply(reply.text, exchange.tokens, self.replies, shared=self.share_prefix)
-        self.messages += [exchange.user, {"role": "assistant", "content": reply.text}]
+        self.model.remember_reply(exchange.text, exchange.tokens, self.replies, shared=self.share_prefix)
+        answer: Message = {"role": "assistant", "content": reply.text}
+        if reply.tool_calls:
+            answer["tool_calls"] = [call.message_part() for call in reply.tool_calls]  # type: ignore[typeddict-unknown-key]
+        self.messages += [*exchange.said, answer]
         if not (self._superseded or exchange.model_closed or not self.looks_ahead):
             self._look_ahead()
 
@@ -263,7 +301,7 @@ class Session:
         if self._guard.closed or model.closed:
             return
         guess = anticipate.Guess(
-            prompt=partial(model.prompt, thinking=self.thinking, own=self.replies, shared=self.share_prefix),
+            prompt=self._prompter(),
             native=model.native,
             enabled=model.anticipate,
             lease=self.lease,

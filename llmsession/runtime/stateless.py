@@ -29,6 +29,7 @@ from llmsession.runtime.session import Session
 from llmsession.runtime.stream import Stream
 from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens
+from llmsession.text.tools import options_tools
 
 SIMILARITY = 0.5
 BRANCH = 16
@@ -57,16 +58,11 @@ class StatelessSessions:
         tenant: str | None = None,
         **session_args: Any,
     ) -> Stream:
-        check_messages(messages)
-        if not messages or messages[-1].get("role") != "user":
-            raise TemplateError("a stateless chat needs a message list that ends with a user message")
+        history, said = split(messages)
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         apart = session_args.get("share_prefix", True) is False  # (a non-bool: Session refuses it)
         options = checked_options(options)
-        # (checked above: each is a role and a content)
-        history = cast(list[Message], [dict(m) for m in copy.deepcopy(list(messages[:-1]))])
-        user: Message = {"role": "user", "content": messages[-1]["content"]}
         keep = not (apart and tenant is None)
         record = None
         if apart:
@@ -74,7 +70,15 @@ class StatelessSessions:
                 record = self._record(tenant) if keep else ReplyTokens(capacity=256)
         # Tokenized once: to choose the session, then as the session's prompt.
         thinking = bool(session_args.get("thinking", False))
-        prompt = self.model.prompt([*history, user], thinking=thinking, own=record, shared=not apart)
+        tools = (options_tools(options), options.tool_format)
+        prompt = self.model.prompt(
+            [*history, *said],
+            thinking=thinking,
+            own=record,
+            shared=not apart,
+            tools=tools[0],
+            tool_format=tools[1],
+        )
         with self._lock:
             try:
                 session = self._take(tenant, prompt.items, session_args) if keep else None
@@ -83,7 +87,7 @@ class StatelessSessions:
                     session.replies = record  # its prompts splice only its tenant's replies
                 session.looks_ahead = keep  # else nothing will follow: decode nothing ahead
                 session.messages = history
-                stream = session.start(user, options, prompt)  # the stream owns prompt now
+                stream = session.start(said, options, prompt)  # the stream owns prompt now
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 raise
@@ -150,3 +154,16 @@ class StatelessSessions:
             self._sessions.clear()
             self._tenants.clear()
             self._records.clear()
+
+
+def split(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message], list[Message]]:
+    """A stateless call's messages, checked and copied: the history, and what the call answers
+    (the last user message, or the tool results that end the list)."""
+    check_messages(messages)
+    if not messages or messages[-1].get("role") not in ("user", "tool"):
+        raise TemplateError("a stateless chat needs messages that end with a user message or tool results")
+    copied = cast(list[Message], [dict(m) for m in copy.deepcopy(list(messages))])
+    start = len(copied) - 1
+    while copied[-1]["role"] == "tool" and start > 0 and copied[start - 1]["role"] == "tool":
+        start -= 1
+    return copied[:start], copied[start:]

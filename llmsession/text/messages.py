@@ -18,7 +18,9 @@ IMAGE_PART_TYPES = ("image", "image_url")
 
 
 def check_messages(messages: Sequence[Message]) -> None:
-    """Fail early, naming the message, rather than deep inside a renderer."""
+    """Fail early, naming the message, rather than deep inside a renderer. Tool calls and
+    results are in OpenAI's shape; a result answers a call made earlier in the transcript."""
+    calls: set[str] = set()
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TemplateError(f"message {i} must be a mapping, got {type(message).__name__}")
@@ -26,11 +28,34 @@ def check_messages(messages: Sequence[Message]) -> None:
         if not isinstance(role, str):
             raise TemplateError(f"message {i}: role must be a str, got {role!r}")
         content = message.get("content")
+        if message.get("tool_calls") is not None:
+            calls |= _checked_calls(i, message)
+            content = "" if content is None else content
         if not isinstance(content, str | list | tuple):
             raise TemplateError(
                 f"message {i} ({role}): content must be a str or a list of parts, "
                 f"got {type(content).__name__}"
             )
+        if role == "tool" and message.get("tool_call_id") not in calls:
+            raise TemplateError(
+                f"message {i} (tool): tool_call_id {message.get('tool_call_id')!r} answers no earlier call"
+            )
+
+
+def _checked_calls(i: int, message: Message) -> set[str]:
+    """The ids of an assistant message's ``tool_calls``."""
+    calls = message["tool_calls"]
+    if message.get("role") != "assistant" or not isinstance(calls, list | tuple):
+        raise TemplateError(f"message {i}: tool_calls must be a list, on an assistant message")
+    ids = set()
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise TemplateError(f"message {i}: a tool call needs a function with a name, got {call!r:.80}")
+        if not isinstance(function.get("arguments", "{}"), str | Mapping):
+            raise TemplateError(f"message {i}: a tool call's arguments must be JSON text or an object")
+        ids.add(call.get("id"))
+    return ids
 
 
 def is_image_part(part: object) -> bool:

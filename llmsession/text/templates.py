@@ -13,6 +13,7 @@ Messages and their parts are described in ``messages``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ from llmsession.errors import TemplateError
 from llmsession.text.gemma4 import is_gemma4_template, render_gemma4
 from llmsession.text.jinja import render_jinja
 from llmsession.text.messages import Message, check_messages, flatten_content
+from llmsession.text.tool_formats import GENERIC, ToolFormat, generic_messages
+from llmsession.text.tools import Tools
 
 NativeApply = Callable[[str | None, Sequence[tuple[str, str]], bool], str | None]
 """llama_chat_apply_template: (template or None for chatml, [(role, content)], add
@@ -53,10 +56,31 @@ def _hf_part(part: object) -> object:
 
 
 def _hf_message(message: Message) -> dict[str, Any]:
-    content = message["content"]
-    if not isinstance(content, str):
+    """A message as ``apply_chat_template`` takes it: parts as dicts, and a call's arguments as
+    an object (templates write them with ``tojson``)."""
+    content = message.get("content")
+    if not isinstance(content, str | None):
         content = [_hf_part(part) for part in content]
-    return {**message, "content": content}
+    out = {**message, "content": content}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_hf_call(call) for call in message["tool_calls"]]
+    return out
+
+
+def _hf_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function", {}))
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except ValueError:
+            raise TemplateError(
+                f"a tool call's arguments are not JSON: {function['arguments']!r:.80}"
+            ) from None
+    return {**call, "function": function}
+
+
+def _has_tools(message: Message) -> bool:
+    return message.get("role") == "tool" or bool(message.get("tool_calls"))
 
 
 def render_prompt(
@@ -70,6 +94,8 @@ def render_prompt(
     bos_token: str = "",
     eos_token: str = "",
     media_marker: str = "<__media__>",
+    tools: Tools | None = None,
+    tool_format: ToolFormat = GENERIC,
 ) -> str:
     """The prompt text for ``messages``, from the first renderer in the order above.
 
@@ -77,9 +103,14 @@ def render_prompt(
     and ``thinking`` is passed as ``enable_thinking``; elsewhere images become
     ``media_marker``, and ``thinking`` reaches only the Gemma 4 renderer (llama.cpp's
     built-in templates have no switch for it). BOS is left to tokenization unless a jinja
-    template writes it.
+    template writes it. ``tools`` and tool messages reach a jinja template as Hugging Face passes
+    them, for a native ``tool_format``; the generic one writes them into the messages
+    (``tool_formats.generic_messages``), for any renderer.
     """
     check_messages(messages)
+    native_tools = use_jinja and tool_format is not GENERIC
+    if not native_tools and (tools is not None or any(_has_tools(m) for m in messages)):
+        messages = generic_messages(messages, tools)
     if use_jinja:
         if template is None:
             raise TemplateError("use_jinja needs a chat template, and the model has none")
@@ -90,6 +121,7 @@ def render_prompt(
             bos_token=bos_token,
             eos_token=eos_token,
             enable_thinking=thinking,
+            tools=tools.specs() if native_tools and tools is not None and tools.mode != "none" else None,
         )
 
     flat = [(m["role"], flatten_content(m["content"], media_marker)) for m in messages]

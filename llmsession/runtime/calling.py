@@ -1,0 +1,64 @@
+"""An exchange with tools: its stream split into text and call pieces, and its reply read back
+into text and calls, each call's arguments checked against its tool's schema."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from llmsession.errors import GrammarError
+from llmsession.replies import FinishReason, Snapshot, ToolCall
+from llmsession.text.schemas import checked_schema, violation
+from llmsession.text.tool_formats import CallIds, CallStream, ToolFormat, parse
+from llmsession.text.tools import Tools
+
+
+@dataclass
+class Calling:
+    """The tools of one exchange and the format its calls are written in."""
+
+    tools: Tools
+    fmt: ToolFormat
+    ids: CallIds
+    text: str = ""  # the reply's text so far (its calls apart)
+    stream: CallStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = CallStream(self.fmt, self.ids)
+
+    def snapshot(self, delta: str) -> Snapshot:
+        """The step's snapshot: its text, and the pieces of calls it wrote."""
+        text, pieces = self.stream.push(delta)
+        self.text += text
+        return Snapshot(text, self.text, pieces)
+
+    def tail(self) -> Snapshot | None:
+        """What was held back, at the end of a reply that made no call."""
+        text = self.stream.flush()
+        self.text += text
+        return Snapshot(text, self.text) if text else None
+
+    def conclude(
+        self, raw: str, finish: FinishReason
+    ) -> tuple[str, tuple[ToolCall, ...], FinishReason, GrammarError | None]:
+        """The reply's text, its calls, its finish reason ("tool_calls" when it called), and an
+        error if a call breaks its schema where the mask could not hold it. A reply cut short
+        (``length``, ``cancelled``) keeps all its text and makes no call."""
+        if finish not in ("complete", "stop"):
+            return raw, (), finish, None
+        try:
+            text, calls = parse(raw, self.fmt, self.tools, self.ids)
+        except ValueError as unparsed:
+            return raw, (), finish, GrammarError(f"the reply's tool calls do not parse: {unparsed}")
+        if not calls:
+            return text, (), "stop", None
+        for call in calls:
+            tool = self.tools.by_name(call.name)
+            assert tool is not None  # (parse checked it)
+            problem = violation(
+                checked_schema(json.dumps(dict(tool.parameters), sort_keys=True)), call.parsed
+            )
+            if problem:
+                error = GrammarError(f"the call of {call.name} does not match its schema: {problem}")
+                return text, tuple(calls), "tool_calls", error
+        return text, tuple(calls), "tool_calls", None

@@ -1,0 +1,93 @@
+"""Loading a model: its settings checked (threads, memory budget, flash attention) and the native
+model and projector opened, neither left open on an error."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.checkpoints import CheckpointConfig
+from llmsession.errors import UnsupportedFeatureError
+from llmsession.native.llama import NativeModel, default_threads, usable_cores
+from llmsession.native.projector import Projector
+from llmsession.options import MAX_POSITIONS, check_int
+
+log = logging.getLogger("llmsession")
+MAX_THREADS = 512  # GGML_MAX_N_THREADS
+MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
+
+
+def choose_flash_attention(asked: bool | None) -> bool | None:
+    """None leaves llama.cpp its choice (AUTO: on wherever supported, the CPU included). Off is
+    faster for the prefill at depth on the CPU (``llama-bench -fa 0,1 -p 29 -d 993``: 246 vs 182
+    tok/s on an AMD EPYC; 199 vs 152 for our own prefill on an Intel Xeon), but then a reply
+    depends on where its session's cells lie in the shared cache (the kernels' sums change with
+    the placement), so two sessions with one transcript may answer differently; with it on they
+    have answered alike in every differential test. ``llmsession bench kernels`` measures both."""
+    if asked is not None and not isinstance(asked, bool):
+        raise TypeError(f"flash_attention must be True, False or None, got {asked!r}")
+    return asked
+
+
+def memory_config(
+    *,
+    kv_tokens: int,
+    max_live_sessions: int,
+    host_cache_bytes: int,
+    disk_cache_dir: str | Path | None,
+    batch_size: int,
+    checkpoints: CheckpointConfig | None,
+) -> MemoryConfig:
+    """The memory settings, checked (TypeError or ValueError naming the first wrong one)."""
+    check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
+    check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
+    check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
+    check_int("batch_size", batch_size, 1, MAX_POSITIONS)
+    return MemoryConfig(
+        kv_tokens=kv_tokens,
+        max_live_sessions=max_live_sessions,
+        host_cache_bytes=host_cache_bytes,
+        disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
+        batch_size=min(batch_size, kv_tokens),
+        checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
+    )
+
+
+def checked_threads(threads: int | None) -> int:
+    """The decode threads: the caller's (warned about if more than this process may use), or
+    a default for this machine."""
+    if threads is None:
+        return default_threads()
+    check_int("threads", threads, 1, MAX_THREADS)
+    if threads > (cores := usable_cores()):
+        log.warning(
+            "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
+            "for each other at every graph node, so each decode may run hundreds of times slower",
+            threads,
+            cores,
+        )
+    return threads
+
+
+def load_native(
+    path: Path, mmproj_path: Path | None, *, gpu_layers: int, threads: int, rpc_servers: Sequence[str]
+) -> tuple[NativeModel, Projector | None]:
+    """The model, and its projector if given; neither is left open on an error."""
+    native = NativeModel(path, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
+    if native.has_encoder and (mmproj_path is not None or not native.has_decoder):
+        native.close()
+        raise UnsupportedFeatureError(
+            f"{path.name}: an encoder-decoder model takes no images here"
+            if native.has_decoder
+            else f"{path.name} is encoder-only: it has no decoder to reply with"
+        )
+    if mmproj_path is None:
+        return native, None
+    try:
+        use_gpu = gpu_layers != 0 and not rpc_servers
+        return native, Projector(mmproj_path, native, threads=threads, use_gpu=use_gpu)
+    except BaseException:
+        native.close()
+        raise

@@ -1,0 +1,321 @@
+"""How each model family writes tool calls in a reply: the exact text (so a call re-rendered by
+the template spells what was generated, and the next prompt keeps its tokens), the llguidance
+grammar that holds the calls to the tools' schemas, and the parser that reads them back.
+
+Detected from the chat template: Hermes / Qwen (``<tool_call>{json}</tool_call>``), Llama 3.1
+(``{"name", "parameters"}``, one call), Mistral (``[TOOL_CALLS][...]``, 9-character ids), and a
+generic JSON format (``{"tool_calls": [...]}``) for templates that know no tools, described to the
+model in the system message (as llama-server's "generic" handler does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmsession.replies import ToolCallDelta
+from llmsession.text.tools import Tool, ToolCall, Tools
+
+ARGUMENTS_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""Arguments are generated as ``json.dumps`` writes them: what templates' ``tojson`` renders."""
+ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A family's call syntax: ``open``, then calls (``head`` name ``mid`` arguments ``tail``)
+    joined by ``separator``, then ``close``; ``before`` sits between text and the calls, and
+    ``trigger`` (a prefix of ``open + head``) is what starts them."""
+
+    name: str
+    trigger: str
+    open: str
+    head: str
+    mid: str
+    tail: str
+    separator: str
+    close: str
+    before: str = ""
+    single: bool = False  # the family takes one call per reply
+    ids: bool = False  # each call carries its id (``, "id": "..."`` before ``tail``)
+
+    def call_text(self, call: ToolCall) -> str:
+        ident = f', "id": "{call.id}"' if self.ids else ""
+        return f"{self.head}{call.name}{self.mid}{call.arguments}{ident}{self.tail}"
+
+    def reply_text(self, content: str, calls: Sequence[ToolCall]) -> str:
+        """The reply as generated: text, then its calls."""
+        if not calls:
+            return content
+        joined = self.separator.join(self.call_text(call) for call in calls)
+        return f"{content}{self.before if content else ''}{self.open}{joined}{self.close}"
+
+
+HERMES = ToolFormat(
+    "hermes",
+    trigger="<tool_call>",
+    open="<tool_call>\n",
+    head='{"name": "',
+    mid='", "arguments": ',
+    tail="}",
+    separator="\n</tool_call>\n<tool_call>\n",
+    close="\n</tool_call>",
+    before="\n",
+)
+LLAMA3 = ToolFormat(
+    "llama3", trigger='{"name": "', open="", head='{"name": "', mid='", "parameters": ', tail="}",
+    separator="", close="", single=True,
+)  # fmt: skip
+MISTRAL = ToolFormat(
+    "mistral", trigger="[TOOL_CALLS]", open="[TOOL_CALLS][", head='{"name": "', mid='", "arguments": ',
+    tail="}", separator=", ", close="]", ids=True,
+)  # fmt: skip
+GENERIC = ToolFormat(
+    "generic", trigger='{"tool_calls": [', open='{"tool_calls": [', head='{"name": "', mid='", "arguments": ',
+    tail="}", separator=", ", close="]}",
+)  # fmt: skip
+FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}
+
+
+def detect(template: str | None) -> ToolFormat:
+    """The family's format from its chat template's markers; generic when it knows none."""
+    if template is None:
+        return GENERIC
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<|start_header_id|>" in template and '"parameters": ' in template:
+        return LLAMA3
+    return GENERIC
+
+
+# -- the grammar ------------------------------------------------------------------------------------
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a lark string literal: JSON's escapes are lark's
+
+
+def _arguments(tool: Tool) -> str:
+    schema = {**tool.parameters, "x-guidance": ARGUMENTS_LAYOUT}
+    return "%json " + json.dumps(schema)
+
+
+def grammar(fmt: ToolFormat, tools: Tools, ids: Sequence[str] = ()) -> str:
+    """A Lark grammar for llguidance: the whole reply is calls ("required", "named"), or free
+    text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
+    so text costs no constraint until it appears). A format whose calls carry ids writes
+    ``ids`` in order, one per call (so a stream names each call before its arguments)."""
+    callable_tools = tools.callable
+    assert callable_tools, "a grammar needs a tool to call"
+    limit = 1 if fmt.single or not tools.parallel else len(ids) if fmt.ids else 0  # 0: any number
+    assert not fmt.ids or 1 <= limit <= len(ids), "a format with ids needs one per call"
+    lines = ["%llguidance {}"]
+    lines += [
+        f"args_{i}: {_literal(tool.name + fmt.mid)} {_arguments(tool)}"
+        for i, tool in enumerate(callable_tools)
+    ]
+    names = " | ".join(f"args_{i}" for i in range(len(callable_tools)))
+    rest = (fmt.open + fmt.head)[len(fmt.trigger) :]  # what follows the trigger, up to the name
+    for k in range(max(limit, 1)):
+        opening = rest if k == 0 else fmt.separator + fmt.head
+        ident = _literal(f', "id": "{ids[k]}"') if fmt.ids else ""
+        lines.append(
+            f"call_{k}: {_literal(opening) if opening else ''} ({names}) {ident} {_literal(fmt.tail)}"
+        )
+    if limit == 0:
+        later = f"{_literal(fmt.separator + fmt.head)} ({names}) {_literal(fmt.tail)}"
+        chain = f"call_0 ({later})*"
+    else:  # call_0 (call_1 (call_2 ...)?)?
+        chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)
+    close = f" {_literal(fmt.close)}" if fmt.close else ""
+    lines.append(f"calls: {chain}{close}")
+    if tools.mode == "auto":
+        lines += [
+            "start: TEXT | trigger calls",
+            r"TEXT: /(.|\n)*/",
+            f"trigger[lazy]: TEXT {_literal(fmt.trigger)}",
+        ]
+    else:
+        lines.append(f"start: {_literal(fmt.trigger)} calls")
+    return "\n".join(lines) + "\n"
+
+
+# -- reading calls back -----------------------------------------------------------------------------
+def parse(text: str, fmt: ToolFormat, tools: Tools, ids: CallIds) -> tuple[str, list[ToolCall]]:
+    """A reply split into its text and its calls (named by ``ids`` where the format writes
+    none); ValueError if what follows the trigger is not calls of declared tools."""
+    at = text.find(fmt.trigger)
+    if at < 0 or tools.mode == "none":
+        return text, []
+    content = text[:at]
+    if fmt.before and content.endswith(fmt.before):
+        content = content[: -len(fmt.before)]
+    calls: list[ToolCall] = []
+    pos = _expect(text, at, fmt.open)
+    decoder = json.JSONDecoder()
+    while True:
+        pos = _expect(text, pos, fmt.head)
+        end = text.find(fmt.mid, pos)
+        name = text[pos:end] if end >= 0 else ""
+        tool = tools.by_name(name)
+        if tool is None or tool not in tools.callable:
+            raise ValueError(f"the reply calls {name!r}, which is not a tool it may call")
+        pos = end + len(fmt.mid)
+        _, stop = decoder.raw_decode(text, pos)
+        arguments, pos = text[pos:stop], stop
+        ident = ids(len(calls))
+        if fmt.ids:
+            pos = _expect(text, pos, ', "id": "')
+            ident, pos = text[pos : pos + 9], _expect(text, pos + 9, '"')
+        calls.append(ToolCall(ident, name, arguments))
+        pos = _expect(text, pos, fmt.tail)
+        if text.startswith(fmt.close, pos) and (fmt.single or not text.startswith(fmt.separator, pos)):
+            break
+        pos = _expect(text, pos, fmt.separator)
+    _expect(text, pos, fmt.close)
+    return content, calls
+
+
+def _expect(text: str, pos: int, literal: str) -> int:
+    if not text.startswith(literal, pos):
+        raise ValueError(f"expected {literal!r} at {pos} of the reply's calls, got {text[pos : pos + 20]!r}")
+    return pos + len(literal)
+
+
+class CallIds:
+    """The ids of a reply's calls, made as they are needed: 9 letters and digits (what Mistral's
+    template requires), after ``call_`` where the format carries none."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.prefix = "" if fmt.ids else "call_"
+        self.made: list[str] = []
+
+    def __call__(self, index: int) -> str:
+        while len(self.made) <= index:
+            self.made.append(self.prefix + "".join(secrets.choice(ALPHANUMERIC) for _ in range(9)))
+        return self.made[index]
+
+
+class CallStream:
+    """A reply split as it streams: its text, held back only where it may begin the calls, and
+    pieces of its calls as OpenAI streams them (a call's id and name, then its arguments)."""
+
+    def __init__(self, fmt: ToolFormat, ids: CallIds) -> None:
+        self.fmt, self.ids = fmt, ids
+        self.raw, self.sent = "", 0  # the reply so far; how much of it went out as text
+        self.calls_at = -1  # where its calls begin, once they do
+        self.arguments: list[int] = []  # per call announced: how much of its arguments went out
+
+    def push(self, delta: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
+        """The text and the call pieces ``delta`` completes."""
+        self.raw += delta
+        if self.calls_at < 0:
+            at = self.raw.find(self.fmt.trigger)
+            if at < 0:
+                return self._text(len(self.raw) - _held(self.raw, self.fmt.before + self.fmt.trigger)), ()
+            self.calls_at = at
+            before = self.fmt.before
+            return self._text(
+                at - len(before) if before and self.raw[:at].endswith(before) else at
+            ), self._calls()
+        return "", self._calls()
+
+    def flush(self) -> str:
+        """The text held back, at the end of a reply that made no call."""
+        return self._text(len(self.raw)) if self.calls_at < 0 else ""
+
+    def _text(self, upto: int) -> str:
+        out = self.raw[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return out
+
+    def _calls(self) -> tuple[ToolCallDelta, ...]:
+        """The pieces of calls written since the last step (the calls are read from the start
+        each time: a reply's calls are short)."""
+        fmt, raw, deltas = self.fmt, self.raw, []
+        pos = self.calls_at + len(fmt.open)
+        for index in itertools.count():
+            if not raw.startswith(fmt.head, pos) or (end := raw.find(fmt.mid, pos + len(fmt.head))) < 0:
+                break
+            if index == len(self.arguments):
+                self.arguments.append(0)
+                deltas.append(ToolCallDelta(index, self.ids(index), raw[pos + len(fmt.head) : end]))
+            start = end + len(fmt.mid)
+            try:
+                stop, complete = json.JSONDecoder().raw_decode(raw, start)[1], True
+            except ValueError:
+                stop, complete = len(raw), False
+            if stop - start > self.arguments[index]:
+                deltas.append(ToolCallDelta(index, arguments=raw[start + self.arguments[index] : stop]))
+                self.arguments[index] = stop - start
+            pos = stop + (len(', "id": "') + 10 if fmt.ids else 0) + len(fmt.tail)
+            if not complete or not raw.startswith(fmt.separator, pos) or not fmt.separator:
+                break
+            pos += len(fmt.separator)
+        return tuple(deltas)
+
+
+def _held(text: str, opening: str) -> int:
+    """How many of ``text``'s last characters may begin ``opening`` (held back, not yet text)."""
+    for size in range(min(len(text), len(opening)), 0, -1):
+        if opening.startswith(text[-size:]):
+            return size
+    return 0
+
+
+# -- the generic format's prompt ----------------------------------------------------------------
+def generic_messages(messages: Sequence[Mapping[str, Any]], tools: Tools | None) -> list[dict[str, Any]]:
+    """A transcript with tools for a template that knows none: the tools and the call format in
+    the system message, calls as the JSON the reply generated, results as user messages."""
+    out = [dict(m) for m in messages]
+    if tools is not None and tools.mode != "none":
+        described = "\n".join(json.dumps(tool.spec()["function"]) for tool in tools.tools)
+        guide = (
+            f"You can call these tools:\n{described}\nTo call tools, reply with only this JSON: "
+            '{"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}'
+        )
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+            out[0]["content"] = f"{out[0]['content']}\n\n{guide}"
+        else:
+            out.insert(0, {"role": "system", "content": guide})
+    for i, message in enumerate(out):
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = calls_of(message)
+            out[i] = {"role": "assistant", "content": GENERIC.reply_text(message.get("content") or "", calls)}
+        elif message.get("role") == "tool":
+            result = {"tool_call_id": message.get("tool_call_id"), "content": message.get("content")}
+            out[i] = {"role": "user", "content": json.dumps({"tool_result": result})}
+    return out
+
+
+def said_text(message: Mapping[str, Any], fmt: ToolFormat) -> str | None:
+    """What an assistant message's reply generated (its text, then its calls as ``fmt`` writes
+    them): the text a recorded reply is found by, to splice its tokens. None for others."""
+    if message.get("role") != "assistant":
+        return None
+    content = message.get("content")
+    if message.get("tool_calls"):
+        return fmt.reply_text(content if isinstance(content, str) else "", calls_of(message))
+    return content if isinstance(content, str) else None
+
+
+def stand_in(message: Mapping[str, Any], text: str) -> dict[str, Any]:
+    """The assistant message with ``text`` for all it said (its calls dropped)."""
+    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": text}
+
+
+def calls_of(message: Mapping[str, Any]) -> list[ToolCall]:
+    """An assistant message's ``tool_calls`` (OpenAI's shape) as ``ToolCall``s."""
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", {})
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(str(call.get("id", "")), str(function.get("name", "")), arguments))
+    return calls

@@ -1,0 +1,131 @@
+"""Tools a reply may call: the caller's specs checked (``Tools``), and ``ToolCall``s as the reply
+reports them. How calls are written and read for each model family is in ``tool_formats``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from llmsession.options import GenerationOptions
+from llmsession.replies import ToolCall
+from llmsession.text.schemas import schema_document
+
+__all__ = ["MAX_TOOLS", "Mode", "Tool", "ToolCall", "Tools", "checked_tools", "tool_from"]
+
+NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for function names
+MAX_TOOLS = 128
+Mode = Literal["auto", "none", "required", "named"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function a reply may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+    def spec(self) -> dict[str, Any]:
+        """As OpenAI and Hugging Face templates take it."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The tools of one exchange and how the reply may use them: ``mode`` "auto" (text, or
+    calls), "required" (calls only), "named" (one call of ``name``) or "none" (text only)."""
+
+    tools: tuple[Tool, ...]
+    mode: Mode = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+    def by_name(self, name: str) -> Tool | None:
+        return next((tool for tool in self.tools if tool.name == name), None)
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        """The tools a call may name."""
+        if self.mode == "named":
+            return tuple(tool for tool in self.tools if tool.name == self.name)
+        return () if self.mode == "none" else self.tools
+
+    def specs(self) -> list[dict[str, Any]]:
+        return [tool.spec() for tool in self.tools]
+
+
+def tool_from(spec: object, index: int) -> Tool:
+    """A caller's tool: an OpenAI function spec or a pydantic model class (its schema the
+    arguments, its docstring the description); ValueError naming what is wrong."""
+    if isinstance(spec, type) and hasattr(spec, "model_json_schema"):
+        _, document = schema_document(spec)
+        description = (spec.__doc__ or "").strip()
+        return _checked(spec.__name__, description, document, index)
+    if not isinstance(spec, Mapping) or spec.get("type", "function") != "function":
+        raise ValueError(
+            f'tools[{index}]: expected {{"type": "function", "function": {{...}}}}, got {spec!r:.80}'
+        )
+    function = spec.get("function")
+    if not isinstance(function, Mapping):
+        raise ValueError(f"tools[{index}]: 'function' must be an object")
+    description = function.get("description", "")
+    if not isinstance(description, str):
+        raise ValueError(f"tools[{index}]: 'description' must be a str")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    _, document = schema_document(parameters)  # GrammarError (a ValueError) for a bad schema
+    return _checked(function.get("name"), description, document, index)
+
+
+def _checked(name: object, description: str, parameters: Any, index: int) -> Tool:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(
+            f"tools[{index}]: the name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}"
+        )
+    if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
+        raise ValueError(f"tools[{index}] ({name}): 'parameters' must be an object schema")
+    return Tool(name, description, parameters)
+
+
+def options_tools(options: GenerationOptions) -> Tools | None:
+    """An exchange's tools, from its options (checked: ``checked_tools``)."""
+    return checked_tools(options.tools, options.tool_choice, options.parallel_tool_calls)
+
+
+def checked_tools(
+    specs: Sequence[object] | None, choice: object = "auto", parallel: object = True
+) -> Tools | None:
+    """The caller's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (ValueError or
+    GrammarError before anything decodes); None without tools."""
+    if not isinstance(parallel, bool):
+        raise ValueError(f"parallel_tool_calls must be a bool, got {parallel!r}")
+    if specs is None or len(specs) == 0:
+        if choice not in ("auto", "none", None):
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return None
+    if len(specs) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools, got {len(specs)}")
+    tools = tuple(tool_from(spec, i) for i, spec in enumerate(specs))
+    names = [tool.name for tool in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two tools share a name: {sorted({n for n in names if names.count(n) > 1})}")
+    mode, name = _choice(choice, names)
+    return Tools(tools, mode, name, parallel)
+
+
+def _choice(choice: object, names: list[str]) -> tuple[Mode, str | None]:
+    if choice is None or choice == "auto":
+        return "auto", None
+    if choice in ("none", "required"):
+        return choice, None
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if name in names:
+            return "named", name
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools {names}")
+    raise ValueError(
+        f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r:.80}'
+    )

@@ -1,0 +1,307 @@
+"""Tool calling: specs are checked, each family's calls are written, held to their schemas, read
+back and streamed as OpenAI streams them, and a tool turn keeps the session's prefix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmsession import GenerationOptions, GrammarError, Model, TemplateError
+from llmsession.replies import ToolCall
+from llmsession.text.tool_formats import FORMATS, GENERIC, CallIds, CallStream, grammar, parse
+from llmsession.text.tools import checked_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}, "days": {"type": "integer"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
+FAMILIES = {  # fixture, the format its template writes
+    "smollm2-qwen25-template.gguf": "hermes",
+    "smollm2-llama31-template.gguf": "llama3",
+    "smollm2-mistral-template.gguf": "mistral",
+}
+
+
+# -- specs ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("specs", "choice", "message"),
+    [
+        ([WEATHER, WEATHER], "auto", "share a name"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ([WEATHER], "sometimes", "tool_choice must be"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "the name must be"),
+        ([{"type": "retrieval"}], "auto", "expected"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            "auto",
+            "object",
+        ),
+        ([], "required", "needs tools"),
+    ],
+)
+def test_bad_tools_are_refused_before_anything_decodes(specs: list[Any], choice: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        checked_tools(specs, choice)
+
+
+def test_a_schema_that_cannot_be_used_is_a_grammar_error() -> None:
+    looped: dict[str, Any] = {"type": "object"}
+    looped["properties"] = {"me": looped}
+    with pytest.raises(GrammarError):
+        checked_tools([{"type": "function", "function": {"name": "f", "parameters": looped}}])
+
+
+def test_a_pydantic_class_is_a_tool() -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Lookup(pydantic.BaseModel):
+        """Look a word up."""
+
+        word: str
+
+    tools = checked_tools([Lookup], {"type": "function", "function": {"name": "Lookup"}})
+    assert tools is not None and tools.mode == "named" and tools.tools[0].description == "Look a word up."
+    assert tools.tools[0].parameters["properties"]["word"]["type"] == "string"
+
+
+# -- formats (pure) ------------------------------------------------------------------------------
+arguments = st.dictionaries(
+    st.text("abcxyz_", min_size=1, max_size=6),
+    st.one_of(
+        st.integers(-5, 500), st.text(max_size=8), st.booleans(), st.lists(st.integers(0, 9), max_size=3)
+    ),
+    max_size=3,
+)
+calls = st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), arguments), min_size=1, max_size=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(FORMATS)), st.text(st.characters(exclude_characters="<[{"), max_size=20), calls)
+def test_each_format_reads_back_what_it_writes(name: str, content: str, made: list[Any]) -> None:
+    fmt = FORMATS[name]
+    made = made[:1] if fmt.single else made
+    tools = checked_tools([WEATHER, TIME])
+    assert tools is not None
+    ids = CallIds(fmt)
+    written = [
+        ToolCall(ids(i), tool, json.dumps(args, ensure_ascii=False)) for i, (tool, args) in enumerate(made)
+    ]
+    text, read = parse(fmt.reply_text(content, written), fmt, tools, ids)
+    assert read == written and text == content
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(FORMATS)), calls, st.data())
+def test_streamed_pieces_join_up_to_the_calls(name: str, made: list[Any], data: st.DataObject) -> None:
+    fmt = FORMATS[name]
+    made = made[:1] if fmt.single else made
+    ids = CallIds(fmt)
+    written = [ToolCall(ids(i), tool, json.dumps(args)) for i, (tool, args) in enumerate(made)]
+    reply = fmt.reply_text("Let me look.", written)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=12)))
+    stream, text, pieces = CallStream(fmt, ids), "", []
+    for start, end in zip([0, *cuts], [*cuts, len(reply)], strict=True):
+        out, got = stream.push(reply[start:end])
+        text, pieces = text + out, pieces + list(got)
+    text += stream.flush()
+    assert text == "Let me look."
+    for index, call in enumerate(written):
+        mine = [p for p in pieces if p.index == index]
+        assert (mine[0].id, mine[0].name) == (call.id, call.name), "a call's first piece names it"
+        assert all(p.id is None and p.name is None for p in mine[1:])
+        assert "".join(p.arguments for p in mine) == call.arguments
+
+
+def test_text_that_only_looks_like_a_call_is_text() -> None:
+    stream = CallStream(GENERIC, CallIds(GENERIC))
+    assert stream.push('I like {"tool') == ("I like ", ())  # held: it may begin the calls
+    assert stream.push("s and braces}") == ('{"tools and braces}', ())
+
+
+# -- grammars (the tokenizer of a real model) -------------------------------------------------------
+def matcher_accepts(model: Model, lark: str, text: str) -> bool:
+    import llguidance
+
+    from llmsession.native.constraints import tokenizer
+
+    matcher = llguidance.LLMatcher(
+        tokenizer(model.native), llguidance.grammar_from("lark", lark), log_level=0
+    )
+    assert not matcher.is_error(), matcher.get_error()
+    return bool(matcher.consume_tokens(model.tokenize(text, add_special=False))) and not matcher.is_error()
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_parallel_calls_pass_the_mask_only_when_allowed(smollm2: Model, name: str) -> None:
+    fmt = FORMATS[name]
+    ids = CallIds(fmt)
+    two = fmt.reply_text(
+        "", [ToolCall(ids(0), "get_time", '{"zone": "UTC"}'), ToolCall(ids(1), "get_time", '{"zone": "CET"}')]
+    )
+    one = fmt.reply_text("", [ToolCall(ids(0), "get_time", '{"zone": "UTC"}')])
+    made = [ids(k) for k in range(8)]
+    for parallel in (True, False):
+        tools = checked_tools([WEATHER, TIME], "required", parallel)
+        assert tools is not None
+        lark = grammar(fmt, tools, made)
+        assert matcher_accepts(smollm2, lark, one)
+        assert matcher_accepts(smollm2, lark, two) == (parallel and not fmt.single)
+    bad = fmt.reply_text("", [ToolCall(ids(0), "get_time", '{"zone": "PST"}')])
+    assert not matcher_accepts(smollm2, grammar(fmt, checked_tools([TIME], "required"), made), bad)  # type: ignore[arg-type]
+
+
+# -- whole exchanges on real templates -------------------------------------------------------------
+def hf_render(template: str, messages: list[dict[str, Any]], tools: list[Any]) -> str:
+    """The oracle: the template as transformers renders it (arguments as objects)."""
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    hf = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
+        hf.append(m)
+    return env.from_string(template).render(
+        messages=hf, tools=tools, add_generation_prompt=True, bos_token="", eos_token="</s>"
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, fixture_path: Any) -> Any:
+    path: Path = fixture_path(request.param)
+    with Model(path, threads=2, use_jinja=True, anticipate=False) as model:
+        yield model, FAMILIES[request.param]
+
+
+def test_the_template_renders_tools_calls_and_results_as_transformers_does(family: Any) -> None:
+    model, name = family
+    assert model.local.tool_format().name == name
+    ids = CallIds(FORMATS[name])
+    call = ToolCall(ids(0), "get_weather", '{"city": "Paris"}')
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call.message_part()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    tools = checked_tools([WEATHER])
+    ours = model.local.render(messages, tools=tools)
+    assert ours == hf_render(model.template, messages, [WEATHER])
+    with pytest.raises(TemplateError, match="answers no earlier call"):
+        model.local.render([*messages, {"role": "tool", "tool_call_id": "unknown", "content": "x"}])
+
+
+def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: Any) -> None:
+    model, name = family
+    session = model.session()
+    options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER, TIME], tool_choice="required")
+    stream = session.stream("What's the weather in Paris?", options)
+    pieces = [piece for snapshot in stream for piece in snapshot.tool_calls]
+    reply = stream.reply
+    assert reply is not None and reply.finish_reason == "tool_calls", reply
+    (call, *more) = reply.tool_calls
+    assert not more or name != "llama3"
+    tool = next(t for t in (WEATHER, TIME) if t["function"]["name"] == call.name)
+    jsonschema.validate(call.parsed, tool["function"]["parameters"])
+    assert "".join(p.arguments for p in pieces if p.index == 0) == call.arguments
+    first = session.cached_tokens
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}
+    after = session.respond(result, GenerationOptions(max_tokens=4, temperature=0, tools=[WEATHER, TIME]))
+    new = after.usage.prompt_tokens - first  # the result and the headers around it
+    assert after.usage.decoded_prompt_tokens <= new + 1, (after.usage, first)
+
+
+def test_auto_stays_text_until_the_trigger_then_holds_the_call(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmsession.native.constraints import GuidedSampler
+
+    options = GenerationOptions(max_tokens=40, temperature=0, tools=[WEATHER])
+    text_reply = smollm2.session().respond("Say hello.", options)
+    assert text_reply.finish_reason in ("stop", "length") and not text_reply.tool_calls
+    script = smollm2.tokenize('Sure. {"tool_calls": [{"name": "', add_special=False)
+    original = GuidedSampler.sample
+
+    def scripted(self: GuidedSampler, context: Any, index: int = -1) -> int:
+        if not script:
+            return original(self, context, index)
+        token = script.pop(0)
+        assert self.matcher.consume_token(token), "the script left the grammar"
+        return token
+
+    monkeypatch.setattr(GuidedSampler, "sample", scripted)
+    reply = smollm2.session().respond("Weather in Oslo?", options)
+    assert reply.finish_reason == "tool_calls" and reply.text == "Sure. "
+    assert reply.tool_calls[0].name == "get_weather"
+    jsonschema.validate(reply.tool_calls[0].parsed, WEATHER["function"]["parameters"])
+
+
+object_schemas = st.fixed_dictionaries(
+    {
+        "type": st.just("object"),
+        "properties": st.dictionaries(
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.one_of(
+                st.just({"type": "string", "maxLength": 8}),
+                st.just({"type": "integer", "minimum": 0, "maximum": 99}),
+                st.just({"type": "boolean"}),
+                st.just({"enum": ["x", "y"]}),
+                st.just({"type": "array", "items": {"type": "integer"}, "maxItems": 2}),
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    }
+)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(object_schemas, st.integers(0, 3))
+def test_forced_calls_always_validate(smollm2: Model, schema: dict[str, Any], seed: int) -> None:
+    schema = {**schema, "required": sorted(schema["properties"]), "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "act", "parameters": schema}}
+    options = GenerationOptions(
+        max_tokens=64, temperature=0.9, seed=seed, tools=[tool], tool_choice="required"
+    )
+    reply = smollm2.session().respond("Do it.", options)
+    if reply.finish_reason == "tool_calls":
+        for call in reply.tool_calls:
+            assert call.name == "act"
+            jsonschema.validate(call.parsed, schema)
+    else:
+        assert reply.finish_reason == "length" and not reply.tool_calls
