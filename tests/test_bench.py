@@ -83,3 +83,11 @@ def test_concurrent_scenario_reports_each_count_and_a_missing_reference(
     )
     out = capsys.readouterr().out
     assert "llama-batched-bench: llama-batched-bench not found" in out and "concurrent streams" in out
+
+
+def test_the_peer_script_is_found_from_the_package() -> None:
+    """``bench --peer`` runs scripts/bench_peer.py from the repository; moving the bench modules
+    once lost it (the peer was skipped, not failed)."""
+    from llmsession.commands.bench.common import PEER_SCRIPT
+
+    assert PEER_SCRIPT.is_file(), PEER_SCRIPT

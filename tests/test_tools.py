@@ -108,6 +108,7 @@ calls = st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), argumen
 def test_each_format_reads_back_what_it_writes(name: str, content: str, made: list[Any]) -> None:
     fmt = FORMATS[name]
     made = made[:1] if fmt.single else made
+    content = "" if fmt.anchored else content  # (its calls open the reply)
     tools = checked_tools([WEATHER, TIME])
     assert tools is not None
     ids = CallIds(fmt)
@@ -125,14 +126,15 @@ def test_streamed_pieces_join_up_to_the_calls(name: str, made: list[Any], data: 
     made = made[:1] if fmt.single else made
     ids = CallIds(fmt)
     written = [ToolCall(ids(i), tool, json.dumps(args)) for i, (tool, args) in enumerate(made)]
-    reply = fmt.reply_text("Let me look.", written)
+    said = "" if fmt.anchored else "Let me look."
+    reply = fmt.reply_text(said, written)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=12)))
     stream, text, pieces = CallStream(fmt, ids), "", []
     for start, end in zip([0, *cuts], [*cuts, len(reply)], strict=True):
         out, got = stream.push(reply[start:end])
         text, pieces = text + out, pieces + list(got)
     text += stream.flush()
-    assert text == "Let me look."
+    assert text == said
     for index, call in enumerate(written):
         mine = [p for p in pieces if p.index == index]
         assert (mine[0].id, mine[0].name) == (call.id, call.name), "a call's first piece names it"
@@ -141,9 +143,16 @@ def test_streamed_pieces_join_up_to_the_calls(name: str, made: list[Any], data: 
 
 
 def test_text_that_only_looks_like_a_call_is_text() -> None:
-    stream = CallStream(GENERIC, CallIds(GENERIC))
-    assert stream.push('I like {"tool') == ("I like ", ())  # held: it may begin the calls
-    assert stream.push("s and braces}") == ('{"tools and braces}', ())
+    hermes = FORMATS["hermes"]
+    stream = CallStream(hermes, CallIds(hermes))
+    assert stream.push("I like <tool") == ("I like ", ())  # held: it may begin the calls
+    assert stream.push("s and braces>") == ("<tools and braces>", ())
+    generic = CallStream(GENERIC, CallIds(GENERIC))  # its calls open the reply, or never come
+    assert generic.push('I like {"tool_calls": [') == ('I like {"tool_calls": [', ())
+    assert parse('I like {"tool_calls": [', GENERIC, checked_tools([WEATHER]), CallIds(GENERIC)) == (  # type: ignore[arg-type]
+        'I like {"tool_calls": [',
+        [],
+    )
 
 
 # -- grammars (the tokenizer of a real model) -------------------------------------------------------
@@ -156,7 +165,8 @@ def matcher_accepts(model: Model, lark: str, text: str) -> bool:
         tokenizer(model.native), llguidance.grammar_from("lark", lark), log_level=0
     )
     assert not matcher.is_error(), matcher.get_error()
-    return bool(matcher.consume_tokens(model.tokenize(text, add_special=False))) and not matcher.is_error()
+    taken = matcher.consume_tokens(model.tokenize(text, add_special=False))
+    return bool(taken) and not matcher.is_error() and bool(matcher.is_accepting())  # the whole reply
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -179,7 +189,7 @@ def test_parallel_calls_pass_the_mask_only_when_allowed(smollm2: Model, name: st
 
 
 # -- whole exchanges on real templates -------------------------------------------------------------
-def hf_render(template: str, messages: list[dict[str, Any]], tools: list[Any]) -> str:
+def hf_render(model: Model, messages: list[dict[str, Any]], tools: list[Any]) -> str:
     """The oracle: the template as transformers renders it (arguments as objects)."""
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
@@ -197,8 +207,11 @@ def hf_render(template: str, messages: list[dict[str, Any]], tools: list[Any]) -
                 for c in m["tool_calls"]
             ]
         hf.append(m)
-    return env.from_string(template).render(
-        messages=hf, tools=tools, add_generation_prompt=True, bos_token="", eos_token="</s>"
+    native = model.native
+    bos, eos = native.token_text(native.bos()), native.token_text(native.eos())
+    assert model.template is not None
+    return env.from_string(model.template).render(
+        messages=hf, tools=tools, add_generation_prompt=True, bos_token=bos, eos_token=eos
     )
 
 
@@ -221,21 +234,22 @@ def test_the_template_renders_tools_calls_and_results_as_transformers_does(famil
     ]
     tools = checked_tools([WEATHER])
     ours = model.local.render(messages, tools=tools)
-    assert ours == hf_render(model.template, messages, [WEATHER])
+    assert ours == hf_render(model, messages, [WEATHER])
     with pytest.raises(TemplateError, match="answers no earlier call"):
         model.local.render([*messages, {"role": "tool", "tool_call_id": "unknown", "content": "x"}])
 
 
 def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: Any) -> None:
-    model, name = family
+    model, _ = family
     session = model.session()
-    options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER, TIME], tool_choice="required")
+    options = GenerationOptions(
+        max_tokens=48, temperature=0, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False
+    )
     stream = session.stream("What's the weather in Paris?", options)
     pieces = [piece for snapshot in stream for piece in snapshot.tool_calls]
     reply = stream.reply
     assert reply is not None and reply.finish_reason == "tool_calls", reply
-    (call, *more) = reply.tool_calls
-    assert not more or name != "llama3"
+    (call,) = reply.tool_calls  # (parallel_tool_calls=False: one)
     tool = next(t for t in (WEATHER, TIME) if t["function"]["name"] == call.name)
     jsonschema.validate(call.parsed, tool["function"]["parameters"])
     assert "".join(p.arguments for p in pieces if p.index == 0) == call.arguments
@@ -246,15 +260,11 @@ def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: An
     assert after.usage.decoded_prompt_tokens <= new + 1, (after.usage, first)
 
 
-def test_auto_stays_text_until_the_trigger_then_holds_the_call(
-    smollm2: Model, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def scripted_start(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
+    """The reply's first tokens are ``script`` (each checked by the constraint's matcher), the
+    rest sampled: the trigger forced by the test, not by luck."""
     from llmsession.native.constraints import GuidedSampler
 
-    options = GenerationOptions(max_tokens=40, temperature=0, tools=[WEATHER])
-    text_reply = smollm2.session().respond("Say hello.", options)
-    assert text_reply.finish_reason in ("stop", "length") and not text_reply.tool_calls
-    script = smollm2.tokenize('Sure. {"tool_calls": [{"name": "', add_special=False)
     original = GuidedSampler.sample
 
     def scripted(self: GuidedSampler, context: Any, index: int = -1) -> int:
@@ -265,8 +275,31 @@ def test_auto_stays_text_until_the_trigger_then_holds_the_call(
         return token
 
     monkeypatch.setattr(GuidedSampler, "sample", scripted)
+
+
+def test_auto_stays_text_until_the_trigger_then_holds_the_call(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The generic format's calls open the reply: text that does not is text, whatever follows."""
+    options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER], parallel_tool_calls=False)
+    text_reply = smollm2.session().respond("Say hello.", options)
+    assert text_reply.finish_reason in ("stop", "length") and not text_reply.tool_calls
+    scripted_start(monkeypatch, smollm2.tokenize("{", add_special=False))  # the grammar forces the rest
     reply = smollm2.session().respond("Weather in Oslo?", options)
-    assert reply.finish_reason == "tool_calls" and reply.text == "Sure. "
+    assert reply.finish_reason == "tool_calls" and reply.text == "", reply
+    assert reply.tool_calls[0].name == "get_weather"
+    jsonschema.validate(reply.tool_calls[0].parsed, WEATHER["function"]["parameters"])
+
+
+def test_auto_text_then_a_lazy_trigger_holds_the_call(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hermes calls may follow text: free until ``<tool_call>``, constrained from there."""
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        options = GenerationOptions(max_tokens=64, temperature=0, tools=[WEATHER], parallel_tool_calls=False)
+        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
+        reply = model.session().respond("Weather in Oslo?", options)
+    assert reply.finish_reason == "tool_calls" and reply.text == "Let me check.", reply
     assert reply.tool_calls[0].name == "get_weather"
     jsonschema.validate(reply.tool_calls[0].parsed, WEATHER["function"]["parameters"])
 

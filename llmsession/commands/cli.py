@@ -36,6 +36,7 @@ from llmsession.replies import Reply, ToolCall
 from llmsession.runtime.session import Session
 from llmsession.text.tools import checked_tools
 
+MAX_ROUNDS = 8  # tool rounds after one message
 HELP = """commands:
   /image PATH   attach an image to the next message (needs --mmproj)
   /json FILE    hold the next reply to the JSON schema in FILE
@@ -175,22 +176,32 @@ class Chat:
             self.answer_calls(reply.tool_calls)
 
     def answer_calls(self, calls: Sequence[ToolCall]) -> None:
-        """Print each call, read its result (a line), and send the results for the next reply."""
-        results: list[Any] = []
-        for call in calls:
-            self.note(f"[call {call.name}({call.arguments}), id {call.id}]")
-            prompt = f"result of {call.name}> " if sys.stdin.isatty() else ""
-            result = input(prompt)
-            results.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        began = time.perf_counter()
-        stream = self.session.stream(results, self.options)
-        for snapshot in stream:
-            self.out.write(snapshot.delta)
-            self.out.flush()
-        if stream.reply is not None:
+        """Print each call, read its result (a line), send the results; as long as the replies
+        call (at most ``MAX_ROUNDS`` rounds), or until input ends."""
+        for _ in range(MAX_ROUNDS):
+            results: list[Any] = []
+            for call in calls:
+                self.note(f"[call {call.name}({call.arguments}), id {call.id}]")
+                try:
+                    result = input(f"result of {call.name}> " if sys.stdin.isatty() else "")
+                except EOFError:
+                    return
+                results.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            began = time.perf_counter()
+            with self.session.stream(results, self.options) as stream:
+                previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())
+                try:
+                    for snapshot in stream:
+                        self.out.write(snapshot.delta)
+                        self.out.flush()
+                finally:
+                    signal.signal(signal.SIGINT, previous)
+            if stream.reply is None:
+                return
             self.report(stream.reply, self.options, began)
-            if stream.reply.tool_calls:
-                self.answer_calls(stream.reply.tool_calls)
+            calls = stream.reply.tool_calls
+            if not calls:
+                return
 
     def report(self, reply: Reply, options: GenerationOptions, began: float) -> None:
         """The line after a reply: how it ended, and what it cost."""

@@ -113,8 +113,10 @@ class ModelCore:
         thinking: bool = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
+        stand_ins: bool = False,
     ) -> str:
-        """The exact prompt text a session would tokenize for these messages (and tools)."""
+        """The exact prompt text a session would tokenize for these messages (and tools);
+        ``stand_ins``: replies replaced by markers, to find where they lie (``splice``)."""
         return render_prompt(
             messages,
             template=self.template,
@@ -127,14 +129,24 @@ class ModelCore:
             media_marker=self.media_marker,
             tools=tools,
             tool_format=self.tool_format(tool_format),
+            stand_ins=stand_ins,
         )
 
     def tool_format(self, name: str | None = None) -> ToolFormat:
         """How calls are written: ``name``'s format, else the template's own where jinja
         renders it, else the generic one (llama.cpp's built-in templates know no tools)."""
-        if name is not None:
-            return FORMATS[name]
-        return detect(self.template) if self.use_jinja else GENERIC
+        fmt = FORMATS[name] if name is not None else detect(self.template) if self.use_jinja else GENERIC
+        if fmt is not GENERIC and not self.use_jinja:
+            raise ValueError(
+                f"tool_format {fmt.name!r} needs the template rendered by jinja (use_jinja=True)"
+            )
+        markers = [m.strip() for m in (fmt.trigger, fmt.close) if m.strip().startswith(("<", "["))]
+        if any(len(self.tokenize(m, add_special=False)) == 1 for m in markers):
+            raise UnsupportedFeatureError(
+                f"this model spells {markers} as special tokens, which tool calls in the {fmt.name!r} "
+                "format cannot write yet; pass tool_format='generic'"
+            )
+        return fmt
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
@@ -184,7 +196,9 @@ class ModelCore:
             return self.tokenize(text)
         marked = [stand_in(m, marker(i)) if i in known else m for i, m in enumerate(messages)]
         try:
-            rendered = self.render(marked, thinking=thinking, tools=tools, tool_format=tool_format)
+            rendered = self.render(
+                marked, thinking=thinking, tools=tools, tool_format=tool_format, stand_ins=True
+            )
             around = stretches(rendered, list(known))
         except TemplateError:  # a template that cannot take the stand-ins: no splice
             return self.tokenize(text)

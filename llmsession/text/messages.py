@@ -17,9 +17,10 @@ Message = Mapping[str, Any]  # what renderers read: a ``replies.Message`` or any
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
-def check_messages(messages: Sequence[Message]) -> None:
+def check_messages(messages: Sequence[Message], *, answers: bool = True) -> None:
     """Fail early, naming the message, rather than deep inside a renderer. Tool calls and
-    results are in OpenAI's shape; a result answers a call made earlier in the transcript."""
+    results are in OpenAI's shape; a result answers a call made earlier in the transcript
+    (unless not ``answers``: a render with stand-ins for the calls, to splice them)."""
     calls: set[str] = set()
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -36,7 +37,8 @@ def check_messages(messages: Sequence[Message]) -> None:
                 f"message {i} ({role}): content must be a str or a list of parts, "
                 f"got {type(content).__name__}"
             )
-        if role == "tool" and message.get("tool_call_id") not in calls:
+        answered = message.get("tool_call_id")
+        if role == "tool" and answers and (not isinstance(answered, str) or answered not in calls):
             raise TemplateError(
                 f"message {i} (tool): tool_call_id {message.get('tool_call_id')!r} answers no earlier call"
             )
@@ -54,7 +56,10 @@ def _checked_calls(i: int, message: Message) -> set[str]:
             raise TemplateError(f"message {i}: a tool call needs a function with a name, got {call!r:.80}")
         if not isinstance(function.get("arguments", "{}"), str | Mapping):
             raise TemplateError(f"message {i}: a tool call's arguments must be JSON text or an object")
-        ids.add(call.get("id"))
+        ident = call.get("id")
+        if not isinstance(ident, str):
+            raise TemplateError(f"message {i}: a tool call's id must be a str, got {ident!r:.40}")
+        ids.add(ident)
     return ids
 
 

@@ -62,6 +62,7 @@ def _hf_message(message: Message) -> dict[str, Any]:
     if not isinstance(content, str | None):
         content = [_hf_part(part) for part in content]
     out = {**message, "content": content}
+    out.pop("tool_calls", None)  # (None or [] would read as calls to some templates)
     if message.get("tool_calls"):
         out["tool_calls"] = [_hf_call(call) for call in message["tool_calls"]]
     return out
@@ -96,6 +97,7 @@ def render_prompt(
     media_marker: str = "<__media__>",
     tools: Tools | None = None,
     tool_format: ToolFormat = GENERIC,
+    stand_ins: bool = False,
 ) -> str:
     """The prompt text for ``messages``, from the first renderer in the order above.
 
@@ -107,7 +109,7 @@ def render_prompt(
     them, for a native ``tool_format``; the generic one writes them into the messages
     (``tool_formats.generic_messages``), for any renderer.
     """
-    check_messages(messages)
+    check_messages(messages, answers=not stand_ins)  # (stand-ins hide the calls results answer)
     native_tools = use_jinja and tool_format is not GENERIC
     if not native_tools and (tools is not None or any(_has_tools(m) for m in messages)):
         messages = generic_messages(messages, tools)

@@ -21,7 +21,12 @@ from typing import Any
 from llmsession.replies import ToolCallDelta
 from llmsession.text.tools import Tool, ToolCall, Tools
 
-ARGUMENTS_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ARGUMENTS_LAYOUT = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
 """Arguments are generated as ``json.dumps`` writes them: what templates' ``tojson`` renders."""
 ALPHANUMERIC = string.ascii_letters + string.digits
 
@@ -43,6 +48,7 @@ class ToolFormat:
     before: str = ""
     single: bool = False  # the family takes one call per reply
     ids: bool = False  # each call carries its id (``, "id": "..."`` before ``tail``)
+    anchored: bool = False  # calls only open the reply (their trigger is plain JSON, as prose may be)
 
     def call_text(self, call: ToolCall) -> str:
         ident = f', "id": "{call.id}"' if self.ids else ""
@@ -69,15 +75,15 @@ HERMES = ToolFormat(
 )
 LLAMA3 = ToolFormat(
     "llama3", trigger='{"name": "', open="", head='{"name": "', mid='", "parameters": ', tail="}",
-    separator="", close="", single=True,
+    separator="", close="", single=True, anchored=True,
 )  # fmt: skip
 MISTRAL = ToolFormat(
     "mistral", trigger="[TOOL_CALLS]", open="[TOOL_CALLS][", head='{"name": "', mid='", "arguments": ',
-    tail="}", separator=", ", close="]", ids=True,
+    tail="}", separator=", ", close="]", ids=True, anchored=True,
 )  # fmt: skip
 GENERIC = ToolFormat(
     "generic", trigger='{"tool_calls": [', open='{"tool_calls": [', head='{"name": "', mid='", "arguments": ',
-    tail="}", separator=", ", close="]}",
+    tail="}", separator=", ", close="]}", anchored=True,
 )  # fmt: skip
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}
 
@@ -86,10 +92,10 @@ def detect(template: str | None) -> ToolFormat:
     """The family's format from its chat template's markers; generic when it knows none."""
     if template is None:
         return GENERIC
-    if "<tool_call>" in template:
-        return HERMES
-    if "[TOOL_CALLS]" in template:
-        return MISTRAL
+    if "<tool_call>" in template and '"arguments": ' in template and "<function=" not in template:
+        return HERMES  # (Qwen3-Coder's <tool_call><function=...> is another format)
+    if "[TOOL_CALLS][" in template and "[ARGS]" not in template:
+        return MISTRAL  # (newer Mistrals write [TOOL_CALLS]name[ARGS]{...})
     if "<|start_header_id|>" in template and '"parameters": ' in template:
         return LLAMA3
     return GENERIC
@@ -112,8 +118,8 @@ def grammar(fmt: ToolFormat, tools: Tools, ids: Sequence[str] = ()) -> str:
     ``ids`` in order, one per call (so a stream names each call before its arguments)."""
     callable_tools = tools.callable
     assert callable_tools, "a grammar needs a tool to call"
-    limit = 1 if fmt.single or not tools.parallel else len(ids) if fmt.ids else 0  # 0: any number
-    assert not fmt.ids or 1 <= limit <= len(ids), "a format with ids needs one per call"
+    limit = 1 if fmt.single or not tools.parallel else len(ids)  # at most one call per id
+    assert 1 <= limit <= len(ids), "a grammar needs an id per call"
     lines = ["%llguidance {}"]
     lines += [
         f"args_{i}: {_literal(tool.name + fmt.mid)} {_arguments(tool)}"
@@ -127,19 +133,15 @@ def grammar(fmt: ToolFormat, tools: Tools, ids: Sequence[str] = ()) -> str:
         lines.append(
             f"call_{k}: {_literal(opening) if opening else ''} ({names}) {ident} {_literal(fmt.tail)}"
         )
-    if limit == 0:
-        later = f"{_literal(fmt.separator + fmt.head)} ({names}) {_literal(fmt.tail)}"
-        chain = f"call_0 ({later})*"
-    else:  # call_0 (call_1 (call_2 ...)?)?
-        chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)
+    chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)  # c0 (c1 (c2)?)?
     close = f" {_literal(fmt.close)}" if fmt.close else ""
     lines.append(f"calls: {chain}{close}")
-    if tools.mode == "auto":
-        lines += [
-            "start: TEXT | trigger calls",
-            r"TEXT: /(.|\n)*/",
-            f"trigger[lazy]: TEXT {_literal(fmt.trigger)}",
-        ]
+    if tools.mode == "auto" and fmt.anchored:  # text that does not open as the calls do, or calls
+        text = "TEXT: /([^" + "\\" + fmt.trigger[0] + "](.|\\n)*)?/"  # (its first character escaped)
+        lines += [f"start: TEXT | {_literal(fmt.trigger)} calls", text]
+    elif tools.mode == "auto":
+        lines += ["start: TEXT | trigger calls", r"TEXT: /(.|\n)*/"]
+        lines.append(f"trigger[lazy]: TEXT {_literal(fmt.trigger)}")
     else:
         lines.append(f"start: {_literal(fmt.trigger)} calls")
     return "\n".join(lines) + "\n"
@@ -150,7 +152,7 @@ def parse(text: str, fmt: ToolFormat, tools: Tools, ids: CallIds) -> tuple[str, 
     """A reply split into its text and its calls (named by ``ids`` where the format writes
     none); ValueError if what follows the trigger is not calls of declared tools."""
     at = text.find(fmt.trigger)
-    if at < 0 or tools.mode == "none":
+    if at < 0 or tools.mode == "none" or (fmt.anchored and at > 0):
         return text, []
     content = text[:at]
     if fmt.before and content.endswith(fmt.before):
@@ -166,7 +168,10 @@ def parse(text: str, fmt: ToolFormat, tools: Tools, ids: CallIds) -> tuple[str, 
         if tool is None or tool not in tools.callable:
             raise ValueError(f"the reply calls {name!r}, which is not a tool it may call")
         pos = end + len(fmt.mid)
-        _, stop = decoder.raw_decode(text, pos)
+        try:
+            _, stop = decoder.raw_decode(text, pos)
+        except RecursionError:
+            raise ValueError("a call's arguments are nested too deep to read") from None
         arguments, pos = text[pos:stop], stop
         ident = ids(len(calls))
         if fmt.ids:
@@ -216,8 +221,14 @@ class CallStream:
         self.raw += delta
         if self.calls_at < 0:
             at = self.raw.find(self.fmt.trigger)
+            if self.fmt.anchored and (at > 0 or (at < 0 and not self.fmt.trigger.startswith(self.raw[:20]))):
+                self.calls_at = len(self.raw) + 1  # plain text: calls open the reply or not at all
+                return self._text(len(self.raw)), ()
             if at < 0:
-                return self._text(len(self.raw) - _held(self.raw, self.fmt.before + self.fmt.trigger)), ()
+                held = max(
+                    _held(self.raw, self.fmt.before + self.fmt.trigger), _held(self.raw, self.fmt.trigger)
+                )
+                return self._text(len(self.raw) - held), ()
             self.calls_at = at
             before = self.fmt.before
             return self._text(
@@ -248,7 +259,7 @@ class CallStream:
             start = end + len(fmt.mid)
             try:
                 stop, complete = json.JSONDecoder().raw_decode(raw, start)[1], True
-            except ValueError:
+            except (ValueError, RecursionError):
                 stop, complete = len(raw), False
             if stop - start > self.arguments[index]:
                 deltas.append(ToolCallDelta(index, arguments=raw[start + self.arguments[index] : stop]))

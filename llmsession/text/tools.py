@@ -3,6 +3,7 @@ reports them. How calls are written and read for each model family is in ``tool_
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 from llmsession.options import GenerationOptions
 from llmsession.replies import ToolCall
-from llmsession.text.schemas import schema_document
+from llmsession.text.schemas import checked_schema, schema_document
 
 __all__ = ["MAX_TOOLS", "Mode", "Tool", "ToolCall", "Tools", "checked_tools", "tool_from"]
 
@@ -76,6 +77,7 @@ def tool_from(spec: object, index: int) -> Tool:
         raise ValueError(f"tools[{index}]: 'description' must be a str")
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     _, document = schema_document(parameters)  # GrammarError (a ValueError) for a bad schema
+    checked_schema(json.dumps(document, sort_keys=True))  # against its draft, before anything decodes
     return _checked(function.get("name"), description, document, index)
 
 

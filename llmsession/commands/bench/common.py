@@ -19,7 +19,7 @@ from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.native.llama import build_commit
 
-PEER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peer.py"
+PEER_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_peer.py"  # (in the repository)
 
 
 def run_worker(python: str, config: dict[str, Any]) -> dict[str, Any]:
