@@ -323,7 +323,7 @@ object_schemas = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(object_schemas, st.integers(0, 3))
 def test_forced_calls_always_validate(smollm2: Model, schema: dict[str, Any], seed: int) -> None:
     schema = {**schema, "required": sorted(schema["properties"]), "additionalProperties": False}

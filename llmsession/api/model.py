@@ -63,6 +63,16 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+class Setting:
+    """A setting the model was loaded with, read from its backend (``model.threads``, ...)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, model: Model | None, owner: type) -> Any:
+        return self if model is None else getattr(model.backend, self.name)
+
+
 class Model:
     """A model file loaded once; any number of sessions chat with it under one memory budget.
 
@@ -83,6 +93,13 @@ class Model:
     (``remote.isolated``). ``with Model(path) as model:`` frees the model and every session's
     state on exit.
     """
+
+    threads = Setting()
+    use_jinja = Setting()
+    flash_attention = Setting()
+    anticipate = Setting()
+    template = Setting()  # the chat template in its GGUF (None if it has none)
+    media_marker = Setting()
 
     def __init__(
         self,
@@ -110,31 +127,6 @@ class Model:
 
             self.backend = LocalModel(path, rpc_servers=servers, worker_timeout=worker_timeout, **settings)
         self.path, self.mmproj_path = self.backend.path, self.backend.mmproj_path
-
-    @property
-    def threads(self) -> int:
-        return self.backend.threads
-
-    @property
-    def use_jinja(self) -> bool:
-        return self.backend.use_jinja
-
-    @property
-    def flash_attention(self) -> bool | None:
-        return self.backend.flash_attention
-
-    @property
-    def anticipate(self) -> bool:
-        return self.backend.anticipate
-
-    @property
-    def template(self) -> str | None:
-        """The model's chat template (from its GGUF), None if it has none."""
-        return self.backend.template
-
-    @property
-    def media_marker(self) -> str:
-        return self.backend.media_marker
 
     @property
     def local(self) -> LocalModel:

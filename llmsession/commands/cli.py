@@ -154,10 +154,21 @@ class Chat:
         self.note("[undone]")
 
     def send(self, text: str) -> None:
-        """Stream one reply; SIGINT cancels it through the abort flag rather than an exception."""
+        """Stream one reply, and the rounds of tool results it asks for."""
         content: Any = [*self.images, text] if self.images else text
         options = replace(self.options, json_schema=self.schema) if self.schema else self.options
         self.images, self.schema = [], None  # sent or refused, they do not carry over
+        reply = self.reply_to(content, options)
+        for _ in range(MAX_ROUNDS):  # as long as the replies call tools, or until input ends
+            if reply is None or not reply.tool_calls:
+                return
+            results = self.results_of(reply.tool_calls)
+            if results is None:
+                return
+            reply = self.reply_to(results, self.options)
+
+    def reply_to(self, content: Any, options: GenerationOptions) -> Reply | None:
+        """Stream one reply; SIGINT cancels it through the abort flag rather than an exception."""
         began = time.perf_counter()
         stream = self.session.stream(content, options)
         previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())
@@ -168,40 +179,21 @@ class Chat:
         finally:
             signal.signal(signal.SIGINT, previous)
             stream.close()
-        reply = stream.reply
-        if reply is None:
-            return
-        self.report(reply, options, began)
-        if reply.tool_calls:
-            self.answer_calls(reply.tool_calls)
+        if stream.reply is not None:
+            self.report(stream.reply, options, began)
+        return stream.reply
 
-    def answer_calls(self, calls: Sequence[ToolCall]) -> None:
-        """Print each call, read its result (a line), send the results; as long as the replies
-        call (at most ``MAX_ROUNDS`` rounds), or until input ends."""
-        for _ in range(MAX_ROUNDS):
-            results: list[Any] = []
-            for call in calls:
-                self.note(f"[call {call.name}({call.arguments}), id {call.id}]")
-                try:
-                    result = input(f"result of {call.name}> " if sys.stdin.isatty() else "")
-                except EOFError:
-                    return
-                results.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            began = time.perf_counter()
-            with self.session.stream(results, self.options) as stream:
-                previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())
-                try:
-                    for snapshot in stream:
-                        self.out.write(snapshot.delta)
-                        self.out.flush()
-                finally:
-                    signal.signal(signal.SIGINT, previous)
-            if stream.reply is None:
-                return
-            self.report(stream.reply, self.options, began)
-            calls = stream.reply.tool_calls
-            if not calls:
-                return
+    def results_of(self, calls: Sequence[ToolCall]) -> list[Any] | None:
+        """Each call printed and its result read (a line); None once input ends."""
+        results: list[Any] = []
+        for call in calls:
+            self.note(f"[call {call.name}({call.arguments}), id {call.id}]")
+            try:
+                result = input(f"result of {call.name}> " if sys.stdin.isatty() else "")
+            except EOFError:
+                return None
+            results.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return results
 
     def report(self, reply: Reply, options: GenerationOptions, began: float) -> None:
         """The line after a reply: how it ended, and what it cost."""
