@@ -338,3 +338,37 @@ def test_forced_calls_always_validate(smollm2: Model, schema: dict[str, Any], se
             jsonschema.validate(call.parsed, schema)
     else:
         assert reply.finish_reason == "length" and not reply.tool_calls
+
+
+def test_plain_text_of_a_format_whose_calls_open_the_reply_streams_whole() -> None:
+    for fmt in (GENERIC, FORMATS["llama3"], FORMATS["mistral"]):
+        stream = CallStream(fmt, CallIds(fmt))
+        pieces = [stream.push(piece) for piece in ("Hel", "lo there", ', {"name": "x"}', "!")]
+        assert "".join(text for text, _ in pieces) + stream.flush() == 'Hello there, {"name": "x"}!'
+        assert not any(calls for _, calls in pieces)
+
+
+def test_markers_a_vocabulary_spells_as_special_tokens_refuse_calls_not_chat(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmsession import UnsupportedFeatureError
+
+    with Model(
+        fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True, anticipate=False
+    ) as model:
+        core, real = model.local, model.local.tokenize
+        special = ("<tool_call>", "</tool_call>")
+
+        def tokenize(text: str, add_special: bool = True) -> list[int]:
+            return [7] if text in special else real(text, add_special)  # as Qwen's vocabulary does
+
+        monkeypatch.setattr(core, "tokenize", tokenize)
+        assert (
+            model.session()
+            .respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+            .usage.completion_tokens
+        )
+        with pytest.raises(UnsupportedFeatureError, match="special tokens"):
+            model.session().respond("Hi", GenerationOptions(max_tokens=2, tools=[WEATHER]))
+        monkeypatch.undo()
+        assert model.session().respond("Hi", GenerationOptions(max_tokens=2, tools=[WEATHER]))

@@ -72,6 +72,9 @@ class Setting:
     def __get__(self, model: Model | None, owner: type) -> Any:
         return self if model is None else getattr(model.backend, self.name)
 
+    def __set__(self, model: Model, value: object) -> None:
+        raise AttributeError(f"{self.name} is fixed when the model is loaded")
+
 
 class Model:
     """A model file loaded once; any number of sessions chat with it under one memory budget.

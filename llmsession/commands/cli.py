@@ -155,17 +155,20 @@ class Chat:
 
     def send(self, text: str) -> None:
         """Stream one reply, and the rounds of tool results it asks for."""
-        content: Any = [*self.images, text] if self.images else text
-        options = replace(self.options, json_schema=self.schema) if self.schema else self.options
-        self.images, self.schema = [], None  # sent or refused, they do not carry over
+        (images, self.images), (schema, self.schema) = (self.images, []), (self.schema, None)
+        content: Any = [*images, text] if images else text  # (sent or refused, they do not carry over)
+        options = replace(self.options, json_schema=schema, tools=None) if schema else self.options
         reply = self.reply_to(content, options)
         for _ in range(MAX_ROUNDS):  # as long as the replies call tools, or until input ends
             if reply is None or not reply.tool_calls:
                 return
             results = self.results_of(reply.tool_calls)
             if results is None:
+                print(file=self.out)
                 return
             reply = self.reply_to(results, self.options)
+        if reply is not None and reply.tool_calls:
+            self.note(f"[stopped after {MAX_ROUNDS} rounds of tool calls]")
 
     def reply_to(self, content: Any, options: GenerationOptions) -> Reply | None:
         """Stream one reply; SIGINT cancels it through the abort flag rather than an exception."""

@@ -140,6 +140,12 @@ class ModelCore:
             raise ValueError(
                 f"tool_format {fmt.name!r} needs the template rendered by jinja (use_jinja=True)"
             )
+        return fmt
+
+    def calling_format(self, name: str | None = None) -> ToolFormat:
+        """``tool_format``, for a reply that may call: one whose markers this vocabulary spells
+        as special tokens is refused (the grammar writes them as text)."""
+        fmt = self.tool_format(name)
         markers = [m.strip() for m in (fmt.trigger, fmt.close) if m.strip().startswith(("<", "["))]
         if any(len(self.tokenize(m, add_special=False)) == 1 for m in markers):
             raise UnsupportedFeatureError(
@@ -290,7 +296,7 @@ class ModelCore:
                 self._guidance = tokenizer(self.native)
         if tools is not None and tools.mode != "none":
             return Constraint.from_lark(
-                grammar(self.tool_format(options.tool_format), tools, ids), self._guidance
+                grammar(self.calling_format(options.tool_format), tools, ids), self._guidance
             )
         return Constraint.compile(options, self._guidance)
 

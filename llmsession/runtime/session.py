@@ -248,7 +248,7 @@ class Session:
         tools = self._tools[0]
         calling = None
         if tools is not None and tools.mode != "none":
-            fmt = model.tool_format(options.tool_format)
+            fmt = model.calling_format(options.tool_format)
             calling = Calling(tools, fmt, CallIds(fmt))
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         constraint = model.constraint(options, tools, ids)

@@ -214,16 +214,19 @@ class CallStream:
         self.fmt, self.ids = fmt, ids
         self.raw, self.sent = "", 0  # the reply so far; how much of it went out as text
         self.calls_at = -1  # where its calls begin, once they do
+        self.plain = False  # the reply did not open with the calls of a format whose calls must
         self.arguments: list[int] = []  # per call announced: how much of its arguments went out
 
     def push(self, delta: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
         """The text and the call pieces ``delta`` completes."""
         self.raw += delta
+        trigger = self.fmt.trigger
+        if self.fmt.anchored and not self.plain and not self.raw.startswith(trigger[: len(self.raw)]):
+            self.plain = True  # calls open the reply or not at all
+        if self.plain:
+            return self._text(len(self.raw)), ()
         if self.calls_at < 0:
-            at = self.raw.find(self.fmt.trigger)
-            if self.fmt.anchored and (at > 0 or (at < 0 and not self.fmt.trigger.startswith(self.raw[:20]))):
-                self.calls_at = len(self.raw) + 1  # plain text: calls open the reply or not at all
-                return self._text(len(self.raw)), ()
+            at = self.raw.find(trigger)
             if at < 0:
                 held = max(
                     _held(self.raw, self.fmt.before + self.fmt.trigger), _held(self.raw, self.fmt.trigger)
@@ -238,7 +241,7 @@ class CallStream:
 
     def flush(self) -> str:
         """The text held back, at the end of a reply that made no call."""
-        return self._text(len(self.raw)) if self.calls_at < 0 else ""
+        return self._text(len(self.raw)) if self.calls_at < 0 or self.plain else ""
 
     def _text(self, upto: int) -> str:
         out = self.raw[self.sent : upto]
