@@ -372,3 +372,20 @@ def test_markers_a_vocabulary_spells_as_special_tokens_refuse_calls_not_chat(
             model.session().respond("Hi", GenerationOptions(max_tokens=2, tools=[WEATHER]))
         monkeypatch.undo()
         assert model.session().respond("Hi", GenerationOptions(max_tokens=2, tools=[WEATHER]))
+
+
+def test_tool_choice_none_still_declares_the_tools(smollm2: Model, fixture_path: Any) -> None:
+    """A turn that may not call keeps the prompt's prefix: a 10-turn tool conversation decoded
+    25 times its new tokens while "none" left the tools out."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for choice in ("auto", "required"):
+        assert smollm2.local.render(messages, tools=checked_tools([WEATHER], "none")) == smollm2.local.render(
+            messages, tools=checked_tools([WEATHER], choice)
+        )
+    with Model(
+        fixture_path("smollm2-qwen25-template.gguf"), threads=1, use_jinja=True, anticipate=False
+    ) as qwen:
+        declared = qwen.local.render(messages, tools=checked_tools([WEATHER], "none"))
+        assert "get_weather" in declared and declared == qwen.local.render(
+            messages, tools=checked_tools([WEATHER])
+        )

@@ -123,7 +123,8 @@ def render_prompt(
             bos_token=bos_token,
             eos_token=eos_token,
             enable_thinking=thinking,
-            tools=tools.specs() if native_tools and tools is not None and tools.mode != "none" else None,
+            # declared even with tool_choice "none": the prompt's prefix stays that of the turns that call
+            tools=tools.specs() if native_tools and tools is not None else None,
         )
 
     flat = [(m["role"], flatten_content(m["content"], media_marker)) for m in messages]

@@ -287,7 +287,7 @@ def generic_messages(messages: Sequence[Mapping[str, Any]], tools: Tools | None)
     """A transcript with tools for a template that knows none: the tools and the call format in
     the system message, calls as the JSON the reply generated, results as user messages."""
     out = [dict(m) for m in messages]
-    if tools is not None and tools.mode != "none":
+    if tools is not None:  # (declared with tool_choice "none" too: the prefix stays the same)
         described = "\n".join(json.dumps(tool.spec()["function"]) for tool in tools.tools)
         guide = (
             f"You can call these tools:\n{described}\nTo call tools, reply with only this JSON: "
