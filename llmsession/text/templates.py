@@ -123,8 +123,7 @@ def render_prompt(
             bos_token=bos_token,
             eos_token=eos_token,
             enable_thinking=thinking,
-            # declared even with tool_choice "none": the prompt's prefix stays that of the turns that call
-            tools=tools.specs() if native_tools and tools is not None else None,
+            tools=tools.specs() if native_tools and tools is not None else None,  # ("none" too: same prefix)
         )
 
     flat = [(m["role"], flatten_content(m["content"], media_marker)) for m in messages]
