@@ -38,7 +38,7 @@ from llmsession.runtime.session import Session, said_messages
 from llmsession.runtime.stream import Stream
 from llmsession.text.messages import check_messages
 from llmsession.text.schemas import schema_document
-from llmsession.text.tools import tool_from
+from llmsession.text.tools import Tools, tool_from
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
@@ -303,8 +303,14 @@ class IsolatedSession(Session):
             self._session_call("close")
         self._closed = True
 
-    def start(self, said: list[Message], options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
-        """``stream`` for whole messages (their prompt is always made in the worker)."""
+    def start(
+        self,
+        said: list[Message],
+        options: GenerationOptions,
+        prompt: Prompt | None = None,
+        tools: Tools | None = None,
+    ) -> Stream:
+        """``stream`` for whole messages (their prompt and tools are always made in the worker)."""
         if prompt is not None:
             prompt.close()
         return self.stream(said, options)

@@ -125,16 +125,23 @@ class Session:
         assert stream.reply is not None
         return stream.reply
 
-    def start(self, said: list[Message], options: GenerationOptions, prompt: Prompt | None = None) -> Stream:
+    def start(
+        self,
+        said: list[Message],
+        options: GenerationOptions,
+        prompt: Prompt | None = None,
+        tools: Tools | None = None,
+    ) -> Stream:
         """``stream`` for the messages an exchange answers and checked options, with its prompt
         if the caller already tokenized the transcript plus ``said`` (a stateless call does, to
-        choose the session); owns ``prompt``."""
+        choose the session), made with ``tools`` (the options', checked); owns ``prompt``."""
         began = time.perf_counter()
         with self._guard:
             if self._abandon is not None:  # an unfinished stream of this thread: finish it first
                 self._supersede()
                 began = time.perf_counter()
-            self._tools = (options_tools(options), options.tool_format)
+            checked = options_tools(options) if prompt is None else tools
+            self._tools = (checked, options.tool_format)
             if prompt is None:
                 prompt = self._prompter()([*self.messages, *said])
             else:  # made by the caller just before

@@ -70,14 +70,14 @@ class StatelessSessions:
                 record = self._record(tenant) if keep else ReplyTokens(capacity=256)
         # Tokenized once: to choose the session, then as the session's prompt.
         thinking = bool(session_args.get("thinking", False))
-        tools = (options_tools(options), options.tool_format)
+        tools = options_tools(options)
         prompt = self.model.prompt(
             [*history, *said],
             thinking=thinking,
             own=record,
             shared=not apart,
-            tools=tools[0],
-            tool_format=tools[1],
+            tools=tools,
+            tool_format=options.tool_format,
         )
         with self._lock:
             try:
@@ -87,7 +87,7 @@ class StatelessSessions:
                     session.replies = record  # its prompts splice only its tenant's replies
                 session.looks_ahead = keep  # else nothing will follow: decode nothing ahead
                 session.messages = history
-                stream = session.start(said, options, prompt)  # the stream owns prompt now
+                stream = session.start(said, options, prompt, tools)  # the stream owns prompt now
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 raise
