@@ -41,7 +41,7 @@ from fixture_models import (
 from llmsession.commands import paths
 
 # Bump when any fixture changes so that old caches are rebuilt.
-FIXTURE_VERSION = "4"  # 2: the Gemma 4 copy adds BOS; 3: Mamba weights varied, LFM2 and T5; 4: tool templates
+FIXTURE_VERSION = "5"  # 2: Gemma 4 adds BOS; 3: Mamba varied, LFM2, T5; 4: tool templates; 5: special markers
 STAMP_FILE = ".fixtures-version"
 GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
 TOOL_TEMPLATES = {  # each family's real template, for tool calling in its own format
@@ -49,6 +49,50 @@ TOOL_TEMPLATES = {  # each family's real template, for tool calling in its own f
     "smollm2-llama31-template.gguf": "models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
     "smollm2-mistral-template.gguf": "models/templates/mistralai-Mistral-Nemo-Instruct-2407.jinja",
 }
+USER_DEFINED, CONTROL = 4, 3  # llama.cpp's token types: user-defined ones print as text, control ones do not
+SPECIAL_MARKERS = {  # the family's markers as the real vocabulary holds them: one token each
+    "smollm2-qwen25-special.gguf": (  # Qwen 2.5's added tokens are user-defined
+        TOOL_TEMPLATES["smollm2-qwen25-template.gguf"],
+        dict.fromkeys(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"], USER_DEFINED),
+    ),
+    "smollm2-mistral-special.gguf": (  # Mistral's markers are control tokens
+        TOOL_TEMPLATES["smollm2-mistral-template.gguf"],
+        dict.fromkeys(
+            [
+                "[INST]",
+                "[/INST]",
+                "[TOOL_CALLS]",
+                "[AVAILABLE_TOOLS]",
+                "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]",
+                "[/TOOL_RESULTS]",
+            ],
+            CONTROL,
+        ),
+    ),
+    "smollm2-gemma4-special.gguf": (
+        GEMMA4_TEMPLATE,
+        dict.fromkeys(
+            [
+                "<|turn>",
+                "<turn|>",
+                "<|tool>",
+                "<tool|>",
+                "<|tool_call>",
+                "<tool_call|>",
+                '<|"|>',
+                "<|tool_response>",
+                "<tool_response|>",
+                "<|channel>",
+                "<channel|>",
+                "<|think|>",
+            ],
+            CONTROL,
+        ),
+    ),
+}
+EMPTY_THOUGHT_EMISSION = "{{- '<|channel>thought\\n<channel|>' -}}"
+FIRST_SPARE = 3  # SmolLM2's control tokens 3-16 (<repo_name> ... <empty_output>) are renamed
 # Matches none of llama_chat_detect_template's heuristics and has no Gemma 4 syntax.
 UNKNOWN_TEMPLATE = (
     "{% for m in messages %}{{ '<<' + m.role | upper + '>> ' + m.content + '\\n' }}{% endfor %}"
@@ -146,12 +190,27 @@ def build_mmproj(out: Path, src: Sources) -> None:
     write_gguf(writer)
 
 
-def copy_with_template(out: Path, src: Sources, template: str, *, add_bos: bool = False) -> None:
+def copy_with_template(
+    out: Path, src: Sources, template: str, *, add_bos: bool = False, markers: dict[str, int] | None = None
+) -> None:
     """SmolLM2 byte-for-byte in tensors and metadata, except ``tokenizer.chat_template`` (and
-    ``add_bos_token``, which Gemma models set: it makes the one-BOS rule testable)."""
+    ``add_bos_token``, which Gemma models set: it makes the one-BOS rule testable); ``markers``
+    rename spare control tokens, with the given types, so a family's markers are one token each."""
     reader = src.reader
     writer = gguf.GGUFWriter(out, str(src.field(gguf.Keys.General.ARCHITECTURE)))
-    overrides = {gguf.Keys.Tokenizer.CHAT_TEMPLATE: template, gguf.Keys.Tokenizer.ADD_BOS: add_bos}
+    overrides: dict[str, Any] = {
+        gguf.Keys.Tokenizer.CHAT_TEMPLATE: template,
+        gguf.Keys.Tokenizer.ADD_BOS: add_bos,
+    }
+    if markers:
+        tokens, types = (
+            list(src.field(gguf.Keys.Tokenizer.LIST)),
+            list(src.field(gguf.Keys.Tokenizer.TOKEN_TYPE)),
+        )
+        for token, (text, kind) in enumerate(markers.items(), start=FIRST_SPARE):
+            assert types[token] == CONTROL and token <= 16, "only SmolLM2's spare control tokens"
+            tokens[token], types[token] = text, kind
+        overrides |= {gguf.Keys.Tokenizer.LIST: tokens, gguf.Keys.Tokenizer.TOKEN_TYPE: types}
     copy_fields(reader, writer, overrides=overrides)
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
@@ -168,6 +227,15 @@ def build_tool_template(out: Path, src: Sources) -> None:
         encoding="utf-8"
     )
     copy_with_template(out, src, template)
+
+
+def build_special_markers(out: Path, src: Sources) -> None:
+    template, markers = SPECIAL_MARKERS[out.name.lstrip(".").removesuffix(".tmp")]
+    text = (src.llama_src / template).read_text(encoding="utf-8")
+    if template == GEMMA4_TEMPLATE:  # as E2B/E4B's: no empty thought primed after the turn opens
+        assert text.count(EMPTY_THOUGHT_EMISSION) == 1
+        text = text.replace(EMPTY_THOUGHT_EMISSION, "")
+    copy_with_template(out, src, text, add_bos=template == GEMMA4_TEMPLATE, markers=markers)
 
 
 def build_unknown_template(out: Path, src: Sources) -> None:
@@ -194,6 +262,7 @@ FIXTURES: dict[str, Callable[[Path, Sources], None]] = {
     "smollm2-gemma4-template.gguf": build_gemma4_template,
     "smollm2-unknown-template.gguf": build_unknown_template,
     **dict.fromkeys(TOOL_TEMPLATES, build_tool_template),
+    **dict.fromkeys(SPECIAL_MARKERS, build_special_markers),
     "image-red.png": build_red,
     "image-blue.png": build_blue,
 }

@@ -36,6 +36,10 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.text.splice",
     "llmsession.text.schemas",
     "llmsession.text.templates",
+    "llmsession.text.gemma4_tools",
+    "llmsession.text.gemma4_calls",
+    "llmsession.text.tool_formats",
+    "llmsession.text.tool_grammar",
 )
 
 

@@ -266,10 +266,16 @@ class NativeModel(Owner):
                 eog.append(token)
         return pieces, control, eog
 
-    def piece(self, token: int) -> bytes:
-        """A token's bytes, without special-token text (generation output)."""
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """A token's bytes (generation output), special-token text only with ``special``."""
         buf = bindings()[1].new("char[64]")  # per call: the GIL is released while llama.cpp writes it
-        return self._piece(self.check_token(token), buf, special=False)
+        return self._piece(self.check_token(token), buf, special=special)
+
+    def is_special(self, token: int) -> bool:
+        """A control or user-defined token: one a grammar must name by id, not spell as text."""
+        lib = bindings()[0]
+        attr = int(lib.llama_vocab_get_attr(self.vocab, self.check_token(token)))
+        return bool(attr & (lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED))
 
     def _piece(self, token: int, buf: Any, *, special: bool) -> bytes:
         """``llama_token_to_piece`` into ``buf``, or into a larger buffer when it asks for one."""

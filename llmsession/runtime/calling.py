@@ -20,6 +20,7 @@ class Calling:
     tools: Tools
     fmt: ToolFormat
     ids: CallIds
+    spelled: frozenset[int] = frozenset()  # the format's special tokens: their text is the reply's
     text: str = ""  # the reply's text so far (its calls apart)
     stream: CallStream = field(init=False)
 
@@ -43,9 +44,10 @@ class Calling:
     ) -> tuple[str, tuple[ToolCall, ...], FinishReason, GrammarError | None]:
         """The reply's text, its calls, its finish reason ("tool_calls" when it called), and an
         error if a call breaks its schema where the mask could not hold it. A reply cut short
-        (``length``, ``cancelled``) keeps all its text and makes no call."""
+        (``length``, ``cancelled``) makes no call: its text is what streamed as text (a call it
+        began is dropped, markup and all, as its stream showed)."""
         if finish not in ("complete", "stop"):
-            return raw, (), finish, None
+            return self.text + self.stream.flush(), (), finish, None
         try:
             text, calls = parse(raw, self.fmt, self.tools, self.ids)
         except ValueError as unparsed:

@@ -24,11 +24,13 @@ from llmsession.errors import SessionFileError, TemplateError, UnsupportedFeatur
 from llmsession.native import rpc
 from llmsession.options import INT32_MAX, GenerationOptions, check_int
 from llmsession.runtime.loading import checked_threads, choose_flash_attention, load_native, memory_config
+from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
 from llmsession.text.messages import check_messages
-from llmsession.text.splice import ReplyTokens, marker, splice, stretches
+from llmsession.text.splice import ReplyTokens, found_in_order, marker, splice, stretches
 from llmsession.text.templates import render_prompt
-from llmsession.text.tool_formats import FORMATS, GENERIC, ToolFormat, detect, grammar, said_text, stand_in
+from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect, said_text, stand_in
+from llmsession.text.tool_grammar import grammar
 from llmsession.text.tools import Tools
 
 if TYPE_CHECKING:
@@ -135,24 +137,24 @@ class ModelCore:
     def tool_format(self, name: str | None = None) -> ToolFormat:
         """How calls are written: ``name``'s format, else the template's own where jinja
         renders it, else the generic one (llama.cpp's built-in templates know no tools)."""
-        fmt = FORMATS[name] if name is not None else detect(self.template) if self.use_jinja else GENERIC
-        if fmt is not GENERIC and not self.use_jinja:
+        gemma4 = is_gemma4_template(self.template)  # (rendered in Python, calls in Gemma 4's syntax)
+        native = self.use_jinja or gemma4
+        fmt = FORMATS[name] if name is not None else detect(self.template) if native else GENERIC
+        if fmt is not GENERIC and not self.use_jinja and not (gemma4 and fmt is GEMMA4):
             raise ValueError(
                 f"tool_format {fmt.name!r} needs the template rendered by jinja (use_jinja=True)"
             )
         return fmt
 
-    def calling_format(self, name: str | None = None) -> ToolFormat:
-        """``tool_format``, for a reply that may call: one whose markers this vocabulary spells
-        as special tokens is refused (the grammar writes them as text)."""
-        fmt = self.tool_format(name)
-        markers = [m.strip() for m in (fmt.trigger, fmt.close) if m.strip().startswith(("<", "["))]
-        if any(len(self.tokenize(m, add_special=False)) == 1 for m in markers):
-            raise UnsupportedFeatureError(
-                f"this model spells {markers} as special tokens, which tool calls in the {fmt.name!r} "
-                "format cannot write yet; pass tool_format='generic'"
-            )
-        return fmt
+    def special_markers(self, fmt: ToolFormat) -> dict[str, int]:
+        """The format's markers this vocabulary holds as one special token each, and their ids:
+        the grammar names them by id, and the reply's text spells them."""
+        specials = {}
+        for spelling in fmt.markers:
+            tokens = self.native.tokenize(spelling, add_special=False)
+            if len(tokens) == 1 and self.native.is_special(tokens[0]):
+                specials[spelling] = tokens[0]
+        return specials
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
@@ -200,18 +202,11 @@ class ModelCore:
         }
         if not known:
             return self.tokenize(text)
-        marked = [stand_in(m, marker(i)) if i in known else m for i, m in enumerate(messages)]
-        try:
-            rendered = self.render(
-                marked, thinking=thinking, tools=tools, tool_format=tool_format, stand_ins=True
-            )
-            around = stretches(rendered, list(known))
-        except TemplateError:  # a template that cannot take the stand-ins: no splice
-            return self.tokenize(text)
-        if around is None:
-            return self.tokenize(text)
-        contents = [said[i] or "" for i in known]
-        if "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
+        around = self._around(messages, known, text, thinking, tools, tool_format)
+        if around is None:  # no stand-ins (a template that writes results inside the call's turn):
+            known = {i: t for i, t in known.items() if fmt.trigger in (said[i] or "")}  # calls only,
+            around = found_in_order(text, [said[i] or "" for i in known])  # where they are
+        if around is None or not known:
             return self.tokenize(text)
         # A prompt kept apart tokenizes its stretches afresh: how fast a remembered one came back
         # would tell whether another prompt held the same text.
@@ -224,6 +219,31 @@ class ModelCore:
         if spliced != plain and spelled == self.native.detokenize(plain, special=True):
             return spliced
         return plain
+
+    def _around(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        known: Mapping[int, Any],
+        text: str,
+        thinking: bool,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> list[str] | None:
+        """The text around the ``known`` replies, found by rendering them as stand-ins; None
+        where the template cannot take the stand-ins or they do not rebuild ``text``."""
+        marked = [stand_in(m, marker(i)) if i in known else m for i, m in enumerate(messages)]
+        try:
+            rendered = self.render(
+                marked, thinking=thinking, tools=tools, tool_format=tool_format, stand_ins=True
+            )
+        except TemplateError:
+            return None
+        around = stretches(rendered, list(known))
+        fmt = self.tool_format(tool_format)
+        contents = [said_text(messages[i], fmt) or "" for i in known]
+        if around is None or "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
+            return None
+        return around
 
     def _stretch_tokens(self, stretch: str, first: bool) -> list[int]:
         """``tokenize`` for the text between spliced replies, remembered: a transcript's earlier
@@ -241,8 +261,9 @@ class ModelCore:
     ) -> None:
         """A reply generated here: later prompts hold it as ``tokens`` if they spell ``text``
         (in the session's ``own`` record too, which its prompts consult first; only there
-        unless ``shared``)."""
-        if tokens and self.native.detokenize(tokens) == text:
+        unless ``shared``). A reply's text spells the special tokens of its calls' markers."""
+        spellings = (self.native.detokenize(tokens), self.native.detokenize(tokens, special=True))
+        if tokens and text in spellings:
             if shared:
                 self.replies.remember(text, tokens)
             if own is not None:
@@ -296,7 +317,8 @@ class ModelCore:
                 self._guidance = tokenizer(self.native)
         if tools is not None and tools.mode != "none":
             return Constraint.from_lark(
-                grammar(self.calling_format(options.tool_format), tools, ids), self._guidance
+                grammar(fmt := self.tool_format(options.tool_format), tools, ids, self.special_markers(fmt)),
+                self._guidance,
             )
         return Constraint.compile(options, self._guidance)
 

@@ -100,6 +100,11 @@ class Exchange:
     def done(self) -> bool:
         return self.phase is Phase.FINISHED
 
+    @property
+    def spelled(self) -> frozenset[int]:
+        """Special tokens whose text the reply keeps (a tool format's markers)."""
+        return self.calling.spelled if self.calling is not None else frozenset()
+
     # -- the pipeline ---------------------------------------------------------------------------
     def run(self) -> Generator[Snapshot, None, None]:
         """Plan, prefill, generate, finish; a snapshot per token's text."""
@@ -220,7 +225,7 @@ class Exchange:
                 self.finish = "complete" if sampler.complete else "stop"
                 return True
             usage.completion_tokens += 1
-            delta = stops.push(detokenizer.push(native.piece(token)))
+            delta = stops.push(detokenizer.push(native.piece(token, special=token in self.spelled)))
             if delta:
                 yield delta
             batch.append(token)

@@ -255,8 +255,8 @@ class Session:
         tools = self._tools[0]
         calling = None
         if tools is not None and tools.mode != "none":
-            fmt = model.calling_format(options.tool_format)
-            calling = Calling(tools, fmt, CallIds(fmt))
+            fmt = model.tool_format(options.tool_format)
+            calling = Calling(tools, fmt, CallIds(fmt), frozenset(model.special_markers(fmt).values()))
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         constraint = model.constraint(options, tools, ids)
         record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)

@@ -64,6 +64,19 @@ def stretches(marked: str, indices: Sequence[int]) -> list[str] | None:
     return parts[0::2] if found == list(indices) else None
 
 
+def found_in_order(text: str, contents: Sequence[str]) -> list[str] | None:
+    """The text around each of ``contents``, found in ``text`` in order (each after the one
+    before); None if one is missing. For replies whose markup no other text writes (calls)."""
+    around, cursor = [], 0
+    for content in contents:
+        at = text.find(content, cursor) if content else -1
+        if at < 0:
+            return None
+        around.append(text[cursor:at])
+        cursor = at + len(content)
+    return [*around, text[cursor:]]
+
+
 def splice(
     around: Sequence[str], replies: Sequence[Sequence[int]], tokenize: Callable[[str, bool], list[int]]
 ) -> list[int]:

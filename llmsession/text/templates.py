@@ -110,7 +110,8 @@ def render_prompt(
     (``tool_formats.generic_messages``), for any renderer.
     """
     check_messages(messages, answers=not stand_ins)  # (stand-ins hide the calls results answer)
-    native_tools = use_jinja and tool_format is not GENERIC
+    gemma4 = template is not None and is_gemma4_template(template)
+    native_tools = (use_jinja or gemma4) and tool_format is not GENERIC
     if not native_tools and (tools is not None or any(_has_tools(m) for m in messages)):
         messages = generic_messages(messages, tools)
     if use_jinja:
@@ -127,20 +128,25 @@ def render_prompt(
         )
 
     flat = [(m["role"], flatten_content(m["content"], media_marker)) for m in messages]
-    text = native(template, flat, add_generation_prompt)
+    text = None if native_tools else native(template, flat, add_generation_prompt)
     if text is not None:
         return text
 
-    if template is not None and is_gemma4_template(template):
+    if template is not None and gemma4:
         return render_gemma4(
-            messages,
+            [_hf_message(m) for m in messages] if native_tools else messages,
             template=template,
             add_generation_prompt=add_generation_prompt,
             thinking=thinking,
             media_marker=media_marker,
+            tools=tools.specs() if native_tools and tools is not None else None,
         )
+    raise _unformattable(template)
+
+
+def _unformattable(template: str | None) -> TemplateError:
     start = "" if template is None else f", starting {template[:60]!r}"
-    raise TemplateError(
+    return TemplateError(
         f"llama.cpp cannot format this chat template (family: {template_family(template)}"
         f"{start}); pass use_jinja=True to render it with jinja2"
     )

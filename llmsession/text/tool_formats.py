@@ -19,15 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmsession.replies import ToolCallDelta
-from llmsession.text.tools import Tool, ToolCall, Tools
+from llmsession.text.gemma4_calls import body_from_json, read_body
+from llmsession.text.gemma4_tools import QUOTE
+from llmsession.text.tools import ToolCall, Tools
 
-ARGUMENTS_LAYOUT = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "lenient": True,
-}
-"""Arguments are generated as ``json.dumps`` writes them: what templates' ``tojson`` renders."""
 ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -49,10 +44,13 @@ class ToolFormat:
     single: bool = False  # the family takes one call per reply
     ids: bool = False  # each call carries its id (``, "id": "..."`` before ``tail``)
     anchored: bool = False  # calls only open the reply (their trigger is plain JSON, as prose may be)
+    markers: tuple[str, ...] = ()  # what a vocabulary may hold as special tokens
+    syntax: str = "json"  # how arguments are written: JSON, or "gemma4" (``gemma4_calls``)
 
     def call_text(self, call: ToolCall) -> str:
         ident = f', "id": "{call.id}"' if self.ids else ""
-        return f"{self.head}{call.name}{self.mid}{call.arguments}{ident}{self.tail}"
+        arguments = body_from_json(call.arguments) if self.syntax == "gemma4" else call.arguments
+        return f"{self.head}{call.name}{self.mid}{arguments}{ident}{self.tail}"
 
     def reply_text(self, content: str, calls: Sequence[ToolCall]) -> str:
         """The reply as generated: text, then its calls."""
@@ -72,6 +70,7 @@ HERMES = ToolFormat(
     separator="\n</tool_call>\n<tool_call>\n",
     close="\n</tool_call>",
     before="\n",
+    markers=("<tool_call>", "</tool_call>"),
 )
 LLAMA3 = ToolFormat(
     "llama3", trigger='{"name": "', open="", head='{"name": "', mid='", "parameters": ', tail="}",
@@ -79,19 +78,26 @@ LLAMA3 = ToolFormat(
 )  # fmt: skip
 MISTRAL = ToolFormat(
     "mistral", trigger="[TOOL_CALLS]", open="[TOOL_CALLS][", head='{"name": "', mid='", "arguments": ',
-    tail="}", separator=", ", close="]", ids=True, anchored=True,
+    tail="}", separator=", ", close="]", ids=True, anchored=True, markers=("[TOOL_CALLS]",),
 )  # fmt: skip
 GENERIC = ToolFormat(
     "generic", trigger='{"tool_calls": [', open='{"tool_calls": [', head='{"name": "', mid='", "arguments": ',
     tail="}", separator=", ", close="]}", anchored=True,
 )  # fmt: skip
-FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}
+GEMMA4 = ToolFormat(
+    "gemma4", trigger="<|tool_call>", open="", head="<|tool_call>call:", mid="{", tail="}<tool_call|>",
+    separator="", close="", syntax="gemma4",  # (the model ends with <|tool_response>, an end of generation)
+    markers=("<|tool_call>", "<tool_call|>", QUOTE),
+)  # fmt: skip
+FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GEMMA4, GENERIC)}
 
 
 def detect(template: str | None) -> ToolFormat:
     """The family's format from its chat template's markers; generic when it knows none."""
     if template is None:
         return GENERIC
+    if "<|tool_call>call:" in template:
+        return GEMMA4
     if "<tool_call>" in template and '"arguments": ' in template and "<function=" not in template:
         return HERMES  # (Qwen3-Coder's <tool_call><function=...> is another format)
     if "[TOOL_CALLS][" in template and "[ARGS]" not in template:
@@ -99,52 +105,6 @@ def detect(template: str | None) -> ToolFormat:
     if "<|start_header_id|>" in template and '"parameters": ' in template:
         return LLAMA3
     return GENERIC
-
-
-# -- the grammar ------------------------------------------------------------------------------------
-def _literal(text: str) -> str:
-    return json.dumps(text)  # a lark string literal: JSON's escapes are lark's
-
-
-def _arguments(tool: Tool) -> str:
-    schema = {**tool.parameters, "x-guidance": ARGUMENTS_LAYOUT}
-    return "%json " + json.dumps(schema)
-
-
-def grammar(fmt: ToolFormat, tools: Tools, ids: Sequence[str] = ()) -> str:
-    """A Lark grammar for llguidance: the whole reply is calls ("required", "named"), or free
-    text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
-    so text costs no constraint until it appears). A format whose calls carry ids writes
-    ``ids`` in order, one per call (so a stream names each call before its arguments)."""
-    callable_tools = tools.callable
-    assert callable_tools, "a grammar needs a tool to call"
-    limit = 1 if fmt.single or not tools.parallel else len(ids)  # at most one call per id
-    assert 1 <= limit <= len(ids), "a grammar needs an id per call"
-    lines = ["%llguidance {}"]
-    lines += [
-        f"args_{i}: {_literal(tool.name + fmt.mid)} {_arguments(tool)}"
-        for i, tool in enumerate(callable_tools)
-    ]
-    names = " | ".join(f"args_{i}" for i in range(len(callable_tools)))
-    rest = (fmt.open + fmt.head)[len(fmt.trigger) :]  # what follows the trigger, up to the name
-    for k in range(max(limit, 1)):
-        opening = rest if k == 0 else fmt.separator + fmt.head
-        ident = _literal(f', "id": "{ids[k]}"') if fmt.ids else ""
-        lines.append(
-            f"call_{k}: {_literal(opening) if opening else ''} ({names}) {ident} {_literal(fmt.tail)}"
-        )
-    chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)  # c0 (c1 (c2)?)?
-    close = f" {_literal(fmt.close)}" if fmt.close else ""
-    lines.append(f"calls: {chain}{close}")
-    if tools.mode == "auto" and fmt.anchored:  # text that does not open as the calls do, or calls
-        text = "TEXT: /([^" + "\\" + fmt.trigger[0] + "](.|\\n)*)?/"  # (its first character escaped)
-        lines += [f"start: TEXT | {_literal(fmt.trigger)} calls", text]
-    elif tools.mode == "auto":
-        lines += ["start: TEXT | trigger calls", r"TEXT: /(.|\n)*/"]
-        lines.append(f"trigger[lazy]: TEXT {_literal(fmt.trigger)}")
-    else:
-        lines.append(f"start: {_literal(fmt.trigger)} calls")
-    return "\n".join(lines) + "\n"
 
 
 # -- reading calls back -----------------------------------------------------------------------------
@@ -159,7 +119,6 @@ def parse(text: str, fmt: ToolFormat, tools: Tools, ids: CallIds) -> tuple[str, 
         content = content[: -len(fmt.before)]
     calls: list[ToolCall] = []
     pos = _expect(text, at, fmt.open)
-    decoder = json.JSONDecoder()
     while True:
         pos = _expect(text, pos, fmt.head)
         end = text.find(fmt.mid, pos)
@@ -167,23 +126,31 @@ def parse(text: str, fmt: ToolFormat, tools: Tools, ids: CallIds) -> tuple[str, 
         tool = tools.by_name(name)
         if tool is None or tool not in tools.callable:
             raise ValueError(f"the reply calls {name!r}, which is not a tool it may call")
-        pos = end + len(fmt.mid)
-        try:
-            _, stop = decoder.raw_decode(text, pos)
-        except RecursionError:
-            raise ValueError("a call's arguments are nested too deep to read") from None
-        arguments, pos = text[pos:stop], stop
+        arguments, pos = read_arguments(fmt, text, end + len(fmt.mid))
         ident = ids(len(calls))
         if fmt.ids:
             pos = _expect(text, pos, ', "id": "')
             ident, pos = text[pos : pos + 9], _expect(text, pos + 9, '"')
         calls.append(ToolCall(ident, name, arguments))
         pos = _expect(text, pos, fmt.tail)
-        if text.startswith(fmt.close, pos) and (fmt.single or not text.startswith(fmt.separator, pos)):
+        if text.startswith(fmt.close, pos) and (
+            fmt.single or not text.startswith(fmt.separator + fmt.head, pos)
+        ):
             break
         pos = _expect(text, pos, fmt.separator)
     _expect(text, pos, fmt.close)
     return content, calls
+
+
+def read_arguments(fmt: ToolFormat, text: str, pos: int) -> tuple[str, int]:
+    """A call's arguments at ``pos`` as JSON text, and where they end; ValueError if none."""
+    if fmt.syntax == "gemma4":
+        return read_body(text, pos)
+    try:
+        _, stop = json.JSONDecoder().raw_decode(text, pos)
+    except RecursionError:
+        raise ValueError("a call's arguments are nested too deep to read") from None
+    return text[pos:stop], stop
 
 
 def _expect(text: str, pos: int, literal: str) -> int:
@@ -259,19 +226,26 @@ class CallStream:
             if index == len(self.arguments):
                 self.arguments.append(0)
                 deltas.append(ToolCallDelta(index, self.ids(index), raw[pos + len(fmt.head) : end]))
-            start = end + len(fmt.mid)
-            try:
-                stop, complete = json.JSONDecoder().raw_decode(raw, start)[1], True
-            except (ValueError, RecursionError):
-                stop, complete = len(raw), False
-            if stop - start > self.arguments[index]:
-                deltas.append(ToolCallDelta(index, arguments=raw[start + self.arguments[index] : stop]))
-                self.arguments[index] = stop - start
+            arguments, stop = _arguments_so_far(fmt, raw, end + len(fmt.mid))
+            if len(arguments) > self.arguments[index]:
+                deltas.append(ToolCallDelta(index, arguments=arguments[self.arguments[index] :]))
+                self.arguments[index] = len(arguments)
+            if stop < 0:
+                break
             pos = stop + (len(', "id": "') + 10 if fmt.ids else 0) + len(fmt.tail)
-            if not complete or not raw.startswith(fmt.separator, pos) or not fmt.separator:
+            if not raw.startswith(fmt.separator, pos):
                 break
             pos += len(fmt.separator)
         return tuple(deltas)
+
+
+def _arguments_so_far(fmt: ToolFormat, raw: str, start: int) -> tuple[str, int]:
+    """A streaming call's arguments as JSON text so far, and where they end (-1 while they go
+    on). JSON arguments stream as written; Gemma's come whole, once read."""
+    try:
+        return read_arguments(fmt, raw, start)
+    except (ValueError, RecursionError):
+        return ("" if fmt.syntax == "gemma4" else raw[start:]), -1
 
 
 def _held(text: str, opening: str) -> int:

@@ -1,0 +1,98 @@
+"""The llguidance grammar that holds a reply's tool calls to their tools' schemas.
+
+A format's markers that the model's vocabulary holds as special tokens (Qwen's ``<tool_call>``,
+Mistral's ``[TOOL_CALLS]``) are named by id (``<[id]>``): spelled as text, the model could only
+write them byte by byte, which it never does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+from llmsession.text.gemma4_calls import BodyGrammar
+from llmsession.text.tool_formats import ToolFormat
+from llmsession.text.tools import Tool, Tools
+
+ARGUMENTS_LAYOUT = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
+"""Arguments are generated as ``json.dumps`` writes them: what templates' ``tojson`` renders."""
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a lark string literal: JSON's escapes are lark's
+
+
+def spelled(text: str, specials: Mapping[str, int]) -> str:
+    """``text`` as a sequence of lark items: string literals, and ``<[id]>`` for each special
+    token's spelling in it."""
+    if not text:
+        return ""
+    if not specials:
+        return _literal(text)
+    pattern = "|".join(re.escape(m) for m in sorted(specials, key=len, reverse=True))
+    items = []
+    for i, piece in enumerate(re.split(f"({pattern})", text)):
+        if i % 2:
+            items.append(f"<[{specials[piece]}]>")
+        elif piece:
+            items.append(_literal(piece))
+    return " ".join(items)
+
+
+def _arguments(tool: Tool) -> str:
+    schema = {**tool.parameters, "x-guidance": ARGUMENTS_LAYOUT}
+    return "%json " + json.dumps(schema)
+
+
+def grammar(
+    fmt: ToolFormat, tools: Tools, ids: Sequence[str] = (), specials: Mapping[str, int] | None = None
+) -> str:
+    """A Lark grammar for llguidance: the whole reply is calls ("required", "named"), or free
+    text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
+    so text costs no constraint until it appears). A format whose calls carry ids writes
+    ``ids`` in order, one per call (so a stream names each call before its arguments).
+    ``specials`` are the format's markers the vocabulary holds as special tokens, and their ids."""
+    callable_tools, specials = tools.callable, specials or {}
+    assert callable_tools, "a grammar needs a tool to call"
+    limit = 1 if fmt.single or not tools.parallel else len(ids)  # at most one call per id
+    assert 1 <= limit <= len(ids), "a grammar needs an id per call"
+
+    def say(text: str) -> str:
+        return spelled(text, specials)
+
+    lines = ["%llguidance {}"]
+    gemma = BodyGrammar("gemma", say) if fmt.syntax == "gemma4" else None
+    for i, tool in enumerate(callable_tools):
+        arguments = _arguments(tool) if gemma is None else gemma.body(tool.parameters)
+        lines.append(f"args_{i}: {say(tool.name + fmt.mid)} {arguments}")
+    lines += gemma.lines() if gemma is not None else []
+    names = " | ".join(f"args_{i}" for i in range(len(callable_tools)))
+    rest = (fmt.open + fmt.head)[len(fmt.trigger) :]  # what follows the trigger, up to the name
+    for k in range(limit):
+        opening = rest if k == 0 else fmt.separator + fmt.head
+        ident = say(f', "id": "{ids[k]}"') if fmt.ids else ""
+        lines.append(f"call_{k}: {say(opening)} ({names}) {ident} {say(fmt.tail)}")
+    chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)  # c0 (c1 (c2)?)?
+    lines.append(f"calls: {chain} {say(fmt.close)}")
+    return "\n".join(lines + _start(fmt, tools.mode, specials)) + "\n"
+
+
+def _start(fmt: ToolFormat, mode: str, specials: Mapping[str, int]) -> list[str]:
+    """The reply's shape around its calls. A special-token trigger ends free text by itself
+    (it is no text), so "auto" needs no lazy lexeme then."""
+    trigger = spelled(fmt.trigger, specials)
+    if mode != "auto":
+        return [f"start: {trigger} calls"]
+    if fmt.trigger in specials:
+        shape = f"TEXT | {trigger} calls" if fmt.anchored else f"TEXT ({trigger} calls)?"
+        return [f"start: {shape}", r"TEXT: /(.|\n)*/"]
+    if fmt.anchored:  # text that does not open as the calls do, or calls
+        text = "TEXT: /([^" + "\\" + fmt.trigger[0] + "](.|\\n)*)?/"  # (its first character escaped)
+        return [f"start: TEXT | {trigger} calls", text]
+    return ["start: TEXT | trigger calls", r"TEXT: /(.|\n)*/", f"trigger[lazy]: TEXT {trigger}"]
