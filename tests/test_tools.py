@@ -18,7 +18,7 @@ from llmsession import GenerationOptions, GrammarError, Model, TemplateError
 from llmsession.replies import ToolCall
 from llmsession.runtime.stream import drain
 from llmsession.text.gemma4 import EMPTY_THOUGHT, primes_empty_thought
-from llmsession.text.tool_formats import FORMATS, GENERIC, CallIds, CallStream, parse
+from llmsession.text.tool_formats import FORMATS, GENERIC, CallIds, CallStream, ToolFormat, parse
 from llmsession.text.tool_grammar import grammar
 from llmsession.text.tools import checked_tools
 
@@ -110,6 +110,14 @@ arguments = st.dictionaries(
 calls = st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), arguments), min_size=1, max_size=3)
 
 
+def as_read(fmt: ToolFormat, arguments: dict[str, Any]) -> str:
+    """The JSON text a format's calls read back as: Gemma 4 writes keys in its template's order
+    (case-insensitive), the JSON formats as written."""
+    if fmt.syntax == "gemma4":
+        arguments = dict(sorted(arguments.items(), key=lambda item: item[0].lower()))
+    return json.dumps(arguments, ensure_ascii=False)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(sorted(FORMATS)), st.text(st.characters(exclude_characters="<[{"), max_size=20), calls)
 def test_each_format_reads_back_what_it_writes(name: str, content: str, made: list[Any]) -> None:
@@ -119,9 +127,7 @@ def test_each_format_reads_back_what_it_writes(name: str, content: str, made: li
     tools = checked_tools([WEATHER, TIME])
     assert tools is not None
     ids = CallIds(fmt)
-    written = [
-        ToolCall(ids(i), tool, json.dumps(args, ensure_ascii=False)) for i, (tool, args) in enumerate(made)
-    ]
+    written = [ToolCall(ids(i), tool, as_read(fmt, args)) for i, (tool, args) in enumerate(made)]
     text, read = parse(fmt.reply_text(content, written), fmt, tools, ids)
     assert read == written and text == content
 
@@ -132,7 +138,7 @@ def test_streamed_pieces_join_up_to_the_calls(name: str, made: list[Any], data: 
     fmt = FORMATS[name]
     made = made[:1] if fmt.single else made
     ids = CallIds(fmt)
-    written = [ToolCall(ids(i), tool, json.dumps(args)) for i, (tool, args) in enumerate(made)]
+    written = [ToolCall(ids(i), tool, as_read(fmt, args)) for i, (tool, args) in enumerate(made)]
     said = "" if fmt.anchored else "Let me look."
     reply = fmt.reply_text(said, written)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=12)))
@@ -252,7 +258,8 @@ def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: An
     options = GenerationOptions(
         max_tokens=48, temperature=0, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False
     )
-    stream = session.stream("What's the weather in Paris?", options)
+    question = {"role": "user", "content": "What's the weather in Paris?"}
+    stream = session.stream(question["content"], options)
     pieces = [piece for snapshot in stream for piece in snapshot.tool_calls]
     reply = stream.reply
     assert reply is not None and reply.finish_reason == "tool_calls", reply
@@ -265,10 +272,17 @@ def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: An
     after = session.respond(result, GenerationOptions(max_tokens=4, temperature=0, tools=[WEATHER, TIME]))
     new = after.usage.prompt_tokens - first  # the result and the headers around it
     if model.template and primes_empty_thought(model.template):
-        # Gemma 4 31B's template primes an empty thought after the turn opens, and drops it from
-        # the turn once written: from there on the prompt differs, the call included.
-        new += len(model.tokenize(EMPTY_THOUGHT, add_special=False)) + reply.usage.completion_tokens
-    assert after.usage.decoded_prompt_tokens <= new + 1, (after.usage, first)
+        # Gemma 4 31B's template primes an empty thought after the turn opens and drops it from
+        # the turn once written: the prompt differs from there on, exactly there.
+        tools = checked_tools([WEATHER, TIME])
+        asked = model.local.render([question], tools=tools)
+        assert asked.endswith(EMPTY_THOUGHT)
+        now = model.local.render([*session.messages], tools=tools)
+        common = asked[: next(i for i, (a, b) in enumerate(zip(asked, now, strict=False)) if a != b)]
+        assert len(asked) - len(EMPTY_THOUGHT) <= len(common) < len(asked)  # (the call, not the thought)
+        assert after.usage.reused_tokens >= len(model.tokenize(common)) - 1, after.usage  # (a boundary)
+    else:
+        assert after.usage.decoded_prompt_tokens <= new + 1, (after.usage, first)
 
 
 def scripted_start(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
@@ -360,21 +374,22 @@ def test_plain_text_of_a_format_whose_calls_open_the_reply_streams_whole() -> No
 
 
 @pytest.mark.parametrize(
-    ("name", "marker"),
-    [("smollm2-qwen25-special.gguf", "<tool_call>"), ("smollm2-mistral-special.gguf", "[TOOL_CALLS]")],
+    ("name", "marker", "printed"),
+    [
+        ("smollm2-qwen25-special.gguf", "<tool_call>", b"<tool_call>"),  # user-defined: printed
+        ("smollm2-mistral-special.gguf", "[TOOL_CALLS]", b""),  # control: printed only when asked
+    ],
 )
 def test_markers_held_as_special_tokens_are_generated_as_those_tokens(
-    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, name: str, marker: str
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, name: str, marker: str, printed: bytes
 ) -> None:
     """Spelled as text in the grammar, a special marker could only come byte by byte, which a
     real model never writes: the grammar names its id, and the reply's text spells it."""
     with Model(fixture_path(name), threads=2, use_jinja=True, anticipate=False) as model:
         fmt = model.local.tool_format()
         (special,) = model.tokenize(marker, add_special=False)
-        assert model.local.special_markers(fmt)[marker] == special and model.native.piece(special) in (
-            b"",
-            marker.encode(),
-        )
+        assert model.local.special_markers(fmt)[marker] == special
+        assert model.native.piece(special) == printed and model.native.is_special(special)
         session = model.session()
         options = GenerationOptions(
             max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
@@ -447,3 +462,15 @@ def test_a_reply_cut_mid_call_keeps_only_its_text(fixture_path: Any, monkeypatch
         reply = stream.reply
     assert reply is not None and reply.finish_reason == "length" and not reply.tool_calls
     assert reply.text == streamed == "Let me check.", reply
+
+
+def test_a_stop_string_inside_a_call_cuts_it_as_length_does(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's stop string that matches inside a call ends the reply there: no call, the
+    text before it, and no error for a call that could not be read."""
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
+        options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER], stop=['"arguments"'])
+        reply = model.session().respond("Weather in Oslo?", options)
+    assert reply.finish_reason == "stop" and not reply.tool_calls and reply.text == "Let me check.", reply

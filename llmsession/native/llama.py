@@ -255,13 +255,10 @@ class NativeModel(Owner):
         end-of-generation id."""
         lib, ffi = bindings()
         buf, pieces, control, eog = ffi.new("char[256]"), [], [], []
-        attr_control, attr_user = lib.LLAMA_TOKEN_ATTR_CONTROL, lib.LLAMA_TOKEN_ATTR_USER_DEFINED
         for token in range(self.n_vocab):
             piece = self._piece(token, buf, special=True)
-            attr = int(lib.llama_vocab_get_attr(self.vocab, token))
-            spelled = piece.startswith(b"<") and piece.endswith(b">")
             pieces.append(piece)
-            control.append(bool(attr & attr_control or (attr & attr_user and spelled)))
+            control.append(self._marked(token, piece))
             if lib.llama_vocab_is_eog(self.vocab, token):
                 eog.append(token)
         return pieces, control, eog
@@ -272,10 +269,19 @@ class NativeModel(Owner):
         return self._piece(self.check_token(token), buf, special=special)
 
     def is_special(self, token: int) -> bool:
-        """A control or user-defined token: one a grammar must name by id, not spell as text."""
+        """A token the grammar matcher knows as special (``vocabulary``): one a grammar must name
+        by id, not spell as text."""
+        token = self.check_token(token)
+        return self._marked(token, self._piece(token, bindings()[1].new("char[256]"), special=True))
+
+    def _marked(self, token: int, piece: bytes) -> bool:
+        """A control token, or a user-defined one spelled like ``<...>``: special to the matcher."""
         lib = bindings()[0]
-        attr = int(lib.llama_vocab_get_attr(self.vocab, self.check_token(token)))
-        return bool(attr & (lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED))
+        attr = int(lib.llama_vocab_get_attr(self.vocab, token))
+        spelled = piece.startswith(b"<") and piece.endswith(b">")
+        return bool(
+            attr & lib.LLAMA_TOKEN_ATTR_CONTROL or (attr & lib.LLAMA_TOKEN_ATTR_USER_DEFINED and spelled)
+        )
 
     def _piece(self, token: int, buf: Any, *, special: bool) -> bytes:
         """``llama_token_to_piece`` into ``buf``, or into a larger buffer when it asks for one."""

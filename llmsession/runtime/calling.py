@@ -51,6 +51,8 @@ class Calling:
         try:
             text, calls = parse(raw, self.fmt, self.tools, self.ids)
         except ValueError as unparsed:
+            if finish == "stop":  # a stop string inside a call: cut there, as by ``length``
+                return self.text + self.stream.flush(), (), finish, None
             return raw, (), finish, GrammarError(f"the reply's tool calls do not parse: {unparsed}")
         if not calls:
             return text, (), "stop", None

@@ -20,7 +20,7 @@ from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import file_digest
-from llmsession.errors import SessionFileError, TemplateError, UnsupportedFeatureError
+from llmsession.errors import GrammarError, SessionFileError, TemplateError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import INT32_MAX, GenerationOptions, check_int
 from llmsession.runtime.loading import checked_threads, choose_flash_attention, load_native, memory_config
@@ -316,10 +316,12 @@ class ModelCore:
             if self._guidance is None:
                 self._guidance = tokenizer(self.native)
         if tools is not None and tools.mode != "none":
-            return Constraint.from_lark(
-                grammar(fmt := self.tool_format(options.tool_format), tools, ids, self.special_markers(fmt)),
-                self._guidance,
-            )
+            fmt = self.tool_format(options.tool_format)
+            try:
+                lark = grammar(fmt, tools, ids, self.special_markers(fmt))
+            except RecursionError:
+                raise GrammarError("tools: a schema is nested too deep") from None
+            return Constraint.from_lark(lark, self._guidance)
         return Constraint.compile(options, self._guidance)
 
     def identity(self) -> str:

@@ -15,12 +15,18 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmsession.errors import GrammarError
 from llmsession.text.gemma4_tools import QUOTE, dictsort, format_argument
 
-_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
-INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"  # (generated numbers are bounded: a small model may not stop)
-NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?/"
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")  # what the reader takes
 _KEY = re.compile(r"[^:{}\[\],<>]+")
+_DIGITS = "(0|[1-9][0-9]{0,15})"  # (bounded: a small model may not stop)
+INTEGER = "/(0|-?[1-9][0-9]{0,15})/"
+NUMBER = f"/(0|-?[1-9][0-9]{{0,15}}|-?{_DIGITS}\\.(0|[0-9]{{0,15}}[1-9]))/"
+"""Numbers as Python prints them back (no ``-0``, ``1.50``, ``1e5``): a call re-rendered by the
+template spells what was generated."""
+_BODY = r"([^<]|<+([^<|]|\|([^<\"]|\"([^<|]|\|[^<>]))))*(<+(\|(\"\|?)?)?)?"
+"""Text without ``<|"|>`` in it: the reader ends a string at the first one."""
 MAX_DEPTH = 32
 
 
@@ -30,8 +36,8 @@ def write_body(arguments: Mapping[str, Any]) -> str:
 
 
 def body_from_json(arguments: str) -> str:
-    """OpenAI's JSON arguments in Gemma's syntax (a non-object is written as the template
-    writes a string argument: as it is)."""
+    """OpenAI's JSON arguments in Gemma's syntax. A non-object (which no generated call holds)
+    is left as it is: the template writes it otherwise, so such a reply keeps no tokens."""
     value = json.loads(arguments)
     return write_body(value) if isinstance(value, dict) else arguments
 
@@ -56,6 +62,8 @@ class _Reader:
             key = _KEY.match(self.text, self.pos)
             if key is None:
                 raise ValueError(f"expected a key at {self.pos}")
+            if key.group() in out:
+                raise ValueError(f"the key {key.group()!r} is written twice")
             self.pos = key.end()
             self.expect(":")
             out[key.group()] = self.value(depth + 1)
@@ -103,14 +111,17 @@ def read_body(text: str, pos: int) -> tuple[str, int]:
     value = reader.body(0)
     if not text.startswith("}", reader.pos):
         raise ValueError(f"expected '}}' at {reader.pos}")
-    return json.dumps(value, ensure_ascii=False), reader.pos
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False), reader.pos
+    except ValueError:
+        raise ValueError("a call's number is out of JSON's range") from None
 
 
 # -- the grammar ------------------------------------------------------------------------------------
 class BodyGrammar:
     """Lark rules for a tool's arguments body from its JSON schema: types, enums, required and
-    optional properties in the template's order. Keywords it does not hold (lengths, ranges,
-    patterns, combinators) are checked once the call is complete."""
+    optional properties in the template's order, ``maxLength``. Keywords it does not hold
+    (ranges, patterns, combinators, item counts) are checked once the call is complete."""
 
     def __init__(self, prefix: str, say: Callable[[str], str]) -> None:
         self.prefix, self.say, self.rules = prefix, say, dict[str, str]()
@@ -130,24 +141,25 @@ class BodyGrammar:
         if not isinstance(properties, Mapping) or not properties:
             return f'({self.prefix}_pair ("," {self.prefix}_pair)*)?'
         required = set(schema.get("required") or ())
+        for key in properties:
+            if not isinstance(key, str) or not _KEY.fullmatch(key):
+                raise GrammarError(f"Gemma 4 writes property names bare: {key!r} cannot be one")
         pairs = [(self.say(f"{k}:") + " " + self.value(v), k in required) for k, v in dictsort(properties)]
-        made: dict[tuple[int, bool], str] = {}
+        return self._chain(pairs)
 
-        def chain(i: int, first: bool) -> str:
-            """Pairs i.. where ``first`` says none was written yet (no comma before the next)."""
-            if i == len(pairs):
-                return ""
-            if (i, first) not in made:
-                made[i, first] = name = f"{self.prefix}_o{len(self.rules)}"
-                self.rules[name] = ""  # (its name taken before the rules it refers to)
-                pair, needed = pairs[i]
-                written = (pair if first else f'"," {pair}') + " " + chain(i + 1, False)
-                skipped = "" if needed else chain(i + 1, first)
-                optional = f"({written}) | {skipped}" if skipped else f"({written})?"
-                self.rules[name] = written if needed else optional
-            return made[i, first]
-
-        return chain(0, True)
+    def _chain(self, pairs: list[tuple[str, bool]]) -> str:
+        """Rules for the pairs in order, each required or optional, commas between those written:
+        rule (i, first) holds pairs i.. when none was written before (``first``: no comma)."""
+        names: dict[tuple[int, bool], str] = {(len(pairs), False): "", (len(pairs), True): ""}
+        for i in range(len(pairs) - 1, -1, -1):  # (from the last: no recursion however many)
+            pair, needed = pairs[i]
+            for first in (False, True):
+                written = (pair if first else f'"," {pair}') + " " + names[i + 1, False]
+                skipped = names[i + 1, first]
+                rule = written if needed else f"({written}) | {skipped}" if skipped else f"({written})?"
+                names[i, first] = name = f"{self.prefix}_o{len(self.rules)}"
+                self.rules[name] = rule
+        return names[0, True]
 
     def value(self, schema: Any) -> str:
         if not isinstance(schema, Mapping):
@@ -164,19 +176,27 @@ class BodyGrammar:
         if kind == "boolean":
             return '("true" | "false")'
         if kind == "array":
-            item = self.value(schema.get("items"))
+            item = f"{self.prefix}_a{len(self.rules)}"
+            self.rules[item] = ""  # (named once: an array of arrays does not double the grammar)
+            self.rules[item] = self.value(schema.get("items"))
             return f'"[" ({item} ("," {item})*)? "]"'
         if kind == "object":
             return '"{" ' + self.body(schema) + ' "}"'
         return f"{self.prefix}_any"
 
     def _string(self, schema: Mapping[str, Any]) -> str:
-        """A quoted string: any text before a special-token quote, no ``<`` before a spelled one;
-        at most ``maxLength`` characters, which the model would otherwise not stop at."""
+        """A quoted string holding no quote, at most ``maxLength`` characters (a model may not
+        stop otherwise). Spelled quotes and the text between are one lexeme, so the string ends
+        at its closing quote; a bounded one holds no ``<`` then. Between special-token quotes,
+        a bounded string may spell a quote (the reader then refuses the call)."""
         most = schema.get("maxLength")
-        times = f"{{0,{most}}}" if isinstance(most, int) and not isinstance(most, bool) and most >= 0 else "*"
-        body = f"/(.|\\n){times}/" if self.special else f"/[^<]{times}/"
-        return f"{self.quote} {body} {self.quote}"
+        bounded = isinstance(most, int) and not isinstance(most, bool) and most >= 0
+        if self.special:
+            body = f"(.|\\n){{0,{most}}}" if bounded else _BODY
+            return f"{self.quote} /{body}/ {self.quote}"
+        quote = re.escape(QUOTE).replace("/", "\\/")
+        body = f"[^<]{{0,{most}}}" if bounded else _BODY
+        return f"/{quote}{body}{quote}/"
 
     def lines(self) -> list[str]:
         return [f"{name}: {rule}" for name, rule in self.rules.items()]

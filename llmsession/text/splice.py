@@ -65,11 +65,12 @@ def stretches(marked: str, indices: Sequence[int]) -> list[str] | None:
 
 
 def found_in_order(text: str, contents: Sequence[str]) -> list[str] | None:
-    """The text around each of ``contents``, found in ``text`` in order (each after the one
-    before); None if one is missing. For replies whose markup no other text writes (calls)."""
+    """The text around each of ``contents``, found in ``text`` in order; None unless each is
+    there exactly once (a user's words that quote a reply keep the tokenizer's split). For
+    replies whose markup no other text writes (calls)."""
     around, cursor = [], 0
     for content in contents:
-        at = text.find(content, cursor) if content else -1
+        at = text.find(content, cursor) if content and text.count(content) == 1 else -1
         if at < 0:
             return None
         around.append(text[cursor:at])

@@ -1,11 +1,13 @@
 """How each model family writes tool calls in a reply: the exact text (so a call re-rendered by
-the template spells what was generated, and the next prompt keeps its tokens), the llguidance
-grammar that holds the calls to the tools' schemas, and the parser that reads them back.
+the template spells what was generated, and the next prompt keeps its tokens), and the parser
+that reads them back, whole or as they stream (the grammar is in ``tool_grammar``).
 
 Detected from the chat template: Hermes / Qwen (``<tool_call>{json}</tool_call>``), Llama 3.1
-(``{"name", "parameters"}``, one call), Mistral (``[TOOL_CALLS][...]``, 9-character ids), and a
-generic JSON format (``{"tool_calls": [...]}``) for templates that know no tools, described to the
-model in the system message (as llama-server's "generic" handler does).
+(``{"name", "parameters"}``, one call), Mistral (``[TOOL_CALLS][...]``, 9-character ids), Gemma 4
+(``<|tool_call>call:name{key:value}<tool_call|>``, ``gemma4_calls``; the template writes a reply's
+text after its calls, so only a reply that is all calls keeps its tokens), and a generic JSON
+format (``{"tool_calls": [...]}``) for templates that know no tools, described to the model in the
+system message (as llama-server's "generic" handler does).
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""Gemma 4's call arguments: what the grammar lets a model write is what the reader reads and
+what the template writes back, character for character (else the next prompt loses the call's
+tokens), and nothing else passes the mask: not ``-0``, ``1.50``, ``1e5``, keys out of order or
+twice, nor a quote inside a string."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import llguidance
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmsession import Model
+from llmsession.errors import GrammarError
+from llmsession.text.gemma4_calls import BodyGrammar, body_from_json, read_body, write_body
+from llmsession.text.gemma4_tools import format_tool_call
+from llmsession.text.tool_grammar import spelled
+
+pytestmark = pytest.mark.native
+FIXTURES = ("smollm2-gemma4-template.gguf", "smollm2-gemma4-special.gguf")  # quote as text / as a token
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def vocabulary(request: pytest.FixtureRequest, fixture_path: Any) -> Any:
+    from llmsession.native.constraints import tokenizer
+
+    with Model(fixture_path(request.param), threads=1, anticipate=False) as model:
+        specials = model.local.special_markers(model.local.tool_format())
+        yield model, tokenizer(model.native), specials
+
+
+def accepts(vocabulary: Any, schema: dict[str, Any], body: str) -> bool:
+    """Whether the mask lets ``body`` through as the whole arguments of a tool with ``schema``."""
+    model, tokenizer, specials = vocabulary
+    rules = BodyGrammar("g", lambda text: spelled(text, specials))
+    lark = "\n".join(["%llguidance {}", "start: " + rules.body(schema), *rules.lines()])
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.grammar_from("lark", lark), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    taken = matcher.consume_tokens(model.tokenize(body, add_special=False))
+    return bool(taken) and not matcher.is_error() and bool(matcher.is_accepting())
+
+
+TEXT = st.text(st.sampled_from(list('ab <|">{}[],:\n\\é')), max_size=8)
+LEAVES: list[tuple[dict[str, Any], st.SearchStrategy[Any]]] = [
+    ({"type": "string"}, TEXT.filter(lambda t: '<|"|>' not in t)),
+    ({"type": "integer"}, st.integers(-(10**15), 10**15)),
+    ({"type": "number"}, st.floats(-1e6, 1e6).map(lambda x: round(x, 3))),
+    ({"type": "boolean"}, st.booleans()),
+    ({"enum": ["x", 2, True]}, st.sampled_from(["x", 2, True])),
+    ({"type": "array", "items": {"type": "integer"}}, st.lists(st.integers(-9, 99), max_size=3)),
+]
+
+
+@st.composite
+def schemas_and_values(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An object schema (keys of both cases, some optional, one nested object) and a value."""
+    names = draw(st.lists(st.sampled_from(["a", "B", "c", "Dd", "e_1"]), unique=True, min_size=1, max_size=4))
+    properties, value, required = {}, {}, []
+    for name in names:
+        schema, values = draw(st.sampled_from(LEAVES))
+        if name == "c":
+            schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+            values = values.map(lambda v: {"x": v})
+        properties[name] = schema
+        if draw(st.booleans()):
+            required.append(name)
+            value[name] = draw(values)
+        elif draw(st.booleans()):
+            value[name] = draw(values)
+    return {"type": "object", "properties": properties, "required": required}, value
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schemas_and_values())
+def test_what_the_mask_passes_reads_back_and_renders_the_same(vocabulary: Any, drawn: Any) -> None:
+    schema, value = drawn
+    body = write_body(value)  # as the template writes the arguments
+    assert accepts(vocabulary, schema, body), body
+    arguments, end = read_body(body + "}", 0)
+    assert end == len(body) and json.loads(arguments) == value
+    assert body_from_json(arguments) == body
+    call = format_tool_call({"name": "f", "arguments": json.loads(arguments)})
+    assert call == f"<|tool_call>call:f{{{body}}}<tool_call|>"
+
+
+@pytest.mark.parametrize(
+    ("schema", "body"),
+    [
+        ({"type": "integer"}, "-0"),
+        ({"type": "integer"}, "07"),
+        ({"type": "number"}, "1.50"),
+        ({"type": "number"}, "1e5"),
+        ({"type": "number"}, "1" * 17),  # (bounded)
+        ({"type": "string"}, '<|"|>a<|"|>b<|"|>'),  # a quote inside a string
+        ({"type": "string", "maxLength": 2}, '<|"|>abc<|"|>'),
+        ({"type": "boolean"}, "True"),
+    ],
+)
+def test_the_mask_passes_only_what_renders_back_the_same(vocabulary: Any, schema: Any, body: str) -> None:
+    properties = {"k": schema}
+    assert not accepts(vocabulary, {"type": "object", "properties": properties}, f"k:{body}")
+
+
+def test_keys_come_in_the_templates_order_once(vocabulary: Any) -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "A": {"type": "integer"}}}
+    assert accepts(vocabulary, schema, "A:1,b:2")
+    assert not accepts(vocabulary, schema, "b:2,A:1")  # (dictsort: case-insensitive)
+    assert not accepts(vocabulary, schema, "A:1,A:1")
+    with pytest.raises(ValueError, match="twice"):
+        read_body("a:1,a:2}", 0)
+
+
+def test_deep_and_wide_schemas_stay_small() -> None:
+    """An array of arrays names its items once (the grammar grew 2^depth); a thousand
+    properties chain without recursion; a key the template cannot write bare is refused."""
+    say: Callable[[str], str] = lambda text: spelled(text, {})  # noqa: E731
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    rules = BodyGrammar("g", say)
+    rules.body({"type": "object", "properties": {"k": deep}})
+    assert sum(len(line) for line in rules.lines()) < 20_000
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+    rules = BodyGrammar("g", say)
+    rules.body(wide)
+    assert len(rules.lines()) < 2_100
+    with pytest.raises(GrammarError, match="bare"):
+        BodyGrammar("g", say).body({"type": "object", "properties": {"a:b": {"type": "integer"}}})
