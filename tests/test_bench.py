@@ -13,6 +13,7 @@ from llmsession import GenerationOptions, Model
 from llmsession.commands.bench import concurrent as bench_concurrent
 from llmsession.commands.bench import rpc as bench_rpc
 from llmsession.commands.bench import structured as bench_structured
+from llmsession.commands.bench import tools as bench_tools
 from llmsession.commands.bench.main import QUESTIONS, multi_turn
 from llmsession.commands.bench.report import MeasuredTurn as Turn
 
@@ -46,6 +47,22 @@ def test_structured_scenario_reports_both_contenders_rates(smollm2_path: Path) -
             jsonschema.validate(json.loads(schema_run["text"]), bench_structured.CASES[name]["schema"])
         else:
             assert schema_run["finish"] == "length" and schema_run["tokens"] == 24
+
+
+def test_tools_scenario_measures_every_format_and_a_conversation_that_decodes_once(
+    smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = argparse.Namespace(model=smollm2_path, threads=2, repeats=1, max_tokens=8, turns=2)
+    results = bench_tools.run(args)
+    json.dumps(results)
+    assert list(results["formats"]) == ["generic", "hermes", "gemma4"]  # (the fixtures are built)
+    for result in results["formats"].values():
+        assert len(result["speed"]["none"]) == len(result["speed"]["auto"]) == 1
+        assert result["speed"]["mask_ms"] > 0
+        talk = result["conversation"]
+        assert talk["cut"] == 0 and 0 < talk["decoded"] <= 1.05 * talk["new"], talk
+    bench_tools.report(results)
+    assert "decoded/new" in capsys.readouterr().out
 
 
 def test_rpc_scenario_runs_every_contender_and_prints_its_table(

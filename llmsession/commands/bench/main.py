@@ -263,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmsession.commands.bench.rpc import main as rpc_main
 
         return rpc_main(argv[1:] if argv[0] == "rpc" else argv)
+    if argv and argv[0] == "tools":
+        from llmsession.commands.bench.tools import main as tools_main
+
+        return tools_main(argv[1:])
     if argv and argv[0] == "structured":
         from llmsession.commands.bench.structured import main as structured_main
 
