@@ -366,3 +366,32 @@ def test_json_constrains_the_next_reply_only(smollm2_path: Path, tmp_path: Path)
     jsonschema.validate(json.loads(replies[0]), schema)
     assert out.stdout.count("[valid JSON for the schema]") == 1  # the schema held for one reply only
     assert len(STATS.findall(out.stdout)) == 2
+
+
+def test_tools_calls_are_printed_and_results_read(smollm2_path: Path, tmp_path: Path) -> None:
+    """``--tools FILE``: each call is printed with its id, its result is the next line, and the
+    reply to the results may call again (here input ends there: the chat ends cleanly)."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    (tmp_path / "tools.json").write_text(json.dumps([weather]))
+    tools = ["--tools", str(tmp_path / "tools.json")]
+    chat = ["chat", "--max-tokens", "48", "--temperature", "0", *tools, "--tool-choice", "required"]
+    out = run(*chat, stdin='Weather in Paris?\n{"temp_c": 21}\n')
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    calls = re.findall(r"^\[call get_weather\((.*)\), id (call_\w+)\]$", out.stdout, re.M)
+    assert calls, out.stdout
+    jsonschema.validate(json.loads(calls[0][0]), weather["function"]["parameters"])
+    unknown = run("chat", *tools, "--tool-choice", "get_time", stdin="hi\n")
+    assert unknown.returncode == 1 and "get_time" in unknown.stderr and "Traceback" not in unknown.stderr
+    lonely = run("chat", "--tool-choice", "required", stdin="hi\n")
+    assert lonely.returncode == 1 and "--tool-choice needs --tools" in lonely.stderr

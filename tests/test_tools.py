@@ -354,15 +354,18 @@ def test_forced_calls_always_validate(smollm2: Model, schema: dict[str, Any], se
     schema = {**schema, "required": sorted(schema["properties"]), "additionalProperties": False}
     tool = {"type": "function", "function": {"name": "act", "parameters": schema}}
     options = GenerationOptions(
-        max_tokens=64, temperature=0.9, seed=seed, tools=[tool], tool_choice="required"
+        max_tokens=160,
+        temperature=0.9,
+        seed=seed,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
     )
     reply = smollm2.session().respond("Do it.", options)
-    if reply.finish_reason == "tool_calls":
-        for call in reply.tool_calls:
-            assert call.name == "act"
-            jsonschema.validate(call.parsed, schema)
-    else:
-        assert reply.finish_reason == "length" and not reply.tool_calls
+    assert reply.finish_reason == "tool_calls", reply  # (every value is bounded: a call fits)
+    (call,) = reply.tool_calls
+    assert call.name == "act"
+    jsonschema.validate(call.parsed, schema)
 
 
 def test_plain_text_of_a_format_whose_calls_open_the_reply_streams_whole() -> None:

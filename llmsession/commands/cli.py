@@ -1,6 +1,7 @@
 """The ``llmsession`` command: chat with a local model, check the installation, run the benchmark.
 
     llmsession chat [--model PATH] [--mmproj PATH] [--system TEXT] ...
+    llmsession serve [--model PATH] [--host H] [--port P] [--api-key KEY] ...
     llmsession doctor [--rpc HOST:PORT ...]
     llmsession rpc-server [--port P] [--host H] [--threads N]
     llmsession bench ...
@@ -26,10 +27,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from llmsession.api.model import Model
-from llmsession.commands import installer, paths
+from llmsession.commands import installer, serve
 from llmsession.commands.argtypes import port, positive_int, temperature
 from llmsession.commands.doctor import doctor, error
-from llmsession.commands.installer import SETUP_COMMAND
 from llmsession.errors import LlmSessionError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply, ToolCall
@@ -81,6 +81,7 @@ class Chat:
     def __init__(self, session: Session, options: GenerationOptions, has_projector: bool) -> None:
         self.session = session
         self.options = options
+        self.after_results = replace(options, tool_choice="auto")  # (a forced call, then the answer)
         self.has_projector = has_projector
         self.images: list[Any] = []
         self.schema: dict[str, Any] | None = None  # for the next reply only
@@ -166,7 +167,7 @@ class Chat:
             if results is None:
                 print(file=self.out)
                 return
-            reply = self.reply_to(results, self.options)
+            reply = self.reply_to(results, self.after_results)
         if reply is not None and reply.tool_calls:
             self.note(f"[stopped after {MAX_ROUNDS} rounds of tool calls]")
 
@@ -258,23 +259,21 @@ def not_decodable() -> str:
 
 
 def chat(args: argparse.Namespace) -> int:
-    model_path = paths.resolve_model(args.model) if args.model else paths.default_model_path()
-    if not model_path.exists():
-        several = [m.name for m in paths.model_candidates(str(args.model))] if args.model else []
-        which = (
-            f"the model {args.model!r} is not a file or a cached model"
-            if args.model
-            else (f"the default model {model_path} is missing")
-        )
-        if len(several) > 1:
-            which = f"{args.model!r} could mean {', '.join(several)}: say which"
-        error(
-            f"{which}; fetch it with `{SETUP_COMMAND}`, or pass --model PATH (`llmsession models` lists them)"
-        )
+    try:
+        model_path = installer.find_model(args.model)
+    except FileNotFoundError as e:
+        error(str(e))
         return 2
     try:
         tools = read_tools(args.tools) if args.tools else None
-        options = GenerationOptions(max_tokens=args.max_tokens, temperature=args.temperature, tools=tools)
+        named = args.tool_choice not in ("auto", "required", "none")
+        choice = {"type": "function", "function": {"name": args.tool_choice}} if named else args.tool_choice
+        if tools is None and args.tool_choice != "auto":
+            raise ValueError("--tool-choice needs --tools")
+        checked_tools(tools, choice)  # (a tool it names must be one of them)
+        options = GenerationOptions(
+            max_tokens=args.max_tokens, temperature=args.temperature, tools=tools, tool_choice=choice
+        )
         with Model(model_path, mmproj_path=args.mmproj, threads=args.threads) as model:
             session = model.session(system=args.system, context_size=args.context_size)
             if sys.stdin.isatty():
@@ -325,7 +324,7 @@ def bench(argv: list[str]) -> int:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="llmsession", description="Multi-turn chat with local GGUF models.")
     commands = top.add_subparsers(
-        dest="command", required=True, metavar="{chat,setup,models,doctor,rpc-server,bench}"
+        dest="command", required=True, metavar="{chat,serve,setup,models,doctor,rpc-server,bench}"
     )
     chat_parser = commands.add_parser("chat", help="chat with a model in the terminal")
     add = chat_parser.add_argument
@@ -341,6 +340,12 @@ def parser() -> argparse.ArgumentParser:
         help="a JSON list of OpenAI function specs: calls are printed, you type each result",
     )
     add(
+        "--tool-choice",
+        default="auto",
+        metavar="auto|required|none|NAME",
+        help="whether a message's reply calls (a tool's name: that one); replies to results: auto",
+    )
+    add(
         "--context-size",
         type=positive_int,
         default=4096,
@@ -352,6 +357,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add("--max-tokens", type=positive_int, default=512, metavar="N", help="per reply (default: %(default)s)")
     add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")
+    serve.add_command(commands)
     installer.add_commands(commands)
     doctor_parser = commands.add_parser(
         "doctor", help="show the llama.cpp build, CPU features and cached models"
@@ -380,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         run = {"chat": chat, "setup": installer.setup, "models": installer.models, "doctor": doctor}
-        run["rpc-server"] = rpc_server
+        run["rpc-server"], run["serve"] = rpc_server, serve.serve
         return run[args.command](args)
     except KeyboardInterrupt:  # while loading the model, say
         return 130
