@@ -20,6 +20,7 @@ LAYERS = (
     ("llmsession.runtime",),
     ("llmsession.remote",),
     ("llmsession.api", "llmsession"),
+    ("llmsession.serve",),
     ("llmsession.commands", "llmsession.__main__"),
 )
 PURE = (  # decisions without effects: no path to the native layer
@@ -40,6 +41,10 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.text.gemma4_calls",
     "llmsession.text.tool_formats",
     "llmsession.text.tool_grammar",
+    "llmsession.serve.schema",
+    "llmsession.serve.sse",
+    "llmsession.serve.errors",
+    "llmsession.serve.metrics",
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from llmsession.commands import paths
 from llmsession.commands.argtypes import directory
@@ -26,6 +27,25 @@ def setup(args: argparse.Namespace) -> int:
     if status != 0:  # smoke test decodes with the model when it is there
         return status
     return setup_llama.main(["--force"] if args.force else [])
+
+
+def find_model(name: str | None) -> Path:
+    """The model a ``--model PATH|NAME`` argument means (the default model without one); else
+    FileNotFoundError saying why and how to get one."""
+    path = paths.resolve_model(name) if name else paths.default_model_path()
+    if path.exists():
+        return path
+    several = [m.name for m in paths.model_candidates(str(name))] if name else []
+    which = (
+        f"the model {name!r} is not a file or a cached model"
+        if name
+        else f"the default model {path} is missing"
+    )
+    if len(several) > 1:
+        which = f"{name!r} could mean {', '.join(several)}: say which"
+    raise FileNotFoundError(
+        f"{which}; fetch it with `{SETUP_COMMAND}`, or pass --model PATH (`llmsession models` lists them)"
+    )
 
 
 def models(_args: argparse.Namespace) -> int:

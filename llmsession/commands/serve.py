@@ -1,0 +1,135 @@
+"""``llmsession serve``: the OpenAI-compatible server (``llmsession.serve``) on uvicorn.
+
+Starlette and uvicorn are imported only when the command runs, so the rest of the command line
+(and ``import llmsession``) never loads them. Binds 127.0.0.1 unless told otherwise. On SIGTERM
+or Ctrl-C uvicorn stops accepting and lets streams finish for ``--shutdown-timeout`` seconds,
+then cancels them; the model is closed (its spill folder removed) and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmsession.commands import installer
+from llmsession.commands.argtypes import directory, port, positive_int, seconds
+from llmsession.commands.doctor import error
+from llmsession.errors import LlmSessionError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        model_path = installer.find_model(args.model)
+    except FileNotFoundError as e:
+        error(str(e))
+        return 2
+    try:
+        import uvicorn
+
+        from llmsession.serve.app import create_app
+    except ModuleNotFoundError as e:
+        error(f"`llmsession serve` needs {e.name}: pip install 'llmsession[serve]'")
+        return 2
+    from llmsession.api.model import Model
+
+    settings: dict[str, Any] = {
+        name: value
+        for name in ("mmproj_path", "threads", "kv_tokens", "max_live_sessions", "host_cache_bytes")
+        if (value := getattr(args, name)) is not None
+    }
+    if args.disk_cache_dir is not None:
+        settings["disk_cache_dir"] = args.disk_cache_dir
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    try:
+        with Model(model_path, **settings) as model:
+            app = create_app(
+                model,
+                api_key=args.api_key,
+                model_name=args.model_name,
+                max_body_bytes=args.max_body_bytes,
+                **({"context_size": args.context_size} if args.context_size else {}),
+            )
+            print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
+            config = uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level="info",
+                timeout_graceful_shutdown=args.shutdown_timeout,
+            )
+            quiet_exit(uvicorn.Server)(config).run()
+    except (LlmSessionError, ValueError) as e:
+        error(str(e))
+        return 1
+    return 0
+
+
+def quiet_exit(base: type[uvicorn.Server]) -> type[uvicorn.Server]:
+    """uvicorn's server, except that a SIGTERM or SIGINT it shut down for is not raised again
+    once it returns: uvicorn does, which killed the process before the model was closed (its
+    spill folder left behind) and made the exit status 143."""
+
+    class Server(base):  # type: ignore[valid-type,misc]  # (a class made at run time)
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            signals = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add = parser.add_argument
+    add(
+        "--model", metavar="PATH|NAME", help="GGUF file or cached model name (default: SmolLM2-135M-Instruct)"
+    )
+    add("--mmproj", dest="mmproj_path", type=Path, metavar="PATH", help="multimodal projector: image input")
+    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    add("--port", type=port, default=8080, help="TCP port (default: %(default)s)")
+    add(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` (repeatable: each key is a tenant of its own)",
+    )
+    add("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
+    add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")
+    add("--context-size", type=positive_int, metavar="N", help="positions per conversation (default: 4096)")
+    add(
+        "--kv-tokens", type=positive_int, metavar="N", help="KV cells all conversations share (default: 8192)"
+    )
+    add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 8)")
+    add("--host-cache-bytes", type=positive_int, metavar="N", help="RAM for parked conversations (1 GiB)")
+    add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
+    add(
+        "--max-body-bytes",
+        type=positive_int,
+        default=8 << 20,
+        metavar="N",
+        help="largest request body (default: %(default)s)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=seconds,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM, how long streams may finish (default: %(default)s)",
+    )

@@ -1,0 +1,254 @@
+"""A chat completion request, as OpenAI documents it, checked and turned into the library's
+messages and ``GenerationOptions``. Pure: no model, no web framework.
+
+Unknown fields are ignored, as OpenAI's API does; a known field of the wrong type or out of its
+range is a ``RequestError`` naming it (``param``). Nothing in a request names a file or a URL the
+server opens: an image is accepted only as a ``data:`` URL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmsession.options import INT32_MAX, LLAMA_DEFAULT_SEED, GenerationOptions
+from llmsession.serve.errors import RequestError
+
+MAX_CHOICES = 8
+MAX_STOPS = 16
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    type(None): "null",
+}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """What a request asks for, in the library's terms."""
+
+    messages: list[dict[str, Any]]
+    options: GenerationOptions
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (NaN and Infinity are not JSON)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not valid JSON")
+
+    try:
+        value = json.loads(body, parse_constant=refuse)
+    except (ValueError, RecursionError) as error:  # (UnicodeDecodeError is a ValueError)
+        raise RequestError(f"the body is not valid JSON: {error or 'nested too deep'}") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"the body must be a JSON object, got {_kind(value)}")
+    return value
+
+
+def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
+    """A ``/v1/chat/completions`` body, checked (``RequestError`` for the first bad field)."""
+    _optional(body, "model", str)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty list", "messages")
+    messages = [_message(i, m) for i, m in enumerate(raw)]
+    if _optional(body, "logprobs", bool) or _optional(body, "top_logprobs", int) is not None:
+        raise RequestError("logprobs are not supported by this server", "logprobs", "unsupported")
+    n = _integer(body, "n", 1, INT32_MAX)
+    if n is not None and n > MAX_CHOICES:
+        raise RequestError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
+    stream = bool(_optional(body, "stream", bool))
+    stream_options = _optional(body, "stream_options", dict) or {}
+    include_usage = _optional(stream_options, "include_usage", bool, "stream_options.include_usage")
+    user = _optional(body, "user", str)
+    return ChatRequest(messages, options(body, default_max_tokens), n or 1, stream, bool(include_usage), user)
+
+
+def options(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> GenerationOptions:
+    """The sampling, stop, format and tool fields as ``GenerationOptions``."""
+    values: dict[str, Any] = {}
+    tokens = _integer(body, "max_completion_tokens", 1, INT32_MAX)
+    tokens = tokens if tokens is not None else _integer(body, "max_tokens", 1, INT32_MAX)
+    values["max_tokens"] = default_max_tokens if tokens is None else tokens
+    for name, low, high in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+    ):
+        value = _number(body, name, low, high)
+        if value is not None:
+            values[name] = value
+    if values.get("top_p") == 0:
+        raise RequestError("top_p must be greater than 0", "top_p")
+    values["seed"] = _integer(body, "seed", 0, LLAMA_DEFAULT_SEED - 1)
+    values["stop"] = _stops(body.get("stop"))
+    values["json_schema"] = _response_format(body.get("response_format"))
+    tools = _optional(body, "tools", list)
+    if tools is not None:
+        if not all(isinstance(tool, dict) for tool in tools):
+            raise RequestError("tools must be a list of objects", "tools")
+        values["tools"] = tuple(tools)
+    choice = _optional(body, "tool_choice", (str, dict))
+    if choice is not None:
+        values["tool_choice"] = choice
+    parallel = _optional(body, "parallel_tool_calls", bool)
+    if parallel is not None:
+        values["parallel_tool_calls"] = parallel
+    try:
+        return GenerationOptions(**values)
+    except (ValueError, TypeError) as error:
+        raise RequestError(str(error)) from None
+
+
+def _message(i: int, raw: object) -> dict[str, Any]:
+    """One message in the library's shape (``developer`` is a system message)."""
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise RequestError(f"{where} must be an object, got {_kind(raw)}", where)
+    role = raw.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
+    message: dict[str, Any] = {"role": ROLES[role]}
+    name = _optional(raw, "name", str, f"{where}.name")
+    if name is not None:
+        message["name"] = _text(name, f"{where}.name")
+    content = raw.get("content")
+    if role == "assistant" and raw.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(raw["tool_calls"], where)
+        content = "" if content is None else content
+    if role == "tool":
+        ident = raw.get("tool_call_id")
+        if not isinstance(ident, str):
+            raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        message["tool_call_id"] = ident
+    message["content"] = _content(content, f"{where}.content", images=role == "user")
+    return message
+
+
+def _content(content: object, where: str, *, images: bool) -> str | list[Any]:
+    """A str, or a list of text parts (and ``data:`` image parts in a user message)."""
+    if isinstance(content, str):
+        return _text(content, where)
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of parts, got {_kind(content)}", where)
+    parts: list[Any] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": _text(part["text"], f"{at}.text")})
+        elif kind == "image_url" and images:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise RequestError(f"{at}: an image must be a data: URL (nothing is fetched)", at)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            allowed = "text and image_url" if images else "text"
+            raise RequestError(f"{at}: only {allowed} parts are supported here, got {kind!r:.40}", at)
+    return parts
+
+
+def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    """An assistant message's calls, as OpenAI sends them back (arguments as JSON text)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        ident = call.get("id") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not (isinstance(ident, str) and isinstance(name, str) and isinstance(arguments, str)):
+            raise RequestError(f"{at} needs an id, a function name and arguments as JSON text", at)
+        function = {"name": _text(name, at), "arguments": _text(arguments, at)}
+        out.append({"id": ident, "type": "function", "function": function})
+    return out
+
+
+def _response_format(value: object) -> Mapping[str, Any] | None:
+    """The schema a ``response_format`` holds the reply to (None for text)."""
+    if value is None:
+        return None
+    fields: dict[str, Any] = value if isinstance(value, dict) else {}
+    kind = fields.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fields.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return schema
+        raise RequestError("response_format.json_schema.schema must be an object", "response_format")
+    raise RequestError(
+        'response_format.type must be "text", "json_object" or "json_schema"', "response_format"
+    )
+
+
+def _stops(value: object) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value if value is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOPS:
+        raise RequestError(f"stop: at most {MAX_STOPS} sequences", "stop")
+    return tuple(_text(s, "stop") for s in stops)
+
+
+def _text(text: str, where: str) -> str:
+    if "\0" in text:
+        raise RequestError(f"{where} contains a NUL character", where)
+    return text
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+    """``body[name]`` if present and not null, of ``kind`` (a bool is not an int here)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        names = " or ".join(NAMES.get(k, k.__name__) for k in kinds)
+        raise RequestError(f"{where or name} must be {names}, got {_kind(value)}", where or name)
+    return value
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if isinstance(value, float) and value.is_integer():  # 16.0 is what some clients send
+        value = int(value)
+    value = _optional({name: value}, name, int)
+    if value is not None and not low <= value <= high:
+        raise RequestError(f"{name} must be between {low} and {high}, got {value}", name)
+    return value  # type: ignore[no-any-return]
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a number, got {_kind(value)}", name)
+    if not low <= value <= high:
+        raise RequestError(f"{name} must be between {low:g} and {high:g}, got {value}", name)
+    return float(value)
+
+
+def _kind(value: object) -> str:
+    return NAMES.get(type(value), type(value).__name__)

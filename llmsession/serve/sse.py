@@ -1,0 +1,125 @@
+"""Chat completion bodies and stream chunks, exactly as OpenAI writes them. Pure.
+
+A stream is one ``id`` for every chunk: each choice's first delta has ``role: "assistant"``, then
+its content deltas and tool-call deltas (a call's index, id, type and name first, its arguments
+appended after), then a chunk with its ``finish_reason``; with ``include_usage`` every chunk has
+``usage: null`` and a last chunk has no choices and the usage; then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsession.replies import FinishReason, Reply, Snapshot, ToolCallDelta, Usage
+
+# "complete" (a constraint was satisfied) is a natural end; "cancelled" happens only when the
+# client is gone or the server stops, so nobody reads it.
+FINISH: dict[FinishReason, str] = {
+    "stop": "stop",
+    "complete": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "cancelled": "stop",
+}
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(usages: Sequence[Usage]) -> dict[str, Any]:
+    """OpenAI's usage for the choices of one prompt: its tokens counted once (the first
+    choice's), the completions summed; cached tokens are those the engine reused, not decoded."""
+    first = usages[0] if usages else Usage()
+    completion = sum(u.completion_tokens for u in usages)
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.reused_tokens},
+    }
+
+
+def message(reply: Reply) -> dict[str, Any]:
+    """A non-streamed choice's message."""
+    out: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None}
+    if reply.tool_calls:
+        out["content"] = reply.text or None
+        out["tool_calls"] = [call.message_part() for call in reply.tool_calls]
+    return out
+
+
+def tool_delta(piece: ToolCallDelta) -> dict[str, Any]:
+    """A streamed piece of a call: its id, type and name first, then arguments to append."""
+    if piece.id is None and piece.name is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    function = {"name": piece.name, "arguments": piece.arguments}
+    return {"index": piece.index, "id": piece.id, "type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion's identity: every chunk of its stream, or its one body, carries it."""
+
+    model: str
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, replies: Sequence[Reply]) -> dict[str, Any]:
+        """The non-streamed response: a choice per reply."""
+        choices = [
+            {"index": i, "message": message(r), "logprobs": None, "finish_reason": FINISH[r.finish_reason]}
+            for i, r in enumerate(replies)
+        ]
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage([r.usage for r in replies]),
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = None
+        return {**out, **extra}
+
+    def delta(self, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return self.chunk([choice])
+
+    def opening(self, index: int) -> dict[str, Any]:
+        """A choice's first chunk: its role."""
+        return self.delta(index, {"role": "assistant", "content": ""})
+
+    def pieces(self, index: int, snapshot: Snapshot) -> list[dict[str, Any]]:
+        """The chunks of one snapshot: its text, then the pieces of calls it wrote."""
+        out = [self.delta(index, {"content": snapshot.delta})] if snapshot.delta else []
+        if snapshot.tool_calls:
+            out.append(self.delta(index, {"tool_calls": [tool_delta(p) for p in snapshot.tool_calls]}))
+        return out
+
+    def finish(self, index: int, reply: Reply) -> dict[str, Any]:
+        return self.delta(index, {}, FINISH[reply.finish_reason])
+
+    def usage_chunk(self, replies: Sequence[Reply]) -> dict[str, Any]:
+        """The last chunk with ``include_usage``: no choices, the usage."""
+        return self.chunk([], usage=usage([r.usage for r in replies]))
