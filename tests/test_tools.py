@@ -477,3 +477,69 @@ def test_a_stop_string_inside_a_call_cuts_it_as_length_does(
         options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER], stop=['"arguments"'])
         reply = model.session().respond("Weather in Oslo?", options)
     assert reply.finish_reason == "stop" and not reply.tool_calls and reply.text == "Let me check.", reply
+
+
+def steered(monkeypatch: pytest.MonkeyPatch, model: Model, target: str) -> None:
+    """Constrained sampling steered to write ``target``: each sampled token is the allowed one
+    whose text is the longest prefix of what is left (tokens the constraint forces advance it
+    too); once ``target`` is written, or the constraint allows none of it, sampling goes on as
+    usual."""
+    import numpy as np
+
+    from llmsession.native.constraints import GuidedSampler
+
+    left, sample, forced = [target], GuidedSampler.sample, GuidedSampler.forced
+    pieces = [model.native.piece(t).decode("utf-8", "replace") for t in range(model.native.n_vocab)]
+
+    def advance(tokens: list[int]) -> None:
+        for token in tokens:
+            left[0] = left[0][len(pieces[token]) :] if left[0].startswith(pieces[token]) else ""
+
+    def steered_sample(self: GuidedSampler, context: Any, index: int = -1) -> int:
+        if not left[0]:
+            return sample(self, context, index)
+        logits = np.zeros(self.n_vocab, np.float32)
+        self.restrict(logits)
+        allowed = [t for t in np.flatnonzero(logits == 0) if pieces[t] and left[0].startswith(pieces[t])]
+        if not allowed:  # the constraint will not write the rest: it goes its own way
+            left[0] = ""
+            return sample(self, context, index)
+        token = int(max(allowed, key=lambda t: len(pieces[t])))
+        assert self.matcher.consume_token(token)
+        self.chain.accept(token)
+        advance([token])
+        return token
+
+    def steered_forced(self: GuidedSampler) -> list[int]:
+        tokens = forced(self)
+        advance(tokens)
+        return tokens
+
+    monkeypatch.setattr(GuidedSampler, "sample", steered_sample)
+    monkeypatch.setattr(GuidedSampler, "forced", steered_forced)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_calls_come_as_two_calls_only_when_allowed(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, parallel: bool
+) -> None:
+    """A reply steered to write two calls yields both, each streamed under its own index; with
+    ``parallel_tool_calls=False`` the mask ends the reply after the first, whatever was wanted."""
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+        two = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        steered(monkeypatch, model, f"{one}\n{two}")
+        options = GenerationOptions(
+            max_tokens=64,
+            temperature=0,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+        )
+        stream = model.session().stream("Time in UTC and weather in Oslo?", options)
+        pieces = [piece for snapshot in stream for piece in snapshot.tool_calls]
+        reply = stream.reply
+    assert reply is not None and reply.finish_reason == "tool_calls", reply
+    wanted = [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]
+    assert [(c.name, c.parsed) for c in reply.tool_calls] == wanted[: 2 if parallel else 1]
+    assert {p.index for p in pieces} == set(range(len(reply.tool_calls)))
