@@ -20,7 +20,6 @@ from llmsession.text.gemma4_calls import BodyGrammar, body_from_json, read_body,
 from llmsession.text.gemma4_tools import format_tool_call
 from llmsession.text.tool_grammar import spelled
 
-pytestmark = pytest.mark.native
 FIXTURES = ("smollm2-gemma4-template.gguf", "smollm2-gemma4-special.gguf")  # quote as text / as a token
 
 

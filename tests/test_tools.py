@@ -7,45 +7,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tool_helpers import TIME, WEATHER, hf_render, scripted_start
 
 from llmsession import GenerationOptions, GrammarError, Model, TemplateError
 from llmsession.replies import ToolCall
-from llmsession.runtime.stream import drain
 from llmsession.text.gemma4 import EMPTY_THOUGHT, primes_empty_thought
 from llmsession.text.tool_formats import FORMATS, GENERIC, CallIds, CallStream, ToolFormat, parse
 from llmsession.text.tool_grammar import grammar
 from llmsession.text.tools import checked_tools
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 24}, "days": {"type": "integer"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-        },
-    },
-}
 FAMILIES = {  # fixture, the format its template writes
     "smollm2-qwen25-template.gguf": "hermes",
     "smollm2-llama31-template.gguf": "llama3",
@@ -202,32 +176,6 @@ def test_parallel_calls_pass_the_mask_only_when_allowed(smollm2: Model, name: st
 
 
 # -- whole exchanges on real templates -------------------------------------------------------------
-def hf_render(model: Model, messages: list[dict[str, Any]], tools: list[Any]) -> str:
-    """The oracle: the template as transformers renders it (arguments as objects)."""
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    hf = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                for c in m["tool_calls"]
-            ]
-        hf.append(m)
-    native = model.native
-    bos, eos = native.token_text(native.bos()), native.token_text(native.eos())
-    assert model.template is not None
-    return env.from_string(model.template).render(
-        messages=hf, tools=tools, add_generation_prompt=True, bos_token=bos, eos_token=eos
-    )
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, fixture_path: Any) -> Any:
     path: Path = fixture_path(request.param)
@@ -283,23 +231,6 @@ def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: An
         assert after.usage.reused_tokens >= len(model.tokenize(common)) - 1, after.usage  # (a boundary)
     else:
         assert after.usage.decoded_prompt_tokens <= new + 1, (after.usage, first)
-
-
-def scripted_start(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
-    """The reply's first tokens are ``script`` (each checked by the constraint's matcher), the
-    rest sampled: the trigger forced by the test, not by luck."""
-    from llmsession.native.constraints import GuidedSampler
-
-    original = GuidedSampler.sample
-
-    def scripted(self: GuidedSampler, context: Any, index: int = -1) -> int:
-        if not script:
-            return original(self, context, index)
-        token = script.pop(0)
-        assert self.matcher.consume_token(token), "the script left the grammar"
-        return token
-
-    monkeypatch.setattr(GuidedSampler, "sample", scripted)
 
 
 def test_auto_stays_text_until_the_trigger_then_holds_the_call(
@@ -376,45 +307,6 @@ def test_plain_text_of_a_format_whose_calls_open_the_reply_streams_whole() -> No
         assert not any(calls for _, calls in pieces)
 
 
-@pytest.mark.parametrize(
-    ("name", "marker", "printed"),
-    [
-        ("smollm2-qwen25-special.gguf", "<tool_call>", b"<tool_call>"),  # user-defined: printed
-        ("smollm2-mistral-special.gguf", "[TOOL_CALLS]", b""),  # control: printed only when asked
-    ],
-)
-def test_markers_held_as_special_tokens_are_generated_as_those_tokens(
-    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, name: str, marker: str, printed: bytes
-) -> None:
-    """Spelled as text in the grammar, a special marker could only come byte by byte, which a
-    real model never writes: the grammar names its id, and the reply's text spells it."""
-    with Model(fixture_path(name), threads=2, use_jinja=True, anticipate=False) as model:
-        fmt = model.local.tool_format()
-        (special,) = model.tokenize(marker, add_special=False)
-        assert model.local.special_markers(fmt)[marker] == special
-        assert model.native.piece(special) == printed and model.native.is_special(special)
-        session = model.session()
-        options = GenerationOptions(
-            max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
-        )
-        stream = session.stream("Weather in Oslo?", options)
-        reply = drain(stream)
-        assert reply.finish_reason == "tool_calls", reply
-        assert stream.exchange.tokens[0] == special  # the marker as its one token
-        assert reply.tool_calls[0].name == "get_weather" and reply.text == ""
-        # "auto": text, then the special trigger (scripted, not by luck), then the held call
-        prefix = [] if fmt.anchored else model.tokenize("Let me check.\n", add_special=False)
-        scripted_start(monkeypatch, [*prefix, special])
-        auto = model.session().respond(
-            "Weather in Oslo?",
-            GenerationOptions(max_tokens=64, temperature=0, tools=[WEATHER], parallel_tool_calls=False),
-        )
-        assert auto.finish_reason == "tool_calls" and auto.text == (
-            "" if fmt.anchored else "Let me check."
-        ), auto
-        jsonschema.validate(auto.tool_calls[0].parsed, WEATHER["function"]["parameters"])
-
-
 def test_tool_choice_none_still_declares_the_tools(smollm2: Model, fixture_path: Any) -> None:
     """A turn that may not call keeps the prompt's prefix: a 10-turn tool conversation decoded
     25 times its new tokens while "none" left the tools out."""
@@ -430,116 +322,3 @@ def test_tool_choice_none_still_declares_the_tools(smollm2: Model, fixture_path:
         assert "get_weather" in declared and declared == qwen.local.render(
             messages, tools=checked_tools([WEATHER])
         )
-
-
-def test_gemma4_without_jinja_renders_and_calls_in_its_own_syntax(fixture_path: Any) -> None:
-    """The Python Gemma 4 renderer declares the tools and writes calls and results as the
-    template does, and a forced call comes back in Gemma 4's syntax, read into JSON."""
-    with Model(fixture_path("smollm2-gemma4-special.gguf"), threads=2, anticipate=False) as model:
-        assert not model.use_jinja and model.local.tool_format().name == "gemma4"
-        call = ToolCall("call_1", "get_weather", '{"city": "Paris", "days": 2}')
-        messages = [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [call.message_part()]},
-            {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
-        ]
-        ours = model.local.render(messages, tools=checked_tools([WEATHER]))
-        assert '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>' in ours
-        assert hf_render(model, messages, [WEATHER]) == model.native.token_text(model.native.bos()) + ours
-        options = GenerationOptions(
-            max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
-        )
-        reply = model.session().respond("Weather in Oslo?", options)
-        assert reply.finish_reason == "tool_calls", reply
-        jsonschema.validate(reply.tool_calls[0].parsed, WEATHER["function"]["parameters"])
-
-
-def test_a_reply_cut_mid_call_keeps_only_its_text(fixture_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``length`` inside a call: no call, and the text is what streamed as text (the markup of
-    the call it began is not passed off as the reply's words)."""
-    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
-        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
-        options = GenerationOptions(max_tokens=12, temperature=0, tools=[WEATHER])
-        stream = model.session().stream("Weather in Oslo?", options)
-        streamed = "".join(snapshot.delta for snapshot in stream)
-        reply = stream.reply
-    assert reply is not None and reply.finish_reason == "length" and not reply.tool_calls
-    assert reply.text == streamed == "Let me check.", reply
-
-
-def test_a_stop_string_inside_a_call_cuts_it_as_length_does(
-    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A user's stop string that matches inside a call ends the reply there: no call, the
-    text before it, and no error for a call that could not be read."""
-    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
-        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
-        options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER], stop=['"arguments"'])
-        reply = model.session().respond("Weather in Oslo?", options)
-    assert reply.finish_reason == "stop" and not reply.tool_calls and reply.text == "Let me check.", reply
-
-
-def steered(monkeypatch: pytest.MonkeyPatch, model: Model, target: str) -> None:
-    """Constrained sampling steered to write ``target``: each sampled token is the allowed one
-    whose text is the longest prefix of what is left (tokens the constraint forces advance it
-    too); once ``target`` is written, or the constraint allows none of it, sampling goes on as
-    usual."""
-    import numpy as np
-
-    from llmsession.native.constraints import GuidedSampler
-
-    left, sample, forced = [target], GuidedSampler.sample, GuidedSampler.forced
-    pieces = [model.native.piece(t).decode("utf-8", "replace") for t in range(model.native.n_vocab)]
-
-    def advance(tokens: list[int]) -> None:
-        for token in tokens:
-            left[0] = left[0][len(pieces[token]) :] if left[0].startswith(pieces[token]) else ""
-
-    def steered_sample(self: GuidedSampler, context: Any, index: int = -1) -> int:
-        if not left[0]:
-            return sample(self, context, index)
-        logits = np.zeros(self.n_vocab, np.float32)
-        self.restrict(logits)
-        allowed = [t for t in np.flatnonzero(logits == 0) if pieces[t] and left[0].startswith(pieces[t])]
-        if not allowed:  # the constraint will not write the rest: it goes its own way
-            left[0] = ""
-            return sample(self, context, index)
-        token = int(max(allowed, key=lambda t: len(pieces[t])))
-        assert self.matcher.consume_token(token)
-        self.chain.accept(token)
-        advance([token])
-        return token
-
-    def steered_forced(self: GuidedSampler) -> list[int]:
-        tokens = forced(self)
-        advance(tokens)
-        return tokens
-
-    monkeypatch.setattr(GuidedSampler, "sample", steered_sample)
-    monkeypatch.setattr(GuidedSampler, "forced", steered_forced)
-
-
-@pytest.mark.parametrize("parallel", [True, False])
-def test_parallel_calls_come_as_two_calls_only_when_allowed(
-    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, parallel: bool
-) -> None:
-    """A reply steered to write two calls yields both, each streamed under its own index; with
-    ``parallel_tool_calls=False`` the mask ends the reply after the first, whatever was wanted."""
-    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
-        one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-        two = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-        steered(monkeypatch, model, f"{one}\n{two}")
-        options = GenerationOptions(
-            max_tokens=64,
-            temperature=0,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            parallel_tool_calls=parallel,
-        )
-        stream = model.session().stream("Time in UTC and weather in Oslo?", options)
-        pieces = [piece for snapshot in stream for piece in snapshot.tool_calls]
-        reply = stream.reply
-    assert reply is not None and reply.finish_reason == "tool_calls", reply
-    wanted = [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]
-    assert [(c.name, c.parsed) for c in reply.tool_calls] == wanted[: 2 if parallel else 1]
-    assert {p.index for p in pieces} == set(range(len(reply.tool_calls)))

@@ -1,0 +1,127 @@
+"""Tool-calling replies on real templates: markers held as special tokens, Gemma 4 without
+jinja, replies cut inside a call (by length or a stop string), and parallel calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+from tool_helpers import TIME, WEATHER, hf_render, scripted_start, steered
+
+from llmsession import GenerationOptions, Model
+from llmsession.replies import ToolCall
+from llmsession.runtime.stream import drain
+from llmsession.text.tools import checked_tools
+
+
+@pytest.mark.parametrize(
+    ("name", "marker", "printed"),
+    [
+        ("smollm2-qwen25-special.gguf", "<tool_call>", b"<tool_call>"),  # user-defined: printed
+        ("smollm2-mistral-special.gguf", "[TOOL_CALLS]", b""),  # control: printed only when asked
+    ],
+)
+def test_markers_held_as_special_tokens_are_generated_as_those_tokens(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, name: str, marker: str, printed: bytes
+) -> None:
+    """Spelled as text in the grammar, a special marker could only come byte by byte, which a
+    real model never writes: the grammar names its id, and the reply's text spells it."""
+    with Model(fixture_path(name), threads=2, use_jinja=True, anticipate=False) as model:
+        fmt = model.local.tool_format()
+        (special,) = model.tokenize(marker, add_special=False)
+        assert model.local.special_markers(fmt)[marker] == special
+        assert model.native.piece(special) == printed and model.native.is_special(special)
+        session = model.session()
+        options = GenerationOptions(
+            max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
+        )
+        stream = session.stream("Weather in Oslo?", options)
+        reply = drain(stream)
+        assert reply.finish_reason == "tool_calls", reply
+        assert stream.exchange.tokens[0] == special  # the marker as its one token
+        assert reply.tool_calls[0].name == "get_weather" and reply.text == ""
+        # "auto": text, then the special trigger (scripted, not by luck), then the held call
+        prefix = [] if fmt.anchored else model.tokenize("Let me check.\n", add_special=False)
+        scripted_start(monkeypatch, [*prefix, special])
+        auto = model.session().respond(
+            "Weather in Oslo?",
+            GenerationOptions(max_tokens=64, temperature=0, tools=[WEATHER], parallel_tool_calls=False),
+        )
+        assert auto.finish_reason == "tool_calls" and auto.text == (
+            "" if fmt.anchored else "Let me check."
+        ), auto
+        jsonschema.validate(auto.tool_calls[0].parsed, WEATHER["function"]["parameters"])
+
+
+def test_gemma4_without_jinja_renders_and_calls_in_its_own_syntax(fixture_path: Any) -> None:
+    """The Python Gemma 4 renderer declares the tools and writes calls and results as the
+    template does, and a forced call comes back in Gemma 4's syntax, read into JSON."""
+    with Model(fixture_path("smollm2-gemma4-special.gguf"), threads=2, anticipate=False) as model:
+        assert not model.use_jinja and model.local.tool_format().name == "gemma4"
+        call = ToolCall("call_1", "get_weather", '{"city": "Paris", "days": 2}')
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [call.message_part()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+        ]
+        ours = model.local.render(messages, tools=checked_tools([WEATHER]))
+        assert '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>' in ours
+        assert hf_render(model, messages, [WEATHER]) == model.native.token_text(model.native.bos()) + ours
+        options = GenerationOptions(
+            max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
+        )
+        reply = model.session().respond("Weather in Oslo?", options)
+        assert reply.finish_reason == "tool_calls", reply
+        jsonschema.validate(reply.tool_calls[0].parsed, WEATHER["function"]["parameters"])
+
+
+def test_a_reply_cut_mid_call_keeps_only_its_text(fixture_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``length`` inside a call: no call, and the text is what streamed as text (the markup of
+    the call it began is not passed off as the reply's words)."""
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
+        options = GenerationOptions(max_tokens=12, temperature=0, tools=[WEATHER])
+        stream = model.session().stream("Weather in Oslo?", options)
+        streamed = "".join(snapshot.delta for snapshot in stream)
+        reply = stream.reply
+    assert reply is not None and reply.finish_reason == "length" and not reply.tool_calls
+    assert reply.text == streamed == "Let me check.", reply
+
+
+def test_a_stop_string_inside_a_call_cuts_it_as_length_does(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's stop string that matches inside a call ends the reply there: no call, the
+    text before it, and no error for a call that could not be read."""
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
+        options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER], stop=['"arguments"'])
+        reply = model.session().respond("Weather in Oslo?", options)
+    assert reply.finish_reason == "stop" and not reply.tool_calls and reply.text == "Let me check.", reply
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_calls_come_as_two_calls_only_when_allowed(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, parallel: bool
+) -> None:
+    """A reply steered to write two calls yields both, each streamed under its own index; with
+    ``parallel_tool_calls=False`` the mask ends the reply after the first, whatever was wanted."""
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+        two = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        steered(monkeypatch, model, f"{one}\n{two}")
+        options = GenerationOptions(
+            max_tokens=64,
+            temperature=0,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+        )
+        stream = model.session().stream("Time in UTC and weather in Oslo?", options)
+        pieces = [piece for snapshot in stream for piece in snapshot.tool_calls]
+        reply = stream.reply
+    assert reply is not None and reply.finish_reason == "tool_calls", reply
+    wanted = [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]
+    assert [(c.name, c.parsed) for c in reply.tool_calls] == wanted[: 2 if parallel else 1]
+    assert {p.index for p in pieces} == set(range(len(reply.tool_calls)))
