@@ -56,6 +56,14 @@ class Backend(Protocol):
         tenant: str | None = None,
         **settings: Any,
     ) -> Stream: ...
+    def complete_stream(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        **settings: Any,
+    ) -> Stream: ...
     def load_session(self, path: str | Path, **overrides: Any) -> Session: ...
     def memory(self) -> MemoryReport: ...
     def identity(self) -> str: ...
@@ -232,6 +240,32 @@ class Model:
     ) -> Stream:
         """``chat`` as a stream of snapshots; ``session_args`` as for ``session()``."""
         return self.backend.chat_stream(messages, options, tenant=tenant, **session_args)
+
+    def complete(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        **session_args: Any,
+    ) -> Reply:
+        """Continue ``prompt`` as it is, without the chat template (OpenAI's completions): the
+        text is tokenized as given, BOS added as the model adds it. Calls are routed and kept
+        apart by ``tenant`` as ``chat`` calls are, so a prompt that grows decodes only its end."""
+        from llmsession.runtime.stream import drain
+
+        return drain(self.complete_stream(prompt, options, tenant=tenant, **session_args))
+
+    def complete_stream(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        **session_args: Any,
+    ) -> Stream:
+        """``complete`` as a stream of snapshots."""
+        return self.backend.complete_stream(prompt, options, tenant=tenant, **session_args)
 
     def load_session(self, path: str | Path, **overrides: Any) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it

@@ -182,6 +182,10 @@ class Worker:
         assert self.model is not None
         return self.keep(self.model.chat_stream(messages, options, **kwargs))
 
+    def op_complete_stream(self, prompt: str, options: Any, kwargs: dict[str, Any]) -> int:
+        assert self.model is not None
+        return self.keep(self.model.complete_stream(prompt, options, **kwargs))
+
     def op_next(self, key: int) -> tuple[Any, ...]:
         stream = self.stream(key)
         try:

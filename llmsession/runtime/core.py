@@ -156,6 +156,20 @@ class ModelCore:
                 specials[spelling] = tokens[0]
         return specials
 
+    def raw_prompt(self, text: str) -> Prompt:
+        """A completion's prompt: ``text`` tokenized as it is (BOS as the model adds it, special
+        tokens parsed), no chat template."""
+        if not isinstance(text, str):
+            raise TypeError(f"a prompt must be a str, got {type(text).__name__}")
+        if not text:
+            raise ValueError("a prompt must not be empty")
+        if "\x00" in text:
+            raise ValueError("a prompt must not contain NUL characters")
+        began = time.perf_counter()
+        prompt = Prompt([self.tokenize(text)])
+        prompt.tokenize_s = time.perf_counter() - began
+        return prompt
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
         tokens = self.native.tokenize(text, add_special=add_special)

@@ -40,6 +40,17 @@ class LocalModel(ModelCore):
         """A stateless call (``api.Model.chat``) as a stream of snapshots."""
         return self.stateless.stream(messages, options, tenant, **settings)
 
+    def complete_stream(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        **settings: Any,
+    ) -> Stream:
+        """A raw completion (``api.Model.complete``) as a stream of snapshots."""
+        return self.stateless.complete(prompt, options, tenant, **settings)
+
     def load_session(self, path: str | Path, **overrides: Any) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
         belongs to this model and build (else its next reply's ``usage.cache_note`` says why)."""

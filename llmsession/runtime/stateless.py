@@ -18,9 +18,11 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from llmsession.engine.prefix import common_prefix
+from llmsession.engine.prompt import Prompt
 from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
@@ -29,11 +31,22 @@ from llmsession.runtime.session import Session
 from llmsession.runtime.stream import Stream
 from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens
-from llmsession.text.tools import options_tools
+from llmsession.text.tools import Tools, options_tools
 
 SIMILARITY = 0.5
 BRANCH = 16
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a stateless call answers: the history its caller sent, the messages it answers,
+    its checked options and tools."""
+
+    history: list[Message]
+    said: list[Message]
+    options: GenerationOptions
+    tools: Tools | None
 
 
 class StatelessSessions:
@@ -59,15 +72,8 @@ class StatelessSessions:
         **session_args: Any,
     ) -> Stream:
         history, said = split(messages)
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        apart = session_args.get("share_prefix", True) is False  # (a non-bool: Session refuses it)
+        record = self._kept_record(tenant, session_args)
         options = checked_options(options)
-        keep = not (apart and tenant is None)
-        record = None
-        if apart:
-            with self._lock:
-                record = self._record(tenant) if keep else ReplyTokens(capacity=256)
         # Tokenized once: to choose the session, then as the session's prompt.
         thinking = bool(session_args.get("thinking", False))
         tools = options_tools(options)
@@ -75,10 +81,36 @@ class StatelessSessions:
             [*history, *said],
             thinking=thinking,
             own=record,
-            shared=not apart,
+            shared=record is None,
             tools=tools,
             tool_format=options.tool_format,
         )
+        return self._route(prompt, Call(history, said, options, tools), tenant, record, session_args)
+
+    def complete(
+        self, text: str, options: GenerationOptions | None, tenant: str | None = None, **session_args: Any
+    ) -> Stream:
+        """A raw completion (``Model.complete_stream``): ``text`` continued as it is, no chat
+        template, routed to a kept session as a chat call is (the same tenants, the same reuse)."""
+        record = self._kept_record(tenant, session_args)
+        options = checked_options(options)
+        if options_tools(options) is not None:
+            raise ValueError("a raw completion cannot call tools (it has no chat template)")
+        said: list[Message] = [{"role": "user", "content": text}]  # (the transcript's stand-in)
+        call = Call([], said, options, None)
+        return self._route(self.model.raw_prompt(text), call, tenant, record, session_args)
+
+    def _route(
+        self,
+        prompt: Prompt,
+        call: Call,
+        tenant: str | None,
+        record: ReplyTokens | None,
+        session_args: dict[str, Any],
+    ) -> Stream:
+        """Start ``call`` on the tenant's session whose cache shares most of ``prompt`` (owned
+        from here), or on a new one; keep it for the next calls."""
+        keep = not (session_args.get("share_prefix", True) is False and tenant is None)
         with self._lock:
             try:
                 session = self._take(tenant, prompt.items, session_args) if keep else None
@@ -86,8 +118,8 @@ class StatelessSessions:
                 if record is not None:
                     session.replies = record  # its prompts splice only its tenant's replies
                 session.looks_ahead = keep  # else nothing will follow: decode nothing ahead
-                session.messages = history
-                stream = session.start(said, options, prompt, tools)  # the stream owns prompt now
+                session.messages = call.history
+                stream = session.start(call.said, call.options, prompt, call.tools)  # owns prompt now
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 raise
@@ -96,6 +128,16 @@ class StatelessSessions:
                 self._tenants[session] = tenant
                 self._evict()
             return stream
+
+    def _kept_record(self, tenant: str | None, session_args: Mapping[str, Any]) -> ReplyTokens | None:
+        """The replies a call kept apart may splice (its tenant's, or none of anyone's without a
+        tenant); None for a call that shares."""
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+        if session_args.get("share_prefix", True) is not False:  # (a non-bool: Session refuses it)
+            return None
+        with self._lock:
+            return self._record(tenant) if tenant is not None else ReplyTokens(capacity=256)
 
     def _record(self, tenant: str | None) -> ReplyTokens:
         """The replies a tenant's kept-apart calls generated, for splicing its next prompts
