@@ -230,8 +230,6 @@ class IsolatedModel:
         )
 
     def complete_stream(self, prompt: str, options: GenerationOptions | None = None, **kw: Any) -> Stream:
-        if not isinstance(prompt, str):  # (checked again in the worker; refused before pickling)
-            raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         options, schema_class = portable(options)
         return IsolatedStream(self, None, self._call("complete_stream", prompt, options, kw), schema_class)
 
