@@ -11,13 +11,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from llama_cffi import lib_dir
 
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.native.llama import build_commit
+from llmsession.native.sampler import Sampler
+from llmsession.options import GenerationOptions
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
+    from llmsession.native.constraints import Constraint
 
 PEER_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_peer.py"  # (in the repository)
 
@@ -129,3 +136,20 @@ def batched_bench(exe: Path, model_path: Path, threads: int, *options: str) -> d
         return run
     rows = [json.loads(line) for line in run["stdout"].splitlines() if line.startswith("{")]
     return {"rows": rows, "command": run["command"]}
+
+
+def mask_cost(model: Model, constraint: Constraint, text: str) -> float:
+    """Milliseconds per token to compute ``constraint``'s mask and apply it to a logits row,
+    walking its matcher along ``text``'s tokens: what a constrained step adds to the decode."""
+    n_vocab = model.native.n_vocab
+    guide = constraint.sampler(Sampler.from_options(GenerationOptions(), n_vocab=n_vocab, last_n=0), n_vocab)
+    logits, spent = np.zeros(n_vocab, np.float32), 0.0
+    tokens = model.tokenize(text, add_special=False)
+    for token in tokens:
+        began = time.perf_counter()
+        guide.restrict(logits)
+        spent += time.perf_counter() - began
+        if not guide.matcher.consume_token(token):
+            break
+    guide.close()
+    return 1000 * spent / max(1, len(tokens))

@@ -14,12 +14,17 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int
-from llmsession.commands.bench.common import common_arguments, machine, progress, publish, run_worker, table
-from llmsession.native.sampler import Sampler
+from llmsession.commands.bench.common import (
+    common_arguments,
+    machine,
+    mask_cost,
+    progress,
+    publish,
+    run_worker,
+    table,
+)
 from llmsession.options import GenerationOptions
 
 CASES: dict[str, dict[str, Any]] = {
@@ -71,23 +76,11 @@ def ours(model: Model, ask: str, schema: dict[str, Any] | None, max_tokens: int)
     }
 
 
-def mask_cost(model: Model, schema: dict[str, Any], text: str) -> float:
-    """Milliseconds per token to compute llguidance's mask and apply it to a logits row, walking
-    the matcher along ``text``'s tokens: what a constrained step adds to the decode."""
+def schema_mask_cost(model: Model, schema: dict[str, Any], text: str) -> float:
+    """A JSON schema's mask cost per token along ``text`` (a reply that holds to it)."""
     constraint = model.local.constraint(GenerationOptions(json_schema=schema))
     assert constraint is not None
-    n_vocab = model.native.n_vocab
-    guide = constraint.sampler(Sampler.from_options(GenerationOptions(), n_vocab=n_vocab, last_n=0), n_vocab)
-    logits, spent = np.zeros(n_vocab, np.float32), 0.0
-    tokens = model.tokenize(text, add_special=False)
-    for token in tokens:
-        began = time.perf_counter()
-        guide.restrict(logits)
-        spent += time.perf_counter() - began
-        if not guide.matcher.consume_token(token):
-            break
-    guide.close()
-    return 1000 * spent / max(1, len(tokens))
+    return mask_cost(model, constraint, text)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,7 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     schema = case["schema"] if kind == "schema" else None
                     runs[kind].append(ours(model, case["ask"], schema, args.max_tokens))
             results["ours"][name] = runs
-            results.setdefault("mask", {})[name] = mask_cost(model, case["schema"], runs["schema"][0]["text"])
+            results.setdefault("mask", {})[name] = schema_mask_cost(
+                model, case["schema"], runs["schema"][0]["text"]
+            )
     if args.peer:
         progress(f"structured: peer {args.peer}", started)
         config = {"mode": "structured", "model": str(args.model), "threads": results["machine"]["threads"]}

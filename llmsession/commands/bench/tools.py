@@ -18,13 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from llmsession.api.model import Model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.commands.bench.common import machine, progress, publish, table
-from llmsession.native.sampler import Sampler
+from llmsession.commands.bench.common import machine, mask_cost, progress, publish, table
 from llmsession.options import GenerationOptions
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import options_tools
@@ -86,7 +83,7 @@ def speed(model: Model, repeats: int, max_tokens: int) -> dict[str, Any]:
                 raise RuntimeError(f"the story made a call: {reply.tool_calls}")
             rates[choice].append(reply.timings.generation_tokens_per_s)
             rates["tokens"], rates["text"] = reply.usage.completion_tokens, reply.text
-    rates["mask_ms"] = mask_cost(model, rates["text"] or STORY)
+    rates["mask_ms"] = auto_mask_cost(model, rates["text"] or STORY)
     return rates
 
 
@@ -118,25 +115,13 @@ def conversation(model: Model, turns: int) -> dict[str, int]:
     return counts
 
 
-def mask_cost(model: Model, text: str) -> float:
-    """Milliseconds per token to compute and apply the "auto" constraint's mask along ``text``
-    (a reply that stays text): what the constraint adds to each decode step."""
+def auto_mask_cost(model: Model, text: str) -> float:
+    """The "auto" constraint's mask cost per token along ``text`` (a reply that stays text)."""
     options = GenerationOptions(tools=TOOLS)
     ids = CallIds(model.local.tool_format())
     constraint = model.local.constraint(options, options_tools(options), [ids(k) for k in range(8)])
     assert constraint is not None
-    n_vocab = model.native.n_vocab
-    guide = constraint.sampler(Sampler.from_options(GenerationOptions(), n_vocab=n_vocab, last_n=0), n_vocab)
-    logits, spent = np.zeros(n_vocab, np.float32), 0.0
-    tokens = model.tokenize(text, add_special=False)
-    for token in tokens:
-        began = time.perf_counter()
-        guide.restrict(logits)
-        spent += time.perf_counter() - began
-        if not guide.matcher.consume_token(token):
-            break
-    guide.close()
-    return 1000 * spent / max(1, len(tokens))
+    return mask_cost(model, constraint, text)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
