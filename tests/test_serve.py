@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
+import io
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -11,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +26,8 @@ import openai
 import pytest
 import uvicorn
 
-from llmsession import Model
-from llmsession.serve.app import create_app
+from llmsession import MemoryBudgetError, Model, ModelClosedError
+from llmsession.serve.app import PARSERS, Server, create_app
 
 KEY, OTHER_KEY = "sk-alpha", "sk-beta"
 BODY_LIMIT = 1 << 20
@@ -46,6 +51,8 @@ class Served:
     model: Model
     url: str  # .../v1
     name: str
+    server: Server
+    key: str | None = KEY
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=60)
@@ -55,10 +62,14 @@ class Served:
         return httpx.Client(base_url=self.url.removesuffix("/v1"), headers=headers, timeout=60)
 
     def metrics(self) -> str:
-        with self.http() as http:
+        with self.http(self.key) as http:
             response = http.get("/metrics")
         assert response.status_code == 200
         return response.text
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/")[0])
 
 
 def metric(text: str, name: str) -> float:
@@ -69,24 +80,89 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
+@contextlib.contextmanager
+def running(app: Any) -> Iterator[str]:
+    """``app`` on uvicorn on a free port, in a thread: its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
 @pytest.fixture(scope="module")
 def served(smollm2_path: Path) -> Iterator[Served]:
     with Model(smollm2_path, threads=1) as model:
         app = create_app(model, api_key=[KEY, OTHER_KEY], max_body_bytes=BODY_LIMIT)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield Served(model, f"http://127.0.0.1:{port}/v1", app.state.server.model_name)
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server)
+
+
+@pytest.fixture(scope="module")
+def narrow(smollm2_path: Path) -> Iterator[Served]:
+    """One live session, one request may wait: a second request queues, a third is a 503."""
+    with Model(smollm2_path, threads=1, max_live_sessions=1) as model:
+        app = create_app(model, queue=1)
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server, key=None)
+
+
+@dataclass
+class Faulty:
+    """The served model, but for requests whose last message says so: HOLD waits for ``go``
+    (holding its place), BUDGET finds the memory budget full (``budget`` times), BUG fails as a
+    bug in the server would. Every stream it makes is kept, with its decoded count when it
+    was first cancelled."""
+
+    model: Model
+    go: threading.Event = field(default_factory=threading.Event)
+    holding: int = 0
+    budget: int = 1
+    streams: list[Any] = field(default_factory=list)
+    cancelled_at: dict[int, int] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def chat_stream(self, messages: Any, options: Any = None, **args: Any) -> Any:
+        text = str(messages[-1]["content"])
+        if "HOLD" in text:
+            self.holding += 1
+            assert self.go.wait(60)
+        if "BUDGET" in text and self.budget > 0:
+            self.budget -= 1
+            raise MemoryBudgetError("sessions 3 and 7 hold 8100 of 8192 KV cells")
+        if "BUG" in text:
+            raise ValueError("/srv/llmsession/secret-state.bin: the engine's state is 42")
+        stream = self.model.chat_stream(messages, options, **args)
+        cancel, index = stream.cancel, len(self.streams)
+
+        def counted() -> None:
+            self.cancelled_at.setdefault(index, len(stream.exchange.tokens))
+            cancel()
+
+        stream.cancel = counted
+        self.streams.append(stream)
+        return stream
+
+
+@pytest.fixture
+def faulty(served: Served, monkeypatch: pytest.MonkeyPatch) -> Iterator[Faulty]:
+    fault = Faulty(served.model)
+    monkeypatch.setattr(served.server.host, "model", fault)
+    yield fault
+    fault.go.set()
 
 
 def ask(served: Served, text: str, **extra: Any) -> Any:
@@ -256,6 +332,29 @@ def test_n_choices(served: Served) -> None:
     assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
 
 
+def test_n_choices_fork_one_prefill(served: Served) -> None:
+    """The prompt is decoded once; each choice starts from a fork of it (all but the last
+    prompt token shared, not decoded again). Before, each choice prefilled the prompt alone."""
+    cached = "llmsession_cached_prompt_tokens_total"
+    before = metric(served.metrics(), cached)
+    question = "You are a careful naturalist. List three animals of the Arctic and say why they thrive."
+    reply = ask(served, question, n=3, temperature=0.9, seed=5, max_tokens=4, user="forks")
+    prompt = reply.usage.prompt_tokens
+    assert len(reply.choices) == 3 and prompt > 20
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # a new tenant: the prefill's
+    shared = metric(served.metrics(), cached) - before
+    assert shared >= 3 * (prompt - 1), (shared, prompt)
+
+
+def test_n_past_the_live_sessions_is_a_400_naming_the_limit(narrow: Served) -> None:
+    with narrow.http(key=None) as http:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 2}
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "n" and "at most 1" in error["message"]
+
+
 def test_concurrent_requests_decode_in_one_batch(served: Served) -> None:
     batcher = served.model.local.engine.batcher
     batches, steps = batcher.batches, batcher.steps
@@ -335,7 +434,9 @@ def wait_for(predicate: Any, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_client_that_goes_away_cancels_its_exchange(served: Served) -> None:
+def test_a_client_that_goes_away_cancels_its_exchange(served: Served, faulty: Faulty) -> None:
+    """The server's decoded tokens stop growing once it sees the client gone: at most two
+    past the count when it cancelled, and none more after."""
     before = served.metrics()
     cancelled = 'llmsession_replies_total{finish_reason="cancelled"}'
     body = {
@@ -343,18 +444,210 @@ def test_a_client_that_goes_away_cancels_its_exchange(served: Served) -> None:
         "max_tokens": 1000,
         "temperature": 0,
         "stream": True,
+        "user": "dragon",
     }
     with served.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(12)]  # (6 events, their blank lines between)
     assert any('"content"' in line for line in received)
+    (stream,) = faulty.streams
+    wait_for(lambda: stream.reply is not None)
+    decoded = len(stream.exchange.tokens)
+    time.sleep(0.5)
+    assert len(stream.exchange.tokens) == decoded and stream.reply.finish_reason == "cancelled"
+    assert decoded <= faulty.cancelled_at[0] + 2, (decoded, faulty.cancelled_at)
+    assert stream.reply.usage.completion_tokens == decoded < 1000
     wait_for(lambda: metric(served.metrics(), cancelled) > metric(before, cancelled))
-    after = served.metrics()
-    generated = metric(after, "llmsession_completion_tokens_total") - metric(
-        before, "llmsession_completion_tokens_total"
-    )
-    assert generated < 100, generated  # stopped soon after the client left, not at 1000
     assert ask(served, "Hi").choices[0].message.content  # and the server goes on
+
+
+def post_in_thread(served: Served, results: dict[str, Any], name: str, **body: Any) -> threading.Thread:
+    def post() -> None:
+        with served.http(served.key) as http:
+            results[name] = http.post("/v1/chat/completions", json={"max_tokens": 2, **body})
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread
+
+
+def said(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_full_server_is_a_503_with_retry_after(narrow: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    fault = Faulty(narrow.model)
+    monkeypatch.setattr(narrow.server.host, "model", fault)
+    admission, results = narrow.server.admission, {}
+    try:
+        held = post_in_thread(narrow, results, "held", messages=said("HOLD: hi"), user="a")
+        wait_for(lambda: fault.holding == 1)
+        queued = post_in_thread(narrow, results, "queued", messages=said("Hi"), user="b")
+        wait_for(lambda: admission.waiting == 1)
+        with narrow.http(key=None) as http:
+            refused = http.post("/v1/chat/completions", json={"messages": said("Hi"), "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+    finally:
+        fault.go.set()
+    held.join(60)
+    queued.join(60)
+    assert results["held"].status_code == 200 == results["queued"].status_code
+    status = 'llmsession_requests_total{path="/v1/chat/completions",status="503"}'
+    assert metric(narrow.metrics(), status) >= 1
+
+
+def test_a_client_that_leaves_the_queue_gives_its_place_up(
+    narrow: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fault = Faulty(narrow.model)
+    monkeypatch.setattr(narrow.server.host, "model", fault)
+    admission, results = narrow.server.admission, {}
+    try:
+        held = post_in_thread(narrow, results, "held", messages=said("HOLD: hello"), user="a")
+        wait_for(lambda: fault.holding == 1)
+        body = json.dumps({"messages": said("Hi"), "max_tokens": 2}).encode()
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        with socket.create_connection(("127.0.0.1", narrow.port)) as client:
+            client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_for(lambda: admission.waiting == 1)
+        wait_for(lambda: admission.waiting == 0, 10)  # while the request ahead still runs
+        assert held.is_alive() and admission.used == 1
+    finally:
+        fault.go.set()
+    held.join(60)
+    assert results["held"].status_code == 200 and admission.used == 0
+
+
+def test_a_full_memory_budget_is_retried_behind_the_running_requests(served: Served, faulty: Faulty) -> None:
+    admission, results = served.server.admission, {}
+    held = post_in_thread(served, results, "held", messages=said("HOLD: a haiku"), user="holder")
+    wait_for(lambda: faulty.holding == 1)
+    retried = post_in_thread(served, results, "retried", messages=said("BUDGET: a poem"), user="retried")
+    wait_for(lambda: admission.waiting == 1)  # it found the budget full and waits, not a 503
+    assert faulty.budget == 0 and "retried" not in results
+    faulty.go.set()
+    held.join(60)
+    retried.join(60)
+    assert results["held"].status_code == 200 == results["retried"].status_code
+
+
+@contextlib.contextmanager
+def logged() -> Iterator[list[logging.LogRecord]]:
+    """The records of the server's logger and of uvicorn's (which logs what a route raises)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [logging.getLogger("llmsession.serve"), logging.getLogger("uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def test_an_internal_error_is_a_logged_500_that_tells_nothing(served: Served, faulty: Faulty) -> None:
+    status = 'llmsession_requests_total{path="/v1/chat/completions",status="500"}'
+    before = metric(served.metrics(), status)
+    with logged() as records, served.http() as http:
+        response = http.post("/v1/chat/completions", json={"messages": said("BUG: hi"), "max_tokens": 2})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["message"] == "the server failed to answer this request" and error["type"] == "server_error"
+    assert "secret" not in response.text and "42" not in response.text
+    (record,) = [r for r in records if r.levelno >= logging.ERROR]
+    assert record.exc_info is not None and "secret-state" in str(record.exc_info[1])
+    assert metric(served.metrics(), status) == before + 1
+
+
+def test_a_route_error_is_counted_and_logged_as_the_client_sees_it(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raised in the route itself, not in a run: the counters see the status the client got,
+    and the traceback of a bug is logged once (uvicorn logs nothing of it)."""
+    admission = served.server.admission
+
+    async def closing(count: int, *, behind: bool = False) -> int:
+        raise ModelClosedError("the model was closed")
+
+    async def broken(count: int, *, behind: bool = False) -> int:
+        raise RuntimeError("/srv/secret: a bug")
+
+    chat = '"/v1/chat/completions",status="{}"'
+    before = served.metrics()
+    with logged() as records, served.http() as http:
+        monkeypatch.setattr(admission, "acquire", closing)
+        first = http.post("/v1/chat/completions", json={"messages": said("Hi")})
+        monkeypatch.setattr(admission, "acquire", broken)
+        second = http.post("/v1/chat/completions", json={"messages": said("Hi")})
+    assert first.status_code == 503 and first.json()["error"]["code"] == "shutting_down"
+    assert second.status_code == 500 and "secret" not in second.text
+    after = served.metrics()
+    for status, more in (("503", 1), ("500", 1)):
+        name = "llmsession_requests_total{path=" + chat.format(status) + "}"
+        assert metric(after, name) == metric(before, name) + more, status
+    assert [r.name for r in records if r.levelno >= logging.ERROR] == ["llmsession.serve"]
+
+
+def test_a_long_user_and_too_many_images_are_400s(served: Served) -> None:
+    import PIL.Image
+
+    encoded = io.BytesIO()
+    PIL.Image.new("RGB", (8, 8)).save(encoded, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    image = {"type": "image_url", "image_url": {"url": url}}
+    bodies = [
+        ({"messages": said("Hi"), "user": "u" * 257}, "user"),
+        ({"messages": [{"role": "user", "content": [image] * 9}]}, "at most 8 images"),
+    ]
+    with served.http() as http:
+        for body, named in bodies:
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            assert named in response.json()["error"]["message"]
+
+
+def test_bodies_are_checked_off_the_event_loop_a_few_at_a_time(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, real = served.server, served.server.checked
+    lock, go = threading.Lock(), threading.Event()
+    active, most, on_loop = [0], [0], []
+
+    def checked(body: bytes) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            assert go.wait(60)
+            return real(body)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(server, "checked", checked)
+    results: dict[str, Any] = {}
+    threads = [
+        post_in_thread(served, results, str(i), messages=said(f"Hi {i}"), max_tokens=1, user=f"p{i}")
+        for i in range(PARSERS + 3)
+    ]
+    try:
+        wait_for(lambda: active[0] == PARSERS)
+        time.sleep(0.3)  # (more would have come in by now: the bound holds whatever the speed)
+        assert most[0] == PARSERS
+    finally:
+        go.set()
+    for thread in threads:
+        thread.join(60)
+    assert [r.status_code for r in results.values()] == [200] * (PARSERS + 3)
+    assert on_loop == [False] * (PARSERS + 3)
 
 
 def test_metrics_count_requests_tokens_and_sessions(served: Served) -> None:
@@ -424,4 +717,6 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
         if server.poll() is None:
             server.kill()
             server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
     assert list(tmp_path.iterdir()) == []

@@ -4,15 +4,25 @@ and stream chunks, the error bodies, the counters and the admission queue. No mo
 from __future__ import annotations
 
 import asyncio
+import base64
+import hmac
 import json
+import logging
+import struct
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
-from llmsession import GrammarError, MemoryBudgetError, TemplateError
+from llmsession import GrammarError, MemoryBudgetError, SessionBusyError, TemplateError
+from llmsession.commands.serve import CancelledDecodes
 from llmsession.options import INT32_MAX
 from llmsession.replies import Reply, Snapshot, Timings, ToolCall, ToolCallDelta, Usage
 from llmsession.serve import sse
+from llmsession.serve.app import create_app, digest
 from llmsession.serve.errors import RequestError, from_library
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
@@ -120,7 +130,7 @@ BAD = [
     ({"messages": HI, "max_tokens": 0}, "max_tokens"),
     ({"messages": HI, "max_tokens": "8"}, "max_tokens"),
     ({"messages": HI, "max_completion_tokens": 1.5}, "max_completion_tokens"),
-    ({"messages": HI, "seed": -1}, "seed"),
+    ({"messages": HI, "seed": "7"}, "seed"),
     ({"messages": HI, "stop": 5}, "stop"),
     ({"messages": HI, "stop": ["a", ""]}, "stop"),
     ({"messages": HI, "n": 9}, "n"),
@@ -164,7 +174,6 @@ def test_library_errors_map_to_statuses() -> None:
     statuses = {
         TemplateError("no"): 400,
         GrammarError("bad schema"): 400,
-        ValueError("bad option"): 400,
         MemoryBudgetError("full"): 503,
     }
     for error, status in statuses.items():
@@ -172,7 +181,114 @@ def test_library_errors_map_to_statuses() -> None:
         assert mapped is not None and mapped.status == status, error
     busy = from_library(MemoryBudgetError("full"))
     assert busy is not None and busy.headers() == {"Retry-After": "1"}
-    assert from_library(RuntimeError("a bug")) is None  # a logged 500, not the client's fault
+    # Requests are checked before they run: what comes out of a run unmapped is the server's
+    # bug, a logged 500 whose text (paths, state) the client never sees.
+    for bug in (
+        RuntimeError("a bug"),
+        ValueError("/srv/secret: bad state"),
+        TypeError("x"),
+        SessionBusyError(),
+    ):
+        assert from_library(bug) is None, bug
+
+
+def test_a_full_budget_says_nothing_of_other_tenants() -> None:
+    mapped = from_library(MemoryBudgetError("sessions 3, 7 hold 8100 of 8192 KV cells"))
+    assert mapped is not None and mapped.status == 503
+    assert "8100" not in mapped.message and "sessions" not in mapped.message
+
+
+NOWHERE = {"name": "nowhere"}
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+CHECKED_UP_FRONT = [  # each used to pass the schema and fail only inside the run
+    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"messages": HI, "tools": [WEATHER, WEATHER]}, "tools"),
+    ({"messages": HI, "tools": [WEATHER] * 129}, "tools"),
+    (
+        {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+        "tool_choice",
+    ),
+    ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "tool", "tool_call_id": "c9", "content": "x"}]}, "messages"),
+    ({"messages": [*HI, {"role": "assistant", "content": "Hello"}]}, "messages"),
+    ({"messages": HI * 1025}, "messages"),
+    ({"messages": HI, "stop": ["a"] * 17}, "stop"),
+    ({"messages": HI, "stop": ["é" * 513]}, "stop"),
+    ({"messages": HI, "user": "u" * 257}, "user"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), CHECKED_UP_FRONT)
+def test_what_the_library_would_refuse_is_refused_before_anything_runs(
+    body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        chat_request(body)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value
+
+
+def test_answered_calls_and_long_users_within_the_limits_pass() -> None:
+    calls = [*HI, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]
+    asked = chat_request({"messages": [*calls, {"role": "tool", "tool_call_id": "c1", "content": "x"}]})
+    assert asked.messages[-1]["role"] == "tool"
+    assert chat_request({"messages": HI, "user": "u" * 256, "stop": ["é" * 512] * 16}).user == "u" * 256
+
+
+def test_logprobs_off_and_any_seed_are_accepted() -> None:
+    assert chat_request({"messages": HI, "logprobs": False, "top_logprobs": 0}).options.seed is None
+    for seed in (-1, 2**32 - 1, 2**64 + 5, 1e20):
+        options = chat_request({"messages": HI, "seed": seed}).options
+        assert options.seed is not None and 0 <= options.seed < 0xFFFFFFFF, seed
+    assert chat_request({"messages": HI, "seed": 7}).options.seed == 7
+
+
+def test_a_lone_surrogate_is_a_400_naming_its_field() -> None:
+    for body in (
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}',
+    ):
+        with pytest.raises(RequestError) as caught:
+            parse_json(body)
+        assert caught.value.param == "messages[0].content", caught.value
+        assert "codec" not in caught.value.message and "messages[0].content" in caught.value.message
+    with pytest.raises(RequestError) as caught:
+        parse_json(b'{"tools": [{"\\udfff": 1}]}')
+    assert caught.value.param == "a key of tools[0]"
+    paired = parse_json(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert chat_request(paired).messages[0]["content"] == "\U0001f600"
+
+
+def png(width: int, height: int) -> str:
+    """A data: URL of a PNG header that says ``width``×``height`` (no pixels: it is never decoded)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def images(*urls: str) -> dict[str, Any]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, *parts]}]}
+
+
+def test_images_are_bounded_in_number_and_size() -> None:
+    assert len(chat_request(images(*[png(64, 64)] * 8)).messages[0]["content"]) == 9
+    assert chat_request(images(png(4096, 4096))).messages  # 16.8 MP: the limit itself
+    refused = [
+        (images(*[png(64, 64)] * 9), "at most 8 images"),
+        (images(png(5000, 4000)), "at most 16777216 pixels"),
+        (images(png(60000, 60000)), "at most 16777216 pixels"),  # past PIL's own bomb limit
+        (images("data:image/png;base64,bm90IGFuIGltYWdl"), "not a readable image"),
+        (images("data:image/png,rawbytes"), "base64"),
+        (images("file:///etc/passwd"), "data: URL"),
+    ]
+    for body, message in refused:
+        with pytest.raises(RequestError) as caught:
+            chat_request(body)
+        assert message in caught.value.message and caught.value.param, caught.value
 
 
 def reply(text: str = "Hello", finish: Any = "stop", calls: tuple[ToolCall, ...] = ()) -> Reply:
@@ -284,3 +400,72 @@ def test_error_bodies_are_json() -> None:
     assert json.loads(json.dumps(error.body())) == {
         "error": {"message": "nope", "type": "invalid_request_error", "param": "n", "code": "bad"}
     }
+
+
+def test_a_retry_waits_behind_the_requests_running() -> None:
+    async def scenario() -> None:
+        admission = Admission(limit=4, queue=2)
+        with pytest.raises(RequestError) as caught:  # nobody runs: nothing will free memory
+            await admission.acquire(1, behind=True)
+        assert caught.value.status == 503
+        assert await admission.acquire(1) == 1
+        retry = asyncio.create_task(admission.acquire(1, behind=True))
+        await asyncio.sleep(0)
+        assert not retry.done() and admission.waiting == 1  # room in sequences is not enough
+        admission.release(1)
+        assert await retry == 1 and admission.used == 1 and admission.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def fake_model(live: int = 2) -> Any:
+    memory = SimpleNamespace(max_live_sessions=live)
+    return SimpleNamespace(memory=lambda: memory, closed=False, path=Path("m.gguf"), mmproj_path=None)
+
+
+def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is compared has one length whatever was sent, so the time says nothing of a key's
+    length; the tenant is a digest of the key and the user."""
+    server = create_app(fake_model(), api_key=["sk-short", "sk-" + "long" * 50]).state.server
+    compared: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+
+    def request(token: str) -> Request:
+        return Request({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode())]})
+
+    key = server.authorize(request("sk-short"))
+    assert key is not None and "sk-short" not in key
+    for token in ("x", "sk-shor", "y" * 5000):
+        with pytest.raises(RequestError):
+            server.authorize(request(token))
+    assert compared and set(compared) == {(32, 32)}
+    assert digest(key, "u" * 256) != digest(key, "v") and len(digest(key, "u" * 256)) == 64
+    assert digest(None, "a") != digest("a", None)
+
+
+def test_errors_of_a_cancelled_decode_are_demoted() -> None:
+    logger = logging.getLogger("llmsession.native.test-filter")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    logger.addFilter(CancelledDecodes())
+    logger.propagate = False
+    try:
+        logger.error("graph_compute: ggml_backend_sched_graph_compute_async failed with error 1")
+        logger.error("process_ubatch: failed to compute graph, compute status: 1")
+        logger.warning("decode: removing memory module entries for seq_id = 0, pos = [0, +inf)")
+        logger.error("llama_decode: failed to decode, ret = 2")
+        assert records == []  # (the logger is not enabled for debug)
+        logger.warning("decode: removing memory module entries for seq_id = 1, pos = [5, +inf)")
+        logger.error("graph_compute: ggml_backend_sched_graph_compute_async failed with error -1")
+        logger.error("llama_decode: failed to decode, ret = -3")
+        assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR, logging.ERROR]
+    finally:
+        logger.removeHandler(handler)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.disk_cache_dir is not None:
         settings["disk_cache_dir"] = args.disk_cache_dir
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("llmsession.native").addFilter(CancelledDecodes())
     try:
         with Model(model_path, **settings) as model:
             app = create_app(
@@ -71,6 +73,30 @@ def serve(args: argparse.Namespace) -> int:
         error(str(e))
         return 1
     return 0
+
+
+class CancelledDecodes(logging.Filter):
+    """llama.cpp's errors about a decode the server stopped on purpose (a client gone, a server
+    stopping), demoted to debug: the bindings demote them only when their Python abort check
+    stopped the decode, and a decode outside the main thread is stopped by the native check.
+    Only the abort callback makes a graph's status 1 (``GGML_STATUS_ABORTED``) and a decode's
+    ret 2; the memory entries removed between those lines are the aborted batch's."""
+
+    ABORTED = re.compile(r"failed with error 1$|compute status: 1$|failed to (de|en)code, ret = 2$")
+    REMOVING = "removing memory module entries"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aborting = threading.local()  # (llama.cpp logs in the thread that decodes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.ABORTED.search(message):
+            self._aborting.on = "ret = 2" not in message  # (the decode's own line comes last)
+        elif not (getattr(self._aborting, "on", False) and self.REMOVING in message):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
 def quiet_exit(base: type[uvicorn.Server]) -> type[uvicorn.Server]:

@@ -1,71 +1,52 @@
 """The Starlette application of ``llmsession serve``: OpenAI's chat completions on a model.
 
-Every request goes through the model's stateless routing (``Model.chat_stream``), so a client
-that resends its history decodes only the new turn; its tenant is its API key and its ``user``,
-with ``share_prefix=False``, so two tenants never share cells (one's timings tell nothing of
-another's prompts). Each choice decodes in a thread of its own (``runner``): concurrent requests
-are batched by the engine, and the event loop never waits for a decode. A client that goes away
-cancels its exchange within a token.
+The routes authorize, read and check a request (``schema``, in a worker thread, a few at a time:
+a large body is neither parsed on the event loop nor held by many requests at once), then hand
+it to ``chat.Call``. Every error a route raises becomes its response inside the route, so the
+counters (``Counting``) see the status the client gets, and it is logged once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import hashlib
 import hmac
-import json
-import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmsession.options import INT32_MAX
-from llmsession.replies import Reply
-from llmsession.serve import sse
-from llmsession.serve.errors import RequestError, from_library, internal
+from llmsession.serve.chat import Call, Host, explain
+from llmsession.serve.errors import RequestError
 from llmsession.serve.metrics import Metrics
-from llmsession.serve.runner import Admission, Choices, Event
+from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, parse_json
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
-    from llmsession.runtime.stream import Stream
 
-log = logging.getLogger("llmsession.serve")
 MAX_BODY_BYTES = 8 << 20
+PARSERS = 4  # requests reading or checking their body at once
 PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the response began."""
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def error_response(error: RequestError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers())
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events; ``on_close`` runs however the response ends (a finished stream, a
-    client gone, a server stopping), so the exchanges behind it never outlive it."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
+def digest(*parts: str | None) -> str:
+    """A tenant's name: a sha256 of its key's digest and its ``user`` (bounded, whatever the
+    user sent; the library keeps records by tenant)."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 class Counting:
@@ -94,7 +75,8 @@ class Counting:
 
 
 class Server:
-    """What the routes share: the model, its name, the keys, the counters and the admission."""
+    """What the routes share: the host of the calls (model, admission, counters), the keys'
+    digests, the body limit."""
 
     def __init__(
         self,
@@ -106,24 +88,30 @@ class Server:
         queue: int,
         session_args: dict[str, Any],
     ) -> None:
-        self.model, self.model_name = model, model_name
-        self.keys = [key.encode() for key in api_keys]
-        self.max_body_bytes, self.session_args = max_body_bytes, session_args
-        self.metrics = Metrics()
-        self.admission = Admission(model.memory().max_live_sessions, queue)
+        admission = Admission(model.memory().max_live_sessions, queue)
+        self.host = Host(model, model_name, session_args, admission)
+        self.model, self.model_name, self.metrics = model, model_name, self.host.metrics
+        self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+        self.max_body_bytes = max_body_bytes
+        self.parsing = asyncio.Semaphore(PARSERS)
         self.created = int(time.time())
 
+    @property
+    def admission(self) -> Admission:
+        return self.host.admission
+
     def authorize(self, request: Request) -> str | None:
-        """Who is calling: a digest of the key it presented (None without keys); else a 401.
-        Every key is compared, in constant time."""
+        """Who is calling: its key's digest (None without keys); else a 401. Digests are
+        compared, so the time taken says nothing of a key's length; every key is compared."""
         if not self.keys:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         token = given.strip().encode() if scheme.lower() == "bearer" else b""
-        matched = [hmac.compare_digest(token, key) for key in self.keys]
+        presented = hashlib.sha256(token).digest()
+        matched = [hmac.compare_digest(presented, key) for key in self.keys]
         if not any(matched):
             raise RequestError("invalid or missing API key", None, "invalid_api_key", 401)
-        return hashlib.sha256(self.keys[matched.index(True)]).hexdigest()[:16]
+        return self.keys[matched.index(True)].hex()
 
     async def body(self, request: Request) -> bytes:
         """The request body, refused (413) past the size limit before it is all read."""
@@ -173,6 +161,7 @@ class Server:
         }
 
     async def metrics_text(self, request: Request) -> Response:
+        """The counters: the whole server's, whichever key asks (``README``)."""
         self.authorize(request)
         states: list[str] = []
         if not self.model.closed:
@@ -191,130 +180,41 @@ class Server:
         )
 
     async def chat(self, request: Request) -> Response:
-        tenant_key = self.authorize(request)
-        asked = chat_request(parse_json(await self.body(request)), INT32_MAX)
-        tenant = json.dumps([tenant_key, asked.user])
-        weight = await self.admission.acquire(asked.n)
-        self.metrics.flight(1)
-
-        def released() -> None:
-            self.admission.release(weight)
-            self.metrics.flight(-1)
-
-        try:
-            choices = Choices(asked.n, lambda i: self.start(asked, i, tenant), self.metrics.reply, released)
-        except BaseException:
-            released()
-            raise
-        try:
-            return await self.answer(request, asked, choices)
-        except ClientGone:
-            return Response(status_code=499)  # (nobody reads it)
-        except BaseException:
-            choices.cancel()
-            raise
-
-    def start(self, asked: ChatRequest, index: int, tenant: str) -> Stream:
-        """Choice ``index``'s stream (in its thread): the request's options, its seed moved on
-        by the index so the choices differ."""
-        options = asked.options
-        if index and options.seed is not None:
-            options = dataclasses.replace(options, seed=(options.seed + index) % 0xFFFFFFFF)
-        return self.model.chat_stream(
-            asked.messages, options, tenant=tenant, share_prefix=False, **self.session_args
-        )
-
-    async def answer(self, request: Request, asked: ChatRequest, choices: Choices) -> Response:
-        """The first event of every choice decides the status: an error before any token is
-        the request's error; else the whole reply, or a stream of it."""
-        first = await until(request, choices, whole=not asked.stream)
-        failed = next((e.error for e in first if e.error is not None), None)
-        if failed is not None:
-            choices.cancel()
-            raise self.explain(failed)
-        completion = sse.Completion(self.model_name, asked.include_usage)
-        if not asked.stream:
-            replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
-            return JSONResponse(completion.body([e.reply for e in replies if e.reply is not None]))
-        return EventStream(self.events(choices, first, completion), choices.cancel)
-
-    async def events(
-        self, choices: Choices, first: list[Event], completion: sse.Completion
-    ) -> AsyncIterator[bytes]:
-        """The SSE body: every choice's role, then its pieces as they come, its finish, the
-        usage if asked, ``[DONE]``. An error mid-stream is an error event (and is logged if it
-        is the server's)."""
-        replies: dict[int, Reply] = {}
-        pending = list(first)
-        try:
-            for index in range(choices.n):
-                yield sse.event(completion.opening(index))
-            while len(replies) < choices.n:
-                event = pending.pop(0) if pending else await choices.queue.get()
-                if event.error is not None:
-                    yield sse.event(self.explain(event.error).body())
-                    break
-                if event.snapshot is not None:
-                    for chunk in completion.pieces(event.index, event.snapshot):
-                        yield sse.event(chunk)
-                elif event.reply is not None:
-                    replies[event.index] = event.reply
-                    yield sse.event(completion.finish(event.index, event.reply))
-            else:
-                if completion.include_usage:
-                    yield sse.event(completion.usage_chunk([replies[i] for i in range(choices.n)]))
-            yield sse.DONE
-        finally:
-            choices.cancel()
+        key = self.authorize(request)
+        async with self.parsing:  # (a few bodies in memory at once; parsed off the event loop)
+            body = await self.body(request)
+            asked = await asyncio.to_thread(self.checked, body)
+        limit = self.admission.limit
+        if asked.n > limit:
+            raise RequestError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
+        return await Call(self.host, request, asked, digest(key, asked.user)).respond()
 
     @staticmethod
-    def explain(error: BaseException) -> RequestError:
-        """A library error as the client sees it; an unexpected one logged with its traceback."""
-        known = from_library(error)
-        if known is None:
-            log.error("a request failed", exc_info=error)
-            return internal()
-        return known
+    def checked(body: bytes) -> ChatRequest:
+        return chat_request(parse_json(body), INT32_MAX)
 
 
-async def until(request: Request, choices: Choices, *, whole: bool) -> list[Event]:
-    """Events of ``choices`` until every choice sent its first (or, ``whole``, its last) or one
-    failed; ``whole`` keeps only the last ones. A client that disconnects meanwhile cancels them
-    (``ClientGone``)."""
-    events: list[Event] = []
-    heard: set[int] = set()
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        while len(heard) < choices.n and not (events and events[-1].error is not None):
-            get = asyncio.ensure_future(choices.queue.get())
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get in done:
-                event = get.result()
-                if event.last or not whole:
-                    events.append(event)
-                    heard.add(event.index)
-            else:
-                get.cancel()
-            if gone in done:
-                choices.cancel()
-                raise ClientGone
-    finally:
-        gone.cancel()
-    return events
+def guarded(route: Handler) -> Handler:
+    """``route`` answering any error itself, so the counting middleware sees the status the
+    client gets and nothing else logs it again (Starlette's handler for ``Exception`` runs
+    outside every middleware, and re-raises to the server, which logs it a second time)."""
 
+    @functools.wraps(route)
+    async def answer(request: Request) -> Response:
+        try:
+            return await route(request)
+        except Exception as error:
+            return await refuse(request, error)
 
-async def disconnected(request: Request) -> None:
-    """Returns once the client is gone (the body was read: only a disconnect can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    return answer
 
 
 async def refuse(request: Request, error: Exception) -> Response:
-    """Errors raised in a route, as OpenAI's error body."""
+    """An error raised in a route, as OpenAI's error body (unexpected ones logged: ``explain``)."""
     if isinstance(error, HTTPException):
         code = "not_found" if error.status_code == 404 else None
         return error_response(RequestError(str(error.detail), None, code, error.status_code))
-    return error_response(Server.explain(error))
+    return error_response(explain(error))
 
 
 def create_app(
@@ -343,16 +243,14 @@ def create_app(
         session_args=session_args,
     )
     routes = [
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics_text, methods=["GET"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
-        Route("/v1/chat/completions", server.chat, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/health", guarded(server.health), methods=["GET"]),
+        Route("/metrics", guarded(server.metrics_text), methods=["GET"]),
+        Route("/v1/models", guarded(server.models), methods=["GET"]),
+        Route("/v1/models/{name:path}", guarded(server.model_card), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(server.chat), methods=["POST"]),
+        Route("/v1/completions", guarded(server.completions), methods=["POST"]),
     ]
-    app = Starlette(
-        routes=routes, exception_handlers={RequestError: refuse, HTTPException: refuse, Exception: refuse}
-    )
+    app = Starlette(routes=routes, exception_handlers={RequestError: refuse, HTTPException: refuse})
     app.add_middleware(Counting, metrics=server.metrics)
     app.state.server = server
     return app

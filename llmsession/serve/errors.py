@@ -1,8 +1,11 @@
 """What a failed request answers: an HTTP status and OpenAI's error body. Pure.
 
-A library error that says the request was wrong (a bad template, schema, option, an over-long
-prompt) is a 400 with its message; a full memory budget is a 503 the client may retry; anything
-else is a 500 whose message says nothing of the server's insides (the traceback is logged)."""
+Requests are checked before they run (``schema``), so what comes out of a run is mapped by its
+class alone: a library error that says the request cannot be served as asked (a template, a
+schema, an image, an over-long prompt) is a 400 with its message; a full memory budget or a
+closing model is a 503 the client may retry, saying nothing of other tenants' use; anything else,
+a ValueError or TypeError included, is the server's bug: a 500 whose message says nothing of the
+server's insides (the app logs the traceback)."""
 
 from __future__ import annotations
 
@@ -44,22 +47,24 @@ class RequestError(Exception):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
+def busy(reason: str) -> RequestError:
+    """A 503 the client may retry in a second."""
+    message = f"the server is busy: {reason}; retry later"
+    return RequestError(message, None, "overloaded", 503, "server_error", retry_after=1)
+
+
 def from_library(error: BaseException) -> RequestError | None:
-    """The answer to a library error raised for a request, or None for an unexpected one (a bug,
-    a native failure: a 500 that the caller logs)."""
+    """The answer to an error raised for a request, or None for an unexpected one (a bug, a
+    native failure: a 500 that the caller logs)."""
     if isinstance(error, RequestError):
         return error
-    if isinstance(error, MemoryBudgetError):
-        return RequestError(
-            f"the server's memory budget is full: {error}", None, "overloaded", 503, "server_error", 1
-        )
+    if isinstance(error, MemoryBudgetError):  # (its text tells of other tenants' sessions)
+        return busy("its memory is in use by other requests")
     if isinstance(error, ModelClosedError):
         return RequestError("the server is shutting down", None, "shutting_down", 503, "server_error", 5)
     if isinstance(error, BAD_REQUEST):
         code = "context_length_exceeded" if isinstance(error, ContextOverflowError) else None
         return RequestError(str(error), None, code)
-    if isinstance(error, ValueError | TypeError):  # the library's checks of options and messages
-        return RequestError(str(error))
     return None
 
 

@@ -1,8 +1,9 @@
 """Exchanges run off the event loop: each choice of a request iterates its stream in a thread of
 its own, so streams of concurrent requests step at once and the engine decodes them in one batch
 (``engine.batching`` batches the steps of streams iterated from several threads), and the loop
-only forwards their snapshots. ``Admission`` bounds how many run at once (the model's live
-sessions) and how many wait; past that a request is a 503 the client may retry."""
+only forwards their snapshots. ``Forks`` makes a request's choices share one prefill.
+``Admission`` bounds how many run at once (the model's live sessions) and how many wait; past that
+a request is a 503 the client may retry."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from llmsession.replies import Reply, Snapshot
-from llmsession.serve.errors import RequestError
+from llmsession.errors import MemoryBudgetError, ModelClosedError
+from llmsession.replies import Reply, Snapshot, Usage
+from llmsession.runtime.session import Session
+from llmsession.runtime.stream import drain
+from llmsession.serve.errors import busy
 
 if TYPE_CHECKING:
     from llmsession.runtime.stream import Stream
@@ -35,6 +39,10 @@ class Event:
         return self.snapshot is None
 
 
+class Cancelled(Exception):
+    """The request was cancelled before its choice began (nobody reads this)."""
+
+
 class Run:
     """One choice: ``start()`` (which makes the stream: rendering, tokenizing) and every step of
     the stream run in a daemon thread; its events go to ``queue`` on ``loop``. ``cancel`` from
@@ -47,11 +55,13 @@ class Run:
         queue: asyncio.Queue[Event],
         ended: Callable[[Reply], None],
         released: Callable[[], None],
+        end: Callable[[], None] | None = None,
     ) -> None:
-        """``ended`` is called with the reply in the run's thread, ``released`` on the loop once
-        the run's thread is done with the model (whether or not anyone reads its events)."""
+        """``ended`` is called with the reply in the run's thread, ``end`` in the thread once the
+        stream is done (before the last event is sent: what it frees is free by then), and
+        ``released`` on the loop once the thread is done with the model."""
         self.index, self._start, self._queue = index, start, queue
-        self._ended, self._released = ended, released
+        self._ended, self._released, self._end = ended, released, end
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._stream: Stream | None = None
@@ -68,26 +78,35 @@ class Run:
 
     def _run(self) -> None:
         try:
-            stream = self._start()
-            with self._lock:
-                self._stream = stream
-                if self._cancelled:
-                    stream.cancel()
-            try:
-                for snapshot in stream:
-                    if snapshot.delta or snapshot.tool_calls:
-                        self._send(Event(self.index, snapshot=snapshot))
-            finally:
-                with self._lock:
-                    self._finished = True
-                stream.close()  # (in this thread: the stream's guard is one thread's at a time)
-                if stream.reply is not None:
-                    self._ended(stream.reply)
-            if stream.reply is None:  # (a stream ends with its reply, or raises)
-                raise RuntimeError("a stream ended without a reply")
-            self._send(Event(self.index, reply=stream.reply))
+            last = Event(self.index, reply=self._decode())
         except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
-            self._send(Event(self.index, error=error))
+            last = Event(self.index, error=error)
+        if self._end is not None:
+            try:
+                self._end()
+            except BaseException as error:
+                last = last if last.error is not None else Event(self.index, error=error)
+        self._send(last)
+
+    def _decode(self) -> Reply:
+        stream = self._start()
+        with self._lock:
+            self._stream = stream
+            if self._cancelled:
+                stream.cancel()
+        try:
+            for snapshot in stream:
+                if snapshot.delta or snapshot.tool_calls:
+                    self._send(Event(self.index, snapshot=snapshot))
+        finally:
+            with self._lock:
+                self._finished = True
+            stream.close()  # (in this thread: the stream's guard is one thread's at a time)
+            if stream.reply is not None:
+                self._ended(stream.reply)
+        if stream.reply is None:  # (a stream ends with its reply, or raises)
+            raise RuntimeError("a stream ended without a reply")
+        return stream.reply
 
     def _send(self, event: Event) -> None:
         try:
@@ -101,9 +120,91 @@ class Run:
             self._released()
 
 
+class Forks:
+    """``n`` choices of one prompt sharing its cells: the first choice's thread decodes the
+    prompt once (``prefill``: a stateless call of one token, under the tenant's ``lock`` so that
+    no other call of the tenant takes its session before it is forked), then forks its session
+    ``n`` times (a copy of the state, not a re-decode); choice ``i`` answers on fork ``i``
+    (``answer``), which ``close`` ends. ``prompt`` is the prefill's usage."""
+
+    def __init__(
+        self,
+        n: int,
+        prefill: Callable[[], Stream],
+        answer: Callable[[Session, int], Stream],
+        lock: threading.Lock,
+    ) -> None:
+        self.n = n
+        self.prompt: Usage | None = None
+        self._prefill, self._answer, self._tenant = prefill, answer, lock
+        self._once = threading.Lock()  # the first thread prepares; the others wait for it
+        self._guard = threading.Lock()  # for cancel, from the loop
+        self._stream: Stream | None = None
+        self._cancelled = False
+        self._sessions: list[Session] | None = None
+        self._error: BaseException | None = None
+
+    def start(self, index: int) -> Stream:
+        with self._once:
+            if self._sessions is None and self._error is None:
+                try:
+                    self._sessions = self._prepare()
+                except BaseException as error:
+                    self._error = error
+        if self._error is not None:
+            raise self._error
+        assert self._sessions is not None
+        return self._answer(self._sessions[index], index)
+
+    def close(self, index: int) -> None:
+        with self._once:
+            sessions = self._sessions
+        if sessions is not None:
+            sessions[index].close()
+
+    def cancel(self) -> None:
+        with self._guard:
+            self._cancelled = True
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def _prepare(self) -> list[Session]:
+        with self._tenant:
+            stream = self._prefill()
+            with self._guard:
+                self._stream = stream
+                if self._cancelled:
+                    stream.cancel()
+            try:
+                reply = drain(stream)
+            finally:
+                stream.close()
+            if reply.finish_reason == "cancelled":
+                raise Cancelled("the request was cancelled")
+            base = stream.session
+            if not isinstance(base, Session):
+                raise TypeError(f"a stateless call's session is a {type(base).__name__}")
+            forks: list[Session] = []
+            try:
+                while len(forks) < self.n:
+                    forks.append(base.fork())
+            except BaseException as error:
+                for fork in forks:
+                    fork.close()
+                if isinstance(error, ModelClosedError) and not base.model.closed:  # evicted
+                    raise MemoryBudgetError("the prompt's session was evicted before its forks") from None
+                raise
+        for fork in forks:
+            fork.looks_ahead = False  # (closed after its reply: nothing will follow it)
+        self.prompt = reply.usage
+        return forks
+
+
 class Choices:
-    """A request's choices, each a ``Run`` of ``start(index)``; their events in one queue.
-    ``released`` is called on the loop once every run's thread is done with the model."""
+    """A request's choices, each a ``Run`` of ``start(index)`` (of ``forks`` if given); their
+    events in one queue. ``released`` is called on the loop once every run's thread is done
+    with the model, and ``finished`` is set then."""
 
     def __init__(
         self,
@@ -111,17 +212,23 @@ class Choices:
         start: Callable[[int], Stream],
         ended: Callable[[Reply], None],
         released: Callable[[], None],
+        forks: Forks | None = None,
     ) -> None:
-        self.n, self.queue = n, asyncio.Queue[Event]()
+        self.n, self.queue, self.forks = n, asyncio.Queue[Event](), forks
+        self.finished = asyncio.Event()
         self._left, self._released = n, released
-        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done) for i in range(n)]
+        ends = [None if forks is None else partial(forks.close, i) for i in range(n)]
+        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done, ends[i]) for i in range(n)]
 
     def _one_done(self) -> None:
         self._left -= 1
         if self._left == 0:
             self._released()
+            self.finished.set()
 
     def cancel(self) -> None:
+        if self.forks is not None:
+            self.forks.cancel()
         for run in self.runs:
             run.cancel()
 
@@ -136,21 +243,22 @@ class Admission:
         self.used = 0
         self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
-    async def acquire(self, count: int) -> int:
-        """Wait for room for ``count`` choices (at most ``limit``); the weight to ``release``."""
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self, count: int, *, behind: bool = False) -> int:
+        """Wait for room for ``count`` choices (at most ``limit``); the weight to ``release``.
+        ``behind``: wait for a release by a request running now (a retry after the memory
+        budget was full: room in sequences is not room in KV cells), 503 if none runs."""
         count = min(count, self.limit)
-        if not self._waiting and self.used + count <= self.limit:
+        if behind and self.used == 0:
+            raise busy("its memory is in use")
+        if not behind and not self._waiting and self.used + count <= self.limit:
             self.used += count
             return count
         if len(self._waiting) >= self.queue:
-            raise RequestError(
-                "the server is busy: too many requests are waiting",
-                None,
-                "overloaded",
-                503,
-                "server_error",
-                1,
-            )
+            raise busy("too many requests are waiting")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (count, future)
         self._waiting.append(entry)

@@ -1,24 +1,37 @@
 """A chat completion request, as OpenAI documents it, checked and turned into the library's
 messages and ``GenerationOptions``. Pure: no model, no web framework.
 
-Unknown fields are ignored, as OpenAI's API does; a known field of the wrong type or out of its
-range is a ``RequestError`` naming it (``param``). Nothing in a request names a file or a URL the
-server opens: an image is accepted only as a ``data:`` URL.
+Every check the library would make later is made here first (its own ``checked_options``,
+``options_tools`` and ``check_messages``), so a request's mistake is a 400 before anything runs,
+and an error that comes out of a run is the server's. Unknown fields are ignored, as OpenAI's API
+does; a known field of the wrong type or out of its range is a ``RequestError`` naming it
+(``param``). Counts are bounded (messages, stop strings, tools, images, ``user``) so one request
+cannot make the checks or the tenant records costly. Nothing in a request names a file or a URL the
+server opens: an image is accepted only as a ``data:`` URL (``images``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmsession.options import INT32_MAX, LLAMA_DEFAULT_SEED, GenerationOptions
+from llmsession.errors import TemplateError
+from llmsession.options import INT32_MAX, LLAMA_DEFAULT_SEED, GenerationOptions, checked_options
 from llmsession.serve.errors import RequestError
+from llmsession.serve.images import ImageCount
+from llmsession.text.messages import check_messages
+from llmsession.text.tools import MAX_TOOLS, options_tools
 
 MAX_CHOICES = 8
+MAX_MESSAGES = 1024
 MAX_STOPS = 16
+MAX_STOP_BYTES = 1024
+MAX_USER = 256  # characters: ``user`` is part of a tenant's key
+MAX_TOP_LOGPROBS = 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 NAMES = {
     dict: "an object",
@@ -29,6 +42,9 @@ NAMES = {
     float: "a number",
     type(None): "null",
 }
+# A lone surrogate can only come from a \uD800-\uDFFF escape or from the bytes UTF-8 never uses
+# for one (json decodes with surrogatepass); a body without either needs no walk.
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,8 @@ class ChatRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (NaN and Infinity are not JSON)."""
+    """The request body as a JSON object (NaN and Infinity are not JSON), with no string that
+    UTF-8 cannot encode (the tokenizer's error would otherwise name no field)."""
 
     def refuse(constant: str) -> None:
         raise ValueError(f"{constant} is not valid JSON")
@@ -55,7 +72,36 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise RequestError(f"the body is not valid JSON: {error or 'nested too deep'}") from None
     if not isinstance(value, dict):
         raise RequestError(f"the body must be a JSON object, got {_kind(value)}")
+    where = unencodable(value) if SURROGATE.search(body) else None
+    if where is not None:
+        raise RequestError(f"{where} holds a lone surrogate, which is not valid Unicode text", where)
     return value
+
+
+def unencodable(value: object) -> str | None:
+    """Where the first string (or key) with a lone surrogate is (``messages[0].content``), or
+    None. Iterative: the body may be nested as deep as json allows."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str) and not _encodable(item):
+            return where or "the body"
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if not _encodable(key):
+                    return f"a key of {where or 'the body'}"
+                stack.append((f"{where}.{key}" if where else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
@@ -64,8 +110,13 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError("messages must be a non-empty list", "messages")
-    messages = [_message(i, m) for i, m in enumerate(raw)]
-    if _optional(body, "logprobs", bool) or _optional(body, "top_logprobs", int) is not None:
+    if len(raw) > MAX_MESSAGES:
+        raise RequestError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
+    images = ImageCount()
+    messages = [_message(i, m, images) for i, m in enumerate(raw)]
+    _check_transcript(messages)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if _optional(body, "logprobs", bool) or top:
         raise RequestError("logprobs are not supported by this server", "logprobs", "unsupported")
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
@@ -74,11 +125,24 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     stream_options = _optional(body, "stream_options", dict) or {}
     include_usage = _optional(stream_options, "include_usage", bool, "stream_options.include_usage")
     user = _optional(body, "user", str)
+    if user is not None and len(user) > MAX_USER:
+        raise RequestError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
     return ChatRequest(messages, options(body, default_max_tokens), n or 1, stream, bool(include_usage), user)
 
 
+def _check_transcript(messages: list[dict[str, Any]]) -> None:
+    """The library's own check of a transcript, and the stateless call's: something to answer."""
+    try:
+        check_messages(messages)
+    except TemplateError as error:
+        raise RequestError(str(error), "messages") from None
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise RequestError("the last message must be a user message or tool results", "messages")
+
+
 def options(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> GenerationOptions:
-    """The sampling, stop, format and tool fields as ``GenerationOptions``."""
+    """The sampling, stop, format and tool fields as ``GenerationOptions``, checked as the
+    library checks them (its tools and tool choice compiled too)."""
     values: dict[str, Any] = {}
     tokens = _integer(body, "max_completion_tokens", 1, INT32_MAX)
     tokens = tokens if tokens is not None else _integer(body, "max_tokens", 1, INT32_MAX)
@@ -94,13 +158,30 @@ def options(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> Gen
             values[name] = value
     if values.get("top_p") == 0:
         raise RequestError("top_p must be greater than 0", "top_p")
-    values["seed"] = _integer(body, "seed", 0, LLAMA_DEFAULT_SEED - 1)
+    seed = _integer(body, "seed", -math.inf, math.inf)
+    values["seed"] = None if seed is None else seed % LLAMA_DEFAULT_SEED  # (0xFFFFFFFF: random)
     values["stop"] = _stops(body.get("stop"))
     values["json_schema"] = _response_format(body.get("response_format"))
+    values.update(_tool_fields(body))
+    try:
+        checked = checked_options(GenerationOptions(**values))
+    except (ValueError, TypeError) as error:
+        raise RequestError(str(error)) from None
+    try:
+        options_tools(checked)
+    except (ValueError, TypeError) as error:  # (a GrammarError is a ValueError)
+        raise RequestError(str(error), "tool_choice" if "tool_choice" in str(error) else "tools") from None
+    return checked
+
+
+def _tool_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
     tools = _optional(body, "tools", list)
     if tools is not None:
         if not all(isinstance(tool, dict) for tool in tools):
             raise RequestError("tools must be a list of objects", "tools")
+        if len(tools) > MAX_TOOLS:
+            raise RequestError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
         values["tools"] = tuple(tools)
     choice = _optional(body, "tool_choice", (str, dict))
     if choice is not None:
@@ -108,13 +189,10 @@ def options(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> Gen
     parallel = _optional(body, "parallel_tool_calls", bool)
     if parallel is not None:
         values["parallel_tool_calls"] = parallel
-    try:
-        return GenerationOptions(**values)
-    except (ValueError, TypeError) as error:
-        raise RequestError(str(error)) from None
+    return values
 
 
-def _message(i: int, raw: object) -> dict[str, Any]:
+def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     """One message in the library's shape (``developer`` is a system message)."""
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
@@ -135,11 +213,11 @@ def _message(i: int, raw: object) -> dict[str, Any]:
         if not isinstance(ident, str):
             raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
         message["tool_call_id"] = ident
-    message["content"] = _content(content, f"{where}.content", images=role == "user")
+    message["content"] = _content(content, f"{where}.content", images if role == "user" else None)
     return message
 
 
-def _content(content: object, where: str, *, images: bool) -> str | list[Any]:
+def _content(content: object, where: str, images: ImageCount | None) -> str | list[Any]:
     """A str, or a list of text parts (and ``data:`` image parts in a user message)."""
     if isinstance(content, str):
         return _text(content, where)
@@ -151,14 +229,13 @@ def _content(content: object, where: str, *, images: bool) -> str | list[Any]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": _text(part["text"], f"{at}.text")})
-        elif kind == "image_url" and images:
+        elif kind == "image_url" and images is not None:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url.startswith("data:"):
-                raise RequestError(f"{at}: an image must be a data: URL (nothing is fetched)", at)
+            images.check(url, at)
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            allowed = "text and image_url" if images else "text"
+            allowed = "text and image_url" if images is not None else "text"
             raise RequestError(f"{at}: only {allowed} parts are supported here, got {kind!r:.40}", at)
     return parts
 
@@ -207,7 +284,9 @@ def _stops(value: object) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("stop must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOPS:
-        raise RequestError(f"stop: at most {MAX_STOPS} sequences", "stop")
+        raise RequestError(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
+    if any(len(s.encode()) > MAX_STOP_BYTES for s in stops):
+        raise RequestError(f"stop: a sequence is at most {MAX_STOP_BYTES} bytes long", "stop")
     return tuple(_text(s, "stop") for s in stops)
 
 
@@ -229,7 +308,7 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     return value
 
 
-def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+def _integer(body: Mapping[str, Any], name: str, low: float, high: float) -> int | None:
     value = body.get(name)
     if isinstance(value, float) and value.is_integer():  # 16.0 is what some clients send
         value = int(value)

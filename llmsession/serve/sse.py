@@ -34,10 +34,11 @@ def event(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(usages: Sequence[Usage]) -> dict[str, Any]:
-    """OpenAI's usage for the choices of one prompt: its tokens counted once (the first
-    choice's), the completions summed; cached tokens are those the engine reused, not decoded."""
-    first = usages[0] if usages else Usage()
+def usage(usages: Sequence[Usage], prompt: Usage | None = None) -> dict[str, Any]:
+    """OpenAI's usage for the choices of one prompt: its tokens counted once (``prompt``'s, the
+    exchange that decoded it for choices forked from it, else the first choice's), the
+    completions summed; cached tokens are those the engine reused, not decoded."""
+    first = prompt or (usages[0] if usages else Usage())
     completion = sum(u.completion_tokens for u in usages)
     return {
         "prompt_tokens": first.prompt_tokens,
@@ -70,6 +71,7 @@ class Completion:
 
     model: str
     include_usage: bool = False
+    prompt: Usage | None = None  # the prompt's own exchange, when the choices were forked from it
     id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -86,7 +88,7 @@ class Completion:
             "model": self.model,
             "system_fingerprint": None,
             "choices": choices,
-            "usage": usage([r.usage for r in replies]),
+            "usage": usage([r.usage for r in replies], self.prompt),
         }
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -122,4 +124,4 @@ class Completion:
 
     def usage_chunk(self, replies: Sequence[Reply]) -> dict[str, Any]:
         """The last chunk with ``include_usage``: no choices, the usage."""
-        return self.chunk([], usage=usage([r.usage for r in replies]))
+        return self.chunk([], usage=usage([r.usage for r in replies], self.prompt))

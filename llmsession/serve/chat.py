@@ -1,0 +1,245 @@
+"""One chat completion request on the engine (``Call``), from its admission to its last byte.
+
+Every request goes through the model's stateless routing (``Model.chat_stream``), so a client
+that resends its history decodes only the new turn; its tenant is a digest of its API key and its
+``user``, with ``share_prefix=False``, so two tenants never share cells (one's timings tell nothing
+of another's prompts). Each choice decodes in a thread of its own (``runner``): concurrent
+requests are batched by the engine, and the event loop never waits for a decode. ``n`` choices
+fork one prefill (``runner.Forks``). A client that goes away, even while it waits for room,
+cancels its exchange within a token and leaves the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from llmsession.errors import MemoryBudgetError
+from llmsession.options import GenerationOptions
+from llmsession.replies import Reply
+from llmsession.runtime.stateless import split
+from llmsession.serve import sse
+from llmsession.serve.errors import RequestError, from_library, internal
+from llmsession.serve.metrics import Metrics
+from llmsession.serve.runner import Admission, Choices, Event, Forks
+from llmsession.serve.schema import ChatRequest
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
+    from llmsession.runtime.session import Session
+    from llmsession.runtime.stream import Stream
+
+log = logging.getLogger("llmsession.serve")
+T = TypeVar("T")
+TENANT_LOCKS = 64
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response began."""
+
+
+def explain(error: BaseException) -> RequestError:
+    """An error as the client sees it; an unexpected one logged with its traceback, a full
+    memory budget with its detail (which tells of other tenants: the client never sees it)."""
+    known = from_library(error)
+    if known is None:
+        log.error("a request failed", exc_info=error)
+        return internal()
+    if isinstance(error, MemoryBudgetError):
+        log.warning("a request found the memory budget full: %s", error)
+    return known
+
+
+def seeded(options: GenerationOptions, index: int) -> GenerationOptions:
+    """Choice ``index``'s options: the seed moved on by the index, so the choices differ."""
+    if not index or options.seed is None:
+        return options
+    return dataclasses.replace(options, seed=(options.seed + index) % 0xFFFFFFFF)
+
+
+@dataclass
+class Host:
+    """What every call shares: the model, its name in the API, its sessions' settings, the
+    admission, the counters, and locks by tenant (a tenant's stateless calls and the prefill and
+    forks of its ``n`` choices take turns choosing their session: ``runner.Forks``)."""
+
+    model: Model
+    name: str
+    session_args: dict[str, Any]
+    admission: Admission
+    metrics: Metrics = field(default_factory=Metrics)
+    locks: tuple[threading.Lock, ...] = field(
+        default_factory=lambda: tuple(threading.Lock() for _ in range(TENANT_LOCKS))
+    )
+
+    def choices(self, asked: ChatRequest, tenant: str, released: Callable[[], None]) -> Choices:
+        """A request's choices, started: one stateless call, or ``n`` forks of one prefill (a
+        model in a worker process has no session here to fork: ``n`` stateless calls)."""
+        lock = self.locks[hash(tenant) % len(self.locks)]
+
+        def call(options: GenerationOptions) -> Stream:
+            return self.model.chat_stream(
+                asked.messages, options, tenant=tenant, share_prefix=False, **self.session_args
+            )
+
+        def locked(index: int) -> Stream:
+            with lock:
+                return call(seeded(asked.options, index))
+
+        def answer(session: Session, index: int) -> Stream:
+            session.messages, said = split(asked.messages)
+            return session.stream(said, seeded(asked.options, index))
+
+        if asked.n == 1 or self.model.isolated:
+            return Choices(asked.n, locked, self.metrics.reply, released)
+        prefill = dataclasses.replace(asked.options, max_tokens=1, temperature=0.0, stop=())
+        forks = Forks(asked.n, lambda: call(prefill), answer, lock)  # (it takes the lock itself)
+        return Choices(asked.n, forks.start, self.metrics.reply, released, forks)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends (a finished stream, a
+    client gone, a server stopping), so the exchanges behind it never outlive it."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class Call:
+    """One request: admitted (or queued, or a 503), its choices started, their first events
+    deciding the status. A full memory budget before any token is retried once, behind the
+    requests running then (admission counts sequences, not KV cells). The client's disconnect
+    is raced against every wait."""
+
+    def __init__(self, host: Host, request: Request, asked: ChatRequest, tenant: str) -> None:
+        self.host, self.request, self.asked, self.tenant = host, request, asked, tenant
+
+    async def respond(self) -> Response:
+        gone = asyncio.ensure_future(disconnected(self.request))
+        try:
+            return await self._respond(gone)
+        except ClientGone:
+            return Response(status_code=499)  # (nobody reads it)
+        finally:
+            gone.cancel()
+
+    async def _respond(self, gone: asyncio.Future[None]) -> Response:
+        asked, admission = self.asked, self.host.admission
+        for retry in (False, True):
+            weight = await race(gone, admission.acquire(asked.n, behind=retry))
+            choices = self._start(weight)
+            try:
+                first = await until(gone, choices, whole=not asked.stream)
+            except BaseException:
+                choices.cancel()
+                raise
+            failed = next((e.error for e in first if e.error is not None), None)
+            if failed is None:
+                return self._answer(choices, first)
+            choices.cancel()
+            if retry or not isinstance(failed, MemoryBudgetError):
+                raise explain(failed)
+            log.info("a request found the memory budget full; it waits for a running one: %s", failed)
+            await race(gone, choices.finished.wait())  # (its own runs give their room back first)
+        raise AssertionError("unreachable")
+
+    def _start(self, weight: int) -> Choices:
+        host = self.host
+        host.metrics.flight(1)
+
+        def released() -> None:
+            host.admission.release(weight)
+            host.metrics.flight(-1)
+
+        try:
+            return host.choices(self.asked, self.tenant, released)
+        except BaseException:
+            released()
+            raise
+
+    def _answer(self, choices: Choices, first: list[Event]) -> Response:
+        """The whole reply, or a stream of it from the first events on."""
+        prompt = choices.forks.prompt if choices.forks is not None else None
+        completion = sse.Completion(self.host.name, self.asked.include_usage, prompt)
+        if not self.asked.stream:
+            replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
+            return JSONResponse(completion.body([e.reply for e in replies if e.reply is not None]))
+        return EventStream(events(choices, first, completion), choices.cancel)
+
+
+async def events(choices: Choices, first: list[Event], completion: sse.Completion) -> AsyncIterator[bytes]:
+    """The SSE body: every choice's role, then its pieces as they come, its finish, the usage if
+    asked, ``[DONE]``. An error mid-stream is an error event (logged if it is the server's)."""
+    replies: dict[int, Reply] = {}
+    pending = list(first)
+    try:
+        for index in range(choices.n):
+            yield sse.event(completion.opening(index))
+        while len(replies) < choices.n:
+            event = pending.pop(0) if pending else await choices.queue.get()
+            if event.error is not None:
+                yield sse.event(explain(event.error).body())
+                break
+            if event.snapshot is not None:
+                for chunk in completion.pieces(event.index, event.snapshot):
+                    yield sse.event(chunk)
+            elif event.reply is not None:
+                replies[event.index] = event.reply
+                yield sse.event(completion.finish(event.index, event.reply))
+        else:
+            if completion.include_usage:
+                yield sse.event(completion.usage_chunk([replies[i] for i in range(choices.n)]))
+        yield sse.DONE
+    finally:
+        choices.cancel()
+
+
+async def until(gone: asyncio.Future[None], choices: Choices, *, whole: bool) -> list[Event]:
+    """Events of ``choices`` until every choice sent its first (or, ``whole``, its last) or one
+    failed; ``whole`` keeps only the last ones. ``ClientGone`` if the client leaves first."""
+    events: list[Event] = []
+    heard: set[int] = set()
+    while len(heard) < choices.n and not (events and events[-1].error is not None):
+        event = await race(gone, choices.queue.get())
+        if event.last or not whole:
+            events.append(event)
+            heard.add(event.index)
+    return events
+
+
+async def race(gone: asyncio.Future[None], work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client goes away first: then ``work`` is cancelled (a
+    place in the queue is given up) and ``ClientGone`` raised."""
+    task = asyncio.ensure_future(work)
+    watched: set[asyncio.Future[Any]] = {task, gone}
+    try:
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()  # (``Admission.acquire`` leaves the queue, or gives back what it got)
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client is gone (the body was read: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,59 @@
+"""A request's images, bounded before anything decodes them. Pure: no model.
+
+The library decodes an image's every pixel (``text.images``) and bounds neither their number nor
+their size (PIL refuses only past 178 MP), so a request of a few MiB could make the server decode
+gigabytes. Here an image is a base64 ``data:`` URL (nothing is fetched), at most ``MAX_IMAGES``
+per request, each at most ``MAX_PIXELS``: its size is read from its header (``Image.open`` reads
+no pixels).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+
+from llmsession.serve.errors import RequestError
+
+MAX_IMAGES = 8
+MAX_PIXELS = 4096 * 4096  # ~16.8 MP
+
+
+class ImageCount:
+    """The images of one request, checked as they are met."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def check(self, url: object, where: str) -> None:
+        """``url`` is a readable image of at most ``MAX_PIXELS``, and one too many is refused."""
+        self.count += 1
+        if self.count > MAX_IMAGES:
+            raise RequestError(f"{where}: at most {MAX_IMAGES} images in a request", where)
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise RequestError(f"{where}: an image must be a data: URL (nothing is fetched)", where)
+        header, _, payload = url.partition(",")
+        try:
+            if not header.endswith(";base64"):
+                raise ValueError("not base64")
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(f"{where}: an image must be a base64 data: URL", where) from None
+        width, height = _size(data, where)
+        if width * height > MAX_PIXELS:
+            raise RequestError(
+                f"{where}: an image has at most {MAX_PIXELS} pixels, got {width}x{height}", where
+            )
+
+
+def _size(data: bytes, where: str) -> tuple[int, int]:
+    import PIL.Image
+
+    try:
+        with PIL.Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            return int(width), int(height)
+    except PIL.Image.DecompressionBombError:
+        raise RequestError(f"{where}: an image has at most {MAX_PIXELS} pixels", where) from None
+    except Exception:  # PIL's plugins raise anything on hostile bytes (SyntaxError, ...)
+        raise RequestError(f"{where}: not a readable image", where) from None
