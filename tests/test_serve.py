@@ -26,7 +26,7 @@ import openai
 import pytest
 import uvicorn
 
-from llmsession import MemoryBudgetError, Model, ModelClosedError
+from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
 from llmsession.serve.app import PARSERS, Server, create_app
 
 KEY, OTHER_KEY = "sk-alpha", "sk-beta"
@@ -421,9 +421,9 @@ def test_keys_are_required_but_for_health(served: Served) -> None:
             )
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
             assert http.get("/health").status_code == 200
+    with served.http(key=None) as http:
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
     with served.http() as http:
-        missing = http.post("/v1/completions", json={"prompt": "x"})
-        assert missing.status_code == 404 and "not supported" in missing.json()["error"]["message"]
         assert http.get("/v1/nowhere").json()["error"]["code"] == "not_found"
 
 
@@ -720,3 +720,35 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
         if server.stdout is not None:
             server.stdout.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_raw_completions_continue_the_prompt_as_the_library_does(served: Served) -> None:
+    """``/v1/completions``: the prompt without the chat template, the same text as
+    ``Model.complete``, streamed as OpenAI's legacy chunks; a grown prompt reuses the cache."""
+    client, prompt = served.client(), "The capital of France is"
+    whole = client.completions.create(
+        model=served.name, prompt=prompt, max_tokens=8, temperature=0, user="raw"
+    )
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("length", "stop")
+    assert (
+        whole.choices[0].text
+        == served.model.complete(prompt, GenerationOptions(max_tokens=8, temperature=0)).text
+    )
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(served.model.tokenize(prompt))
+    chunks = list(
+        client.completions.create(
+            model=served.name, prompt=prompt, max_tokens=8, temperature=0, stream=True, user="raw2"
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    grown = prompt + whole.choices[0].text + " It is"
+    again = client.completions.create(
+        model=served.name, prompt=grown, max_tokens=4, temperature=0, user="raw"
+    )
+    details = again.usage.prompt_tokens_details if again.usage is not None else None
+    assert details is not None and (details.cached_tokens or 0) >= whole.usage.prompt_tokens
+    with served.http() as http:
+        for body in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": "x", "echo": True}, {"prompt": 3}):
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 400, (body, response.text)

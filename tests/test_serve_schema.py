@@ -26,7 +26,7 @@ from llmsession.serve.app import create_app, digest
 from llmsession.serve.errors import RequestError, from_library
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
-from llmsession.serve.schema import chat_request, parse_json
+from llmsession.serve.schema import chat_request, completion_request, parse_json
 
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER = {
@@ -309,7 +309,7 @@ def test_a_body_and_chunks_are_openais() -> None:
         "prompt_tokens_details": {"cached_tokens": 4},
     }
     chunks = [
-        completion.opening(0),
+        *completion.openings(1),
         *completion.pieces(0, Snapshot("Hel", "Hel")),
         *completion.pieces(0, Snapshot("", "Hel")),
         completion.finish(0, reply(finish="length")),
@@ -322,7 +322,7 @@ def test_a_body_and_chunks_are_openais() -> None:
     assert chunks[2]["choices"][0]["finish_reason"] == "length"
     assert chunks[3]["choices"] == [] and chunks[3]["usage"]["total_tokens"] == 13
     assert sse.event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
-    assert "usage" not in sse.Completion("m").opening(0)
+    assert "usage" not in sse.Completion("m").openings(1)[0]
 
 
 def test_tool_calls_in_a_body_and_as_deltas() -> None:
@@ -469,3 +469,30 @@ def test_errors_of_a_cancelled_decode_are_demoted() -> None:
         assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR, logging.ERROR]
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_raw_completions_body_and_chunks_are_openais_legacy_ones() -> None:
+    asked = completion_request({"prompt": ["Once"], "max_tokens": 3, "tools": "ignored", "n": 2})
+    assert asked.prompt == "Once" and asked.messages == [] and asked.n == 2
+    assert asked.options.max_tokens == 3 and completion_request({"prompt": "x"}).options.max_tokens == 16
+    completion = sse.Completion("m", text=True)
+    assert completion.id.startswith("cmpl-") and completion.openings(2) == []
+    reply = Reply("upon", "length", Usage(prompt_tokens=2, completion_tokens=1), Timings())
+    body = completion.body([reply])
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "upon"
+    chunk = completion.pieces(0, Snapshot("up", "up"))[0]
+    assert chunk["object"] == "text_completion" and chunk["choices"][0] == {
+        "index": 0,
+        "text": "up",
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert completion.finish(0, reply)["choices"][0]["finish_reason"] == "length"
+    for bad in (
+        {"prompt": ""},
+        {"prompt": ["a", "b"]},
+        {"prompt": "x", "suffix": "y"},
+        {"prompt": "x", "logprobs": 0},
+    ):
+        with pytest.raises(RequestError):
+            completion_request(bad)

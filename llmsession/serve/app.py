@@ -28,7 +28,7 @@ from llmsession.serve.chat import Call, Host, explain
 from llmsession.serve.errors import RequestError
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
-from llmsession.serve.schema import ChatRequest, chat_request, parse_json
+from llmsession.serve.schema import ChatRequest, chat_request, completion_request, parse_json
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -170,20 +170,17 @@ class Server:
         return PlainTextResponse(self.metrics.render(states), media_type="text/plain; version=0.0.4")
 
     async def completions(self, request: Request) -> Response:
-        self.authorize(request)
-        raise RequestError(
-            "raw-prompt completions are not supported: llmsession answers chat messages through the "
-            "model's chat template; use /v1/chat/completions",
-            None,
-            "unsupported_endpoint",
-            404,
-        )
+        """A raw prompt continued without the chat template (``Model.complete_stream``)."""
+        return await self.answer(request, lambda body: completion_request(parse_json(body)))
 
     async def chat(self, request: Request) -> Response:
+        return await self.answer(request, self.checked)
+
+    async def answer(self, request: Request, checked: Callable[[bytes], ChatRequest]) -> Response:
         key = self.authorize(request)
         async with self.parsing:  # (a few bodies in memory at once; parsed off the event loop)
             body = await self.body(request)
-            asked = await asyncio.to_thread(self.checked, body)
+            asked = await asyncio.to_thread(checked, body)
         limit = self.admission.limit
         if asked.n > limit:
             raise RequestError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")

@@ -87,9 +87,10 @@ class Host:
         lock = self.locks[hash(tenant) % len(self.locks)]
 
         def call(options: GenerationOptions) -> Stream:
-            return self.model.chat_stream(
-                asked.messages, options, tenant=tenant, share_prefix=False, **self.session_args
-            )
+            kept = {"tenant": tenant, "share_prefix": False, **self.session_args}
+            if asked.prompt is not None:
+                return self.model.complete_stream(asked.prompt, options, **kept)
+            return self.model.chat_stream(asked.messages, options, **kept)
 
         def locked(index: int) -> Stream:
             with lock:
@@ -99,7 +100,7 @@ class Host:
             session.messages, said = split(asked.messages)
             return session.stream(said, seeded(asked.options, index))
 
-        if asked.n == 1 or self.model.isolated:
+        if asked.n == 1 or self.model.isolated or asked.prompt is not None:  # (no session to fork)
             return Choices(asked.n, locked, self.metrics.reply, released)
         prefill = dataclasses.replace(asked.options, max_tokens=1, temperature=0.0, stop=())
         forks = Forks(asked.n, lambda: call(prefill), answer, lock)  # (it takes the lock itself)
@@ -177,7 +178,9 @@ class Call:
     def _answer(self, choices: Choices, first: list[Event]) -> Response:
         """The whole reply, or a stream of it from the first events on."""
         prompt = choices.forks.prompt if choices.forks is not None else None
-        completion = sse.Completion(self.host.name, self.asked.include_usage, prompt)
+        completion = sse.Completion(
+            self.host.name, self.asked.include_usage, prompt, self.asked.prompt is not None
+        )
         if not self.asked.stream:
             replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
             return JSONResponse(completion.body([e.reply for e in replies if e.reply is not None]))
@@ -190,8 +193,8 @@ async def events(choices: Choices, first: list[Event], completion: sse.Completio
     replies: dict[int, Reply] = {}
     pending = list(first)
     try:
-        for index in range(choices.n):
-            yield sse.event(completion.opening(index))
+        for opening in completion.openings(choices.n):
+            yield sse.event(opening)
         while len(replies) < choices.n:
             event = pending.pop(0) if pending else await choices.queue.get()
             if event.error is not None:

@@ -12,6 +12,7 @@ server opens: an image is accepted only as a ``data:`` URL (``images``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -57,6 +58,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    prompt: str | None = None  # a raw completion's (``/v1/completions``): no messages then
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -128,6 +130,33 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     if user is not None and len(user) > MAX_USER:
         raise RequestError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
     return ChatRequest(messages, options(body, default_max_tokens), n or 1, stream, bool(include_usage), user)
+
+
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "messages")
+
+
+def completion_request(body: Mapping[str, Any]) -> ChatRequest:
+    """A ``/v1/completions`` body, checked: one prompt (a string, or a list of one), the same
+    sampling fields as a chat's; the chat-only ones are ignored, as unknown fields are."""
+    _optional(body, "model", str)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt must be a non-empty string (or a list of one)", "prompt")
+    _text(prompt, "prompt")
+    unsupported = {
+        "echo": bool(body.get("echo")),
+        "suffix": bool(body.get("suffix")),
+        "best_of": body.get("best_of") not in (None, 1),
+        "logprobs": body.get("logprobs") is not None,
+    }
+    for name in (name for name, asked in unsupported.items() if asked):
+        raise RequestError(f"{name} is not supported by this server", name, "unsupported")
+    kept = {k: v for k, v in body.items() if k not in CHAT_ONLY}
+    asked = chat_request({**kept, "messages": [{"role": "user", "content": "-"}]}, COMPLETION_DEFAULT_TOKENS)
+    return dataclasses.replace(asked, messages=[], prompt=prompt)
 
 
 def _check_transcript(messages: list[dict[str, Any]]) -> None:

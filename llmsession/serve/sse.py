@@ -72,18 +72,24 @@ class Completion:
     model: str
     include_usage: bool = False
     prompt: Usage | None = None  # the prompt's own exchange, when the choices were forked from it
-    id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
+    text: bool = False  # a raw completion's (``/v1/completions``): choices carry ``text``
+    id: str = ""  # (made at creation: ``chatcmpl-...``, or ``cmpl-...`` for a raw completion)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", f"{'cmpl' if self.text else 'chatcmpl'}-{secrets.token_hex(12)}")
 
     def body(self, replies: Sequence[Reply]) -> dict[str, Any]:
         """The non-streamed response: a choice per reply."""
+        said = (lambda r: {"text": r.text}) if self.text else (lambda r: {"message": message(r)})
         choices = [
-            {"index": i, "message": message(r), "logprobs": None, "finish_reason": FINISH[r.finish_reason]}
+            {"index": i, **said(r), "logprobs": None, "finish_reason": FINISH[r.finish_reason]}
             for i, r in enumerate(replies)
         ]
         return {
             "id": self.id,
-            "object": "chat.completion",
+            "object": "text_completion" if self.text else "chat.completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
@@ -94,7 +100,7 @@ class Completion:
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {
             "id": self.id,
-            "object": "chat.completion.chunk",
+            "object": "text_completion" if self.text else "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
@@ -105,12 +111,13 @@ class Completion:
         return {**out, **extra}
 
     def delta(self, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        said = {"text": delta.get("content", "")} if self.text else {"delta": delta}
+        choice = {"index": index, **said, "logprobs": None, "finish_reason": finish}
         return self.chunk([choice])
 
-    def opening(self, index: int) -> dict[str, Any]:
-        """A choice's first chunk: its role."""
-        return self.delta(index, {"role": "assistant", "content": ""})
+    def openings(self, n: int) -> list[dict[str, Any]]:
+        """Each choice's first chunk: its role (a raw completion's stream has none)."""
+        return [] if self.text else [self.delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
 
     def pieces(self, index: int, snapshot: Snapshot) -> list[dict[str, Any]]:
         """The chunks of one snapshot: its text, then the pieces of calls it wrote."""
