@@ -752,3 +752,22 @@ def test_raw_completions_continue_the_prompt_as_the_library_does(served: Served)
         for body in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": "x", "echo": True}, {"prompt": 3}):
             response = http.post("/v1/completions", json=body)
             assert response.status_code == 400, (body, response.text)
+
+
+def test_no_cors_unless_an_origin_is_allowed(served: Served) -> None:
+    """By default a page elsewhere cannot read the API's answers (no CORS headers); with
+    ``cors_origins`` only the named origin may."""
+    asked = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    with served.http() as http:
+        preflight = http.options("/v1/chat/completions", headers=asked)
+        plain = http.get("/v1/models", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in preflight.headers
+    assert "access-control-allow-origin" not in plain.headers
+    app = create_app(served.model, api_key=KEY, cors_origins=["http://localhost:3000"])
+    with running(app) as url, httpx.Client(base_url=url.removesuffix("/v1"), timeout=60) as http:
+        allowed = {**asked, "Origin": "http://localhost:3000"}
+        allowed["Access-Control-Request-Headers"] = "authorization"
+        ok = http.options("/v1/chat/completions", headers=allowed)
+        other = http.options("/v1/chat/completions", headers=asked)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "access-control-allow-origin" not in other.headers

@@ -58,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 model_name=args.model_name,
                 max_body_bytes=args.max_body_bytes,
+                cors_origins=args.cors_origin or (),
                 **({"context_size": args.context_size} if args.context_size else {}),
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
@@ -135,6 +136,12 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="append",
         metavar="KEY",
         help="require `Authorization: Bearer KEY` (repeatable: each key is a tenant of its own)",
+    )
+    add(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="a web origin whose pages may call the API (repeatable; default: none)",
     )
     add("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
     add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")

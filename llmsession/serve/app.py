@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -221,11 +222,14 @@ def create_app(
     model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     queue: int = 64,
+    cors_origins: Sequence[str] = (),
     **session_args: Any,
 ) -> Starlette:
     """The server's ASGI app on ``model`` (which the caller opens and closes). ``api_key``: one
     key or several; with any, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``
     and each key is a tenant of its own. ``queue``: requests that may wait for room before a 503.
+    ``cors_origins``: the web origins whose pages may call the API (none by default: a page
+    elsewhere cannot read its answers).
     ``session_args`` go to every stateless session (``context_size``, ...)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(key, str) or not key for key in keys):
@@ -248,6 +252,13 @@ def create_app(
         Route("/v1/completions", guarded(server.completions), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={RequestError: refuse, HTTPException: refuse})
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(Counting, metrics=server.metrics)
     app.state.server = server
     return app
