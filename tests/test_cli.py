@@ -395,3 +395,12 @@ def test_tools_calls_are_printed_and_results_read(smollm2_path: Path, tmp_path: 
     assert unknown.returncode == 1 and "get_time" in unknown.stderr and "Traceback" not in unknown.stderr
     lonely = run("chat", "--tool-choice", "required", stdin="hi\n")
     assert lonely.returncode == 1 and "--tool-choice needs --tools" in lonely.stderr
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+    }
+    (tmp_path / "city.json").write_text(json.dumps(schema))
+    held = run(*chat, stdin=f"/json {tmp_path / 'city.json'}\nName a city.\n")  # (a forced call's options)
+    assert held.returncode == 0 and "error" not in held.stderr, held.stderr
+    assert "[valid JSON for the schema]" in held.stdout and "[call " not in held.stdout

@@ -748,6 +748,11 @@ def test_raw_completions_continue_the_prompt_as_the_library_does(served: Served)
     )
     details = again.usage.prompt_tokens_details if again.usage is not None else None
     assert details is not None and (details.cached_tokens or 0) >= whole.usage.prompt_tokens
+    two = client.completions.create(
+        model=served.name, prompt=prompt, max_tokens=4, temperature=0.8, seed=1, n=2, user="raw3"
+    )
+    assert [c.index for c in two.choices] == [0, 1] and all(c.text for c in two.choices)
+    assert two.usage is not None and two.usage.prompt_tokens == whole.usage.prompt_tokens  # (counted once)
     with served.http() as http:
         for body in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": "x", "echo": True}, {"prompt": 3}):
             response = http.post("/v1/completions", json=body)

@@ -270,7 +270,13 @@ object_schemas = st.fixed_dictionaries(
                 st.just({"type": "integer", "minimum": 0, "maximum": 99}),
                 st.just({"type": "boolean"}),
                 st.just({"enum": ["x", "y"]}),
-                st.just({"type": "array", "items": {"type": "integer"}, "maxItems": 2}),
+                st.just(
+                    {
+                        "type": "array",
+                        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                        "maxItems": 2,
+                    }
+                ),
             ),
             min_size=1,
             max_size=3,

@@ -158,7 +158,11 @@ class Chat:
         """Stream one reply, and the rounds of tool results it asks for."""
         (images, self.images), (schema, self.schema) = (self.images, []), (self.schema, None)
         content: Any = [*images, text] if images else text  # (sent or refused, they do not carry over)
-        options = replace(self.options, json_schema=schema, tools=None) if schema else self.options
+        options = (
+            replace(self.options, json_schema=schema, tools=None, tool_choice="auto")
+            if schema
+            else self.options
+        )
         reply = self.reply_to(content, options)
         for _ in range(MAX_ROUNDS):  # as long as the replies call tools, or until input ends
             if reply is None or not reply.tool_calls:
@@ -268,7 +272,7 @@ def chat(args: argparse.Namespace) -> int:
         tools = read_tools(args.tools) if args.tools else None
         named = args.tool_choice not in ("auto", "required", "none")
         choice = {"type": "function", "function": {"name": args.tool_choice}} if named else args.tool_choice
-        if tools is None and args.tool_choice != "auto":
+        if tools is None and args.tool_choice not in ("auto", "none"):
             raise ValueError("--tool-choice needs --tools")
         checked_tools(tools, choice)  # (a tool it names must be one of them)
         options = GenerationOptions(

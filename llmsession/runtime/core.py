@@ -166,7 +166,10 @@ class ModelCore:
         if "\x00" in text:
             raise ValueError("a prompt must not contain NUL characters")
         began = time.perf_counter()
-        prompt = Prompt([self.tokenize(text)])
+        tokens = self.tokenize(text)
+        if not tokens:  # (a model that adds no BOS, and text that tokenizes to nothing)
+            raise ValueError("the prompt tokenizes to nothing")
+        prompt = Prompt([tokens])
         prompt.tokenize_s = time.perf_counter() - began
         return prompt
 

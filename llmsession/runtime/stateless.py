@@ -47,6 +47,7 @@ class Call:
     said: list[Message]
     options: GenerationOptions
     tools: Tools | None
+    looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
 
 
 class StatelessSessions:
@@ -92,13 +93,18 @@ class StatelessSessions:
     ) -> Stream:
         """A raw completion (``Model.complete_stream``): ``text`` continued as it is, no chat
         template, routed to a kept session as a chat call is (the same tenants, the same reuse)."""
-        record = self._kept_record(tenant, session_args)
         options = checked_options(options)
         if options_tools(options) is not None:
             raise ValueError("a raw completion cannot call tools (it has no chat template)")
+        prompt = self.model.raw_prompt(text)  # (checked before the tenant's record is touched)
+        try:
+            record = self._kept_record(tenant, session_args)
+        except BaseException:
+            prompt.close()
+            raise
         said: list[Message] = [{"role": "user", "content": text}]  # (the transcript's stand-in)
-        call = Call([], said, options, None)
-        return self._route(self.model.raw_prompt(text), call, tenant, record, session_args)
+        call = Call([], said, options, None, looks_ahead=False)  # (no chat turn will follow it)
+        return self._route(prompt, call, tenant, record, session_args)
 
     def _route(
         self,
@@ -117,7 +123,7 @@ class StatelessSessions:
                 session = session or Session(self.model, **session_args)
                 if record is not None:
                     session.replies = record  # its prompts splice only its tenant's replies
-                session.looks_ahead = keep  # else nothing will follow: decode nothing ahead
+                session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
                 session.messages = call.history
                 stream = session.start(call.said, call.options, prompt, call.tools)  # owns prompt now
             except BaseException:

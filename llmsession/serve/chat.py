@@ -97,10 +97,15 @@ class Host:
                 return call(seeded(asked.options, index))
 
         def answer(session: Session, index: int) -> Stream:
+            options = seeded(asked.options, index)
+            if asked.prompt is not None:  # a raw completion: its prompt as it is, on the fork
+                session.messages = []
+                said: list[Any] = [{"role": "user", "content": asked.prompt}]
+                return session.start(said, options, session.model.raw_prompt(asked.prompt))
             session.messages, said = split(asked.messages)
-            return session.stream(said, seeded(asked.options, index))
+            return session.stream(said, options)
 
-        if asked.n == 1 or self.model.isolated or asked.prompt is not None:  # (no session to fork)
+        if asked.n == 1 or self.model.isolated:
             return Choices(asked.n, locked, self.metrics.reply, released)
         prefill = dataclasses.replace(asked.options, max_tokens=1, temperature=0.0, stop=())
         forks = Forks(asked.n, lambda: call(prefill), answer, lock)  # (it takes the lock itself)

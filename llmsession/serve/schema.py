@@ -133,7 +133,7 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
 
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "messages")
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "messages")  # (response_format holds too)
 
 
 def completion_request(body: Mapping[str, Any]) -> ChatRequest:
