@@ -5,7 +5,9 @@ twice, nor a quote inside a string."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +18,8 @@ from hypothesis import strategies as st
 
 from llmsession import Model
 from llmsession.errors import GrammarError
-from llmsession.text.gemma4_calls import BodyGrammar, body_from_json, read_body, write_body
-from llmsession.text.gemma4_tools import format_tool_call
+from llmsession.text.gemma4_calls import STRING_BODY, BodyGrammar, body_from_json, read_body, write_body
+from llmsession.text.gemma4_tools import QUOTE, format_tool_call
 from llmsession.text.tool_grammar import spelled
 
 FIXTURES = ("smollm2-gemma4-template.gguf", "smollm2-gemma4-special.gguf")  # quote as text / as a token
@@ -129,3 +131,13 @@ def test_deep_and_wide_schemas_stay_small() -> None:
     assert len(rules.lines()) < 2_100
     with pytest.raises(GrammarError, match="bare"):
         BodyGrammar("g", say).body({"type": "object", "properties": {"a:b": {"type": "integer"}}})
+
+
+def test_a_string_body_is_exactly_the_text_without_a_quote() -> None:
+    """Every string of up to 7 characters from ``<|">a`` matches the body's regex exactly when
+    it holds no ``<|"|>`` (``<|<`` was once refused; the reader ends a string at a quote)."""
+    body = re.compile(STRING_BODY)
+    for size in range(8):
+        for letters in itertools.product('<|">a', repeat=size):
+            text = "".join(letters)
+            assert bool(body.fullmatch(text)) == (QUOTE not in text), text

@@ -25,7 +25,7 @@ INTEGER = "/(0|-?[1-9][0-9]{0,15})/"
 NUMBER = f"/(0|-?[1-9][0-9]{{0,15}}|-?{_DIGITS}\\.(0|[0-9]{{0,15}}[1-9]))/"
 """Numbers as Python prints them back (no ``-0``, ``1.50``, ``1e5``): a call re-rendered by the
 template spells what was generated."""
-_BODY = r"([^<]|<+([^<|]|\|([^<\"]|\"([^<|]|\|[^<>]))))*(<+(\|(\"\|?)?)?)?"
+STRING_BODY = r"([^<]|(<(\|(\"\|?)?)?)*<([^<|]|\|([^<\"]|\"([^<|]|\|[^<>]))))*(<(\|(\"\|?)?)?)*"
 """Text without ``<|"|>`` in it: the reader ends a string at the first one."""
 MAX_DEPTH = 32
 
@@ -192,10 +192,10 @@ class BodyGrammar:
         most = schema.get("maxLength")
         bounded = isinstance(most, int) and not isinstance(most, bool) and most >= 0
         if self.special:
-            body = f"(.|\\n){{0,{most}}}" if bounded else _BODY
+            body = f"(.|\\n){{0,{most}}}" if bounded else STRING_BODY
             return f"{self.quote} /{body}/ {self.quote}"
         quote = re.escape(QUOTE).replace("/", "\\/")
-        body = f"[^<]{{0,{most}}}" if bounded else _BODY
+        body = f"[^<]{{0,{most}}}" if bounded else STRING_BODY
         return f"/{quote}{body}{quote}/"
 
     def lines(self) -> list[str]:
