@@ -104,6 +104,7 @@ class ModelCore:
         self._digests: dict[Path, str] = {}
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
+        self._specials: dict[str, Mapping[str, int]] = {}  # per tool format (``special_markers``)
         # Tokenized texts between spliced replies, without and with BOS (``_stretch_tokens``).
         self._stretches = (ReplyTokens(STRETCHES), ReplyTokens(STRETCHES))
 
@@ -146,15 +147,19 @@ class ModelCore:
             )
         return fmt
 
-    def special_markers(self, fmt: ToolFormat) -> dict[str, int]:
+    def special_markers(self, fmt: ToolFormat) -> Mapping[str, int]:
         """The format's markers this vocabulary holds as one special token each, and their ids:
-        the grammar names them by id, and the reply's text spells them."""
-        specials = {}
-        for spelling in fmt.markers:
-            tokens = self.native.tokenize(spelling, add_special=False)
-            if len(tokens) == 1 and self.native.is_special(tokens[0]):
-                specials[spelling] = tokens[0]
-        return specials
+        the grammar names them by id, and the reply's text spells them. Found once per format
+        (an exchange with tools asks twice: for its grammar and for its text)."""
+        known = self._specials.get(fmt.name)
+        if known is None:
+            found = {}
+            for spelling in fmt.markers:
+                tokens = self.native.tokenize(spelling, add_special=False)
+                if len(tokens) == 1 and self.native.is_special(tokens[0]):
+                    found[spelling] = tokens[0]
+            known = self._specials[fmt.name] = found
+        return known
 
     def raw_prompt(self, text: str) -> Prompt:
         """A completion's prompt: ``text`` tokenized as it is (BOS as the model adds it, special
