@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from llmsession import GenerationOptions, Model, TemplateError
+from llmsession import GenerationOptions, Model, Session, TemplateError
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 QUESTIONS = [
@@ -103,3 +103,23 @@ def test_a_fork_continues_exactly_like_its_original(
         original, forked = session.respond(QUESTIONS[1], GREEDY), fork.respond(QUESTIONS[1], GREEDY)
         assert forked.text == original.text
         assert forked.usage == original.usage
+
+
+def test_a_session_still_finishing_its_reply_is_not_taken_by_another_call(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step that finishes a reply records it and decodes the next prompt's opening ahead,
+    its exchange already done: a call arriving then (a client that left, then came back) gets
+    another session, not a SessionBusyError (a 500 from the server, seen in its soak test)."""
+    history = [{"role": "user", "content": QUESTIONS[0]}]
+    look_ahead, seen = Session._look_ahead, []
+
+    def meanwhile(session: Session) -> None:
+        monkeypatch.setattr(Session, "_look_ahead", look_ahead)
+        grown = [*history, session.messages[-1], {"role": "user", "content": QUESTIONS[1]}]
+        with smollm2.chat_stream(grown, GREEDY) as stream:
+            seen.append(stream.session is not session)
+
+    monkeypatch.setattr(Session, "_look_ahead", meanwhile)
+    smollm2.chat(history, GREEDY)
+    assert seen == [True]

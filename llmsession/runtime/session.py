@@ -209,8 +209,11 @@ class Session:
 
     @property
     def idle(self) -> bool:
-        """Open, and no stream of it is running (a stateless call may take it)."""
-        return not self._guard.closed and (self._latest is None or self._latest.done)
+        """Open, and no stream of it is running (a stateless call may take it): its latest
+        exchange done, and the step that finished it over (that step still holds the guard while
+        it records the reply and decodes the next prompt's opening ahead)."""
+        latest = self._latest
+        return not self._guard.closed and not self._guard.lock.locked() and (latest is None or latest.done)
 
     @property
     def closed(self) -> bool:
