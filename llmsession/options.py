@@ -10,6 +10,7 @@ from typing import Any
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
 INT32_MAX = 2**31 - 1  # llama.cpp's counts are int32_t: a larger Python int cannot be passed
 TOOL_FORMATS = ("hermes", "llama3", "mistral", "generic")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_POSITIONS = 2**24  # a context or batch size beyond this is a typo, not a plan (16.7M positions)
 
 
@@ -49,6 +50,7 @@ class GenerationOptions:
     tool_choice: str | Mapping[str, Any] = "auto"
     parallel_tool_calls: bool = True
     tool_format: str | None = None  # "hermes", "llama3", "mistral", "generic"; None: from the template
+    logprobs: int | None = None  # score each token, with this many likeliest alternatives (0-20)
 
     def __post_init__(self) -> None:
         if isinstance(self.tools, list):
@@ -90,6 +92,8 @@ class GenerationOptions:
         choice_ok = isinstance(self.tool_choice, str | Mapping)
         _require("tool_choice", self.tool_choice, choice_ok)
         _require("parallel_tool_calls", self.parallel_tool_calls, isinstance(self.parallel_tool_calls, bool))
+        logprobs_ok = self.logprobs is None or _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS)
+        _require("logprobs", self.logprobs, logprobs_ok)
         format_ok = self.tool_format is None or self.tool_format in TOOL_FORMATS
         _require("tool_format", self.tool_format, format_ok)
         given = self._constraints()

@@ -114,6 +114,25 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """One of the likeliest tokens at a position."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A reply token: its text, its bytes, its log-probability and the likeliest alternatives."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+    top: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
 class Reply:
     text: str  # with tool calls, the text before them
     finish_reason: FinishReason
@@ -121,6 +140,7 @@ class Reply:
     timings: Timings
     parsed: Any = None  # a complete json_schema reply, parsed (a pydantic instance for a model class)
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None  # with ``logprobs`` asked: its text's tokens
 
 
 @dataclass(frozen=True)
@@ -130,3 +150,4 @@ class Snapshot:
     delta: str
     text: str
     tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls this step wrote
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens whose text this step released

@@ -33,6 +33,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.options",
     "llmsession.text.messages",
     "llmsession.text.stops",
+    "llmsession.text.logprobs",
     "llmsession.text.detokenize",
     "llmsession.text.splice",
     "llmsession.text.schemas",

@@ -57,6 +57,13 @@ def batch_noise(model: Model) -> float:
     """The largest final-logit difference between a prompt's last token decoded alone and in one
     batch with three other sequences' steps (concurrent streams are decoded that way), added to
     the split noise: what two streams' replies may differ by when one ran beside others."""
+    alone, together = batch_rows(model)
+    return short_prompt_noise(model) + float(np.abs(alone - together).max())
+
+
+@functools.cache
+def batch_rows(model: Model) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt's final logits, its last token decoded alone and batched with three others'."""
     tokens = model.prompt_tokens([{"role": "user", "content": paragraph(model, 0, 300)}])
     n = len(tokens)
     context = NativeContext(
@@ -76,7 +83,7 @@ def batch_noise(model: Model) -> float:
         together = context.last_logits(model.native.n_vocab, row).copy()
     finally:
         context.close()
-    return short_prompt_noise(model) + float(np.abs(alone - together).max())
+    return alone, together
 
 
 def assert_same_as_fresh(session: Session, content: str, **session_args: Any) -> Any:

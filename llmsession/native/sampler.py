@@ -96,3 +96,49 @@ class Sampler:
 
     def close(self) -> None:
         self._free()
+
+
+class ScoringSampler:
+    """A sampler that also scores what it picks: the picked token's log-probability and the
+    ``top`` likeliest tokens', from the logits it sampled from (after a constraint's mask, so
+    under a constraint they are the constrained distribution's; before penalties, temperature
+    and truncation, as OpenAI's and llama-server's default ``logprobs`` are)."""
+
+    def __init__(self, inner: TokenSampler, n_vocab: int, top: int) -> None:
+        self.inner, self.n_vocab, self.top = inner, n_vocab, top
+        self.scored: tuple[float, list[tuple[int, float]]] = (0.0, [])
+
+    def sample(self, context: NativeContext, index: int = -1) -> int:
+        token = self.inner.sample(context, index)
+        self.scored = log_softmax_top(context.last_logits(self.n_vocab, index), token, self.top)
+        return token
+
+    def forced(self) -> list[int]:
+        return self.inner.forced()
+
+    def accept(self, token: int) -> None:
+        self.inner.accept(token)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def complete(self) -> bool:
+        return self.inner.complete
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+
+def log_softmax_top(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under ``logits`` and the ``top`` likeliest tokens' (id,
+    log-probability), likeliest first; one pass over the vocabulary in numpy."""
+    peak = float(np.max(logits))
+    log_total = peak + float(np.log(np.sum(np.exp(logits - peak, dtype=np.float64))))
+    best: list[tuple[int, float]] = []
+    if top:
+        ids = np.argpartition(-logits, top - 1)[:top]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        best = [(int(i), float(logits[i]) - log_total) for i in ids]
+    return float(logits[token]) - log_total, best

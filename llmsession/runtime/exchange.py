@@ -30,10 +30,11 @@ from llmsession.errors import GrammarError, MemoryBudgetError, NativeError
 from llmsession.native.cancel import CancelFlag
 from llmsession.native.context import DecodeAborted
 from llmsession.native.llama import NativeModel
-from llmsession.native.sampler import Sampler, TokenSampler
+from llmsession.native.sampler import Sampler, ScoringSampler, TokenSampler
 from llmsession.options import GenerationOptions
 from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, ToolCall, Usage
 from llmsession.runtime.calling import Calling
+from llmsession.runtime.scoring import Scoring
 from llmsession.text.detokenize import IncrementalDetokenizer
 from llmsession.text.stops import StopMatcher
 
@@ -95,6 +96,7 @@ class Exchange:
     model_closed: bool = False  # its model was closed before it finished
     calling: Calling | None = None  # its tools, when the reply may call them
     text: str = ""  # the reply as generated (its calls included)
+    scoring: Scoring | None = None  # its tokens' scores, when ``logprobs`` are asked for
 
     @property
     def done(self) -> bool:
@@ -127,7 +129,7 @@ class Exchange:
                                 text += delta
                                 yield self._snapshot(delta, text)
                             if self.calling is not None and (tail := self.calling.tail()) is not None:
-                                yield tail
+                                yield tail if self.scoring is None else self.scoring.snapshot(tail)
                 except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
                     cancelled = True
                 except BaseException as error:
@@ -143,7 +145,8 @@ class Exchange:
         self._conclude(text, "cancelled" if cancelled else self.finish, usage, timings)
 
     def _snapshot(self, delta: str, text: str) -> Snapshot:
-        return Snapshot(delta, text) if self.calling is None else self.calling.snapshot(delta)
+        snapshot = Snapshot(delta, text) if self.calling is None else self.calling.snapshot(delta)
+        return snapshot if self.scoring is None else self.scoring.snapshot(snapshot)
 
     def _seat(self) -> AbstractContextManager[Seat]:
         """The session's sequence, with room for the prompt and the reply's first stretch (an
@@ -195,6 +198,8 @@ class Exchange:
                     break
                 pos, token = self._decode_step(seat, batch, pos, sampler, tracker)
                 pending = [token, *sampler.forced()]
+                if self.scoring is not None:
+                    self.scoring.next_sampled()
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
             # The detokenizer may still hold the first bytes of a character the reply was cut
@@ -225,7 +230,11 @@ class Exchange:
                 self.finish = "complete" if sampler.complete else "stop"
                 return True
             usage.completion_tokens += 1
-            delta = stops.push(detokenizer.push(native.piece(token, special=token in self.spelled)))
+            piece = native.piece(token, special=token in self.spelled)
+            text = detokenizer.push(piece)
+            if self.scoring is not None:
+                self.scoring.note(token, piece, text)
+            delta = stops.push(text)
             if delta:
                 yield delta
             batch.append(token)
@@ -273,9 +282,12 @@ class Exchange:
         if options.penalized and last_n > 0:
             for token in self.prompt.tokens()[-last_n:]:
                 sampler.accept(token)
-        if self.constraint is not None:
-            return self.constraint.sampler(sampler, n_vocab)
-        return sampler
+        held: TokenSampler = sampler if self.constraint is None else self.constraint.sampler(sampler, n_vocab)
+        if options.logprobs is None:
+            return held
+        scorer = ScoringSampler(held, n_vocab, options.logprobs)
+        self.scoring = Scoring(self.place.native, scorer)
+        return scorer
 
     # -- the end ----------------------------------------------------------------------------------
     def _conclude(self, text: str, finish: FinishReason, usage: Usage, timings: Timings) -> None:
@@ -291,7 +303,8 @@ class Exchange:
                 parsed = self.constraint.parse(text)
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")
-        self._record(Reply(text, finish, usage, timings, parsed, calls))
+        logprobs = None if self.scoring is None else self.scoring.reply(text)
+        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs))
         if error is not None:
             raise error
 
