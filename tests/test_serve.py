@@ -24,12 +24,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
+from serve_helpers import KEY, OTHER_KEY, Served, metric, running
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
-from llmsession.serve.app import PARSERS, Server, create_app
+from llmsession.serve.app import PARSERS, create_app
 
-KEY, OTHER_KEY = "sk-alpha", "sk-beta"
 BODY_LIMIT = 1 << 20
 WEATHER = {
     "type": "function",
@@ -44,61 +43,6 @@ WEATHER = {
         },
     },
 }
-
-
-@dataclass
-class Served:
-    model: Model
-    url: str  # .../v1
-    name: str
-    server: Server
-    key: str | None = KEY
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=60)
-
-    def http(self, key: str | None = KEY) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url.removesuffix("/v1"), headers=headers, timeout=60)
-
-    def metrics(self) -> str:
-        with self.http(self.key) as http:
-            response = http.get("/metrics")
-        assert response.status_code == 200
-        return response.text
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1].split("/")[0])
-
-
-def metric(text: str, name: str) -> float:
-    """A sample's value (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-@contextlib.contextmanager
-def running(app: Any) -> Iterator[str]:
-    """``app`` on uvicorn on a free port, in a thread: its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +324,8 @@ BAD_REQUESTS: list[tuple[Any, int]] = [
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
     ({"messages": [{"role": "user", "content": "a\0b"}]}, 400),
     ({"messages": [{"role": "user", "content": "x"}], "n": 9}, 400),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400),
     ({"messages": [{"role": "assistant", "content": "x"}]}, 400),  # nothing to answer
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),  # no tools
     ({"messages": [{"role": "user", "content": "x"}], "response_format": BAD_SCHEMA}, 400),
@@ -713,6 +658,7 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
             next(response.iter_lines())
             server.send_signal(signal.SIGTERM)
             assert server.wait(30) == 0
+        said = server.stdout.read() if server.stdout else ""
     finally:
         if server.poll() is None:
             server.kill()
@@ -720,6 +666,8 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
         if server.stdout is not None:
             server.stdout.close()
     assert list(tmp_path.iterdir()) == []
+    assert f"serving {smollm2_path.name} at http://127.0.0.1:{port}/v1" in said
+    assert "up to 1 live sessions" in said and f"then on disk in {tmp_path}" in said
 
 
 def test_raw_completions_continue_the_prompt_as_the_library_does(served: Served) -> None:
@@ -776,3 +724,39 @@ def test_no_cors_unless_an_origin_is_allowed(served: Served) -> None:
         other = http.options("/v1/chat/completions", headers=asked)
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_logprobs_join_up_to_the_text_whole_streamed_and_raw(served: Served) -> None:
+    client = served.client()
+    asked: dict[str, Any] = {
+        "model": served.name,
+        "messages": [{"role": "user", "content": "Write a line about the sea, with an accent: café."}],
+        "max_tokens": 20,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = client.chat.completions.create(**asked)
+    scores = whole.choices[0].logprobs
+    assert scores is not None and scores.content is not None
+    assert "".join(e.token for e in scores.content) == whole.choices[0].message.content
+    assert len(scores.content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in scores.content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the likeliest
+        assert entry.bytes is not None and bytes(entry.bytes).decode("utf-8", "replace")
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in scores.content]
+    raw = client.completions.create(
+        model=served.name, prompt="The sea is", max_tokens=8, temperature=0, logprobs=2
+    )
+    legacy = raw.choices[0].logprobs
+    assert legacy is not None and legacy.tokens is not None and legacy.text_offset is not None
+    assert "".join(legacy.tokens) == raw.choices[0].text
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(len(legacy.tokens))]
+    assert all(len(top) <= 2 for top in legacy.top_logprobs or [])
+    plain = client.chat.completions.create(**{**asked, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None

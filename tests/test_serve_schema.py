@@ -20,7 +20,16 @@ from starlette.requests import Request
 from llmsession import GrammarError, MemoryBudgetError, SessionBusyError, TemplateError
 from llmsession.commands.serve import CancelledDecodes
 from llmsession.options import INT32_MAX
-from llmsession.replies import Reply, Snapshot, Timings, ToolCall, ToolCallDelta, Usage
+from llmsession.replies import (
+    Alternative,
+    Reply,
+    Snapshot,
+    Timings,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 from llmsession.serve import sse
 from llmsession.serve.app import create_app, digest
 from llmsession.serve.errors import RequestError, from_library
@@ -135,8 +144,9 @@ BAD = [
     ({"messages": HI, "stop": ["a", ""]}, "stop"),
     ({"messages": HI, "n": 9}, "n"),
     ({"messages": HI, "n": 0}, "n"),
-    ({"messages": HI, "logprobs": True}, "logprobs"),
-    ({"messages": HI, "top_logprobs": 2}, "logprobs"),
+    ({"messages": HI, "logprobs": "yes"}, "logprobs"),
+    ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": HI, "stream": "yes"}, "stream"),
     ({"messages": HI, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"messages": HI, "response_format": {"type": "xml"}}, "response_format"),
@@ -235,7 +245,7 @@ def test_answered_calls_and_long_users_within_the_limits_pass() -> None:
 
 
 def test_logprobs_off_and_any_seed_are_accepted() -> None:
-    assert chat_request({"messages": HI, "logprobs": False, "top_logprobs": 0}).options.seed is None
+    assert chat_request({"messages": HI, "logprobs": False, "top_logprobs": 0}).options.logprobs is None
     for seed in (-1, 2**32 - 1, 2**64 + 5, 1e20):
         options = chat_request({"messages": HI, "seed": seed}).options
         assert options.seed is not None and 0 <= options.seed < 0xFFFFFFFF, seed
@@ -492,7 +502,59 @@ def test_a_raw_completions_body_and_chunks_are_openais_legacy_ones() -> None:
         {"prompt": ""},
         {"prompt": ["a", "b"]},
         {"prompt": "x", "suffix": "y"},
-        {"prompt": "x", "logprobs": 0},
     ):
         with pytest.raises(RequestError):
             completion_request(bad)
+
+
+def test_logprobs_become_the_count_of_alternatives() -> None:
+    assert chat_request({"messages": HI, "logprobs": True}).options.logprobs == 0
+    assert chat_request({"messages": HI, "logprobs": True, "top_logprobs": 3}).options.logprobs == 3
+    assert completion_request({"prompt": "x", "logprobs": 2}).options.logprobs == 2
+    assert completion_request({"prompt": "x"}).options.logprobs is None
+    for bad in (6, -1, True, "2"):
+        with pytest.raises(RequestError) as caught:
+            completion_request({"prompt": "x", "logprobs": bad})
+        assert caught.value.param == "logprobs", bad
+
+
+def scored(text: str) -> TokenLogprob:
+    return TokenLogprob(
+        text, text.encode(), -0.5, (Alternative(text, text.encode(), -0.5), Alternative("x", b"x", -2.0))
+    )
+
+
+def test_scores_stream_with_their_text_and_the_rest_come_with_the_finish() -> None:
+    entries = (scored("He"), scored("llo"), scored("!"))
+    reply = Reply("Hello!", "stop", Usage(), Timings(), logprobs=entries)
+    chat = sse.Completion("m", logprobs=True)
+    assert chat.body([reply])["choices"][0]["logprobs"] == sse.chat_logprobs(entries)
+    first = sse.chat_logprobs(entries[:1])["content"][0]
+    assert first == {
+        "token": "He",
+        "logprob": -0.5,
+        "bytes": [72, 101],
+        "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+            {"token": "x", "logprob": -2.0, "bytes": [120]},
+        ],
+    }
+    streamed = sse.Streamed()
+    chunk = chat.pieces(0, Snapshot("He", "He", logprobs=entries[:1]), streamed)[0]
+    assert chunk["choices"][0]["logprobs"]["content"] == [first]
+    silent = chat.pieces(0, Snapshot("", "He", logprobs=entries[1:2]), streamed)  # (held-back text)
+    assert [c["choices"][0]["delta"]["content"] for c in silent] == [""]
+    last = chat.finish(0, reply, streamed)["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in last] == ["!"]
+    assert sse.Completion("m").pieces(0, Snapshot("", "He", logprobs=entries[:1])) == []  # not asked
+    legacy = sse.Completion("m", text=True, logprobs=True)
+    assert legacy.body([reply])["choices"][0]["logprobs"] == {
+        "tokens": ["He", "llo", "!"],
+        "token_logprobs": [-0.5, -0.5, -0.5],
+        "top_logprobs": [{"He": -0.5, "x": -2.0}, {"llo": -0.5, "x": -2.0}, {"!": -0.5, "x": -2.0}],
+        "text_offset": [0, 2, 5],
+    }
+    streamed = sse.Streamed()
+    legacy.pieces(0, Snapshot("He", "He", logprobs=entries[:1]), streamed)
+    offsets = legacy.finish(0, reply, streamed)["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [2, 5]

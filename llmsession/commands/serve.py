@@ -26,6 +26,8 @@ from llmsession.errors import LlmSessionError
 if TYPE_CHECKING:
     import uvicorn
 
+    from llmsession.engine.budget import MemoryReport
+
 
 def serve(args: argparse.Namespace) -> int:
     try:
@@ -62,6 +64,7 @@ def serve(args: argparse.Namespace) -> int:
                 **({"context_size": args.context_size} if args.context_size else {}),
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
+            print(memory_line(model.memory(), args.disk_cache_dir), flush=True)
             config = uvicorn.Config(
                 app,
                 host=args.host,
@@ -74,6 +77,15 @@ def serve(args: argparse.Namespace) -> int:
         error(str(e))
         return 1
     return 0
+
+
+def memory_line(report: MemoryReport, disk: Path | None) -> str:
+    """The memory settings a server starts with, so an operator sees what its budget is."""
+    spill = f"then on disk in {disk}" if disk is not None else "then dropped (no --disk-cache-dir)"
+    return (
+        f"memory: {report.kv_tokens} KV cells shared by up to {report.max_live_sessions} live sessions; "
+        f"parked states up to {report.host_cache_bytes / 2**20:.0f} MiB in RAM, {spill}"
+    )
 
 
 class CancelledDecodes(logging.Filter):

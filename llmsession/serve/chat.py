@@ -184,7 +184,11 @@ class Call:
         """The whole reply, or a stream of it from the first events on."""
         prompt = choices.forks.prompt if choices.forks is not None else None
         completion = sse.Completion(
-            self.host.name, self.asked.include_usage, prompt, self.asked.prompt is not None
+            self.host.name,
+            self.asked.include_usage,
+            prompt,
+            text=self.asked.prompt is not None,
+            logprobs=self.asked.options.logprobs is not None,
         )
         if not self.asked.stream:
             replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
@@ -196,6 +200,7 @@ async def events(choices: Choices, first: list[Event], completion: sse.Completio
     """The SSE body: every choice's role, then its pieces as they come, its finish, the usage if
     asked, ``[DONE]``. An error mid-stream is an error event (logged if it is the server's)."""
     replies: dict[int, Reply] = {}
+    streamed = [sse.Streamed() for _ in range(choices.n)]
     pending = list(first)
     try:
         for opening in completion.openings(choices.n):
@@ -206,11 +211,11 @@ async def events(choices: Choices, first: list[Event], completion: sse.Completio
                 yield sse.event(explain(event.error).body())
                 break
             if event.snapshot is not None:
-                for chunk in completion.pieces(event.index, event.snapshot):
+                for chunk in completion.pieces(event.index, event.snapshot, streamed[event.index]):
                     yield sse.event(chunk)
             elif event.reply is not None:
                 replies[event.index] = event.reply
-                yield sse.event(completion.finish(event.index, event.reply))
+                yield sse.event(completion.finish(event.index, event.reply, streamed[event.index]))
         else:
             if completion.include_usage:
                 yield sse.event(completion.usage_chunk([replies[i] for i in range(choices.n)]))

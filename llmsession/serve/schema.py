@@ -21,18 +21,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmsession.errors import TemplateError
-from llmsession.options import INT32_MAX, LLAMA_DEFAULT_SEED, GenerationOptions, checked_options
+from llmsession.options import (
+    INT32_MAX,
+    LLAMA_DEFAULT_SEED,
+    MAX_TOP_LOGPROBS,
+    GenerationOptions,
+    checked_options,
+)
 from llmsession.serve.errors import RequestError
 from llmsession.serve.images import ImageCount
 from llmsession.text.messages import check_messages
 from llmsession.text.tools import MAX_TOOLS, options_tools
 
 MAX_CHOICES = 8
+MAX_TEXT_LOGPROBS = 5  # the legacy completions field: OpenAI lists at most 5
 MAX_MESSAGES = 1024
 MAX_STOPS = 16
 MAX_STOP_BYTES = 1024
 MAX_USER = 256  # characters: ``user`` is part of a tenant's key
-MAX_TOP_LOGPROBS = 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 NAMES = {
     dict: "an object",
@@ -117,9 +123,6 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     images = ImageCount()
     messages = [_message(i, m, images) for i, m in enumerate(raw)]
     _check_transcript(messages)
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if _optional(body, "logprobs", bool) or top:
-        raise RequestError("logprobs are not supported by this server", "logprobs", "unsupported")
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
         raise RequestError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
@@ -129,7 +132,18 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     user = _optional(body, "user", str)
     if user is not None and len(user) > MAX_USER:
         raise RequestError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
-    return ChatRequest(messages, options(body, default_max_tokens), n or 1, stream, bool(include_usage), user)
+    chosen = options(body, default_max_tokens, _chat_logprobs(body))
+    return ChatRequest(messages, chosen, n or 1, stream, bool(include_usage), user)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """How many likeliest tokens to list with each token's score (None: no scores)."""
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not _optional(body, "logprobs", bool):
+        if top:
+            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        return None
+    return top or 0
 
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -150,13 +164,14 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
         "echo": bool(body.get("echo")),
         "suffix": bool(body.get("suffix")),
         "best_of": body.get("best_of") not in (None, 1),
-        "logprobs": body.get("logprobs") is not None,
     }
     for name in (name for name, asked in unsupported.items() if asked):
         raise RequestError(f"{name} is not supported by this server", name, "unsupported")
-    kept = {k: v for k, v in body.items() if k not in CHAT_ONLY}
+    top = _integer(body, "logprobs", 0, MAX_TEXT_LOGPROBS)  # (the legacy field: a count)
+    kept = {k: v for k, v in body.items() if k not in (*CHAT_ONLY, "logprobs", "top_logprobs")}
     asked = chat_request({**kept, "messages": [{"role": "user", "content": "-"}]}, COMPLETION_DEFAULT_TOKENS)
-    return dataclasses.replace(asked, messages=[], prompt=prompt)
+    scored = dataclasses.replace(asked.options, logprobs=top)
+    return dataclasses.replace(asked, messages=[], prompt=prompt, options=scored)
 
 
 def _check_transcript(messages: list[dict[str, Any]]) -> None:
@@ -169,7 +184,9 @@ def _check_transcript(messages: list[dict[str, Any]]) -> None:
         raise RequestError("the last message must be a user message or tool results", "messages")
 
 
-def options(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> GenerationOptions:
+def options(
+    body: Mapping[str, Any], default_max_tokens: int = INT32_MAX, logprobs: int | None = None
+) -> GenerationOptions:
     """The sampling, stop, format and tool fields as ``GenerationOptions``, checked as the
     library checks them (its tools and tool choice compiled too)."""
     values: dict[str, Any] = {}
@@ -191,7 +208,7 @@ def options(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> Gen
     values["seed"] = None if seed is None else seed % LLAMA_DEFAULT_SEED  # (0xFFFFFFFF: random)
     values["stop"] = _stops(body.get("stop"))
     values["json_schema"] = _response_format(body.get("response_format"))
-    values.update(_tool_fields(body))
+    values.update(_tool_fields(body), logprobs=logprobs)
     try:
         checked = checked_options(GenerationOptions(**values))
     except (ValueError, TypeError) as error:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsession.replies import FinishReason, Reply, Snapshot, ToolCallDelta, Usage
+from llmsession.replies import FinishReason, Reply, Snapshot, TokenLogprob, ToolCallDelta, Usage
 
 # "complete" (a constraint was satisfied) is a natural end; "cancelled" happens only when the
 # client is gone or the server stops, so nobody reads it.
@@ -65,6 +65,47 @@ def tool_delta(piece: ToolCallDelta) -> dict[str, Any]:
     return {"index": piece.index, "id": piece.id, "type": "function", "function": function}
 
 
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: an entry per token, its bytes as a list of ints."""
+    content = [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.bytes),
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in e.top],
+        }
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A raw completion's ``logprobs``, in the legacy shape: parallel lists, where each token's
+    text starts (from ``offset``), and the likeliest tokens as a mapping."""
+    starts, at = [], offset
+    for e in entries:
+        starts.append(at)
+        at += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries],
+        "text_offset": starts,
+    }
+
+
+@dataclass
+class Streamed:
+    """How much of a choice's scores a stream has sent: entries, and the text they cover."""
+
+    entries: int = 0
+    chars: int = 0
+
+    def add(self, entries: Sequence[TokenLogprob]) -> None:
+        self.entries += len(entries)
+        self.chars += sum(len(e.token) for e in entries)
+
+
 @dataclass(frozen=True)
 class Completion:
     """One completion's identity: every chunk of its stream, or its one body, carries it."""
@@ -73,6 +114,7 @@ class Completion:
     include_usage: bool = False
     prompt: Usage | None = None  # the prompt's own exchange, when the choices were forked from it
     text: bool = False  # a raw completion's (``/v1/completions``): choices carry ``text``
+    logprobs: bool = False  # scores were asked for: choices carry them
     id: str = ""  # (made at creation: ``chatcmpl-...``, or ``cmpl-...`` for a raw completion)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -84,7 +126,12 @@ class Completion:
         """The non-streamed response: a choice per reply."""
         said = (lambda r: {"text": r.text}) if self.text else (lambda r: {"message": message(r)})
         choices = [
-            {"index": i, **said(r), "logprobs": None, "finish_reason": FINISH[r.finish_reason]}
+            {
+                "index": i,
+                **said(r),
+                "logprobs": self._logprobs(r.logprobs),
+                "finish_reason": FINISH[r.finish_reason],
+            }
             for i, r in enumerate(replies)
         ]
         return {
@@ -110,24 +157,46 @@ class Completion:
             out["usage"] = None
         return {**out, **extra}
 
-    def delta(self, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def delta(
+        self, index: int, delta: dict[str, Any], finish: str | None = None, scores: Any = None
+    ) -> dict[str, Any]:
         said = {"text": delta.get("content", "")} if self.text else {"delta": delta}
-        choice = {"index": index, **said, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, **said, "logprobs": scores, "finish_reason": finish}
         return self.chunk([choice])
+
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None, streamed: Streamed | None = None) -> Any:
+        """A choice's ``logprobs`` for ``entries`` (None unless asked), sent after ``streamed``."""
+        if not self.logprobs:
+            return None
+        done = streamed or Streamed()
+        scores = text_logprobs(entries or (), done.chars) if self.text else chat_logprobs(entries or ())
+        done.add(entries or ())
+        return scores
 
     def openings(self, n: int) -> list[dict[str, Any]]:
         """Each choice's first chunk: its role (a raw completion's stream has none)."""
         return [] if self.text else [self.delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
 
-    def pieces(self, index: int, snapshot: Snapshot) -> list[dict[str, Any]]:
-        """The chunks of one snapshot: its text, then the pieces of calls it wrote."""
-        out = [self.delta(index, {"content": snapshot.delta})] if snapshot.delta else []
+    def pieces(
+        self, index: int, snapshot: Snapshot, streamed: Streamed | None = None
+    ) -> list[dict[str, Any]]:
+        """The chunks of one snapshot: its text (with its tokens' scores), then the pieces of
+        calls it wrote."""
+        out = []
+        if snapshot.delta or (self.logprobs and snapshot.logprobs):
+            scores = self._logprobs(snapshot.logprobs, streamed)
+            out.append(self.delta(index, {"content": snapshot.delta}, scores=scores))
         if snapshot.tool_calls:
             out.append(self.delta(index, {"tool_calls": [tool_delta(p) for p in snapshot.tool_calls]}))
         return out
 
-    def finish(self, index: int, reply: Reply) -> dict[str, Any]:
-        return self.delta(index, {}, FINISH[reply.finish_reason])
+    def finish(self, index: int, reply: Reply, streamed: Streamed | None = None) -> dict[str, Any]:
+        """A choice's last chunk: its finish reason, and the scores of text already streamed
+        whose tokens ended after it (held back by a stop string that then did not match)."""
+        done = streamed or Streamed()
+        rest = (reply.logprobs or ())[done.entries :]
+        scores = self._logprobs(rest, done) if rest else None
+        return self.delta(index, {}, FINISH[reply.finish_reason], scores=scores)
 
     def usage_chunk(self, replies: Sequence[Reply]) -> dict[str, Any]:
         """The last chunk with ``include_usage``: no choices, the usage."""

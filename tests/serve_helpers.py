@@ -1,0 +1,75 @@
+"""What the server's tests share: a real uvicorn on a free port, and clients of it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+
+from llmsession import Model
+from llmsession.serve.app import Server
+
+KEY, OTHER_KEY = "sk-alpha", "sk-beta"
+
+
+@dataclass
+class Served:
+    model: Model
+    url: str  # .../v1
+    name: str
+    server: Server
+    key: str | None = KEY
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=60)
+
+    def http(self, key: str | None = KEY) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url.removesuffix("/v1"), headers=headers, timeout=60)
+
+    def metrics(self) -> str:
+        with self.http(self.key) as http:
+            response = http.get("/metrics")
+        assert response.status_code == 200
+        return response.text
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextlib.contextmanager
+def running(app: Any) -> Iterator[str]:
+    """``app`` on uvicorn on a free port, in a thread: its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
