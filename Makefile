@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` (a short multi-turn chat) and `make test`.
-# Both set everything up on a fresh machine: virtual environment, llama.cpp build, models.
+# Both set everything up on a fresh machine: virtual environment, llama.cpp build, models
+# (and, for `make test`, Debian's chromium and chromedriver for the chat page's browser tests).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -28,6 +29,7 @@ lint: $(INSTALLED)
 
 test: setup lint
 	$(PY) scripts/gen_bindings.py --check
+	$(PY) scripts/fetch_browser.py
 	$(PY) -m pytest -q --no-skips
 
 bench: setup

@@ -28,6 +28,7 @@ from llmsession.options import INT32_MAX
 from llmsession.serve.chat import Call, Host, explain
 from llmsession.serve.errors import RequestError
 from llmsession.serve.metrics import Metrics
+from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request, parse_json
 
@@ -244,6 +245,7 @@ def create_app(
         session_args=session_args,
     )
     routes = [
+        *page_routes(),  # the chat page at / (no data in it: no key needed)
         Route("/health", guarded(server.health), methods=["GET"]),
         Route("/metrics", guarded(server.metrics_text), methods=["GET"]),
         Route("/v1/models", guarded(server.models), methods=["GET"]),
