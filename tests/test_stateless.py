@@ -123,3 +123,31 @@ def test_a_session_still_finishing_its_reply_is_not_taken_by_another_call(
     monkeypatch.setattr(Session, "_look_ahead", meanwhile)
     smollm2.chat(history, GREEDY)
     assert seen == [True]
+
+
+def converse_in_turn(model: Model, chats: int) -> list[tuple[int, int]]:
+    """``chats`` conversations, each asked twice, taken in turn: for each second turn, the
+    tokens it reused and the length of its first turn's prompt."""
+    options = GenerationOptions(max_tokens=4, temperature=0)
+    histories = [
+        [{"role": "user", "content": f"Chat {i}: name a colour, then a fruit."}] for i in range(chats)
+    ]
+    firsts = []
+    for history in histories:
+        reply = model.chat(history, options)
+        firsts.append(reply.usage.prompt_tokens)
+        history += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "And another?"}]
+    return [(model.chat(h, options).usage.reused_tokens, n) for h, n in zip(histories, firsts, strict=True)]
+
+
+def test_more_conversations_than_live_sessions_each_find_their_history(smollm2: Model) -> None:
+    """12 conversations on a model of 8 live sessions: the ones past 8 are parked, not dropped,
+    and each one's second turn reuses its whole first turn."""
+    assert all(reused >= first for reused, first in converse_in_turn(smollm2, 12))
+
+
+def test_a_pool_smaller_than_the_conversations_loses_their_history(smollm2_path: Path) -> None:
+    with Model(smollm2_path, threads=2, stateless_sessions=8) as model:
+        assert any(reused < first for reused, first in converse_in_turn(model, 12))
+    with pytest.raises(ValueError, match="stateless_sessions"):
+        Model(smollm2_path, stateless_sessions=0)

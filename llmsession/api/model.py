@@ -101,8 +101,10 @@ class Model:
     is checked from Python first (``native.rpc.preflight``). ``isolated`` runs the model in a
     worker process (default: with ``rpc_servers``), so a server that dies or hangs mid-decode is
     a ``BackendError`` within ``worker_timeout`` seconds, not the end of this process
-    (``remote.isolated``). ``with Model(path) as model:`` frees the model and every session's
-    state on exit.
+    (``remote.isolated``). ``stateless_sessions``: how many conversations stateless calls
+    (``chat``, ``complete``) keep, their states live, parked or cold as the budget decides
+    (default: 64, or four per live session if more). ``with Model(path) as model:`` frees the
+    model and every session's state on exit.
     """
 
     threads = Setting()
@@ -123,7 +125,7 @@ class Model:
     ) -> None:
         """``settings``: ``mmproj_path``, ``gpu_layers``, ``threads``, ``use_jinja``, ``kv_tokens``,
         ``max_live_sessions``, ``host_cache_bytes``, ``disk_cache_dir``, ``batch_size``,
-        ``checkpoints``, ``flash_attention``, ``anticipate`` (see the class)."""
+        ``checkpoints``, ``flash_attention``, ``anticipate``, ``stateless_sessions`` (see the class)."""
         from llmsession.native import rpc
 
         servers = [str(endpoint) for endpoint in rpc.checked_servers(rpc_servers, worker_timeout)]

@@ -46,7 +46,14 @@ def serve(args: argparse.Namespace) -> int:
 
     settings: dict[str, Any] = {
         name: value
-        for name in ("mmproj_path", "threads", "kv_tokens", "max_live_sessions", "host_cache_bytes")
+        for name in (
+            "mmproj_path",
+            "threads",
+            "kv_tokens",
+            "max_live_sessions",
+            "host_cache_bytes",
+            "stateless_sessions",
+        )
         if (value := getattr(args, name)) is not None
     }
     if args.disk_cache_dir is not None:
@@ -164,6 +171,12 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 8)")
     add("--host-cache-bytes", type=positive_int, metavar="N", help="RAM for parked conversations (1 GiB)")
     add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
+    add(
+        "--stateless-sessions",
+        type=positive_int,
+        metavar="N",
+        help="conversations kept for returning clients (default: 64, or 4 per live session)",
+    )
     add(
         "--max-body-bytes",
         type=positive_int,

@@ -8,22 +8,32 @@ from pathlib import Path
 from typing import Any
 
 from llmsession.errors import SessionFileError
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, check_int
 from llmsession.runtime import persistence
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.session import Session
 from llmsession.runtime.stateless import StatelessSessions
 from llmsession.runtime.stream import Stream
 
-STATELESS_SESSIONS = 8  # sessions kept for Model.chat (their states live, parked or cold)
+# Sessions kept for stateless calls (``Model.chat``, the server's requests), at least: each is a
+# conversation whose next turn decodes only what is new. Their states are live, parked or cold as
+# the memory budget decides, so keeping many costs a transcript each, not KV cells.
+STATELESS_SESSIONS = 64
+MAX_STATELESS_SESSIONS = 1 << 16
 
 
 class LocalModel(ModelCore):
     """A model loaded in this process, and its sessions."""
 
-    def __init__(self, path: str | Path, **settings: Any) -> None:
+    def __init__(self, path: str | Path, *, stateless_sessions: int | None = None, **settings: Any) -> None:
+        """``stateless_sessions``: how many conversations stateless calls keep (default: 64, or
+        four per live session if that is more)."""
+        if stateless_sessions is not None:
+            check_int("stateless_sessions", stateless_sessions, 1, MAX_STATELESS_SESSIONS)
         super().__init__(path, **settings)
-        self.stateless = StatelessSessions(self, capacity=STATELESS_SESSIONS)
+        live = self.engine.config.max_live_sessions
+        kept = stateless_sessions or max(STATELESS_SESSIONS, 4 * live)
+        self.stateless = StatelessSessions(self, capacity=kept)
 
     def session(self, system: str | None = None, **settings: Any) -> Session:
         """A new conversation (``api.Model.session`` says what ``settings`` may be)."""
