@@ -12,6 +12,7 @@ import pytest
 from llmsession import GenerationOptions, Model
 from llmsession.commands.bench import concurrent as bench_concurrent
 from llmsession.commands.bench import rpc as bench_rpc
+from llmsession.commands.bench import serve_bench as bench_serve
 from llmsession.commands.bench import structured as bench_structured
 from llmsession.commands.bench import tools as bench_tools
 from llmsession.commands.bench.main import QUESTIONS, multi_turn
@@ -100,6 +101,30 @@ def test_concurrent_scenario_reports_each_count_and_a_missing_reference(
     )
     out = capsys.readouterr().out
     assert "llama-batched-bench: llama-batched-bench not found" in out and "concurrent streams" in out
+
+
+def test_serve_scenario_resends_histories_our_server_serves_from_cache_and_skips_missing_peers(
+    smollm2_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["--conversations", "2", "--turns", "2", "--clients", "1", "--max-tokens", "4", "--threads", "2"]
+    argv += ["--model", str(smollm2_path), "--json", str(out), "--peers", "llama-server,llama-cpp-python"]
+    argv += ["--llama-server", str(tmp_path / "absent"), "--peer-python", str(tmp_path / "no-python")]
+    assert bench_serve.main(argv) == 0
+    results = json.loads(out.read_text())
+    servers = results["servers"]
+    assert "not found" in servers["llama-server"]["skipped"]
+    assert "not importable" in servers["llama-cpp-python"]["skipped"]
+    ours = servers["llmsession"]
+    assert [(t["turn"], t["requests"]) for t in ours["turns"]] == [(1, 2), (2, 2)] and ours["wall_s"] > 0
+    requests = {(r["conversation"], r["turn"]): r for r in ours["requests"]}
+    assert len(requests) == 4 and all(r["ttft_s"] > 0 and r["prompt_tokens"] > 500 for r in requests.values())
+    assert ours["turns"][1]["cached_share"] > 0.5
+    for c in (0, 1):  # the whole first turn reused, not only the system prompt every chat shares
+        assert requests[c, 2]["cached_tokens"] >= requests[c, 1]["prompt_tokens"], requests[c, 2]
+    assert results["ratios"]["cached_share"]["value"] == ours["later"]["cached_share"]
+    printed = capsys.readouterr().out
+    assert "cached share" in printed and "llama-server: skipped" in printed
 
 
 def test_the_peer_script_is_found_from_the_package() -> None:

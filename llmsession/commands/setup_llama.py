@@ -6,7 +6,7 @@ test in a subprocess ends the build: a bad build fails now, not at first use.
 
     llmsession setup                      # download, verify, build (about 4 minutes), fetch the model
     python scripts/fetch_llama.py --lib-dir L --include-dir I   # adopt a build of the same version
-    python scripts/fetch_llama.py --bench              # also build llama-bench (for the benchmarks)"""
+    python scripts/fetch_llama.py --bench              # also llama-bench, llama-server (benchmarks)"""
 
 from __future__ import annotations
 
@@ -37,11 +37,13 @@ VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 SOURCE_PARTS = (
     "CMakeLists.txt", "LICENSE", "cmake/", "ggml/", "src/", "include/", "vendor/", "common/",
     "licenses/", "tools/CMakeLists.txt", "tools/mtmd/", "tools/llama-bench/", "tools/batched-bench/",
-    "tools/rpc/", "models/templates/",
+    "tools/rpc/", "models/templates/", "tools/server/", "tools/ui/CMakeLists.txt", "tools/ui/ui.",
+    "scripts/ui-assets.cmake",
 )  # fmt: skip
-# llama.cpp's own benchmarks, built with --bench: llama-bench (a prompt or a generation at a
-# depth) and llama-batched-bench (N sequences generating in one batch: continuous batching).
-BENCH_TOOLS = {"llama-bench": "tools/llama-bench", "llama-batched-bench": "tools/batched-bench"}
+# Built with --bench: llama-bench (a prompt or a generation at a depth), llama-batched-bench (N
+# sequences in one batch: continuous batching), llama-server (`bench serve`'s; no web UI: no npm).
+BENCH_TOOLS = {"llama-bench": "tools/llama-bench", "llama-batched-bench": "tools/batched-bench",
+               "llama-server": "tools/server"}  # fmt: skip
 LIBS = tuple(f"lib{name}" for name in LIBRARIES)
 # The public headers and the ggml headers they include.
 HEADER_NAMES = ("llama.h", "mtmd.h", "mtmd-helper.h", "ggml.h", "ggml-cpu.h", "ggml-backend.h",
@@ -301,14 +303,15 @@ BENCH_PROJECT = """# The benchmarks alone: tools/CMakeLists.txt lists tools whos
 cmake_minimum_required(VERSION 3.14)
 project(llama_bench_only C CXX)
 add_subdirectory(${LLAMA_SRC} llama)
+set(PROJECT_SOURCE_DIR ${LLAMA_SRC})  # (llama-server's and its UI's paths start at llama.cpp's root)
+add_subdirectory(${LLAMA_SRC}/tools/ui ui)
 """ + "".join(
     f"add_subdirectory(${{LLAMA_SRC}}/{folder} {Path(folder).name})\n" for folder in BENCH_TOOLS.values()
 )
 
 
 def build_bench(dest: Path) -> None:
-    """llama-bench and llama-batched-bench for the benchmarks, in bin/. Their rpath reaches
-    ../lib, so they measure the very libraries llmsession loads, not a second copy."""
+    """``BENCH_TOOLS`` into bin/: their rpath reaches ../lib, the very libraries llmsession loads."""
     check_tools(dest)
     if not all((dest / "src" / folder).exists() for folder in BENCH_TOOLS.values()):
         with tempfile.TemporaryDirectory(dir=dest) as tmp:  # extracted before a tool was added
@@ -316,14 +319,11 @@ def build_bench(dest: Path) -> None:
     project = dest / "bench"
     project.mkdir(exist_ok=True)
     (project / "CMakeLists.txt").write_text(BENCH_PROJECT)
-    extra = {"LLAMA_SRC": str(dest / "src"), "CMAKE_INSTALL_RPATH": "$ORIGIN:$ORIGIN/../lib"}
+    extra = {"LLAMA_SRC": str(dest / "src"), "LLAMA_BUILD_UI": "OFF", "LLAMA_USE_PREBUILT_UI": "OFF"}
     build(project, project / "build", list(BENCH_TOOLS), common=True, extra=extra)
-    bin_dir = dest / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    built = []
-    for tool, folder in BENCH_TOOLS.items():
-        out = project / "build" / Path(folder).name
-        built += [out / tool, out / f"lib{tool}-impl.so"]
+    (bin_dir := dest / "bin").mkdir(exist_ok=True)
+    out = {tool: project / "build" / Path(folder).name for tool, folder in BENCH_TOOLS.items()}
+    built = [out[tool] / name for tool in BENCH_TOOLS for name in (tool, f"lib{tool}-impl.so")]
     for path in [*built, *sorted((project / "build/bin").glob("libllama-common.so*"))]:
         shutil.copy2(path, bin_dir / path.name, follow_symlinks=True)
     step(f"ready: {', '.join(str(bin_dir / tool) for tool in BENCH_TOOLS)}")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--lib-dir", type=Path, default=os.environ.get("LLAMA_CPP_LIB_DIR"))
     parser.add_argument("--include-dir", type=Path, default=os.environ.get("LLAMA_CPP_INCLUDE_DIR"))
-    parser.add_argument("--bench", action="store_true", help="also build llama-bench and llama-batched-bench")
+    parser.add_argument("--bench", action="store_true", help="also build " + ", ".join(BENCH_TOOLS))
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is complete")
     args = parser.parse_args(argv)
     dest = paths.llama_dir()

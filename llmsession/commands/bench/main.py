@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmsession.commands.bench.structured import main as structured_main
 
         return structured_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from llmsession.commands.bench.serve_bench import main as serve_main
+
+        return serve_main(argv[1:])
     args, started = parse_args(argv), time.perf_counter()
     options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
