@@ -30,7 +30,7 @@ lint: $(INSTALLED)
 test: setup lint
 	$(PY) scripts/gen_bindings.py --check
 	$(PY) scripts/fetch_browser.py
-	$(PY) -m pytest -q --no-skips
+	$(PY) -m pytest -q --no-skips --durations=30
 
 bench: setup
 	$(PY) scripts/fetch_llama.py --bench
