@@ -40,3 +40,11 @@ def test_a_reply_cut_by_a_stop_string_keeps_the_tokens_of_its_text_the_last_trim
     assert entries[1].bytes == b". Then"  # (its bytes are the token's)
     assert [e.token for e in trail.reply(generated)] == ["Yes", ". Then", " more"]
     assert trail.reply("No") == ()  # (a text that is not the generated one: nothing lines up)
+
+
+def test_tokens_past_the_text_are_left_out() -> None:
+    trail, _ = trail_of([b"Caf", "é".encode()[:1], "é".encode()[1:]])  # a stop string "é" matched
+    assert [e.token for e in trail.reply("Caf")] == ["Caf"]
+    trail, _ = trail_of([b"Hi", b" \xf0\x9f"])  # cut by max_tokens inside a character
+    assert [e.token for e in trail.reply("Hi ")] == ["Hi", " "]
+    assert trail.reply("") == ()

@@ -300,7 +300,7 @@ def test_a_reply_streams_in_and_shows_its_numbers(page: Page) -> None:
             seen.append(length)
         time.sleep(0.01)
     final = len(page.reply_text())
-    assert len([n for n in seen if 0 < n < final]) >= 3, (seen, final)  # it grew, piece by piece
+    assert len([n for n in seen if 0 < n < final]) >= 2, (seen, final)  # it grew, piece by piece
     assert seen == sorted(seen)
     user = page.messages("user")[0].find_element(By.CSS_SELECTOR, ".body").text
     assert user == "Tell me about the sea.\nTwo sentences."
@@ -453,6 +453,9 @@ def test_a_tool_call_shows_as_a_card_and_its_result_goes_back(page: Page) -> Non
 
 
 def test_conversations_are_kept_across_a_reload(page: Page) -> None:
+    page.new_chat(max_tokens=4)
+    page.send("Say hello.")
+    talked = page.one("#conversations .conversation.active").get_attribute("data-id")
     page.new_chat()
     count = len(page.by("#conversations .conversation"))
     page.one("#new-chat").click()  # an empty chat is not doubled
@@ -463,14 +466,14 @@ def test_conversations_are_kept_across_a_reload(page: Page) -> None:
     assert page.by("#conversations .open")[0].text == "Renamed chat" == page.one("#title").text
     page.new_chat()
     assert len(page.by("#conversations .conversation")) == count + 1
-    doomed = page.by("#conversations .conversation")[2]
+    doomed = page.one("#conversations .conversation.active")  # the new, empty one
     doomed_id = doomed.get_attribute("data-id")
     doomed.find_element(By.CSS_SELECTOR, ".delete").click()
     page.driver.switch_to.alert.accept()
     titles = [e.text for e in page.by("#conversations .open")]
     ids = [e.get_attribute("data-id") for e in page.by("#conversations .conversation")]
-    assert doomed_id not in ids and len(ids) >= 5  # (the earlier tests' chats are there too)
-    page.by("#conversations .open")[1].click()  # an earlier chat, with messages
+    assert doomed_id not in ids and talked in ids and len(ids) == count
+    page.one(f"#conversations .conversation[data-id='{talked}'] .open").click()  # the one with messages
     shown = page.one("#messages").text
     assert shown
     page.load()

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import signal
 import socket
 import subprocess
@@ -760,3 +761,39 @@ def test_logprobs_join_up_to_the_text_whole_streamed_and_raw(served: Served) -> 
     assert all(len(top) <= 2 for top in legacy.top_logprobs or [])
     plain = client.chat.completions.create(**{**asked, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_under_a_schema_list_only_allowed_tokens_and_split_characters_join_up(
+    served: Served,
+) -> None:
+    """A schema allows fewer tokens than ``top_logprobs`` asks for: the alternatives are the
+    allowed ones only (no -inf, which is not JSON); "café" crosses a multi-byte character."""
+    schema = {
+        "type": "object",
+        "properties": {"drink": {"enum": ["café crème", "thé"]}},
+        "required": ["drink"],
+        "additionalProperties": False,
+    }
+    asked: dict[str, Any] = {
+        "model": served.name,
+        "messages": [{"role": "user", "content": "A drink, in JSON."}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "drink", "schema": schema}},
+    }
+    client = served.client()
+    whole = client.chat.completions.create(**asked)
+    content, scores = whole.choices[0].message.content, whole.choices[0].logprobs
+    assert whole.choices[0].finish_reason == "stop", content
+    assert content is not None and json.loads(content)["drink"] in ("café crème", "thé")
+    assert scores is not None and scores.content is not None
+    assert "".join(e.token for e in scores.content) == content
+    assert any(len(e.top_logprobs) < 5 for e in scores.content)  # (the mask left fewer than 5)
+    assert all(math.isfinite(a.logprob) for e in scores.content for a in e.top_logprobs)
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
+    ]
+    assert "".join(e.token for e in streamed) == content

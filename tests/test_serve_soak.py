@@ -172,8 +172,9 @@ def server(smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Pope
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 break
         except httpx.TransportError:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.1)
     try:
         yield process, url
     finally:

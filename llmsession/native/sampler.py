@@ -133,12 +133,13 @@ class ScoringSampler:
 
 def log_softmax_top(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """``token``'s log-probability under ``logits`` and the ``top`` likeliest tokens' (id,
-    log-probability), likeliest first; one pass over the vocabulary in numpy."""
+    log-probability), likeliest first, leaving out tokens a constraint forbids (-inf: fewer than
+    ``top`` may be allowed); one pass over the vocabulary in numpy."""
     peak = float(np.max(logits))
     log_total = peak + float(np.log(np.sum(np.exp(logits - peak, dtype=np.float64))))
     best: list[tuple[int, float]] = []
     if top:
         ids = np.argpartition(-logits, top - 1)[:top]
         ids = ids[np.argsort(-logits[ids], kind="stable")]
-        best = [(int(i), float(logits[i]) - log_total) for i in ids]
+        best = [(int(i), float(logits[i]) - log_total) for i in ids if np.isfinite(logits[i])]
     return float(logits[token]) - log_total, best

@@ -20,6 +20,9 @@ from llmsession.runtime.stream import Stream
 # the memory budget decides, so keeping many costs a transcript each, not KV cells.
 STATELESS_SESSIONS = 64
 MAX_STATELESS_SESSIONS = 1 << 16
+# A recurrent or hybrid model's sessions keep checkpoints to rewind to (up to
+# ``CheckpointConfig.max_bytes`` each, outside the budget): fewer are kept by default.
+RECURRENT_STATELESS_SESSIONS = 8
 
 
 class LocalModel(ModelCore):
@@ -27,12 +30,15 @@ class LocalModel(ModelCore):
 
     def __init__(self, path: str | Path, *, stateless_sessions: int | None = None, **settings: Any) -> None:
         """``stateless_sessions``: how many conversations stateless calls keep (default: 64, or
-        four per live session if that is more)."""
+        four per live session if that is more; 8 for a recurrent or hybrid model)."""
         if stateless_sessions is not None:
             check_int("stateless_sessions", stateless_sessions, 1, MAX_STATELESS_SESSIONS)
         super().__init__(path, **settings)
         live = self.engine.config.max_live_sessions
-        kept = stateless_sessions or max(STATELESS_SESSIONS, 4 * live)
+        default = max(STATELESS_SESSIONS, 4 * live)
+        if self.native.is_recurrent:  # each keeps checkpoints the budget does not count
+            default = RECURRENT_STATELESS_SESSIONS
+        kept = stateless_sessions or default
         self.stateless = StatelessSessions(self, capacity=kept)
 
     def session(self, system: str | None = None, **settings: Any) -> Session:

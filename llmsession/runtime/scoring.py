@@ -39,5 +39,5 @@ class Scoring:
         return self.trail.reply(text)
 
     def _alternative(self, token: int, logprob: float) -> Alternative:
-        piece = self.native.piece(token)
+        piece = self.native.piece(token, special=True)  # (an end of turn is named, not "")
         return Alternative(piece.decode("utf-8", errors="replace"), piece, logprob)

@@ -213,7 +213,8 @@ class Session:
         exchange done, and the step that finished it over (that step still holds the guard while
         it records the reply and decodes the next prompt's opening ahead)."""
         latest = self._latest
-        return not self._guard.closed and not self._guard.lock.locked() and (latest is None or latest.done)
+        done = latest is None or latest.done  # (read first: once done, only a new call takes the guard)
+        return done and not self._guard.closed and not self._guard.lock.locked()
 
     @property
     def closed(self) -> bool:

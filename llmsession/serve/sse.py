@@ -31,7 +31,8 @@ DONE = b"data: [DONE]\n\n"
 
 def event(payload: Mapping[str, Any]) -> bytes:
     """One server-sent event carrying ``payload`` as JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)  # (as JSON is)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def usage(usages: Sequence[Usage], prompt: Usage | None = None) -> dict[str, Any]:

@@ -36,10 +36,14 @@ class LogprobTrail:
 
     def reply(self, text: str) -> tuple[TokenLogprob, ...]:
         """Every entry up to where the reply's ``text`` ends, the last cut to fit, so that their
-        strings join up to ``text``'s longest prefix the generated text shares with it."""
+        strings join up to ``text``'s longest prefix the generated text shares with it (a cut
+        entry keeps its token's bytes; entries past the text, of bytes that never became text,
+        are left out)."""
         kept: list[TokenLogprob] = []
         at = 0
         for entry in self.entries:
+            if at == len(text):  # (what follows the text: a stop string, held-back bytes)
+                break
             fits = _shared(entry.token, text, at)
             if fits < len(entry.token):
                 if fits:

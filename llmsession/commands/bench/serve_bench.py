@@ -204,11 +204,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     results: dict[str, Any] = {"date": date, "machine": machine(args.threads), "model": args.model.name}
     results |= {key: getattr(args, key) for key in ("conversations", "turns", "clients", "max_tokens")}
-    makers = {"llama-server": llama_server, "llama-cpp-python": llama_cpp_server}
-    contenders = [ours(args), *(makers[name](args) for name in args.peers)]
+    makers = {"llmsession": ours, "llama-server": llama_server, "llama-cpp-python": llama_cpp_server}
     results["servers"] = {}
     with tempfile.TemporaryDirectory(prefix="llmsession-bench-serve-") as logs:
-        for contender in contenders:
+        for name in ("llmsession", *args.peers):
+            contender = makers[name](args)  # (its free port found just before it starts)
             progress(f"{contender.name}: {args.conversations} chats x {args.turns} turns", started)
             results["servers"][contender.name] = measure(contender, args, Path(logs))
     results["ratios"] = ratios(results["servers"])

@@ -115,8 +115,19 @@
     try {
       localStorage.setItem(STORE, JSON.stringify({ conversations: kept, current: state.current }));
     } catch (error) {
-      showBanner("Could not save the conversations in this browser's storage: " + error.message);
+      // Over the storage quota (images are kept as data: URLs): keep the text of every
+      // conversation, not the images, rather than lose the newest messages on a reload.
+      try {
+        localStorage.setItem(STORE, JSON.stringify({ conversations: kept.map(withoutImages), current: state.current }));
+        showBanner("The browser's storage is full: the conversations were saved without their images.");
+      } catch (again) {
+        showBanner("Could not save the conversations in this browser's storage: " + again.message);
+      }
     }
+  }
+
+  function withoutImages(conv) {
+    return { ...conv, messages: conv.messages.map(({ images, ...rest }) => rest) };
   }
 
   function find(id) {
@@ -358,6 +369,9 @@
     }
     const ended = performance.now();
     delete reply.pending;
+    // A reply stopped (or failed) inside a call makes no call, as the server's own cut replies
+    // do: half-written arguments would go back with every later turn and be refused there.
+    if (finish !== "tool_calls") reply.toolCalls = [];
     if (!reply.toolCalls.length) delete reply.toolCalls;
     reply.stats = stats(started, first, ended, usage, finish, pieces);
     state.busy = null;
