@@ -29,6 +29,7 @@ class Backend(Protocol):
     threads: int
     use_jinja: bool
     flash_attention: bool | None
+    kv_type: str
     anticipate: bool
     template: str | None
     media_marker: str
@@ -95,7 +96,10 @@ class Model:
     edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
     ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
     depth on the CPU, at the price of replies that depend on the cache's placement
-    (``runtime.loading.choose_flash_attention``). ``anticipate``: after each reply, decode the next
+    (``runtime.loading.choose_flash_attention``). ``kv_type``: the KV cells' type, "f16" (default),
+    "q8_0" (half the bytes per cell, so twice the tokens per budget and half a parked state) or
+    "q4_0"; quantized cells need flash attention, and a saved state reloads only under its own
+    type (else its transcript alone). ``anticipate``: after each reply, decode the next
     prompt's opening in the background (``engine.anticipate``). ``rpc_servers`` ("host:port" of
     llama.cpp RPC servers) put the layers (all, unless ``gpu_layers`` says) on other hosts; each
     is checked from Python first (``native.rpc.preflight``). ``isolated`` runs the model in a
@@ -103,13 +107,15 @@ class Model:
     a ``BackendError`` within ``worker_timeout`` seconds, not the end of this process
     (``remote.isolated``). ``stateless_sessions``: how many conversations stateless calls
     (``chat``, ``complete``) keep, their states live, parked or cold as the budget decides
-    (default: 64, or four per live session if more). ``with Model(path) as model:`` frees the
+    (default: 64, or four per live session if more; 8 on a recurrent model, whose sessions keep
+    checkpoints). ``with Model(path) as model:`` frees the
     model and every session's state on exit.
     """
 
     threads = Setting()
     use_jinja = Setting()
     flash_attention = Setting()
+    kv_type = Setting()
     anticipate = Setting()
     template = Setting()  # the chat template in its GGUF (None if it has none)
     media_marker = Setting()
@@ -125,7 +131,8 @@ class Model:
     ) -> None:
         """``settings``: ``mmproj_path``, ``gpu_layers``, ``threads``, ``use_jinja``, ``kv_tokens``,
         ``max_live_sessions``, ``host_cache_bytes``, ``disk_cache_dir``, ``batch_size``,
-        ``checkpoints``, ``flash_attention``, ``anticipate``, ``stateless_sessions`` (see the class)."""
+        ``checkpoints``, ``flash_attention``, ``kv_type``, ``anticipate``, ``stateless_sessions``
+        (see the class)."""
         from llmsession.native import rpc
 
         servers = [str(endpoint) for endpoint in rpc.checked_servers(rpc_servers, worker_timeout)]

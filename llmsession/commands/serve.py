@@ -53,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
             "max_live_sessions",
             "host_cache_bytes",
             "stateless_sessions",
+            "kv_type",
         )
         if (value := getattr(args, name)) is not None
     }
@@ -171,6 +172,11 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 8)")
     add("--host-cache-bytes", type=positive_int, metavar="N", help="RAM for parked conversations (1 GiB)")
     add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
+    add(
+        "--kv-type",
+        choices=("f16", "q8_0", "q4_0"),
+        help="the KV cells' type: q8_0 holds twice the tokens in the same memory (default: f16)",
+    )
     add(
         "--stateless-sessions",
         type=positive_int,

@@ -53,12 +53,13 @@ class Engine:
         config: MemoryConfig,
         make_context: Callable[..., NativeContext] | None = None,
         flash_attention: bool | None = None,
+        kv_type: str = "f16",
     ) -> None:
         """``make_context``: how a shared context is made (tests pass a fake that keeps llama.cpp's
-        semantics); by default a ``NativeContext`` of ``native``."""
+        semantics); by default a ``NativeContext`` of ``native`` with cells of ``kv_type``."""
         self.native, self.projector, self.threads, self.config = native, projector, threads, config
         self.flash_attention = flash_attention
-        self.make_context = make_context or functools.partial(NativeContext, native)
+        self.make_context = make_context or functools.partial(NativeContext, native, kv_type=kv_type)
         self.gate = Gate()  # the lock, and who waits for it
         self.hold = self.gate.hold  # every taker counts as waiting: background work gives way to it
         self.batcher = Batcher(self.gate)  # its decode thread holds the gate, not the engine

@@ -28,6 +28,9 @@ from llmsession.native.llama import (
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+# The cell types a context's K and V may have: f16 (llama.cpp's default), q8_0 (half its bytes)
+# and q4_0 (about a quarter); quantized V needs flash attention (``loading.check_kv_type``).
+KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
 POLL = 1  # how long a thread pool's workers spin for the next graph before they sleep (a few ms)
 
@@ -133,11 +136,14 @@ class NativeContext(Owner):
         swa_full: bool = True,
         n_seq_max: int = 1,
         flash_attention: bool | None = None,
+        kv_type: str = "f16",
     ) -> None:
-        """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported)."""
+        """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported).
+        ``kv_type``: the cells' type for K and V (``KV_TYPES``)."""
         lib, ffi = bindings()
         params = lib.llama_context_default_params()
         params.flash_attn_type = flash_attn_type(flash_attention)
+        params.type_k = params.type_v = kv_ggml_type(kv_type)
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
         params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
         params.swa_full, params.kv_unified = swa_full, n_seq_max > 1  # sequences share the cells
@@ -335,14 +341,22 @@ def flash_attn_type(flash_attention: bool | None) -> int:
     return int(lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
 
 
-def context_layout(swa_full: bool, flash_attention: bool | None) -> dict[str, int | bool]:
+def kv_ggml_type(kv_type: str) -> int:
+    """ggml's type for a ``kv_type`` name, checked (llama.cpp aborts on a V cache it cannot hold)."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
+    return int(getattr(bindings()[0], KV_TYPES[kv_type]))
+
+
+def context_layout(
+    swa_full: bool, flash_attention: bool | None, kv_type: str = "f16"
+) -> dict[str, int | bool]:
     """The context parameters a saved sequence state depends on, as NativeContext sets them
     (a sequence's state does not depend on how many sequences share the context; its V cache
-    is stored transposed without flash attention)."""
-    params = bindings()[0].llama_context_default_params()
+    is stored transposed without flash attention; its cells are of ``kv_type``)."""
     return {
-        "type_k": int(params.type_k),
-        "type_v": int(params.type_v),
+        "type_k": kv_ggml_type(kv_type),
+        "type_v": kv_ggml_type(kv_type),
         "flash_attn_type": flash_attn_type(flash_attention),
         "swa_full": swa_full,
     }

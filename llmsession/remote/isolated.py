@@ -174,6 +174,7 @@ class IsolatedModel:
         self.threads: int = info["threads"]
         self.use_jinja: bool = info["use_jinja"]
         self.flash_attention: bool | None = info["flash_attention"]
+        self.kv_type: str = info["kv_type"]
         self.anticipate: bool = info["anticipate"]
         self.template: str | None = info["template"]
         self.media_marker: str = info["media_marker"]

@@ -156,7 +156,15 @@ class Worker:
             self.model = model = LocalModel(path, **kwargs)
         finally:
             self.loading_since = None
-        names = ("threads", "use_jinja", "flash_attention", "anticipate", "template", "media_marker")
+        names = (
+            "threads",
+            "use_jinja",
+            "flash_attention",
+            "kv_type",
+            "anticipate",
+            "template",
+            "media_marker",
+        )
         return {name: getattr(model, name) for name in names}
 
     def op_model(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

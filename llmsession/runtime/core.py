@@ -23,7 +23,13 @@ from llmsession.engine.sessionfile import file_digest
 from llmsession.errors import GrammarError, SessionFileError, TemplateError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import INT32_MAX, GenerationOptions, check_int
-from llmsession.runtime.loading import checked_threads, choose_flash_attention, load_native, memory_config
+from llmsession.runtime.loading import (
+    check_kv_type,
+    checked_threads,
+    choose_flash_attention,
+    load_native,
+    memory_config,
+)
 from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
 from llmsession.text.messages import check_messages
@@ -66,6 +72,7 @@ class ModelCore:
         batch_size: int = 512,
         checkpoints: CheckpointConfig | None = None,
         flash_attention: bool | None = None,
+        kv_type: str = "f16",
         anticipate: bool = True,
         rpc_servers: Sequence[str] = (),
         worker_timeout: float = 60.0,
@@ -88,14 +95,14 @@ class ModelCore:
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
         self.use_jinja = use_jinja
         self.flash_attention = choose_flash_attention(flash_attention)
+        self.kv_type = check_kv_type(kv_type, self.flash_attention)
         self.anticipate = bool(anticipate)
         servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         self.native, self.projector = load_native(
             self.path, self.mmproj_path, gpu_layers=gpu_layers, threads=self.threads, rpc_servers=servers
         )
-        self.engine = Engine(
-            self.native, self.projector, self.threads, config, flash_attention=self.flash_attention
-        )
+        cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
+        self.engine = Engine(self.native, self.projector, self.threads, config, **cells)
         self.engine.warm()
         self.template = self.native.chat_template()
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER

@@ -10,6 +10,7 @@ from pathlib import Path
 from llmsession.engine.budget import MemoryConfig
 from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.errors import UnsupportedFeatureError
+from llmsession.native.context import KV_TYPES
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
 from llmsession.options import MAX_POSITIONS, check_int
@@ -29,6 +30,19 @@ def choose_flash_attention(asked: bool | None) -> bool | None:
     if asked is not None and not isinstance(asked, bool):
         raise TypeError(f"flash_attention must be True, False or None, got {asked!r}")
     return asked
+
+
+def check_kv_type(kv_type: object, flash_attention: bool | None) -> str:
+    """The KV cells' type, checked before llama.cpp sees it: a quantized V cache needs flash
+    attention (llama.cpp refuses the context otherwise), so ``flash_attention=False`` takes f16 only."""
+    if not isinstance(kv_type, str) or kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
+    if kv_type != "f16" and flash_attention is False:
+        raise ValueError(
+            f"kv_type={kv_type!r} quantizes the V cache, which llama.cpp holds only with flash "
+            "attention: leave flash_attention on (None or True) or use kv_type='f16'"
+        )
+    return kv_type
 
 
 def memory_config(

@@ -21,7 +21,7 @@ import numpy as np
 from llmsession.engine.lease import Lease
 from llmsession.engine.sessionfile import SavedSession, read, write
 from llmsession.errors import MemoryBudgetError, SessionFileError
-from llmsession.native.context import context_layout
+from llmsession.native.context import KV_TYPES, context_layout, kv_ggml_type
 from llmsession.native.llama import build_commit, state_seq_version
 from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
@@ -43,7 +43,7 @@ def compat(model: ModelCore, swa_full: bool) -> dict[str, Any]:
         "state_seq_version": state_seq_version(),
         "model_sha256": model.identity(),
         "projector_sha256": model.projector_identity(),
-        "context": context_layout(swa_full, model.flash_attention),
+        "context": context_layout(swa_full, model.flash_attention, model.kv_type),
     }
 
 
@@ -113,12 +113,26 @@ def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int, n
         return "the file holds no KV state"
     for key, value in current.items():
         if saved.compat.get(key) != value:
-            return f"{key} differs (saved {saved.compat.get(key)!r}, now {value!r})"
+            was = saved.compat.get(key)
+            return _cell_types(was, value) or f"{key} differs (saved {was!r}, now {value!r})"
     if len(saved.record) >= context_size:
         return f"the state holds {len(saved.record)} positions; the session's context is {context_size}"
     if not all(0 <= item < n_vocab for item in saved.record if isinstance(item, int)):
         return "the saved record holds tokens outside the model's vocabulary"
     return ""
+
+
+def _cell_types(saved: object, now: object) -> str:
+    """Why a saved context layout does not fit when it is the cells' type (``kv_type``), else ""."""
+    was = saved.get("type_k") if isinstance(saved, dict) else None
+    new = now.get("type_k") if isinstance(now, dict) else None
+    if was is None or was == new:
+        return ""
+    names: dict[object, str] = {kv_ggml_type(name): name for name in KV_TYPES}
+    return (
+        f"its KV cells are {names.get(was, f'ggml type {was}')} and this model's are "
+        f"{names.get(new, f'ggml type {new}')} (kv_type): a state reloads only into cells of its type"
+    )
 
 
 def _encode_message(message: Mapping[str, Any], images: dict[str, Image]) -> dict[str, Any]:
