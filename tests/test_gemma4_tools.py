@@ -24,7 +24,7 @@ from gemma4_helpers import (
     FakeImage,
     oracle,
 )
-from hypothesis import find, given, settings
+from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from llmsession.errors import TemplateError
@@ -277,7 +277,11 @@ def test_the_property_catches_a_case_sensitive_key_order(monkeypatch: pytest.Mon
         ours = render_gemma4(user, template=CANONICAL, tools=tools)
         return ours != oracle(CANONICAL, user, gen=True, thinking=False, tools=tools)
 
-    found = find(st.lists(TOOL, min_size=1, max_size=3), differs, settings=settings(max_examples=2000))
+    found = find(
+        st.lists(TOOL, min_size=1, max_size=3),
+        differs,
+        settings=settings(max_examples=2000, derandomize=True, phases=[Phase.generate]),
+    )
     assert differs(found)
 
 
