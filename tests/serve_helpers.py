@@ -13,11 +13,13 @@ from typing import Any
 import httpx
 import openai
 import uvicorn
+from tool_helpers import WEATHER
 
 from llmsession import Model
 from llmsession.serve.app import Server
 
 KEY, OTHER_KEY = "sk-alpha", "sk-beta"
+__all__ = ["KEY", "OTHER_KEY", "WEATHER", "Served", "metric", "running"]
 
 
 @dataclass

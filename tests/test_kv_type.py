@@ -5,6 +5,7 @@ only its transcript under another, with a note that says why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,16 @@ def test_a_state_reloads_only_into_cells_of_its_type(smollm2_path: Path, tmp_pat
         assert reply.usage.restored_tokens == 0
         assert "f16" in reply.usage.cache_note and "q8_0" in reply.usage.cache_note
         assert "kv_type" in reply.usage.cache_note
+
+
+def test_quantized_cells_a_model_cannot_hold_are_refused_at_load(fixture_path: Callable[[str], Path]) -> None:
+    """T5's decoder attends with a position bias, off flash attention, over a V cache laid out
+    for it: quantized, llama.cpp would copy blocks as single values past its buffers. The tiny
+    LFM2's attention heads are not a multiple of the quantized block: llama.cpp refuses its
+    context. Both are ValueErrors at load, not errors of every exchange (or worse)."""
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        Model(fixture_path("t5-tiny.gguf"), kv_type="q8_0")
+    with pytest.raises(ValueError, match="cannot hold this model's cells"):
+        Model(fixture_path("lfm2-tiny.gguf"), kv_type="q4_0")
+    with Model(fixture_path("lfm2-tiny.gguf"), threads=1) as model:  # (f16: as before)
+        assert model.kv_type == "f16" and model.session().respond("Hi", GREEDY).text is not None

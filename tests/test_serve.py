@@ -25,25 +25,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serve_helpers import KEY, OTHER_KEY, Served, metric, running
+from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
 from llmsession.serve.app import PARSERS, create_app
 
 BODY_LIMIT = 1 << 20
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 24}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -727,16 +714,21 @@ def test_no_cors_unless_an_origin_is_allowed(served: Served) -> None:
     assert "access-control-allow-origin" not in other.headers
 
 
-def test_logprobs_join_up_to_the_text_whole_streamed_and_raw(served: Served) -> None:
-    client = served.client()
-    asked: dict[str, Any] = {
+def scored(served: Served, question: str, max_tokens: int, top: int) -> dict[str, Any]:
+    """A greedy chat request asking for each token's score and ``top`` alternatives."""
+    return {
         "model": served.name,
-        "messages": [{"role": "user", "content": "Write a line about the sea, with an accent: café."}],
-        "max_tokens": 20,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": True,
-        "top_logprobs": 2,
+        "top_logprobs": top,
     }
+
+
+def test_logprobs_join_up_to_the_text_whole_streamed_and_raw(served: Served) -> None:
+    client = served.client()
+    asked = scored(served, "Write a line about the sea, with an accent: café.", 20, 2)
     whole = client.chat.completions.create(**asked)
     scores = whole.choices[0].logprobs
     assert scores is not None and scores.content is not None
@@ -774,15 +766,8 @@ def test_logprobs_under_a_schema_list_only_allowed_tokens_and_split_characters_j
         "required": ["drink"],
         "additionalProperties": False,
     }
-    asked: dict[str, Any] = {
-        "model": served.name,
-        "messages": [{"role": "user", "content": "A drink, in JSON."}],
-        "max_tokens": 200,
-        "temperature": 0,
-        "logprobs": True,
-        "top_logprobs": 5,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "drink", "schema": schema}},
-    }
+    asked = scored(served, "A drink, in JSON.", 200, 5)
+    asked["response_format"] = {"type": "json_schema", "json_schema": {"name": "drink", "schema": schema}}
     client = served.client()
     whole = client.chat.completions.create(**asked)
     content, scores = whole.choices[0].message.content, whole.choices[0].logprobs

@@ -97,7 +97,8 @@ class Model:
     ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
     depth on the CPU, at the price of replies that depend on the cache's placement
     (``runtime.loading.choose_flash_attention``). ``kv_type``: the KV cells' type, "f16" (default),
-    "q8_0" (half the bytes per cell, so twice the tokens per budget and half a parked state) or
+    "q8_0" (half the bytes per cell: a parked state half the size, the same memory for twice the
+    ``kv_tokens``) or
     "q4_0"; quantized cells need flash attention, and a saved state reloads only under its own
     type (else its transcript alone). ``anticipate``: after each reply, decode the next
     prompt's opening in the background (``engine.anticipate``). ``rpc_servers`` ("host:port" of

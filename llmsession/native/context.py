@@ -342,7 +342,7 @@ def flash_attn_type(flash_attention: bool | None) -> int:
 
 
 def kv_ggml_type(kv_type: str) -> int:
-    """ggml's type for a ``kv_type`` name, checked (llama.cpp aborts on a V cache it cannot hold)."""
+    """ggml's type for a ``kv_type`` name, checked."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
     return int(getattr(bindings()[0], KV_TYPES[kv_type]))
@@ -357,7 +357,10 @@ def context_layout(
     return {
         "type_k": kv_ggml_type(kv_type),
         "type_v": kv_ggml_type(kv_type),
-        "flash_attn_type": flash_attn_type(flash_attention),
+        # (quantized V turns llama.cpp's AUTO on: a state saved either way has one layout)
+        "flash_attn_type": flash_attn_type(
+            True if kv_type != "f16" and flash_attention is None else flash_attention
+        ),
         "swa_full": swa_full,
     }
 

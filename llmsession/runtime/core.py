@@ -98,10 +98,13 @@ class ModelCore:
         self.kv_type = check_kv_type(kv_type, self.flash_attention)
         self.anticipate = bool(anticipate)
         servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
-        self.native, self.projector = load_native(
-            self.path, self.mmproj_path, gpu_layers=gpu_layers, threads=self.threads, rpc_servers=servers
-        )
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
+        native_args: dict[str, Any] = {
+            "gpu_layers": gpu_layers,
+            "threads": self.threads,
+            "rpc_servers": servers,
+        }
+        self.native, self.projector = load_native(self.path, self.mmproj_path, **native_args, cells=cells)
         self.engine = Engine(self.native, self.projector, self.threads, config, **cells)
         self.engine.warm()
         self.template = self.native.chat_template()

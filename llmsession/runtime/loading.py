@@ -4,13 +4,14 @@ model and projector opened, neither left open on an error."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from llmsession.engine.budget import MemoryConfig
 from llmsession.engine.checkpoints import CheckpointConfig
-from llmsession.errors import UnsupportedFeatureError
-from llmsession.native.context import KV_TYPES
+from llmsession.errors import NativeError, UnsupportedFeatureError
+from llmsession.native.context import KV_TYPES, NativeContext
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
 from llmsession.options import MAX_POSITIONS, check_int
@@ -35,7 +36,9 @@ def choose_flash_attention(asked: bool | None) -> bool | None:
 def check_kv_type(kv_type: object, flash_attention: bool | None) -> str:
     """The KV cells' type, checked before llama.cpp sees it: a quantized V cache needs flash
     attention (llama.cpp refuses the context otherwise), so ``flash_attention=False`` takes f16 only."""
-    if not isinstance(kv_type, str) or kv_type not in KV_TYPES:
+    if not isinstance(kv_type, str):
+        raise TypeError(f"kv_type must be a str, got {type(kv_type).__name__}")
+    if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
     if kv_type != "f16" and flash_attention is False:
         raise ValueError(
@@ -43,6 +46,27 @@ def check_kv_type(kv_type: object, flash_attention: bool | None) -> str:
             "attention: leave flash_attention on (None or True) or use kv_type='f16'"
         )
     return kv_type
+
+
+def check_cells(native: NativeModel, kv_type: str = "f16", flash_attention: bool | None = None) -> None:
+    """Quantized cells this model cannot hold, refused at load (ValueError) rather than by every
+    exchange. An encoder-decoder model's decoder attends with a position bias, which takes the
+    path without flash attention over a V cache laid out for it: llama.cpp would copy quantized
+    blocks as single values, past its buffers. Whatever else llama.cpp refuses (a head size not
+    a multiple of the quantized block, a model that forbids flash attention) shows in a small
+    context made now."""
+    if kv_type == "f16":
+        return
+    if native.has_encoder:
+        raise ValueError(f"kv_type={kv_type!r}: an encoder-decoder model's cells must be f16")
+    try:
+        NativeContext(
+            native, n_ctx=256, n_batch=32, threads=1, flash_attention=flash_attention, kv_type=kv_type
+        ).close()
+    except NativeError as error:
+        raise ValueError(
+            f"kv_type={kv_type!r}: llama.cpp cannot hold this model's cells in that type ({error})"
+        ) from None
 
 
 def memory_config(
@@ -86,10 +110,22 @@ def checked_threads(threads: int | None) -> int:
 
 
 def load_native(
-    path: Path, mmproj_path: Path | None, *, gpu_layers: int, threads: int, rpc_servers: Sequence[str]
+    path: Path,
+    mmproj_path: Path | None,
+    *,
+    gpu_layers: int,
+    threads: int,
+    rpc_servers: Sequence[str],
+    cells: Mapping[str, Any] | None = None,
 ) -> tuple[NativeModel, Projector | None]:
-    """The model, and its projector if given; neither is left open on an error."""
+    """The model, and its projector if given; neither is left open on an error. ``cells``: the
+    KV cells' ``kv_type`` and ``flash_attention``, checked against the model (``check_cells``)."""
     native = NativeModel(path, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
+    try:
+        check_cells(native, **(cells or {}))
+    except BaseException:
+        native.close()
+        raise
     if native.has_encoder and (mmproj_path is not None or not native.has_decoder):
         native.close()
         raise UnsupportedFeatureError(

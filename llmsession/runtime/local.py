@@ -30,14 +30,15 @@ class LocalModel(ModelCore):
 
     def __init__(self, path: str | Path, *, stateless_sessions: int | None = None, **settings: Any) -> None:
         """``stateless_sessions``: how many conversations stateless calls keep (default: 64, or
-        four per live session if that is more; 8 for a recurrent or hybrid model)."""
+        four per live session if that is more; 8, or one per live session, for a recurrent or
+        hybrid model)."""
         if stateless_sessions is not None:
             check_int("stateless_sessions", stateless_sessions, 1, MAX_STATELESS_SESSIONS)
         super().__init__(path, **settings)
         live = self.engine.config.max_live_sessions
         default = max(STATELESS_SESSIONS, 4 * live)
         if self.native.is_recurrent:  # each keeps checkpoints the budget does not count
-            default = RECURRENT_STATELESS_SESSIONS
+            default = max(RECURRENT_STATELESS_SESSIONS, live)
         kept = stateless_sessions or default
         self.stateless = StatelessSessions(self, capacity=kept)
 

@@ -62,6 +62,7 @@ class ContextPerSession:
             n_batch=512,
             threads=model.threads,
             flash_attention=model.flash_attention,
+            kv_type=model.kv_type,
         )
         self.cache = PrefixCache()
 

@@ -363,7 +363,8 @@
         updateLive();
       }
     } catch (error) {
-      if (error.name === "AbortError") finish = "stopped";
+      // (stopped after the server said the calls were complete: they stand)
+      if (error.name === "AbortError") finish = finish === "tool_calls" ? finish : "stopped";
       else reply.error = error.message;
       if (error.unauthorized) askKey("The API key was refused: " + error.message);
     }
