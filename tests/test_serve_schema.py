@@ -31,7 +31,7 @@ from llmsession.replies import (
     Usage,
 )
 from llmsession.serve import sse
-from llmsession.serve.app import create_app, digest
+from llmsession.serve.app import counted_path, create_app, digest
 from llmsession.serve.errors import RequestError, from_library
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
@@ -558,3 +558,9 @@ def test_scores_stream_with_their_text_and_the_rest_come_with_the_finish() -> No
     legacy.pieces(0, Snapshot("He", "He", logprobs=entries[:1]), streamed)
     offsets = legacy.finish(0, reply, streamed)["choices"][0]["logprobs"]["text_offset"]
     assert offsets == [2, 5]
+
+
+def test_metrics_label_the_page_and_a_bounded_set_of_paths() -> None:
+    assert counted_path("/") == "/" and counted_path("/v1/chat/completions") == "/v1/chat/completions"
+    assert counted_path("/static/app.js") == counted_path("/static/../../etc/passwd") == "/static/"
+    assert {counted_path(f"/v1/x{i}") for i in range(100)} == {"other"}

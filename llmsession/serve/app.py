@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests reading or checking their body at once
-PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+PATHS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -72,8 +72,15 @@ class Counting:
         try:
             await self.app(scope, receive, counted)
         finally:
-            path = scope.get("path", "")
-            self.metrics.request(path if path in PATHS else "other", status)
+            self.metrics.request(counted_path(scope.get("path", "")), status)
+
+
+def counted_path(path: str) -> str:
+    """A request's path as ``/metrics`` labels it: a known one, the page's files as one, or
+    "other" (a label per unknown path would let any client grow the counters without bound)."""
+    if path in PATHS:
+        return path
+    return "/static/" if path.startswith("/static/") else "other"
 
 
 class Server:
