@@ -198,8 +198,6 @@ class Exchange:
                     break
                 pos, token = self._decode_step(seat, batch, pos, sampler, tracker)
                 pending = [token, *sampler.forced()]
-                if self.scoring is not None:
-                    self.scoring.next_sampled()
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
             # The detokenizer may still hold the first bytes of a character the reply was cut
@@ -233,7 +231,7 @@ class Exchange:
             piece = native.piece(token, special=token in self.spelled)
             text = detokenizer.push(piece)
             if self.scoring is not None:
-                self.scoring.note(token, piece, text)
+                self.scoring.note(token, piece, text, sampled=index == 0)  # (then what it forced)
             delta = stops.push(text)
             if delta:
                 yield delta

@@ -17,19 +17,14 @@ class Scoring:
     def __init__(self, native: NativeModel, sampler: ScoringSampler) -> None:
         self.native, self.sampler = native, sampler
         self.trail = LogprobTrail()
-        self.sampled = True  # whether the next token noted is the sampler's pick (else forced)
 
-    def note(self, token: int, piece: bytes, text: str) -> None:
-        """Score a token of the reply: ``piece`` is its bytes, ``text`` what it completed. A token
-        a constraint forced was the only one allowed: log-probability 0."""
-        logprob, top = self.sampler.scored if self.sampled else (0.0, [(token, 0.0)])
-        self.sampled = False
+    def note(self, token: int, piece: bytes, text: str, *, sampled: bool) -> None:
+        """Score a token of the reply: ``piece`` is its bytes, ``text`` what it completed;
+        ``sampled``: the sampler's last pick, else a token a constraint forced after it (the only
+        one allowed: log-probability 0)."""
+        logprob, top = self.sampler.scored if sampled else (0.0, [(token, 0.0)])
         alternatives = tuple(self._alternative(t, p) for t, p in top[: self.sampler.top])
         self.trail.push(TokenLogprob(text, piece, logprob, alternatives))
-
-    def next_sampled(self) -> None:
-        """The next token noted is a fresh sample's."""
-        self.sampled = True
 
     def snapshot(self, snapshot: Snapshot) -> Snapshot:
         """``snapshot`` with the entries of the text it has shown so far."""
