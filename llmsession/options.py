@@ -10,6 +10,9 @@ from typing import Any
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
 INT32_MAX = 2**31 - 1  # llama.cpp's counts are int32_t: a larger Python int cannot be passed
 TOOL_FORMATS = ("hermes", "llama3", "mistral", "generic")
+# The KV cells' types a model may hold (``Model(kv_type=...)``): f16 (llama.cpp's default), q8_0
+# (half its bytes) and q4_0 (about a quarter); quantized V needs flash attention.
+KV_TYPES = ("f16", "q8_0", "q4_0")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_POSITIONS = 2**24  # a context or batch size beyond this is a typo, not a plan (16.7M positions)
 

@@ -22,6 +22,7 @@ from llmsession.commands import installer
 from llmsession.commands.argtypes import directory, port, positive_int, seconds
 from llmsession.commands.doctor import error
 from llmsession.errors import LlmSessionError
+from llmsession.options import KV_TYPES
 
 if TYPE_CHECKING:
     import uvicorn
@@ -174,7 +175,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
     add(
         "--kv-type",
-        choices=("f16", "q8_0", "q4_0"),
+        choices=KV_TYPES,
         help="the KV cells' type: q8_0 holds twice the tokens in the same memory (default: f16)",
     )
     add(

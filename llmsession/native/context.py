@@ -24,13 +24,11 @@ from llmsession.native.llama import (
     not_null,
     raise_pending,
 )
+from llmsession.options import KV_TYPES
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-# The cell types a context's K and V may have: f16 (llama.cpp's default), q8_0 (half its bytes)
-# and q4_0 (about a quarter); quantized V needs flash attention (``loading.check_kv_type``).
-KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
 POLL = 1  # how long a thread pool's workers spin for the next graph before they sleep (a few ms)
 
@@ -139,7 +137,7 @@ class NativeContext(Owner):
         kv_type: str = "f16",
     ) -> None:
         """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported).
-        ``kv_type``: the cells' type for K and V (``KV_TYPES``)."""
+        ``kv_type``: the cells' type for K and V (``options.KV_TYPES``)."""
         lib, ffi = bindings()
         params = lib.llama_context_default_params()
         params.flash_attn_type = flash_attn_type(flash_attention)
@@ -345,7 +343,7 @@ def kv_ggml_type(kv_type: str) -> int:
     """ggml's type for a ``kv_type`` name, checked."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
-    return int(getattr(bindings()[0], KV_TYPES[kv_type]))
+    return int(getattr(bindings()[0], f"GGML_TYPE_{kv_type.upper()}"))
 
 
 def context_layout(
