@@ -11,10 +11,10 @@ from typing import Any
 from llmsession.engine.budget import MemoryConfig
 from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.errors import NativeError, UnsupportedFeatureError
-from llmsession.native.context import NativeContext, kv_ggml_type
+from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
-from llmsession.options import MAX_POSITIONS, check_int
+from llmsession.options import KV_TYPES, MAX_POSITIONS, check_int
 
 log = logging.getLogger("llmsession")
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
@@ -38,7 +38,8 @@ def check_kv_type(kv_type: object, flash_attention: bool | None) -> str:
     attention (llama.cpp refuses the context otherwise), so ``flash_attention=False`` takes f16 only."""
     if not isinstance(kv_type, str):
         raise TypeError(f"kv_type must be a str, got {type(kv_type).__name__}")
-    kv_ggml_type(kv_type)  # (a ValueError naming the types it may be)
+    if kv_type not in KV_TYPES:  # (checked without the libraries: a model file is checked first)
+        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
     if kv_type != "f16" and flash_attention is False:
         raise ValueError(
             f"kv_type={kv_type!r} quantizes the V cache, which llama.cpp holds only with flash "
