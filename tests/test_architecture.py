@@ -28,6 +28,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.engine.residency",
     "llmsession.engine.parking",
     "llmsession.engine.budget",
+    "llmsession.engine.chunking",
     "llmsession.engine.sessionfile",
     "llmsession.engine.checkpoints",
     "llmsession.options",

@@ -11,7 +11,7 @@ import pytest
 from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import GenerationOptions, Model, Reply, Session
-from llmsession.engine.seat import Seat
+from llmsession.native.context import NativeContext
 
 QUESTIONS = (
     "Tell me a story about a lighthouse.",
@@ -53,12 +53,13 @@ def test_concurrent_streams_share_batches_and_each_equals_its_solo_run(smollm2: 
 
 
 def test_a_batch_that_mixes_up_the_rows_is_caught(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
-    sample_row = Seat.sample_row
+    decode_many = NativeContext.decode_many
 
-    def neighbours_row(seat: Seat, row: int, sampler: Any) -> int:
-        return sample_row(seat, max(0, row - 1), sampler)  # the row of the run before its own
+    def neighbours_rows(context: NativeContext, runs: Any) -> list[int]:
+        rows = decode_many(context, runs)
+        return [rows[-1], *rows[:-1]]  # each run sampled from the row of the run before its own
 
-    monkeypatch.setattr(Seat, "sample_row", neighbours_row)
+    monkeypatch.setattr(NativeContext, "decode_many", neighbours_rows)
     answered = run_concurrently(smollm2)
     monkeypatch.undo()
     noise = batch_noise(smollm2)

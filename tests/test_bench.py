@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from llmsession import GenerationOptions, Model
+from llmsession.commands.bench import arrivals as bench_arrivals
 from llmsession.commands.bench import concurrent as bench_concurrent
 from llmsession.commands.bench import rpc as bench_rpc
 from llmsession.commands.bench import serve_bench as bench_serve
@@ -94,13 +95,20 @@ def test_concurrent_scenario_reports_each_count_and_a_missing_reference(
         for run in sides.values():
             assert run["tokens_per_s"] > 0 and len(run["runs_tokens_per_s"]) == 1
     assert "llama-batched-bench not found" in results["batched_bench"]["error"]
+    arrived = bench_arrivals.arrivals(smollm2, tmp_path / "llama-batched-bench", 1, long_tokens=300)
+    json.dumps(arrived)
+    mid, together = arrived["long_prompt_mid_stream"], arrived["prompts_together"]
+    assert mid["ttft_s"] > 0 and mid["alone_ttft_s"] > 0 and mid["gap_ratio"] >= 1
+    assert len(together["runs"][0]["ttft_s"]) == 4 and "ratio" not in together
     bench_concurrent.report(
         results
         | {"machine": {"cpu": "x", "cores": 2, "threads": 2, "llama_cpp_commit": "c"}}
         | {"model": "m", "max_tokens": 4, "prefill_checks": {"native": 1.0, "python": 2.0}}
+        | {"arrivals": arrived}
     )
     out = capsys.readouterr().out
     assert "llama-batched-bench: llama-batched-bench not found" in out and "concurrent streams" in out
+    assert "300-token prompt arriving while 3 streams generate" in out and "4 prompts of" in out
 
 
 def test_serve_scenario_resends_histories_our_server_serves_from_cache_and_skips_missing_peers(

@@ -10,12 +10,18 @@ logits on its last token) and samples each from its own row; while it decodes, t
 queue up, so N busy streams settle into batches of N. (One thread decodes the batches: with an
 OpenMP build of ggml, which a user may bring, each decoding thread has a team of its own, and a
 second team ran a fifth slower; the set-up builds ggml's own thread pool.) Streams in their generation loop
-register (``generating``); the decode thread waits a moment (at most ``GATHER_S``) until every one
-of them that stepped within ``RECENT_S`` has queued its step, so the batches stay full although
-each stream does its own Python work between steps, and a stream whose consumer stopped reading
-soon stops being waited for. Prefills stay in batches of ``batch_size``, and the decode thread
-lets a waiting one go between two generation batches, so a long prompt does not stall the others
-and is not stalled by them.
+register (``generating``); the decode thread waits a moment (``GATHER_S``, or a twentieth of the
+last batch's time when batches are slow: each stream missing one would wait two) until every one
+of them that stepped within ``RECENT_S`` (or two batches' time) has queued its step, so the
+batches stay full although each stream does its own Python work between steps, and a stream
+whose consumer stopped reading soon stops being waited for.
+
+A prompt decoded while no other stream of its context steps goes in batches of ``batch_size`` on
+its own thread (``Feeder``). Once others step, its chunks queue here like steps: each batch takes
+every generating stream's tokens first, then as many prompt tokens as keep the step within a
+latency budget (``chunking``), so a long prompt neither stalls the streams nor waits for them.
+A batch that llama.cpp refuses is retried one sequence at a time, so one failing sequence fails
+alone.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmsession.errors import ModelClosedError
+from llmsession.engine.chunking import ChunkSizer
+from llmsession.errors import ModelClosedError, NativeError
 from llmsession.native.context import NativeContext
 from llmsession.native.sampler import TokenSampler
 
 GATHER_S = 0.002  # how long a leader waits for generating streams that have not queued yet
+GATHER_SHARE = 0.05  # or this share of the last batch's time, if longer
 RECENT_S = 0.05  # a stream that has not stepped for this long is not waited for
 
 
@@ -77,8 +85,9 @@ class Gate:
 
 @dataclass(eq=False)
 class Tracker:
-    """A generating stream, and when its last step ended."""
+    """A generating stream (or a prompt fed in chunks), and when its last step ended."""
 
+    prompt: bool = False
     last: float = field(default_factory=time.perf_counter)
 
 
@@ -88,6 +97,7 @@ class Target(Protocol):
 
     context: NativeContext
     seq: int
+    cancelled: threading.Event
 
     def make_room(self, n_tokens: int) -> None: ...
 
@@ -95,20 +105,42 @@ class Target(Protocol):
 
     def sample_row(self, row: int, sampler: TokenSampler) -> int: ...
 
+    def rewind(self, pos: int) -> bool: ...
+
 
 @dataclass(eq=False)
 class Step:
-    """One stream's generation step, and its outcome once ``finish``ed (``done`` is set for a
-    step queued for the decode thread)."""
+    """One stream's generation step, or a stretch of a prompt (``prompt``: it stays queued while
+    batch after batch decodes a slice of it, ``taken`` so far, and samples after the last), and
+    its outcome once ``finish``ed (``done`` is set for a step queued for the decode thread)."""
 
     target: Target
     tokens: Sequence[int]
     pos: int
-    sampler: TokenSampler
+    sampler: TokenSampler | None
     tracker: Tracker | None = None
+    prompt: bool = False
+    taken: int = 0
+    slice_end: int = 0  # a prompt's tokens up to which the current batch decodes
+    abandoned: bool = False  # its caller was interrupted: decode no more of it
     token: int = -1
     error: BaseException | None = None
     done: threading.Event | None = None
+
+    @property
+    def decoding(self) -> Sequence[int]:
+        """The tokens this step's batch decodes."""
+        return self.tokens[self.taken : self.slice_end] if self.prompt else self.tokens
+
+    @property
+    def at(self) -> int:
+        """The position of the first of them."""
+        return self.pos + self.taken
+
+    @property
+    def whole(self) -> bool:
+        """Once decoded, nothing of the step is left to decode: its sampler samples."""
+        return not self.prompt or self.slice_end == len(self.tokens)
 
     def finish(self) -> None:
         if self.done is not None:
@@ -123,14 +155,18 @@ class Batcher:
         self._queue = threading.Condition()  # held only to add, count or take steps
         self._pending: list[Step] = []
         self._streams: dict[int, set[Tracker]] = {}  # the generating streams, per context
-        self.batches = self.steps = 0  # how many decodes, and how many steps they carried
+        self.batches = self.steps = 0  # how many decodes, and how many generation steps they carried
+        self.prompt_tokens = 0  # prompt tokens decoded in batches beside generation steps
+        self.sizer = ChunkSizer()
+        self._last_batch_s = 0.0
         self._worker: threading.Thread | None = None
         self._closed = False
 
     @contextmanager
-    def generating(self, context: NativeContext) -> Iterator[Tracker]:
-        """A stream's generation loop on ``context``: a leader may wait for its next step."""
-        tracker = Tracker()
+    def generating(self, context: NativeContext, *, prompt: bool = False) -> Iterator[Tracker]:
+        """A stream's generation loop (or, ``prompt``, a prompt fed in chunks) on ``context``: a
+        leader may wait for its next step."""
+        tracker = Tracker(prompt)
         with self._queue:
             self._streams.setdefault(id(context), set()).add(tracker)
         try:
@@ -144,9 +180,10 @@ class Batcher:
                 self._queue.notify_all()
 
     def run(self, step: Step) -> int:
-        """Decode ``step`` (with whatever else is waiting) and return its sampled token."""
-        if self._alone(step):  # on the caller's thread, which decoded its prefill too
-            with self.gate.hold():
+        """Decode ``step`` (with whatever else is waiting) and return its sampled token (-1
+        when it samples nothing)."""
+        if not step.prompt and self.alone(step.target.context, step.tracker):
+            with self.gate.hold():  # on the caller's thread, which decoded its prefill too
                 self._decode(step.target.context, [step])
             return self._outcome(step)
         with self._queue:
@@ -161,19 +198,26 @@ class Batcher:
         try:
             done.wait()
         except BaseException:  # Ctrl-C while waiting: the step ends first, so memory matches its record
+            step.abandoned = True  # (a prompt's stretch ends with the slice being decoded)
             while not done.wait(0.05):
                 pass
             raise
         return self._outcome(step)
 
-    def _alone(self, step: Step) -> bool:
-        """No other stream is stepping on this context: nothing to batch with."""
-        context, now = step.target.context, time.perf_counter()
+    def alone(self, context: NativeContext, tracker: Tracker | None = None) -> bool:
+        """No other stream is stepping on ``context``: nothing to batch with."""
+        now, recent = time.perf_counter(), self._recent_s
         with self._queue:
             if any(s.target.context is context for s in self._pending):
                 return False
             trackers = self._streams.get(id(context), set())
-            return not any(t is not step.tracker and now - t.last < RECENT_S for t in trackers)
+            return not any(t is not tracker and now - t.last < recent for t in trackers)
+
+    @property
+    def _recent_s(self) -> float:
+        """How lately a stream must have stepped to count as stepping: a stream that queued
+        during a slow batch has waited for all of it (a mixed batch takes hundreds of ms)."""
+        return max(RECENT_S, 2 * self._last_batch_s)
 
     @staticmethod
     def _outcome(step: Step) -> int:
@@ -197,64 +241,116 @@ class Batcher:
                 context = self._pending[0].target.context
             self._gather(context)
             steps = self._take(context)  # never waits for the queue while holding the engine's lock
-            while self.gate.contended:  # a prefill batch goes between two generation batches
+            while self.gate.contended:  # a lone prefill's batch goes between two of these
                 time.sleep(0.0005)
             with self.gate.hold():
                 self._decode(context, steps)
 
     def _gather(self, context: NativeContext) -> None:
         """Wait (briefly) until as many steps wait for ``context`` as its last batch carried."""
-        deadline = time.perf_counter() + GATHER_S
+        deadline = time.perf_counter() + max(GATHER_S, GATHER_SHARE * self._last_batch_s)
         with self._queue:
             while (left := deadline - time.perf_counter()) > 0:
                 waiting = sum(1 for s in self._pending if s.target.context is context)
-                now = time.perf_counter()
-                active = sum(1 for t in self._streams.get(id(context), ()) if now - t.last < RECENT_S)
+                now, recent = time.perf_counter(), self._recent_s
+                active = sum(1 for t in self._streams.get(id(context), ()) if now - t.last < recent)
                 if waiting >= active:
                     return
                 self._queue.wait(left)
 
     def _take(self, context: NativeContext) -> list[Step]:
-        """The waiting steps for ``context``, oldest first, as many as one batch holds."""
+        """The waiting steps for ``context``, oldest first, as many as one batch holds: every
+        generation step first, then prompt chunks within the step's budget (``chunking``)."""
         taken: list[Step] = []
         room = context.batch.capacity
         with self._queue:
-            for step in self._pending:
-                if step.target.context is context and (len(step.tokens) <= room or not taken):
+            ours = [s for s in self._pending if s.target.context is context]
+            for step in (s for s in ours if not s.prompt):
+                if len(step.tokens) <= room or not taken:
                     taken.append(step)  # (one too long for any batch is taken alone: it errs)
                     room -= len(step.tokens)
+            now, recent = time.perf_counter(), self._recent_s
+            streaming = (t for t in self._streams.get(id(context), ()) if not t.prompt)
+            if taken or any(now - t.last < recent for t in streaming):  # (a consumer reads slowly)
+                room = min(room, self.sizer.allowance(context.batch.capacity))
+            for step in (s for s in ours if s.prompt):
+                if step.abandoned or step.target.cancelled.is_set():  # it stops with what it has
+                    self._pending.remove(step)
+                    step.finish()
+                elif room > 0:
+                    step.slice_end = step.taken + min(len(step.tokens) - step.taken, room)
+                    room -= step.slice_end - step.taken
+                    taken.append(step)
             self._pending = [s for s in self._pending if s not in taken]
         return taken
 
     def _decode(self, context: NativeContext, steps: list[Step]) -> None:
-        """Decode ``steps`` in one batch and sample each; every step ends done."""
-        ready = []
-        for step in steps:
-            try:
-                step.target.make_room(len(step.tokens))
-                ready.append(step)
-            except BaseException as error:  # this stream's budget error is its own
-                step.error = error
-                step.finish()
+        """Decode ``steps`` in one batch and sample each; every step ends done. A batch
+        llama.cpp refuses is decoded again one step at a time (``_isolate``)."""
+        ready = [step for step in steps if self._ready(context, step)]
         if not ready:
             return
         began = time.perf_counter()
         try:
-            rows = context.decode_many([(s.tokens, s.pos, s.target.seq) for s in ready])
+            rows = context.decode_many([(s.decoding, s.at, s.target.seq) for s in ready])
+        except NativeError as error:
+            self._isolate(context, ready, error)
+            return
         except BaseException as error:  # every sequence in the batch may be partly written
             for step in ready:
                 step.error = error
                 step.finish()
             return
         decoded = time.perf_counter() - began
-        self.batches, self.steps = self.batches + 1, self.steps + len(ready)
-        ended = time.perf_counter()
+        self._count(ready, decoded)
+        ended, unfinished = time.perf_counter(), []
         for step, row in zip(ready, rows, strict=True):
-            step.target.decoded(step.tokens, decoded)
+            step.target.decoded(step.decoding, decoded)
+            whole = step.whole
+            if step.prompt:
+                step.taken = step.slice_end
             try:
-                step.token = step.target.sample_row(row, step.sampler)
+                if step.sampler is not None and whole:
+                    step.token = step.target.sample_row(row, step.sampler)
             except BaseException as error:  # a constraint's error is its stream's alone
                 step.error = error
             if step.tracker is not None:
                 step.tracker.last = ended
+            if whole or step.error is not None:
+                step.finish()
+            else:
+                unfinished.append(step)
+        if unfinished:  # a prompt's next slice goes in the next batch
+            with self._queue:
+                self._pending[:0] = unfinished
+
+    @staticmethod
+    def _ready(context: NativeContext, step: Step) -> bool:
+        """Room made and the run checked for ``step``; else it ends with its own error."""
+        try:
+            context.check_run(step.decoding, step.at, step.target.seq)
+            step.target.make_room(len(step.decoding))
+            return True
+        except BaseException as error:  # this stream's budget error is its own
+            step.error = error
             step.finish()
+            return False
+
+    def _isolate(self, context: NativeContext, steps: list[Step], error: NativeError) -> None:
+        """llama.cpp refused the batch (and took back what it wrote of it): decode each step
+        alone, so only a step that fails alone fails (a sequence that cannot go back to where
+        its step began, a recurrent state, fails with the batch's error)."""
+        for step in steps:
+            if len(steps) > 1 and step.target.rewind(step.at):
+                self._decode(context, [step])
+            else:
+                step.error = error
+                step.finish()
+
+    def _count(self, steps: list[Step], seconds: float) -> None:
+        self._last_batch_s = seconds
+        prompt = sum(len(s.decoding) for s in steps if s.prompt)
+        others = sum(len(s.tokens) for s in steps if not s.prompt)
+        self.batches, self.steps = self.batches + 1, self.steps + sum(1 for s in steps if not s.prompt)
+        self.prompt_tokens += prompt
+        self.sizer.observe(prompt, others, seconds)

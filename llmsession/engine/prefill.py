@@ -4,8 +4,10 @@ both end with the first reply token sampled from the last logits."""
 
 from __future__ import annotations
 
+from contextlib import closing
+
 from llmsession.engine.prompt import Prompt
-from llmsession.engine.seat import Seat
+from llmsession.engine.seat import Feeder, Seat
 from llmsession.native.context import DecodeAborted
 from llmsession.native.projector import ImageChunk
 from llmsession.native.sampler import TokenSampler
@@ -22,6 +24,21 @@ def prefill(
         return encode(seat, prompt, sampler, usage=usage)
     # ``done`` counts items (what the record holds), ``pos`` positions: an M-RoPE image spans
     # fewer positions than items.
+    with closing(seat.feeder()) as feed:
+        return _feed(seat, feed, prompt, reused, sampler, usage=usage, batch_size=batch_size)
+
+
+def _feed(
+    seat: Seat,
+    feed: Feeder,
+    prompt: Prompt,
+    reused: int,
+    sampler: TokenSampler,
+    *,
+    usage: Usage,
+    batch_size: int,
+) -> tuple[int, int] | None:
+    """``prefill`` past the encoder-decoder case: each piece after ``reused`` fed in chunks."""
     items, done, pos, end, token = prompt.items, reused, reused, 0, -1
     stops = set(seat.checkpoint_stops(len(items)))
     for piece in prompt.pieces:
@@ -48,9 +65,9 @@ def prefill(
                 stop = min([end, done + batch_size, *(p for p in stops if p > done)])
                 chunk = piece[done - start : stop - start]
                 final = last and stop == end
-                token = seat.decode(chunk, pos, abortable=True, sampler=sampler if final else None)
-                pos, done = pos + len(chunk), stop
-                usage.decoded_prompt_tokens += len(chunk)
+                taken, token = feed(chunk, pos, sampler if final else None)
+                pos, done = pos + taken, done + taken
+                usage.decoded_prompt_tokens += taken
         except DecodeAborted as aborted:
             if aborted.cause is not None:
                 raise  # _generate restores memory to the record and raises the cause

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Protocol
 
 from llmsession.engine.batching import Batcher, Step, Tracker
@@ -93,6 +93,10 @@ class Seat:
             self.decoded(tokens, time.perf_counter() - began)
             return -1 if sampler is None else self._sample(sampler)
 
+    def feeder(self) -> Feeder:
+        """How a prefill decodes its prompt's chunks (``Feeder``); close it after."""
+        return Feeder(self)
+
     def step(
         self, tokens: Sequence[int], pos: int, sampler: TokenSampler, tracker: Tracker | None = None
     ) -> int:
@@ -118,6 +122,11 @@ class Seat:
         """Record what a decode of ``seconds`` put in the sequence."""
         self.lease.cache.extend(items)
         self.decode_s += seconds
+
+    def rewind(self, pos: int) -> bool:
+        """Drop what a refused batch may have left in the sequence from ``pos`` on: True once it
+        holds just its record again (a recurrent state cannot go back)."""
+        return self.context.seq_rm(pos, self.seq) and self.context.pos_max(self.seq) == pos - 1
 
     def sample_row(self, row: int, sampler: TokenSampler) -> int:
         """Sample from the logits at batch ``row`` of the last (batched) decode."""
@@ -175,6 +184,32 @@ class Seat:
         recurrent state to its newest checkpoint), or to nothing."""
         with self.host.hold():
             self.lease.cache.recover(SequenceMemory(self.context, self.seq))
+
+
+class Feeder:
+    """A prompt's chunks into a seat's sequence: whole on the caller's thread while no other
+    stream of the context steps (abortable by the exchange's cancel), else through the batcher,
+    beside the streams' steps, as much of each chunk as a step's budget allows (``batching``)."""
+
+    def __init__(self, seat: Seat) -> None:
+        self.seat = seat
+        self.tracker: Tracker | None = None  # registered once a chunk went through the batcher
+        self._registered = ExitStack()
+
+    def __call__(self, tokens: Sequence[int], pos: int, sampler: TokenSampler | None) -> tuple[int, int]:
+        """Decode the first of ``tokens`` from ``pos``: (how many, the token sampled after the
+        last of them if all were decoded and a sampler given, else -1)."""
+        seat, batcher = self.seat, self.seat.host.batcher
+        if batcher.alone(seat.context, self.tracker):
+            return len(tokens), seat.decode(tokens, pos, abortable=True, sampler=sampler)
+        if self.tracker is None:
+            self.tracker = self._registered.enter_context(batcher.generating(seat.context, prompt=True))
+        step = Step(seat, tokens, pos, sampler, self.tracker, prompt=True)
+        token = batcher.run(step)
+        return step.taken, token
+
+    def close(self) -> None:
+        self._registered.close()
 
 
 class SequenceMemory:

@@ -199,7 +199,7 @@ class NativeContext(Owner):
         lib, _ = bindings()
         ptr = self.ptr  # first: once closed, the batch's memory is gone too
         self.set_abortable(abortable)
-        self._check_run(tokens, start, seq)
+        self.check_run(tokens, start, seq)
         self.batch.fill(tokens, start, seq, outputs=outputs)
         with ACTIVITY:
             code = lib.llama_decode(ptr, self.batch.raw)
@@ -251,7 +251,7 @@ class NativeContext(Owner):
         ptr = self.ptr
         self.set_abortable(False)
         for run in runs:
-            self._check_run(*run)
+            self.check_run(*run)
         indices = self.batch.fill_many(runs)
         with ACTIVITY:
             code = lib.llama_decode(ptr, self.batch.raw)
@@ -259,7 +259,8 @@ class NativeContext(Owner):
         check(code, "llama_decode")
         return indices
 
-    def _check_run(self, tokens: Sequence[int], start: int, seq: int) -> None:
+    def check_run(self, tokens: Sequence[int], start: int, seq: int) -> None:
+        """A run llama.cpp would refuse, refused first (ContextOverflowError, ValueError)."""
         if start + len(tokens) > self.n_ctx:
             raise ContextOverflowError(
                 f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"

@@ -11,6 +11,9 @@ older reference, ``llama-bench -p 1,N -d 100``, is kept beside it: a batch of N 
 sequence over a single cold decode (``pp1`` times one decode right after the depth is restored,
 not a decode in a stream's steady state), which flatters batching.
 
+Then the two arrival scenarios (``arrivals``): a long prompt arriving while three streams
+generate, and four prompts arriving together.
+
     llmsession bench concurrent [--streams 1,2,4,8] [--max-tokens 64] [--repeats 3] [--json out.json]
 """
 
@@ -29,6 +32,7 @@ from llama_cffi import python_abort_checks
 
 from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int, positive_ints
+from llmsession.commands.bench import arrivals
 from llmsession.commands.bench.common import (
     batched_bench,
     common_arguments,
@@ -206,6 +210,7 @@ def report(results: dict[str, Any]) -> None:
     print("\n600-token prefill in a worker thread, another Python thread busy: native cancel check")
     print(f"{checks['native'] * 1e3:.0f} ms, Python callback {checks['python'] * 1e3:.0f} ms", end="")
     print(f" ({checks['python'] / checks['native']:.2f}x)")
+    arrivals.report(results["arrivals"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,5 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         results |= scenario(model, counts, options, args.llama_bench, args.repeats)
         progress("prefill cancel checks with a busy Python thread", started)
         results["prefill_checks"] = prefill_checks(model)
+        progress("prompts arriving mid-stream and together", started)
+        batched = Path(args.llama_bench).with_name("llama-batched-bench")
+        results["arrivals"] = arrivals.arrivals(model, batched, args.repeats)
     progress("done", started)
     return publish(results, report, args.json)

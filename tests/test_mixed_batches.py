@@ -1,0 +1,171 @@
+"""A prompt that arrives while other streams generate is decoded in chunks beside their steps
+(chunked prefill), and every sequence still answers what a fresh decode answers (within the
+measured split noise); a batch that hands a sequence another's chunk must be caught, and a
+sequence llama.cpp refuses fails alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from test_reuse import batch_noise, check_against_fresh, paragraph, tolerance_for
+
+from llmsession import GenerationOptions, Model, Reply, Session
+from llmsession.engine.batching import Batcher, Step
+from llmsession.engine.chunking import FIRST_CHUNK, MIN_CHUNK, SLOWDOWN, ChunkSizer
+from llmsession.errors import NativeError
+from llmsession.native.context import NativeContext
+
+STREAMING = GenerationOptions(max_tokens=48, temperature=0, stop=["\n\n\n"])
+ARRIVING = GenerationOptions(max_tokens=24, temperature=0)
+QUESTIONS = ("Tell me a story about a lighthouse.", "Describe the sea at night.")
+
+
+def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, Reply]]:
+    """Two streams generating; once both have replied a few tokens, a long prompt arrives in
+    a third session. Each session with its reply."""
+    sessions = [model.session() for _ in range(3)]
+    replies: list[Any] = [None] * 3
+    started = threading.Barrier(3)
+
+    def stream(i: int) -> None:
+        chunks = sessions[i].stream(QUESTIONS[i], STREAMING)
+        for count, _ in enumerate(chunks):
+            if count == 3:
+                started.wait()
+        replies[i] = chunks.reply
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    replies[2] = sessions[2].respond(prompt, ARRIVING)
+    for thread in threads:
+        thread.join()
+    return list(zip(sessions, replies, strict=True))
+
+
+def test_a_prompt_arriving_mid_stream_is_fed_in_chunks_and_equals_fresh(smollm2: Model) -> None:
+    batcher = smollm2.local.engine.batcher
+    before, batches = batcher.prompt_tokens, batcher.batches
+    answered = streams_and_a_long_prompt(smollm2, paragraph(smollm2, 7, 600))
+    (_, arriving) = answered[2]
+    fed = batcher.prompt_tokens - before
+    assert fed >= arriving.usage.prompt_tokens // 2, "the prompt was not decoded beside the streams"
+    assert batcher.batches - batches > fed / smollm2.local.engine.config.batch_size + 4, "not in chunks"
+    tolerance = tolerance_for(batch_noise(smollm2))
+    for session, reply in answered:
+        assert check_against_fresh(session, reply, tolerance, final=False) == []
+
+
+def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2: Model) -> None:
+    """Cancelled while its slices ride beside two streams, a prompt stops at the slice being
+    decoded; the session's next turn answers as a fresh decode does."""
+    batcher, prompt = smollm2.local.engine.batcher, paragraph(smollm2, 9, 600)
+    sessions = [smollm2.session() for _ in range(3)]
+    streaming = threading.Event()
+
+    def stream(i: int) -> None:
+        for count, _ in enumerate(sessions[i].stream(QUESTIONS[i], STREAMING)):
+            if count == 3:
+                streaming.set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    streaming.wait()
+    before = batcher.prompt_tokens
+    arriving = sessions[2].stream(prompt, ARRIVING)
+    feeding = threading.Thread(target=lambda: list(arriving))
+    feeding.start()
+    while batcher.prompt_tokens - before < 16:
+        time.sleep(0.001)
+    fed_at_cancel = batcher.prompt_tokens - before
+    arriving.cancel()
+    feeding.join()
+    for thread in threads:
+        thread.join()
+    reply = arriving.reply
+    assert reply is not None and reply.finish_reason == "cancelled"
+    decoded = reply.usage.decoded_prompt_tokens
+    assert fed_at_cancel <= decoded <= fed_at_cancel + smollm2.local.engine.config.batch_size
+    assert decoded < reply.usage.prompt_tokens // 2
+    again = sessions[2].respond(prompt, ARRIVING)
+    assert check_against_fresh(sessions[2], again, tolerance_for(batch_noise(smollm2)), final=False) == []
+
+
+def test_a_batch_that_hands_a_sequence_another_s_chunk_is_caught(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant that must fail: each prompt chunk beside the streams decoded as another chunk
+    (its first token repeated) while the record says it holds its own."""
+    decode_many = NativeContext.decode_many
+
+    def swapped(context: NativeContext, runs: Any) -> list[int]:
+        return decode_many(context, [([t[0]] * len(t) if len(t) > 1 else t, p, q) for t, p, q in runs])
+
+    monkeypatch.setattr(NativeContext, "decode_many", swapped)
+    answered = streams_and_a_long_prompt(smollm2, paragraph(smollm2, 8, 600))
+    monkeypatch.undo()
+    session, reply = answered[2]
+    tolerance = tolerance_for(batch_noise(smollm2))
+    assert check_against_fresh(session, reply, tolerance, final=False, at_least=1) != []
+
+
+def test_a_sequence_llama_cpp_refuses_fails_alone(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stream's step with a position llama.cpp refuses (not its sequence's next) fails the
+    batch; the others are decoded again one at a time and answer as a fresh decode does; the
+    failed session answers correctly next turn."""
+    sessions = [smollm2.session() for _ in range(3)]
+    take, victim, spoiled = Batcher._take, sessions[0], threading.Event()
+
+    def spoiling(batcher: Batcher, context: Any) -> list[Step]:
+        steps = take(batcher, context)
+        mine = [s for s in steps if getattr(s.target, "lease", None) is victim.lease]
+        if len(steps) == 3 and mine and not spoiled.is_set():
+            mine[0].pos += 5
+            spoiled.set()
+        return steps
+
+    monkeypatch.setattr(Batcher, "_take", spoiling)
+    outcomes: list[Any] = [None] * 3
+    start = threading.Barrier(3)
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            outcomes[i] = sessions[i].respond(("Hi.", *QUESTIONS)[i], STREAMING)
+        except NativeError as error:
+            outcomes[i] = error
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    monkeypatch.undo()
+    assert spoiled.is_set()
+    assert isinstance(outcomes[0], NativeError)
+    tolerance = tolerance_for(batch_noise(smollm2))
+    for session, reply in zip(sessions[1:], outcomes[1:], strict=True):
+        assert isinstance(reply, Reply)
+        assert check_against_fresh(session, reply, tolerance, final=False) == []
+    again = victim.respond("Hi.", STREAMING)
+    assert check_against_fresh(victim, again, tolerance, final=False) == []
+
+
+def test_the_chunk_keeps_a_mixed_step_near_its_budget() -> None:
+    sizer = ChunkSizer()
+    assert sizer.allowance(512) == FIRST_CHUNK  # nothing measured yet
+    sizer.observe(0, 3, 0.030)  # a generation step: 30 ms
+    sizer.observe(32, 3, 0.030 + 32 * 0.001)  # each prompt token added 1 ms
+    assert sizer.allowance(512) == int((SLOWDOWN - 1) * 30)
+    assert sizer.allowance(20) == 20  # never more than the batch holds
+    sizer.observe(8, 3, 10.0)  # a model far slower per token: the chunk shrinks, not below the floor
+    for _ in range(20):
+        sizer.observe(8, 3, 10.0)
+    assert sizer.allowance(512) == MIN_CHUNK
+    sizer.observe(16, 0, 0.5)  # a prompt alone says nothing about the streams' steps
+    assert sizer.allowance(512) == MIN_CHUNK
