@@ -10,6 +10,7 @@ from typing import Any
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp picks a random seed
 INT32_MAX = 2**31 - 1  # llama.cpp's counts are int32_t: a larger Python int cannot be passed
 TOOL_FORMATS = ("hermes", "llama3", "mistral", "generic")
+DRAFTS = ("prompt_lookup",)
 # The KV cells' types a model may hold (``Model(kv_type=...)``): f16 (llama.cpp's default), q8_0
 # (half its bytes) and q4_0 (about a quarter); quantized V needs flash attention.
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -54,6 +55,7 @@ class GenerationOptions:
     parallel_tool_calls: bool = True
     tool_format: str | None = None  # "hermes", "llama3", "mistral", "generic"; None: from the template
     logprobs: int | None = None  # score each token, with this many likeliest alternatives (0-20)
+    draft: str | None = None  # "prompt_lookup": tokens drafted from the transcript, verified in one decode
 
     def __post_init__(self) -> None:
         if isinstance(self.tools, list):
@@ -97,6 +99,7 @@ class GenerationOptions:
         _require("parallel_tool_calls", self.parallel_tool_calls, isinstance(self.parallel_tool_calls, bool))
         logprobs_ok = self.logprobs is None or _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS)
         _require("logprobs", self.logprobs, logprobs_ok)
+        _require("draft", self.draft, self.draft is None or self.draft in DRAFTS)
         format_ok = self.tool_format is None or self.tool_format in TOOL_FORMATS
         _require("tool_format", self.tool_format, format_ok)
         given = self._constraints()

@@ -56,6 +56,8 @@ class Usage:
     from_checkpoint: bool = False  # the reused positions came back from a checkpoint
     anticipated_tokens: int = 0  # reused positions decoded ahead, after the last reply
     shared_tokens: int = 0  # reused positions another session had decoded (its cells, shared)
+    drafted_tokens: int = 0  # reply tokens proposed from the transcript (``draft``), and kept:
+    accepted_drafts: int = 0
     cache_note: str = ""  # why a loaded session's cache was or was not reused
 
 

@@ -12,6 +12,7 @@ import pytest
 from llmsession import GenerationOptions, Model
 from llmsession.commands.bench import arrivals as bench_arrivals
 from llmsession.commands.bench import concurrent as bench_concurrent
+from llmsession.commands.bench import drafting as bench_drafting
 from llmsession.commands.bench import rpc as bench_rpc
 from llmsession.commands.bench import serve_bench as bench_serve
 from llmsession.commands.bench import structured as bench_structured
@@ -141,3 +142,16 @@ def test_the_peer_script_is_found_from_the_package() -> None:
     from llmsession.commands.bench.common import PEER_SCRIPT
 
     assert PEER_SCRIPT.is_file(), PEER_SCRIPT
+
+
+def test_drafting_scenario_compares_drafted_and_plain_replies(
+    smollm2: Model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = bench_drafting.WORKLOADS["paragraph"][:1]
+    result = bench_drafting.workload(smollm2, prompts, 24, 1)
+    json.dumps(result)
+    assert result["plain_tokens_per_s"] > 0 and result["drafted_tokens_per_s"] > 0
+    assert result["same_replies"] in ("0/1", "1/1") and len(result["samples"]["drafted"]) == 1
+    machine = {"cpu": "x", "cores": 2, "threads": 2, "llama_cpp_commit": "c"}
+    bench_drafting.report({"machine": machine, "model": "m", "workloads": {"paragraph": result}})
+    assert "drafted tokens from the prompt" in capsys.readouterr().out

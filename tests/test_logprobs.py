@@ -51,7 +51,9 @@ def scored_against_fresh(session: Session, reply: Reply, tolerance: float) -> li
     problems = []
     for step, entry in enumerate(reply.logprobs or ()):
         fresh = log_softmax(steps[step])
-        if abs(entry.logprob - fresh[generated[step]]) > tolerance:
+        # (the reply's last token is in memory only if the next prompt's opening was decoded
+        # after it: else only its likeliest alternative is compared)
+        if step < len(generated) and abs(entry.logprob - fresh[generated[step]]) > tolerance:
             problems.append(f"step {step}: scored {entry.logprob:.3f}, fresh {fresh[generated[step]]:.3f}")
         if abs(entry.top[0].logprob - fresh.max()) > tolerance:
             problems.append(f"step {step}: best {entry.top[0].logprob:.3f}, fresh {fresh.max():.3f}")

@@ -103,8 +103,9 @@ def test_a_batch_that_hands_a_sequence_another_s_chunk_is_caught(
     (its first token repeated) while the record says it holds its own."""
     decode_many = NativeContext.decode_many
 
-    def swapped(context: NativeContext, runs: Any) -> list[int]:
-        return decode_many(context, [([t[0]] * len(t) if len(t) > 1 else t, p, q) for t, p, q in runs])
+    def swapped(context: NativeContext, runs: Any, outputs: Any = None) -> list[int]:
+        runs = [([t[0]] * len(t) if len(t) > 1 else t, p, q) for t, p, q in runs]
+        return decode_many(context, runs, outputs)
 
     monkeypatch.setattr(NativeContext, "decode_many", swapped)
     answered = streams_and_a_long_prompt(smollm2, paragraph(smollm2, 8, 600))

@@ -293,11 +293,11 @@ def test_a_decode_error_discards_the_cache_and_the_next_turn_is_correct(
     real_decode = NativeContext.decode_many
     calls = {"n": 0}
 
-    def failing_decode(self: NativeContext, runs: Any) -> list[int]:
+    def failing_decode(self: NativeContext, runs: Any, outputs: Any = None) -> list[int]:
         calls["n"] += 1  # the generation steps' decodes
         if calls["n"] == 5:
             raise NativeError("llama_decode failed (injected)")
-        return real_decode(self, runs)
+        return real_decode(self, runs, outputs)
 
     monkeypatch.setattr(NativeContext, "decode_many", failing_decode)
     messages = copy.deepcopy(session.messages)

@@ -107,6 +107,8 @@ class Target(Protocol):
 
     def rewind(self, pos: int) -> bool: ...
 
+    def drop_last(self, n_items: int) -> None: ...
+
 
 @dataclass(eq=False)
 class Step:
@@ -123,6 +125,8 @@ class Step:
     taken: int = 0
     slice_end: int = 0  # a prompt's tokens up to which the current batch decodes
     abandoned: bool = False  # its caller was interrupted: decode no more of it
+    drafts: Sequence[int] = ()  # a generation step's proposed next tokens, verified by sampling
+    accepted: int = 0  # how many of them the samples kept
     token: int = -1
     error: BaseException | None = None
     done: threading.Event | None = None
@@ -130,7 +134,9 @@ class Step:
     @property
     def decoding(self) -> Sequence[int]:
         """The tokens this step's batch decodes."""
-        return self.tokens[self.taken : self.slice_end] if self.prompt else self.tokens
+        if self.prompt:
+            return self.tokens[self.taken : self.slice_end]
+        return [*self.tokens, *self.drafts] if self.drafts else self.tokens
 
     @property
     def at(self) -> int:
@@ -266,9 +272,9 @@ class Batcher:
         with self._queue:
             ours = [s for s in self._pending if s.target.context is context]
             for step in (s for s in ours if not s.prompt):
-                if len(step.tokens) <= room or not taken:
+                if len(step.decoding) <= room or not taken:
                     taken.append(step)  # (one too long for any batch is taken alone: it errs)
-                    room -= len(step.tokens)
+                    room -= len(step.decoding)
             now, recent = time.perf_counter(), self._recent_s
             streaming = (t for t in self._streams.get(id(context), ()) if not t.prompt)
             if taken or any(now - t.last < recent for t in streaming):  # (a consumer reads slowly)
@@ -292,7 +298,8 @@ class Batcher:
             return
         began = time.perf_counter()
         try:
-            rows = context.decode_many([(s.decoding, s.at, s.target.seq) for s in ready])
+            runs = [(s.decoding, s.at, s.target.seq) for s in ready]
+            rows = context.decode_many(runs, [1 + len(s.drafts) for s in ready])
         except NativeError as error:
             self._isolate(context, ready, error)
             return
@@ -310,7 +317,9 @@ class Batcher:
             if step.prompt:
                 step.taken = step.slice_end
             try:
-                if step.sampler is not None and whole:
+                if step.drafts:
+                    self._verify(step, row)
+                elif step.sampler is not None and whole:
                     step.token = step.target.sample_row(row, step.sampler)
             except BaseException as error:  # a constraint's error is its stream's alone
                 step.error = error
@@ -323,6 +332,22 @@ class Batcher:
         if unfinished:  # a prompt's next slice goes in the next batch
             with self._queue:
                 self._pending[:0] = unfinished
+
+    @staticmethod
+    def _verify(step: Step, row: int) -> None:
+        """Sample each drafted position in turn, keeping the drafts while the samples equal them
+        (``drafting``); the first sample that differs (or the one after the last draft) is the
+        step's token, and the rejected drafts leave memory and record."""
+        drafts, sampler = step.drafts, step.sampler
+        assert sampler is not None
+        first = row - len(drafts)
+        token = step.target.sample_row(first, sampler)
+        while step.accepted < len(drafts) and token == drafts[step.accepted]:
+            step.accepted += 1
+            token = step.target.sample_row(first + step.accepted, sampler)
+        step.token = token
+        if step.accepted < len(drafts):
+            step.target.drop_last(len(drafts) - step.accepted)
 
     @staticmethod
     def _ready(context: NativeContext, step: Step) -> bool:
@@ -350,7 +375,7 @@ class Batcher:
     def _count(self, steps: list[Step], seconds: float) -> None:
         self._last_batch_s = seconds
         prompt = sum(len(s.decoding) for s in steps if s.prompt)
-        others = sum(len(s.tokens) for s in steps if not s.prompt)
+        others = sum(len(s.decoding) for s in steps if not s.prompt)
         self.batches, self.steps = self.batches + 1, self.steps + sum(1 for s in steps if not s.prompt)
         self.prompt_tokens += prompt
         self.sizer.observe(prompt, others, seconds)

@@ -184,6 +184,15 @@ class PrefixCache:
             return  # (a sliding window may have moved past what the next position needs)
         self.rewind(memory, held)
 
+    def cut(self, memory: Memory, keep: int) -> None:
+        """Forget the record's items from ``keep`` on (drafts a step decoded and rejected)."""
+        if keep >= len(self._items):
+            return
+        if memory.seq_rm(keep) and self._holds_context(memory, keep):
+            self._truncate(keep)
+        else:
+            self.rewind(memory, keep)
+
     def checkpoint_stops(self, end: int) -> list[int]:
         """Where a prefill from the record's end to ``end`` takes checkpoints (none for memories
         that need none)."""

@@ -98,11 +98,19 @@ class Seat:
         return Feeder(self)
 
     def step(
-        self, tokens: Sequence[int], pos: int, sampler: TokenSampler, tracker: Tracker | None = None
-    ) -> int:
-        """A generation step: decode ``tokens`` from ``pos`` and sample the next token, in one
-        batch with the steps other streams of this model are waiting to take (``batching``)."""
-        return self.host.batcher.run(Step(self, tokens, pos, sampler, tracker))
+        self,
+        tokens: Sequence[int],
+        pos: int,
+        sampler: TokenSampler,
+        tracker: Tracker | None = None,
+        drafts: Sequence[int] = (),
+    ) -> tuple[list[int], int]:
+        """A generation step: decode ``tokens`` (and any ``drafts`` after them) from ``pos`` and
+        sample the next token, in one batch with the steps other streams of this model are
+        waiting to take (``batching``): (the drafts kept, the token after them)."""
+        step = Step(self, tokens, pos, sampler, tracker, drafts=drafts)
+        token = self.host.batcher.run(step)
+        return list(drafts[: step.accepted]), token
 
     # -- one decode step, lone or batched (the lock is held) -----------------------------------
     def make_room(self, n_tokens: int) -> None:
@@ -127,6 +135,13 @@ class Seat:
         """Drop what a refused batch may have left in the sequence from ``pos`` on: True once it
         holds just its record again (a recurrent state cannot go back)."""
         return self.context.seq_rm(pos, self.seq) and self.context.pos_max(self.seq) == pos - 1
+
+    def drop_last(self, n_items: int) -> None:
+        """Forget the last ``n_items`` the sequence holds (rejected drafts, or decoded past
+        where a reply ended)."""
+        with self.host.hold():
+            memory = SequenceMemory(self.context, self.seq)
+            self.lease.cache.cut(memory, len(self.items) - n_items)
 
     def sample_row(self, row: int, sampler: TokenSampler) -> int:
         """Sample from the logits at batch ``row`` of the last (batched) decode."""

@@ -54,14 +54,17 @@ class Batch:
         if outputs:
             self.raw.logits[0 : len(tokens)] = b"\x01" * len(tokens)
 
-    def fill_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
+    def fill_many(
+        self, runs: Sequence[tuple[Sequence[int], int, int]], outputs: Sequence[int] | None = None
+    ) -> list[int]:
         """Several runs ``(tokens, start, seq)`` one after another, logits for each one's last
-        token; the indices of those tokens."""
+        token (its last ``outputs[i]``, if given: a drafted step's); the indices of those last tokens."""
         n, ends, raw, seqs = 0, [], self.raw, self._seqs
+        wanted = [1] * len(runs) if outputs is None else outputs
         if sum(len(tokens) for tokens, _, _ in runs) > self.capacity or not runs:
             raise ValueError(f"a batch holds 1 to {self.capacity} tokens")
         raw.logits[0 : self._filled] = bytes(self._filled)
-        for tokens, start, seq in runs:
+        for (tokens, start, seq), rows in zip(runs, wanted, strict=True):
             k = len(tokens)
             raw.token[n : n + k] = tokens
             raw.pos[n : n + k] = range(start, start + k)
@@ -69,7 +72,8 @@ class Batch:
                 if seqs[i] != seq:
                     raw.seq_id[i][0] = seqs[i] = seq
             n += k
-            raw.logits[n - 1] = 1
+            rows = max(1, min(rows, k))
+            raw.logits[n - rows : n] = b"\x01" * rows
             ends.append(n - 1)
         raw.n_tokens = self._filled = n
         return ends
@@ -244,15 +248,18 @@ class NativeContext(Owner):
         pointer = not_null(lib.llama_get_logits_ith(self.ptr, index), "llama_get_logits_ith")
         return np.frombuffer(ffi.buffer(pointer, 4 * n_vocab), dtype=np.float32)
 
-    def decode_many(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> list[int]:
+    def decode_many(
+        self, runs: Sequence[tuple[Sequence[int], int, int]], outputs: Sequence[int] | None = None
+    ) -> list[int]:
         """Decode several sequences' tokens in one batch: ``(tokens, start, seq)`` each, logits
-        for each run's last token; their batch indices, in order (for sampling each)."""
+        for each run's last token (last ``outputs[i]``); their batch indices, in order (for
+        sampling each: a run's earlier rows come right before its last)."""
         lib, _ = bindings()
         ptr = self.ptr
         self.set_abortable(False)
         for run in runs:
             self.check_run(*run)
-        indices = self.batch.fill_many(runs)
+        indices = self.batch.fill_many(runs, outputs)
         with ACTIVITY:
             code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(False)

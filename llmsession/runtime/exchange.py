@@ -20,6 +20,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from llmsession.engine.batching import Tracker
+from llmsession.engine.drafting import Drafter
 from llmsession.engine.engine import Engine
 from llmsession.engine.lease import Lease
 from llmsession.engine.prefill import prefill
@@ -190,16 +191,21 @@ class Exchange:
         timings.time_to_first_token_s = first_token_at - self.began
         with self.place.engine.batcher.generating(seat.context) as tracker:
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
-            pending = [token, *sampler.forced()]
+            pending, drafter = [token, *sampler.forced()], self._drafter(seat)
+            held = 0  # how many of ``pending`` memory holds already (drafts the last step kept)
             while pending:
                 batch: list[int] = []
-                ended = yield from self._emit(pending, batch, seat, pos, sampler, usage, detokenizer, stops)
+                ended = yield from self._emit(
+                    pending, held, batch, seat, pos, sampler, usage, detokenizer, stops
+                )
                 if ended:
                     break
-                pos, token = self._decode_step(seat, batch, pos, sampler, tracker)
-                pending = [token, *sampler.forced()]
+                pos, kept, token = self._decode_step(seat, batch, pos + held, sampler, tracker, drafter)
+                pending, held = [*kept, token, *sampler.forced()], len(kept)
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
+            if drafter is not None:
+                usage.drafted_tokens, usage.accepted_drafts = drafter.proposed, drafter.accepted
             # The detokenizer may still hold the first bytes of a character the reply was cut
             # inside of (max_tokens, cancel): they stay in the token record, not in the text.
             tail = "" if stops.stopped else stops.flush()
@@ -209,6 +215,7 @@ class Exchange:
     def _emit(
         self,
         pending: Sequence[int],
+        held: int,
         batch: list[int],
         seat: Seat,
         pos: int,
@@ -217,15 +224,16 @@ class Exchange:
         detokenizer: IncrementalDetokenizer,
         stops: StopMatcher,
     ) -> Generator[str, None, bool]:
-        """Each pending token's text, the tokens gathered into ``batch`` for the next decode;
-        True once the reply ends here (``finish`` says why)."""
+        """Each pending token's text (from ``pos``; memory holds the first ``held`` already), the
+        tokens gathered into ``batch`` for the next decode; True once the reply ends here
+        (``finish`` says why)."""
         native, options = self.place.native, self.options
         for index, token in enumerate(pending):
-            if self.cancelled.is_set():
-                self.finish = "cancelled"
-                return True
-            if native.is_eog(token):
-                self.finish = "complete" if sampler.complete else "stop"
+            if self.cancelled.is_set() or native.is_eog(token):
+                self.finish = (
+                    "cancelled" if self.cancelled.is_set() else "complete" if sampler.complete else "stop"
+                )
+                _unhold(seat, held - index)
                 return True
             usage.completion_tokens += 1
             piece = native.piece(token, special=token in self.spelled)
@@ -235,29 +243,68 @@ class Exchange:
             delta = stops.push(text)
             if delta:
                 yield delta
-            batch.append(token)
+            if index >= held:
+                batch.append(token)
             self.tokens.append(token)
             if stops.stopped:
                 self.finish = "stop"
-            elif usage.completion_tokens < options.max_tokens and pos + len(batch) < self.place.context_size:
+            elif usage.completion_tokens < options.max_tokens and pos + index + 1 < self.place.context_size:
                 continue
             elif sampler.finished and all(native.is_eog(t) for t in pending[index + 1 :]):
                 self.finish = "complete"  # finished by the last token it was allowed
             # else "length": the last token needs no decode; forced ones before it do
-            self._keep_forced(seat, batch[:-1], pos)
+            if index < held:
+                _unhold(seat, held - index)
+            else:
+                self._keep_forced(seat, batch[:-1], pos + held)
             return True
         return False
 
     def _decode_step(
-        self, seat: Seat, batch: list[int], pos: int, sampler: TokenSampler, tracker: Tracker
-    ) -> tuple[int, int]:
-        """Decode ``batch`` from ``pos`` and sample the next token: (the next position, it)."""
-        size, token = self.place.batch_size, -1
+        self,
+        seat: Seat,
+        batch: list[int],
+        pos: int,
+        sampler: TokenSampler,
+        tracker: Tracker,
+        drafter: Drafter | None,
+    ) -> tuple[int, list[int], int]:
+        """Decode ``batch`` from ``pos`` (with drafts after it) and sample the next token: (the
+        next position, the drafts kept, the token after them)."""
+        size, kept, token = self.place.batch_size, list[int](), -1
         for i in range(0, len(batch), size):  # forced tokens may be many
             chunk, last = batch[i : i + size], i + size >= len(batch)
-            token = seat.step(chunk, pos, sampler, tracker) if last else seat.decode(chunk, pos)
-            pos += len(chunk)
-        return pos, token
+            if not last:
+                seat.decode(chunk, pos + i)
+                continue
+            drafts, began = self._drafts(drafter, chunk, pos + i), time.perf_counter()
+            kept, token = seat.step(chunk, pos + i, sampler, tracker, drafts)
+            if drafter is not None:
+                drafter.record(len(drafts), kept, time.perf_counter() - began)
+        return pos + len(batch), kept, token
+
+    def _drafts(self, drafter: Drafter | None, chunk: list[int], pos: int) -> list[int]:
+        """Tokens to draft after ``chunk``, within the reply's, the context's and a batch's room."""
+        if drafter is None:
+            return []
+        done = len(self.tokens)  # (the reply's tokens so far, ``chunk`` included)
+        room = min(
+            self.options.max_tokens - done - 1,
+            self.place.context_size - (pos + len(chunk)) - 1,
+            self.place.batch_size - len(chunk),
+        )
+        return drafter.propose(chunk, room)
+
+    def _drafter(self, seat: Seat) -> Drafter | None:
+        """Drafts for this exchange, if asked and sound here: not under a constraint or with
+        scores (their samplers see one row at a time), nor on recurrent states (a rejected draft
+        cannot leave them), encoder-decoder models or prompts with images."""
+        native = self.place.native
+        if self.options.draft is None or self.constraint is not None or self.scoring is not None:
+            return None
+        if native.is_recurrent or native.has_encoder or seat.single_use or self.prompt.images:
+            return None
+        return Drafter(self.prompt.tokens())
 
     def _keep_forced(self, seat: Seat, tokens: list[int], pos: int) -> None:
         """Decode the tokens of a reply that ended inside a forced run, all but its last, so the
@@ -319,6 +366,13 @@ class Exchange:
         steps.close()
         if not self.done:
             self._record(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt.items)), Timings()))
+
+
+def _unhold(seat: Seat, n_items: int) -> None:
+    """A reply that ended inside the drafts its last step kept: memory stops before the token
+    it ended at, as after a plain step."""
+    if n_items > 0:
+        seat.drop_last(n_items)
 
 
 def _restore_memory(seat: Seat, error: BaseException) -> None:

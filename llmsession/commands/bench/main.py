@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmsession.commands.bench.structured import main as structured_main
 
         return structured_main(argv[1:])
+    if argv and argv[0] == "drafting":
+        from llmsession.commands.bench.drafting import main as drafting_main
+
+        return drafting_main(argv[1:])
     if argv and argv[0] == "serve":
         from llmsession.commands.bench.serve_bench import main as serve_main
 
