@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import statistics
 import sys
 import time
@@ -250,35 +251,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+SCENARIOS = {  # ``llmsession bench NAME``: its module here
+    "memory": "memory",
+    "concurrent": "concurrent",
+    "rpc": "rpc",
+    "tools": "tools",
+    "structured": "structured",
+    "drafting": "drafting",
+    "serve": "serve_bench",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv and argv[0] == "memory":
-        from llmsession.commands.bench.memory import main as memory_main
-
-        return memory_main(argv[1:])
-    if argv and argv[0] == "concurrent":
-        from llmsession.commands.bench.concurrent import main as concurrent_main
-
-        return concurrent_main(argv[1:])
-    if argv and (argv[0] == "rpc" or "--rpc" in argv):  # `bench --rpc H:P` too
+    if argv and argv[0] in SCENARIOS:  # imported on demand: each pulls in what it measures
+        scenario = importlib.import_module(f"llmsession.commands.bench.{SCENARIOS[argv[0]]}")
+        return int(scenario.main(argv[1:]))
+    if argv and "--rpc" in argv:  # `bench --rpc H:P` too
         from llmsession.commands.bench.rpc import main as rpc_main
 
-        return rpc_main(argv[1:] if argv[0] == "rpc" else argv)
-    if argv and argv[0] == "tools":
-        from llmsession.commands.bench.tools import main as tools_main
-
-        return tools_main(argv[1:])
-    if argv and argv[0] == "structured":
-        from llmsession.commands.bench.structured import main as structured_main
-
-        return structured_main(argv[1:])
-    if argv and argv[0] == "drafting":
-        from llmsession.commands.bench.drafting import main as drafting_main
-
-        return drafting_main(argv[1:])
-    if argv and argv[0] == "serve":
-        from llmsession.commands.bench.serve_bench import main as serve_main
-
-        return serve_main(argv[1:])
+        return rpc_main(argv)
     args, started = parse_args(argv), time.perf_counter()
     options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
