@@ -49,12 +49,13 @@ def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, 
 
 def test_a_prompt_arriving_mid_stream_is_fed_in_chunks_and_equals_fresh(smollm2: Model) -> None:
     batcher = smollm2.local.engine.batcher
-    before, batches = batcher.prompt_tokens, batcher.batches
+    before, batches, mixed = batcher.prompt_tokens, batcher.batches, batcher.mixed
     answered = streams_and_a_long_prompt(smollm2, paragraph(smollm2, 7, 600))
     (_, arriving) = answered[2]
     fed = batcher.prompt_tokens - before
     assert fed >= arriving.usage.prompt_tokens // 2, "the prompt was not decoded beside the streams"
     assert batcher.batches - batches > fed / smollm2.local.engine.config.batch_size + 4, "not in chunks"
+    assert batcher.mixed - mixed >= 3, "no slice rode beside the streams' steps"
     tolerance = tolerance_for(batch_noise(smollm2))
     for session, reply in answered:
         assert check_against_fresh(session, reply, tolerance, final=False) == []
@@ -80,9 +81,11 @@ def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2:
     arriving = sessions[2].stream(prompt, ARRIVING)
     feeding = threading.Thread(target=lambda: list(arriving))
     feeding.start()
-    while batcher.prompt_tokens - before < 16:
+    deadline = time.perf_counter() + 60
+    while batcher.prompt_tokens - before < 16 and time.perf_counter() < deadline:
         time.sleep(0.001)
     fed_at_cancel = batcher.prompt_tokens - before
+    assert fed_at_cancel >= 16, "the prompt never went through the batcher"
     arriving.cancel()
     feeding.join()
     for thread in threads:

@@ -6,15 +6,15 @@ decoded into its sequence and the next token sampled from their logits. A lone s
 decoded at once on its own thread, as its prefill was: nothing is decoded that nobody asked for,
 and nothing crosses threads. When other streams of the context are stepping too, the engine's
 decode thread takes every step then waiting, decodes them in one ``llama_decode`` (each run with
-logits on its last token) and samples each from its own row; while it decodes, the next steps
-queue up, so N busy streams settle into batches of N. (One thread decodes the batches: with an
-OpenMP build of ggml, which a user may bring, each decoding thread has a team of its own, and a
-second team ran a fifth slower; the set-up builds ggml's own thread pool.) Streams in their generation loop
-register (``generating``); the decode thread waits a moment (``GATHER_S``, or a twentieth of the
-last batch's time when batches are slow: each stream missing one would wait two) until every one
-of them that stepped within ``RECENT_S`` (or two batches' time) has queued its step, so the
-batches stay full although each stream does its own Python work between steps, and a stream
-whose consumer stopped reading soon stops being waited for.
+logits on its last token, or on its drafts' too: ``drafting``) and samples each from its own row;
+while it decodes, the next steps queue up, so N busy streams settle into batches of N. (One thread
+decodes the batches: with an OpenMP build of ggml, which a user may bring, each decoding thread has
+a team of its own, and a second team ran a fifth slower; the set-up builds ggml's own thread pool.)
+Streams in their generation loop register (``generating``); the decode thread waits a moment
+(``GATHER_S``, or a twentieth of the last batch's time when batches are slow: each stream missing
+one would wait two) until every one of them that stepped within ``RECENT_S`` (or two batches' time)
+has queued its step, so the batches stay full although each stream does its own Python work between
+steps, and a stream whose consumer stopped reading soon stops being waited for.
 
 A prompt decoded while no other stream of its context steps goes in batches of ``batch_size`` on
 its own thread (``Feeder``). Once others step, its chunks queue here like steps: each batch takes
@@ -162,7 +162,8 @@ class Batcher:
         self._pending: list[Step] = []
         self._streams: dict[int, set[Tracker]] = {}  # the generating streams, per context
         self.batches = self.steps = 0  # how many decodes, and how many generation steps they carried
-        self.prompt_tokens = 0  # prompt tokens decoded in batches beside generation steps
+        self.prompt_tokens = 0  # prompt tokens the decode thread decoded (in slices)
+        self.mixed = 0  # batches that carried prompt slices beside generation steps
         self.sizer = ChunkSizer()
         self._last_batch_s = 0.0
         self._worker: threading.Thread | None = None
@@ -250,7 +251,13 @@ class Batcher:
             while self.gate.contended:  # a lone prefill's batch goes between two of these
                 time.sleep(0.0005)
             with self.gate.hold():
-                self._decode(context, steps)
+                try:
+                    self._decode(context, steps)
+                except BaseException as error:  # (the thread must live: every caller waits on it)
+                    for step in steps:
+                        if step.done is not None and not step.done.is_set():
+                            step.error = step.error or error
+                            step.finish()
 
     def _gather(self, context: NativeContext) -> None:
         """Wait (briefly) until as many steps wait for ``context`` as its last batch carried."""
@@ -366,7 +373,11 @@ class Batcher:
         alone, so only a step that fails alone fails (a sequence that cannot go back to where
         its step began, a recurrent state, fails with the batch's error)."""
         for step in steps:
-            if len(steps) > 1 and step.target.rewind(step.at):
+            try:
+                alone = len(steps) > 1 and step.target.rewind(step.at)
+            except NativeError:
+                alone = False
+            if alone:
                 self._decode(context, [step])
             else:
                 step.error = error
@@ -378,4 +389,5 @@ class Batcher:
         others = sum(len(s.decoding) for s in steps if not s.prompt)
         self.batches, self.steps = self.batches + 1, self.steps + sum(1 for s in steps if not s.prompt)
         self.prompt_tokens += prompt
+        self.mixed += bool(prompt and others)
         self.sizer.observe(prompt, others, seconds)

@@ -11,7 +11,7 @@ decoded, and the prompt still gets most of the machine.
 from __future__ import annotations
 
 SLOWDOWN = 2.5  # a mixed step's time over a generation step's, at most (about)
-FIRST_CHUNK = 16  # before any mixed step was measured
+FIRST_CHUNK = 32  # before any mixed step was measured
 MIN_CHUNK = 32  # so a prompt always advances, however slow the model
 WEIGHT = 0.3  # of the newest measurement in the running averages
 

@@ -8,7 +8,8 @@ The index is a dict of n-grams, kept as tokens come: a lookup costs the same at 
 Verification samples each drafted position with the exchange's own sampler and keeps the draft
 while the sample equals it, the first sample that differs being the next token: for a draft
 that is one proposed token (not a distribution), that is the standard speculative acceptance
-rule, so a reply keeps exactly the distribution (and greedy replies the tokens) of plain decoding.
+rule, so a reply keeps exactly the distribution of plain decoding (and greedy replies its tokens,
+but for the split noise between a batched and a one-token decode on some CPUs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 LONGEST, SHORTEST = 4, 2  # the n-gram lengths matched, longest first
+HISTORY = 4096  # the transcript's last tokens indexed (a lookup begins with the reply's second step)
 FIRST_DRAFT, MAX_DRAFT = 2, 7  # tokens proposed at once: first, and at most (doubling on success)
 TRIAL = 2  # drafted steps before the drafter judges whether drafting pays
 WEIGHT = 0.3  # of the newest drafted step in the running yield
@@ -59,7 +61,8 @@ class Drafter:
     average; below 1 after ``TRIAL`` drafted steps, drafting stops for the exchange."""
 
     def __init__(self, history: Sequence[int]) -> None:
-        self.index = NgramIndex(history)
+        self._history: Sequence[int] | None = history[-HISTORY:]
+        self.index = NgramIndex()
         self.length = FIRST_DRAFT
         self.plain_s: float | None = None  # a step without drafts, running average
         self.yield_: float | None = None
@@ -70,6 +73,9 @@ class Drafter:
         """Drafts to follow ``pending`` (the tokens the next step decodes), at most ``limit``."""
         if not self.on:
             return []
+        if self._history is not None:  # indexed once the first token is out, not before it
+            self.index.extend(self._history)
+            self._history = None
         self.index.extend(pending)
         return self.index.propose(min(limit, self.length)) if limit > 0 else []
 

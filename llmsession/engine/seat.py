@@ -133,7 +133,7 @@ class Seat:
 
     def rewind(self, pos: int) -> bool:
         """Drop what a refused batch may have left in the sequence from ``pos`` on: True once it
-        holds just its record again (a recurrent state cannot go back)."""
+        holds just its record again (False where llama.cpp cannot cut there: a recurrent state)."""
         return self.context.seq_rm(pos, self.seq) and self.context.pos_max(self.seq) == pos - 1
 
     def drop_last(self, n_items: int) -> None:

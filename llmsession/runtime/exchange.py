@@ -242,7 +242,11 @@ class Exchange:
                 self.scoring.note(token, piece, text, sampled=index == 0)  # (then what it forced)
             delta = stops.push(text)
             if delta:
-                yield delta
+                try:
+                    yield delta
+                except GeneratorExit:  # closed here: memory keeps what the reply kept
+                    _unhold(seat, held - index)
+                    raise
             if index >= held:
                 batch.append(token)
             self.tokens.append(token)
@@ -293,7 +297,9 @@ class Exchange:
             self.place.context_size - (pos + len(chunk)) - 1,
             self.place.batch_size - len(chunk),
         )
-        return drafter.propose(chunk, room)
+        drafts = drafter.propose(chunk, room)
+        native = self.place.native  # (the reply would end there: nothing after it pays)
+        return next((drafts[:i] for i, token in enumerate(drafts) if native.is_eog(token)), drafts)
 
     def _drafter(self, seat: Seat) -> Drafter | None:
         """Drafts for this exchange, if asked and sound here: not under a constraint or with
