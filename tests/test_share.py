@@ -18,6 +18,7 @@ from test_reuse import (
 )
 
 from llmsession import GenerationOptions, Model
+from llmsession.engine.engine import Engine
 from llmsession.native.context import NativeContext
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
@@ -117,3 +118,44 @@ def test_sessions_in_threads_start_from_each_other_and_equal_fresh(smollm2: Mode
         reply = replies[i]
         assert reply.usage.shared_tokens > 20
         assert check_against_fresh(session, reply, tolerance, final=False) == []
+
+
+def test_a_new_session_starts_from_a_parked_sessions_system_prompt_and_equals_fresh(
+    smollm2_path: Path,
+) -> None:
+    """With one live sequence, the first session is parked when the second takes it: the second
+    still starts from the first's system prompt (its state restored, then cut), and the first
+    comes back whole."""
+    with Model(smollm2_path, threads=2, max_live_sessions=1, anticipate=False) as model:
+        first = model.session(system=SYSTEM)
+        mine = first.respond("Tell me about the history of Paris.", GREEDY)
+        second = model.session(system=SYSTEM)
+        reply = second.respond("Which rivers should a visitor see?", GREEDY)
+        assert internals.placement(first)[0] == "parked"
+        usage = reply.usage
+        assert usage.shared_tokens == usage.reused_tokens >= len(model.tokenize(SYSTEM, add_special=False))
+        assert usage.decoded_prompt_tokens == usage.prompt_tokens - usage.shared_tokens
+        assert check_against_fresh(second, reply, tolerance_for(short_prompt_noise(model)), final=False) == []
+        follow = first.respond("And its bridges?", GREEDY)
+        assert follow.usage.reused_tokens >= mine.usage.prompt_tokens
+
+
+def test_a_session_started_from_the_wrong_parked_state_is_caught(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant that must fail: the state restored is another parked session's (a pirate's,
+    long enough to hold the prefix) than the donor's whose record is kept."""
+    with Model(smollm2_path, threads=2, max_live_sessions=1, anticipate=False) as model:
+        pirate = model.session(system="You are a pirate who speaks only of the sea and its ships.")
+        pirate.respond("Tell me about your ship.", GREEDY)
+        donor = model.session(system=SYSTEM)
+        donor.respond("Hello!", GREEDY)
+        real = Engine.parked_state
+        monkeypatch.setattr(Engine, "parked_state", lambda engine, lease: real(engine, pirate.lease))
+        session = model.session(system=SYSTEM)
+        reply = session.respond("Tell me about the history of Paris.", GREEDY)
+        monkeypatch.undo()
+        assert internals.placement(pirate)[0] == internals.placement(donor)[0] == "parked"
+        assert reply.usage.shared_tokens > 20
+        noise = short_prompt_noise(model)
+        assert check_against_fresh(session, reply, tolerance_for(noise), final=False) != []

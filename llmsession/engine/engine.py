@@ -22,11 +22,12 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from llmsession.engine import sharing
 from llmsession.engine.batching import Batcher, Gate
 from llmsession.engine.budget import Budget, Counters, MemoryConfig, MemoryReport, SessionMemory
 from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.parking import ParkingLot
-from llmsession.engine.prefix import Item, best_donor
+from llmsession.engine.prefix import Item
 from llmsession.engine.residency import Move, State
 from llmsession.engine.seat import Seat
 from llmsession.errors import MemoryBudgetError
@@ -199,32 +200,16 @@ class Engine:
                 lease.cache.reset()
 
     def share(self, lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool]) -> int:
-        """Start an empty session from the longest prefix of ``prompt`` that another live session
-        of its context holds (a system prompt many conversations open with, say): those cells,
-        shared (``seq_cp``, then cut after the prefix), not decoded again. Only where sequences
-        share one set of cells and a cut is exact: not for recurrent memories nor the small
-        sliding-window cache. How many positions it gave (the caller holds the lock)."""
-        home = lease.shared_context
-        if lease.cache.items or not (lease.shares and home.swa_full) or self.native.is_recurrent:
+        """Start an empty session from the longest prefix of ``prompt`` another session holds,
+        live or parked (``sharing``); how many positions it gave (the caller holds the lock)."""
+        if lease.cache.items or not lease.shares or self.native.is_recurrent:
             return 0
-        entries = [home.residency.entry(key) for key in home.leases]
-        donors = [
-            (other, entry.seq)
-            for other, entry in zip(home.leases.values(), entries, strict=True)
-            if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
-        ]
-        index, shared = best_donor(prompt, [donor.cache.items for donor, _ in donors], can_cut=can_cut)
-        if not shared:
-            return 0
-        donor, donor_seq = donors[index]
-        context = home.context
-        context.seq_cp(donor_seq, seq)
-        if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
-            context.seq_rm(-1, seq)
-            return 0
-        lease.cache.extend(donor.cache.items[:shared])
-        log.debug("session %d starts from %d positions of session %d", lease.key, shared, donor.key)
-        return shared
+        parked = sharing.Parked(self.lot.holds, self.parked_state, self.native.n_swa)
+        return sharing.share(lease, seq, prompt, can_cut, parked)
+
+    def parked_state(self, lease: Lease) -> Buffer | None:
+        """A parked session's state, left parked."""
+        return self.lot.peek(lease.key)
 
     def state(self, lease: Lease) -> Buffer | None:
         """A copy of the session's state (for saving): a parked one as it is, a live one from

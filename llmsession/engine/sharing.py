@@ -1,0 +1,96 @@
+"""An empty session starts from the longest prefix of its prompt another session of its context
+holds (a system prompt many conversations open with, say), live or parked: those positions are
+not decoded again.
+
+A live donor's cells are shared (``seq_cp``, then cut after the prefix). A parked donor's state
+is restored into the new session's sequence (a copy: the donor stays parked) and cut after the
+prefix, unless the prefix is a sliver of the state: a restore copies all of it, at microseconds a
+position, where a decode costs milliseconds. Only where sequences share one set of cells and a
+cut is exact (not the small sliding-window cache); parked donors not on sliding-window models at
+all, as the pinned llama.cpp restores a Gemma 3 state past its window wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llmsession.engine.lease import Lease
+from llmsession.engine.prefix import Item, best_donor
+from llmsession.engine.residency import State
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger("llmsession")
+RESTORE_SHARE = 64  # a parked state is restored for a prefix of at least 1/64 of it
+
+
+@dataclass(frozen=True)
+class Parked:
+    """What sharing needs of the parking lot (``engine.Engine``)."""
+
+    holds: Callable[[int], str]  # where a session's state is parked ("" if not)
+    state: Callable[[Lease], Buffer | None]  # a parked state, left parked
+    n_swa: int  # the model's sliding window (0: none)
+
+
+def share(
+    lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool], parked: Parked
+) -> int:
+    """Put the longest prefix of ``prompt`` another session holds into ``seq``, from the live or
+    parked donor that holds most of it; how many positions (the caller holds the engine's lock)."""
+    home = lease.shared_context
+    if not home.swa_full:
+        return 0
+    live = [
+        (other, entry.seq)
+        for other, entry in ((o, home.residency.entry(k)) for k, o in home.leases.items())
+        if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
+    ]
+    index, shared = best_donor(prompt, [donor.cache.items for donor, _ in live], can_cut=can_cut)
+    if restored := _from_parked(lease, seq, prompt, can_cut, parked, beat=shared):
+        return restored
+    if not shared:
+        return 0
+    donor, donor_seq = live[index]
+    context = home.context
+    context.seq_cp(donor_seq, seq)
+    if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
+        context.seq_rm(-1, seq)
+        return 0
+    lease.cache.extend(donor.cache.items[:shared])
+    log.debug("session %d starts from %d positions of session %d", lease.key, shared, donor.key)
+    return shared
+
+
+def _from_parked(
+    lease: Lease, seq: int, prompt: Sequence[Item], can_cut: Callable[[int], bool], parked: Parked, beat: int
+) -> int:
+    """``share`` from the parked donor that holds the most of ``prompt``, if more than ``beat``."""
+    home = lease.shared_context
+    if parked.n_swa:
+        return 0
+    donors = [
+        other
+        for key, other in home.leases.items()
+        if other is not lease
+        and other.shares
+        and other.cache.items
+        and home.residency.entry(key).state is State.PARKED
+        and parked.holds(key)
+    ]
+    index, shared = best_donor(prompt, [donor.cache.items for donor in donors], can_cut=can_cut)
+    if shared <= beat or shared * RESTORE_SHARE < len(donors[index].cache.items):
+        return 0
+    donor, context = donors[index], home.context
+    blob = parked.state(donor)
+    restored = blob is not None and context.state_set(blob, seq)
+    if not restored or not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
+        context.seq_rm(-1, seq)
+        return 0
+    lease.cache.extend(donor.cache.items[:shared])
+    log.debug("session %d starts from %d positions of parked session %d", lease.key, shared, donor.key)
+    return shared
