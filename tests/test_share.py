@@ -123,15 +123,20 @@ def test_sessions_in_threads_start_from_each_other_and_equal_fresh(smollm2: Mode
 def test_a_new_session_starts_from_a_parked_sessions_system_prompt_and_equals_fresh(
     smollm2_path: Path,
 ) -> None:
-    """With one live sequence, the first session is parked when the second takes it: the second
-    still starts from the first's system prompt (its state restored, then cut), and the first
+    """With two live sequences, two other sessions park the first; a new one still starts from
+    the first's system prompt (its state restored into another sequence, then cut), and the first
     comes back whole."""
-    with Model(smollm2_path, threads=2, max_live_sessions=1, anticipate=False) as model:
+    with Model(smollm2_path, threads=2, max_live_sessions=2, anticipate=False) as model:
         first = model.session(system=SYSTEM)
         mine = first.respond("Tell me about the history of Paris.", GREEDY)
+        _, first_seq = internals.placement(first)
+        others = [model.session() for _ in range(2)]  # (kept: a session dropped frees its sequence)
+        for other, hello in zip(others, ("Hello!", "Hi."), strict=True):
+            other.respond(hello, GenerationOptions(max_tokens=4, temperature=0))
         second = model.session(system=SYSTEM)
         reply = second.respond("Which rivers should a visitor see?", GREEDY)
         assert internals.placement(first)[0] == "parked"
+        assert internals.placement(second)[1] != first_seq
         usage = reply.usage
         assert usage.shared_tokens == usage.reused_tokens >= len(model.tokenize(SYSTEM, add_special=False))
         assert usage.decoded_prompt_tokens == usage.prompt_tokens - usage.shared_tokens

@@ -254,6 +254,8 @@ class Batcher:
                 try:
                     self._decode(context, steps)
                 except BaseException as error:  # (the thread must live: every caller waits on it)
+                    with self._queue:  # (a prompt's stretch may be queued again: it ends here)
+                        self._pending = [s for s in self._pending if s not in steps]
                     for step in steps:
                         if step.done is not None and not step.done.is_set():
                             step.error = step.error or error

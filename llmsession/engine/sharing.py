@@ -85,7 +85,10 @@ def _from_parked(
     index, shared = best_donor(prompt, [donor.cache.items for donor in donors], can_cut=can_cut)
     if shared <= beat or shared * RESTORE_SHARE < len(donors[index].cache.items):
         return 0
-    donor, context = donors[index], home.context
+    donor, context, ledger = donors[index], home.context, home.residency
+    free = home.budget.kv_cells - ledger.live_cells + ledger.entry(lease.key).cells
+    if len(donor.cache.items) > free:  # (the whole state goes in before the cut; llama.cpp would refuse)
+        return 0
     blob = parked.state(donor)
     restored = blob is not None and context.state_set(blob, seq)
     if not restored or not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:

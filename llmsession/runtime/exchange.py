@@ -244,7 +244,8 @@ class Exchange:
             if delta:
                 try:
                     yield delta
-                except GeneratorExit:  # closed here: memory keeps what the reply kept
+                except GeneratorExit:  # closed here: the reply keeps this token, memory all but it
+                    self.tokens.append(token)
                     _unhold(seat, held - index)
                     raise
             if index >= held:
