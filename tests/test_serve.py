@@ -26,6 +26,7 @@ import jsonschema
 import openai
 import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
+from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
 from llmsession.serve.app import PARSERS, create_app
@@ -595,6 +596,41 @@ def test_metrics_count_requests_tokens_and_sessions(served: Served) -> None:
     assert metric(text, "llmsession_time_to_first_token_seconds_count") >= 1
     assert metric(text, 'llmsession_sessions{state="live"}') >= 1
     assert metric(text, "llmsession_requests_in_flight") == 0
+
+
+def test_a_server_drafting_every_request_answers_as_a_plain_one(served: Served) -> None:
+    """``create_app(draft=...)`` (``serve --draft``): a reply that copies its prompt is drafted
+    and confirmed (the counters say so) and says what the plain server says, where the build has
+    no split noise; a request with logprobs is not drafted (its scores need one row a step)."""
+    text = (
+        "The lighthouse keeper climbed the narrow stairs every evening at dusk. He cleaned the great "
+        "lens, trimmed the wick and wound the clockwork that turned the light."
+    )
+    content = f"Copy this text exactly:\n{text}"
+    messages: Any = [{"role": "user", "content": content}]
+    plain = served.client().chat.completions.create(
+        model=served.name, messages=messages, max_tokens=48, temperature=0, user="plain"
+    )
+    app = create_app(served.model, draft="prompt_lookup")
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        drafted = client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=0)
+        with httpx.Client(base_url=url.removesuffix("/v1"), timeout=60) as http:
+            after_copy = http.get("/metrics").text
+            client.chat.completions.create(
+                model="m", messages=messages, max_tokens=8, temperature=0, logprobs=True, user="scored"
+            )
+            after_scored = http.get("/metrics").text
+    assert metric(after_copy, "llmsession_accepted_drafts_total") >= 10
+    assert metric(after_copy, "llmsession_drafted_tokens_total") >= metric(
+        after_copy, "llmsession_accepted_drafts_total"
+    )
+    assert metric(after_scored, "llmsession_drafted_tokens_total") == metric(
+        after_copy, "llmsession_drafted_tokens_total"
+    )
+    assert drafted.choices[0].message.content and drafted.usage is not None
+    if batch_noise(served.model) == 0:
+        assert drafted.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_the_async_client(served: Served) -> None:

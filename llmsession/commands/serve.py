@@ -22,7 +22,7 @@ from llmsession.commands import installer
 from llmsession.commands.argtypes import directory, port, positive_int, seconds
 from llmsession.commands.doctor import error
 from llmsession.errors import LlmSessionError
-from llmsession.options import KV_TYPES
+from llmsession.options import DRAFTS, KV_TYPES
 
 if TYPE_CHECKING:
     import uvicorn
@@ -70,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
                 model_name=args.model_name,
                 max_body_bytes=args.max_body_bytes,
                 cors_origins=args.cors_origin or (),
+                draft=args.draft,
                 **({"context_size": args.context_size} if args.context_size else {}),
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
@@ -167,23 +168,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
     add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")
     add("--context-size", type=positive_int, metavar="N", help="positions per conversation (default: 4096)")
-    add(
-        "--kv-tokens", type=positive_int, metavar="N", help="KV cells all conversations share (default: 8192)"
-    )
-    add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 8)")
-    add("--host-cache-bytes", type=positive_int, metavar="N", help="RAM for parked conversations (1 GiB)")
-    add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
-    add(
-        "--kv-type",
-        choices=KV_TYPES,
-        help="the KV cells' type: q8_0 holds twice the tokens in the same memory (default: f16)",
-    )
-    add(
-        "--stateless-sessions",
-        type=positive_int,
-        metavar="N",
-        help="conversations kept for returning clients (default: 64, or 4 per live session)",
-    )
+    add_memory_arguments(parser)
     add(
         "--max-body-bytes",
         type=positive_int,
@@ -197,4 +182,32 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=10.0,
         metavar="S",
         help="on SIGTERM, how long streams may finish (default: %(default)s)",
+    )
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the server holds its conversations: cells, sequences, parking, drafts."""
+    add = parser.add_argument
+    add(
+        "--kv-tokens", type=positive_int, metavar="N", help="KV cells all conversations share (default: 8192)"
+    )
+    add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 8)")
+    add("--host-cache-bytes", type=positive_int, metavar="N", help="RAM for parked conversations (1 GiB)")
+    add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
+    add(
+        "--kv-type",
+        choices=KV_TYPES,
+        help="the KV cells' type: q8_0 holds twice the tokens in the same memory (default: f16)",
+    )
+    add(
+        "--draft",
+        choices=DRAFTS,
+        help="drafted tokens for every request: prompt_lookup verifies what followed the reply's last "
+        "tokens in the transcript (faster where replies copy their prompt; off by default)",
+    )
+    add(
+        "--stateless-sessions",
+        type=positive_int,
+        metavar="N",
+        help="conversations kept for returning clients (default: 64, or 4 per live session)",
     )

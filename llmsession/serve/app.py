@@ -9,6 +9,7 @@ counters (``Counting``) see the status the client gets, and it is logged once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -96,8 +97,10 @@ class Server:
         max_body_bytes: int,
         queue: int,
         session_args: dict[str, Any],
+        draft: str | None = None,
     ) -> None:
         admission = Admission(model.memory().max_live_sessions, queue)
+        self.draft = draft  # every request's drafted tokens (the API has no field for them)
         self.host = Host(model, model_name, session_args, admission)
         self.model, self.model_name, self.metrics = model, model_name, self.host.metrics
         self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
@@ -190,6 +193,8 @@ class Server:
         async with self.parsing:  # (a few bodies in memory at once; parsed off the event loop)
             body = await self.body(request)
             asked = await asyncio.to_thread(checked, body)
+        if self.draft is not None:  # (the exchange leaves them out where they are unsound)
+            asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, draft=self.draft))
         limit = self.admission.limit
         if asked.n > limit:
             raise RequestError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
@@ -231,13 +236,15 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     queue: int = 64,
     cors_origins: Sequence[str] = (),
+    draft: str | None = None,
     **session_args: Any,
 ) -> Starlette:
     """The server's ASGI app on ``model`` (which the caller opens and closes). ``api_key``: one
     key or several; with any, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``
     and each key is a tenant of its own. ``queue``: requests that may wait for room before a 503.
     ``cors_origins``: the web origins whose pages may call the API (none by default: a page
-    elsewhere cannot read its answers).
+    elsewhere cannot read its answers). ``draft``: drafted tokens for every request
+    (``GenerationOptions.draft``).
     ``session_args`` go to every stateless session (``context_size``, ...)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(key, str) or not key for key in keys):
@@ -250,6 +257,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         queue=queue,
         session_args=session_args,
+        draft=draft,
     )
     routes = [
         *page_routes(),  # the chat page at / (no data in it: no key needed)

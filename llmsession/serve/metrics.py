@@ -22,6 +22,7 @@ class Metrics:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.finishes: Counter[str] = Counter()
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.drafted_tokens = self.accepted_drafts = 0
         self.in_flight = 0
         self._ttft = [0] * len(TTFT_BUCKETS)
         self._ttft_count, self._ttft_sum = 0, 0.0
@@ -42,6 +43,8 @@ class Metrics:
             self.prompt_tokens += usage.prompt_tokens
             self.completion_tokens += usage.completion_tokens
             self.cached_tokens += usage.reused_tokens
+            self.drafted_tokens += usage.drafted_tokens
+            self.accepted_drafts += usage.accepted_drafts
             if usage.completion_tokens:  # (a reply cancelled before its first token has none)
                 self._ttft_count += 1
                 self._ttft_sum += ttft
@@ -71,6 +74,10 @@ class Metrics:
                 f"llmsession_cached_prompt_tokens_total {self.cached_tokens}",
                 *_family("completion_tokens_total", "counter", "Tokens generated"),
                 f"llmsession_completion_tokens_total {self.completion_tokens}",
+                *_family("drafted_tokens_total", "counter", "Tokens drafted from the transcript (--draft)"),
+                f"llmsession_drafted_tokens_total {self.drafted_tokens}",
+                *_family("accepted_drafts_total", "counter", "Drafted tokens the samples confirmed"),
+                f"llmsession_accepted_drafts_total {self.accepted_drafts}",
                 *self._histogram(),
             ]
         lines += _family("sessions", "gauge", "The model's sessions, by where their state is")
