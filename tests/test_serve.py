@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -29,7 +30,7 @@ from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
-from llmsession.serve.app import PARSERS, create_app
+from llmsession.serve.app import PARSERS, create_app, digest
 
 BODY_LIMIT = 1 << 20
 
@@ -453,11 +454,23 @@ def test_a_client_that_leaves_the_queue_gives_its_place_up(
     assert results["held"].status_code == 200 and admission.used == 0
 
 
+def apart_from(served: Served, user: str) -> str:
+    """A user whose tenant does not share ``user``'s lock: the server keeps its tenants' locks
+    in buckets by ``hash``, which changes from process to process, and HOLD waits holding one."""
+    key, locks = hashlib.sha256(KEY.encode()).hexdigest(), served.server.host.locks
+
+    def bucket(name: str) -> int:
+        return hash(digest(key, name)) % len(locks)
+
+    return next(name for i in range(100) if bucket(name := f"retried-{i}") != bucket(user))
+
+
 def test_a_full_memory_budget_is_retried_behind_the_running_requests(served: Served, faulty: Faulty) -> None:
     admission, results = served.server.admission, {}
     held = post_in_thread(served, results, "held", messages=said("HOLD: a haiku"), user="holder")
     wait_for(lambda: faulty.holding == 1)
-    retried = post_in_thread(served, results, "retried", messages=said("BUDGET: a poem"), user="retried")
+    other = apart_from(served, "holder")
+    retried = post_in_thread(served, results, "retried", messages=said("BUDGET: a poem"), user=other)
     wait_for(lambda: admission.waiting == 1)  # it found the budget full and waits, not a 503
     assert faulty.budget == 0 and "retried" not in results
     faulty.go.set()
