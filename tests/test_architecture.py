@@ -38,6 +38,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.text.logprobs",
     "llmsession.text.detokenize",
     "llmsession.text.splice",
+    "llmsession.text.segments",
     "llmsession.text.schemas",
     "llmsession.text.templates",
     "llmsession.text.gemma4_tools",

@@ -268,6 +268,28 @@ class NativeModel(Owner):
         buf = bindings()[1].new("char[64]")  # per call: the GIL is released while llama.cpp writes it
         return self._piece(self.check_token(token), buf, special=special)
 
+    def cuts_in_segments(self) -> bool:
+        """Whether a text's tokens are its segments' (``text.segments``) as llama.cpp tokenizes
+        the vocabulary: SentencePiece and BPE ones (each fragment between special tokens alone),
+        where tokenizing adds no EOS at the end."""
+        lib = bindings()[0]
+        kind = lib.llama_vocab_type(self.vocab)
+        fragments = kind in (lib.LLAMA_VOCAB_TYPE_SPM, lib.LLAMA_VOCAB_TYPE_BPE)
+        return bool(fragments and not lib.llama_vocab_get_add_eos(self.vocab))
+
+    def special_tokens(self) -> list[tuple[str, bool]]:
+        """The tokens llama.cpp finds in text before it tokenizes the rest (control, user-defined
+        and unknown ones, as special tokens are parsed): their text, and whether each strips the
+        whitespace on its left."""
+        lib = bindings()[0]
+        get_attr, vocab = lib.llama_vocab_get_attr, self.vocab
+        kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+        kinds |= lib.LLAMA_TOKEN_ATTR_UNKNOWN
+        attrs = [(token, int(get_attr(vocab, token))) for token in range(self.n_vocab)]
+        found = [(token, attr) for token, attr in attrs if attr & kinds]
+        lstrip = lib.LLAMA_TOKEN_ATTR_LSTRIP
+        return [(self.token_text(token), bool(attr & lstrip)) for token, attr in found]
+
     def is_special(self, token: int) -> bool:
         """A token the grammar matcher knows as special (``vocabulary``): one a grammar must name
         by id, not spell as text."""

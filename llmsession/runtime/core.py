@@ -30,6 +30,7 @@ from llmsession.runtime.loading import (
     load_native,
     memory_config,
 )
+from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
 from llmsession.text.messages import check_messages
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
-STRETCHES = 1024  # tokenized texts between spliced replies, kept for the next prompts
 
 
 class Shuttable(Protocol):
@@ -108,6 +108,7 @@ class ModelCore:
         self.engine = Engine(self.native, self.projector, self.threads, config, **cells)
         self.engine.warm()
         self.template = self.native.chat_template()
+        self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
@@ -115,8 +116,6 @@ class ModelCore:
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
         self._specials: dict[str, Mapping[str, int]] = {}  # per tool format (``special_markers``)
-        # Tokenized texts between spliced replies, without and with BOS (``_stretch_tokens``).
-        self._stretches = (ReplyTokens(STRETCHES), ReplyTokens(STRETCHES))
 
     def render(
         self,
@@ -190,15 +189,7 @@ class ModelCore:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
-        tokens = self.native.tokenize(text, add_special=add_special)
-        if add_special:
-            self._drop_double_bos(tokens)
-        return tokens
-
-    def _drop_double_bos(self, tokens: list[int]) -> None:
-        bos = self.native.bos()
-        if self.native.add_bos and len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
-            del tokens[0]
+        return self.tokenizer.tokenize(text, add_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of token ids; an id outside the vocabulary raises ValueError naming it."""
@@ -233,24 +224,31 @@ class ModelCore:
             i: tokens for i, s in enumerate(said) if s is not None and (tokens := recorded(s)) is not None
         }
         if not known:
-            return self.tokenize(text)
+            return self.tokenizer.prompt(text, shared)
         around = self._around(messages, known, text, thinking, tools, tool_format)
         if around is None:  # no stand-ins (a template that writes results inside the call's turn):
             known = {i: t for i, t in known.items() if fmt.trigger in (said[i] or "")}  # calls only,
             around = found_in_order(text, [said[i] or "" for i in known])  # where they are
         if around is None or not known:
-            return self.tokenize(text)
+            return self.tokenizer.prompt(text, shared)
         # A prompt kept apart tokenizes its stretches afresh: how fast a remembered one came back
         # would tell whether another prompt held the same text.
-        stretch_tokens = self._stretch_tokens if shared else self.tokenize
+        stretch_tokens = self.tokenizer.remembered if shared else self.tokenize
         spliced = splice(around, list(known.values()), stretch_tokens)
         spelled = self.native.detokenize(spliced, special=True)
-        if spelled == text:  # exactly the rendered text
+        if spelled in (text, self._with_bos(text, spliced)):  # exactly the rendered text
             return spliced
-        plain = self.tokenize(text)  # (a tokenizer that adds BOS or spaces spells it otherwise)
+        plain = self.tokenizer.prompt(text, shared)  # (a tokenizer that adds spaces spells otherwise)
         if spliced != plain and spelled == self.native.detokenize(plain, special=True):
             return spliced
         return plain
+
+    def _with_bos(self, text: str, tokens: Sequence[int]) -> str:
+        """How ``text`` is spelled with the BOS its tokens start with (text that spells none)."""
+        bos = self.native.bos()
+        if not (self.native.add_bos and tokens[:1] == [bos]):
+            return text
+        return self.native.token_text(bos) + text
 
     def _around(
         self,
@@ -276,17 +274,6 @@ class ModelCore:
         if around is None or "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
             return None
         return around
-
-    def _stretch_tokens(self, stretch: str, first: bool) -> list[int]:
-        """``tokenize`` for the text between spliced replies, remembered: a transcript's earlier
-        stretches come back every turn, and tokenizing was most of a prompt's cost (7.9 ms of a
-        933-token one, before)."""
-        remembered = self._stretches[first]
-        tokens = remembered.get(stretch)
-        if tokens is None:
-            tokens = tuple(self.tokenize(stretch, first))
-            remembered.remember(stretch, tokens)
-        return list(tokens)
 
     def remember_reply(
         self, text: str, tokens: Sequence[int], own: ReplyTokens | None = None, shared: bool = True
@@ -331,7 +318,7 @@ class ModelCore:
         assert self.projector is not None
         chunks = self.projector.tokenize(text, images)
         if chunks.pieces and isinstance(chunks.pieces[0], list):
-            self._drop_double_bos(chunks.pieces[0])
+            self.tokenizer.drop_double_bos(chunks.pieces[0])
         return Prompt(chunks.pieces, chunks, rendered - began, time.perf_counter() - rendered)
 
     def constraint(

@@ -1,0 +1,130 @@
+"""Prompts tokenized in segments cut at the template's special tokens equal the whole text
+tokenized, on every template family's vocabulary; a cut anywhere else does not."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmsession import Model
+from llmsession.runtime.tokenizer import LONG_TEXT
+from llmsession.text.segments import anchor_pattern, anchors, can_overlap, segments, tokenize_in_segments
+
+FAMILIES = {  # fixture (None: the test model itself) -> whether its template's markers are special
+    "smollm2": True,  # ChatML: <|im_start|>, <|im_end|> are control tokens
+    "gemma3": False,  # a SentencePiece vocabulary that adds BOS; its template's markers are text here
+    "smollm2-gemma4-special.gguf": True,
+    "smollm2-mistral-special.gguf": True,
+    "smollm2-qwen25-special.gguf": True,
+    "smollm2-llama31-template.gguf": False,  # Llama 3.1's markers are text in SmolLM2's vocabulary
+}
+AWKWARD = [  # contents whose tokens would differ if a cut were in the wrong place
+    "Hello\n\n   world  \n\n",
+    "she wrote <|im_start|>user and [INST] and <|turn> into the text",
+    "  leading spaces, a tab\tand unicode: héllo wörld 🌍 — “quotes”",
+    "x",
+    "Line one.\nLine two.\n\n\nLine five, after blank lines.",
+]
+
+
+def transcript(turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You answer briefly.\n\n"}]
+    for turn in range(turns):
+        said = AWKWARD[turn % len(AWKWARD)]
+        messages += [
+            {"role": "user", "content": f"{said} (turn {turn})"},
+            {"role": "assistant", "content": said},
+        ]
+    return [*messages, {"role": "user", "content": "And now?  "}]
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(
+    request: pytest.FixtureRequest, fixture_path: Callable[[str], Path]
+) -> Iterator[tuple[Model, bool]]:
+    name = request.param
+    if name in ("smollm2", "gemma3"):
+        yield request.getfixturevalue(name), FAMILIES[name]
+        return
+    with Model(fixture_path(name), threads=2, use_jinja=True) as model:
+        yield model, FAMILIES[name]
+
+
+def test_segments_equal_the_whole_text_on_every_family(family: tuple[Model, bool]) -> None:
+    model, special = family
+    core = model.local
+    for turns in (24, 25):  # the second prompt is the first plus a turn: its earlier segments are remembered
+        text = model.render(transcript(turns))
+        assert len(text) >= LONG_TEXT
+        whole = core.native.tokenize(text, add_special=True)
+        core.tokenizer.drop_double_bos(whole)
+        assert core.tokenizer.prompt(text, shared=True) == whole
+        assert model.prompt_tokens(transcript(turns)) == whole  # (through the model, as sessions do)
+    pattern = core.tokenizer._anchor_pattern(text)
+    if special:  # (elsewhere a user's words may still hold the vocabulary's special tokens)
+        assert pattern is not None and len(segments(text, pattern)) > 2 * 24
+
+
+def test_a_cut_elsewhere_changes_the_tokens(smollm2: Model) -> None:
+    """The must-fail variant: cut the same text before every newline instead of at special
+    tokens, and the tokens differ (BPE merges across the cut)."""
+    native = smollm2.local.native
+    text = smollm2.render(transcript(24))
+    whole = native.tokenize(text, add_special=True)
+    cut = tokenize_in_segments(text, re.compile("\n"), lambda s, first: native.tokenize(s, add_special=first))
+    assert native.detokenize(cut, special=True) == native.detokenize(whole, special=True)  # same text,
+    assert cut != whole  # other tokens
+
+
+def test_a_prompt_tokenizes_only_what_changed(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a transcript's prompt, the next turn's prompt tokenizes only its new turn's text."""
+    core = smollm2.local
+    core.tokenizer.prompt(smollm2.render(transcript(40)), shared=True)
+    text = smollm2.render(transcript(41))
+    tokenized: list[str] = []
+    tokenize = core.native.tokenize
+
+    def counted(text: str, **kwargs: Any) -> list[int]:
+        tokenized.append(text)
+        return tokenize(text, **kwargs)
+
+    monkeypatch.setattr(core.native, "tokenize", counted)
+    whole = core.tokenizer.prompt(text, shared=True)
+    monkeypatch.undo()
+    assert whole == core.tokenize(text)
+    assert 0 < sum(map(len, tokenized)) < 200 < len(text) / 20  # the last turns' segments only
+
+
+def test_kept_apart_prompts_tokenize_afresh(smollm2: Model) -> None:
+    tokenizer = smollm2.local.tokenizer
+    text = smollm2.render(transcript(14)) + "a text no prompt held before"
+    assert tokenizer.prompt(text, shared=False) == tokenizer.tokenize(text)
+    remembered = tokenizer._remembered[False]
+    assert all(remembered.get(s) is None for s in segments(text, re.compile("<\\|im_start\\|>"))[-2:])
+
+
+def test_overlap() -> None:
+    assert can_overlap("<a>", "a>b")  # a suffix of one is a prefix of the other
+    assert can_overlap("<ab>", "b")  # one holds the other
+    assert can_overlap("\n\n", "\n\n")  # two occurrences of one overlap
+    assert not can_overlap("<|im_start|>", "<|im_start|>")
+    assert not can_overlap("<|im_start|>", "<|im_end|>")
+    assert not can_overlap("<|tool>", "<|tool_call>")
+
+
+def test_anchors_are_the_markers_nothing_can_overlap() -> None:
+    specials = [("<s>", False), ("<|a|>", False), ("|>x", False), ("[B]", True), ("<c>", False)]
+    template = "<s><|a|>[B]<c> and more"
+    # <|a|> overlaps |>x; [B] strips whitespace on its left; <s> and <c> are anchors
+    assert anchors(specials, template) == ["<s>", "<c>"]
+    assert anchors([*specials, ("<s>", False)], template) == []  # two tokens, one text
+    assert anchors([*specials, ("", False)], template) == []  # an empty text is found everywhere
+    pattern = anchor_pattern(["<s>", "<c>"])
+    assert pattern is not None and anchor_pattern([]) is None
+    assert segments("<s>hi<c>there<c>", pattern) == ["<s>hi", "<c>there", "<c>"]
+    assert segments("hi<c>", pattern) == ["hi", "<c>"]
+    assert segments("", pattern) == [""]
