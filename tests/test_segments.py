@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from llmsession import Model
+from llmsession import GenerationOptions, Model
 from llmsession.runtime.tokenizer import LONG_TEXT
 from llmsession.text.segments import anchor_pattern, anchors, can_overlap, segments, tokenize_in_segments
 
@@ -128,3 +128,24 @@ def test_anchors_are_the_markers_nothing_can_overlap() -> None:
     assert segments("<s>hi<c>there<c>", pattern) == ["<s>hi", "<c>there", "<c>"]
     assert segments("hi<c>", pattern) == ["hi", "<c>"]
     assert segments("", pattern) == [""]
+
+
+def test_a_model_that_adds_bos_keeps_its_spliced_prompts(
+    gemma3: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 adds a BOS its template does not spell: a spliced prompt spells it too, and is
+    kept (it used to be tokenized again whole, reply included, every turn)."""
+    session = gemma3.session(system="You answer briefly.")
+    session.respond("Name a colour and a fruit.", GenerationOptions(max_tokens=12, temperature=0))
+    tokenized: list[str] = []
+    tokenize = gemma3.local.native.tokenize
+
+    def recorded(text: str, **kwargs: Any) -> list[int]:
+        tokenized.append(text)
+        return tokenize(text, **kwargs)
+
+    monkeypatch.setattr(gemma3.local.native, "tokenize", recorded)
+    session.respond("And another one?", GenerationOptions(max_tokens=1))
+    whole = [text for text in tokenized if "Name a colour" in text and "And another one?" in text]
+    assert tokenized and not whole
+    session.close()
