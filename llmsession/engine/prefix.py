@@ -177,19 +177,19 @@ class PrefixCache:
 
     def recover(self, memory: Memory) -> None:
         """After an aborted decode, which may have left part of its batch in memory: make memory
-        hold the record or a prefix of it again (a recurrent state only through a checkpoint, as
-        its cells may be partly written), or nothing."""
-        held = len(self._items)
-        if self.checkpoints is None and memory.seq_rm(held) and self._holds_context(memory, held):
-            return  # (a sliding window may have moved past what the next position needs)
-        self.rewind(memory, held)
+        hold the record or a prefix of it again, or nothing."""
+        self._forget_from(memory, len(self._items))
 
     def cut(self, memory: Memory, keep: int) -> None:
         """Forget the record's items from ``keep`` on (drafts a step decoded and rejected)."""
-        if keep >= len(self._items):
-            return
-        if memory.seq_rm(keep) and self._holds_context(memory, keep):
-            self._truncate(keep)
+        if keep < len(self._items):
+            self._forget_from(memory, keep)
+
+    def _forget_from(self, memory: Memory, keep: int) -> None:
+        """Memory and record cut to ``keep`` items where memory can be cut there (a recurrent
+        state only through a checkpoint, as its cells may be partly written); else rewound."""
+        if self.checkpoints is None and memory.seq_rm(keep) and self._holds_context(memory, keep):
+            self._truncate(keep)  # (a sliding window may have moved past what the next one needs)
         else:
             self.rewind(memory, keep)
 

@@ -56,14 +56,8 @@ def share(
     if not shared:
         return 0
     donor, donor_seq = live[index]
-    context = home.context
-    context.seq_cp(donor_seq, seq)
-    if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
-        context.seq_rm(-1, seq)
-        return 0
-    lease.cache.extend(donor.cache.items[:shared])
-    log.debug("session %d starts from %d positions of session %d", lease.key, shared, donor.key)
-    return shared
+    home.context.seq_cp(donor_seq, seq)
+    return _keep_prefix(lease, seq, donor, shared, "")
 
 
 def _from_parked(
@@ -90,10 +84,19 @@ def _from_parked(
     if len(donor.cache.items) > free:  # (the whole state goes in before the cut; llama.cpp would refuse)
         return 0
     blob = parked.state(donor)
-    restored = blob is not None and context.state_set(blob, seq)
-    if not restored or not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
+    if blob is None or not context.state_set(blob, seq):
+        context.seq_rm(-1, seq)
+        return 0
+    return _keep_prefix(lease, seq, donor, shared, "parked ")
+
+
+def _keep_prefix(lease: Lease, seq: int, donor: Lease, shared: int, kind: str) -> int:
+    """Cut ``seq`` (holding the donor's positions) after the ``shared`` prefix, which its lease
+    then records; 0, with the sequence emptied, if the cut is not exact."""
+    context = lease.shared_context.context
+    if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
         context.seq_rm(-1, seq)
         return 0
     lease.cache.extend(donor.cache.items[:shared])
-    log.debug("session %d starts from %d positions of parked session %d", lease.key, shared, donor.key)
+    log.debug("session %d starts from %d positions of %ssession %d", lease.key, shared, kind, donor.key)
     return shared
