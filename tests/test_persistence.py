@@ -14,6 +14,7 @@ from pathlib import Path
 import internals
 import numpy as np
 import pytest
+from near_ties import assert_same_within_noise, scored
 
 from llmsession import GenerationOptions, Image, Model, SessionFileError
 from llmsession.engine.sessionfile import read
@@ -126,15 +127,15 @@ def test_images_are_saved_as_pixels(
         )
         before = copy.deepcopy(session.messages)
         session.save(saved)
-        control = session.respond(SECOND, GREEDY)
+        control = session.respond(SECOND, scored(GREEDY))
         loaded = vision.load_session(saved)
         parts = loaded.messages[0]["content"]
         assert isinstance(parts[1], Image) and parts[1] == red and np.array_equal(parts[1].pixels, pixels)
         assert isinstance(parts[2], Image) and parts[2] == Image(fixture_path("image-blue.png"))
         assert len(loaded.messages) == len(before)
-        reply = loaded.respond(SECOND, GREEDY)
+        reply = loaded.respond(SECOND, scored(GREEDY))
         assert reply.usage.reused_tokens == control.usage.reused_tokens > 8
-        assert reply.text == control.text
+        assert_same_within_noise(vision, reply, control)
 
 
 def test_a_sliding_window_past_its_window_is_saved_without_its_cache(gemma3: Model, tmp_path: Path) -> None:
@@ -207,34 +208,40 @@ def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
 @pytest.mark.parametrize("words", [200, 700])
 def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int) -> None:
     """The rule's teeth: a Gemma 3 state restored into a fresh context gives the same next
-    logits as the original below its 512-token window, and different ones past it."""
+    logits as the original below its 512-token window, and, with flash attention (which a user
+    may turn on), different ones past it; without it the restore is exact (measured, not yet
+    used: such states still go cold)."""
+    tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
+    position = len(tokens)
+    assert (position <= gemma3.native.n_swa) == (words == 200), position
+    flash, plain = (restore_difference(gemma3, tokens, flash_attention) for flash_attention in (True, False))
+    assert plain == 0.0
+    if words == 200:
+        assert flash == 0.0
+    else:
+        assert flash > 0.3, f"past the window the restored state should be wrong: {flash}"
+
+
+def restore_difference(gemma3: Model, tokens: list[int], flash_attention: bool) -> float:
+    """How far the next logits of a state restored into a fresh context are from the original's."""
     from test_reuse import read_logits
 
     from llmsession.native.context import NativeContext
 
-    tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
-    original = NativeContext(
-        gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=gemma3.flash_attention
-    )
-    copy_ = NativeContext(
-        gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=gemma3.flash_attention
+    original, copy_ = (
+        NativeContext(gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=flash_attention)
+        for _ in range(2)
     )
     try:
         for start in range(0, len(tokens), 512):
             original.decode(tokens[start : start + 512], start)
         assert copy_.state_set(original.state_get())
-        position = len(tokens)
         for context in (original, copy_):
-            context.decode([gemma3.tokenize("river", add_special=False)[0]], position)
-        difference = float(np.abs(read_logits(gemma3, original) - read_logits(gemma3, copy_)).max())
+            context.decode([gemma3.tokenize("river", add_special=False)[0]], len(tokens))
+        return float(np.abs(read_logits(gemma3, original) - read_logits(gemma3, copy_)).max())
     finally:
         copy_.close()
         original.close()
-    assert (position <= gemma3.native.n_swa) == (words == 200), position
-    if words == 200:
-        assert difference == 0.0
-    else:
-        assert difference > 0.3, f"past the window the restored state should be wrong: {difference}"
 
 
 def test_a_model_file_gone_since_loading_is_a_typed_error(smollm2_path: Path, tmp_path: Path) -> None:

@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from near_ties import assert_same_within_noise
 from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
 
-from llmsession import GenerationOptions, Image, Model, ModelLoadError
+from llmsession import GenerationOptions, Image, Model, ModelLoadError, Reply
 from llmsession.native import rpc
 from llmsession.native.rpc import local_servers as servers
 
@@ -71,8 +72,8 @@ def test_images_go_through_the_worker_and_the_servers_as_locally(
     smollm2_path: Path, fixture_path: Callable[[str], Path], endpoints: list[str]
 ) -> None:
     """The projector runs on this host's CPU; its embeddings are decoded on the servers."""
-    options = GenerationOptions(max_tokens=8, temperature=0)
-    answers = []
+    options = GenerationOptions(max_tokens=8, temperature=0, logprobs=5)
+    answers: list[tuple[Reply, Reply]] = []
     for remote in (False, True):
         servers_ = {"rpc_servers": endpoints} if remote else {}
         projector = fixture_path("mmproj-tiny.gguf")
@@ -82,8 +83,13 @@ def test_images_go_through_the_worker_and_the_servers_as_locally(
             first = session.respond(["What is this?", Image(fixture_path("image-red.png"))], options)
             second = session.respond("And its colour?", options)
             assert second.usage.reused_tokens > first.usage.prompt_tokens // 2  # the image is not re-encoded
-            answers.append((first.text, second.text, second.usage))
-    assert answers[0] == answers[1]
+            answers.append((first, second))
+    (first, second), (remote_first, remote_second) = answers
+    with Model(smollm2_path, threads=2) as local:  # (the noise of the weights, measured here)
+        assert_same_within_noise(local, remote_first, first)
+        if remote_first.text == first.text:  # (else the second turns answer other transcripts)
+            assert_same_within_noise(local, remote_second, second)
+            assert remote_second.usage == second.usage
 
 
 def test_every_fault_is_a_typed_error_and_the_process_goes_on(smollm2_path: Path) -> None:

@@ -26,6 +26,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from near_ties import assert_entries_within_noise
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
@@ -123,8 +124,8 @@ def test_models_health_and_a_plain_chat(served: Served) -> None:
 
 
 def test_a_stream_is_openais_and_says_what_the_plain_reply_says(served: Served) -> None:
-    question = "Tell me about the sea."
-    plain = ask(served, question, max_tokens=12, seed=3, user="plain-twin")
+    question, scored = "Tell me about the sea.", {"logprobs": True, "top_logprobs": 5}
+    plain = ask(served, question, max_tokens=12, seed=3, user="plain-twin", **scored)
     chunks = list(
         ask(
             served,
@@ -134,14 +135,19 @@ def test_a_stream_is_openais_and_says_what_the_plain_reply_says(served: Served) 
             user="stream-twin",
             stream=True,
             stream_options={"include_usage": True},
+            **scored,
         )
     )
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == plain.choices[0].message.content
+    scores = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    streamed = [entry for score in scores for entry in score.content or ()]
+    assert "".join(e.token for e in streamed) == text and len(streamed) == plain.usage.completion_tokens
+    # Their sessions' cells lie elsewhere in the cache: equal within the measured noise.
+    assert_entries_within_noise(served.model, streamed, plain.choices[0].logprobs.content)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == [plain.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason] == ["length"]  # (12 tokens: neither ends sooner)
     *body, last = chunks
     assert last.choices == [] and last.usage is not None and all(c.usage is None for c in body)
     assert last.usage.completion_tokens == plain.usage.completion_tokens

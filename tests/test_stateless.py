@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from near_ties import assert_same_within_noise, scored
 
 from llmsession import GenerationOptions, Model, Session, TemplateError
 
@@ -27,13 +28,17 @@ def test_a_growing_history_decodes_only_what_is_new(smollm2: Model) -> None:
     session = smollm2.session(system="You are terse.", share_prefix=False)  # its batches alone
     history: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
     decoded = new = previous_total = 0
+    parted = True  # (turn 1 may already find the system prompt cached by an earlier call)
     for turn, question in enumerate(QUESTIONS):
-        expected = session.respond(question, GREEDY)
+        expected = session.respond(question, scored(GREEDY))
         history.append({"role": "user", "content": question})
-        reply = smollm2.chat(copy.deepcopy(history), GREEDY)
-        assert reply.text == expected.text
-        if turn:  # (turn 1 may already find the system prompt cached by an earlier call)
-            assert reply.usage.reused_tokens == expected.usage.reused_tokens
+        reply = smollm2.chat(copy.deepcopy(history), scored(GREEDY))
+        assert_same_within_noise(smollm2, reply, expected)  # (their cells lie elsewhere)
+        if not parted:  # (what anticipation decoded ahead depends on when the next call came)
+            before = [r.usage.reused_tokens - r.usage.anticipated_tokens for r in (reply, expected)]
+            assert before[0] == before[1]
+        parted = reply.text != expected.text
+        session.messages[-1]["content"] = reply.text  # (after a near tie, both go on from one text)
         history.append({"role": "assistant", "content": reply.text})
         if turn:
             decoded += reply.usage.decoded_prompt_tokens

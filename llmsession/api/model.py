@@ -94,14 +94,14 @@ class Model:
     goes cold: its next exchange decodes its whole prompt). ``batch_size`` is the largest prefill
     batch. On recurrent and hybrid models each session keeps ``checkpoints`` of its state so an
     edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
-    ``flash_attention`` None is llama.cpp's choice (on); False is a third faster for a prefill at
-    depth on the CPU, at the price of replies that depend on the cache's placement
-    (``runtime.loading.choose_flash_attention``). ``kv_type``: the KV cells' type, "f16" (default),
-    "q8_0" (half the bytes per cell: a parked state half the size, the same memory for twice the
-    ``kv_tokens``) or
-    "q4_0"; quantized cells need flash attention, and a saved state reloads only under its own
-    type (else its transcript alone). ``anticipate``: after each reply, decode the next
-    prompt's opening in the background (``engine.anticipate``). ``rpc_servers`` ("host:port" of
+    ``flash_attention`` None is off on the CPU with f16 cells (a third faster for a prefill at
+    depth; a reply then depends on the cache's placement within rounding noise) and llama.cpp's
+    choice otherwise (``runtime.loading.choose_flash_attention``). ``kv_type``: the KV cells'
+    type, "f16" (default), "q8_0" (half the bytes per cell: a parked state half the size, the
+    same memory for twice the ``kv_tokens``) or "q4_0"; quantized cells need flash attention,
+    and a saved state reloads only under its own type (else its transcript alone).
+    ``anticipate``: after each reply, decode the next prompt's opening in the background
+    (``engine.anticipate``). ``rpc_servers`` ("host:port" of
     llama.cpp RPC servers) put the layers (all, unless ``gpu_layers`` says) on other hosts; each
     is checked from Python first (``native.rpc.preflight``). ``isolated`` runs the model in a
     worker process (default: with ``rpc_servers``), so a server that dies or hangs mid-decode is

@@ -94,8 +94,8 @@ class ModelCore:
         self.path = Path(path)
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
         self.use_jinja = use_jinja
-        self.flash_attention = choose_flash_attention(flash_attention)
-        self.kv_type = check_kv_type(kv_type, self.flash_attention)
+        self.kv_type = check_kv_type(kv_type, flash_attention)
+        self.flash_attention = choose_flash_attention(flash_attention, self.kv_type, gpu_layers)
         self.anticipate = bool(anticipate)
         servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}

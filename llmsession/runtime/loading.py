@@ -21,15 +21,18 @@ MAX_THREADS = 512  # GGML_MAX_N_THREADS
 MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
 
 
-def choose_flash_attention(asked: bool | None) -> bool | None:
-    """None leaves llama.cpp its choice (AUTO: on wherever supported, the CPU included). Off is
-    faster for the prefill at depth on the CPU (``llama-bench -fa 0,1 -p 29 -d 993``: 246 vs 182
-    tok/s on an AMD EPYC; 199 vs 152 for our own prefill on an Intel Xeon), but then a reply
-    depends on where its session's cells lie in the shared cache (the kernels' sums change with
-    the placement), so two sessions with one transcript may answer differently; with it on they
-    have answered alike in every differential test. ``llmsession bench kernels`` measures both."""
+def choose_flash_attention(asked: bool | None, kv_type: str, gpu_layers: int) -> bool | None:
+    """Flash attention as asked; by default off where it is slower: on the CPU, where it costs
+    about a quarter of the prefill at depth (``llama-bench -fa 0,1 -p 29 -d 993``: 246 vs 182
+    tok/s on an AMD EPYC; 199 vs 152 for our own prefill on an Intel Xeon). A quantized V cache
+    needs it, and with layers offloaded llama.cpp chooses (AUTO). Off, a reply depends slightly
+    on where its session's cells lie in the shared cache (the kernels' sums change with the
+    placement): rounding noise, which the tests measure and tolerate as they do a batch split's.
+    ``llmsession bench kernels`` measures both."""
     if asked is not None and not isinstance(asked, bool):
         raise TypeError(f"flash_attention must be True, False or None, got {asked!r}")
+    if asked is None and kv_type == "f16" and gpu_layers == 0:
+        return False
     return asked
 
 

@@ -22,7 +22,10 @@ from llmsession.api.model import Model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.commands.bench.common import machine, mask_cost, progress, publish, table
+from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
+from llmsession.replies import Reply
+from llmsession.runtime.session import Session
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import options_tools
 
@@ -89,22 +92,23 @@ def speed(model: Model, repeats: int, max_tokens: int) -> dict[str, Any]:
 
 def conversation(model: Model, turns: int) -> dict[str, int]:
     """Decoded and new prompt tokens over ``turns`` rounds of a call, its result and a reply (a
-    call cut short by its token limit is counted: its tokens are in the cache, not the transcript)."""
+    call cut short by its token limit is counted: its tokens are in the cache, not the transcript;
+    so is one whose arguments break a bound the grammar leaves to the check after the reply)."""
     session = model.session("You are a weather assistant.")
     call = GenerationOptions(
         max_tokens=96, temperature=0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False
     )
     answer = GenerationOptions(max_tokens=16, temperature=0, tools=TOOLS, tool_choice="none")
-    counts = {"decoded": 0, "new": 0, "cut": 0}
+    counts = {"decoded": 0, "new": 0, "cut": 0, "invalid": 0}
     for turn in range(turns):
         said: Any = f"Weather in {CITIES[turn % len(CITIES)]}?"
         for options in (call, answer):
             held = session.cached_tokens
-            reply = session.respond(said, options)
+            reply, invalid = respond(session, said, options)
             counts["decoded"] += reply.usage.decoded_prompt_tokens
             counts["new"] += reply.usage.prompt_tokens - held
             if options is call and not reply.tool_calls:
-                counts["cut"] += 1
+                counts["invalid" if invalid else "cut"] += 1
                 break
             result = json.dumps({"temp_c": 20 + turn})
             said = (
@@ -113,6 +117,19 @@ def conversation(model: Model, turns: int) -> dict[str, int]:
                 else ""
             )
     return counts
+
+
+def respond(session: Session, said: Any, options: GenerationOptions) -> tuple[Reply, bool]:
+    """The reply, and whether its call broke its schema (recorded all the same)."""
+    stream = session.stream(said, options)
+    try:
+        for _ in stream:
+            pass
+    except GrammarError:
+        assert stream.reply is not None
+        return stream.reply, True
+    assert stream.reply is not None
+    return stream.reply, False
 
 
 def auto_mask_cost(model: Model, text: str) -> float:
@@ -150,11 +167,10 @@ def report(results: dict[str, Any]) -> None:
         cost = f"{none / auto - 1:+.1%}" if auto > 0 and none > 0 else "-"
         ratio = f"{talk['decoded'] / talk['new']:.2f}" if talk["new"] else "-"
         speeds = [f"{none:.1f}", f"{auto:.1f}", cost, f"{rates['mask_ms']:.3f}"]
-        rows.append(
-            [name, str(rates["tokens"]), *speeds, f"{talk['decoded']}/{talk['new']}", ratio, str(talk["cut"])]
-        )
+        talked = [f"{talk['decoded']}/{talk['new']}", ratio, str(talk["cut"]), str(talk.get("invalid", 0))]
+        rows.append([name, str(rates["tokens"]), *speeds, *talked])
     header = ["format", "tokens", "none tok/s", "auto tok/s", "auto's cost", "mask ms/token"]
-    header += ["decoded/new", "ratio", "calls cut"]
+    header += ["decoded/new", "ratio", "calls cut", "invalid"]
     table("a text reply with tools, and a tool conversation (medians, greedy)", header, rows)
     print("(a reply of one token has no generation rate: '-'; the mask's cost is measured apart)")
 
