@@ -38,15 +38,16 @@ class RecordingLlama(Llama):  # type: ignore[misc]
 
 def load(config: dict[str, Any]) -> RecordingLlama:
     """The peer's Llama as every scenario uses it, warmed up as the llmsession side is (with the
-    scenario's ``warm_up`` messages: a conversation before the measured ones).
-    flash_attn=True: llmsession and llama-bench use llama.cpp's "auto", which enables it on CPU."""
+    scenario's ``warm_up`` messages: a conversation before the measured ones), with the flash
+    attention choice llmsession made (``flash_attn``: off on the CPU, as llama-cpp-python's own
+    default; both sides then decode with the same kernels and greedy replies alike)."""
     threads = config["threads"]
     llm = RecordingLlama(
         config["model"],
         n_ctx=config["n_ctx"],
         n_threads=threads,
         n_threads_batch=threads,
-        flash_attn=True,
+        flash_attn=bool(config.get("flash_attn", False)),
         verbose=False,
     )
     exchange(llm, config.get("warm_up", [{"role": "user", "content": "Hello"}]), 4)

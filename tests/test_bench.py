@@ -16,6 +16,7 @@ from llmsession.commands.bench import drafting as bench_drafting
 from llmsession.commands.bench import rpc as bench_rpc
 from llmsession.commands.bench import serve_bench as bench_serve
 from llmsession.commands.bench import structured as bench_structured
+from llmsession.commands.bench import tokenize as bench_tokenize
 from llmsession.commands.bench import tools as bench_tools
 from llmsession.commands.bench.main import QUESTIONS, multi_turn
 from llmsession.commands.bench.report import MeasuredTurn as Turn
@@ -155,3 +156,16 @@ def test_drafting_scenario_compares_drafted_and_plain_replies(
     machine = {"cpu": "x", "cores": 2, "threads": 2, "llama_cpp_commit": "c"}
     bench_drafting.report({"machine": machine, "model": "m", "workloads": {"paragraph": result}})
     assert "drafted tokens from the prompt" in capsys.readouterr().out
+
+
+def test_tokenize_scenario_times_each_turn_three_ways(
+    smollm2: Model, smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Model(smollm2_path, threads=2) as client:
+        turns = bench_tokenize.chat(smollm2, client, 3)
+    json.dumps(turns)
+    assert [len(t) for t in turns] == [4] * 3 and turns[0]["prompt_tokens"] < turns[-1]["prompt_tokens"]
+    assert all(t["session_ms"] > 0 and t["client_ms"] > 0 and t["whole_ms"] > 0 for t in turns)
+    machine = {"cpu": "x", "cores": 2, "threads": 2, "llama_cpp_commit": "c"}
+    bench_tokenize.report({"machine": machine, "model": "m", "turns": turns})
+    assert "median whole_ms" in capsys.readouterr().out

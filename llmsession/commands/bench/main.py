@@ -258,6 +258,7 @@ SCENARIOS = {  # ``llmsession bench NAME``: its module here
     "tools": "tools",
     "structured": "structured",
     "drafting": "drafting",
+    "tokenize": "tokenize",
     "serve": "serve_bench",
 }
 
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
         results |= {"threads": model.threads, "max_tokens": args.max_tokens, "think_s": args.think}
+        results["flash_attention"] = model.flash_attention is not False  # (None: llama.cpp's, on)
         progress(f"multi-turn chat ({args.turns} turns, each with its compute limit)", started)
         results["multi_turn"] = multi_turn(
             model, questions, options, args.think, args.llama_bench, args.ttft_samples
@@ -298,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         config = {"model": str(args.model), "threads": results["threads"], "n_ctx": 4096, "system": SYSTEM}
         config["warm_up"] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": WARM_UP}]
         config |= {"max_tokens": args.max_tokens, "questions": questions, "interleaved": plans}
+        config["flash_attn"] = results["flash_attention"]
         results["peer"] = run_peer(args.peer_python, config)
     progress("done", started)
     publish(results, lambda r: report(r, args.gen_tokens), args.json)

@@ -15,6 +15,7 @@ three run llmsession's llama.cpp build with the same threads:
   0.95: at its default 0.1 any slot matches any chat through the shared system prompt, a request
   takes one without losing half its cells, and the RAM cache is never consulted (turns 2-4 then
   reused only the system prompt: 0.845 of prompt tokens, 0.966 at 0.95, and 2.9x the TTFT).
+  Flash attention as it chooses (``-fa auto``: on for the CPU), as users run it;
   ``--cache-reuse`` (KV shifting of chunks) stays off: a resent history is a prefix;
 * llama_cpp.server (llama-cpp-python 0.3.36 in ``--peer-python``, ``LLAMA_CPP_LIB_PATH`` on our
   lib/): ``--cache true --cache_type ram`` (a state saved after each reply, the one sharing the
@@ -23,7 +24,7 @@ three run llmsession's llama.cpp build with the same threads:
   every prompt position, and each saved state copies them (805 MB at ``--n_ctx 4096``, uncounted
   by the cache's size: 48 replies would take 39 GB); false leaves 100 MB a state, so
   ``--cache_size`` 512 MiB of states (twice what 12 chats' latest take) bounds it to about 3 GB.
-  ``--flash_attn true`` as llama.cpp's "auto" chooses on CPU, ``--n_ctx 4096`` as ours. It
+  ``--flash_attn false`` as ours on the CPU (and its own default), ``--n_ctx 4096`` as ours. It
   serves one request at a time (``--interrupt_requests false``: by default a request arriving
   ends the one streaming) and reports no cached tokens ("-" in the table).
 """
@@ -106,7 +107,7 @@ def llama_cpp_server(args: argparse.Namespace) -> Contender:
     port, threads = free_port(), str(args.threads)
     command = [args.peer_python, "-m", "llama_cpp.server", "--model", str(args.model), "--port", str(port)]
     command += ["--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "4096"]
-    command += ["--flash_attn", "true", "--logits_all", "false", "--interrupt_requests", "false"]
+    command += ["--flash_attn", "false", "--logits_all", "false", "--interrupt_requests", "false"]
     command += ["--verbose", "false"]
     command += ["--cache", "true", "--cache_type", "ram", "--cache_size", str(512 << 20)]
     env = os.environ | {"LLAMA_CPP_LIB_PATH": os.environ.get("LLAMA_CPP_LIB_PATH") or str(lib_dir())}
