@@ -53,7 +53,8 @@ def assert_same_within_noise(model: Model, a: Any, b: Any) -> None:
     if noise == 0:
         assert a.text == b.text
         return
-    problems = parting_problems(a.logprobs or (), b.logprobs or (), tolerance_for(noise))
+    assert a.logprobs and b.logprobs, "score both replies (``scored``)"
+    problems = parting_problems(a.logprobs, b.logprobs, tolerance_for(noise))
     assert problems == [], (a.text, b.text, f"noise {noise:.3f}")
 
 
@@ -74,6 +75,7 @@ def loaded(dumped: Sequence[Any]) -> list[TokenLogprob]:
 
 def assert_entries_within_noise(model: Model, a: Sequence[TokenLogprob], b: Sequence[TokenLogprob]) -> None:
     noise = short_prompt_noise(model)
+    assert a and b, "score both replies"
     if noise == 0:
         assert [e.bytes for e in a] == [e.bytes for e in b]
         return

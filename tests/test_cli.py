@@ -157,7 +157,9 @@ def run(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subpr
 def test_a_reply_streams_in_a_terminal_and_ctrl_d_quits(
     terminal: Callable[..., Terminal], smollm2_path: Path
 ) -> None:
-    term = terminal("chat", "--max-tokens", "32", "--temperature", "0", "--system", "Be brief.")
+    term = terminal(
+        "chat", "--max-tokens", "32", "--temperature", "0", "--system", "Be brief.", "--threads", "2"
+    )
     turn = term.ask("What is the capital of France?")
     with Model(smollm2_path, threads=2) as model:  # (a first session in a fresh model: same cells)
         greedy = GenerationOptions(max_tokens=32, temperature=0)

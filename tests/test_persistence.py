@@ -3,6 +3,7 @@ alone when the cache does not belong to the loading model; damaged files are typ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import subprocess
@@ -228,20 +229,18 @@ def restore_difference(gemma3: Model, tokens: list[int], flash_attention: bool) 
 
     from llmsession.native.context import NativeContext
 
-    original, copy_ = (
-        NativeContext(gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=flash_attention)
-        for _ in range(2)
-    )
-    try:
+    def context() -> NativeContext:
+        return NativeContext(
+            gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=flash_attention
+        )
+
+    with contextlib.closing(context()) as original, contextlib.closing(context()) as copy_:
         for start in range(0, len(tokens), 512):
             original.decode(tokens[start : start + 512], start)
         assert copy_.state_set(original.state_get())
-        for context in (original, copy_):
-            context.decode([gemma3.tokenize("river", add_special=False)[0]], len(tokens))
+        for each in (original, copy_):
+            each.decode([gemma3.tokenize("river", add_special=False)[0]], len(tokens))
         return float(np.abs(read_logits(gemma3, original) - read_logits(gemma3, copy_)).max())
-    finally:
-        copy_.close()
-        original.close()
 
 
 def test_a_model_file_gone_since_loading_is_a_typed_error(smollm2_path: Path, tmp_path: Path) -> None:

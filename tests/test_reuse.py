@@ -70,8 +70,10 @@ def placement_noise(model: Model, n_tokens: int) -> float:
 @functools.cache
 def short_prompt_noise(model: Model) -> float:
     """What a fresh decode of a prompt may differ by from a cached one: its batch splits, and
-    where its cells lie."""
-    return split_noise(model, 300) + placement_noise(model, 300)
+    where its cells lie, counted half: ``tolerance_for`` doubles the noise (a cached decode
+    crosses more batch boundaries than any fresh split variant) but a decode lies in one
+    placement."""
+    return split_noise(model, 300) + placement_noise(model, 300) / 2
 
 
 @functools.cache
@@ -387,7 +389,7 @@ def test_mamba_fixture_refuses_partial_removal(fixture_path: Callable[[str], Pat
 @pytest.fixture(scope="module")
 def gemma3_noise(gemma3: Model) -> float:
     """Gemma 3's split noise on a ~900-token prompt; the tolerance is built on it."""
-    noise = split_noise(gemma3, 900) + placement_noise(gemma3, 900)
+    noise = split_noise(gemma3, 900) + placement_noise(gemma3, 900) / 2  # (as short_prompt_noise)
     assert noise < 3.0, f"batch-split noise {noise:.2f} is larger than expected"
     return noise
 

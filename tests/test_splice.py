@@ -31,6 +31,18 @@ def test_the_lru_forgets_the_oldest() -> None:
     assert replies.get("a") is None and replies.get("c") == (1,)
 
 
+def test_the_lru_holds_at_most_its_token_budget() -> None:
+    cache = ReplyTokens(capacity=8, max_held=10)
+    for text in ("a", "b", "c"):
+        cache.remember(text, [1, 2, 3, 4])
+    assert cache.get("a") is None and cache.get("b") == cache.get("c") == (1, 2, 3, 4)
+    cache.remember("b", [5])  # (replaced: its old tokens leave the count)
+    cache.remember("d", [6, 7, 8, 9])
+    assert cache.get("c") == (1, 2, 3, 4) and cache.get("b") == (5,) and cache.get("d") == (6, 7, 8, 9)
+    cache.remember("huge", list(range(11)))  # more than the whole budget: not kept
+    assert cache.get("huge") is None and cache.copy().get("d") == (6, 7, 8, 9)
+
+
 def test_a_user_who_typed_the_reply_keeps_the_canonical_split(smollm2: Model) -> None:
     (ok,) = smollm2.tokenize(" OK", add_special=False)[-1:]
     odd = smollm2.tokenize(" O", add_special=False) + smollm2.tokenize("K", add_special=False)

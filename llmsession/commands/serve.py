@@ -60,6 +60,8 @@ def serve(args: argparse.Namespace) -> int:
     }
     if args.disk_cache_dir is not None:
         settings["disk_cache_dir"] = args.disk_cache_dir
+    if args.flash_attention != "auto":
+        settings["flash_attention"] = args.flash_attention == "on"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("llmsession.native").addFilter(CancelledDecodes())
     try:
@@ -74,7 +76,7 @@ def serve(args: argparse.Namespace) -> int:
                 **({"context_size": args.context_size} if args.context_size else {}),
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
-            print(memory_line(model.memory(), args.disk_cache_dir), flush=True)
+            print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
             config = uvicorn.Config(
                 app,
                 host=args.host,
@@ -89,12 +91,14 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def memory_line(report: MemoryReport, disk: Path | None) -> str:
+def memory_line(report: MemoryReport, disk: Path | None, flash_attention: bool | None) -> str:
     """The memory settings a server starts with, so an operator sees what its budget is."""
     spill = f"then on disk in {disk}" if disk is not None else "then dropped (no --disk-cache-dir)"
+    flash = {None: "llama.cpp's choice", True: "on", False: "off"}[flash_attention]
     return (
         f"memory: {report.kv_tokens} KV cells shared by up to {report.max_live_sessions} live sessions; "
-        f"parked states up to {report.host_cache_bytes / 2**20:.0f} MiB in RAM, {spill}"
+        f"parked states up to {report.host_cache_bytes / 2**20:.0f} MiB in RAM, {spill}; "
+        f"flash attention {flash}"
     )
 
 
@@ -198,6 +202,12 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-type",
         choices=KV_TYPES,
         help="the KV cells' type: q8_0 holds twice the tokens in the same memory (default: f16)",
+    )
+    add(
+        "--flash-attention",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: off on the CPU with f16 cells (faster prefill at depth), else llama.cpp's choice",
     )
     add(
         "--draft",

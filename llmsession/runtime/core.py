@@ -246,7 +246,7 @@ class ModelCore:
     def _with_bos(self, text: str, tokens: Sequence[int]) -> str:
         """How ``text`` is spelled with the BOS its tokens start with (text that spells none)."""
         bos = self.native.bos()
-        if not (self.native.add_bos and tokens[:1] == [bos]):
+        if not (self.native.add_bos and tokens and tokens[0] == bos):
             return text
         return self.native.token_text(bos) + text
 

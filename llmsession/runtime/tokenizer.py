@@ -12,6 +12,7 @@ from llmsession.text.segments import anchor_pattern, anchors, tokenize_in_segmen
 from llmsession.text.splice import ReplyTokens
 
 STRETCHES = 1024  # tokenized texts (between spliced replies, segments), kept for the next prompts
+STRETCH_TOKENS = 1 << 19  # and their tokens in all, at most (each memory: about 18 MB of tuples)
 LONG_TEXT = 2000  # characters: shorter prompts tokenize in well under a millisecond whole
 
 
@@ -32,7 +33,7 @@ class PromptTokenizer:
     def __init__(self, vocabulary: Vocabulary, template: str | None) -> None:
         self.vocabulary = vocabulary
         self.template = template or ""
-        self._remembered = (ReplyTokens(STRETCHES), ReplyTokens(STRETCHES))  # without, with BOS
+        self._remembered = (ReplyTokens(STRETCHES, STRETCH_TOKENS), ReplyTokens(STRETCHES, STRETCH_TOKENS))
         self._anchors: re.Pattern[str] | None = None
         self._anchors_found = not vocabulary.cuts_in_segments()  # (else found on a first long text)
         self._lock = threading.Lock()

@@ -3,8 +3,9 @@ so that a transcript's earlier turns, which come back every exchange, are not to
 
 Why the segments tokenize as the whole text does: llama.cpp first claims every special token's
 occurrences in the text, then tokenizes the text between them fragment by fragment. An *anchor*
-is a special token that no other special token can overlap (nor another occurrence of itself)
-and that strips no whitespace on its left: wherever its text occurs it is claimed, nothing
+is a special token that no other special token can overlap (nor another occurrence of itself),
+that strips no whitespace on its left, and that neither starts nor ends with whitespace (which
+another token's stripping could take from it): wherever its text occurs it is claimed, nothing
 straddles its start, and so the text splits there into the same tokens on either side. Only the
 first segment gets the BOS. Pure: no bindings.
 """
@@ -33,7 +34,11 @@ def anchors(specials: Sequence[tuple[str, bool]], candidates: str) -> list[str]:
     texts = [text for text, _ in specials]
     if not all(texts) or len(set(texts)) != len(texts):
         return []
-    found = [text for text, lstrip in specials if not lstrip and text in candidates]
+    found = [
+        text
+        for text, lstrip in specials
+        if not lstrip and not text[0].isspace() and not text[-1].isspace() and text in candidates
+    ]
     return [a for a in found if not can_overlap(a, a) and not any(can_overlap(a, t) for t in texts if t != a)]
 
 

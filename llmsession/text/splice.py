@@ -21,26 +21,30 @@ from collections.abc import Callable, Sequence
 
 class ReplyTokens:
     """Tokens by their text, the least recently used forgotten: the latest replies as they were
-    generated (and the model's prompt stretches as tokenized)."""
+    generated (and the model's prompt stretches as tokenized), at most ``capacity`` texts and
+    ``max_held`` tokens in all (a pasted document's stretch is large)."""
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = 1024, max_held: int | None = None) -> None:
+        self.capacity, self.max_held = capacity, max_held
         self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._held = 0
         self._lock = threading.Lock()
 
     def remember(self, text: str, tokens: Sequence[int]) -> None:
-        if not text or not tokens:
-            return
+        if not text or not tokens or (self.max_held is not None and len(tokens) > self.max_held):
+            return  # (a text larger than the whole budget would only push out every other)
         with self._lock:
+            self._held -= len(self._tokens.pop(text, ()))
             self._tokens[text] = tuple(tokens)
-            self._tokens.move_to_end(text)
-            while len(self._tokens) > self.capacity:
-                self._tokens.popitem(last=False)
+            self._held += len(tokens)
+            budget = self.max_held if self.max_held is not None else self._held
+            while self._tokens and (len(self._tokens) > self.capacity or self._held > budget):
+                self._held -= len(self._tokens.popitem(last=False)[1])
 
     def copy(self) -> ReplyTokens:
-        twin = ReplyTokens(self.capacity)
+        twin = ReplyTokens(self.capacity, self.max_held)
         with self._lock:
-            twin._tokens = OrderedDict(self._tokens)
+            twin._tokens, twin._held = OrderedDict(self._tokens), self._held
         return twin
 
     def get(self, text: str) -> tuple[int, ...] | None:

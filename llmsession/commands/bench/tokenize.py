@@ -12,6 +12,7 @@ second model instance, so none of the chat's replies are known to it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import time
@@ -22,6 +23,7 @@ from llmsession.commands.argtypes import positive_int
 from llmsession.commands.bench.common import common_arguments, machine, progress, publish, table
 from llmsession.commands.bench.main import QUESTIONS, SYSTEM
 from llmsession.options import GenerationOptions
+from llmsession.runtime.session import Session
 
 REPLY = GenerationOptions(max_tokens=48, temperature=0)
 
@@ -35,23 +37,25 @@ def ms_to(call: Any, *args: Any) -> float:
 def chat(model: Model, client: Model, turns: int) -> list[dict[str, float]]:
     """Per turn: the session's prompt tokenize time, the client transcript's, and the whole text's."""
     session, rows = model.session(SYSTEM), []
-    for turn in range(turns):
-        question = QUESTIONS[turn % len(QUESTIONS)]
-        transcript = [*session.messages, {"role": "user", "content": question}]
-        text = model.render(transcript)
-        whole = statistics.median(ms_to(model.tokenize, text) for _ in range(3))
-        client_ms = ms_to(client.prompt_tokens, transcript)
-        reply = session.respond(question, REPLY)
-        rows.append(
-            {
-                "prompt_tokens": reply.usage.prompt_tokens,
-                "session_ms": reply.timings.tokenize_s * 1e3,
-                "client_ms": client_ms,
-                "whole_ms": whole,
-            }
-        )
-    session.close()
+    with contextlib.closing(session):
+        for turn in range(turns):
+            rows.append(measured_turn(model, client, session, QUESTIONS[turn % len(QUESTIONS)]))
     return rows
+
+
+def measured_turn(model: Model, client: Model, session: Session, question: str) -> dict[str, float]:
+    """One turn's three times (the whole text's, the median of three)."""
+    transcript = [*session.messages, {"role": "user", "content": question}]
+    text = model.render(transcript)
+    whole = statistics.median(ms_to(model.tokenize, text) for _ in range(3))
+    client_ms = ms_to(client.prompt_tokens, transcript)
+    reply = session.respond(question, REPLY)
+    return {
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "session_ms": reply.timings.tokenize_s * 1e3,
+        "client_ms": client_ms,
+        "whole_ms": whole,
+    }
 
 
 def report(results: dict[str, Any]) -> None:
