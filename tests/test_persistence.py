@@ -210,8 +210,9 @@ def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
 def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int) -> None:
     """The rule's teeth: a Gemma 3 state restored into a fresh context gives the same next
     logits as the original below its 512-token window, and, with flash attention (which a user
-    may turn on), different ones past it; without it the restore is exact (measured, not yet
-    used: such states still go cold)."""
+    may turn on), different ones past it. Without it this restore is exact, yet a session past
+    its window, saved and loaded, answered unlike a fresh decode beyond the noise (tried): such
+    states go cold either way."""
     tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
     position = len(tokens)
     assert (position <= gemma3.native.n_swa) == (words == 200), position

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 from llama_cffi import abort_check
+from near_ties import assert_same_within_noise, scored
 
 from llmsession import (
     ContextOverflowError,
     GenerationOptions,
     Model,
     ModelLoadError,
+    Reply,
     SessionBusyError,
     TemplateError,
 )
@@ -25,12 +27,14 @@ GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 
 
 def test_respond_and_stream_agree_at_temperature_zero(smollm2: Model) -> None:
-    a = smollm2.session(system="You are terse.").respond("Name three colours.", GREEDY)
-    stream = smollm2.session(system="You are terse.").stream("Name three colours.", GREEDY)
+    a = smollm2.session(system="You are terse.").respond("Name three colours.", scored(GREEDY))
+    stream = smollm2.session(system="You are terse.").stream("Name three colours.", scored(GREEDY))
     deltas = [snap.delta for snap in stream]
     assert stream.reply is not None
-    assert stream.reply.text == a.text == "".join(deltas)
-    assert a.usage == stream.reply.usage
+    assert stream.reply.text == "".join(deltas)
+    assert_same_within_noise(smollm2, stream.reply, a)  # (the two sessions' cells lie elsewhere)
+    if stream.reply.text == a.text:
+        assert a.usage == stream.reply.usage
     assert a.text.strip()
 
 
@@ -269,19 +273,23 @@ def test_a_session_used_from_two_threads_raises_busy(smollm2: Model, monkeypatch
 
 
 def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
-    results: dict[int, str] = {}
-    options = GenerationOptions(max_tokens=16, temperature=0)
-    expected = smollm2.session(share_prefix=False).respond("Name a fruit.", options).text
+    """Each reply equals a lone session's within the measured noise (their cells lie elsewhere,
+    and the two threads' steps may be decoded in one batch)."""
+    results: dict[int, Reply] = {}
+    options = scored(GenerationOptions(max_tokens=16, temperature=0))
+    expected = smollm2.session(share_prefix=False).respond("Name a fruit.", options)
 
     def chat(i: int) -> None:  # (apart: one sharing the other's prompt would decode other batches)
-        results[i] = smollm2.session(share_prefix=False).respond("Name a fruit.", options).text
+        results[i] = smollm2.session(share_prefix=False).respond("Name a fruit.", options)
 
     threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results == {0: expected, 1: expected}
+    assert sorted(results) == [0, 1]
+    for reply in results.values():
+        assert_same_within_noise(smollm2, reply, expected)
 
 
 # -- errors, each from a real trigger ---------------------------------------------------------
