@@ -59,9 +59,9 @@ class PromptTokenizer:
         return tokenize_in_segments(text, pattern, self.remembered)
 
     def remembered(self, text: str, first: bool) -> list[int]:
-        """``tokenize`` (``first``: with BOS) remembered: a
-        transcript's earlier stretches come back every turn, and tokenizing was most of a
-        prompt's cost (7.9 ms of a 933-token one, before)."""
+        """``tokenize`` (``first``: with BOS) remembered: a transcript's earlier stretches come
+        back every turn, and tokenizing was most of a prompt's cost (7.9 ms of a 933-token one,
+        before)."""
         memory = self._remembered[first]
         tokens = memory.get(text)
         if tokens is None:
