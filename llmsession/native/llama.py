@@ -285,8 +285,8 @@ class NativeModel(Owner):
         get_attr, vocab = lib.llama_vocab_get_attr, self.vocab
         kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
         kinds |= lib.LLAMA_TOKEN_ATTR_UNKNOWN
-        attrs = [(token, int(get_attr(vocab, token))) for token in range(self.n_vocab)]
-        found = [(token, attr) for token, attr in attrs if attr & kinds]
+        attrs = ((token, int(get_attr(vocab, token))) for token in range(self.n_vocab))
+        found = [(token, attr) for token, attr in attrs if attr & kinds]  # (one pass: 262k on Gemma)
         lstrip = lib.LLAMA_TOKEN_ATTR_LSTRIP
         return [(self.token_text(token), bool(attr & lstrip)) for token, attr in found]
 

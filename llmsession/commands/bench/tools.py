@@ -26,6 +26,7 @@ from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
 from llmsession.runtime.session import Session
+from llmsession.runtime.stream import drain
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import options_tools
 
@@ -123,13 +124,10 @@ def respond(session: Session, said: Any, options: GenerationOptions) -> tuple[Re
     """The reply, and whether its call broke its schema (recorded all the same)."""
     stream = session.stream(said, options)
     try:
-        for _ in stream:
-            pass
+        return drain(stream), False
     except GrammarError:
         assert stream.reply is not None
         return stream.reply, True
-    assert stream.reply is not None
-    return stream.reply, False
 
 
 def auto_mask_cost(model: Model, text: str) -> float:
