@@ -14,6 +14,7 @@ DRAFTS = ("prompt_lookup",)
 # The KV cells' types a model may hold (``Model(kv_type=...)``): f16 (llama.cpp's default), q8_0
 # (half its bytes) and q4_0 (about a quarter); quantized V needs flash attention.
 KV_TYPES = ("f16", "q8_0", "q4_0")
+KV_LAYOUTS = ("per_session", "shared")  # live sessions' KV cells: their own each, or one pool
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_POSITIONS = 2**24  # a context or batch size beyond this is a typo, not a plan (16.7M positions)
 

@@ -91,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     log = args.log.open("a", encoding="utf-8") if args.log else None
     image_paths = {name: args.fixtures / f"image-{name}.png" for name in ("red", "blue")}
-    # A tight budget (two live sequences, room for a few parked states) so every step also moves
-    # sessions between live, parked and cold under the differential checks.
-    budget = {"kv_tokens": 1536, "max_live_sessions": 2, "host_cache_bytes": 24 << 20}
+    # A tight budget (two live sequences of 1,024 cells of their own, room for a few parked
+    # states) so every step also moves sessions between live, parked and cold under the
+    # differential checks.
+    budget = {"kv_tokens": 2048, "max_live_sessions": 2, "host_cache_bytes": 24 << 20}
     mmproj = args.fixtures / "mmproj-tiny.gguf"
     with Model(args.model, mmproj_path=mmproj, threads=args.threads, **budget) as model:
         given = args.noise if args.noise is not None else args.short_noise

@@ -161,7 +161,7 @@ def test_a_reply_streams_in_a_terminal_and_ctrl_d_quits(
         "chat", "--max-tokens", "32", "--temperature", "0", "--system", "Be brief.", "--threads", "2"
     )
     turn = term.ask("What is the capital of France?")
-    with Model(smollm2_path, threads=2) as model:  # (a first session in a fresh model: same cells)
+    with Model(smollm2_path, threads=2, max_live_sessions=1) as model:  # (as the CLI: same cells)
         greedy = GenerationOptions(max_tokens=32, temperature=0)
         expected = model.session(system="Be brief.").respond("What is the capital of France?", greedy)
     assert turn.reply == expected.text.strip()  # what the library answers, as it streamed
@@ -226,7 +226,7 @@ def test_undo_then_the_same_message_reuses_the_cache(terminal: Callable[..., Ter
     assert again.reused + again.decoded == again.prompt
     term.enter("/stats")
     term.expect(r"turns 3 \| prompt tokens \d+ \(reused \d+, decoded \d+\) \| completion tokens \d+")
-    term.expect(r"memory: 1/8 sessions live holding \d+/8192 KV cells; .* restores \d+")
+    term.expect(r"memory: 1/1 sessions live holding \d+/8192 KV cells; .* restores \d+")
 
 
 def test_image_command_with_a_projector(terminal: Callable[..., Terminal]) -> None:

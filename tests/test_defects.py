@@ -203,8 +203,8 @@ def test_ctrl_c_during_a_prefill_stops_it_and_propagates(smollm2_path: Path, smo
         GREEDY = GenerationOptions(max_tokens=8, temperature=0, logprobs=5)
         {DUMP}
         with Model({str(smollm2_path)!r}, threads=2) as model:
-            session = model.session(context_size=4096, batch_size=64)
-            text = " ".join(["river bridge lantern harbour meadow orchard"] * 500)
+            session = model.session(context_size=2048, batch_size=64)
+            text = " ".join(["river bridge lantern harbour meadow orchard"] * 250)
             seen = {{}}
             def interrupt():
                 while session.cached_tokens < 200:
@@ -224,7 +224,7 @@ def test_ctrl_c_during_a_prefill_stops_it_and_propagates(smollm2_path: Path, smo
             assert session.cached_tokens <= seen["at"] + 64, "more than one batch decoded after Ctrl-C"
             kept = session.cached_tokens
             reply = session.respond("Hi", GREEDY)
-            fresh = model.session(context_size=4096).respond("Hi", GREEDY)
+            fresh = model.session(context_size=2048).respond("Hi", GREEDY)
             print("SCORED", json.dumps([scored_entries(reply), scored_entries(fresh)]))
             print("kept", kept, "reused", reply.usage.reused_tokens)
         print("ok")

@@ -1,9 +1,10 @@
 """The engine over a fake shared context that keeps llama.cpp's semantics (a unified KV cache:
-cells shared by sequences, decodes refused when no cell is free or positions do not follow,
-sequence states as bytes that load only into room), driven by a hypothesis state machine through
-exchanges, edits, failures, forks, closes and collected sessions, with and without a disk tier.
-After every step: the budget holds, every session's memory holds exactly its record wherever it
-lives (live, parked in RAM, on disk) or nothing (cold), and no state past its window is parked."""
+cells shared by sequences, or each sequence's own cells; decodes refused when no cell is free or
+positions do not follow; sequence states as bytes that load only into room), driven by a
+hypothesis state machine through exchanges, edits, failures, forks, closes and collected
+sessions, with and without a disk tier. After every step: the budget holds, every session's
+memory holds exactly its record wherever it lives (live, parked in RAM, on disk) or nothing
+(cold), and no state past its window is parked."""
 
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmsession import MemoryBudgetError, NativeError
+from llmsession.engine import budget
 from llmsession.engine.budget import MemoryConfig
 from llmsession.engine.engine import Engine, Lease
 from llmsession.engine.residency import State
+from llmsession.options import KV_LAYOUTS
 
 CONTEXT_SIZE = 16
 
 
 class FakeContext:
-    """A unified KV cache: ``cells[i] = (position, item, sequences)``."""
+    """A unified KV cache: ``cells[i] = (position, item, sequences)``; with ``own_cells``, each
+    sequence places its items in its own ``n_ctx / n_seq_max`` cells and a copy is a state's."""
 
     def __init__(
         self,
@@ -39,8 +43,9 @@ class FakeContext:
         swa_full: bool,
         n_seq_max: int,
         flash_attention: bool | None,
+        own_cells: bool = False,
     ) -> None:
-        self.n_ctx, self.n_batch, self.n_seq_max = n_ctx, n_batch, n_seq_max
+        self.n_ctx, self.n_batch, self.n_seq_max, self.own_cells = n_ctx, n_batch, n_seq_max, own_cells
         self.cells: dict[int, tuple[int, Any, set[int]]] = {}
         self.abort = threading.Event()
 
@@ -50,7 +55,9 @@ class FakeContext:
         return [item for _, item in held]
 
     def _place(self, seq: int, start: int, items: Sequence[Any]) -> bool:
-        free = [i for i in range(self.n_ctx) if i not in self.cells]
+        per = self.n_ctx // self.n_seq_max
+        mine = range(seq * per, (seq + 1) * per) if self.own_cells else range(self.n_ctx)
+        free = [i for i in mine if i not in self.cells]
         if len(free) < len(items):
             return False
         for cell, (offset, item) in zip(free, enumerate(items), strict=False):
@@ -73,6 +80,9 @@ class FakeContext:
         return True
 
     def seq_cp(self, src: int, dst: int) -> None:
+        if self.own_cells:
+            assert self.state_set(self.state_get(src), dst), "a copy did not fit the sequence's cells"
+            return
         for _, _, seqs in self.cells.values():
             if src in seqs:
                 seqs.add(dst)
@@ -113,12 +123,17 @@ class EngineMachine(RuleBasedStateMachine):
         host=st.integers(0, 300),
         disk=st.booleans(),
         n_swa=st.sampled_from([0, 8]),
+        layout=st.sampled_from(KV_LAYOUTS),
     )
-    def setup(self, kv: int, live: int, host: int, disk: bool, n_swa: int) -> None:
+    def setup(self, kv: int, live: int, host: int, disk: bool, n_swa: int, layout: str) -> None:
         self.tmp = tempfile.TemporaryDirectory() if disk else None
-        config = MemoryConfig(kv, live, host, Path(self.tmp.name) if self.tmp else None, batch_size=4)
+        own = layout == "per_session" and live > 1
+        self.quantum, budget.CELLS_QUANTUM = budget.CELLS_QUANTUM, 1  # the fake pads nothing
+        dir_ = Path(self.tmp.name) if self.tmp else None
+        config = MemoryConfig(kv * live if own else kv, live, host, dir_, batch_size=4, kv_layout=layout)
         self.engine = Engine(FakeNative(n_swa), None, 1, config, make_context=FakeContext)  # type: ignore[arg-type]
-        self.n_swa, self.kv, self.host = n_swa, kv, host
+        self.n_swa, self.kv, self.host = n_swa, kv, host  # kv: what one session may hold
+        self.total = config.kv_tokens
         self.leases: list[Lease] = []
         self.history: dict[int, list[Any]] = {}  # each session's last prompt and reply
         self.counter = itertools.count(10_000)
@@ -243,12 +258,19 @@ class EngineMachine(RuleBasedStateMachine):
         if not hasattr(self, "engine") or not self.engine._shared_contexts:
             return
         report = self.engine.memory()
-        assert len(self.context.cells) <= self.kv
+        assert len(self.context.cells) <= self.total
+        per_seq: dict[int, int] = {}
+        for _, _, seqs in self.context.cells.values():
+            for seq in seqs:
+                per_seq[seq] = per_seq.get(seq, 0) + 1
+        assert max(per_seq.values(), default=0) <= self.kv
         assert report.live_sessions <= self.engine.config.max_live_sessions
         assert self.engine.lot.host_bytes <= self.host
         assert self.engine.lot.disk_entries == 0 or self.engine.lot.disk_dir is not None
 
     def teardown(self) -> None:
+        if hasattr(self, "quantum"):
+            budget.CELLS_QUANTUM = self.quantum
         if hasattr(self, "engine"):
             self.engine.close()
             if self.tmp is not None:

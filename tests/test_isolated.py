@@ -140,8 +140,8 @@ def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(
         GREEDY = GenerationOptions(max_tokens=8, temperature=0, logprobs=5)
         {DUMP}
         with Model({str(smollm2_path)!r}, threads=2, isolated=True, anticipate=False) as model:
-            session = model.session(context_size=4096, batch_size=64)
-            text = " ".join(["river bridge lantern harbour meadow orchard"] * 500)
+            session = model.session(context_size=2048, batch_size=64)
+            text = " ".join(["river bridge lantern harbour meadow orchard"] * 250)
             def interrupt():
                 time.sleep(1.0)  # inside the prefill of 3,000 tokens (several seconds)
                 os.kill(os.getpid(), signal.SIGINT)
@@ -158,7 +158,7 @@ def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(
             assert 0 < kept < 3000, kept
             reply = session.respond("Hi", GREEDY)
             assert session.messages[0] == {{"role": "user", "content": "Hi"}}, session.messages
-            fresh = model.session(context_size=4096).respond("Hi", GREEDY)
+            fresh = model.session(context_size=2048).respond("Hi", GREEDY)
             print("SCORED", json.dumps([scored_entries(reply), scored_entries(fresh)]))
             print("kept", kept, "after the signal", round(waited, 3), "s")
         """

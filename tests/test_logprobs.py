@@ -30,13 +30,13 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
 @functools.cache
 def score_noise(model: Model) -> float:
     """The largest difference in the likeliest 20 tokens' log-probabilities between decodes of
-    one prompt cut into batches differently, or batched beside other sequences: the scores'
-    share of the split noise the other differential tests measure."""
+    one prompt cut into batches differently (its last tokens decoded one at a time among them),
+    or batched beside other sequences: the scores' share of the split noise the other
+    differential tests measure."""
     tokens = model.prompt_tokens([{"role": "user", "content": paragraph(model, 0, 300)}])
     n = len(tokens)
-    rows = [
-        log_softmax(fresh_logits(model, tokens, list(s))) for s in ((), (n - 1,), tuple(range(64, n, 64)))
-    ]
+    splits = ((), (n - 1,), tuple(range(64, n, 64)), tuple(range(n - 24, n)))  # the last: as generated
+    rows = [log_softmax(fresh_logits(model, tokens, list(s))) for s in splits]
     rows += [log_softmax(row) for row in batch_rows(model)]
     top = np.argsort(-rows[0])[:20]
     return max(float(np.abs(a[top] - b[top]).max()) for a, b in itertools.combinations(rows, 2))

@@ -62,16 +62,16 @@ def control(smollm2: Model) -> Model:
 def test_32_sessions_round_robin_under_a_small_budget_equal_a_never_evicted_control(
     smollm2_path: Path, control: Model
 ) -> None:
-    # 4 live sequences, 1,024 cells: 32 x 1,024 positions would need 32 times that.
+    # 4 live sequences of 1,024 cells each: 32 x 1,024 positions would need 8 times that.
     with Model(
-        smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=4, host_cache_bytes=128 << 20
+        smollm2_path, threads=2, kv_tokens=4096, max_live_sessions=4, host_cache_bytes=128 << 20
     ) as model:
         problems, _ = round_robin(model, control, n=32, turns=2)
         report = model.memory()
     assert problems == []
     counters = report.counters
     assert counters.parks >= 28 and counters.restores >= 28 and counters.drops == 0, counters
-    assert report.live_sessions <= 4 and report.live_tokens <= 1024
+    assert report.live_sessions <= 4 and report.live_tokens <= 4096
     assert report.parked_bytes <= 128 << 20
 
 
@@ -154,7 +154,7 @@ def test_a_parked_session_costs_its_tokens_not_its_context(smollm2: Model) -> No
     keys = ("block_count", "attention.head_count", "attention.head_count_kv", "embedding_length")
     layers, heads, kv_heads, width = (int(internals.meta(native, f"llama.{key}") or 0) for key in keys)
     per_token = layers * 2 * (kv_heads * width // heads) * 2  # K and V rows, f16
-    session = smollm2.session(context_size=8192)
+    session = smollm2.session(context_size=2048)
     session.respond("Tell me a story about a lighthouse keeper.", REPLY)
     size = len(internals.state(session))
     assert per_token == 22.5 * 1024

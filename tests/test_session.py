@@ -212,7 +212,7 @@ def test_cancel_during_a_long_prefill_stops_inside_the_batch_in_flight(
     main thread the check is a Python callback (a Ctrl-C raises there); on any other it is the
     native one, which reads the cancel flag's word without the GIL."""
     prompt = long_prompt(smollm2, 600)
-    session = smollm2.session(context_size=4096, batch_size=128, share_prefix=False)  # all to decode
+    session = smollm2.session(context_size=2048, batch_size=128, share_prefix=False)  # all to decode
     stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
     at_cancel: list[int] = []
     checks: set[str] = set()

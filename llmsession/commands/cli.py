@@ -278,7 +278,8 @@ def chat(args: argparse.Namespace) -> int:
         options = GenerationOptions(
             max_tokens=args.max_tokens, temperature=args.temperature, tools=tools, tool_choice=choice
         )
-        with Model(model_path, mmproj_path=args.mmproj, threads=args.threads) as model:
+        # One conversation: one live sequence, which may hold the whole budget.
+        with Model(model_path, mmproj_path=args.mmproj, threads=args.threads, max_live_sessions=1) as model:
             session = model.session(system=args.system, context_size=args.context_size)
             if sys.stdin.isatty():
                 print(f"{model_path.name}: /help lists the commands, Ctrl-D quits", flush=True)
@@ -349,13 +350,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="auto|required|none|NAME",
         help="whether a message's reply calls (a tool's name: that one); replies to results: auto",
     )
-    add(
-        "--context-size",
-        type=positive_int,
-        default=4096,
-        metavar="N",
-        help="context tokens (default: %(default)s)",
-    )
+    add("--context-size", type=positive_int, default=4096, metavar="N", help="context tokens (default: 4096)")
     add(
         "--temperature", type=temperature, default=0.8, metavar="T", help="0 is greedy (default: %(default)s)"
     )

@@ -22,7 +22,7 @@ from llmsession.commands import installer
 from llmsession.commands.argtypes import directory, port, positive_int, seconds
 from llmsession.commands.doctor import error
 from llmsession.errors import LlmSessionError
-from llmsession.options import DRAFTS, KV_TYPES
+from llmsession.options import DRAFTS, KV_LAYOUTS, KV_TYPES
 
 if TYPE_CHECKING:
     import uvicorn
@@ -52,6 +52,7 @@ def serve(args: argparse.Namespace) -> int:
             "threads",
             "kv_tokens",
             "max_live_sessions",
+            "kv_layout",
             "host_cache_bytes",
             "stateless_sessions",
             "kv_type",
@@ -95,8 +96,14 @@ def memory_line(report: MemoryReport, disk: Path | None, flash_attention: bool |
     """The memory settings a server starts with, so an operator sees what its budget is."""
     spill = f"then on disk in {disk}" if disk is not None else "then dropped (no --disk-cache-dir)"
     flash = {None: "llama.cpp's choice", True: "on", False: "off"}[flash_attention]
+    cells = (
+        f"{report.session_cells} KV cells of its own for each of up to {report.max_live_sessions} live "
+        "sessions"
+        if report.kv_layout == "per_session"
+        else f"{report.kv_tokens} KV cells shared by up to {report.max_live_sessions} live sessions"
+    )
     return (
-        f"memory: {report.kv_tokens} KV cells shared by up to {report.max_live_sessions} live sessions; "
+        f"memory: {cells}; "
         f"parked states up to {report.host_cache_bytes / 2**20:.0f} MiB in RAM, {spill}; "
         f"flash attention {flash}"
     )
@@ -192,10 +199,14 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """How the server holds its conversations: cells, sequences, parking, drafts."""
     add = parser.add_argument
+    add("--kv-tokens", type=positive_int, metavar="N", help="KV cells of live conversations (default: 8192)")
+    add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 4)")
     add(
-        "--kv-tokens", type=positive_int, metavar="N", help="KV cells all conversations share (default: 8192)"
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        help="per_session: each live conversation attends over kv-tokens / max-live-sessions cells of its "
+        "own (default); shared: one pool, a conversation may hold all of it, every decode attends over all",
     )
-    add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 8)")
     add("--host-cache-bytes", type=positive_int, metavar="N", help="RAM for parked conversations (1 GiB)")
     add("--disk-cache-dir", type=directory, metavar="DIR", help="spill parked conversations here")
     add(

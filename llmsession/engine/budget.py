@@ -17,9 +17,10 @@ class BudgetError(MemoryBudgetError):
 
 @dataclass(frozen=True)
 class Budget:
-    kv_cells: int  # KV cells of the shared context
+    kv_cells: int  # KV cells of the shared context (with own_cells: of each sequence)
     max_live: int  # its sequences
     host_bytes: int  # parked states in host RAM, in total
+    own_cells: bool = False  # each sequence has cells of its own, not a share of one pool
 
     def __post_init__(self) -> None:
         if self.kv_cells < 1 or self.max_live < 1 or self.host_bytes < 0:
@@ -30,12 +31,23 @@ class Budget:
 class MemoryConfig:
     """The model's memory budget (``Model(kv_tokens=..., ...)``)."""
 
-    kv_tokens: int = 8192  # KV cells shared by the live sessions (per layout: swa_full)
-    max_live_sessions: int = 8  # sequences of the shared context
+    kv_tokens: int = 8192  # KV cells of the live sessions (per layout: swa_full)
+    max_live_sessions: int = 4  # sequences of the shared context
     host_cache_bytes: int = 1 << 30  # parked states in RAM
     disk_cache_dir: Path | None = None  # parked states the RAM budget lets go (else forgotten)
     batch_size: int = 512  # the largest prefill batch
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # per session, recurrent only
+    kv_layout: str = "per_session"  # live sessions' own kv_tokens / max_live_sessions cells each, or "shared"
+
+
+CELLS_QUANTUM = 256  # llama.cpp pads a sequence's own cells to a multiple of this
+
+
+def own_cells(kv_tokens: int, max_live: int) -> int:
+    """The cells each of ``max_live`` sequences holds of ``kv_tokens`` when each has its own:
+    a multiple of what llama.cpp pads to, rounded down (at least one), so the whole stays
+    within ``kv_tokens`` where it can."""
+    return max(CELLS_QUANTUM, kv_tokens // max_live // CELLS_QUANTUM * CELLS_QUANTUM)
 
 
 @dataclass
@@ -72,6 +84,8 @@ class MemoryReport:
     sessions: list[SessionMemory]
     checkpoint_bytes: int = 0  # recurrent states kept to rewind to, all sessions
     counters: Counters = field(default_factory=Counters)
+    kv_layout: str = "shared"  # as configured: "per_session" where live sessions have cells of their own
+    session_cells: int = 0  # the most one live session holds
 
     def __str__(self) -> str:
         c = self.counters

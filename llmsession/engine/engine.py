@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from llmsession.engine import sharing
 from llmsession.engine.batching import Batcher, Gate
-from llmsession.engine.budget import Budget, Counters, MemoryConfig, MemoryReport, SessionMemory
+from llmsession.engine.budget import Budget, Counters, MemoryConfig, MemoryReport, SessionMemory, own_cells
 from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
@@ -98,18 +98,39 @@ class Engine:
         if layout not in self._shared_contexts:
             live = self.config.max_live_sessions if swa_full else 1
             c = self.config
+            own = self.own_cells(swa_full)
+            cells = own_cells(c.kv_tokens, live) if own else c.kv_tokens
             make = functools.partial(
                 self.make_context,
-                n_ctx=c.kv_tokens,
+                n_ctx=cells * live if own else cells,
                 n_batch=layout[1],
                 threads=self.threads,
                 swa_full=swa_full,
                 n_seq_max=live,
                 flash_attention=self.flash_attention,
+                own_cells=own,
             )
-            budget = Budget(c.kv_tokens, max_live=live, host_bytes=c.host_cache_bytes)
+            budget = Budget(cells, max_live=live, host_bytes=c.host_cache_bytes, own_cells=own)
             self._shared_contexts[layout] = SharedContext(make, budget, swa_full=swa_full, n_batch=layout[1])
         return self._shared_contexts[layout]
+
+    def own_cells(self, swa_full: bool) -> bool:
+        """Whether live sessions of this layout each attend over cells of their own (llama.cpp's
+        per-sequence streams): not a recurrent memory's (its states are its own already), nor
+        the small sliding-window cache's (one live session)."""
+        c = self.config
+        pooled = c.kv_layout == "shared" or c.max_live_sessions == 1
+        return swa_full and not pooled and not self.native.is_recurrent
+
+    def streams(self, swa_full: bool) -> int:
+        """How many sequences have cells of their own (a saved state names it; 1: one pool)."""
+        return self.config.max_live_sessions if self.own_cells(swa_full) else 1
+
+    def session_cells(self, swa_full: bool) -> int:
+        """The most positions one session may hold live."""
+        c = self.config
+        live = c.max_live_sessions
+        return own_cells(c.kv_tokens, live) if self.own_cells(swa_full) else c.kv_tokens
 
     def warm(self) -> threading.Thread | None:
         """Make the default layout's shared context now, in the background, so that no exchange
@@ -157,9 +178,8 @@ class Engine:
         with self.hold():
             self._reap()
             if cells > home.budget.kv_cells:
-                raise MemoryBudgetError(
-                    f"{cells} positions exceed the model's kv_tokens ({home.budget.kv_cells})"
-                )
+                most = home.budget.kv_cells
+                raise MemoryBudgetError(f"{cells} positions exceed a live session's {most} cells")
             if not exchange and not home.residency.fits(lease.key, cells):
                 raise MemoryBudgetError("background work evicts no one")
             # (a BudgetError is the MemoryBudgetError callers see)
@@ -281,6 +301,8 @@ class Engine:
                 disk_bytes=self.lot.disk_bytes,
                 checkpoint_bytes=checkpoints,
                 sessions=sessions,
+                kv_layout="per_session" if self.own_cells(True) else "shared",
+                session_cells=self.session_cells(True),
                 counters=Counters(**{f.name: getattr(self.counters, f.name) for f in fields(Counters)}),
             )
 

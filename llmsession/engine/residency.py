@@ -2,7 +2,9 @@
 host RAM, or nowhere (cold: the transcript only, so the next exchange prefills from scratch).
 
 All live sessions share one llama context: a live session holds one of its sequences and as many
-KV cells as positions it keeps. When an exchange needs a sequence or cells that are not free, the
+KV cells as positions it keeps, of one pool, or of its sequence's own (``Budget.own_cells``). The
+lowest free sequence goes first: llama.cpp batches sequences of their own cells together only
+where their numbers follow each other. When an exchange needs a sequence or cells that are not free, the
 least recently used idle session is evicted: parked (its sequence state copied to host RAM) when
 its kind allows it and the host budget can hold it, dropping the oldest parked states to make
 room, else dropped cold. A session in an exchange is never evicted.
@@ -13,6 +15,7 @@ engine applies them to the native context in order.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
@@ -61,7 +64,7 @@ class Residency:
         self.budget = budget
         self._park_bytes = park_bytes
         self._entries: dict[Key, Entry] = {}
-        self._free_seqs = list(range(budget.max_live - 1, -1, -1))
+        self._free_seqs = list(range(budget.max_live))  # a heap: the lowest goes first
         self._clock = 0
 
     # -- views ---------------------------------------------------------------------------------
@@ -86,7 +89,15 @@ class Residency:
         live = entry.state is State.LIVE
         if entry.state is State.PARKED or not (live or self._free_seqs):
             return False
-        return self.live_cells - (entry.cells if live else 0) + cells <= self.budget.kv_cells
+        return cells <= self.room(key)
+
+    def room(self, key: Key) -> int:
+        """The cells ``key``'s sequence may hold without evicting anyone."""
+        if self.budget.own_cells:
+            return self.budget.kv_cells
+        entry = self._entries[key]
+        held = entry.cells if entry.state is State.LIVE else 0
+        return self.budget.kv_cells - self.live_cells + held
 
     # -- changes -------------------------------------------------------------------------------
     def add(self, key: Key) -> None:
@@ -127,10 +138,10 @@ class Residency:
         if entry.state is not State.LIVE:
             if entry.state is State.PARKED:
                 entry.parked_bytes = 0
-                entry.seq = self._free_seqs.pop()
+                entry.seq = heapq.heappop(self._free_seqs)
                 steps.append(Move("restore", key, entry.seq))
             else:
-                entry.seq = self._free_seqs.pop()
+                entry.seq = heapq.heappop(self._free_seqs)
             entry.state = State.LIVE
         entry.cells = cells
         return steps
@@ -162,7 +173,7 @@ class Residency:
         needs_seq = entry.state is not State.LIVE
         others = [(e.stamp, k) for k, e in self._entries.items() if e.state is State.LIVE and k != key]
         busy = [k for _, k in others if self._entries[k].busy]
-        busy_cells = sum(self._entries[k].cells for k in busy)
+        busy_cells = 0 if self.budget.own_cells else sum(self._entries[k].cells for k in busy)
         if busy_cells + cells > self.budget.kv_cells or (needs_seq and len(busy) >= self.budget.max_live):
             raise BudgetError(
                 f"sessions in an exchange hold {busy_cells} cells and {len(busy)} sequences: "
@@ -170,7 +181,8 @@ class Residency:
             )
         steps: list[Move] = []
         victims = sorted((v for v in others if not self._entries[v[1]].busy), key=lambda v: v[0])
-        while (needs_seq and not self._free_seqs) or self.live_cells - held + cells > self.budget.kv_cells:
+        pool = self.budget.kv_cells if not self.budget.own_cells else None
+        while (needs_seq and not self._free_seqs) or (pool and self.live_cells - held + cells > pool):
             steps += self._evict(victims.pop(0)[1], key)
         return steps
 
@@ -198,5 +210,5 @@ class Residency:
         return steps
 
     def _free(self, entry: Entry) -> None:
-        self._free_seqs.append(entry.seq)
+        heapq.heappush(self._free_seqs, entry.seq)
         entry.seq, entry.cells = -1, 0

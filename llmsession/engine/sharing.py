@@ -2,12 +2,13 @@
 holds (a system prompt many conversations open with, say), live or parked: those positions are
 not decoded again.
 
-A live donor's cells are shared (``seq_cp``, then cut after the prefix). A parked donor's state
-is restored into the new session's sequence (a copy: the donor stays parked) and cut after the
-prefix, unless the prefix is a sliver of the state: a restore copies all of it, at microseconds a
-position, where a decode costs milliseconds. Only where sequences share one set of cells and a
-cut is exact (not the small sliding-window cache); parked donors not on sliding-window models at
-all, as the pinned llama.cpp restores a Gemma 3 state past its window wrong.
+A live donor's cells are shared (``seq_cp``, then cut after the prefix); where each sequence has
+cells of its own, its state is copied, as a parked donor's is, where it would be parked. A parked
+donor's state is restored into the new session's sequence (a copy: the donor stays parked) and
+cut after the prefix, unless the prefix is a sliver of the state: a restore copies all of it, at
+microseconds a position, where a decode costs milliseconds. Only where a cut is exact (not the
+small sliding-window cache); parked donors not on sliding-window models at all, as the pinned
+llama.cpp restores a Gemma 3 state past its window wrong.
 """
 
 from __future__ import annotations
@@ -56,8 +57,15 @@ def share(
     if not shared:
         return 0
     donor, donor_seq = live[index]
+    if home.budget.own_cells and not (donor.parkable and _worth_copying(donor, shared)):
+        return 0  # (a copy goes through the state: not past a sliding window, #25295)
     home.context.seq_cp(donor_seq, seq)
     return _keep_prefix(lease, seq, donor, shared, "")
+
+
+def _worth_copying(donor: Lease, shared: int) -> bool:
+    """Whether a copy of ``donor``'s whole state (then cut) is worth ``shared`` positions."""
+    return shared * RESTORE_SHARE >= len(donor.cache.items)
 
 
 def _from_parked(
@@ -77,11 +85,10 @@ def _from_parked(
         and parked.holds(key)
     ]
     index, shared = best_donor(prompt, [donor.cache.items for donor in donors], can_cut=can_cut)
-    if shared <= beat or shared * RESTORE_SHARE < len(donors[index].cache.items):
+    if shared <= beat or not _worth_copying(donors[index], shared):
         return 0
-    donor, context, ledger = donors[index], home.context, home.residency
-    free = home.budget.kv_cells - ledger.live_cells + ledger.entry(lease.key).cells
-    if len(donor.cache.items) > free:  # (the whole state goes in before the cut; llama.cpp would refuse)
+    donor, context = donors[index], home.context
+    if len(donor.cache.items) > home.residency.room(lease.key):  # (the whole state goes in first)
         return 0
     blob = parked.state(donor)
     if blob is None or not context.state_set(blob, seq):

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmsession.buffers import mapping
-from llmsession.errors import (
-    ContextOverflowError,
-)
+from llmsession.errors import ContextOverflowError, NativeError
+from llmsession.native.batch import Batch
 from llmsession.native.cancel import ACTIVITY, AbortFlag, abort_callback
 from llmsession.native.llama import (
     NativeModel,
@@ -31,55 +30,6 @@ if TYPE_CHECKING:
 
 DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
 POLL = 1  # how long a thread pool's workers spin for the next graph before they sleep (a few ms)
-
-
-class Batch:
-    """Owns a ``llama_batch`` reused for every decode of one context. It is filled through cffi
-    slices, not numpy views: right after a decode the caches are cold, and there each numpy
-    call cost 5-15 µs (a one-token fill took 30-40 µs of a SmolLM2 token's 5 ms)."""
-
-    def __init__(self, capacity: int) -> None:
-        lib, _ = bindings()
-        self.raw = lib.llama_batch_init(capacity, 0, 1)
-        self._free = weakref.finalize(self, lib.llama_batch_free, self.raw)
-        self.capacity = capacity
-        self.raw.n_seq_id[0:capacity] = [1] * capacity
-        self._seqs = [-1] * capacity  # what each slot's seq_id holds
-        self._filled = capacity  # the slots the last fill used (whose logits flags to clear)
-
-    def fill(self, tokens: Sequence[int], start: int, seq: int = 0, *, outputs: bool = False) -> None:
-        """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
-        the last one (for every one with ``outputs``: an encoder's batch)."""
-        self.fill_many([(tokens, start, seq)])
-        if outputs:
-            self.raw.logits[0 : len(tokens)] = b"\x01" * len(tokens)
-
-    def fill_many(
-        self, runs: Sequence[tuple[Sequence[int], int, int]], outputs: Sequence[int] | None = None
-    ) -> list[int]:
-        """Several runs ``(tokens, start, seq)`` one after another, logits for each one's last
-        token (its last ``outputs[i]``, if given: a drafted step's); the indices of those last tokens."""
-        n, ends, raw, seqs = 0, [], self.raw, self._seqs
-        wanted = [1] * len(runs) if outputs is None else outputs
-        if sum(len(tokens) for tokens, _, _ in runs) > self.capacity or not runs:
-            raise ValueError(f"a batch holds 1 to {self.capacity} tokens")
-        raw.logits[0 : self._filled] = bytes(self._filled)
-        for (tokens, start, seq), rows in zip(runs, wanted, strict=True):
-            k = len(tokens)
-            raw.token[n : n + k] = tokens
-            raw.pos[n : n + k] = range(start, start + k)
-            for i in range(n, n + k):
-                if seqs[i] != seq:
-                    raw.seq_id[i][0] = seqs[i] = seq
-            n += k
-            rows = max(1, min(rows, k))
-            raw.logits[n - rows : n] = b"\x01" * rows
-            ends.append(n - 1)
-        raw.n_tokens = self._filled = n
-        return ends
-
-    def close(self) -> None:
-        self._free()
 
 
 class ThreadPool:
@@ -139,16 +89,19 @@ class NativeContext(Owner):
         n_seq_max: int = 1,
         flash_attention: bool | None = None,
         kv_type: str = "f16",
+        own_cells: bool = False,
     ) -> None:
         """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported).
-        ``kv_type``: the cells' type for K and V (``options.KV_TYPES``)."""
+        ``kv_type``: the cells' type for K and V (``options.KV_TYPES``). ``own_cells``: each
+        sequence gets a stream of ``n_ctx / n_seq_max`` cells of its own (``kv_unified`` off), so
+        its attention runs over its own cells only; else sequences share one pool of cells."""
         lib, ffi = bindings()
         params = lib.llama_context_default_params()
         params.flash_attn_type = flash_attn_type(flash_attention)
         params.type_k = params.type_v = kv_ggml_type(kv_type)
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
         params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
-        params.swa_full, params.kv_unified = swa_full, n_seq_max > 1  # sequences share the cells
+        params.swa_full, params.kv_unified = swa_full, n_seq_max > 1 and not own_cells
         params.no_perf = True
         pool = ThreadPool(threads)
         pointer = lib.llama_init_from_model(model.ptr, params)
@@ -162,7 +115,9 @@ class NativeContext(Owner):
         _POOLED.add(self)
         model.adopt(self)
         self._memory = lib.llama_get_memory(self.ptr)
-        self.n_ctx: int = min(n_ctx, lib.llama_n_ctx(self.ptr))
+        self.own_cells = own_cells and n_seq_max > 1
+        whole = lib.llama_n_ctx_seq(self.ptr) if self.own_cells else lib.llama_n_ctx(self.ptr)
+        self.n_ctx: int = min(n_ctx // n_seq_max if self.own_cells else n_ctx, whole)  # a sequence's
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
         self.batch = Batch(n_batch)
         self._flag = AbortFlag()
@@ -285,10 +240,16 @@ class NativeContext(Owner):
         return bool(bindings()[0].llama_memory_seq_rm(self.memory, seq, p0, -1))
 
     def seq_cp(self, src: int, dst: int) -> None:
-        """Make ``dst`` hold what ``src`` holds (the cells are shared, not copied)."""
+        """Make ``dst`` hold what ``src`` holds: the cells are shared, or, where each sequence
+        has cells of its own, copied through the state now (llama.cpp's own copy between
+        streams waits for the next decode: a state read or loaded before it would be stale or
+        overwritten)."""
         self.check_seq(src)
         self.check_seq(dst)
-        bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        if not self.own_cells:
+            bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        elif not self.state_set(self.state_get(src), dst):
+            raise NativeError(f"copying sequence {src}'s state into sequence {dst} failed")
 
     def clear(self) -> None:
         """Empty the whole memory (every sequence)."""
@@ -355,12 +316,13 @@ def kv_ggml_type(kv_type: str) -> int:
 
 
 def context_layout(
-    swa_full: bool, flash_attention: bool | None, kv_type: str = "f16"
+    swa_full: bool, flash_attention: bool | None, kv_type: str = "f16", streams: int = 1
 ) -> dict[str, int | bool]:
     """The context parameters a saved sequence state depends on, as NativeContext sets them
-    (a sequence's state does not depend on how many sequences share the context; its V cache
+    (a sequence's state does not depend on how many sequences share one pool of cells, but it
+    names how many have cells of their own, ``streams``, and loads only into as many; its V cache
     is stored transposed without flash attention; its cells are of ``kv_type``)."""
-    return {
+    return ({"streams": streams} if streams != 1 else {}) | {
         "type_k": kv_ggml_type(kv_type),
         "type_v": kv_ggml_type(kv_type),
         # (quantized V turns llama.cpp's AUTO on: a state saved either way has one layout)

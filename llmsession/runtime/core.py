@@ -66,7 +66,8 @@ class ModelCore:
         threads: int | None = None,
         use_jinja: bool = False,
         kv_tokens: int = 8192,
-        max_live_sessions: int = 8,
+        max_live_sessions: int = 4,
+        kv_layout: str = "per_session",
         host_cache_bytes: int = 1 << 30,
         disk_cache_dir: str | Path | None = None,
         batch_size: int = 512,
@@ -86,6 +87,7 @@ class ModelCore:
         config = memory_config(
             kv_tokens=kv_tokens,
             max_live_sessions=max_live_sessions,
+            kv_layout=kv_layout,
             host_cache_bytes=host_cache_bytes,
             disk_cache_dir=disk_cache_dir,
             batch_size=batch_size,
@@ -99,12 +101,8 @@ class ModelCore:
         self.anticipate = bool(anticipate)
         servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
-        native_args: dict[str, Any] = {
-            "gpu_layers": gpu_layers,
-            "threads": self.threads,
-            "rpc_servers": servers,
-        }
-        self.native, self.projector = load_native(self.path, self.mmproj_path, **native_args, cells=cells)
+        where: dict[str, Any] = {"gpu_layers": gpu_layers, "threads": self.threads, "rpc_servers": servers}
+        self.native, self.projector = load_native(self.path, self.mmproj_path, **where, cells=cells)
         self.engine = Engine(self.native, self.projector, self.threads, config, **cells)
         self.engine.warm()
         self.template = self.native.chat_template()

@@ -14,7 +14,7 @@ from llmsession.errors import NativeError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
-from llmsession.options import KV_TYPES, MAX_POSITIONS, check_int
+from llmsession.options import KV_LAYOUTS, KV_TYPES, MAX_POSITIONS, check_int
 
 log = logging.getLogger("llmsession")
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
@@ -76,6 +76,7 @@ def memory_config(
     *,
     kv_tokens: int,
     max_live_sessions: int,
+    kv_layout: str,
     host_cache_bytes: int,
     disk_cache_dir: str | Path | None,
     batch_size: int,
@@ -85,10 +86,13 @@ def memory_config(
     check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
     check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
     check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r:.40}")
     check_int("batch_size", batch_size, 1, MAX_POSITIONS)
     return MemoryConfig(
         kv_tokens=kv_tokens,
         max_live_sessions=max_live_sessions,
+        kv_layout=kv_layout,
         host_cache_bytes=host_cache_bytes,
         disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
         batch_size=min(batch_size, kv_tokens),

@@ -44,7 +44,9 @@ def compat(model: ModelCore, swa_full: bool) -> dict[str, Any]:
         "state_seq_version": state_seq_version(),
         "model_sha256": model.identity(),
         "projector_sha256": model.projector_identity(),
-        "context": context_layout(swa_full, model.flash_attention, model.kv_type),
+        "context": context_layout(
+            swa_full, model.flash_attention, model.kv_type, model.engine.streams(swa_full)
+        ),
     }
 
 
@@ -115,7 +117,8 @@ def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int, n
     for key, value in current.items():
         if saved.compat.get(key) != value:
             was = saved.compat.get(key)
-            return _cell_types(was, value) or f"{key} differs (saved {was!r}, now {value!r})"
+            differs = f"{key} differs (saved {was!r}, now {value!r})"
+            return _cell_types(was, value) or _streams(was, value) or differs
     if len(saved.record) >= context_size:
         return f"the state holds {len(saved.record)} positions; the session's context is {context_size}"
     if not all(0 <= item < n_vocab for item in saved.record if isinstance(item, int)):
@@ -133,6 +136,18 @@ def _cell_types(saved: object, now: object) -> str:
     return (
         f"its KV cells are {names.get(was, f'ggml type {was}')} and this model's are "
         f"{names.get(new, f'ggml type {new}')} (kv_type): a state reloads only into cells of its type"
+    )
+
+
+def _streams(saved: object, now: object) -> str:
+    """Why a saved context layout does not fit when it is the sequences' own cells, else ""."""
+    was = saved.get("streams", 1) if isinstance(saved, dict) else None
+    new = now.get("streams", 1) if isinstance(now, dict) else None
+    if was is None or was == new:
+        return ""
+    return (
+        f"it was saved from a context where {was} sequence(s) had cells of their own, and this "
+        f"session's has {new} (kv_layout, max_live_sessions, swa_full): a state reloads only into as many"
     )
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from llmsession.engine import anticipate
+from llmsession.engine.budget import MemoryConfig
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
 from llmsession.errors import ContextOverflowError, ModelClosedError
@@ -53,6 +54,17 @@ def said_messages(content: Any) -> list[Message]:
     return [{"role": "user", "content": content}]
 
 
+def too_many(config: MemoryConfig, most: int) -> str:
+    """What a session's positions exceed, and what to load the model with instead."""
+    if most == config.kv_tokens:
+        return f"the model's kv_tokens ({most}); load the model with a larger kv_tokens"
+    return (
+        f"the {most} cells a live session holds (kv_tokens {config.kv_tokens} / max_live_sessions "
+        f"{config.max_live_sessions}); load the model with a larger kv_tokens, fewer "
+        "max_live_sessions, or kv_layout='shared'"
+    )
+
+
 class Session:
     """A conversation; create with ``Model.session()`` (``with model.session() as s:`` ends it
     on exit). Its KV state lives in the model's engine."""
@@ -71,18 +83,16 @@ class Session:
         if model.closed:
             raise ModelClosedError("this model is closed")
         config = model.engine.config
-        if context_size is None:  # 4,096 positions, or the whole budget if it is smaller
-            context_size = min(DEFAULT_CONTEXT_SIZE, config.kv_tokens)
-        check_int("context_size", context_size, 16, MAX_POSITIONS)
         check_int("batch_size", batch_size, 1, MAX_POSITIONS)
         for name, flag in (("thinking", thinking), ("swa_full", swa_full), ("share_prefix", share_prefix)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if context_size > config.kv_tokens:
-            raise ValueError(
-                f"context_size: {context_size} positions exceed the model's kv_tokens "
-                f"({config.kv_tokens}); load the model with a larger kv_tokens"
-            )
+        most = model.engine.session_cells(swa_full)
+        if context_size is None:  # 4,096 positions, or what a live session may hold if fewer
+            context_size = min(DEFAULT_CONTEXT_SIZE, most)
+        check_int("context_size", context_size, 16, MAX_POSITIONS)
+        if context_size > most:
+            raise ValueError(f"context_size: {context_size} positions exceed {too_many(config, most)}")
         self.model = model
         self.context_size = context_size
         self.batch_size = min(batch_size, context_size, config.batch_size)

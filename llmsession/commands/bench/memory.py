@@ -163,30 +163,39 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The engine in each KV layout, with 8,192 cells: 4 live sessions of 2,048 cells of their own
+# each (the default), or 8 sharing one pool; wave 1 a context per session (each a lone session).
+CONTENDERS: dict[str, dict[str, Any]] = {
+    "engine": {"kv_layout": "per_session", "max_live_sessions": 4},
+    "engine-shared": {"kv_layout": "shared", "max_live_sessions": 8},
+    "wave-1": {"kv_layout": "shared", "max_live_sessions": 8},
+}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sizes": args.sessions}
     host_bytes = 1 << 30
     with tempfile.TemporaryDirectory(prefix="llmsession-bench-") as disk:
         for n in args.sessions:
-            for name in ("engine", "wave-1"):
+            for name, layout in CONTENDERS.items():
                 progress(f"memory: {n} sessions, {name}", started)
                 with Model(
                     args.model,
                     threads=args.threads,
                     kv_tokens=8192,
-                    max_live_sessions=8,
                     host_cache_bytes=host_bytes,
                     disk_cache_dir=disk,
+                    **layout,
                 ) as model:
                     model.session().respond(
                         "Hello", GenerationOptions(max_tokens=4, temperature=0)
                     )  # warm up
                     results.setdefault("machine", machine(model.threads))
                     results.setdefault("model_mib", rss_mib())
-                    contender = engine_contender(model) if name == "engine" else wave_one(model)
+                    contender = wave_one(model) if name == "wave-1" else engine_contender(model)
                     outcome = round_robin(model, contender, n, args.rounds, args.first_tokens)
-                    if name == "engine":
+                    if name != "wave-1":
                         outcome["counters"] = vars(model.memory().counters)
                 results.setdefault(name, {})[str(n)] = outcome | {"summary": summary(outcome)}
     if args.peer:
@@ -220,14 +229,14 @@ def report(results: dict[str, Any]) -> None:
         "decoded (rounds 2+)",
         "max per exchange",
         "gen tok/s",
+        "÷ wave-1",
     ]
     rows = []
     for n in results["sizes"]:
-        for name, result in (
-            ("engine", results["engine"][str(n)]),
-            ("wave-1", results["wave-1"][str(n)]),
+        for name, result in [
+            *((name, results[name][str(n)]) for name in CONTENDERS if name in results),
             ("llama-cpp-python", peer.get(str(n))),
-        ):
+        ]:
             if result is None:
                 continue
             s = result["summary"]
@@ -240,11 +249,17 @@ def report(results: dict[str, Any]) -> None:
                 str(s["decoded_later_rounds"]),
                 str(s["max_decoded_later"]),
                 f"{s['tokens_per_s']:.0f}",
+                f"{s['tokens_per_s'] / lone:.2f}" if (lone := wave_rate(results, n)) else "-",
             ]
             rows.append(row)
     table("memory: N sessions round-robin (TTFT median, ms; resident = RSS growth once idle)", header, rows)
     if "skipped" in results.get("peer", {}):
         print(f"peer skipped: {results['peer']['skipped']}")
+
+
+def wave_rate(results: dict[str, Any], n: int) -> float:
+    """Generation speed of wave 1's contexts (each session's own, as a lone session's)."""
+    return float(results.get("wave-1", {}).get(str(n), {}).get("summary", {}).get("tokens_per_s", 0.0))
 
 
 def main(argv: list[str]) -> int:
