@@ -43,7 +43,7 @@ from llmsession.commands.bench.common import (
     publish,
     table,
 )
-from llmsession.options import GenerationOptions
+from llmsession.options import KV_LAYOUTS, GenerationOptions
 
 PROMPTS = (
     "Tell me a story about a lighthouse.", "Describe the sea at night.", "Write a poem about winter.",
@@ -222,12 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="runs of each side, and of the reference"
     )
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=KV_LAYOUTS[0], help="the model's")
     common_arguments(parser)
     args = parser.parse_args(argv)
     counts = args.streams
     started = time.perf_counter()
     options = GenerationOptions(max_tokens=args.max_tokens, temperature=0)
-    with Model(args.model, threads=args.threads, max_live_sessions=max(8, *counts)) as model:
+    live = max(8, *counts)  # each session room for the 2,000-token arrival and its reply
+    memory = {"max_live_sessions": live, "kv_tokens": 3072 * live, "kv_layout": args.kv_layout}
+    with Model(args.model, threads=args.threads, **memory) as model:
         model.session().respond("Hello", GenerationOptions(max_tokens=4, temperature=0))  # warm up
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         results: dict[str, Any] = {"date": date, "machine": machine(model.threads), "model": args.model.name}
