@@ -143,7 +143,7 @@ def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(
             session = model.session(context_size=2048, batch_size=64)
             text = " ".join(["river bridge lantern harbour meadow orchard"] * 250)
             def interrupt():
-                time.sleep(1.0)  # inside the prefill of 3,000 tokens (several seconds)
+                time.sleep(1.0)  # inside the prefill of about 1,500 tokens (several seconds)
                 os.kill(os.getpid(), signal.SIGINT)
             threading.Thread(target=interrupt, daemon=True).start()
             began = time.perf_counter()
@@ -155,7 +155,7 @@ def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(
                 raise SystemExit("the prefill ran to the end")
             assert session.messages == [], session.messages
             kept = session.cached_tokens
-            assert 0 < kept < 3000, kept
+            assert 0 < kept < 1000, kept  # (at most a second's worth, a few batches)
             reply = session.respond("Hi", GREEDY)
             assert session.messages[0] == {{"role": "user", "content": "Hi"}}, session.messages
             fresh = model.session(context_size=2048).respond("Hi", GREEDY)

@@ -71,7 +71,7 @@ def test_32_sessions_round_robin_under_a_small_budget_equal_a_never_evicted_cont
     assert problems == []
     counters = report.counters
     assert counters.parks >= 28 and counters.restores >= 28 and counters.drops == 0, counters
-    assert report.live_sessions <= 4 and report.live_tokens <= 4096
+    assert report.live_sessions <= 4 and report.kv_layout == "per_session" and report.session_cells == 1024
     assert report.parked_bytes <= 128 << 20
 
 

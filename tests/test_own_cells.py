@@ -13,6 +13,7 @@ import pytest
 from test_reuse import assert_same_as_fresh, check_against_fresh, paragraph, short_prompt_noise, tolerance_for
 
 from llmsession import GenerationOptions, Model
+from llmsession.native.llama import bindings
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 SYSTEM = "You are a patient guide to the old city. Answer in full sentences, with one example each."
@@ -24,7 +25,9 @@ def test_the_default_layout_gives_each_live_session_cells_of_its_own(smollm2: Mo
     session.respond("Hi.", GenerationOptions(max_tokens=2, temperature=0))
     context = internals.live_context(session)
     assert context is not None and context.own_cells and context.n_seq_max == 4
-    assert context.n_ctx == engine.session_cells(True) == 2048  # 8,192 cells / 4 live sessions
+    lib, _ = bindings()  # llama.cpp's own view: 4 streams of 2,048 cells, 8,192 in all
+    assert lib.llama_n_ctx_seq(context.ptr) == engine.session_cells(True) == 2048
+    assert lib.llama_n_ctx(context.ptr) == 8192
     assert session.context_size == 2048
 
 
@@ -50,12 +53,19 @@ def test_a_fork_copied_into_its_own_cells_equals_a_fresh_decode(smollm2: Model) 
     assert reply.usage.reused_tokens >= len(internals.record(source))
 
 
-def test_a_fork_given_anothers_state_is_caught(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fork_given_anothers_state_is_caught(
+    smollm2: Model, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fork differential's teeth: a copy that takes another live session's state instead of
-    the source's fails the check the real copy passes."""
-    pirate = smollm2.session(system="You are a pirate who speaks only of the sea and its ships.")
+    the source's fails the check the real copy passes (a model of its own: nobody evicted)."""
+    with Model(smollm2_path, threads=2, anticipate=False) as model:
+        caught_wrong_fork(model, monkeypatch, tolerance_for(short_prompt_noise(smollm2)))
+
+
+def caught_wrong_fork(model: Model, monkeypatch: pytest.MonkeyPatch, tolerance: float) -> None:
+    pirate = model.session(system="You are a pirate who speaks only of the sea and its ships.")
     pirate.respond("Tell me about your ship and the storms it has seen on the open sea.", GREEDY)
-    source = smollm2.session(system=SYSTEM)
+    source = model.session(system=SYSTEM)
     source.respond("Tell me about the history of Paris.", GREEDY)
     if len(internals.record(pirate)) < len(internals.record(source)):
         pytest.fail("the pirate's state must hold at least the source's positions")
@@ -71,8 +81,8 @@ def test_a_fork_given_anothers_state_is_caught(smollm2: Model, monkeypatch: pyte
     monkeypatch.setattr(type(context), "seq_cp", wrong)
     fork = source.fork()
     monkeypatch.undo()
+    assert [internals.placement(s)[0] for s in (pirate, source, fork)] == ["live"] * 3
     reply = fork.respond("And its bridges?", GREEDY)
-    tolerance = tolerance_for(short_prompt_noise(smollm2))
     assert check_against_fresh(fork, reply, tolerance) != [], "a fork of the wrong state passed"
 
 
@@ -100,7 +110,25 @@ def test_a_session_larger_than_its_own_cells_is_refused_with_what_to_change(smol
         assert model.session().context_size == 1024
         with pytest.raises(ValueError, match=r"1024 cells a live session holds.*kv_layout='shared'"):
             model.session(context_size=2048)
+        # (a model without a sliding window has one layout: the small-window flag changes nothing)
+        assert model.session(swa_full=False).context_size == 1024
     with Model(smollm2_path, threads=2, kv_tokens=4096, max_live_sessions=4, kv_layout="shared") as model:
         assert model.session(context_size=4096).context_size == 4096
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         Model(smollm2_path, threads=2, kv_layout="streams")
+    with pytest.raises(ValueError, match="fewer than 256 cells of its own"):
+        Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=8)
+
+
+def test_a_session_saved_larger_than_a_live_session_holds_here_loads_at_what_fits(
+    smollm2: Model, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A file from the pool (or the old defaults) with context_size 4,096 loads its transcript
+    into 2,048 cells of its own instead of refusing the file."""
+    with Model(smollm2_path, threads=2, kv_layout="shared") as shared:
+        session = shared.session(system=SYSTEM, context_size=4096)
+        session.respond("Tell me about the history of Paris.", GREEDY)
+        session.save(tmp_path / "pooled.llms")
+    loaded = smollm2.load_session(tmp_path / "pooled.llms")
+    assert loaded.context_size == 2048 and loaded.messages == session.messages
+    assert loaded.respond("And its bridges?", GREEDY).usage.completion_tokens > 0

@@ -90,11 +90,19 @@ def batch_noise(model: Model) -> float:
 
 @functools.cache
 def batch_rows(model: Model) -> tuple[np.ndarray, np.ndarray]:
-    """A prompt's final logits, its last token decoded alone and batched with three others'."""
+    """A prompt's final logits, its last token decoded alone and batched with three others', in
+    the model's layout (with cells of their own, each sequence N_CTX)."""
     tokens = model.prompt_tokens([{"role": "user", "content": paragraph(model, 0, 300)}])
     n = len(tokens)
+    own = model.local.engine.own_cells(True)
     context = NativeContext(
-        model.native, n_ctx=N_CTX, n_batch=512, threads=2, n_seq_max=4, flash_attention=model.flash_attention
+        model.native,
+        n_ctx=4 * N_CTX if own else N_CTX,
+        n_batch=512,
+        threads=2,
+        n_seq_max=4,
+        flash_attention=model.flash_attention,
+        own_cells=own,
     )
     try:
         for seq in range(4):

@@ -72,6 +72,7 @@ def doctor(args: argparse.Namespace) -> int:
     print(
         "memory budget per model (the defaults; Model() arguments change them): "
         f"kv_tokens {budget.kv_tokens}, max_live_sessions {budget.max_live_sessions}, "
+        f"kv_layout {budget.kv_layout}, "
         f"host_cache_bytes {budget.host_cache_bytes >> 20} MiB, disk_cache_dir none"
     )
     return status

@@ -45,28 +45,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from llmsession.api.model import Model
 
-    settings: dict[str, Any] = {
-        name: value
-        for name in (
-            "mmproj_path",
-            "threads",
-            "kv_tokens",
-            "max_live_sessions",
-            "kv_layout",
-            "host_cache_bytes",
-            "stateless_sessions",
-            "kv_type",
-        )
-        if (value := getattr(args, name)) is not None
-    }
-    if args.disk_cache_dir is not None:
-        settings["disk_cache_dir"] = args.disk_cache_dir
-    if args.flash_attention != "auto":
-        settings["flash_attention"] = args.flash_attention == "on"
+    settings = model_settings(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("llmsession.native").addFilter(CancelledDecodes())
     try:
         with Model(model_path, **settings) as model:
+            if args.context_size:  # checked against the memory now, not at every request
+                model.session(context_size=args.context_size).close()
             app = create_app(
                 model,
                 api_key=args.api_key,
@@ -90,6 +75,16 @@ def serve(args: argparse.Namespace) -> int:
         error(str(e))
         return 1
     return 0
+
+
+def model_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Model`` settings the command line gives (the rest: the library's defaults)."""
+    names = ["mmproj_path", "threads", "kv_tokens", "max_live_sessions", "kv_layout", "host_cache_bytes"]
+    names += ["stateless_sessions", "kv_type", "disk_cache_dir"]
+    settings = {name: value for name in names if (value := getattr(args, name)) is not None}
+    if args.flash_attention != "auto":
+        settings["flash_attention"] = args.flash_attention == "on"
+    return settings
 
 
 def memory_line(report: MemoryReport, disk: Path | None, flash_attention: bool | None) -> str:
@@ -178,7 +173,12 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     add("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
     add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")
-    add("--context-size", type=positive_int, metavar="N", help="positions per conversation (default: 4096)")
+    add(
+        "--context-size",
+        type=positive_int,
+        metavar="N",
+        help="positions per conversation (default: 4096, or what a live conversation holds if fewer)",
+    )
     add_memory_arguments(parser)
     add(
         "--max-body-bytes",

@@ -1,7 +1,8 @@
 """The engine: a model's shared llama contexts, and where every session's KV state lives.
 
-A live session holds one sequence of a shared context made with ``kv_unified``: the KV cells are
-shared, so memory follows the tokens sessions hold, not their context sizes. When an exchange
+A live session holds one sequence of a shared context: cells of its own (llama.cpp's
+per-sequence streams, ``kv_layout="per_session"``), or as many as it keeps of one pool
+(``kv_unified``, "shared"). When an exchange
 needs a sequence or cells that are not free, ``Residency`` (pure) picks idle sessions to park
 (their state copied to host RAM by ``llama_state_seq_get_data``; past the RAM budget to disk, or
 forgotten) or drop cold, and the engine applies its steps. A session's record (its
@@ -30,7 +31,7 @@ from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
 from llmsession.engine.residency import Move, State
 from llmsession.engine.seat import Seat
-from llmsession.errors import MemoryBudgetError
+from llmsession.errors import MemoryBudgetError, NativeError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.projector import Projector
@@ -41,6 +42,17 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("llmsession")
+
+
+def _copied(context: NativeContext, src: int, dst: int) -> bool:
+    """``seq_cp``, which between sequences of their own cells copies a state and may fail
+    (then ``dst`` is empty): a copy is an optimization, never an exchange's failure."""
+    try:
+        context.seq_cp(src, dst)
+    except NativeError as error:
+        log.info("copying sequence %d into %d failed (%s): it starts cold", src, dst, error)
+        return False
+    return True
 
 
 class Engine:
@@ -117,10 +129,12 @@ class Engine:
     def own_cells(self, swa_full: bool) -> bool:
         """Whether live sessions of this layout each attend over cells of their own (llama.cpp's
         per-sequence streams): not a recurrent memory's (its states are its own already), nor
-        the small sliding-window cache's (one live session)."""
+        the small sliding-window cache's (one live session; a model without a window has only
+        the full layout), nor an encoder-decoder model's (each exchange a context of its own)."""
         c = self.config
         pooled = c.kv_layout == "shared" or c.max_live_sessions == 1
-        return swa_full and not pooled and not self.native.is_recurrent
+        full = swa_full or self.native.n_swa <= 0
+        return full and not pooled and not self.native.is_recurrent and not self.native.has_encoder
 
     def streams(self, swa_full: bool) -> int:
         """How many sequences have cells of their own (a saved state names it; 1: one pool)."""
@@ -265,7 +279,8 @@ class Engine:
                 return
             try:
                 with self.seat(target, len(record), threading.Event()) as theirs:
-                    mine.context.seq_cp(mine.seq, theirs.seq)
+                    if not _copied(mine.context, mine.seq, theirs.seq):
+                        return  # (it stays cold)
                     target.cache.extend(record)
                     target.cache.share_checkpoints(source.cache)
                     return

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.budget import CELLS_QUANTUM, MemoryConfig
 from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.errors import NativeError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
@@ -88,6 +88,13 @@ def memory_config(
     check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r:.40}")
+    own = kv_layout == "per_session" and max_live_sessions > 1
+    if own and kv_tokens // max_live_sessions < CELLS_QUANTUM:
+        raise ValueError(
+            f"kv_tokens {kv_tokens} / max_live_sessions {max_live_sessions} leaves a live session fewer "
+            f"than {CELLS_QUANTUM} cells of its own (llama.cpp's least): raise kv_tokens, lower "
+            "max_live_sessions, or use kv_layout='shared'"
+        )
     check_int("batch_size", batch_size, 1, MAX_POSITIONS)
     return MemoryConfig(
         kv_tokens=kv_tokens,

@@ -70,8 +70,12 @@ class LocalModel(ModelCore):
 
     def load_session(self, path: str | Path, **overrides: Any) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
-        belongs to this model and build (else its next reply's ``usage.cache_note`` says why)."""
+        belongs to this model and build (else its next reply's ``usage.cache_note`` says why).
+        A saved ``context_size`` larger than a live session holds here becomes that."""
         saved, settings = persistence.read_saved(self, path)
+        most = self.engine.session_cells(settings.get("swa_full") is not False)
+        if isinstance(size := settings.get("context_size"), int) and size > most:
+            settings["context_size"] = most  # saved under a larger budget or the pool: what fits here
         try:
             self.session(**settings).close()  # the file's own settings must be valid on their own
         except (TypeError, ValueError) as error:

@@ -6,10 +6,11 @@ kept session whose cached items share the longest prefix with it (llama-server's
 mlx-lm's prompt cache), gives it the call's history and answers the last message; only the rest
 is decoded. A session is reused only if at least half of its cache is such a prefix. A call that
 branches off a cached conversation (a regeneration, an edit: more than ``BRANCH`` cached items
-past the shared prefix) takes a fork of it, sharing the cells (``seq_cp``), so the original stays
-whole for the call that continues it. A session is taken out while its stream runs, so concurrent
-calls never share one. Past ``capacity`` the least recently used idle session is closed; the
-sessions kept are parked and restored by the model's engine like any other.
+past the shared prefix) takes a fork of it (``seq_cp``: cells shared, or a state copied into
+cells of its own), so the original stays whole for the call that continues it. A session is
+taken out while its stream runs, so concurrent calls never share one. Past ``capacity`` the
+least recently used idle session is closed; the sessions kept are parked and restored by the
+model's engine like any other.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ def arrivals(model: Model, exe: Path, repeats: int, long_tokens: int = 2000) -> 
     together = [prompts_together(model, 4, 200, 10 * seed + 1000) for seed in range(repeats)]
     n_prompt = len(model.prompt_tokens([{"role": "user", "content": text_of(model, 1000, 200)}]))
     c = model.local.engine.config
-    options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size), "-kvu"]
+    options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size)]
+    options += ["-kvu"] if c.kv_layout == "shared" else []  # (our layout: one pool, or streams)
     options += [
         "-npp",
         str(n_prompt),

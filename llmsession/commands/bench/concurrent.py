@@ -127,7 +127,8 @@ def batched_reference(model: Model, sizes: str, max_tokens: int, exe: Path, repe
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(int(n) for n in sizes.split(",")))]
     npp = round(statistics.fmean(len(model.prompt_tokens([{"role": "user", "content": p}])) for p in prompts))
     c = model.local.engine.config
-    options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size), "-kvu"]
+    options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size)]
+    options += ["-kvu"] if c.kv_layout == "shared" else []  # (our layout: one pool, or streams)
     options += ["-npp", str(npp), "-ntg", str(max_tokens), "-npl", sizes]
     options += ["-fa", flash_attn_option(model.flash_attention)]
     runs = [batched_bench(exe, model.path, model.threads, *options) for _ in range(repeats)]

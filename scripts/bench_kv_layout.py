@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""What other live sessions cost a decode, in each KV layout, on raw llama contexts.
+
+(1) A 1,000-token prefill and 48 one-token steps in the eighth sequence of a context of 8, alone
+and beside 7 sequences of 1,000 tokens: one pool of cells (``kv_unified``) against cells of
+their own per sequence (llama.cpp's streams), flash attention off and on. (2) Three streams'
+batched step with 8 sequences of 500 tokens live, in sequences that follow each other or not
+(llama.cpp computes together only consecutive streams).
+
+python scripts/bench_kv_layout.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llmsession.commands import paths
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel
+
+RNG = random.Random(0)
+
+
+def tokens(n: int) -> list[int]:
+    return [RNG.randrange(1000, 40000) for _ in range(n)]
+
+
+def fill(context: NativeContext, seq: int, n: int) -> float:
+    began = time.perf_counter()
+    prompt = tokens(n)
+    for i in range(0, n, 512):
+        context.decode(prompt[i : i + 512], i, seq=seq)
+    return time.perf_counter() - began
+
+
+def beside_others(model: NativeModel, own: bool, flash: bool, others: int) -> dict[str, float]:
+    context = NativeContext(
+        model,
+        n_ctx=16384 if own else 8192,
+        n_batch=512,
+        threads=2,
+        n_seq_max=8,
+        flash_attention=flash,
+        own_cells=own,
+    )
+    try:
+        for seq in range(others):
+            fill(context, seq, 1000)
+        prefill = fill(context, 7, 1000)
+        began = time.perf_counter()
+        for step in range(48):
+            context.decode([1234], 1000 + step, seq=7)
+        return {"prefill_ms": 1000 * prefill, "tokens_per_s": 48 / (time.perf_counter() - began)}
+    finally:
+        context.close()
+
+
+def batched_steps(model: NativeModel, own: bool) -> dict[str, float]:
+    context = NativeContext(
+        model, n_ctx=8192, n_batch=512, threads=2, n_seq_max=8, flash_attention=False, own_cells=own
+    )
+    try:
+        for seq in range(8):
+            fill(context, seq, 500)
+        result = {}
+        for seqs in ([0, 1, 2], [0, 2, 4], [0]):
+            began = time.perf_counter()
+            for step in range(30):
+                context.decode_many([([1234], 500 + step, seq) for seq in seqs])
+            result[",".join(map(str, seqs))] = 1000 * (time.perf_counter() - began) / 30
+            for seq in seqs:
+                context.seq_rm(500, seq)
+        return result
+    finally:
+        context.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    model = NativeModel(paths.default_model_path())
+    results: dict[str, object] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for flash in (False, True):
+        for own in (False, True):
+            for others in (0, 7):
+                name = f"{'own' if own else 'pool'}, {others} others, flash {'on' if flash else 'off'}"
+                results[name] = row = beside_others(model, own, flash, others)
+                prefill, rate = row["prefill_ms"], row["tokens_per_s"]
+                print(f"{name:32s} prefill {prefill:7.0f} ms  generation {rate:5.1f} tok/s")
+    for own in (False, True):
+        results[f"steps, {'own' if own else 'pool'}"] = steps = batched_steps(model, own)
+        for seqs, ms in steps.items():
+            print(f"{'own' if own else 'pool'} cells, a step of sequences {seqs}: {ms:.1f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
