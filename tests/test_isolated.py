@@ -155,7 +155,7 @@ def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(
                 raise SystemExit("the prefill ran to the end")
             assert session.messages == [], session.messages
             kept = session.cached_tokens
-            assert 0 < kept < 1000, kept  # (at most a second's worth, a few batches)
+            assert 0 < kept < len(model.prompt_tokens([{{"role": "user", "content": text}}])), kept
             reply = session.respond("Hi", GREEDY)
             assert session.messages[0] == {{"role": "user", "content": "Hi"}}, session.messages
             fresh = model.session(context_size=2048).respond("Hi", GREEDY)

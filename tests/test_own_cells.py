@@ -6,6 +6,7 @@ own cells with an error that says what to change."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import internals
@@ -105,7 +106,9 @@ def test_a_state_saved_in_one_layout_reloads_only_its_transcript_in_the_other(
     assert same.cached_tokens == len(internals.record(session))
 
 
-def test_a_session_larger_than_its_own_cells_is_refused_with_what_to_change(smollm2_path: Path) -> None:
+def test_a_session_larger_than_its_own_cells_is_refused_with_what_to_change(
+    smollm2_path: Path, fixture_path: Callable[[str], Path]
+) -> None:
     with Model(smollm2_path, threads=2, kv_tokens=4096, max_live_sessions=4) as model:
         assert model.session().context_size == 1024
         with pytest.raises(ValueError, match=r"1024 cells a live session holds.*kv_layout='shared'"):
@@ -118,6 +121,9 @@ def test_a_session_larger_than_its_own_cells_is_refused_with_what_to_change(smol
         Model(smollm2_path, threads=2, kv_layout="streams")
     with pytest.raises(ValueError, match="fewer than 256 cells of its own"):
         Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=8)
+    # A recurrent model keeps the pool: the same budget is fine there.
+    with Model(fixture_path("mamba-tiny.gguf"), threads=2, kv_tokens=1024, max_live_sessions=8) as mamba:
+        assert not mamba.local.engine.own_cells(True)
 
 
 def test_a_session_saved_larger_than_a_live_session_holds_here_loads_at_what_fits(

@@ -50,6 +50,15 @@ def own_cells(kv_tokens: int, max_live: int) -> int:
     return max(CELLS_QUANTUM, kv_tokens // max_live // CELLS_QUANTUM * CELLS_QUANTUM)
 
 
+def uses_own_cells(config: MemoryConfig, *, full: bool, recurrent: bool, encoder: bool) -> bool:
+    """Whether live sessions of a layout each attend over cells of their own (llama.cpp's
+    per-sequence streams): not a recurrent memory's (its states are its own already), nor the
+    small sliding-window cache's (``full`` False: one live session), nor an encoder-decoder
+    model's (each exchange a context of its own)."""
+    pooled = config.kv_layout == "shared" or config.max_live_sessions == 1
+    return full and not pooled and not recurrent and not encoder
+
+
 @dataclass
 class Counters:
     exchanges: int = 0

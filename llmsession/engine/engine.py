@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 
 from llmsession.engine import sharing
 from llmsession.engine.batching import Batcher, Gate
-from llmsession.engine.budget import Budget, Counters, MemoryConfig, MemoryReport, SessionMemory, own_cells
+from llmsession.engine.budget import (
+    Budget,
+    Counters,
+    MemoryConfig,
+    MemoryReport,
+    SessionMemory,
+    own_cells,
+    uses_own_cells,
+)
 from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
@@ -127,14 +135,12 @@ class Engine:
         return self._shared_contexts[layout]
 
     def own_cells(self, swa_full: bool) -> bool:
-        """Whether live sessions of this layout each attend over cells of their own (llama.cpp's
-        per-sequence streams): not a recurrent memory's (its states are its own already), nor
-        the small sliding-window cache's (one live session; a model without a window has only
-        the full layout), nor an encoder-decoder model's (each exchange a context of its own)."""
-        c = self.config
-        pooled = c.kv_layout == "shared" or c.max_live_sessions == 1
-        full = swa_full or self.native.n_swa <= 0
-        return full and not pooled and not self.native.is_recurrent and not self.native.has_encoder
+        """Whether live sessions of this layout have cells of their own (``uses_own_cells``; a
+        model without a sliding window has only the full layout)."""
+        native, full = self.native, swa_full or self.native.n_swa <= 0
+        return uses_own_cells(
+            self.config, full=full, recurrent=native.is_recurrent, encoder=native.has_encoder
+        )
 
     def streams(self, swa_full: bool) -> int:
         """How many sequences have cells of their own (a saved state names it; 1: one pool)."""

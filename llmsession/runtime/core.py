@@ -102,7 +102,9 @@ class ModelCore:
         servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
         where: dict[str, Any] = {"gpu_layers": gpu_layers, "threads": self.threads, "rpc_servers": servers}
-        self.native, self.projector = load_native(self.path, self.mmproj_path, **where, cells=cells)
+        self.native, self.projector = load_native(
+            self.path, self.mmproj_path, **where, cells=cells, memory=config
+        )
         self.engine = Engine(self.native, self.projector, self.threads, config, **cells)
         self.engine.warm()
         self.template = self.native.chat_template()

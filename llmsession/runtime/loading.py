@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmsession.engine.budget import CELLS_QUANTUM, MemoryConfig
+from llmsession.engine.budget import CELLS_QUANTUM, MemoryConfig, uses_own_cells
 from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.errors import NativeError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
@@ -88,13 +88,6 @@ def memory_config(
     check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r:.40}")
-    own = kv_layout == "per_session" and max_live_sessions > 1
-    if own and kv_tokens // max_live_sessions < CELLS_QUANTUM:
-        raise ValueError(
-            f"kv_tokens {kv_tokens} / max_live_sessions {max_live_sessions} leaves a live session fewer "
-            f"than {CELLS_QUANTUM} cells of its own (llama.cpp's least): raise kv_tokens, lower "
-            "max_live_sessions, or use kv_layout='shared'"
-        )
     check_int("batch_size", batch_size, 1, MAX_POSITIONS)
     return MemoryConfig(
         kv_tokens=kv_tokens,
@@ -105,6 +98,22 @@ def memory_config(
         batch_size=min(batch_size, kv_tokens),
         checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
     )
+
+
+def check_layout(native: NativeModel, config: MemoryConfig | None) -> None:
+    """Cells of their own too few for llama.cpp (at least ``CELLS_QUANTUM`` a sequence),
+    refused at load where this model would use them (ValueError)."""
+    if config is None or not uses_own_cells(
+        config, full=True, recurrent=native.is_recurrent, encoder=native.has_encoder
+    ):
+        return
+    kv, live = config.kv_tokens, config.max_live_sessions
+    if kv // live < CELLS_QUANTUM:
+        raise ValueError(
+            f"kv_tokens {kv} / max_live_sessions {live} leaves a live session fewer than "
+            f"{CELLS_QUANTUM} cells of its own (llama.cpp's least): raise kv_tokens, lower "
+            "max_live_sessions, or use kv_layout='shared'"
+        )
 
 
 def checked_threads(threads: int | None) -> int:
@@ -131,12 +140,15 @@ def load_native(
     threads: int,
     rpc_servers: Sequence[str],
     cells: Mapping[str, Any] | None = None,
+    memory: MemoryConfig | None = None,
 ) -> tuple[NativeModel, Projector | None]:
     """The model, and its projector if given; neither is left open on an error. ``cells``: the
-    KV cells' ``kv_type`` and ``flash_attention``, checked against the model (``check_cells``)."""
+    KV cells' ``kv_type`` and ``flash_attention``, checked against the model (``check_cells``);
+    ``memory``: the budget's layout, checked against it (``check_layout``)."""
     native = NativeModel(path, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
     try:
         check_cells(native, **(cells or {}))
+        check_layout(native, memory)
     except BaseException:
         native.close()
         raise

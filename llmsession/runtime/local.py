@@ -73,7 +73,7 @@ class LocalModel(ModelCore):
         belongs to this model and build (else its next reply's ``usage.cache_note`` says why).
         A saved ``context_size`` larger than a live session holds here becomes that."""
         saved, settings = persistence.read_saved(self, path)
-        most = self.engine.session_cells(settings.get("swa_full") is not False)
+        most = self.engine.session_cells({**settings, **overrides}.get("swa_full") is not False)
         if isinstance(size := settings.get("context_size"), int) and size > most:
             settings["context_size"] = most  # saved under a larger budget or the pool: what fits here
         try:

@@ -119,7 +119,7 @@ def arrivals(model: Model, exe: Path, repeats: int, long_tokens: int = 2000) -> 
     n_prompt = len(model.prompt_tokens([{"role": "user", "content": text_of(model, 1000, 200)}]))
     c = model.local.engine.config
     options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size)]
-    options += ["-kvu"] if c.kv_layout == "shared" else []  # (our layout: one pool, or streams)
+    options += [] if model.local.engine.own_cells(True) else ["-kvu"]  # (our layout: streams, or one pool)
     options += [
         "-npp",
         str(n_prompt),

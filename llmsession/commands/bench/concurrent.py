@@ -128,7 +128,7 @@ def batched_reference(model: Model, sizes: str, max_tokens: int, exe: Path, repe
     npp = round(statistics.fmean(len(model.prompt_tokens([{"role": "user", "content": p}])) for p in prompts))
     c = model.local.engine.config
     options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size)]
-    options += ["-kvu"] if c.kv_layout == "shared" else []  # (our layout: one pool, or streams)
+    options += [] if model.local.engine.own_cells(True) else ["-kvu"]  # (our layout: streams, or one pool)
     options += ["-npp", str(npp), "-ntg", str(max_tokens), "-npl", sizes]
     options += ["-fa", flash_attn_option(model.flash_attention)]
     runs = [batched_bench(exe, model.path, model.threads, *options) for _ in range(repeats)]
