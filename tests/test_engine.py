@@ -79,13 +79,14 @@ class FakeContext:
                     del self.cells[cell]
         return True
 
-    def seq_cp(self, src: int, dst: int) -> None:
+    def seq_cp(self, src: int, dst: int) -> bool:
         if self.own_cells:
             assert self.state_set(self.state_get(src), dst), "a copy did not fit the sequence's cells"
-            return
+            return True
         for _, _, seqs in self.cells.values():
             if src in seqs:
                 seqs.add(dst)
+        return True
 
     def pos_min(self, seq: int = 0) -> int:
         return min((pos for pos, _, seqs in self.cells.values() if seq in seqs), default=-1)

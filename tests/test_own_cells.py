@@ -75,9 +75,9 @@ def caught_wrong_fork(model: Model, monkeypatch: pytest.MonkeyPatch, tolerance: 
     pirate_seq = internals.placement(pirate)[1]
     real = type(context).seq_cp
 
-    def wrong(self: object, src: int, dst: int) -> None:
-        real(self, pirate_seq, dst)  # type: ignore[arg-type]
-        self.seq_rm(len(internals.record(source)), dst)  # type: ignore[attr-defined]
+    def wrong(self: object, src: int, dst: int) -> bool:
+        assert real(self, pirate_seq, dst)  # type: ignore[arg-type]
+        return bool(self.seq_rm(len(internals.record(source)), dst))  # type: ignore[attr-defined]
 
     monkeypatch.setattr(type(context), "seq_cp", wrong)
     fork = source.fork()

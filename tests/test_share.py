@@ -55,8 +55,8 @@ def test_a_session_started_from_the_wrong_cells_is_caught(
     assert state == "live"
     copy = NativeContext.seq_cp
 
-    def wrong(self: NativeContext, src: int, dst: int) -> None:
-        copy(self, pirate_seq, dst)
+    def wrong(self: NativeContext, src: int, dst: int) -> bool:
+        return copy(self, pirate_seq, dst)
 
     monkeypatch.setattr(NativeContext, "seq_cp", wrong)
     session = smollm2.session(system=SYSTEM)

@@ -93,7 +93,7 @@ class MemoryReport:
     sessions: list[SessionMemory]
     checkpoint_bytes: int = 0  # recurrent states kept to rewind to, all sessions
     counters: Counters = field(default_factory=Counters)
-    kv_layout: str = "shared"  # as configured: "per_session" where live sessions have cells of their own
+    kv_layout: str = "shared"  # as built: "per_session" where live sessions have cells of their own
     session_cells: int = 0  # the most one live session holds
 
     def __str__(self) -> str:

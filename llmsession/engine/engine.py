@@ -39,7 +39,7 @@ from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
 from llmsession.engine.residency import Move, State
 from llmsession.engine.seat import Seat
-from llmsession.errors import MemoryBudgetError, NativeError
+from llmsession.errors import MemoryBudgetError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.projector import Projector
@@ -50,17 +50,6 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger("llmsession")
-
-
-def _copied(context: NativeContext, src: int, dst: int) -> bool:
-    """``seq_cp``, which between sequences of their own cells copies a state and may fail
-    (then ``dst`` is empty): a copy is an optimization, never an exchange's failure."""
-    try:
-        context.seq_cp(src, dst)
-    except NativeError as error:
-        log.info("copying sequence %d into %d failed (%s): it starts cold", src, dst, error)
-        return False
-    return True
 
 
 class Engine:
@@ -118,8 +107,7 @@ class Engine:
         if layout not in self._shared_contexts:
             live = self.config.max_live_sessions if swa_full else 1
             c = self.config
-            own = self.own_cells(swa_full)
-            cells = own_cells(c.kv_tokens, live) if own else c.kv_tokens
+            own, cells = self.own_cells(swa_full), self.session_cells(swa_full)
             make = functools.partial(
                 self.make_context,
                 n_ctx=cells * live if own else cells,
@@ -285,8 +273,8 @@ class Engine:
                 return
             try:
                 with self.seat(target, len(record), threading.Event()) as theirs:
-                    if not _copied(mine.context, mine.seq, theirs.seq):
-                        return  # (it stays cold)
+                    if not mine.context.seq_cp(mine.seq, theirs.seq):
+                        return  # (a copied state llama.cpp refused: it stays cold)
                     target.cache.extend(record)
                     target.cache.share_checkpoints(source.cache)
                     return

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from llmsession.engine.lease import Lease
 from llmsession.engine.prefix import Item, best_donor
 from llmsession.engine.residency import State
-from llmsession.errors import NativeError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -60,9 +59,7 @@ def share(
     donor, donor_seq = live[index]
     if home.budget.own_cells and not (donor.parkable and _worth_copying(donor, shared)):
         return 0  # (a copy goes through the state: not past a sliding window, #25295)
-    try:
-        home.context.seq_cp(donor_seq, seq)
-    except NativeError:  # (a copied state llama.cpp refused: ``seq`` is empty, decode it all)
+    if not home.context.seq_cp(donor_seq, seq):  # (a copied state llama.cpp refused: decode it all)
         return 0
     return _keep_prefix(lease, seq, donor, shared, "")
 

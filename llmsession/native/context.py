@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmsession.buffers import mapping
-from llmsession.errors import ContextOverflowError, NativeError
+from llmsession.errors import ContextOverflowError
 from llmsession.native.batch import Batch
 from llmsession.native.cancel import ACTIVITY, AbortFlag, abort_callback
 from llmsession.native.llama import (
@@ -239,17 +239,17 @@ class NativeContext(Owner):
         self.check_seq(seq)
         return bool(bindings()[0].llama_memory_seq_rm(self.memory, seq, p0, -1))
 
-    def seq_cp(self, src: int, dst: int) -> None:
+    def seq_cp(self, src: int, dst: int) -> bool:
         """Make ``dst`` hold what ``src`` holds: the cells are shared, or, where each sequence
         has cells of its own, copied through the state now (llama.cpp's own copy between
         streams waits for the next decode: a state read or loaded before it would be stale or
-        overwritten)."""
+        overwritten). False if llama.cpp refused the copied state (then ``dst`` is empty)."""
         self.check_seq(src)
         self.check_seq(dst)
-        if not self.own_cells:
-            bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
-        elif not self.state_set(self.state_get(src), dst):
-            raise NativeError(f"copying sequence {src}'s state into sequence {dst} failed")
+        if self.own_cells:
+            return self.state_set(self.state_get(src), dst)
+        bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        return True
 
     def clear(self) -> None:
         """Empty the whole memory (every sequence)."""
