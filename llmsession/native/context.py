@@ -96,6 +96,9 @@ class NativeContext(Owner):
         sequence gets a stream of ``n_ctx / n_seq_max`` cells of its own (``kv_unified`` off), so
         its attention runs over its own cells only; else sequences share one pool of cells."""
         lib, ffi = bindings()
+        # Every decode reserves one output row per sequence, and llama.cpp holds at most n_batch
+        # rows (it asserts, aborting the process): a batch holds at least one token a sequence.
+        n_batch = max(n_batch, n_seq_max)
         params = lib.llama_context_default_params()
         params.flash_attn_type = flash_attn_type(flash_attention)
         params.type_k = params.type_v = kv_ggml_type(kv_type)
