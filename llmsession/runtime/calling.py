@@ -33,6 +33,12 @@ class Calling:
         self.text += text
         return Snapshot(text, self.text, pieces)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the reply's calls ended at a call that repeats an earlier one: the exchange
+        generates no more (``CallStream``)."""
+        return self.stream.cut >= 0
+
     def tail(self) -> Snapshot | None:
         """What was held back, at the end of a reply that made no call."""
         text = self.stream.flush()
@@ -45,7 +51,10 @@ class Calling:
         """The reply's text, its calls, its finish reason ("tool_calls" when it called), and an
         error if a call breaks its schema where the mask could not hold it. A reply cut short
         (``length``, ``cancelled``) makes no call: its text is what streamed as text (a call it
-        began is dropped, markup and all, as its stream showed)."""
+        began is dropped, markup and all, as its stream showed). A reply ``ended`` at a repeated
+        call is its calls before it, whatever stopped its generation."""
+        if self.ended:
+            raw, finish = raw[: self.stream.cut] + self.fmt.close, "complete"
         if finish not in ("complete", "stop"):
             return self.text + self.stream.flush(), (), finish, None
         try:

@@ -129,6 +129,8 @@ class Exchange:
                             for delta in deltas:
                                 text += delta
                                 yield self._snapshot(delta, text)
+                                if self.calling is not None and self.calling.ended:
+                                    break  # at a call that repeats one: the reply ends before it
                             if self.calling is not None and (tail := self.calling.tail()) is not None:
                                 yield tail if self.scoring is None else self.scoring.snapshot(tail)
                 except GeneratorExit:  # closed or dropped mid-stream: keep what was generated

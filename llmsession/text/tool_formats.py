@@ -177,7 +177,17 @@ class CallIds:
 
 class CallStream:
     """A reply split as it streams: its text, held back only where it may begin the calls, and
-    pieces of its calls as OpenAI streams them (a call's id and name, then its arguments)."""
+    pieces of its calls as OpenAI streams them (a call's id and name, then its arguments).
+
+    A reply makes each call once: a call identical to an earlier one (the same name, and
+    arguments that read as the same JSON) ends the reply's calls before it (``cut``: where its
+    separator begins; the exchange stops there, and the reply is read up to it). So that no
+    stream shows a call the reply then drops, a call that names a tool called earlier in the
+    reply is held back, id, name and arguments, until its arguments are whole: then it is
+    either dropped, with the reply ended, or streamed at once. (Arguments that match an earlier
+    call's so far may yet differ, and arguments written otherwise, keys in another order, may
+    yet be the same: only whole arguments tell.) Calls of tools not called before stream piece
+    by piece."""
 
     def __init__(self, fmt: ToolFormat, ids: CallIds) -> None:
         self.fmt, self.ids = fmt, ids
@@ -185,9 +195,12 @@ class CallStream:
         self.calls_at = -1  # where its calls begin, once they do
         self.plain = False  # the reply did not open with the calls of a format whose calls must
         self.arguments: list[int] = []  # per call announced: how much of its arguments went out
+        self.cut = -1  # where a repeated call's separator begins: the reply's calls end there
 
     def push(self, delta: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
-        """The text and the call pieces ``delta`` completes."""
+        """The text and the call pieces ``delta`` completes (none once the calls are ``cut``)."""
+        if self.cut >= 0:
+            return "", ()
         self.raw += delta
         trigger = self.fmt.trigger
         if self.fmt.anchored and not self.plain and not self.raw.startswith(trigger[: len(self.raw)]):
@@ -221,24 +234,49 @@ class CallStream:
         """The pieces of calls written since the last step (the calls are read from the start
         each time: a reply's calls are short)."""
         fmt, raw, deltas = self.fmt, self.raw, []
-        pos = self.calls_at + len(fmt.open)
+        pos, made = self.calls_at + len(fmt.open), list[tuple[str, str]]()  # (the whole calls before)
         for index in itertools.count():
             if not raw.startswith(fmt.head, pos) or (end := raw.find(fmt.mid, pos + len(fmt.head))) < 0:
                 break
-            if index == len(self.arguments):
-                self.arguments.append(0)
-                deltas.append(ToolCallDelta(index, self.ids(index), raw[pos + len(fmt.head) : end]))
+            name = raw[pos + len(fmt.head) : end]
             arguments, stop = _arguments_so_far(fmt, raw, end + len(fmt.mid))
+            if index == len(self.arguments):  # not announced yet
+                repeats = _repeats(name, arguments if stop >= 0 else None, made)
+                if repeats is not False:  # held (None: it may yet repeat one), or a repeat
+                    self.cut = pos - len(fmt.separator) if repeats else -1
+                    break
+                self.arguments.append(0)
+                deltas.append(ToolCallDelta(index, self.ids(index), name))
             if len(arguments) > self.arguments[index]:
                 deltas.append(ToolCallDelta(index, arguments=arguments[self.arguments[index] :]))
                 self.arguments[index] = len(arguments)
             if stop < 0:
                 break
+            made.append((name, arguments))
             pos = stop + (len(', "id": "') + 10 if fmt.ids else 0) + len(fmt.tail)
             if not raw.startswith(fmt.separator, pos):
                 break
             pos += len(fmt.separator)
         return tuple(deltas)
+
+
+def _repeats(name: str, arguments: str | None, made: Sequence[tuple[str, str]]) -> bool | None:
+    """Whether a call repeats one of ``made`` (the same name, arguments the same JSON value);
+    None while that cannot be told (its ``arguments`` not whole yet, and its tool called before)."""
+    earlier = [before for called, before in made if called == name]
+    if not earlier:
+        return False
+    if arguments is None:
+        return None
+    return any(_same_json(arguments, before) for before in earlier)
+
+
+def _same_json(a: str, b: str) -> bool:
+    """Whether two JSON texts hold the same value (keys in any order; ``1`` is not ``1.0``)."""
+    try:
+        return json.dumps(json.loads(a), sort_keys=True) == json.dumps(json.loads(b), sort_keys=True)
+    except (ValueError, RecursionError):
+        return a == b
 
 
 def _arguments_so_far(fmt: ToolFormat, raw: str, start: int) -> tuple[str, int]:

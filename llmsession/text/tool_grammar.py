@@ -57,10 +57,17 @@ def grammar(
     text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
     so text costs no constraint until it appears). A format whose calls carry ids writes
     ``ids`` in order, one per call (so a stream names each call before its arguments).
-    ``specials`` are the format's markers the vocabulary holds as special tokens, and their ids."""
+    ``specials`` are the format's markers the vocabulary holds as special tokens, and their ids.
+
+    How many calls: one where the family takes one, without ``parallel``, and for a named
+    ``tool_choice`` (OpenAI's makes exactly one call of that function); else up to one per id.
+    That a call does not repeat an earlier one (same name, same arguments) is no rule here: the
+    grammar is fixed before the reply and cannot name what the reply generated, so the reply's
+    stream ends it before such a call (``tool_formats.CallStream``)."""
     callable_tools, specials = tools.callable, specials or {}
     assert callable_tools, "a grammar needs a tool to call"
-    limit = 1 if fmt.single or not tools.parallel else len(ids)  # at most one call per id
+    one = fmt.single or not tools.parallel or tools.mode == "named"
+    limit = 1 if one else len(ids)  # at most one call per id
     assert 1 <= limit <= len(ids), "a grammar needs an id per call"
 
     def say(text: str) -> str:
