@@ -1,12 +1,14 @@
 """Chat messages and their parts, checked and flattened for the renderers.
 
-Messages are mappings with a ``role`` (str) and a ``content``: a str or a list of parts. A
-part is a str, a ``{"type": "text", "text": ...}`` dict, an image dict (``"image"`` or
-``"image_url"``) or any other object, which is taken for an image (``llmsession.Image``).
+Messages are mappings with a ``role`` (str) and a ``content``: a str or a list of parts (None
+beside an assistant message's ``tool_calls``). A part is a str, a ``{"type": "text", "text": ...}``
+dict, an image dict (``"image"`` or ``"image_url"``) or any other object but numbers, None and
+collections, which is taken for an image (``llmsession.Image``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,49 +20,100 @@ IMAGE_PART_TYPES = ("image", "image_url")
 
 
 def check_messages(messages: Sequence[Message], *, answers: bool = True) -> None:
-    """Fail early, naming the message, rather than deep inside a renderer. Tool calls and
-    results are in OpenAI's shape; a result answers a call made earlier in the transcript
-    (unless not ``answers``: a render with stand-ins for the calls, to splice them)."""
+    """Fail early, naming the message, rather than deep inside a renderer: a TemplateError for
+    anything but OpenAI's shapes (below). Tool calls and results are in OpenAI's shape; a result
+    answers a call made earlier in the transcript (unless not ``answers``: a render with
+    stand-ins for the calls, to splice them).
+
+    ``content`` is a str or a list of parts (``is_image_part``); None only beside
+    ``tool_calls`` (an assistant message that only calls, as OpenAI's clients send it back: the
+    renderers read it as empty, ``filled``). ``name``, ``tool_call_id`` and reasoning, where
+    given, are str."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes | bytearray):
+        raise TemplateError(f"messages must be a list of messages, got {type(messages).__name__}")
     calls: set[str] = set()
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TemplateError(f"message {i} must be a mapping, got {type(message).__name__}")
         role = message.get("role")
         if not isinstance(role, str):
-            raise TemplateError(f"message {i}: role must be a str, got {role!r}")
-        content = message.get("content")
-        if message.get("tool_calls") is not None:
-            calls |= _checked_calls(i, message)
-            content = "" if content is None else content
-        if not isinstance(content, str | list | tuple):
-            raise TemplateError(
-                f"message {i} ({role}): content must be a str or a list of parts, "
-                f"got {type(content).__name__}"
-            )
+            raise TemplateError(f"message {i}: role must be a str, got {role!r:.40}")
+        where = f"message {i} ({role:.20})"
+        said_calls = message.get("tool_calls") is not None
+        if said_calls:
+            calls |= _checked_calls(where, message)
+        _check_content(where, message.get("content"), may_be_none=said_calls)
+        for key in TEXT_FIELDS:
+            if not isinstance(message.get(key, ""), str | None):
+                raise TemplateError(f"{where}: {key} must be a str, got {type(message[key]).__name__}")
         answered = message.get("tool_call_id")
-        if role == "tool" and answers and (not isinstance(answered, str) or answered not in calls):
+        if role == "tool" and (not isinstance(answered, str) or (answers and answered not in calls)):
+            raise TemplateError(f"{where}: tool_call_id {answered!r:.40} answers no earlier call")
+
+
+TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content")
+NOT_IMAGES = (bool, int, float, complex, list, tuple, set, frozenset)  # (nor None)
+
+
+def _check_content(where: str, content: object, *, may_be_none: bool) -> None:
+    if isinstance(content, str) or (content is None and may_be_none):
+        return
+    if not isinstance(content, list | tuple):
+        raise TemplateError(
+            f"{where}: content must be a str or a list of parts, got {type(content).__name__}"
+        )
+    for j, part in enumerate(content):
+        if isinstance(part, Mapping):
+            kind = part.get("type")
+            if isinstance(kind, str) and kind in IMAGE_PART_TYPES:
+                continue
+            if not (isinstance(kind, str) and kind == "text"):
+                raise TemplateError(
+                    f"{where}, part {j}: unsupported content part type {kind!r:.40}: only text and images"
+                )
+            if not isinstance(part.get("text"), str):
+                raise TemplateError(f"{where}, part {j}: a text part needs a str 'text'")
+        elif part is None or isinstance(part, NOT_IMAGES):
             raise TemplateError(
-                f"message {i} (tool): tool_call_id {message.get('tool_call_id')!r} answers no earlier call"
+                f"{where}, part {j}: a part is a str, a text or image dict, or an image, "
+                f"got {type(part).__name__}"
             )
 
 
-def _checked_calls(i: int, message: Message) -> set[str]:
+def _checked_calls(where: str, message: Message) -> set[str]:
     """The ids of an assistant message's ``tool_calls``."""
     calls = message["tool_calls"]
     if message.get("role") != "assistant" or not isinstance(calls, list | tuple):
-        raise TemplateError(f"message {i}: tool_calls must be a list, on an assistant message")
+        raise TemplateError(f"{where}: tool_calls must be a list, on an assistant message")
     ids = set()
     for call in calls:
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise TemplateError(f"message {i}: a tool call needs a function with a name, got {call!r:.80}")
-        if not isinstance(function.get("arguments", "{}"), str | Mapping):
-            raise TemplateError(f"message {i}: a tool call's arguments must be JSON text or an object")
+            raise TemplateError(f"{where}: a tool call needs a function with a name, got {call!r:.80}")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str) and not _is_json_object(arguments):
+            raise TemplateError(f"{where}: a tool call's arguments must be JSON text or a JSON object")
         ident = call.get("id")
         if not isinstance(ident, str):
-            raise TemplateError(f"message {i}: a tool call's id must be a str, got {ident!r:.40}")
+            raise TemplateError(f"{where}: a tool call's id must be a str, got {ident!r:.40}")
         ids.add(ident)
     return ids
+
+
+def _is_json_object(value: object) -> bool:
+    if not isinstance(value, dict):
+        return False
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def filled(messages: Sequence[Message]) -> list[Message]:
+    """Checked messages as the renderers read them: an assistant message's ``"content": None``
+    (beside its calls) is empty text, so it renders as what the session recorded for it."""
+    return [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
 
 
 def is_image_part(part: object) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 from llmsession.errors import TemplateError
 from llmsession.text.gemma4 import is_gemma4_template, render_gemma4
 from llmsession.text.jinja import render_jinja
-from llmsession.text.messages import Message, check_messages, flatten_content
+from llmsession.text.messages import Message, check_messages, filled, flatten_content
 from llmsession.text.tool_formats import GENERIC, ToolFormat, generic_messages
 from llmsession.text.tools import Tools
 
@@ -110,6 +110,7 @@ def render_prompt(
     (``tool_formats.generic_messages``), for any renderer.
     """
     check_messages(messages, answers=not stand_ins)  # (stand-ins hide the calls results answer)
+    messages = filled(messages)
     gemma4 = template is not None and is_gemma4_template(template)
     native_tools = (use_jinja or gemma4) and tool_format is not GENERIC
     if not native_tools and (tools is not None or any(_has_tools(m) for m in messages)):
