@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import struct
+import sys
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,6 +267,85 @@ def test_a_lone_surrogate_is_a_400_naming_its_field() -> None:
     assert caught.value.param == "a key of tools[0]"
     paired = parse_json(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
     assert chat_request(paired).messages[0]["content"] == "\U0001f600"
+
+
+NUMERIC = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "max_tokens", "n", "seed")
+HUGE = "1" + "0" * 400
+NO_DOUBLE = (HUGE, f"-{HUGE}", "7" * 5000, "1e400", "-1e400", "179769313486231580" + "0" * 291)
+
+
+def test_a_number_no_double_holds_is_a_400_naming_where_it_is() -> None:
+    """Issue 39: float() of a 400-digit integer overflowed inside the checks (a 500), int() of a
+    5,000-digit one failed in json (a 400 naming nothing), and messages quoted them whole."""
+    for name in (*NUMERIC, "top_logprobs", "some_future_field"):
+        for number in NO_DOUBLE:
+            for text in (
+                f'{{"messages": [], "{name}": {number}}}',
+                f'{{"prompt": "x", "{name}": [{number}]}}',
+            ):
+                with pytest.raises(RequestError) as caught:
+                    parse_json(text.encode())
+                where = name if text.startswith('{"m') else f"{name}[0]"
+                assert caught.value.param == where, (text[:60], caught.value)
+                assert len(caught.value.message) < 100 and "1.8e308" in caught.value.message
+    largest = int(sys.float_info.max)  # (309 digits: the largest a double holds is read)
+    assert parse_json(f'{{"top_p": {largest}, "a": [-{largest}, 1e308]}}'.encode())["top_p"] == largest
+    schema = f'{{"type": "json_schema", "json_schema": {{"schema": {{"maximum": {HUGE}}}}}}}'
+    with pytest.raises(RequestError) as caught:
+        parse_json(f'{{"messages": [], "response_format": {schema}}}'.encode())
+    assert caught.value.param == "response_format.json_schema.schema.maximum"
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_a_huge_integer_given_directly_is_refused_in_bounded_words(name: str) -> None:
+    """The same numbers reaching the checks as Python values (``chat_request`` takes a mapping)."""
+    for number in (10**400, -(10**400), 10**5000, 10**300, float("inf"), float("nan")):
+        body = {"messages": HI, name: number}
+        if name == "seed" and isinstance(number, int):
+            assert chat_request(body).options.seed is not None  # (any integer, modulo 2**32 - 1)
+            continue
+        with pytest.raises(RequestError) as caught:
+            chat_request(body)
+        assert caught.value.param == name and len(caught.value.message) < 100, caught.value
+    with pytest.raises(RequestError) as caught:
+        chat_request({"messages": HI, "max_tokens": 10**300})
+    assert caught.value.message.endswith("got an integer of 301 digits")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_a_body_in_utf16_or_utf32_is_read_and_checked_as_utf8(encoding: str) -> None:
+    """json reads UTF-16 and UTF-32 (detected, BOM or not): such a body is answered as its UTF-8
+    twin would be, and a lone surrogate in it (its own code unit, or an escape the UTF-8 byte
+    patterns cannot see there) is a 400 naming its field, not a 500 from the tokenizer."""
+    text = r'{"messages": [{"role": "user", "content": "Hi \u00e9 \ud83d\ude00 é"}], "stop": ["é"]}'
+    assert parse_json(text.encode(encoding)) == parse_json(text.encode())
+    lone = {
+        r'{"messages": [{"role": "user", "content": "a\ud800b"}]}': "messages[0].content",
+        r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}': (
+            "messages[0].content[0].text"
+        ),
+        r'{"prompt": "\ud800"}': "prompt",
+        r'{"prompt": "x", "stop": "a\udfff"}': "stop",
+        r'{"prompt": "x", "stop": ["a", "\ud800"]}': "stop[1]",
+    }
+    for body, where in lone.items():
+        for decoded in (body, body.encode().decode("unicode_escape")):  # (an escape; the code unit)
+            with pytest.raises(RequestError) as caught:
+                parse_json(decoded.encode(encoding, "surrogatepass"))
+            assert caught.value.param == where and "lone surrogate" in caught.value.message, caught.value
+
+
+def test_what_a_message_quotes_is_bounded() -> None:
+    key = "k" * 10_000
+    with pytest.raises(RequestError) as caught:
+        parse_json(f'{{"{key}": [{{"{key}": "\\ud800"}}]}}'.encode())
+    param = caught.value.param
+    assert param is not None and len(param) <= 123 and param.startswith("kkk") and "..." in param
+    deep = "[" * 500 + "1e999" + "]" * 500
+    with pytest.raises(RequestError) as caught:
+        parse_json(f'{{"a": {deep}}}'.encode())
+    assert len(caught.value.message) < 200
+    assert len(RequestError("x" * 100_000).message) <= 1024  # (a library error may quote anything)
 
 
 def png(width: int, height: int) -> str:

@@ -23,6 +23,7 @@ from llmsession.errors import (
 )
 
 BAD_REQUEST = (TemplateError, GrammarError, ContextOverflowError, UnsupportedFeatureError, ImageError)
+MAX_MESSAGE = 1024  # characters: a library error may quote what the request held
 
 
 @dataclass(eq=False)
@@ -35,6 +36,10 @@ class RequestError(Exception):
     status: int = 400
     kind: str = "invalid_request_error"
     retry_after: int | None = None  # seconds, for a 503
+
+    def __post_init__(self) -> None:
+        if len(self.message) > MAX_MESSAGE:
+            self.message = self.message[: MAX_MESSAGE - 3] + "..."
 
     def __str__(self) -> str:
         return self.message
