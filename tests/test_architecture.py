@@ -46,6 +46,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.text.tool_formats",
     "llmsession.text.tool_grammar",
     "llmsession.serve.schema",
+    "llmsession.serve.body",
     "llmsession.serve.sse",
     "llmsession.serve.errors",
     "llmsession.serve.metrics",

@@ -33,10 +33,11 @@ from llmsession.replies import (
 )
 from llmsession.serve import sse
 from llmsession.serve.app import counted_path, create_app, digest
+from llmsession.serve.body import parse_json
 from llmsession.serve.errors import RequestError, from_library
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
-from llmsession.serve.schema import chat_request, completion_request, parse_json
+from llmsession.serve.schema import chat_request, completion_request
 
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER = {

@@ -26,12 +26,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmsession.options import INT32_MAX
+from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Host, explain
 from llmsession.serve.errors import RequestError
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
-from llmsession.serve.schema import ChatRequest, chat_request, completion_request, parse_json
+from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model

@@ -8,16 +8,14 @@ does; a known field of the wrong type or out of its range is a ``RequestError`` 
 (``param``). Counts are bounded (messages, stop strings, tools, images, ``user``) so one request
 cannot make the checks or the tenant records costly. Nothing in a request names a file or a URL the
 server opens: an image is accepted only as a ``data:`` URL (``images``). A message quotes no more
-of what was sent than a few characters (``shown``): a body may hold a 4,000-digit number.
+of what was sent than a few characters (``body.shown``): a body may hold a 4,000-digit number.
+The body itself is parsed by ``body.parse_json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +28,7 @@ from llmsession.options import (
     GenerationOptions,
     checked_options,
 )
+from llmsession.serve.body import NAMES, kind_of, shown
 from llmsession.serve.errors import RequestError
 from llmsession.serve.images import ImageCount
 from llmsession.text.messages import check_messages
@@ -42,22 +41,6 @@ MAX_STOPS = 16
 MAX_STOP_BYTES = 1024
 MAX_USER = 256  # characters: ``user`` is part of a tenant's key
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-NAMES = {
-    dict: "an object",
-    list: "a list",
-    str: "a string",
-    bool: "a boolean",
-    int: "an integer",
-    float: "a number",
-    type(None): "null",
-}
-# A lone surrogate in a UTF-8 body can only come from a \uD800-\uDFFF escape or from the bytes
-# UTF-8 never uses for one (json decodes with surrogatepass); a body without either needs no walk.
-SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-# The most digits a JSON integer a double can hold has (1.8e308); int() reads no more than 4,300.
-DOUBLE_DIGITS = len(str(int(sys.float_info.max)))
-MAX_PATH = 120  # characters of a field's path in a message and in ``param``
-MAX_KEY = 32  # characters of each key in that path
 
 
 @dataclass(frozen=True)
@@ -71,117 +54,6 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     prompt: str | None = None  # a raw completion's (``/v1/completions``): no messages then
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, whose every string (and key) UTF-8 can encode (the
-    tokenizer's error would otherwise name no field) and whose every number a double can hold.
-
-    NaN and Infinity are not JSON; a number past a double's range (``1e400``, which json reads as
-    infinity, or a 400-digit integer: float() of it overflowed in the checks, a 500) is a 400
-    naming where it is, whichever field holds it (a schema's bound that large was refused only
-    when the schema compiled, naming no field and quoting the number whole): RFC 8259 calls
-    numbers past that range not interoperable, and no field of the API needs one. So ``seed``
-    takes any integer up to 1.8e308. A body in UTF-16 or UTF-32 (with or without a BOM: json
-    detects them, as RFC 4627 had it) is decided for, not refused: it is read as its UTF-8 twin
-    would be, with the same checks (a lone surrogate in it is a 400 naming its field). RFC 8259
-    asks for UTF-8, but such bodies were always answered here, and refusing them would take from
-    clients what they had."""
-    numbers = _Numbers()
-
-    def refuse(constant: str) -> None:
-        raise ValueError(f"{constant} is not valid JSON")
-
-    try:
-        value = json.loads(body, parse_constant=refuse, parse_int=numbers.integer, parse_float=numbers.real)
-    except (ValueError, RecursionError) as error:  # (UnicodeDecodeError is a ValueError)
-        raise RequestError(f"the body is not valid JSON: {error or 'nested too deep'}") from None
-    if not isinstance(value, dict):
-        raise RequestError(f"the body must be a JSON object, got {_kind(value)}")
-    utf8 = json.detect_encoding(body).startswith("utf-8")  # (else the byte patterns say nothing)
-    found = unfit(value) if numbers.out_of_range or not utf8 or SURROGATE.search(body) else None
-    if found is not None:
-        where, problem = found
-        raise RequestError(f"{where} {problem}", where)
-    return value
-
-
-class _Numbers:
-    """json's readers of numbers: one a double cannot hold is read as an infinity (a signed one)
-    and noted, so the walk after (``unfit``) names where it was; an integer past int()'s 4,300
-    digits is never converted (json's own reader would fail with no field named)."""
-
-    def __init__(self) -> None:
-        self.out_of_range = False
-
-    def integer(self, text: str) -> int | float:
-        if len(text.lstrip("-")) <= DOUBLE_DIGITS:
-            value = int(text)
-            if -sys.float_info.max <= value <= sys.float_info.max:
-                return value
-        self.out_of_range = True
-        return -math.inf if text.startswith("-") else math.inf
-
-    def real(self, text: str) -> float:
-        value = float(text)
-        if math.isinf(value):  # (json's grammar has no NaN: only overflow makes one)
-            self.out_of_range = True
-        return value
-
-
-OUT_OF_RANGE = "is a number of a size no double holds (past 1.8e308)"
-LONE_SURROGATE = "holds a lone surrogate, which is not valid Unicode text"
-
-
-def unfit(value: object) -> tuple[str, str] | None:
-    """Where the first string or key with a lone surrogate, or the first infinite number, is
-    (``messages[0].content``), and what is wrong there; or None. Iterative: the body may be
-    nested as deep as json allows. The path is bounded (``MAX_PATH``, each key ``MAX_KEY``)."""
-    stack: list[tuple[tuple[str, ...], object]] = [((), value)]
-    while stack:
-        where, item = stack.pop()
-        if isinstance(item, str) and not _encodable(item):
-            return _path(where), LONE_SURROGATE
-        if isinstance(item, float) and math.isinf(item):
-            return _path(where), OUT_OF_RANGE
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if not _encodable(key):
-                    return f"a key of {_path(where)}", LONE_SURROGATE
-                stack.append(((*where, f".{shown(key)}" if where else shown(key)), child))
-        elif isinstance(item, list):
-            stack.extend(((*where, f"[{i}]"), child) for i, child in enumerate(item))
-    return None
-
-
-def _path(parts: tuple[str, ...]) -> str:
-    """A field's path from its parts, its middle cut out past ``MAX_PATH`` characters."""
-    path = "".join(parts) or "the body"
-    if len(path) <= MAX_PATH:
-        return path
-    half = MAX_PATH // 2
-    return f"{path[:half]}...{path[-half:]}"
-
-
-def shown(value: object, most: int = MAX_KEY) -> str:
-    """``value`` as a message quotes it, bounded: a string cut after ``most`` characters, an
-    integer past 15 digits by its length (str() of one past 4,300 digits would fail)."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        return repr(value)[:most]
-    if isinstance(value, str):
-        return value if len(value) <= most else f"{value[:most]}..."
-    if -(10**15) < value < 10**15:
-        return str(value)
-    digits = len(str(abs(value))) if value.bit_length() < 14_000 else "thousands of"
-    return f"{'-' if value < 0 else ''}an integer of {digits} digits"
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
@@ -314,7 +186,7 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     """One message in the library's shape (``developer`` is a system message)."""
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
-        raise RequestError(f"{where} must be an object, got {_kind(raw)}", where)
+        raise RequestError(f"{where} must be an object, got {kind_of(raw)}", where)
     role = raw.get("role")
     if role not in ROLES:
         raise RequestError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
@@ -340,7 +212,7 @@ def _content(content: object, where: str, images: ImageCount | None) -> str | li
     if isinstance(content, str):
         return _text(content, where)
     if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of parts, got {_kind(content)}", where)
+        raise RequestError(f"{where} must be a string or a list of parts, got {kind_of(content)}", where)
     parts: list[Any] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
@@ -422,7 +294,7 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         names = " or ".join(NAMES.get(k, k.__name__) for k in kinds)
-        raise RequestError(f"{where or name} must be {names}, got {_kind(value)}", where or name)
+        raise RequestError(f"{where or name} must be {names}, got {kind_of(value)}", where or name)
     return value
 
 
@@ -443,11 +315,7 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> floa
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"{name} must be a number, got {_kind(value)}", name)
+        raise RequestError(f"{name} must be a number, got {kind_of(value)}", name)
     if not low <= value <= high:  # (NaN and the infinities fail it too)
         raise RequestError(f"{name} must be between {low:g} and {high:g}, got {shown(value)}", name)
     return float(value)
-
-
-def _kind(value: object) -> str:
-    return NAMES.get(type(value), type(value).__name__)
