@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,41 +316,239 @@ def test_concurrent_requests_decode_in_one_batch(served: Served) -> None:
 
 
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}
-BAD_REQUESTS: list[tuple[Any, int]] = [
-    (b"{not json", 400),
-    (b"[1, 2]", 400),
-    ({"messages": "hi"}, 400),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
-    ({"messages": [{"role": "user", "content": "a\0b"}]}, 400),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 9}, 400),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400),
-    ({"messages": [{"role": "assistant", "content": "x"}]}, 400),  # nothing to answer
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),  # no tools
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": BAD_SCHEMA}, 400),
-    ({"messages": [{"role": "user", "content": "word " * 6000}]}, 400),  # over the context
-    ({"messages": [{"role": "user", "content": "x" * (BODY_LIMIT + 10)}]}, 413),
+CHAT, RAW = "/v1/chat/completions", "/v1/completions"
+HUGE = "1" + "0" * 400  # an integer no double holds (float() of it overflows)
+
+
+def raw_json(path: str, fields: str) -> bytes:
+    """A body's JSON text, as written (a number JSON allows but Python's json would not write)."""
+    start = '"prompt": "x"' if path == RAW else '"messages": [{"role": "user", "content": "x"}]'
+    return f"{{{start}, {fields}}}".encode()
+
+
+def encoded(text: str, encoding: str) -> bytes:
+    """``text`` in ``encoding``, a lone surrogate included (json reads UTF-16 and UTF-32 too)."""
+    return text.encode(encoding, "surrogatepass")
+
+
+SCHEMA = '{"type": "json_schema", "json_schema": {"schema": {"type": "integer", "maximum": %s}}}'
+TOOL = '{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"minimum": %s}}}}}'
+LONE = "a\ud800b"  # (a lone surrogate itself, not an escape: its own code unit in UTF-16)
+# (path, body, status, the error's param): every row must be a 4xx naming what is wrong
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    (CHAT, b"{not json", 400, None),
+    (CHAT, b"[1, 2]", 400, None),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    (CHAT, {"messages": [{"role": "user", "content": "a\0b"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 9}, 400, "n"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400, "logprobs"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    (CHAT, {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),  # nothing to answer
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": BAD_SCHEMA}, 400, None),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 6000}]}, 400, None),  # over the context
+    # Numbers no double holds (issue 39: a 500), in every numeric field and anywhere else.
+    (CHAT, raw_json(CHAT, f'"temperature": {HUGE}'), 400, "temperature"),
+    (CHAT, raw_json(CHAT, f'"top_p": {HUGE}'), 400, "top_p"),
+    (CHAT, raw_json(CHAT, f'"presence_penalty": -{HUGE}'), 400, "presence_penalty"),
+    (CHAT, raw_json(CHAT, f'"frequency_penalty": {HUGE}'), 400, "frequency_penalty"),
+    (CHAT, raw_json(CHAT, f'"max_tokens": {HUGE}'), 400, "max_tokens"),
+    (CHAT, raw_json(CHAT, f'"n": -{HUGE}'), 400, "n"),
+    (CHAT, raw_json(CHAT, f'"seed": {HUGE}'), 400, "seed"),
+    (CHAT, raw_json(CHAT, '"logprobs": true, "top_logprobs": 1e400'), 400, "top_logprobs"),
+    (CHAT, raw_json(CHAT, f'"temperature": {"9" * 5000}'), 400, "temperature"),  # past int()'s 4,300 digits
+    (CHAT, raw_json(CHAT, '"temperature": 1e400'), 400, "temperature"),  # (json reads it as inf)
+    (CHAT, raw_json(CHAT, '"top_p": -1e400'), 400, "top_p"),
+    (
+        CHAT,
+        raw_json(CHAT, f'"response_format": {SCHEMA % HUGE}'),
+        400,
+        "response_format.json_schema.schema.maximum",
+    ),
+    (
+        CHAT,
+        raw_json(CHAT, f'"tools": [{TOOL % HUGE}]'),
+        400,
+        "tools[0].function.parameters.properties.a.minimum",
+    ),
+    (RAW, raw_json(RAW, f'"temperature": {HUGE}'), 400, "temperature"),
+    (RAW, raw_json(RAW, f'"frequency_penalty": -{HUGE}'), 400, "frequency_penalty"),
+    (RAW, raw_json(RAW, '"presence_penalty": 1e400'), 400, "presence_penalty"),
+    (RAW, raw_json(RAW, f'"logprobs": {HUGE}'), 400, "logprobs"),
+    # Bodies in UTF-16 or UTF-32 (json detects them, with or without a BOM) with a lone surrogate.
+    (
+        CHAT,
+        encoded(f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "utf-16"),
+        400,
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        encoded(f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "utf-16-le"),
+        400,
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        encoded(f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "utf-32-be"),
+        400,
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        encoded('{"messages": [{"role": "user", "content": "a\\udc00"}]}', "utf-16-be"),
+        400,
+        "messages[0].content",
+    ),
+    (
+        CHAT,
+        encoded(f'{{"messages": [{{"role": "user", "content": "x"}}], "stop": "{LONE}"}}', "utf-32"),
+        400,
+        "stop",
+    ),
+    (RAW, encoded(f'{{"prompt": "{LONE}"}}', "utf-32-le"), 400, "prompt"),
+    (RAW, encoded(f'{{"prompt": "{LONE}"}}', "utf-16"), 400, "prompt"),
+    (RAW, encoded(f'{{"prompt": "x", "stop": ["{LONE}"]}}', "utf-16-be"), 400, "stop[0]"),
+    # A body over --max-body-bytes (issue 39: urllib, which sends Connection: close, got a reset).
+    (CHAT, {"messages": [{"role": "user", "content": "x" * (20 << 20)}]}, 413, None),
+    (RAW, {"prompt": "x" * (BODY_LIMIT + 10)}, 413, None),
 ]
 
 
-@pytest.mark.parametrize(("body", "status"), BAD_REQUESTS)
-def test_a_bad_request_is_a_4xx_with_an_error_body(served: Served, body: Any, status: int) -> None:
+def post_urllib(
+    served: Served, path: str, data: Any, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    """A POST through ``urllib`` (a client that sends its whole body before it reads, and asks
+    the server to close the connection after): the status and body it read."""
+    given = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    url = served.url.removesuffix("/v1") + path
+    request = urllib.request.Request(url, data=data, headers=given, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def row_id(index: int, path: str, status: int, param: str | None) -> str:
+    return f"{index}-{'chat' if path == CHAT else 'raw'}-{status}-{param}"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    BAD_REQUESTS,
+    ids=[row_id(i, r[0], r[2], r[3]) for i, r in enumerate(BAD_REQUESTS)],
+)
+def test_a_bad_request_is_a_4xx_with_an_error_body(
+    served: Served, path: str, body: Any, status: int, param: str | None
+) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, text = post_urllib(served, path, data)
+    assert got == status, text[:300]
+    error = json.loads(text)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    assert b"Traceback" not in text
+    assert len(text) < 1024 and b"0" * 40 not in text and b"9" * 40 not in text  # no number echoed whole
+    if "word " in str(body)[:40]:
+        assert "4096" in error["message"]  # the limit is named
     with served.http() as http:
-        if isinstance(body, bytes):
-            response = http.post("/v1/chat/completions", content=body)
-        else:
-            response = http.post("/v1/chat/completions", json=body)
-        assert response.status_code == status, response.text
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
-        assert "Traceback" not in response.text
-        if "word " in str(body)[:40]:
-            assert "4096" in error["message"]  # the limit is named
-        ok = http.post(
-            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-        )
+        ok = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         assert ok.status_code == 200  # the server answers normally after it
+
+
+def test_a_utf16_or_utf32_body_is_answered_as_its_utf8_twin(served: Served) -> None:
+    """Such bodies are read, not refused (``body.parse_json`` says why): only what they hold is
+    checked, as in UTF-8."""
+    for path, text in ((CHAT, '{"messages": [{"role": "user", "content": "Hi"}]'), (RAW, '{"prompt": "Hi"')):
+        for encoding in ("utf-16", "utf-32-be"):
+            status, answer = post_urllib(served, path, f'{text}, "max_tokens": 2}}'.encode(encoding))
+            assert status == 200, answer[:300]
+
+
+def test_an_oversized_body_is_a_413_the_client_reads(served: Served) -> None:
+    """Issue 39: a body over the limit reset the connection of a client that sends its whole body
+    before it reads (urllib asks for the connection to be closed after, and the server closed it
+    with the body unread). The rest is read and dropped, so the 413 arrives, sent whole or chunked,
+    and through the openai client; one that waits for 100 Continue is answered before it sends."""
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (20 << 20)}]}).encode()
+    pieces = iter([big[i : i + (1 << 16)] for i in range(0, len(big), 1 << 16)])
+    for data in (big, pieces):
+        status, text = post_urllib(served, CHAT, data)
+        assert status == 413, text[:300]
+        assert (
+            json.loads(text)["error"]["message"]
+            == f"the request body is over the limit of {BODY_LIMIT} bytes"
+        )
+    with pytest.raises(openai.APIStatusError) as caught:
+        served.client().completions.create(model=served.name, prompt="x" * (20 << 20), max_tokens=1)
+    assert caught.value.status_code == 413
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nExpect: 100-continue\r\n"
+        sock.sendall(f"{head}Content-Length: {len(big)}\r\n\r\n".encode())
+        assert read_until_closed(sock, 30).startswith(b"HTTP/1.1 413 ")  # (no 100 Continue first)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:  # (chunked: asked)
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nExpect: 100-continue\r\n"
+        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        assert sock.recv(1 << 16).startswith(b"HTTP/1.1 100 ")
+        sock.sendall((b"10000\r\n" + b"x" * (1 << 16) + b"\r\n") * (2 * BODY_LIMIT >> 16) + b"0\r\n\r\n")
+        sock.settimeout(30)
+        assert sock.recv(1 << 16).startswith(b"HTTP/1.1 413 ")
+
+
+def read_until_closed(sock: socket.socket, seconds: float) -> bytes:
+    """What the server sends until it closes the connection (a reset ends it too)."""
+    sock.settimeout(seconds)
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    return received
+
+
+@pytest.mark.parametrize("pace", ["flood", "trickle"])
+def test_a_refused_body_is_read_only_so_far(
+    served: Served, monkeypatch: pytest.MonkeyPatch, pace: str
+) -> None:
+    """What is left of a refused body is read within bounds: a client that floods an endless
+    chunked body, or trickles one, gets its 413 and the connection closed, not a server
+    reading for as long as it sends (uvicorn drops the rest of a body forever on its own)."""
+    monkeypatch.setattr("llmsession.serve.app.DRAIN_BYTES", 4 << 20)
+    monkeypatch.setattr("llmsession.serve.app.DRAIN_SECONDS", 1.0)
+    sent, stop = [0], threading.Event()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+
+        def send() -> None:
+            chunk = b"10000\r\n" + b"x" * (1 << 16) + b"\r\n"
+            with contextlib.suppress(OSError):
+                sock.sendall(chunk * (BODY_LIMIT >> 16) + b"1\r\nx\r\n")  # (over the limit)
+                while not stop.is_set():
+                    sock.sendall(chunk if pace == "flood" else b"1\r\nx\r\n")
+                    sent[0] += 1 << 16 if pace == "flood" else 1
+                    if pace == "trickle":
+                        time.sleep(0.05)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        started = time.monotonic()
+        try:
+            answer = read_until_closed(sock, 20)
+        finally:
+            stop.set()
+            sender.join(30)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b"connection: close" in answer.lower()
+    assert time.monotonic() - started < 10
+    assert sent[0] < 64 << 20
 
 
 def test_keys_are_required_but_for_health(served: Served) -> None:

@@ -3,7 +3,10 @@
 The routes authorize, read and check a request (``schema``, in a worker thread, a few at a time:
 a large body is neither parsed on the event loop nor held by many requests at once), then hand
 it to ``chat.Call``. Every error a route raises becomes its response inside the route, so the
-counters (``Counting``) see the status the client gets, and it is logged once.
+counters (``Counting``) see the status the client gets, and it is logged once. A request refused
+before its body was read (over the size limit, a wrong key) has the rest of its body read and
+dropped first, within bounds (``drain``), so a client that sends its whole body before it reads
+gets its answer rather than a reset connection.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
     from llmsession.api.model import Model
 
 MAX_BODY_BYTES = 8 << 20
+DRAIN_BYTES = 64 << 20  # of a refused request's body, read and dropped before the answer
+DRAIN_SECONDS = 10.0  # (and no longer: then the answer closes the connection)
 PARSERS = 4  # requests reading or checking their body at once
 PATHS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -131,10 +136,10 @@ class Server:
         too_big = RequestError(
             f"the request body is over the limit of {self.max_body_bytes} bytes", None, None, 413
         )
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
+        if declared(request) > self.max_body_bytes:
             raise too_big
         chunks, size = [], 0
+        request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
         try:
             async for chunk in request.stream():
                 size += len(chunk)
@@ -143,6 +148,7 @@ class Server:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise RequestError("the client went away", None, None, 499) from None
+        request.state.body_read = True  # (``drain`` reads no further)
         return b"".join(chunks)
 
     # -- routes ---------------------------------------------------------------------------------
@@ -222,11 +228,60 @@ def guarded(route: Handler) -> Handler:
 
 
 async def refuse(request: Request, error: Exception) -> Response:
-    """An error raised in a route, as OpenAI's error body (unexpected ones logged: ``explain``)."""
+    """An error raised in a route, as OpenAI's error body (unexpected ones logged: ``explain``),
+    once the rest of the request's body is read (``drain``); if it could not be, the answer
+    closes the connection."""
     if isinstance(error, HTTPException):
         code = "not_found" if error.status_code == 404 else None
-        return error_response(RequestError(str(error.detail), None, code, error.status_code))
-    return error_response(explain(error))
+        response = error_response(RequestError(str(error.detail), None, code, error.status_code))
+    else:
+        response = error_response(explain(error))
+    if not await drain(request):
+        response.headers["Connection"] = "close"
+    return response
+
+
+def declared(request: Request) -> int:
+    """The body's size as its Content-Length says (0 without one; a 40-digit one is read as
+    past every bound, not converted)."""
+    length = request.headers.get("content-length", "")
+    if not length.isdigit():
+        return 0
+    return int(length) if len(length) <= 18 else 1 << 62
+
+
+async def drain(request: Request) -> bool:
+    """Read and drop what is left of a refused request's body; True once it has all come, so
+    the connection may serve another request. A client that sends its whole body before it
+    reads (urllib, which also asks for the connection to be closed after) would otherwise have
+    it closed with its body unread, which the kernel answers with a reset: the client never
+    reads its answer (issue 39). Bounded as nginx bounds its lingering close: at most
+    ``DRAIN_BYTES`` and ``DRAIN_SECONDS``, and none of a body declared larger, or one whose
+    client waits for 100 Continue before it sends (it is answered at once instead). False past
+    those: the answer then closes the connection (uvicorn would drop the rest of the body for as
+    long as it came, on a connection kept alive)."""
+    if getattr(request.state, "body_read", False):
+        return True
+    waiting = request.headers.get("expect", "").lower() == "100-continue"
+    if declared(request) > DRAIN_BYTES or (waiting and not getattr(request.state, "body_asked", False)):
+        return False
+    receive = request.receive
+
+    async def drop() -> bool:
+        dropped = 0
+        while dropped <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":  # (the client went away)
+                return False
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+        return False
+
+    try:
+        return await asyncio.wait_for(drop(), DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        return False
 
 
 def create_app(
