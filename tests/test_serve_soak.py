@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +49,20 @@ BAD: list[Any] = [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}
         ]
     },
+    # Issue 39: numbers no double holds, and lone surrogates in UTF-16 and UTF-32 bodies (500s).
+    b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1' + b"0" * 400 + b"}",
+    b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -' + b"9" * 5000 + b"}",
+    b'{"messages": [{"role": "user", "content": "x"}], "top_p": 1e400}',
+    ("/v1/completions", b'{"prompt": "x", "presence_penalty": -1' + b"0" * 400 + b"}"),
+    '{"messages": [{"role": "user", "content": "a\ud800b"}]}'.encode("utf-16", "surrogatepass"),
+    '{"messages": [{"role": "user", "content": "x"}], "stop": "\udc00"}'.encode("utf-16-be", "surrogatepass"),
+    ("/v1/completions", '{"prompt": "a\ud800b"}'.encode("utf-32", "surrogatepass")),
+    # Bodies over the server's 8 MiB limit, through urllib (which reset before: it sends its whole
+    # body before it reads, and asks for the connection to be closed after).
+    "oversized",
+    "oversized chunked",
 ]
+OVERSIZED = json.dumps({"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).encode()
 
 
 def rss(pid: int) -> int:
@@ -120,12 +135,24 @@ class Client:
 
     def bad(self) -> None:
         body = self.random.choice(BAD)
-        if isinstance(body, bytes):
-            response = self.http.post("/v1/chat/completions", content=body)
+        path, body = body if isinstance(body, tuple) else ("/v1/chat/completions", body)
+        if isinstance(body, str):  # (oversized)
+            status, text = self.urllib_post(path, OVERSIZED if body == "oversized" else chunks(OVERSIZED))
         else:
-            response = self.http.post("/v1/chat/completions", json=body)
-        if not 400 <= response.status_code < 500 or "error" not in response.json():
-            self.problems.append(f"client {self.index}: {body!r:.60} gave {response.status_code}")
+            response = self.http.post(
+                path, **({"content": body} if isinstance(body, bytes) else {"json": body})
+            )
+            status, text = response.status_code, response.content
+        if not 400 <= status < 500 or "error" not in json.loads(text):
+            self.problems.append(f"client {self.index}: {body!r:.60} gave {status}")
+
+    def urllib_post(self, path: str, data: Any) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
 
     def raw(self) -> None:
         body = {"prompt": "Once upon a time", "max_tokens": 3, "user": f"client-{self.index}"}
@@ -146,6 +173,11 @@ class Client:
         if response.status_code != status:
             response.read()
             raise AssertionError(f"{response.status_code} {response.text:.200}")
+
+
+def chunks(data: bytes) -> Iterator[bytes]:
+    """``data`` as urllib sends an iterable: chunked."""
+    return (data[i : i + (1 << 16)] for i in range(0, len(data), 1 << 16))
 
 
 def soak(url: str, count: int, first: int = 0) -> tuple[list[str], Counter[str]]:
