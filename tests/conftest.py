@@ -132,5 +132,5 @@ def smollm2(smollm2_path: Path) -> Iterator[Model]:
 
 @pytest.fixture(scope="session")
 def gemma3(gemma3_path: Path) -> Iterator[Model]:
-    with Model(gemma3_path, threads=2) as model:
+    with Model(gemma3_path, threads=2, kv_tokens=16384) as model:  # (4,096 a session: quick to make)
         yield model

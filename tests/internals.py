@@ -22,6 +22,14 @@ def settled(session: Session) -> Session:
     return session
 
 
+def settle_all(model: Any) -> None:
+    """Every session of ``model`` settled: no anticipatory prefill left to decode into the shared
+    context after what comes next (the context's logits are its latest decode's)."""
+    for session in list(getattr(model, "backend", model).sessions):
+        if isinstance(session, Session):
+            settled(session)
+
+
 def decoded_ahead(session: Session) -> int:
     """How many positions at the end of the record the latest anticipatory prefill decoded."""
     ahead = settled(session)._ahead

@@ -226,7 +226,8 @@ def test_undo_then_the_same_message_reuses_the_cache(terminal: Callable[..., Ter
     assert again.reused + again.decoded == again.prompt
     term.enter("/stats")
     term.expect(r"turns 3 \| prompt tokens \d+ \(reused \d+, decoded \d+\) \| completion tokens \d+")
-    term.expect(r"memory: 1/1 sessions live holding \d+/8192 KV cells; .* restores \d+")
+    term.expect(r"memory: 1/1 sessions live holding \d+/8192 KV cells \(\d+ MiB; .*\).* restores \d+")
+    term.expect(r"prompts: jinja \(the file.s template\)")
 
 
 def test_image_command_with_a_projector(terminal: Callable[..., Terminal]) -> None:

@@ -84,14 +84,20 @@ def test_keeping_unconfirmed_drafts_is_caught(smollm2: Model, monkeypatch: pytes
         step.accepted = len(step.drafts)
         step.token = step.target.sample_row(row, step.sampler)
 
-    monkeypatch.setattr(Batcher, "_verify", staticmethod(trusting))
-    question = "What is the capital of France? Answer in one sentence, then name three rivers of France."
-    session = smollm2.session(share_prefix=False)
-    reply = session.respond(f"{PARAGRAPH}\n\n{question}", drafted(max_tokens=40))
-    monkeypatch.undo()
-    assert reply.usage.drafted_tokens > 0
+    # Where the reply copies the paragraph every draft is right; a summary after SmolLM2's default
+    # system line ("You are a helpful AI assistant named SmolLM...") drafts that line's words
+    # after "... are a" (2026-12-03, AMD EPYC: 13 drafted, 3 tokens unlike a fresh decode).
+    questions = ("Summarize the text above in one sentence.", "Name three rivers of France.")
     tolerance = tolerance_for(batch_noise(smollm2))
-    assert check_against_fresh(session, reply, tolerance, final=False, at_least=1) != []
+    caught = []
+    for question in questions:
+        monkeypatch.setattr(Batcher, "_verify", staticmethod(trusting))
+        session = smollm2.session(share_prefix=False)
+        reply = session.respond(f"{PARAGRAPH}\n\n{question}", drafted(max_tokens=40))
+        monkeypatch.undo()
+        assert reply.usage.drafted_tokens > 0
+        caught += check_against_fresh(session, reply, tolerance, final=False, at_least=1)
+    assert caught != []
 
 
 @pytest.mark.parametrize("end", [{"max_tokens": 13}, {"max_tokens": 80, "stop": ["clockwork"]}])

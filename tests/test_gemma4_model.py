@@ -1,5 +1,6 @@
 """Gemma 4 prompts end to end: a copy of SmolLM2 carrying Google's Gemma 4 template (and
-Gemma's add-BOS setting), which llama.cpp's template engine cannot format."""
+Gemma's add-BOS setting), which llama.cpp's template engine cannot format, rendered without
+jinja (``use_jinja=False``) by our Gemma 4 renderer."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ SYSTEM = "You are terse."
 
 @pytest.fixture(scope="module")
 def gemma4_chat(fixture_path: Callable[[str], Path]) -> Iterator[Model]:
-    with Model(fixture_path("smollm2-gemma4-template.gguf"), threads=2) as model:
+    with Model(fixture_path("smollm2-gemma4-template.gguf"), threads=2, use_jinja=False) as model:
         yield model
 
 

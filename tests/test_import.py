@@ -52,11 +52,14 @@ def test_the_public_classes_load_nothing_heavy_until_used() -> None:
 
 @pytest.mark.native
 def test_each_heavy_library_loads_when_first_needed(smollm2_path: Path) -> None:
-    """Opening a model brings the bindings and numpy, not the matcher, PIL or jinja2; the first
-    constraint compiled brings llguidance, the first image decoded PIL."""
+    """Opening a model brings the bindings and numpy (and jinja2, to render its template), not
+    the matcher or PIL; without jinja, not jinja2 either; the first constraint compiled brings
+    llguidance, the first image decoded PIL."""
     opened = f"from llmsession import Model\nmodel = Model({str(smollm2_path)!r}, threads=1)"
-    assert {"numpy", "llama_cffi", "_cffi_backend"} <= loaded_after(opened)
-    assert not loaded_after(opened) & {"llguidance", "PIL", "jinja2", "jsonschema", "pydantic"}
+    assert {"numpy", "llama_cffi", "_cffi_backend", "jinja2"} <= loaded_after(opened)
+    assert not loaded_after(opened) & {"llguidance", "PIL", "jsonschema", "pydantic"}
+    plain = opened.replace("threads=1", "threads=1, use_jinja=False")
+    assert not loaded_after(plain) & {"llguidance", "PIL", "jinja2", "jsonschema", "pydantic"}
     regex = "GenerationOptions(regex='[0-9]')"
     constrained = f"{opened}\nfrom llmsession import GenerationOptions\nmodel.local.constraint({regex})"
     assert "llguidance" in loaded_after(constrained)

@@ -125,8 +125,9 @@ def test_a_context_after_its_model_closed_raises(smollm2_path: Path) -> None:
 
 
 def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: Model) -> None:
-    prompt = "Repeat exactly, nothing else: 🦙🦙🦙 🐍🐍🐍"
-    session = smollm2.session()
+    prompt = "Say: 🦙🦙🦙 🐍🐍🐍"
+    system = "Repeat the user's message exactly."  # (a reply of emoji, each several tokens)
+    session = smollm2.session(system=system)
     full = session.respond(prompt, GenerationOptions(max_tokens=30, temperature=0))
     tokens = [int(t) for t in internals.record(session)[full.usage.prompt_tokens :]]
     pieces = b""
@@ -140,7 +141,7 @@ def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: 
                 cuts.append((n, pieces[: error.start].decode("utf-8")))
     assert cuts, f"no reply token ends inside a character: {full.text!r}"
     for n, expected in cuts[:3]:
-        reply = smollm2.session().respond(prompt, GenerationOptions(max_tokens=n, temperature=0))
+        reply = smollm2.session(system=system).respond(prompt, GenerationOptions(max_tokens=n, temperature=0))
         assert reply.finish_reason == "length"
         assert "\ufffd" not in reply.text
         assert reply.text == expected

@@ -26,10 +26,10 @@ def test_the_default_layout_gives_each_live_session_cells_of_its_own(smollm2: Mo
     session.respond("Hi.", GenerationOptions(max_tokens=2, temperature=0))
     context = internals.live_context(session)
     assert context is not None and context.own_cells and context.n_seq_max == 4
-    lib, _ = bindings()  # llama.cpp's own view: 4 streams of 2,048 cells, 8,192 in all
-    assert lib.llama_n_ctx_seq(context.ptr) == engine.session_cells(True) == 2048
-    assert lib.llama_n_ctx(context.ptr) == 8192
-    assert session.context_size == 2048
+    lib, _ = bindings()  # llama.cpp's own view: 4 streams of SmolLM2's training context each
+    assert lib.llama_n_ctx_seq(context.ptr) == engine.session_cells(True) == 8192
+    assert lib.llama_n_ctx(context.ptr) == 4 * 8192
+    assert session.context_size == 8192
 
 
 def test_a_session_among_long_live_ones_equals_a_fresh_decode(smollm2: Model) -> None:
@@ -129,12 +129,12 @@ def test_a_session_larger_than_its_own_cells_is_refused_with_what_to_change(
 def test_a_session_saved_larger_than_a_live_session_holds_here_loads_at_what_fits(
     smollm2: Model, smollm2_path: Path, tmp_path: Path
 ) -> None:
-    """A file from the pool (or the old defaults) with context_size 4,096 loads its transcript
-    into 2,048 cells of its own instead of refusing the file."""
-    with Model(smollm2_path, threads=2, kv_layout="shared") as shared:
-        session = shared.session(system=SYSTEM, context_size=4096)
+    """A file from a pool with context_size 16,384 loads its transcript into the 8,192 cells
+    a default model gives each session instead of refusing the file."""
+    with Model(smollm2_path, threads=2, kv_layout="shared", kv_tokens=16384) as shared:
+        session = shared.session(system=SYSTEM, context_size=16384)
         session.respond("Tell me about the history of Paris.", GREEDY)
         session.save(tmp_path / "pooled.llms")
     loaded = smollm2.load_session(tmp_path / "pooled.llms")
-    assert loaded.context_size == 2048 and loaded.messages == session.messages
+    assert loaded.context_size == 8192 and loaded.messages == session.messages
     assert loaded.respond("And its bridges?", GREEDY).usage.completion_tokens > 0

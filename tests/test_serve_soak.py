@@ -43,7 +43,7 @@ BAD: list[Any] = [
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
-    {"messages": [{"role": "user", "content": "word " * 5000}]},
+    {"messages": [{"role": "user", "content": "word " * 10000}]},  # (past the 8,192 positions)
     {
         "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}

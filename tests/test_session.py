@@ -97,8 +97,8 @@ def test_split_characters_never_show_replacement_characters(smollm2: Model) -> N
 
 
 def test_generated_emoji_stream_without_replacement_characters(smollm2: Model) -> None:
-    session = smollm2.session()
-    prompt = "Repeat exactly, nothing else: 🦙🦙🦙 🐍🐍🐍"
+    session = smollm2.session(system="Repeat the user's message exactly.")
+    prompt = "Say: 🦙🦙🦙 🐍🐍🐍"
     stream = session.stream(prompt, GenerationOptions(max_tokens=30, temperature=0))
     snapshots = [snap.text for snap in stream]
     assert stream.reply is not None
@@ -350,8 +350,13 @@ def test_bad_option_values_name_the_field(field: str, value: object) -> None:
 
 
 def test_unknown_template_raises_template_error(fixture_path: object) -> None:
-    with Model(fixture_path("smollm2-unknown-template.gguf")) as model, pytest.raises(TemplateError):  # type: ignore[operator]
+    """A template llama.cpp's matcher does not know renders through jinja by default; without
+    jinja it is a TemplateError naming the way out."""
+    path = fixture_path("smollm2-unknown-template.gguf")  # type: ignore[operator]
+    with Model(path, use_jinja=False) as model, pytest.raises(TemplateError, match="use_jinja=True"):
         model.session().respond("Hi")
+    with Model(path, kv_tokens=1024) as model:
+        assert model.render([{"role": "user", "content": "Hi"}]) == "<<USER>> Hi\n<<ASSISTANT>> "
 
 
 def test_nul_characters_are_never_silently_truncated(smollm2: Model) -> None:
@@ -359,11 +364,3 @@ def test_nul_characters_are_never_silently_truncated(smollm2: Model) -> None:
     with pytest.raises(ValueError, match="NUL"):
         session.respond("before\0after", GenerationOptions(max_tokens=2))
     assert session.messages == []
-
-
-def test_gemma3_without_a_template_chats_through_chatml(gemma3: Model) -> None:
-    assert gemma3.template is None
-    prompt = gemma3.render([{"role": "user", "content": "Hi"}])
-    assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    reply = gemma3.session().respond("Hi", GenerationOptions(max_tokens=8, temperature=0))
-    assert reply.usage.completion_tokens > 0

@@ -117,10 +117,14 @@ def test_replies_validate_on_smollm2(smollm2: Model, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["nested, required and optional", "oneOf", "array bounds", "formats"])
 def test_replies_validate_on_gemma3(gemma3: Model, name: str) -> None:
-    schema = SCHEMAS[name]
-    for temperature, seed in ((0, None), (1, 3), (1, 4)):
+    schema, completed = SCHEMAS[name], 0
+    for temperature, seed in ((0, None), (1, 3), (1, 4), (1, 5), (1, 6)):
         options = GenerationOptions(json_schema=schema, temperature=temperature, seed=seed, max_tokens=80)
-        assert check_reply(schema, gemma3.session().respond(ASK, options)) or temperature > 0
+        completed += check_reply(schema, gemma3.session().respond(ASK, options))
+    # (Gemma 3 270M is the pretrained model: in its own turns its "oneOf" replies may write a
+    # number of zeros up to max_tokens, which the schema allows: 3 of these 5 completed,
+    # 2026-12-03 on an AMD EPYC.)
+    assert completed >= 2, "most replies complete: the check above is not vacuous"
 
 
 def test_a_pydantic_class_gives_instances(smollm2: Model) -> None:

@@ -57,7 +57,9 @@ def test_markers_held_as_special_tokens_are_generated_as_those_tokens(
 def test_gemma4_without_jinja_renders_and_calls_in_its_own_syntax(fixture_path: Any) -> None:
     """The Python Gemma 4 renderer declares the tools and writes calls and results as the
     template does, and a forced call comes back in Gemma 4's syntax, read into JSON."""
-    with Model(fixture_path("smollm2-gemma4-special.gguf"), threads=2, anticipate=False) as model:
+    with Model(
+        fixture_path("smollm2-gemma4-special.gguf"), threads=2, anticipate=False, use_jinja=False
+    ) as model:
         assert not model.use_jinja and model.local.tool_format().name == "gemma4"
         call = ToolCall("call_1", "get_weather", '{"city": "Paris", "days": 2}')
         messages = [

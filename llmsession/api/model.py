@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is
     from llmsession.runtime.local import LocalModel
     from llmsession.runtime.session import Session
     from llmsession.runtime.stream import Stream
+    from llmsession.text.renderer import Renderer
 
 
 class Backend(Protocol):
@@ -28,6 +29,7 @@ class Backend(Protocol):
     mmproj_path: Path | None
     threads: int
     use_jinja: bool
+    renderer: Renderer
     flash_attention: bool | None
     kv_type: str
     anticipate: bool
@@ -89,7 +91,11 @@ class Model:
     """A model file loaded once; any number of sessions chat with it under one memory budget.
 
     Live sessions share one llama context of ``kv_tokens`` KV cells in up to ``max_live_sessions``
-    sequences (default 4). ``kv_layout`` "per_session" (default) gives each live session
+    sequences (default 4). ``kv_tokens`` None (default) gives each live session the model's
+    training context (at most 32,768 positions), halved while the cells would take more than
+    half the memory available (``engine.sizing``; ``memory()`` says what was chosen and what it
+    takes); cells asked for that cannot fit in memory are a ValueError. ``kv_layout``
+    "per_session" (default) gives each live session
     ``kv_tokens / max_live_sessions`` cells of its own (rounded down to a multiple of 256): its
     attention runs over its own cells only, so other live sessions cost it nothing, and that is
     the most a session holds. "shared" pools the cells: a session may hold all ``kv_tokens``,
@@ -115,16 +121,23 @@ class Model:
     (``remote.isolated``). ``stateless_sessions``: how many conversations stateless calls
     (``chat``, ``complete``) keep, their states live, parked or cold as the budget decides
     (default: 64, or four per live session if more; 8 on a recurrent model, whose sessions keep
-    checkpoints). ``with Model(path) as model:`` frees the
+    checkpoints). Prompts are rendered by the file's own chat template through jinja2 (as
+    Hugging Face and llama-server do) when jinja renders it, else by llama.cpp's built-in
+    templates; a file without a template gets the built-in one of its architecture (Gemma 3:
+    Gemma's turns), else ChatML. ``use_jinja`` True or False insists on one renderer;
+    ``chat_template`` (jinja text, a built-in template's name such as "gemma", or a Path to a
+    template file) replaces the file's (``renderer`` says what was chosen: ``text.renderer``).
+    ``with Model(path) as model:`` frees the
     model and every session's state on exit.
     """
 
     threads = Setting()
-    use_jinja = Setting()
+    use_jinja = Setting()  # whether jinja renders the prompts (as chosen at load)
+    renderer = Setting()  # how prompts are rendered, and why (``text.renderer.Renderer``)
     flash_attention = Setting()
     kv_type = Setting()
     anticipate = Setting()
-    template = Setting()  # the chat template in its GGUF (None if it has none)
+    template = Setting()  # the chat template in use (text or a llama.cpp built-in's name; None: chatml)
     media_marker = Setting()
 
     def __init__(
@@ -136,10 +149,10 @@ class Model:
         worker_timeout: float = 60.0,
         **settings: Any,
     ) -> None:
-        """``settings``: ``mmproj_path``, ``gpu_layers``, ``threads``, ``use_jinja``, ``kv_tokens``,
-        ``max_live_sessions``, ``kv_layout``, ``host_cache_bytes``, ``disk_cache_dir``, ``batch_size``,
-        ``checkpoints``, ``flash_attention``, ``kv_type``, ``anticipate``, ``stateless_sessions``
-        (see the class)."""
+        """``settings``: ``mmproj_path``, ``gpu_layers``, ``threads``, ``use_jinja``,
+        ``chat_template``, ``kv_tokens``, ``max_live_sessions``, ``kv_layout``, ``host_cache_bytes``,
+        ``disk_cache_dir``, ``batch_size``, ``checkpoints``, ``flash_attention``, ``kv_type``,
+        ``anticipate``, ``stateless_sessions`` (see the class)."""
         from llmsession.native import rpc
 
         servers = [str(endpoint) for endpoint in rpc.checked_servers(rpc_servers, worker_timeout)]
@@ -190,7 +203,8 @@ class Model:
 
         ``context_size`` bounds the positions the session uses (prompt and reply), exactly; it
         may not exceed what a live session holds (``kv_tokens / max_live_sessions`` with
-        ``kv_layout="per_session"``, else ``kv_tokens``); default: 4,096, or that if smaller.
+        ``kv_layout="per_session"``, else ``kv_tokens``); default: the model's default context
+        (``memory().context_size``: its training context, as sized), or that if smaller.
         ``batch_size`` is its prefill batch (at most the model's). With ``share_prefix``, an
         exchange that finds the session's memory empty starts from the longest prefix of its
         prompt another live session holds (a common system prompt: its cells are shared, not

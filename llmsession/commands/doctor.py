@@ -10,6 +10,7 @@ import sys
 from llmsession.commands import installer, paths
 from llmsession.commands.installer import SETUP_COMMAND
 from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.sizing import DEFAULT_CONTEXT_CAP, RAM_SHARE
 from llmsession.errors import LlmSessionError
 
 
@@ -71,7 +72,9 @@ def doctor(args: argparse.Namespace) -> int:
     budget = MemoryConfig()
     print(
         "memory budget per model (the defaults; Model() arguments change them): "
-        f"kv_tokens {budget.kv_tokens}, max_live_sessions {budget.max_live_sessions}, "
+        "kv_tokens: each live session gets the model's training context (up to "
+        f"{DEFAULT_CONTEXT_CAP}, halved while the cells would take over {RAM_SHARE:.0%} of the memory "
+        f"available), max_live_sessions {budget.max_live_sessions}, "
         f"kv_layout {budget.kv_layout}, "
         f"host_cache_bytes {budget.host_cache_bytes >> 20} MiB, disk_cache_dir none"
     )

@@ -63,6 +63,7 @@ def serve(args: argparse.Namespace) -> int:
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
             print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
+            print(f"prompts: {model.renderer}", flush=True)
             config = uvicorn.Config(
                 app,
                 host=args.host,
@@ -84,7 +85,39 @@ def model_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = {name: value for name in names if (value := getattr(args, name)) is not None}
     if args.flash_attention != "auto":
         settings["flash_attention"] = args.flash_attention == "on"
+    return {**settings, **prompt_settings(args)}
+
+
+def prompt_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """How prompts are rendered, as ``add_prompt_arguments`` asked."""
+    settings: dict[str, Any] = {}
+    if args.jinja != "auto":
+        settings["use_jinja"] = args.jinja == "on"
+    if args.chat_template is not None:
+        settings["chat_template"] = args.chat_template
+    if args.chat_template_file is not None:
+        settings["chat_template"] = args.chat_template_file
     return settings
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """How prompts are rendered (``text.renderer``), as llama-server's flags of those names."""
+    add = parser.add_argument
+    add(
+        "--jinja",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: the chat template through jinja when it renders, else llama.cpp's built-in templates",
+    )
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument(
+        "--chat-template",
+        metavar="NAME",
+        help="a llama.cpp built-in template instead of the file's (chatml, gemma, llama3, ...)",
+    )
+    template.add_argument(
+        "--chat-template-file", type=Path, metavar="FILE", help="a jinja chat template instead of the file's"
+    )
 
 
 def memory_line(report: MemoryReport, disk: Path | None, flash_attention: bool | None) -> str:
@@ -98,7 +131,7 @@ def memory_line(report: MemoryReport, disk: Path | None, flash_attention: bool |
         else f"{report.kv_tokens} KV cells shared by up to {report.max_live_sessions} live sessions"
     )
     return (
-        f"memory: {cells}; "
+        f"memory: {cells} (about {report.kv_bytes / 2**20:.0f} MiB; {report.kv_sizing}); "
         f"parked states up to {report.host_cache_bytes / 2**20:.0f} MiB in RAM, {spill}; "
         f"flash attention {flash}"
     )
@@ -177,9 +210,10 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--context-size",
         type=positive_int,
         metavar="N",
-        help="positions per conversation (default: 4096, or what a live conversation holds if fewer)",
+        help="positions per conversation (default: the model's training context, as sized)",
     )
     add_memory_arguments(parser)
+    add_prompt_arguments(parser)
     add(
         "--max-body-bytes",
         type=positive_int,
@@ -199,7 +233,13 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """How the server holds its conversations: cells, sequences, parking, drafts."""
     add = parser.add_argument
-    add("--kv-tokens", type=positive_int, metavar="N", help="KV cells of live conversations (default: 8192)")
+    add(
+        "--kv-tokens",
+        type=positive_int,
+        metavar="N",
+        help="KV cells of live conversations (default: each live conversation gets the model's "
+        "training context, up to 32768, as memory allows)",
+    )
     add("--max-live-sessions", type=positive_int, metavar="N", help="sequences decoding at once (default: 4)")
     add(
         "--kv-layout",

@@ -31,7 +31,7 @@ class Budget:
 class MemoryConfig:
     """The model's memory budget (``Model(kv_tokens=..., ...)``)."""
 
-    kv_tokens: int = 8192  # KV cells of the live sessions (per layout: swa_full)
+    kv_tokens: int = 8192  # KV cells of the live sessions (per layout: swa_full); Model's are sized
     max_live_sessions: int = 4  # sequences of the shared context
     host_cache_bytes: int = 1 << 30  # parked states in RAM
     disk_cache_dir: Path | None = None  # parked states the RAM budget lets go (else forgotten)
@@ -95,14 +95,20 @@ class MemoryReport:
     counters: Counters = field(default_factory=Counters)
     kv_layout: str = "shared"  # as built: "per_session" where live sessions have cells of their own
     session_cells: int = 0  # the most one live session holds
+    context_size: int = 0  # a new session's default context (within session_cells)
+    kv_bytes: int = 0  # about what the live sessions' KV cells take (allocated at load)
+    kv_sizing: str = ""  # how kv_tokens was chosen
+    renderer: str = ""  # how prompts are rendered (``text.renderer.Renderer``)
 
     def __str__(self) -> str:
         c = self.counters
         return (
             f"memory: {self.live_sessions}/{self.max_live_sessions} sessions live holding "
-            f"{self.live_tokens}/{self.kv_tokens} KV cells; parked {self.parked_bytes / MIB:.1f}"
+            f"{self.live_tokens}/{self.kv_tokens} KV cells ({self.kv_bytes / MIB:.0f} MiB; "
+            f"{self.kv_sizing}); parked {self.parked_bytes / MIB:.1f}"
             f"/{self.host_cache_bytes / MIB:.0f} MiB in RAM, {self.disk_entries} on disk "
             f"({self.disk_bytes / MIB:.1f} MiB), checkpoints {self.checkpoint_bytes / MIB:.1f} MiB "
             f"| parks {c.parks}, restores {c.restores}, "
             f"disk writes {c.disk_writes}, drops {c.drops}, failed restores {c.failed_restores}"
+            + (f"\nprompts: {self.renderer}" if self.renderer else "")
         )

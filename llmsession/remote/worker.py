@@ -163,6 +163,7 @@ class Worker:
             "kv_type",
             "anticipate",
             "template",
+            "renderer",
             "media_marker",
         )
         return {name: getattr(model, name) for name in names}

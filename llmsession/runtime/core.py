@@ -6,6 +6,7 @@ replies generated here spliced in as the tokens they were) or a constraint a com
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from llmsession.errors import GrammarError, SessionFileError, TemplateError, Uns
 from llmsession.native import rpc
 from llmsession.options import INT32_MAX, GenerationOptions, check_int
 from llmsession.runtime.loading import (
+    Loaded,
     check_kv_type,
     checked_threads,
     choose_flash_attention,
@@ -64,8 +66,9 @@ class ModelCore:
         mmproj_path: str | Path | None = None,
         gpu_layers: int | None = None,
         threads: int | None = None,
-        use_jinja: bool = False,
-        kv_tokens: int = 8192,
+        use_jinja: bool | None = None,
+        chat_template: str | Path | None = None,
+        kv_tokens: int | None = None,
         max_live_sessions: int = 4,
         kv_layout: str = "per_session",
         host_cache_bytes: int = 1 << 30,
@@ -95,27 +98,34 @@ class ModelCore:
         )
         self.path = Path(path)
         self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
-        self.use_jinja = use_jinja
         self.kv_type = check_kv_type(kv_type, flash_attention)
         self.flash_attention = choose_flash_attention(flash_attention, self.kv_type, gpu_layers)
         self.anticipate = bool(anticipate)
         servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
         where: dict[str, Any] = {"gpu_layers": gpu_layers, "threads": self.threads, "rpc_servers": servers}
-        self.native, self.projector = load_native(
-            self.path, self.mmproj_path, **where, cells=cells, memory=config
+        prompts: dict[str, Any] = {"use_jinja": use_jinja, "chat_template": chat_template}
+        loaded = load_native(
+            self.path, self.mmproj_path, **where, cells=cells, memory=config, kv_tokens=kv_tokens, **prompts
         )
-        self.engine = Engine(self.native, self.projector, self.threads, config, **cells)
-        self.engine.warm()
-        self.template = self.native.chat_template()
-        self.tokenizer = PromptTokenizer(self.native, self.template)
-        self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
+        self._adopt(loaded, cells)
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
         self._digests: dict[Path, str] = {}
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
         self._specials: dict[str, Mapping[str, int]] = {}  # per tool format (``special_markers``)
+
+    def _adopt(self, loaded: Loaded, cells: Mapping[str, Any]) -> None:
+        """What the loaded model brings: its engine (warming up), how its memory was sized, and
+        how its prompts are rendered and tokenized."""
+        self.native, self.projector, self.sizing = loaded.native, loaded.projector, loaded.sizing
+        self.renderer = loaded.renderer
+        self.engine = Engine(self.native, self.projector, self.threads, loaded.memory, **cells)
+        self.engine.warm()
+        self.use_jinja, self.template = self.renderer.jinja, self.renderer.template
+        self.tokenizer = PromptTokenizer(self.native, self.template)
+        self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
 
     def render(
         self,
@@ -129,7 +139,7 @@ class ModelCore:
     ) -> str:
         """The exact prompt text a session would tokenize for these messages (and tools);
         ``stand_ins``: replies replaced by markers, to find where they lie (``splice``)."""
-        return render_prompt(
+        text = render_prompt(
             messages,
             template=self.template,
             native=self.native.apply_template,
@@ -142,7 +152,11 @@ class ModelCore:
             tools=tools,
             tool_format=self.tool_format(tool_format),
             stand_ins=stand_ins,
+            typed_content=self.renderer.typed_content,
         )
+        if "\x00" in text:  # (as in a raw prompt; llama.cpp's built-in templates cannot carry one)
+            raise ValueError("a message must not contain NUL characters")
+        return text
 
     def tool_format(self, name: str | None = None) -> ToolFormat:
         """How calls are written: ``name``'s format, else the template's own where jinja
@@ -360,8 +374,16 @@ class ModelCore:
 
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the
-        counts of parks, restores and drops so far."""
-        return self.engine.memory()
+        counts of parks, restores and drops so far; how the KV cells were sized and what they
+        take; how prompts are rendered."""
+        report = self.engine.memory()
+        return dataclasses.replace(
+            report,
+            kv_bytes=self.sizing.kv_bytes,
+            kv_sizing=self.sizing.note,
+            context_size=self.sizing.context_size,
+            renderer=str(self.renderer),
+        )
 
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free the shared

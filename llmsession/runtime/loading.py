@@ -3,18 +3,23 @@ model and projector opened, neither left open on an error."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmsession.engine.budget import CELLS_QUANTUM, MemoryConfig, uses_own_cells
 from llmsession.engine.checkpoints import CheckpointConfig
-from llmsession.errors import NativeError, UnsupportedFeatureError
+from llmsession.engine.sizing import Sizing, size_kv
+from llmsession.errors import NativeError, TemplateError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
+from llmsession.native.shape import architecture, kv_bytes_per_cell
 from llmsession.options import KV_LAYOUTS, KV_TYPES, MAX_POSITIONS, check_int
+from llmsession.text.renderer import Renderer, choose_renderer, is_jinja
 
 log = logging.getLogger("llmsession")
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
@@ -74,7 +79,7 @@ def check_cells(native: NativeModel, kv_type: str = "f16", flash_attention: bool
 
 def memory_config(
     *,
-    kv_tokens: int,
+    kv_tokens: int | None,
     max_live_sessions: int,
     kv_layout: str,
     host_cache_bytes: int,
@@ -82,30 +87,73 @@ def memory_config(
     batch_size: int,
     checkpoints: CheckpointConfig | None,
 ) -> MemoryConfig:
-    """The memory settings, checked (TypeError or ValueError naming the first wrong one)."""
-    check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
+    """The memory settings, checked (TypeError or ValueError naming the first wrong one).
+    ``kv_tokens`` None is chosen once the model is loaded (``sized``): meanwhile the config
+    holds the least it could be."""
+    if kv_tokens is not None:
+        check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
     check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
     check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r:.40}")
     check_int("batch_size", batch_size, 1, MAX_POSITIONS)
+    kv_tokens = CELLS_QUANTUM * max_live_sessions if kv_tokens is None else kv_tokens
     return MemoryConfig(
         kv_tokens=kv_tokens,
         max_live_sessions=max_live_sessions,
         kv_layout=kv_layout,
         host_cache_bytes=host_cache_bytes,
         disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
-        batch_size=min(batch_size, kv_tokens),
+        batch_size=batch_size,
         checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
     )
 
 
-def check_layout(native: NativeModel, config: MemoryConfig | None) -> None:
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The bytes of memory this process may still take: the kernel's MemAvailable, or less
+    where a cgroup's limit leaves less; None where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        if limit != "max":
+            found.append(max(0, int(limit) - int(used)))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def sized(
+    native: NativeModel, config: MemoryConfig, asked: int | None, kv_type: str
+) -> tuple[MemoryConfig, Sizing]:
+    """The memory config with its KV cells chosen for this model and machine (``engine.sizing``:
+    ``asked`` kv_tokens, or None for the default), checked against the memory available and
+    against the model's layout (``check_layout``)."""
+    sizing = size_kv(
+        asked,
+        max_live=config.max_live_sessions,
+        n_ctx_train=native.n_ctx_train,
+        bytes_per_cell=kv_bytes_per_cell(native, kv_type),
+        available=available_memory(),
+    )
+    kv = sizing.kv_tokens
+    config = dataclasses.replace(config, kv_tokens=kv, batch_size=min(config.batch_size, kv))
+    check_layout(native, config)
+    if asked is None:
+        log.info("KV cells: %s (%d in all, about %d MiB)", sizing.note, kv, sizing.kv_bytes >> 20)
+    return config, sizing
+
+
+def check_layout(native: NativeModel, config: MemoryConfig) -> None:
     """Cells of their own too few for llama.cpp (at least ``CELLS_QUANTUM`` a sequence),
     refused at load where this model would use them (ValueError)."""
-    if config is None or not uses_own_cells(
-        config, full=True, recurrent=native.is_recurrent, encoder=native.has_encoder
-    ):
+    if not uses_own_cells(config, full=True, recurrent=native.is_recurrent, encoder=native.has_encoder):
         return
     kv, live = config.kv_tokens, config.max_live_sessions
     if kv // live < CELLS_QUANTUM:
@@ -114,6 +162,17 @@ def check_layout(native: NativeModel, config: MemoryConfig | None) -> None:
             f"{CELLS_QUANTUM} cells of its own (llama.cpp's least): raise kv_tokens, lower "
             "max_live_sessions, or use kv_layout='shared'"
         )
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``load_native`` opened and chose."""
+
+    native: NativeModel
+    projector: Projector | None
+    memory: MemoryConfig
+    sizing: Sizing
+    renderer: Renderer
 
 
 def checked_threads(threads: int | None) -> int:
@@ -139,16 +198,21 @@ def load_native(
     gpu_layers: int,
     threads: int,
     rpc_servers: Sequence[str],
-    cells: Mapping[str, Any] | None = None,
-    memory: MemoryConfig | None = None,
-) -> tuple[NativeModel, Projector | None]:
-    """The model, and its projector if given; neither is left open on an error. ``cells``: the
-    KV cells' ``kv_type`` and ``flash_attention``, checked against the model (``check_cells``);
-    ``memory``: the budget's layout, checked against it (``check_layout``)."""
+    cells: Mapping[str, Any],
+    memory: MemoryConfig,
+    kv_tokens: int | None,
+    use_jinja: bool | None = None,
+    chat_template: str | Path | None = None,
+) -> Loaded:
+    """The model, its projector if given, and its memory sized (``sized``); nothing is left
+    open on an error. ``cells``: the KV cells' ``kv_type`` and ``flash_attention``, checked
+    against the model (``check_cells``); ``kv_tokens``: as the caller asked (None: chosen);
+    ``use_jinja`` and ``chat_template``: how prompts are rendered (``chosen_renderer``)."""
     native = NativeModel(path, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
     try:
-        check_cells(native, **(cells or {}))
-        check_layout(native, memory)
+        check_cells(native, **cells)
+        memory, sizing = sized(native, memory, kv_tokens, cells["kv_type"])
+        renderer = chosen_renderer(native, use_jinja, chat_template)
     except BaseException:
         native.close()
         raise
@@ -160,10 +224,39 @@ def load_native(
             else f"{path.name} is encoder-only: it has no decoder to reply with"
         )
     if mmproj_path is None:
-        return native, None
+        return Loaded(native, None, memory, sizing, renderer)
     try:
         use_gpu = gpu_layers != 0 and not rpc_servers
-        return native, Projector(mmproj_path, native, threads=threads, use_gpu=use_gpu)
+        projector = Projector(mmproj_path, native, threads=threads, use_gpu=use_gpu)
+        return Loaded(native, projector, memory, sizing, renderer)
     except BaseException:
         native.close()
         raise
+
+
+def chosen_renderer(
+    native: NativeModel, use_jinja: bool | None, chat_template: str | Path | None
+) -> Renderer:
+    """How this model's prompts are rendered (``text.renderer``); a ``chat_template`` Path is
+    read as a template file, and a built-in template named that llama.cpp does not know is a
+    TemplateError here rather than at the first chat."""
+    if use_jinja is not None and not isinstance(use_jinja, bool):
+        raise TypeError(f"use_jinja must be True, False or None, got {use_jinja!r}")
+    if isinstance(chat_template, Path):
+        try:
+            chat_template = chat_template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise TemplateError(f"cannot read the chat template file: {error}") from None
+    renderer = choose_renderer(
+        native.chat_template(),
+        architecture(native),
+        use_jinja=use_jinja,
+        chat_template=chat_template,
+        bos_token=native.token_text(native.bos()),
+        eos_token=native.token_text(native.eos()),
+    )
+    named = chat_template is not None and not is_jinja(renderer.template)
+    if named and native.apply_template(renderer.template, [("user", "Hi")], True) is None:
+        raise TemplateError(f"llama.cpp has no built-in chat template named {renderer.template!r}")
+    log.info("prompts: %s", renderer)
+    return renderer

@@ -36,7 +36,6 @@ from llmsession.text.splice import ReplyTokens
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import Tools, options_tools
 
-DEFAULT_CONTEXT_SIZE = 4096
 MAX_CALLS = 8  # calls in one reply, where the format writes their ids
 
 
@@ -88,8 +87,8 @@ class Session:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         most = model.engine.session_cells(swa_full)
-        if context_size is None:  # 4,096 positions, or what a live session may hold if fewer
-            context_size = min(DEFAULT_CONTEXT_SIZE, most)
+        if context_size is None:  # the model's default (``engine.sizing``), or what a live session may hold
+            context_size = min(model.sizing.context_size, most)
         check_int("context_size", context_size, 16, MAX_POSITIONS)
         if context_size > most:
             raise ValueError(f"context_size: {context_size} positions exceed {too_many(config, most)}")
@@ -262,7 +261,8 @@ class Session:
         if prompt.n_positions >= self.context_size:
             raise ContextOverflowError(
                 f"the prompt has {prompt.n_positions} tokens; the context holds {self.context_size} "
-                "(one more is needed to reply)"
+                "(one more is needed to reply): a larger context_size, within what kv_tokens gives "
+                "a live session, holds it"
             )
         model = self.model
         place = Place(model.engine, model.native, self.lease, self.context_size, self.batch_size, self.carry)

@@ -80,6 +80,14 @@ def _hf_call(call: Mapping[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
+def _flat(message: Message, media_marker: str) -> Message:
+    """A message whose content parts are joined into one string (images as the marker)."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return message
+    return {**message, "content": flatten_content(content, media_marker)}
+
+
 def _has_tools(message: Message) -> bool:
     return message.get("role") == "tool" or bool(message.get("tool_calls"))
 
@@ -98,16 +106,18 @@ def render_prompt(
     tools: Tools | None = None,
     tool_format: ToolFormat = GENERIC,
     stand_ins: bool = False,
+    typed_content: bool = True,
 ) -> str:
     """The prompt text for ``messages``, from the first renderer in the order above.
 
-    With ``use_jinja`` the template decides how images appear (``media_marker`` is unused)
-    and ``thinking`` is passed as ``enable_thinking``; elsewhere images become
-    ``media_marker``, and ``thinking`` reaches only the Gemma 4 renderer (llama.cpp's
-    built-in templates have no switch for it). BOS is left to tokenization unless a jinja
-    template writes it. ``tools`` and tool messages reach a jinja template as Hugging Face passes
-    them, for a native ``tool_format``; the generic one writes them into the messages
-    (``tool_formats.generic_messages``), for any renderer.
+    With ``use_jinja`` the template decides how images appear (``media_marker`` is unused),
+    unless it reads no content parts (not ``typed_content``: each message's parts are joined
+    into its text, images as ``media_marker``), and ``thinking`` is passed as
+    ``enable_thinking``; elsewhere images become ``media_marker``, and ``thinking`` reaches
+    only the Gemma 4 renderer (llama.cpp's built-in templates have no switch for it). BOS is
+    left to tokenization unless a jinja template writes it. ``tools`` and tool messages reach a
+    jinja template as Hugging Face passes them, for a native ``tool_format``; the generic one
+    writes them into the messages (``tool_formats.generic_messages``), for any renderer.
     """
     check_messages(messages, answers=not stand_ins)  # (stand-ins hide the calls results answer)
     messages = filled(messages)
@@ -118,9 +128,10 @@ def render_prompt(
     if use_jinja:
         if template is None:
             raise TemplateError("use_jinja needs a chat template, and the model has none")
+        hf = [_hf_message(m if typed_content else _flat(m, media_marker)) for m in messages]
         return render_jinja(
             template,
-            [_hf_message(m) for m in messages],
+            hf,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
@@ -128,11 +139,28 @@ def render_prompt(
             tools=tools.specs() if native_tools and tools is not None else None,  # ("none" too: same prefix)
         )
 
+    specs = tools.specs() if native_tools and tools is not None else None
+    how = (add_generation_prompt, thinking, media_marker)
+    return _without_jinja(messages, template, native, how, native_tools, specs)
+
+
+def _without_jinja(
+    messages: Sequence[Message],
+    template: str | None,
+    native: NativeApply,
+    how: tuple[bool, bool, str],
+    native_tools: bool,
+    specs: list[dict[str, Any]] | None,
+) -> str:
+    """llama.cpp's built-in templates (unless the tools are Gemma 4's own), else our Gemma 4
+    renderer, else a TemplateError; ``how``: add the generation prompt, thinking, the media
+    marker."""
+    add_generation_prompt, thinking, media_marker = how
+    gemma4 = template is not None and is_gemma4_template(template)
     flat = [(m["role"], flatten_content(m["content"], media_marker)) for m in messages]
     text = None if native_tools else native(template, flat, add_generation_prompt)
     if text is not None:
         return text
-
     if template is not None and gemma4:
         return render_gemma4(
             [_hf_message(m) for m in messages] if native_tools else messages,
@@ -140,7 +168,7 @@ def render_prompt(
             add_generation_prompt=add_generation_prompt,
             thinking=thinking,
             media_marker=media_marker,
-            tools=tools.specs() if native_tools and tools is not None else None,
+            tools=specs,
         )
     raise _unformattable(template)
 

@@ -1,0 +1,115 @@
+"""The parent's end of a model's worker process (``remote.isolated``): requests sent one at a
+time, each answered or failed within its time limit, and the process killed and reaped on any
+failure."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, NoReturn
+
+from llmsession.errors import BackendError
+
+
+class WorkerProcess:
+    """The parent's end of a worker: one request at a time, each answered or failed in time."""
+
+    def __init__(self, timeout: float) -> None:
+        ours, theirs = socket.socketpair()
+        # ggml's abort handler would attach gdb to print a backtrace: slow, and nothing for us
+        env = {"GGML_NO_BACKTRACE": "1", **os.environ}
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "llmsession.remote.worker", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdout=sys.__stderr__.fileno() if sys.__stderr__ else subprocess.DEVNULL,  # never ours
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the caller, who passes it on
+            )
+        self.conn = Connection(ours.detach())
+        self.timeout = timeout
+        self.lock, self.send_lock = threading.Lock(), threading.Lock()
+        self.requests = itertools.count()
+        self.failure: str | None = None
+
+    def call(self, op: str, *args: Any, limit: float | None = None) -> Any:
+        with self.lock:
+            if self.failure is not None:
+                raise BackendError(self.failure)
+            request = next(self.requests)
+            self.send((request, op, args))
+            return self.answer(request, limit or self.timeout)
+
+    def tell(self, *message: Any) -> None:
+        """A message that wants no answer (a cancel, a dropped object); lost if the worker is."""
+        if self.failure is None:
+            with contextlib.suppress(OSError), self.send_lock:
+                self.conn.send(message)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        data = picklable(message)
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(data)
+        except OSError:
+            self.fail(self.death())
+
+    def answer(self, request: int, limit: float) -> Any:
+        while True:
+            if not self.conn.poll(limit):
+                self.fail(f"the model's worker process sent nothing for {limit:g} s")
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.fail(self.death())
+            if message[0] == "beat":
+                if message[1] > limit:
+                    self.fail(
+                        f"a decode in the model's worker process has not returned for {message[1]:.1f} s "
+                        f"(worker_timeout {limit:g} s): an RPC server stopped answering?"
+                    )
+                continue
+            kind, answered, value = message
+            if answered == request:
+                if kind == "error":
+                    raise value
+                return value
+
+    def death(self) -> str:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "the model's worker process closed its connection"
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"the model's worker process died ({how}; an RPC server lost?)"
+
+    def fail(self, why: str) -> NoReturn:
+        self.failure = f"{why}; the model is closed (load it again)"
+        self.stop()
+        raise BackendError(self.failure)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+def picklable(message: tuple[Any, ...]) -> bytes:
+    """A request as bytes for the worker, or a TypeError that says why it cannot travel (a
+    lambda, a class defined inside a function, an open file...)."""
+    try:
+        return pickle.dumps(message)
+    except (pickle.PicklingError, AttributeError, TypeError, RecursionError) as error:
+        raise TypeError(
+            "an isolated model runs in a worker process, so every argument must pickle "
+            f"(no lambdas, local classes or open files): {error}"
+        ) from None

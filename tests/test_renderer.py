@@ -1,0 +1,131 @@
+"""Issue 39, items 7 and 8: prompts are rendered by the file's own template through jinja by
+default (llama.cpp's built-in matcher dropped the default system line SmolLM2's template adds),
+and a file without a template gets its architecture's built-in one (Gemma 3: Gemma's turns, not
+ChatML); ``use_jinja`` and ``chat_template`` override, and ``renderer`` says what was chosen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmsession import GenerationOptions, Model
+from llmsession.errors import TemplateError
+from llmsession.text.jinja import render_jinja
+from llmsession.text.messages import flatten_content
+from llmsession.text.renderer import Renderer, choose_renderer
+
+HI = [{"role": "user", "content": "Hi"}]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PARTS = CHATML.replace(
+    "{{ m.content }}",
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}"
+    "{% endfor %}{% endif %}",
+)
+NO_SYSTEM = (
+    "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}" + CHATML
+)
+
+
+# -- the choice (pure) ------------------------------------------------------------------------
+def test_a_jinja_template_in_the_file_is_rendered_by_jinja() -> None:
+    assert choose_renderer(CHATML, "llama") == Renderer(True, CHATML, "the file's template")
+    assert choose_renderer(PARTS, "llama") == Renderer(True, PARTS, "the file's template", typed_content=True)
+
+
+def test_a_template_that_reads_no_parts_gets_them_joined(smollm2: Model) -> None:
+    """SmolLM2's template concatenates content to a str: a message with parts (an image, say)
+    reaches it as one string, the image as the media marker, as llama-server does."""
+    assert not smollm2.renderer.typed_content
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_url"}]}]
+    joined = flatten_content(parts[0]["content"], smollm2.media_marker)
+    assert smollm2.render(parts) == smollm2.render([{"role": "user", "content": joined}])
+    assert "Look:" in joined and smollm2.media_marker in joined
+
+
+def test_a_file_without_a_template_gets_its_architectures_builtin() -> None:
+    chosen = choose_renderer(None, "gemma3")
+    assert (chosen.jinja, chosen.template) == (False, "gemma")
+    assert "architecture 'gemma3'" in str(chosen) and "built-in 'gemma'" in str(chosen)
+    unknown = choose_renderer(None, "llama")
+    assert (unknown.jinja, unknown.template) == (False, None)
+    assert "chatml default" in str(unknown)
+
+
+def test_use_jinja_false_keeps_llama_cpps_matcher() -> None:
+    chosen = choose_renderer(CHATML, "llama", use_jinja=False)
+    assert (chosen.jinja, chosen.template) == (False, CHATML)
+    assert "built-in template matcher" in str(chosen)
+
+
+def test_a_template_jinja_cannot_render_falls_back_and_says_why() -> None:
+    for broken in ("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}", NO_SYSTEM):
+        chosen = choose_renderer(broken, "llama")
+        assert not chosen.jinja and chosen.template == broken
+        assert "jinja could not render it" in chosen.note
+    leaves_out = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    assert "leaves out the messages" in choose_renderer(leaves_out, "llama").note
+
+
+def test_use_jinja_true_insists() -> None:
+    with pytest.raises(TemplateError, match="cannot render"):
+        choose_renderer(NO_SYSTEM, "llama", use_jinja=True)
+    with pytest.raises(TemplateError, match="needs a jinja chat template"):
+        choose_renderer(None, "gemma3", use_jinja=True)
+
+
+def test_chat_template_replaces_the_files() -> None:
+    assert choose_renderer(CHATML, "llama", chat_template="gemma").template == "gemma"
+    given = choose_renderer(None, "gemma3", chat_template=CHATML)
+    assert given.jinja and given.template == CHATML and given.source == "chat_template given"
+    with pytest.raises(TemplateError, match="chat_template must be"):
+        choose_renderer(None, "llama", chat_template="  ")
+
+
+# -- on the models --------------------------------------------------------------------------------
+def test_smollm2_renders_its_own_template_by_default(smollm2: Model) -> None:
+    """The default prompt is the file's template through jinja, default system line and all;
+    llama.cpp's matcher (the old default) writes ChatML without it."""
+    assert smollm2.use_jinja and smollm2.renderer.jinja
+    assert smollm2.template is not None and "{%" in smollm2.template
+    own = render_jinja(smollm2.template, HI, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert smollm2.render(HI) == own
+    assert "You are a helpful AI assistant named SmolLM" in own
+    assert "prompts: jinja (the file's template)" in str(smollm2.memory())
+
+
+def test_use_jinja_false_renders_without_the_default_system_line(smollm2_path: Path) -> None:
+    with Model(smollm2_path, threads=2, kv_tokens=1024, use_jinja=False) as plain:
+        assert not plain.use_jinja
+        assert plain.render(HI) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gemma3_without_a_template_speaks_gemmas_turns(gemma3: Model) -> None:
+    """Gemma 3 270M's file has no template: the prompt is Gemma's turns (each marker one special
+    token), not ChatML, and the renderer says why."""
+    assert gemma3.native.chat_template() is None
+    assert gemma3.template == "gemma" and not gemma3.use_jinja
+    assert "architecture 'gemma3'" in str(gemma3.renderer)
+    text = gemma3.render([{"role": "system", "content": "Be brief."}, *HI])
+    assert text == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    tokens = gemma3.prompt_tokens(HI)
+    start = gemma3.tokenize("<start_of_turn>", add_special=False)
+    assert len(start) == 1 and tokens.count(start[0]) == 2
+    reply = gemma3.chat(HI, GenerationOptions(max_tokens=8, temperature=0))
+    assert "<|im_start|>" not in reply.text and "<|im_end|>" not in reply.text
+
+
+def test_chat_template_overrides_by_name_text_or_file(gemma3_path: Path, tmp_path: Path) -> None:
+    with Model(gemma3_path, threads=2, kv_tokens=1024, chat_template="chatml") as named:
+        assert named.render(HI) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    (tmp_path / "t.jinja").write_text(CHATML.replace("<|im_start|>", "<<"))
+    with Model(gemma3_path, threads=2, kv_tokens=1024, chat_template=tmp_path / "t.jinja") as filed:
+        assert filed.use_jinja and filed.render(HI) == "<<user\nHi<|im_end|>\n<<assistant\n"
+    with pytest.raises(TemplateError, match="no built-in chat template named 'nosuch'"):
+        Model(gemma3_path, threads=2, kv_tokens=1024, chat_template="nosuch")
+    with pytest.raises(TemplateError, match="cannot read the chat template file"):
+        Model(gemma3_path, threads=2, kv_tokens=1024, chat_template=tmp_path / "missing.jinja")
