@@ -5,7 +5,8 @@ the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``to
 does not escape HTML. Not provided: the ``{% generation %}`` tag transformers adds for
 assistant masks (templates using it fail with a TemplateError).
 
-jinja2 is optional (``pip install llmsession[jinja]``), so it is imported only when needed.
+jinja2 is a dependency, imported only when a template is first rendered (a bare import stays light);
+without it, a model's prompts fall back to llama.cpp's built-in templates (``renderer``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ def _require_jinja2() -> None:
     try:
         import jinja2  # noqa: F401
     except ImportError as exc:
-        raise TemplateError(
-            "rendering a chat template with jinja needs jinja2: "
-            "pip install jinja2 (or pip install llmsession[jinja])"
-        ) from exc
+        raise TemplateError("rendering a chat template with jinja needs jinja2: pip install jinja2") from exc
 
 
 def _raise_exception(message: str) -> NoReturn:
