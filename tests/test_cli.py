@@ -413,3 +413,25 @@ def test_tools_calls_are_printed_and_results_read(smollm2_path: Path, tmp_path: 
     held = run(*chat, stdin=f"/json {tmp_path / 'city.json'}\nName a city.\n")  # (a forced call's options)
     assert held.returncode == 0 and "error" not in held.stderr, held.stderr
     assert "[valid JSON for the schema]" in held.stdout and "[call " not in held.stdout
+
+
+def test_the_prompt_flags_choose_the_renderer(gemma3_path: Path, tmp_path: Path) -> None:
+    """``--chat-template-file``, ``--chat-template`` and ``--jinja`` reach the model, and
+    ``/stats`` says what renders the prompts; the two template flags exclude each other."""
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
+    model = ["--model", str(gemma3_path), "--max-tokens", "4", "--temperature", "0"]
+    for flags, says in (
+        (["--chat-template-file", str(template)], "prompts: jinja (chat_template given)"),
+        (
+            ["--chat-template", "chatml"],
+            "prompts: llama.cpp's built-in 'chatml' template (chat_template given)",
+        ),
+        ([], "prompts: llama.cpp's built-in 'gemma' template (the file has no template"),
+    ):
+        out = run("chat", *model, *flags, stdin="Hi\n/stats\n")
+        assert out.returncode == 0 and says in out.stdout, (flags, out.stdout[-800:], out.stderr[-800:])
+    out = run("chat", *model, "--jinja", "on", stdin="Hi\n")
+    assert out.returncode == 1 and "use_jinja needs a jinja chat template" in out.stderr
+    both = run("chat", "--chat-template", "chatml", "--chat-template-file", str(template), stdin="")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -226,3 +226,27 @@ def test_failing_and_abandoned_image_calls_leave_memory_flat(vision: Model) -> N
     gc.collect()
     grown = rss_bytes() - before
     assert grown < 8 * 1024 * 1024, f"resident memory grew by {grown / 1e6:.1f} MB over 200 calls"
+
+
+# A template that reads content parts and writes an image token of its own (as Gemma 3, Qwen-VL
+# and SmolVLM's do): under jinja the image must reach it as libmtmd's marker, not that token.
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'text' %}{{ p.text }}{% else %}<image_soft_token>{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_reads_parts_gets_the_image_as_the_media_marker(
+    smollm2_path: Path, fixture_path: Callable[[str], Path], red: Image
+) -> None:
+    mmproj = fixture_path("mmproj-tiny.gguf")
+    with Model(
+        smollm2_path, mmproj_path=mmproj, threads=2, kv_tokens=2048, chat_template=PARTS_TEMPLATE
+    ) as model:
+        assert model.renderer.jinja and model.renderer.typed_content
+        text = model.render([{"role": "user", "content": ["Look:", red]}])
+        assert text == f"<|im_start|>user\nLook:{model.media_marker}<|im_end|>\n<|im_start|>assistant\n"
+        reply = model.session().respond(["Look:", red, "What is it?"], GREEDY)
+        assert reply.usage.prompt_tokens > IMAGE_TOKENS and reply.usage.completion_tokens > 0

@@ -5,6 +5,7 @@ ChatML); ``use_jinja`` and ``chat_template`` override, and ``renderer`` says wha
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,20 @@ def test_a_template_jinja_cannot_render_falls_back_and_says_why() -> None:
     assert "leaves out the messages" in choose_renderer(leaves_out, "llama").note
 
 
+def test_without_jinja2_the_builtin_renders_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    never_compiled = CHATML + "{# not compiled before #}"
+    chosen = choose_renderer(never_compiled, "llama")
+    assert not chosen.jinja and "needs jinja2" in chosen.note
+
+
 def test_use_jinja_true_insists() -> None:
     with pytest.raises(TemplateError, match="cannot render"):
         choose_renderer(NO_SYSTEM, "llama", use_jinja=True)
     with pytest.raises(TemplateError, match="needs a jinja chat template"):
         choose_renderer(None, "gemma3", use_jinja=True)
+    with pytest.raises(TemplateError, match="has no template"):
+        choose_renderer(None, "llama", use_jinja=True)
 
 
 def test_chat_template_replaces_the_files() -> None:
@@ -84,6 +94,11 @@ def test_chat_template_replaces_the_files() -> None:
     assert given.jinja and given.template == CHATML and given.source == "chat_template given"
     with pytest.raises(TemplateError, match="chat_template must be"):
         choose_renderer(None, "llama", chat_template="  ")
+    with pytest.raises(TemplateError, match="cannot render"):  # (never silently replaced)
+        choose_renderer(CHATML, "llama", chat_template=NO_SYSTEM)
+    assert not choose_renderer(CHATML, "llama", chat_template=NO_SYSTEM, use_jinja=False).jinja
+    with pytest.raises(TemplateError, match="has a built-in template's name"):
+        choose_renderer(CHATML, "llama", chat_template="gemma", use_jinja=True)
 
 
 # -- on the models --------------------------------------------------------------------------------

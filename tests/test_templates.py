@@ -107,7 +107,7 @@ def test_use_jinja_passes_tokens_thinking_and_images() -> None:
         messages, template=GEMMA4, native=never, use_jinja=True, thinking=True, bos_token="<bos>"
     )
     system = "<|turn>system\n<|think|>\n<turn|>\n"
-    assert text == f"<bos>{system}<|turn>user\nLook<|image|><turn|>\n<|turn>model\n"
+    assert text == f"<bos>{system}<|turn>user\nLook<__media__><turn|>\n<|turn>model\n"  # (libmtmd's marker)
 
 
 @pytest.mark.parametrize("use_jinja", [False, True])
@@ -218,7 +218,7 @@ def test_jinja_failures_are_template_errors(template: str) -> None:
 
 def test_missing_jinja2_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "jinja2", None)
-    with pytest.raises(TemplateError, match=r"pip install jinja2.*llmsession\[jinja\]"):
+    with pytest.raises(TemplateError, match=r"needs jinja2: pip install jinja2"):
         render_jinja("{{ 'never compiled before' }}", USER)
 
 

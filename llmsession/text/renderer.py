@@ -93,7 +93,8 @@ def choose_renderer(
 ) -> Renderer:
     """The renderer for a model whose file holds ``file_template`` (None if none) and whose
     architecture is ``architecture``, as the module describes. ``use_jinja`` True with no
-    jinja template, or one that fails the probe, is a TemplateError."""
+    jinja template, or a jinja template that fails the probe where ``use_jinja`` is True or the
+    template was given as ``chat_template``, is a TemplateError."""
     if chat_template is not None:
         if not isinstance(chat_template, str) or not chat_template.strip():
             raise TemplateError("chat_template must be a template's text or a built-in template's name")
@@ -107,15 +108,17 @@ def choose_renderer(
         template, source = None, "the file has no template"
     if use_jinja is False or not is_jinja(template):
         if use_jinja:
+            has = "a built-in template's name" if template is not None else "no template"
             raise TemplateError(
-                "use_jinja needs a jinja chat template, and the model has none (pass chat_template= with one)"
+                f"use_jinja needs a jinja chat template, and this model has {has} "
+                "(pass chat_template= with one)"
             )
         return Renderer(False, template, source)
     assert template is not None
     failure = _probe(template, bos_token, eos_token)
     if failure is None:
         return Renderer(True, template, source, typed_content=_reads_parts(template))
-    if use_jinja:
+    if use_jinja or chat_template is not None:  # (a template given is never silently replaced)
         raise TemplateError(f"jinja cannot render this chat template: {failure}")
     return Renderer(False, template, source, note=f"jinja could not render it: {failure}")
 

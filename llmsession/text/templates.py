@@ -20,7 +20,7 @@ from typing import Any
 from llmsession.errors import TemplateError
 from llmsession.text.gemma4 import is_gemma4_template, render_gemma4
 from llmsession.text.jinja import render_jinja
-from llmsession.text.messages import Message, check_messages, filled, flatten_content
+from llmsession.text.messages import Message, check_messages, filled, flatten_content, is_image_part
 from llmsession.text.tool_formats import GENERIC, ToolFormat, generic_messages
 from llmsession.text.tools import Tools
 
@@ -45,9 +45,13 @@ def template_family(template: str | None) -> str:
     return "unknown"
 
 
-def _hf_part(part: object) -> object:
-    """A part as Hugging Face templates expect it: dicts as they are, a str as a text dict,
-    any other object as ``{"type": "image"}`` so jinja never sees an ``llmsession.Image``."""
+def _hf_part(part: object, media_marker: str | None) -> object:
+    """A part as Hugging Face templates expect it: dicts as they are, a str as a text dict, an
+    image as ``{"type": "image"}`` (so jinja never sees an ``llmsession.Image``), or, given a
+    ``media_marker``, as a text part of it: the marker is where libmtmd puts the image, and a
+    template's own image token is not (llama-server passes images to jinja the same way)."""
+    if media_marker is not None and is_image_part(part):
+        return {"type": "text", "text": media_marker}
     if isinstance(part, Mapping):
         return part
     if isinstance(part, str):
@@ -55,12 +59,12 @@ def _hf_part(part: object) -> object:
     return {"type": "image"}
 
 
-def _hf_message(message: Message) -> dict[str, Any]:
-    """A message as ``apply_chat_template`` takes it: parts as dicts, and a call's arguments as
-    an object (templates write them with ``tojson``)."""
+def _hf_message(message: Message, media_marker: str | None = None) -> dict[str, Any]:
+    """A message as ``apply_chat_template`` takes it: parts as dicts (images as ``_hf_part``
+    says), and a call's arguments as an object (templates write them with ``tojson``)."""
     content = message.get("content")
     if not isinstance(content, str | None):
-        content = [_hf_part(part) for part in content]
+        content = [_hf_part(part, media_marker) for part in content]
     out = {**message, "content": content}
     out.pop("tool_calls", None)  # (None or [] would read as calls to some templates)
     if message.get("tool_calls"):
@@ -110,9 +114,9 @@ def render_prompt(
 ) -> str:
     """The prompt text for ``messages``, from the first renderer in the order above.
 
-    With ``use_jinja`` the template decides how images appear (``media_marker`` is unused),
-    unless it reads no content parts (not ``typed_content``: each message's parts are joined
-    into its text, images as ``media_marker``), and ``thinking`` is passed as
+    With ``use_jinja`` an image reaches the template as a text part holding ``media_marker``
+    (where libmtmd puts it), and a template that reads no content parts (not
+    ``typed_content``) gets each message's parts joined into its text; ``thinking`` is passed as
     ``enable_thinking``; elsewhere images become ``media_marker``, and ``thinking`` reaches
     only the Gemma 4 renderer (llama.cpp's built-in templates have no switch for it). BOS is
     left to tokenization unless a jinja template writes it. ``tools`` and tool messages reach a
@@ -128,7 +132,7 @@ def render_prompt(
     if use_jinja:
         if template is None:
             raise TemplateError("use_jinja needs a chat template, and the model has none")
-        hf = [_hf_message(m if typed_content else _flat(m, media_marker)) for m in messages]
+        hf = [_hf_message(m if typed_content else _flat(m, media_marker), media_marker) for m in messages]
         return render_jinja(
             template,
             hf,
