@@ -29,37 +29,74 @@ def test_a_long_training_context_is_capped() -> None:
 
 
 def test_a_short_or_missing_training_context_gets_the_least_default() -> None:
-    assert (
-        size_kv(None, max_live=2, n_ctx_train=512, bytes_per_cell=1, available=None).context_size
-        == MIN_CONTEXT
-    )
-    assert (
-        size_kv(None, max_live=2, n_ctx_train=0, bytes_per_cell=1, available=None).context_size
-        == DEFAULT_CONTEXT_CAP
-    )
+    short = size_kv(None, max_live=2, n_ctx_train=512, bytes_per_cell=1, available=None)
+    assert short.context_size == MIN_CONTEXT and "least default" in short.note
+    missing = size_kv(None, max_live=2, n_ctx_train=0, bytes_per_cell=1, available=None)
+    assert missing.context_size == DEFAULT_CONTEXT_CAP and "names no training context" in missing.note
+    rounded = size_kv(None, max_live=2, n_ctx_train=10000, bytes_per_cell=1, available=None)
+    assert rounded.context_size == 9984 and "capped" not in rounded.note and "in whole 256s" in rounded.note
 
 
 def test_the_default_is_halved_until_it_fits_half_the_memory() -> None:
     # 4 x 32,768 cells of 100 KB is 12.5 GiB: over half of 16 GiB, so 16,384 each (6.25 GiB)
     sizing = size_kv(None, max_live=4, n_ctx_train=32768, bytes_per_cell=100_000, available=16 * GIB)
-    assert sizing.context_size == 16384
+    assert sizing.context_size == 16384 and sizing.fits
     assert sizing.kv_bytes <= 8 * GIB
     assert "fitted" in sizing.note
+
+
+def test_a_floor_that_does_not_fit_says_so() -> None:
+    """Never below the least default; where even that takes more than half the memory, the note
+    does not claim a fit (and the load logs a warning)."""
     tiny = size_kv(None, max_live=4, n_ctx_train=32768, bytes_per_cell=100_000, available=GIB // 8)
-    assert tiny.context_size == MIN_CONTEXT  # never below the least default
+    assert tiny.context_size == MIN_CONTEXT and not tiny.fits
+    assert "fitted" not in tiny.note and "set kv_tokens" in tiny.note
 
 
 def test_cells_asked_for_are_refused_only_when_they_cannot_fit() -> None:
-    kept = size_kv(9000, max_live=4, n_ctx_train=8192, bytes_per_cell=SMOL_CELL, available=GIB)
-    assert (kept.kv_tokens, kept.context_size) == (9000, 8192)
-    with pytest.raises(ValueError, match=re.escape("kv_tokens 16777216 needs about 360.0 GiB")):
+    """Explicit cells may take more than the default's half of the memory, not more than all."""
+    three_quarters = (3 * GIB // 4) // SMOL_CELL
+    kept = size_kv(three_quarters, max_live=4, n_ctx_train=8192, bytes_per_cell=SMOL_CELL, available=GIB)
+    assert (kept.kv_tokens, kept.context_size) == (three_quarters, 8192)
+    with pytest.raises(ValueError, match=re.escape("kv_tokens 16777216 needs about 360.0 GiB")) as caught:
         size_kv(1 << 24, max_live=4, n_ctx_train=8192, bytes_per_cell=SMOL_CELL, available=20 * GIB)
+    assert "max_live_sessions" not in str(caught.value)  # (the bytes do not depend on it)
 
 
-def test_available_memory_reads_meminfo(tmp_path: Path) -> None:
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    1000 kB\n")
-    assert available_memory(meminfo) == 1000 * 1024
+def fake_system(tmp_path: Path, cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A /proc with 1 GiB available and the given /proc/self/cgroup, and a cgroup mount."""
+    proc, mount = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:    1048576 kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (mount / name).parent.mkdir(parents=True, exist_ok=True)
+        (mount / name).write_text(text)
+    return proc, mount
+
+
+def test_available_memory_reads_meminfo_and_the_process_cgroup(tmp_path: Path) -> None:
+    proc, mount = fake_system(tmp_path / "plain", "0::/\n", {})
+    assert available_memory(proc, mount) == GIB
+    # cgroup v2, nested: its own limit leaves 300 MiB, of which 100 MiB is reclaimable cache
+    v2 = {
+        "app/memory.max": str(600 << 20),
+        "app/memory.current": str(400 << 20),
+        "app/memory.stat": f"anon 1\ninactive_file {100 << 20}\n",
+    }
+    proc, mount = fake_system(tmp_path / "v2", "0::/app\n", v2)
+    assert available_memory(proc, mount) == 300 << 20
+    # cgroup v1: no limit of its own ("unlimited" is about 2**63), but its parent's leaves 200 MiB
+    v1 = {
+        "memory/box/job/memory.limit_in_bytes": "9223372036854771712",
+        "memory/box/job/memory.usage_in_bytes": "1",
+        "memory/box/job/memory.stat": "total_inactive_file 0\n",
+        "memory/box/memory.limit_in_bytes": str(500 << 20),
+        "memory/box/memory.usage_in_bytes": str(300 << 20),
+        "memory/box/memory.stat": "total_inactive_file 0\n",
+    }
+    proc, mount = fake_system(tmp_path / "v1", "4:memory:/box/job\n3:pids:/\n", v1)
+    assert available_memory(proc, mount) == 200 << 20
     real = available_memory()
     assert real is not None and real > 0
 

@@ -31,10 +31,24 @@ class Sizing:
     context_size: int
     kv_bytes: int
     note: str
+    fits: bool = True  # False: even the least default takes more than its share of the memory
 
 
 def _rounded(positions: int) -> int:
     return max(CELLS_QUANTUM, positions // CELLS_QUANTUM * CELLS_QUANTUM)
+
+
+def _default_note(context: int, n_ctx_train: int) -> str:
+    """Where a default context of ``context`` positions came from."""
+    if n_ctx_train <= 0:
+        return "the file names no training context"
+    if context == n_ctx_train:
+        return "the model's training context"
+    if n_ctx_train > DEFAULT_CONTEXT_CAP:
+        return f"the model's training context ({n_ctx_train:,}) capped"
+    if context < n_ctx_train:
+        return f"the model's training context ({n_ctx_train:,}) in whole {CELLS_QUANTUM}s"
+    return f"the least default (the model's training context is {n_ctx_train:,})"
 
 
 def size_kv(
@@ -57,24 +71,23 @@ def size_kv(
             raise ValueError(
                 f"kv_tokens {asked} needs about {need / GIB:.1f} GiB of KV cells "
                 f"({bytes_per_cell:,} bytes each), more than the {available / GIB:.1f} GiB of "
-                "memory available: lower kv_tokens (or max_live_sessions), or use kv_type='q8_0'"
+                "memory available: lower kv_tokens, or use kv_type='q8_0'"
             )
         return Sizing(asked, context, need, f"kv_tokens {asked:,} as set")
-    if context == trained:
-        note = "the model's training context"
-    elif context < trained:
-        note = f"the model's training context ({trained:,}) capped"
-    else:
-        note = f"the least default (the model's training context is {trained:,})"
+    note = _default_note(context, n_ctx_train)
     if available is not None:
         fitted = context
         while fitted > MIN_CONTEXT and fitted * max_live * bytes_per_cell > RAM_SHARE * available:
             fitted = max(MIN_CONTEXT, _rounded(fitted // 2))
-        if fitted < context:
-            note = (
-                f"fitted to {RAM_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available "
-                f"(the model's training context is {trained:,})"
-            )
-            context = fitted
+        share = f"{RAM_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available"
+        fits = fitted * max_live * bytes_per_cell <= RAM_SHARE * available
+        if not fits:
+            note = f"the least default, which takes more than {share}: set kv_tokens"
+        elif fitted < context:
+            note = f"fitted to {share} ({_default_note(context, n_ctx_train)})"
+        context = fitted
+    else:
+        fits = True
     kv_tokens = context * max_live
-    return Sizing(kv_tokens, context, kv_tokens * bytes_per_cell, f"{context:,} positions a session: {note}")
+    note = f"{context:,} positions a session: {note}"
+    return Sizing(kv_tokens, context, kv_tokens * bytes_per_cell, note, fits)

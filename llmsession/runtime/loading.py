@@ -109,24 +109,62 @@ def memory_config(
     )
 
 
-def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+def available_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
     """The bytes of memory this process may still take: the kernel's MemAvailable, or less
-    where a cgroup's limit leaves less; None where neither can be read."""
+    where this process's memory cgroup (v2, or v1's memory controller) leaves less under its
+    limit (its reclaimable page cache counted as free, as MemAvailable counts it); None where
+    nothing can be read."""
     found: list[int] = []
     try:
-        for line in meminfo.read_text().splitlines():
+        for line in (proc / "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
-        if limit != "max":
-            found.append(max(0, int(limit) - int(used)))
-    except (OSError, ValueError):
-        pass
+    left = _cgroup_left(proc, cgroups)
+    if left is not None:
+        found.append(left)
     return min(found) if found else None
+
+
+# Per cgroup version: the limit, the usage, and the reclaimable page cache's key in memory.stat.
+_CGROUP_V2_FILES = ("memory.max", "memory.current", "inactive_file")
+_CGROUP_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def _cgroup_left(proc: Path, cgroups: Path) -> int | None:
+    """What this process's memory cgroup leaves under its limit, or None (no limit, unknown)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, where = [*line.split(":", 2), "", ""][:3]
+        if controllers == "":  # v2: one hierarchy
+            root, files = cgroups, _CGROUP_V2_FILES
+        elif "memory" in controllers.split(","):
+            root, files = cgroups / "memory", _CGROUP_V1_FILES
+        else:
+            continue
+        folder = root / where.lstrip("/")  # (its limit, and every enclosing group's, apply)
+        lefts = [_left_in(f, *files) for f in [folder, *folder.parents] if f.is_relative_to(root)]
+        known = [left for left in lefts if left is not None]
+        if known:
+            return min(known)
+    return None
+
+
+def _left_in(folder: Path, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        used = int((folder / usage_file).read_text().strip())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # (v1 writes "no limit" as ~2^63)
+        return None
+    reclaimable = int(stat.get(cache_key, "0")) if stat.get(cache_key, "0").isdigit() else 0
+    return max(0, int(limit) - used + reclaimable)
 
 
 def sized(
@@ -146,7 +184,8 @@ def sized(
     config = dataclasses.replace(config, kv_tokens=kv, batch_size=min(config.batch_size, kv))
     check_layout(native, config)
     if asked is None:
-        log.info("KV cells: %s (%d in all, about %d MiB)", sizing.note, kv, sizing.kv_bytes >> 20)
+        level = logging.INFO if sizing.fits else logging.WARNING
+        log.log(level, "KV cells: %s (%d in all, about %d MiB)", sizing.note, kv, sizing.kv_bytes >> 20)
     return config, sizing
 
 
