@@ -22,12 +22,14 @@ def settled(session: Session) -> Session:
     return session
 
 
-def settle_all(model: Any) -> None:
-    """Every session of ``model`` settled: no anticipatory prefill left to decode into the shared
-    context after what comes next (the context's logits are its latest decode's)."""
-    for session in list(getattr(model, "backend", model).sessions):
-        if isinstance(session, Session):
-            settled(session)
+def settle_others(session: Session) -> None:
+    """Every other session of ``session``'s model settled: no anticipatory prefill of theirs
+    left to decode into the shared context after what comes next (the context's logits are its
+    latest decode's); ``session``'s own is left as it is (an exchange may stop it)."""
+    model = session.model
+    for other in list(getattr(model, "backend", model).sessions):
+        if isinstance(other, Session) and other is not session:
+            settled(other)
 
 
 def decoded_ahead(session: Session) -> int:

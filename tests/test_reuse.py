@@ -125,7 +125,7 @@ def assert_same_as_fresh(session: Session, content: str, **session_args: Any) ->
     """Token for token equal to a fresh session where the build is batch-split exact; elsewhere
     each cached choice within the measured split noise of a fresh decode's (see Gemma 3 below)."""
     before = copy.deepcopy(session.messages)
-    internals.settle_all(session.model)  # (a donor's anticipation decoding after the reply would
+    internals.settle_others(session)  # (another's anticipation decoding after the reply would
     reply = session.respond(content, GREEDY)  # overwrite the logits the final check reads)
     noise = short_prompt_noise(session.model)  # in contexts of its own
     # First: the fresh session below decodes into the same shared context.
