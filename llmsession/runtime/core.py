@@ -20,10 +20,10 @@ from llmsession.engine.budget import MemoryReport
 from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
-from llmsession.engine.sessionfile import file_digest
-from llmsession.errors import GrammarError, SessionFileError, TemplateError, UnsupportedFeatureError
+from llmsession.errors import GrammarError, TemplateError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import INT32_MAX, GenerationOptions, check_int
+from llmsession.runtime.identity import FileIdentities
 from llmsession.runtime.loading import (
     Loaded,
     check_kv_type,
@@ -111,7 +111,7 @@ class ModelCore:
         self._adopt(loaded, cells)
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
-        self._digests: dict[Path, str] = {}
+        self._identities = FileIdentities()
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
         self._specials: dict[str, Mapping[str, int]] = {}  # per tool format (``special_markers``)
@@ -359,18 +359,10 @@ class ModelCore:
 
     def identity(self) -> str:
         """The model file's sha256 (what a saved KV state belongs to), computed once."""
-        return self._digest(self.path)
+        return self._identities.of(self.path)
 
     def projector_identity(self) -> str | None:
-        return None if self.mmproj_path is None else self._digest(self.mmproj_path)
-
-    def _digest(self, path: Path) -> str:
-        if path not in self._digests:
-            try:
-                self._digests[path] = file_digest(path)
-            except OSError as error:  # moved or deleted since it was loaded
-                raise SessionFileError(f"cannot read {path} to identify it: {error}") from None
-        return self._digests[path]
+        return None if self.mmproj_path is None else self._identities.of(self.mmproj_path)
 
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the
