@@ -13,9 +13,11 @@ from llmsession.errors import (
     ModelClosedError,
     ModelLoadError,
     NativeError,
+    RequestError,
     SessionBusyError,
     SessionFileError,
     TemplateError,
+    UnavailableError,
     UnsupportedFeatureError,
 )
 from llmsession.options import GenerationOptions
@@ -97,6 +99,7 @@ __all__ = [
     "ModelClosedError",
     "ModelLoadError",
     "NativeError",
+    "RequestError",
     "Reply",
     "Session",
     "SessionBusyError",
@@ -107,6 +110,7 @@ __all__ = [
     "TemplateError",
     "TextPart",
     "Timings",
+    "UnavailableError",
     "UnsupportedFeatureError",
     "Usage",
 ]

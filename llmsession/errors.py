@@ -1,4 +1,13 @@
-"""The exceptions llmsession raises; all share one base class."""
+"""The exceptions llmsession raises; all share one base class, and most one of two middle ones:
+
+- ``RequestError``: this request cannot be served as asked (its messages, template, constraint,
+  images, length or a feature the model lacks); nothing was decoded, and sent again unchanged it
+  fails again.
+- ``UnavailableError``: the model cannot serve it now (its memory budget in use, the session
+  busy) or any more (closed, its worker process gone); the request itself may be fine.
+
+``ModelLoadError`` (a file that cannot be loaded) and ``NativeError`` (llama.cpp reported a
+failure) stand alone under ``LlmSessionError``."""
 
 from __future__ import annotations
 
@@ -7,35 +16,43 @@ class LlmSessionError(Exception):
     """Base class of every llmsession error."""
 
 
+class RequestError(LlmSessionError):
+    """The request cannot be served as asked; nothing was decoded (see the module)."""
+
+
+class UnavailableError(LlmSessionError):
+    """The model cannot serve the request now, or any more (see the module)."""
+
+
 class ModelLoadError(LlmSessionError):
     """A model or projector file is missing, unreadable or not a valid GGUF."""
 
 
-class ContextOverflowError(LlmSessionError):
+class ContextOverflowError(RequestError):
     """The prompt does not fit the session's context; nothing was decoded."""
 
 
-class TemplateError(LlmSessionError):
+class TemplateError(RequestError):
     """No renderer could format the messages with the model's chat template."""
 
 
-class SessionBusyError(LlmSessionError):
+class SessionBusyError(UnavailableError):
     """The session is already generating in another thread."""
 
 
-class UnsupportedFeatureError(LlmSessionError):
+class UnsupportedFeatureError(RequestError):
     """The request needs something this model lacks (for example images without a projector)."""
 
 
-class ImageError(LlmSessionError):
+class ImageError(RequestError):
     """An image could not be read or has the wrong shape."""
 
 
-class ModelClosedError(LlmSessionError):
+class ModelClosedError(UnavailableError):
     """The model (or the session's native state) was closed; nothing more can run on it."""
 
 
-class SessionFileError(LlmSessionError):
+class SessionFileError(RequestError):
     """A saved-session file is unreadable, truncated, corrupt or of an unknown format."""
 
 
@@ -43,12 +60,12 @@ class NativeError(LlmSessionError):
     """A llama.cpp or libmtmd call reported failure."""
 
 
-class MemoryBudgetError(LlmSessionError):
+class MemoryBudgetError(UnavailableError):
     """The sessions in an exchange already hold the model's whole live budget (kv_tokens,
     max_live_sessions): nothing idle is left to park. Nothing was decoded."""
 
 
-class GrammarError(LlmSessionError, ValueError):
+class GrammarError(RequestError, ValueError):
     """A constraint (JSON schema, regex, grammar) that cannot be used: invalid, or using a
     feature the matcher does not implement (named in the message); or a matcher that failed
     mid-reply."""

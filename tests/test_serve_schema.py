@@ -18,7 +18,22 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from llmsession import GrammarError, MemoryBudgetError, SessionBusyError, TemplateError
+from llmsession import (
+    BackendError,
+    ContextOverflowError,
+    GrammarError,
+    ImageError,
+    LlmSessionError,
+    MemoryBudgetError,
+    ModelClosedError,
+    ModelLoadError,
+    NativeError,
+    RequestError,
+    SessionBusyError,
+    TemplateError,
+    UnavailableError,
+    UnsupportedFeatureError,
+)
 from llmsession.commands.serve import CancelledDecodes
 from llmsession.options import INT32_MAX
 from llmsession.replies import (
@@ -34,7 +49,7 @@ from llmsession.replies import (
 from llmsession.serve import sse
 from llmsession.serve.app import counted_path, create_app, digest
 from llmsession.serve.body import parse_json
-from llmsession.serve.errors import RequestError, from_library
+from llmsession.serve.errors import ApiError, from_library
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import chat_request, completion_request
@@ -167,7 +182,7 @@ BAD = [
 
 @pytest.mark.parametrize(("body", "param"), BAD)
 def test_a_bad_field_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         chat_request(body)
     error = caught.value
     assert error.status == 400 and error.param == param, error
@@ -178,30 +193,54 @@ def test_a_bad_field_is_a_400_naming_it(body: dict[str, Any], param: str) -> Non
 def test_the_body_must_be_a_json_object() -> None:
     assert parse_json(b'{"a": 1}') == {"a": 1}
     for body in (b"{bad", b"[1, 2]", b'{"t": NaN}', b"\xff\xfe", b"[" * 100_000):
-        with pytest.raises(RequestError):
+        with pytest.raises(ApiError):
             parse_json(body)
 
 
-def test_library_errors_map_to_statuses() -> None:
+def test_library_errors_map_to_statuses_by_their_middle_base() -> None:
+    """Every RequestError is a 400 with its message, every UnavailableError a 503 to retry;
+    the mapping reads the two bases, not a list of classes."""
     statuses = {
         TemplateError("no"): 400,
         GrammarError("bad schema"): 400,
+        ContextOverflowError("too long"): 400,
+        ImageError("not an image"): 400,
+        UnsupportedFeatureError("no projector"): 400,
         MemoryBudgetError("full"): 503,
+        SessionBusyError("busy"): 503,
+        ModelClosedError("closed"): 503,
+        BackendError("worker gone"): 503,
     }
     for error, status in statuses.items():
         mapped = from_library(error)
         assert mapped is not None and mapped.status == status, error
+        assert isinstance(error, RequestError if status == 400 else UnavailableError)
     busy = from_library(MemoryBudgetError("full"))
     assert busy is not None and busy.headers() == {"Retry-After": "1"}
+
+    class NewRequestError(RequestError):
+        """A request error added later: mapped by its base without touching the server."""
+
+    assert (mapped := from_library(NewRequestError("later"))) is not None and mapped.status == 400
     # Requests are checked before they run: what comes out of a run unmapped is the server's
     # bug, a logged 500 whose text (paths, state) the client never sees.
     for bug in (
         RuntimeError("a bug"),
         ValueError("/srv/secret: bad state"),
         TypeError("x"),
-        SessionBusyError(),
+        NativeError("x"),
     ):
         assert from_library(bug) is None, bug
+
+
+def test_every_library_error_but_load_and_native_failures_has_a_middle_base() -> None:
+    import llmsession.errors as errors
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, LlmSessionError)]
+    alone = {LlmSessionError, RequestError, UnavailableError, ModelLoadError, NativeError}
+    for cls in classes:
+        assert cls in alone or issubclass(cls, RequestError | UnavailableError), cls
+        assert not (issubclass(cls, RequestError) and issubclass(cls, UnavailableError)), cls
 
 
 def test_a_full_budget_says_nothing_of_other_tenants() -> None:
@@ -234,7 +273,7 @@ CHECKED_UP_FRONT = [  # each used to pass the schema and fail only inside the ru
 def test_what_the_library_would_refuse_is_refused_before_anything_runs(
     body: dict[str, Any], param: str
 ) -> None:
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         chat_request(body)
     assert caught.value.status == 400 and caught.value.param == param, caught.value
 
@@ -259,11 +298,11 @@ def test_a_lone_surrogate_is_a_400_naming_its_field() -> None:
         b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
         b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}',
     ):
-        with pytest.raises(RequestError) as caught:
+        with pytest.raises(ApiError) as caught:
             parse_json(body)
         assert caught.value.param == "messages[0].content", caught.value
         assert "codec" not in caught.value.message and "messages[0].content" in caught.value.message
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         parse_json(b'{"tools": [{"\\udfff": 1}]}')
     assert caught.value.param == "a key of tools[0]"
     paired = parse_json(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
@@ -284,7 +323,7 @@ def test_a_number_no_double_holds_is_a_400_naming_where_it_is() -> None:
                 f'{{"messages": [], "{name}": {number}}}',
                 f'{{"prompt": "x", "{name}": [{number}]}}',
             ):
-                with pytest.raises(RequestError) as caught:
+                with pytest.raises(ApiError) as caught:
                     parse_json(text.encode())
                 where = name if text.startswith('{"m') else f"{name}[0]"
                 assert caught.value.param == where, (text[:60], caught.value)
@@ -292,7 +331,7 @@ def test_a_number_no_double_holds_is_a_400_naming_where_it_is() -> None:
     largest = int(sys.float_info.max)  # (309 digits: the largest a double holds is read)
     assert parse_json(f'{{"top_p": {largest}, "a": [-{largest}, 1e308]}}'.encode())["top_p"] == largest
     schema = f'{{"type": "json_schema", "json_schema": {{"schema": {{"maximum": {HUGE}}}}}}}'
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         parse_json(f'{{"messages": [], "response_format": {schema}}}'.encode())
     assert caught.value.param == "response_format.json_schema.schema.maximum"
 
@@ -305,10 +344,10 @@ def test_a_huge_integer_given_directly_is_refused_in_bounded_words(name: str) ->
         if name == "seed" and isinstance(number, int):
             assert chat_request(body).options.seed is not None  # (any integer, modulo 2**32 - 1)
             continue
-        with pytest.raises(RequestError) as caught:
+        with pytest.raises(ApiError) as caught:
             chat_request(body)
         assert caught.value.param == name and len(caught.value.message) < 100, caught.value
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         chat_request({"messages": HI, "max_tokens": 10**300})
     assert caught.value.message.endswith("got an integer of 301 digits")
 
@@ -331,22 +370,22 @@ def test_a_body_in_utf16_or_utf32_is_read_and_checked_as_utf8(encoding: str) -> 
     }
     for body, where in lone.items():
         for decoded in (body, body.encode().decode("unicode_escape")):  # (an escape; the code unit)
-            with pytest.raises(RequestError) as caught:
+            with pytest.raises(ApiError) as caught:
                 parse_json(decoded.encode(encoding, "surrogatepass"))
             assert caught.value.param == where and "lone surrogate" in caught.value.message, caught.value
 
 
 def test_what_a_message_quotes_is_bounded() -> None:
     key = "k" * 10_000
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         parse_json(f'{{"{key}": [{{"{key}": "\\ud800"}}]}}'.encode())
     param = caught.value.param
     assert param is not None and len(param) <= 123 and param.startswith("kkk") and "..." in param
     deep = "[" * 500 + "1e999" + "]" * 500
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ApiError) as caught:
         parse_json(f'{{"a": {deep}}}'.encode())
     assert len(caught.value.message) < 200
-    assert len(RequestError("x" * 100_000).message) <= 1024  # (a library error may quote anything)
+    assert len(ApiError("x" * 100_000).message) <= 1024  # (a library error may quote anything)
 
 
 def png(width: int, height: int) -> str:
@@ -377,7 +416,7 @@ def test_images_are_bounded_in_number_and_size() -> None:
         (images("file:///etc/passwd"), "data: URL"),
     ]
     for body, message in refused:
-        with pytest.raises(RequestError) as caught:
+        with pytest.raises(ApiError) as caught:
             chat_request(body)
         assert message in caught.value.message and caught.value.param, caught.value
 
@@ -473,7 +512,7 @@ def test_admission_queues_then_refuses() -> None:
 
         task = asyncio.create_task(waiter())
         await asyncio.sleep(0)
-        with pytest.raises(RequestError) as caught:  # one waits already: the queue is full
+        with pytest.raises(ApiError) as caught:  # one waits already: the queue is full
             await admission.acquire(1)
         assert caught.value.status == 503 and caught.value.headers() == {"Retry-After": "1"}
         order.append("released")
@@ -487,7 +526,7 @@ def test_admission_queues_then_refuses() -> None:
 
 
 def test_error_bodies_are_json() -> None:
-    error = RequestError("nope", "n", "bad", 400)
+    error = ApiError("nope", "n", "bad", 400)
     assert json.loads(json.dumps(error.body())) == {
         "error": {"message": "nope", "type": "invalid_request_error", "param": "n", "code": "bad"}
     }
@@ -496,7 +535,7 @@ def test_error_bodies_are_json() -> None:
 def test_a_retry_waits_behind_the_requests_running() -> None:
     async def scenario() -> None:
         admission = Admission(limit=4, queue=2)
-        with pytest.raises(RequestError) as caught:  # nobody runs: nothing will free memory
+        with pytest.raises(ApiError) as caught:  # nobody runs: nothing will free memory
             await admission.acquire(1, behind=True)
         assert caught.value.status == 503
         assert await admission.acquire(1) == 1
@@ -533,7 +572,7 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
     key = server.authorize(request("sk-short"))
     assert key is not None and "sk-short" not in key
     for token in ("x", "sk-shor", "y" * 5000):
-        with pytest.raises(RequestError):
+        with pytest.raises(ApiError):
             server.authorize(request(token))
     assert compared and set(compared) == {(32, 32)}
     assert digest(key, "u" * 256) != digest(key, "v") and len(digest(key, "u" * 256)) == 64
@@ -584,7 +623,7 @@ def test_a_raw_completions_body_and_chunks_are_openais_legacy_ones() -> None:
         {"prompt": ["a", "b"]},
         {"prompt": "x", "suffix": "y"},
     ):
-        with pytest.raises(RequestError):
+        with pytest.raises(ApiError):
             completion_request(bad)
 
 
@@ -594,7 +633,7 @@ def test_logprobs_become_the_count_of_alternatives() -> None:
     assert completion_request({"prompt": "x", "logprobs": 2}).options.logprobs == 2
     assert completion_request({"prompt": "x"}).options.logprobs is None
     for bad in (6, -1, True, "2"):
-        with pytest.raises(RequestError) as caught:
+        with pytest.raises(ApiError) as caught:
             completion_request({"prompt": "x", "logprobs": bad})
         assert caught.value.param == "logprobs", bad
 

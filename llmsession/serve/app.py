@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmsession.options import INT32_MAX
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Host, explain
-from llmsession.serve.errors import RequestError
+from llmsession.serve.errors import ApiError
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
@@ -48,7 +48,7 @@ PATHS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def error_response(error: RequestError) -> JSONResponse:
+def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers())
 
 
@@ -128,12 +128,12 @@ class Server:
         presented = hashlib.sha256(token).digest()
         matched = [hmac.compare_digest(presented, key) for key in self.keys]
         if not any(matched):
-            raise RequestError("invalid or missing API key", None, "invalid_api_key", 401)
+            raise ApiError("invalid or missing API key", None, "invalid_api_key", 401)
         return self.keys[matched.index(True)].hex()
 
     async def body(self, request: Request) -> bytes:
         """The request body, refused (413) past the size limit before it is all read."""
-        too_big = RequestError(
+        too_big = ApiError(
             f"the request body is over the limit of {self.max_body_bytes} bytes", None, None, 413
         )
         if declared(request) > self.max_body_bytes:
@@ -147,7 +147,7 @@ class Server:
                     raise too_big
                 chunks.append(chunk)
         except ClientDisconnect:
-            raise RequestError("the client went away", None, None, 499) from None
+            raise ApiError("the client went away", None, None, 499) from None
         request.state.body_read = True  # (``drain`` reads no further)
         return b"".join(chunks)
 
@@ -164,9 +164,7 @@ class Server:
     async def model_card(self, request: Request) -> Response:
         self.authorize(request)
         if request.path_params["name"] != self.model_name:
-            raise RequestError(
-                f"no model {request.path_params['name']!r:.80}", "model", "model_not_found", 404
-            )
+            raise ApiError(f"no model {request.path_params['name']!r:.80}", "model", "model_not_found", 404)
         return JSONResponse(self.card())
 
     def card(self) -> dict[str, Any]:
@@ -204,7 +202,7 @@ class Server:
             asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, draft=self.draft))
         limit = self.admission.limit
         if asked.n > limit:
-            raise RequestError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
+            raise ApiError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
         return await Call(self.host, request, asked, digest(key, asked.user)).respond()
 
     @staticmethod
@@ -233,7 +231,7 @@ async def refuse(request: Request, error: Exception) -> Response:
     closes the connection."""
     if isinstance(error, HTTPException):
         code = "not_found" if error.status_code == 404 else None
-        response = error_response(RequestError(str(error.detail), None, code, error.status_code))
+        response = error_response(ApiError(str(error.detail), None, code, error.status_code))
     else:
         response = error_response(explain(error))
     if not await drain(request):
@@ -324,7 +322,7 @@ def create_app(
         Route("/v1/chat/completions", guarded(server.chat), methods=["POST"]),
         Route("/v1/completions", guarded(server.completions), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={RequestError: refuse, HTTPException: refuse})
+    app = Starlette(routes=routes, exception_handlers={ApiError: refuse, HTTPException: refuse})
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

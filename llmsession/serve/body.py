@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from llmsession.serve.errors import RequestError
+from llmsession.serve.errors import ApiError
 
 NAMES = {
     dict: "an object",
@@ -57,14 +57,14 @@ def parse_json(body: bytes) -> dict[str, Any]:
     try:
         value = json.loads(body, parse_constant=refuse, parse_int=numbers.integer, parse_float=numbers.real)
     except (ValueError, RecursionError) as error:  # (UnicodeDecodeError is a ValueError)
-        raise RequestError(f"the body is not valid JSON: {error or 'nested too deep'}") from None
+        raise ApiError(f"the body is not valid JSON: {error or 'nested too deep'}") from None
     if not isinstance(value, dict):
-        raise RequestError(f"the body must be a JSON object, got {kind_of(value)}")
+        raise ApiError(f"the body must be a JSON object, got {kind_of(value)}")
     utf8 = json.detect_encoding(body).startswith("utf-8")  # (else the byte patterns say nothing)
     found = unfit(value) if numbers.out_of_range or not utf8 or SURROGATE.search(body) else None
     if found is not None:
         where, problem = found
-        raise RequestError(f"{where} {problem}", where)
+        raise ApiError(f"{where} {problem}", where)
     return value
 
 

@@ -28,7 +28,7 @@ from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
 from llmsession.runtime.stateless import split
 from llmsession.serve import sse
-from llmsession.serve.errors import RequestError, from_library, internal
+from llmsession.serve.errors import ApiError, from_library, internal
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission, Choices, Event, Forks
 from llmsession.serve.schema import ChatRequest
@@ -47,7 +47,7 @@ class ClientGone(Exception):
     """The client closed the connection before the response began."""
 
 
-def explain(error: BaseException) -> RequestError:
+def explain(error: BaseException) -> ApiError:
     """An error as the client sees it; an unexpected one logged with its traceback, a full
     memory budget with its detail (which tells of other tenants: the client never sees it)."""
     known = from_library(error)

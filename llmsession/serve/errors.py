@@ -1,9 +1,10 @@
 """What a failed request answers: an HTTP status and OpenAI's error body. Pure.
 
 Requests are checked before they run (``schema``), so what comes out of a run is mapped by its
-class alone: a library error that says the request cannot be served as asked (a template, a
-schema, an image, an over-long prompt) is a 400 with its message; a full memory budget or a
-closing model is a 503 the client may retry, saying nothing of other tenants' use; anything else,
+class alone: a library ``RequestError`` (the request cannot be served as asked: a template, a
+schema, an image, an over-long prompt) is a 400 with its message; an ``UnavailableError`` (a
+full memory budget, a busy conversation, a closing model) is a 503 the client may retry, saying
+nothing of other tenants' use; anything else,
 a ValueError or TypeError included, is the server's bug: a 500 whose message says nothing of the
 server's insides (the app logs the traceback)."""
 
@@ -14,20 +15,17 @@ from typing import Any
 
 from llmsession.errors import (
     ContextOverflowError,
-    GrammarError,
-    ImageError,
     MemoryBudgetError,
     ModelClosedError,
-    TemplateError,
-    UnsupportedFeatureError,
+    RequestError,
+    UnavailableError,
 )
 
-BAD_REQUEST = (TemplateError, GrammarError, ContextOverflowError, UnsupportedFeatureError, ImageError)
 MAX_MESSAGE = 1024  # characters: a library error may quote what the request held
 
 
 @dataclass(eq=False)
-class RequestError(Exception):
+class ApiError(Exception):
     """A request the server refuses, with what OpenAI's error body says of it."""
 
     message: str
@@ -52,27 +50,28 @@ class RequestError(Exception):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
-def busy(reason: str) -> RequestError:
+def busy(reason: str) -> ApiError:
     """A 503 the client may retry in a second."""
     message = f"the server is busy: {reason}; retry later"
-    return RequestError(message, None, "overloaded", 503, "server_error", retry_after=1)
+    return ApiError(message, None, "overloaded", 503, "server_error", retry_after=1)
 
 
-def from_library(error: BaseException) -> RequestError | None:
+def from_library(error: BaseException) -> ApiError | None:
     """The answer to an error raised for a request, or None for an unexpected one (a bug, a
     native failure: a 500 that the caller logs)."""
-    if isinstance(error, RequestError):
+    if isinstance(error, ApiError):
         return error
-    if isinstance(error, MemoryBudgetError):  # (its text tells of other tenants' sessions)
-        return busy("its memory is in use by other requests")
     if isinstance(error, ModelClosedError):
-        return RequestError("the server is shutting down", None, "shutting_down", 503, "server_error", 5)
-    if isinstance(error, BAD_REQUEST):
+        return ApiError("the server is shutting down", None, "shutting_down", 503, "server_error", 5)
+    if isinstance(error, UnavailableError):  # (its text may tell of other tenants' sessions)
+        what = "memory is" if isinstance(error, MemoryBudgetError) else "conversation is"
+        return busy(f"its {what} in use by other requests")
+    if isinstance(error, RequestError):
         code = "context_length_exceeded" if isinstance(error, ContextOverflowError) else None
-        return RequestError(str(error), None, code)
+        return ApiError(str(error), None, code)
     return None
 
 
-def internal() -> RequestError:
+def internal() -> ApiError:
     """A 500 that tells the client nothing of the server's insides."""
-    return RequestError("the server failed to answer this request", None, None, 500, "server_error")
+    return ApiError("the server failed to answer this request", None, None, 500, "server_error")

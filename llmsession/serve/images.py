@@ -13,7 +13,7 @@ import base64
 import binascii
 import io
 
-from llmsession.serve.errors import RequestError
+from llmsession.serve.errors import ApiError
 
 MAX_IMAGES = 8
 MAX_PIXELS = 4096 * 4096  # ~16.8 MP
@@ -29,21 +29,19 @@ class ImageCount:
         """``url`` is a readable image of at most ``MAX_PIXELS``, and one too many is refused."""
         self.count += 1
         if self.count > MAX_IMAGES:
-            raise RequestError(f"{where}: at most {MAX_IMAGES} images in a request", where)
+            raise ApiError(f"{where}: at most {MAX_IMAGES} images in a request", where)
         if not isinstance(url, str) or not url.startswith("data:"):
-            raise RequestError(f"{where}: an image must be a data: URL (nothing is fetched)", where)
+            raise ApiError(f"{where}: an image must be a data: URL (nothing is fetched)", where)
         header, _, payload = url.partition(",")
         try:
             if not header.endswith(";base64"):
                 raise ValueError("not base64")
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise RequestError(f"{where}: an image must be a base64 data: URL", where) from None
+            raise ApiError(f"{where}: an image must be a base64 data: URL", where) from None
         width, height = _size(data, where)
         if width * height > MAX_PIXELS:
-            raise RequestError(
-                f"{where}: an image has at most {MAX_PIXELS} pixels, got {width}x{height}", where
-            )
+            raise ApiError(f"{where}: an image has at most {MAX_PIXELS} pixels, got {width}x{height}", where)
 
 
 def _size(data: bytes, where: str) -> tuple[int, int]:
@@ -54,6 +52,6 @@ def _size(data: bytes, where: str) -> tuple[int, int]:
             width, height = image.size
             return int(width), int(height)
     except PIL.Image.DecompressionBombError:
-        raise RequestError(f"{where}: an image has at most {MAX_PIXELS} pixels", where) from None
+        raise ApiError(f"{where}: an image has at most {MAX_PIXELS} pixels", where) from None
     except Exception:  # PIL's plugins raise anything on hostile bytes (SyntaxError, ...)
-        raise RequestError(f"{where}: not a readable image", where) from None
+        raise ApiError(f"{where}: not a readable image", where) from None

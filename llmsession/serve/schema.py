@@ -4,7 +4,7 @@ messages and ``GenerationOptions``. Pure: no model, no web framework.
 Every check the library would make later is made here first (its own ``checked_options``,
 ``options_tools`` and ``check_messages``), so a request's mistake is a 400 before anything runs,
 and an error that comes out of a run is the server's. Unknown fields are ignored, as OpenAI's API
-does; a known field of the wrong type or out of its range is a ``RequestError`` naming it
+does; a known field of the wrong type or out of its range is a ``ApiError`` naming it
 (``param``). Counts are bounded (messages, stop strings, tools, images, ``user``) so one request
 cannot make the checks or the tenant records costly. Nothing in a request names a file or a URL the
 server opens: an image is accepted only as a ``data:`` URL (``images``). A message quotes no more
@@ -29,7 +29,7 @@ from llmsession.options import (
     checked_options,
 )
 from llmsession.serve.body import NAMES, kind_of, shown
-from llmsession.serve.errors import RequestError
+from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
 from llmsession.text.messages import check_messages
 from llmsession.text.tools import MAX_TOOLS, options_tools
@@ -57,25 +57,25 @@ class ChatRequest:
 
 
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
-    """A ``/v1/chat/completions`` body, checked (``RequestError`` for the first bad field)."""
+    """A ``/v1/chat/completions`` body, checked (``ApiError`` for the first bad field)."""
     _optional(body, "model", str)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise RequestError("messages must be a non-empty list", "messages")
+        raise ApiError("messages must be a non-empty list", "messages")
     if len(raw) > MAX_MESSAGES:
-        raise RequestError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
+        raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     images = ImageCount()
     messages = [_message(i, m, images) for i, m in enumerate(raw)]
     _check_transcript(messages)
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
-        raise RequestError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
+        raise ApiError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
     stream = bool(_optional(body, "stream", bool))
     stream_options = _optional(body, "stream_options", dict) or {}
     include_usage = _optional(stream_options, "include_usage", bool, "stream_options.include_usage")
     user = _optional(body, "user", str)
     if user is not None and len(user) > MAX_USER:
-        raise RequestError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
+        raise ApiError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
     chosen = options(body, default_max_tokens, _chat_logprobs(body))
     return ChatRequest(messages, chosen, n or 1, stream, bool(include_usage), user)
 
@@ -85,7 +85,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if not _optional(body, "logprobs", bool):
         if top:
-            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+            raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
         return None
     return top or 0
 
@@ -102,7 +102,7 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
-        raise RequestError("prompt must be a non-empty string (or a list of one)", "prompt")
+        raise ApiError("prompt must be a non-empty string (or a list of one)", "prompt")
     _text(prompt, "prompt")
     unsupported = {
         "echo": bool(body.get("echo")),
@@ -110,7 +110,7 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
         "best_of": body.get("best_of") not in (None, 1),
     }
     for name in (name for name, asked in unsupported.items() if asked):
-        raise RequestError(f"{name} is not supported by this server", name, "unsupported")
+        raise ApiError(f"{name} is not supported by this server", name, "unsupported")
     top = _integer(body, "logprobs", 0, MAX_TEXT_LOGPROBS)  # (the legacy field: a count)
     kept = {k: v for k, v in body.items() if k not in (*CHAT_ONLY, "logprobs", "top_logprobs")}
     asked = chat_request({**kept, "messages": [{"role": "user", "content": "-"}]}, COMPLETION_DEFAULT_TOKENS)
@@ -123,9 +123,9 @@ def _check_transcript(messages: list[dict[str, Any]]) -> None:
     try:
         check_messages(messages)
     except TemplateError as error:
-        raise RequestError(str(error), "messages") from None
+        raise ApiError(str(error), "messages") from None
     if messages[-1]["role"] not in ("user", "tool"):
-        raise RequestError("the last message must be a user message or tool results", "messages")
+        raise ApiError("the last message must be a user message or tool results", "messages")
 
 
 def options(
@@ -147,7 +147,7 @@ def options(
         if value is not None:
             values[name] = value
     if values.get("top_p") == 0:
-        raise RequestError("top_p must be greater than 0", "top_p")
+        raise ApiError("top_p must be greater than 0", "top_p")
     seed = _integer(body, "seed", -math.inf, math.inf)
     values["seed"] = None if seed is None else seed % LLAMA_DEFAULT_SEED  # (0xFFFFFFFF: random)
     values["stop"] = _stops(body.get("stop"))
@@ -156,11 +156,11 @@ def options(
     try:
         checked = checked_options(GenerationOptions(**values))
     except (ValueError, TypeError) as error:
-        raise RequestError(str(error)) from None
+        raise ApiError(str(error)) from None
     try:
         options_tools(checked)
     except (ValueError, TypeError) as error:  # (a GrammarError is a ValueError)
-        raise RequestError(str(error), "tool_choice" if "tool_choice" in str(error) else "tools") from None
+        raise ApiError(str(error), "tool_choice" if "tool_choice" in str(error) else "tools") from None
     return checked
 
 
@@ -169,9 +169,9 @@ def _tool_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     tools = _optional(body, "tools", list)
     if tools is not None:
         if not all(isinstance(tool, dict) for tool in tools):
-            raise RequestError("tools must be a list of objects", "tools")
+            raise ApiError("tools must be a list of objects", "tools")
         if len(tools) > MAX_TOOLS:
-            raise RequestError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+            raise ApiError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
         values["tools"] = tuple(tools)
     choice = _optional(body, "tool_choice", (str, dict))
     if choice is not None:
@@ -186,10 +186,10 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     """One message in the library's shape (``developer`` is a system message)."""
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
-        raise RequestError(f"{where} must be an object, got {kind_of(raw)}", where)
+        raise ApiError(f"{where} must be an object, got {kind_of(raw)}", where)
     role = raw.get("role")
     if role not in ROLES:
-        raise RequestError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
+        raise ApiError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
     message: dict[str, Any] = {"role": ROLES[role]}
     name = _optional(raw, "name", str, f"{where}.name")
     if name is not None:
@@ -201,7 +201,7 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     if role == "tool":
         ident = raw.get("tool_call_id")
         if not isinstance(ident, str):
-            raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+            raise ApiError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
         message["tool_call_id"] = ident
     message["content"] = _content(content, f"{where}.content", images if role == "user" else None)
     return message
@@ -212,7 +212,7 @@ def _content(content: object, where: str, images: ImageCount | None) -> str | li
     if isinstance(content, str):
         return _text(content, where)
     if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of parts, got {kind_of(content)}", where)
+        raise ApiError(f"{where} must be a string or a list of parts, got {kind_of(content)}", where)
     parts: list[Any] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
@@ -226,14 +226,14 @@ def _content(content: object, where: str, images: ImageCount | None) -> str | li
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             allowed = "text and image_url" if images is not None else "text"
-            raise RequestError(f"{at}: only {allowed} parts are supported here, got {kind!r:.40}", at)
+            raise ApiError(f"{at}: only {allowed} parts are supported here, got {kind!r:.40}", at)
     return parts
 
 
 def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     """An assistant message's calls, as OpenAI sends them back (arguments as JSON text)."""
     if not isinstance(calls, list):
-        raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        raise ApiError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     out = []
     for j, call in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
@@ -242,7 +242,7 @@ def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
         name = function.get("name") if isinstance(function, dict) else None
         arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
         if not (isinstance(ident, str) and isinstance(name, str) and isinstance(arguments, str)):
-            raise RequestError(f"{at} needs an id, a function name and arguments as JSON text", at)
+            raise ApiError(f"{at} needs an id, a function name and arguments as JSON text", at)
         function = {"name": _text(name, at), "arguments": _text(arguments, at)}
         out.append({"id": ident, "type": "function", "function": function})
     return out
@@ -263,26 +263,24 @@ def _response_format(value: object) -> Mapping[str, Any] | None:
         schema = spec.get("schema", {}) if isinstance(spec, dict) else None
         if isinstance(schema, dict):
             return schema
-        raise RequestError("response_format.json_schema.schema must be an object", "response_format")
-    raise RequestError(
-        'response_format.type must be "text", "json_object" or "json_schema"', "response_format"
-    )
+        raise ApiError("response_format.json_schema.schema must be an object", "response_format")
+    raise ApiError('response_format.type must be "text", "json_object" or "json_schema"', "response_format")
 
 
 def _stops(value: object) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value if value is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop must be a non-empty string or a list of them", "stop")
+        raise ApiError("stop must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOPS:
-        raise RequestError(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
+        raise ApiError(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
     if any(len(s.encode()) > MAX_STOP_BYTES for s in stops):
-        raise RequestError(f"stop: a sequence is at most {MAX_STOP_BYTES} bytes long", "stop")
+        raise ApiError(f"stop: a sequence is at most {MAX_STOP_BYTES} bytes long", "stop")
     return tuple(_text(s, "stop") for s in stops)
 
 
 def _text(text: str, where: str) -> str:
     if "\0" in text:
-        raise RequestError(f"{where} contains a NUL character", where)
+        raise ApiError(f"{where} contains a NUL character", where)
     return text
 
 
@@ -294,7 +292,7 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         names = " or ".join(NAMES.get(k, k.__name__) for k in kinds)
-        raise RequestError(f"{where or name} must be {names}, got {kind_of(value)}", where or name)
+        raise ApiError(f"{where or name} must be {names}, got {kind_of(value)}", where or name)
     return value
 
 
@@ -304,7 +302,7 @@ def _integer(body: Mapping[str, Any], name: str, low: float, high: float) -> int
         value = int(value)
     value = _optional({name: value}, name, int)
     if value is not None and not low <= value <= high:
-        raise RequestError(f"{name} must be between {low} and {high}, got {shown(value)}", name)
+        raise ApiError(f"{name} must be between {low} and {high}, got {shown(value)}", name)
     return value  # type: ignore[no-any-return]
 
 
@@ -315,7 +313,7 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> floa
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"{name} must be a number, got {kind_of(value)}", name)
+        raise ApiError(f"{name} must be a number, got {kind_of(value)}", name)
     if not low <= value <= high:  # (NaN and the infinities fail it too)
-        raise RequestError(f"{name} must be between {low:g} and {high:g}, got {shown(value)}", name)
+        raise ApiError(f"{name} must be between {low:g} and {high:g}, got {shown(value)}", name)
     return float(value)
