@@ -1,8 +1,9 @@
 """The exceptions llmsession raises; all share one base class, and most one of two middle ones:
 
 - ``RequestError``: this request cannot be served as asked (its messages, template, constraint,
-  images, length or a feature the model lacks); nothing was decoded, and sent again unchanged it
-  fails again.
+  images, length, a session file, or a feature the model lacks); sent again unchanged it fails
+  again. Most are raised before anything decodes; a matcher that fails mid-reply
+  (``GrammarError``) and a session file that cannot be written are the exceptions.
 - ``UnavailableError``: the model cannot serve it now (its memory budget in use, the session
   busy) or any more (closed, its worker process gone); the request itself may be fine.
 
@@ -17,7 +18,7 @@ class LlmSessionError(Exception):
 
 
 class RequestError(LlmSessionError):
-    """The request cannot be served as asked; nothing was decoded (see the module)."""
+    """The request cannot be served as asked (see the module)."""
 
 
 class UnavailableError(LlmSessionError):

@@ -6,6 +6,7 @@ The script runs here as a user runs it, and its answers must not loop."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -33,6 +34,17 @@ def test_the_check_sees_the_loop_the_issue_saw() -> None:
     assert looping(LOOPING)
     assert not looping("The capital of France is Paris, known for the Eiffel Tower and the Louvre.")
     assert not looping("a b c d e f g h " * 2)  # (twice is not a loop)
+
+
+def test_the_demo_samples_with_a_seed_and_a_repetition_penalty() -> None:
+    """Greedy does not loop on every CPU (it did not on the AVX-512 EPYC this was measured on),
+    so the run below alone would not notice the demo going back to it."""
+    spec = importlib.util.spec_from_file_location("demo", REPO / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    options = demo.OPTIONS
+    assert options.temperature > 0 and options.seed is not None and options.repeat_penalty > 1
 
 
 def run_demo(model: Path, tmp_path: Path) -> list[dict[str, object]]:

@@ -217,6 +217,10 @@ def test_library_errors_map_to_statuses_by_their_middle_base() -> None:
         assert isinstance(error, RequestError if status == 400 else UnavailableError)
     busy = from_library(MemoryBudgetError("full"))
     assert busy is not None and busy.headers() == {"Retry-After": "1"}
+    gone = from_library(BackendError("worker gone"))  # (closed for good: nothing to retry)
+    assert gone is not None and gone.headers() == {} and gone.code == "model_unavailable"
+    other = from_library(SessionBusyError("session 3 is busy"))
+    assert other is not None and "session 3" not in other.message
 
     class NewRequestError(RequestError):
         """A request error added later: mapped by its base without touching the server."""

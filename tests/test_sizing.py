@@ -48,9 +48,14 @@ def test_the_default_is_halved_until_it_fits_half_the_memory() -> None:
 def test_a_floor_that_does_not_fit_says_so() -> None:
     """Never below the least default; where even that takes more than half the memory, the note
     does not claim a fit (and the load logs a warning)."""
-    tiny = size_kv(None, max_live=4, n_ctx_train=32768, bytes_per_cell=100_000, available=GIB // 8)
+    tiny = size_kv(None, max_live=4, n_ctx_train=32768, bytes_per_cell=100_000, available=GIB)
     assert tiny.context_size == MIN_CONTEXT and not tiny.fits
     assert "fitted" not in tiny.note and "set kv_tokens" in tiny.note
+
+
+def test_a_floor_that_needs_more_than_all_the_memory_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"even the least default context .* set a smaller kv_tokens"):
+        size_kv(None, max_live=4, n_ctx_train=32768, bytes_per_cell=100_000, available=GIB // 2)
 
 
 def test_cells_asked_for_are_refused_only_when_they_cannot_fit() -> None:
@@ -97,6 +102,12 @@ def test_available_memory_reads_meminfo_and_the_process_cgroup(tmp_path: Path) -
     }
     proc, mount = fake_system(tmp_path / "v1", "4:memory:/box/job\n3:pids:/\n", v1)
     assert available_memory(proc, mount) == 200 << 20
+    # hybrid (a v2 line beside v1's memory controller), no memory.stat, a group that is not there
+    hybrid = {"memory/memory.limit_in_bytes": str(400 << 20), "memory/memory.usage_in_bytes": "0"}
+    proc, mount = fake_system(tmp_path / "hybrid", "0::/\n4:memory:/gone\n", hybrid)
+    assert available_memory(proc, mount) == 400 << 20
+    proc, mount = fake_system(tmp_path / "max", "0::/\n", {"memory.max": "max", "memory.current": "5"})
+    assert available_memory(proc, mount) == GIB
     real = available_memory()
     assert real is not None and real > 0
 

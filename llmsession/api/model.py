@@ -126,7 +126,8 @@ class Model:
     templates; a file without a template gets the built-in one of its architecture (Gemma 3:
     Gemma's turns), else ChatML. ``use_jinja`` True or False insists on one renderer;
     ``chat_template`` (jinja text, a built-in template's name such as "gemma", or a Path to a
-    template file) replaces the file's (``renderer`` says what was chosen: ``text.renderer``).
+    template file; jinja text that does not render is a TemplateError) replaces the file's
+    (``renderer`` says what was chosen: ``text.renderer``).
     ``with Model(path) as model:`` frees the
     model and every session's state on exit.
     """

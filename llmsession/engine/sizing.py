@@ -62,7 +62,7 @@ def size_kv(
     """The cells for ``asked`` kv_tokens (None: chosen here) and ``max_live`` live sessions, for
     a model trained on ``n_ctx_train`` positions whose cells take ``bytes_per_cell`` each, on a
     machine with ``available`` bytes of memory free (None: unknown). ValueError when the cells
-    asked for cannot fit."""
+    asked for, or the least default, cannot fit."""
     trained = n_ctx_train if n_ctx_train > 0 else DEFAULT_CONTEXT_CAP
     context = _rounded(min(max(trained, MIN_CONTEXT), DEFAULT_CONTEXT_CAP))
     if asked is not None:
@@ -81,6 +81,13 @@ def size_kv(
             fitted = max(MIN_CONTEXT, _rounded(fitted // 2))
         share = f"{RAM_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available"
         fits = fitted * max_live * bytes_per_cell <= RAM_SHARE * available
+        if fitted * max_live * bytes_per_cell > available:
+            raise ValueError(
+                f"even the least default context ({MIN_CONTEXT:,} positions for each of {max_live} live "
+                f"sessions) needs about {fitted * max_live * bytes_per_cell / GIB:.1f} GiB of KV cells, "
+                f"more than the {available / GIB:.1f} GiB of memory available: set a smaller kv_tokens "
+                "or max_live_sessions"
+            )
         if not fits:
             note = f"the least default, which takes more than {share}: set kv_tokens"
         elif fitted < context:

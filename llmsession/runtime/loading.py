@@ -158,13 +158,24 @@ def _left_in(folder: Path, limit_file: str, usage_file: str, cache_key: str) -> 
     try:
         limit = (folder / limit_file).read_text().strip()
         used = int((folder / usage_file).read_text().strip())
-        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
     except (OSError, ValueError):
         return None
     if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # (v1 writes "no limit" as ~2^63)
         return None
-    reclaimable = int(stat.get(cache_key, "0")) if stat.get(cache_key, "0").isdigit() else 0
-    return max(0, int(limit) - used + reclaimable)
+    return max(0, int(limit) - used + _reclaimable(folder, cache_key))
+
+
+def _reclaimable(folder: Path, cache_key: str) -> int:
+    """The group's reclaimable page cache (0 where memory.stat cannot say)."""
+    try:
+        lines = (folder / "memory.stat").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == cache_key and fields[1].isdigit():
+            return int(fields[1])
+    return 0
 
 
 def sized(

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from llmsession.errors import MemoryBudgetError
+from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError, UnavailableError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
 from llmsession.runtime.stateless import split
@@ -56,6 +56,10 @@ def explain(error: BaseException) -> ApiError:
         return internal()
     if isinstance(error, MemoryBudgetError):
         log.warning("a request found the memory budget full: %s", error)
+    elif isinstance(error, UnavailableError) and not isinstance(error, ModelClosedError):
+        log.warning("a request found the model busy", exc_info=error)  # (the server's own doing)
+    elif isinstance(error, BackendError):
+        log.error("the model's worker process failed", exc_info=error)
     return known
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmsession.errors import (
+    BackendError,
     ContextOverflowError,
     MemoryBudgetError,
     ModelClosedError,
@@ -61,11 +62,15 @@ def from_library(error: BaseException) -> ApiError | None:
     native failure: a 500 that the caller logs)."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, BackendError):  # (closed for good: no Retry-After)
+        failed = "the model is unavailable: its worker process failed"
+        return ApiError(failed, None, "model_unavailable", 503, "server_error")
     if isinstance(error, ModelClosedError):
         return ApiError("the server is shutting down", None, "shutting_down", 503, "server_error", 5)
-    if isinstance(error, UnavailableError):  # (its text may tell of other tenants' sessions)
-        what = "memory is" if isinstance(error, MemoryBudgetError) else "conversation is"
-        return busy(f"its {what} in use by other requests")
+    if isinstance(error, MemoryBudgetError):  # (its text tells of other tenants' sessions)
+        return busy("its memory is in use by other requests")
+    if isinstance(error, UnavailableError):
+        return busy("the model is busy")
     if isinstance(error, RequestError):
         code = "context_length_exceeded" if isinstance(error, ContextOverflowError) else None
         return ApiError(str(error), None, code)
