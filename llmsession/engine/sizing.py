@@ -75,26 +75,25 @@ def size_kv(
             )
         return Sizing(asked, context, need, f"kv_tokens {asked:,} as set")
     note = _default_note(context, n_ctx_train)
+    fits = True
     if available is not None:
         fitted = context
         while fitted > MIN_CONTEXT and fitted * max_live * bytes_per_cell > RAM_SHARE * available:
             fitted = max(MIN_CONTEXT, _rounded(fitted // 2))
-        share = f"{RAM_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available"
-        fits = fitted * max_live * bytes_per_cell <= RAM_SHARE * available
-        if fitted * max_live * bytes_per_cell > available:
+        need = fitted * max_live * bytes_per_cell
+        if need > available:
             raise ValueError(
                 f"even the least default context ({MIN_CONTEXT:,} positions for each of {max_live} live "
-                f"sessions) needs about {fitted * max_live * bytes_per_cell / GIB:.1f} GiB of KV cells, "
-                f"more than the {available / GIB:.1f} GiB of memory available: set a smaller kv_tokens "
-                "or max_live_sessions"
+                f"sessions) needs about {need / GIB:.1f} GiB of KV cells, more than the "
+                f"{available / GIB:.1f} GiB of memory available: set a smaller kv_tokens or max_live_sessions"
             )
+        share = f"{RAM_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available"
+        fits = need <= RAM_SHARE * available
         if not fits:
             note = f"the least default, which takes more than {share}: set kv_tokens"
         elif fitted < context:
-            note = f"fitted to {share} ({_default_note(context, n_ctx_train)})"
+            note = f"fitted to {share} ({note})"
         context = fitted
-    else:
-        fits = True
     kv_tokens = context * max_live
     note = f"{context:,} positions a session: {note}"
     return Sizing(kv_tokens, context, kv_tokens * bytes_per_cell, note, fits)

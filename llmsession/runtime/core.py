@@ -51,6 +51,12 @@ log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
 
 
+def refuse_nul(text: str, what: str) -> None:
+    """A NUL character is refused in any prompt, raw or rendered (ValueError naming ``what``)."""
+    if "\x00" in text:
+        raise ValueError(f"{what} must not contain NUL characters")
+
+
 class Shuttable(Protocol):
     def shut(self) -> None: ...
 
@@ -154,8 +160,7 @@ class ModelCore:
             stand_ins=stand_ins,
             typed_content=self.renderer.typed_content,
         )
-        if "\x00" in text:  # (as in a raw prompt; llama.cpp's built-in templates cannot carry one)
-            raise ValueError("a message must not contain NUL characters")
+        refuse_nul(text, "a message")  # (llama.cpp's built-in templates could not carry one)
         return text
 
     def tool_format(self, name: str | None = None) -> ToolFormat:
@@ -191,8 +196,7 @@ class ModelCore:
             raise TypeError(f"a prompt must be a str, got {type(text).__name__}")
         if not text:
             raise ValueError("a prompt must not be empty")
-        if "\x00" in text:
-            raise ValueError("a prompt must not contain NUL characters")
+        refuse_nul(text, "a prompt")
         began = time.perf_counter()
         tokens = self.tokenize(text)
         if not tokens:  # (a model that adds no BOS, and text that tokenizes to nothing)
