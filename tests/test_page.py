@@ -14,7 +14,7 @@ import base64
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +33,7 @@ from serve_helpers import KEY, WEATHER, Served, metric, running
 
 from llmsession import Model
 from llmsession.serve.app import create_app
-from llmsession.serve.page import STATIC
+from llmsession.serve.page import FILES, STATIC
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")  # (fetch_browser.py's)
 WIDTH, HEIGHT = 1100, 750
@@ -46,6 +46,9 @@ PERSON = {
     "additionalProperties": False,
 }
 T = TypeVar("T")
+STATIC_IMPORT = r"""^\s*(?:import|export)\b[^;]*?\bfrom\s*["']([^"']*)["']"""  # import {a} from "./x.js"
+IMPORTS = re.compile(STATIC_IMPORT + r"""|^\s*import\s*["']([^"']*)["']""", re.M)  # (or import "./x.js")
+SINKS = ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function")
 
 
 def wait_for(check: Callable[[], T], what: str, timeout: float = 30.0) -> T:
@@ -223,7 +226,7 @@ def page(driver: WebDriver, served: Served, shots: Path) -> Page:
 def test_the_page_needs_no_key_and_is_served_with_a_strict_policy(served: Served) -> None:
     with served.http(None) as http:
         page = http.get("/")
-        script, style = http.get("/static/app.js"), http.get("/static/style.css")
+        script, style = http.get("/static/main.js"), http.get("/static/style.css")
         missing = [http.get(path).status_code for path in ("/static/x.js", "/static/..%2Fpage.py")]
         api = http.get("/v1/models")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -238,13 +241,61 @@ def test_the_page_needs_no_key_and_is_served_with_a_strict_policy(served: Served
 
 def test_the_static_files_fetch_nothing_and_never_parse_html() -> None:
     files = {path.name: path.read_text() for path in STATIC.iterdir()}
-    assert set(files) == {"index.html", "app.js", "style.css"}
+    assert set(files) == {"index.html", "main.js", "dom.js", "store.js", "api.js", "view.js", "style.css"}
     for name, text in files.items():
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, name
         assert "@import" not in text and "url(" not in text, name
     assert "<script>" not in files["index.html"] and not re.search(r"\son\w+=", files["index.html"])
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
-        assert sink not in files["app.js"], sink
+    scripts = [name for name in files if name.endswith(".js")]
+    for name in scripts:  # (every module)
+        for sink in SINKS:
+            assert sink not in files[name], (name, sink)
+    assert '<script type="module" src="static/main.js"></script>' in files["index.html"]
+
+
+def page_modules(entry: str = "main.js") -> list[str]:
+    """``entry`` and the modules it imports, transitively (``import ... from "./x.js"``, each only
+    from this folder; no dynamic ``import()``, so the static imports are all of them)."""
+    seen: list[str] = []
+    todo = [entry]
+    while todo:
+        name = todo.pop(0)
+        if name not in seen:
+            seen.append(name)
+            text = (STATIC / name).read_text()
+            assert "import(" not in text, f"{name}: a dynamic import"
+            for found in IMPORTS.finditer(text):
+                specifier = found.group(1) or found.group(2)
+                assert re.fullmatch(r"\./[\w-]+\.js", specifier), f"{name} imports {specifier!r}"
+                todo.append(specifier.removeprefix("./"))
+    return seen
+
+
+def check_modules_served(files: Mapping[str, str]) -> list[str]:
+    """Every module of the page in ``files`` (page.py's ``FILES``, what is served) as JavaScript,
+    which a module script must be: the modules."""
+    modules = page_modules()
+    missing = [name for name in modules if name not in files]
+    assert not missing, f"modules the page imports that are not served: {missing}"
+    wrong = [name for name in modules if not files[name].startswith("text/javascript")]
+    assert not wrong, f"modules not served as JavaScript: {wrong}"
+    return modules
+
+
+def test_every_module_main_imports_is_served_as_javascript(served: Served) -> None:
+    modules = check_modules_served(FILES)
+    assert set(modules) == {path.name for path in STATIC.glob("*.js")}  # (all found, none unused)
+    for name in modules:  # the check fails on a FILES without any one of them
+        with pytest.raises(AssertionError, match=re.escape(repr(name))):
+            check_modules_served({other: kind for other, kind in FILES.items() if other != name})
+    with pytest.raises(AssertionError, match="as JavaScript"):
+        check_modules_served({**FILES, "view.js": "text/plain"})
+    with served.http(None) as http:
+        responses = {name: http.get(f"/static/{name}") for name in modules}
+    for name, response in responses.items():
+        assert response.status_code == 200, name
+        assert response.headers["content-type"].startswith("text/javascript"), (name, response.headers)
+        assert response.text == (STATIC / name).read_text(), name
 
 
 # -- the browser ---------------------------------------------------------------------------------

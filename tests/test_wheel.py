@@ -30,7 +30,8 @@ def test_the_wheel_installs_sets_up_and_chats(tmp_path: Path, smollm2_path: Path
     dist = tmp_path / "dist"
     run(sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, REPO, cwd=tmp_path)
     (wheel,) = dist.glob("llmsession-*.whl")
-    page = {f"llmsession/serve/static/{name}" for name in ("index.html", "app.js", "style.css")}
+    names = ("index.html", "style.css", "main.js", "dom.js", "store.js", "api.js", "view.js")
+    page = {f"llmsession/serve/static/{name}" for name in names}
     assert page <= set(zipfile.ZipFile(wheel).namelist())  # the chat page of `llmsession serve`
     run(sys.executable, "-m", "venv", tmp_path / "venv", cwd=tmp_path)
     bin_dir = tmp_path / "venv" / "bin"

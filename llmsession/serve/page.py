@@ -1,12 +1,13 @@
-"""The chat page of ``llmsession serve``: ``GET /`` and its two static files.
+"""The chat page of ``llmsession serve``: ``GET /`` and its static files.
 
 The files live in ``static/`` inside the package (no build step, nothing from a CDN: the page
-works on a machine without internet). They hold no data, so they need no API key; the page asks
-for the key itself and calls only the server's OpenAI endpoints. The page is served with a strict
-Content-Security-Policy: scripts only from the server's own files (no inline script, no
-``eval``), connections only to the server, images only from it or ``data:``/``blob:`` URLs (an
-image the user attaches), so even markup that slipped into the page could neither run nor call
-out.
+works on a machine without internet): the HTML, its CSS, and its script as ES modules,
+``main.js`` and what it imports (``dom.js``, ``store.js``, ``api.js``, ``view.js``). They hold no
+data, so they need no API key; the page asks for the key itself and calls only the server's OpenAI
+endpoints. The page is served with a strict Content-Security-Policy: scripts only from the
+server's own files (no inline script, no ``eval``; module scripts from the same origin are its
+own), connections only to the server, images only from it or ``data:``/``blob:`` URLs (an image
+the user attaches), so even markup that slipped into the page could neither run nor call out.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from starlette.routing import Route
 
 STATIC = Path(__file__).resolve().parent / "static"
 FILES = {  # what the page is made of, by the name in its URL (nothing else is served)
-    "app.js": "text/javascript; charset=utf-8",
+    "main.js": "text/javascript; charset=utf-8",  # (a module: loaded with type="module")
+    "dom.js": "text/javascript; charset=utf-8",
+    "store.js": "text/javascript; charset=utf-8",
+    "api.js": "text/javascript; charset=utf-8",
+    "view.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 CSP = "; ".join(
