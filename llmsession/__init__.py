@@ -3,6 +3,16 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from llmsession.config import (
+    CheckpointConfig,
+    KvLayout,
+    KvType,
+    MemoryConfig,
+    ModelConfig,
+    ModelSettings,
+    SessionConfig,
+    SessionSettings,
+)
 from llmsession.errors import (
     BackendError,
     ContextOverflowError,
@@ -37,7 +47,6 @@ from llmsession.replies import (
 if TYPE_CHECKING:
     from llmsession.api.model import Model
     from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
-    from llmsession.engine.checkpoints import CheckpointConfig
     from llmsession.runtime.aio import AsyncStream
     from llmsession.runtime.session import Session
     from llmsession.runtime.stream import Stream
@@ -47,7 +56,6 @@ if TYPE_CHECKING:
 # ``import llmsession`` (a command's start, a server's import of its errors) should not pay for.
 _LAZY = {
     "AsyncStream": ".runtime.aio",
-    "CheckpointConfig": ".engine.checkpoints",
     "Counters": ".engine.budget",
     "MemoryReport": ".engine.budget",
     "SessionMemory": ".engine.budget",
@@ -91,20 +99,27 @@ __all__ = [
     "ImageError",
     "ImagePart",
     "ImageURLPart",
+    "KvLayout",
+    "KvType",
     "LlmSessionError",
     "MemoryBudgetError",
+    "MemoryConfig",
     "MemoryReport",
     "Message",
     "Model",
     "ModelClosedError",
+    "ModelConfig",
     "ModelLoadError",
+    "ModelSettings",
     "NativeError",
     "Reply",
     "RequestError",
     "Session",
     "SessionBusyError",
+    "SessionConfig",
     "SessionFileError",
     "SessionMemory",
+    "SessionSettings",
     "Snapshot",
     "Stream",
     "TemplateError",

@@ -13,7 +13,13 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "llmsession"
 # Lowest first: a module may import its own layer's modules (without cycles) and lower layers'.
 LAYERS = (
-    ("llmsession.errors", "llmsession.options", "llmsession.replies", "llmsession.buffers"),
+    (
+        "llmsession.errors",
+        "llmsession.options",
+        "llmsession.config",
+        "llmsession.replies",
+        "llmsession.buffers",
+    ),
     ("llmsession.text",),
     ("llmsession.native",),
     ("llmsession.engine",),
@@ -33,6 +39,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.engine.sessionfile",
     "llmsession.engine.checkpoints",
     "llmsession.options",
+    "llmsession.config",
     "llmsession.text.messages",
     "llmsession.text.stops",
     "llmsession.text.logprobs",

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llmsession import MemoryBudgetError, NativeError
 from llmsession.engine import budget
-from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.engine import Engine, Lease
 from llmsession.engine.residency import State
 from llmsession.options import KV_LAYOUTS
@@ -131,7 +131,7 @@ class EngineMachine(RuleBasedStateMachine):
         own = layout == "per_session" and live > 1
         self.quantum, budget.CELLS_QUANTUM = budget.CELLS_QUANTUM, 1  # the fake pads nothing
         dir_ = Path(self.tmp.name) if self.tmp else None
-        config = MemoryConfig(kv * live if own else kv, live, host, dir_, batch_size=4, kv_layout=layout)
+        config = MemoryPlan(kv * live if own else kv, live, host, dir_, batch_size=4, kv_layout=layout)
         self.engine = Engine(FakeNative(n_swa), None, 1, config, make_context=FakeContext)  # type: ignore[arg-type]
         self.n_swa, self.kv, self.host = n_swa, kv, host  # kv: what one session may hold
         self.total = config.kv_tokens

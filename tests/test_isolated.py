@@ -121,7 +121,7 @@ def test_the_proxies_override_every_public_method_that_reaches_native_state() ->
     for backend in (IsolatedModel, LocalModel):  # ``Model`` holds one or the other
         missing = {name for name in calls if not name.startswith("_") and not hasattr(backend, name)}
         assert not missing, f"{backend.__name__} lacks {sorted(missing)}"
-    built_on_others = {"respond", "arespond", "settings"}
+    built_on_others = {"respond", "arespond", "settings", "config"}
     for proxy, base in ((IsolatedSession, Session), (IsolatedStream, Stream)):
         public = {name for name in vars(base) if not name.startswith("_")}
         missing = public - set(vars(proxy)) - built_on_others

@@ -23,7 +23,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from llmsession.engine.checkpoints import Checkpoint, CheckpointConfig, Checkpoints
+from llmsession.config import CheckpointConfig
+from llmsession.engine.checkpoints import Checkpoint, Checkpoints
 from llmsession.engine.prefix import (
     Item,
     Plan,

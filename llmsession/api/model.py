@@ -4,22 +4,30 @@ process (``remote.isolated.IsolatedModel``), which survives what kills llama.cpp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_configs, session_config
 from llmsession.errors import UnsupportedFeatureError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
+from llmsession.text.tools import checked_tools
 
 if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is imported)
+    from typing_extensions import Unpack
+
+    from llmsession.config import ModelSettings, SessionSettings
     from llmsession.engine.budget import MemoryReport
     from llmsession.native.llama import NativeModel
     from llmsession.native.projector import Projector
+    from llmsession.runtime.aio import AsyncStream
     from llmsession.runtime.local import LocalModel
     from llmsession.runtime.session import Session
     from llmsession.runtime.stream import Stream
     from llmsession.text.renderer import Renderer
+    from llmsession.text.tools import Tools
 
 
 class Backend(Protocol):
@@ -38,36 +46,37 @@ class Backend(Protocol):
 
     @property
     def closed(self) -> bool: ...
-    def session(self, system: str | None = None, **settings: Any) -> Session: ...
+    def session(self, config: SessionConfig) -> Session: ...
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
         thinking: bool = False,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
     ) -> str: ...
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
     def detokenize(self, tokens: Sequence[int]) -> str: ...
     def prompt_tokens(
-        self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        thinking: bool = False,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
     ) -> list[int]: ...
     def chat_stream(
         self,
         messages: Sequence[Mapping[str, Any]],
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        **settings: Any,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
     ) -> Stream: ...
     def complete_stream(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        **settings: Any,
+        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
     ) -> Stream: ...
-    def load_session(self, path: str | Path, **overrides: Any) -> Session: ...
+    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> Session: ...
     def memory(self) -> MemoryReport: ...
     def identity(self) -> str: ...
     def projector_identity(self) -> str | None: ...
@@ -90,83 +99,54 @@ class Setting:
 class Model:
     """A model file loaded once; any number of sessions chat with it under one memory budget.
 
-    Live sessions share one llama context of ``kv_tokens`` KV cells in up to ``max_live_sessions``
-    sequences (default 4). ``kv_tokens`` None (default) gives each live session the model's
-    training context (at most 32,768 positions), halved while the cells would take more than
-    half the memory available (``engine.sizing``; ``memory()`` says what was chosen and what it
-    takes); cells asked for that cannot fit in memory are a ValueError. ``kv_layout``
-    "per_session" (default) gives each live session
-    ``kv_tokens / max_live_sessions`` cells of its own (rounded down to a multiple of 256): its
-    attention runs over its own cells only, so other live sessions cost it nothing, and that is
-    the most a session holds. "shared" pools the cells: a session may hold all ``kv_tokens``,
-    but every decode attends over every cell in use, other sessions' included (at 7 other
-    sessions of 1,000 tokens, generation ran at a third of a lone session's speed without flash
-    attention). When an exchange needs room, the least recently used idle session is parked in
-    host RAM (up to ``host_cache_bytes``, then on disk in ``disk_cache_dir`` if given, else it
-    goes cold: its next exchange decodes its whole prompt). ``batch_size`` is the largest prefill
-    batch. On recurrent and hybrid models each session keeps ``checkpoints`` of its state so an
-    edit or regenerate resumes near the cut instead of from scratch (``CheckpointConfig``).
-    ``flash_attention`` None is off on the CPU with f16 cells (a third faster for a prefill at
-    depth; a reply then depends on the cache's placement within rounding noise) and llama.cpp's
-    choice otherwise (``runtime.loading.choose_flash_attention``). ``kv_type``: the KV cells'
-    type, "f16" (default), "q8_0" (half the bytes per cell: a parked state half the size, the
-    same memory for twice the ``kv_tokens``) or "q4_0"; quantized cells need flash attention,
-    and a saved state reloads only under its own type (else its transcript alone).
-    ``anticipate``: after each reply, decode the next prompt's opening in the background
-    (``engine.anticipate``). ``rpc_servers`` ("host:port" of
-    llama.cpp RPC servers) put the layers (all, unless ``gpu_layers`` says) on other hosts; each
-    is checked from Python first (``native.rpc.preflight``). ``isolated`` runs the model in a
-    worker process (default: with ``rpc_servers``), so a server that dies or hangs mid-decode is
-    a ``BackendError`` within ``worker_timeout`` seconds, not the end of this process
-    (``remote.isolated``). ``stateless_sessions``: how many conversations stateless calls
-    (``chat``, ``complete``) keep, their states live, parked or cold as the budget decides
-    (default: 64, or four per live session if more; 8 on a recurrent model, whose sessions keep
-    checkpoints). Prompts are rendered by the file's own chat template through jinja2 (as
-    Hugging Face and llama-server do) when jinja renders it, else by llama.cpp's built-in
-    templates; a file without a template gets the built-in one of its architecture (Gemma 3:
-    Gemma's turns), else ChatML. ``use_jinja`` True or False insists on one renderer;
-    ``chat_template`` (jinja text, a built-in template's name such as "gemma", or a Path to a
-    template file; jinja text that does not render is a TemplateError) replaces the file's
-    (``renderer`` says what was chosen: ``text.renderer``).
-    ``with Model(path) as model:`` frees the
-    model and every session's state on exit.
+    ``config`` (``ModelConfig``: threads, devices, attention, KV cells, prompts, isolation) and
+    ``memory`` (``MemoryConfig``: the KV cells every session shares, parking, checkpoints) say
+    how; keyword ``overrides`` set any of their fields (``Model(path, kv_tokens=4096)``), typed
+    as ``ModelSettings``. Live sessions share one llama context of ``kv_tokens`` KV cells in up
+    to ``max_live_sessions`` sequences; when an exchange needs room, the least recently used
+    idle session is parked in host RAM, then on disk, else it goes cold (its next exchange
+    decodes its whole prompt). ``memory()`` says what was chosen and where every session's
+    state is. Prompts are rendered by the file's own chat template through jinja2 when it
+    renders (as Hugging Face and llama-server do), else by llama.cpp's built-in templates
+    (``renderer`` says which, and why). With ``rpc_servers`` or ``isolated=True`` the model
+    runs in a worker process, so a server that dies or hangs mid-decode is a ``BackendError``
+    within ``worker_timeout`` seconds, not the end of this process. ``with Model(path) as
+    model:`` frees the model and every session's state on exit.
     """
 
-    threads = Setting()
+    threads = Setting()  # the decode threads (as chosen at load)
     use_jinja = Setting()  # whether jinja renders the prompts (as chosen at load)
-    renderer = Setting()  # how prompts are rendered, and why (``text.renderer.Renderer``)
-    flash_attention = Setting()
+    renderer = Setting()  # how prompts are rendered, and why (``Renderer``)
+    flash_attention = Setting()  # as chosen at load (None: llama.cpp's choice)
     kv_type = Setting()
     anticipate = Setting()
     template = Setting()  # the chat template in use (text or a llama.cpp built-in's name; None: chatml)
-    media_marker = Setting()
+    media_marker = Setting()  # where an image's embeddings go in a rendered prompt
 
     def __init__(
         self,
         path: str | Path,
         *,
-        rpc_servers: Sequence[str] = (),
-        isolated: bool | None = None,
-        worker_timeout: float = 60.0,
-        **settings: Any,
+        config: ModelConfig | None = None,
+        memory: MemoryConfig | None = None,
+        **overrides: Unpack[ModelSettings],
     ) -> None:
-        """``settings``: ``mmproj_path``, ``gpu_layers``, ``threads``, ``use_jinja``,
-        ``chat_template``, ``kv_tokens``, ``max_live_sessions``, ``kv_layout``, ``host_cache_bytes``,
-        ``disk_cache_dir``, ``batch_size``, ``checkpoints``, ``flash_attention``, ``kv_type``,
-        ``anticipate``, ``stateless_sessions`` (see the class)."""
         from llmsession.native import rpc
 
-        servers = [str(endpoint) for endpoint in rpc.checked_servers(rpc_servers, worker_timeout)]
-        self.isolated = bool(isolated or (isolated is None and servers))
+        config, memory = model_configs(config, memory, dict(overrides))
+        servers = rpc.checked_servers(config.rpc_servers, config.worker_timeout)
+        config = dataclasses.replace(config, rpc_servers=tuple(str(endpoint) for endpoint in servers))
+        self.config, self.memory_config = config, memory  # as asked (``memory()``: as chosen)
+        self.isolated = config.runs_isolated
         self.backend: Backend
         if self.isolated:  # (its worker's LocalModel checks the servers, right before llama.cpp)
             from llmsession.remote.isolated import IsolatedModel
 
-            self.backend = IsolatedModel(path, worker_timeout=worker_timeout, rpc_servers=servers, **settings)
+            self.backend = IsolatedModel(path, config, memory)
         else:
             from llmsession.runtime.local import LocalModel
 
-            self.backend = LocalModel(path, rpc_servers=servers, worker_timeout=worker_timeout, **settings)
+            self.backend = LocalModel(path, config, memory)
         self.path, self.mmproj_path = self.backend.path, self.backend.mmproj_path
 
     @property
@@ -194,42 +174,44 @@ class Model:
         self,
         system: str | None = None,
         *,
-        context_size: int | None = None,
-        batch_size: int = 512,
-        thinking: bool = False,
-        swa_full: bool = True,
-        share_prefix: bool = True,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
     ) -> Session:
-        """A new conversation; its KV state lives in the model's shared memory.
+        """A new conversation; its KV state lives in the model's shared memory. ``config``
+        (``SessionConfig``) and keyword ``overrides`` of its fields say how; ``system``, if
+        given, is its system prompt.
 
         ``context_size`` bounds the positions the session uses (prompt and reply), exactly; it
         may not exceed what a live session holds (``kv_tokens / max_live_sessions`` with
         ``kv_layout="per_session"``, else ``kv_tokens``); default: the model's default context
-        (``memory().context_size``: its training context, as sized), or that if smaller.
-        ``batch_size`` is its prefill batch (at most the model's). With ``share_prefix``, an
-        exchange that finds the session's memory empty starts from the longest prefix of its
-        prompt another live session holds (a common system prompt: its cells are shared, not
-        decoded again), and other sessions may start from this one's; ``False`` keeps the
-        session apart both ways (its timings then tell nothing of what others said).
+        (``memory().context_size``), or that if smaller. With ``share_prefix``, an exchange
+        that finds the session's memory empty starts from the longest prefix of its prompt
+        another live session holds (a common system prompt: its cells are shared, not decoded
+        again), and other sessions may start from this one's; ``False`` keeps the session apart
+        both ways (its timings then tell nothing of what others said).
         """
-        return self.backend.session(
-            system,
-            context_size=context_size,
-            batch_size=batch_size,
-            thinking=thinking,
-            swa_full=swa_full,
-            share_prefix=share_prefix,
-        )
+        settings: dict[str, Any] = dict(overrides)
+        if system is not None:
+            settings["system"] = system
+        return self.backend.session(session_config(config, settings))
 
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
         *,
+        tools: Sequence[Mapping[str, Any] | type] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        tool_format: str | None = None,
+        add_generation_prompt: bool = True,
         thinking: bool = False,
     ) -> str:
-        """The exact prompt text a session would tokenize for these messages."""
-        return self.backend.render(messages, add_generation_prompt, thinking=thinking)
+        """The exact prompt text an exchange with these messages (and OpenAI tool specs or
+        pydantic classes, as ``GenerationOptions.tools`` takes them) renders, as Hugging
+        Face's ``apply_chat_template(conversation, tools=...)`` does."""
+        checked = checked_tools(tools, tool_choice)
+        return self.backend.render(
+            messages, add_generation_prompt, thinking=thinking, tools=checked, tool_format=tool_format
+        )
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
@@ -239,9 +221,19 @@ class Model:
         """The text of token ids; an id outside the vocabulary raises ValueError naming it."""
         return self.backend.detokenize(tokens)
 
-    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
-        """The tokens of a text-only transcript's prompt."""
-        return self.backend.prompt_tokens(messages, thinking=thinking)
+    def prompt_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any] | type] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        tool_format: str | None = None,
+        thinking: bool = False,
+    ) -> list[int]:
+        """The tokens of a text-only transcript's prompt, with these tools, as an exchange
+        decodes them (``render``'s text, with the replies generated here as they were)."""
+        checked = checked_tools(tools, tool_choice)
+        return self.backend.prompt_tokens(messages, thinking=thinking, tools=checked, tool_format=tool_format)
 
     def chat(
         self,
@@ -249,18 +241,21 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
-        **session_args: Any,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
     ) -> Reply:
         """Answer the last (user) message of a whole message list, reusing the cached prefix of
         an earlier call: a client that resends a growing history decodes only what is new.
+        ``config`` and ``overrides`` are the kept sessions' settings (their system prompt is
+        the messages', so ``system`` is refused).
 
         ``tenant`` names whose call this is (a user, an API key): a call reuses only sessions
         its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
         call without a tenant starts from nothing of any other call's, and no call starts from
-        its cells; with a tenant it reuses only that tenant's sessions (``StatelessSessions``)."""
+        its cells; with a tenant it reuses only that tenant's sessions."""
         from llmsession.runtime.stream import drain
 
-        return drain(self.chat_stream(messages, options, tenant=tenant, **session_args))
+        return drain(self.chat_stream(messages, options, tenant=tenant, config=config, **overrides))
 
     def chat_stream(
         self,
@@ -268,10 +263,42 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
-        **session_args: Any,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
     ) -> Stream:
-        """``chat`` as a stream of snapshots; ``session_args`` as for ``session()``."""
-        return self.backend.chat_stream(messages, options, tenant=tenant, **session_args)
+        """``chat`` as a stream of snapshots."""
+        settings = session_config(config, dict(overrides))
+        return self.backend.chat_stream(messages, options, tenant, settings)
+
+    def achat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
+    ) -> AsyncStream:
+        """``chat_stream`` for asyncio: ``async for snapshot in model.achat_stream(...)``; every
+        step runs in a worker thread, and cancelling the task cancels the exchange."""
+        from llmsession.runtime.aio import AsyncStream
+
+        settings = session_config(config, dict(overrides))
+        return AsyncStream(lambda: self.backend.chat_stream(messages, options, tenant, settings))
+
+    async def achat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
+    ) -> Reply:
+        """``chat`` for asyncio; the event loop runs on while the reply decodes."""
+        from llmsession.runtime.aio import adrain
+
+        return await adrain(self.achat_stream(messages, options, tenant=tenant, config=config, **overrides))
 
     def complete(
         self,
@@ -279,14 +306,15 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
-        **session_args: Any,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
     ) -> Reply:
         """Continue ``prompt`` as it is, without the chat template (OpenAI's completions): the
         text is tokenized as given, BOS added as the model adds it. Calls are routed and kept
         apart by ``tenant`` as ``chat`` calls are, so a prompt that grows decodes only its end."""
         from llmsession.runtime.stream import drain
 
-        return drain(self.complete_stream(prompt, options, tenant=tenant, **session_args))
+        return drain(self.complete_stream(prompt, options, tenant=tenant, config=config, **overrides))
 
     def complete_stream(
         self,
@@ -294,16 +322,48 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
-        **session_args: Any,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
     ) -> Stream:
         """``complete`` as a stream of snapshots."""
-        return self.backend.complete_stream(prompt, options, tenant=tenant, **session_args)
+        settings = session_config(config, dict(overrides))
+        return self.backend.complete_stream(prompt, options, tenant, settings)
 
-    def load_session(self, path: str | Path, **overrides: Any) -> Session:
+    def acomplete_stream(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
+    ) -> AsyncStream:
+        """``complete_stream`` for asyncio."""
+        from llmsession.runtime.aio import AsyncStream
+
+        settings = session_config(config, dict(overrides))
+        return AsyncStream(lambda: self.backend.complete_stream(prompt, options, tenant, settings))
+
+    async def acomplete(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
+    ) -> Reply:
+        """``complete`` for asyncio."""
+        from llmsession.runtime.aio import adrain
+
+        return await adrain(self.acomplete_stream(prompt, options, tenant=tenant, config=config, **overrides))
+
+    def load_session(self, path: str | Path, **overrides: Unpack[SessionSettings]) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
         belongs to this model and build (else the next reply's ``usage.cache_note`` says why).
-        ``overrides`` take the place of saved ``session()`` arguments (``context_size``, ...)."""
-        return self.backend.load_session(path, **overrides)
+        ``overrides`` take the place of its saved settings (``context_size``, ...)."""
+        session_config(None, dict(overrides))  # (checked here: an unknown or wrong one is refused)
+        return self.backend.load_session(path, dict(overrides))
 
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the
@@ -315,6 +375,7 @@ class Model:
         return self.backend.identity()
 
     def projector_identity(self) -> str | None:
+        """The projector file's sha256, or None without one."""
         return self.backend.projector_identity()
 
     def close(self) -> None:
@@ -324,6 +385,7 @@ class Model:
 
     @property
     def closed(self) -> bool:
+        """Whether the model was closed (or its worker process is gone)."""
         return self.backend.closed
 
     def __enter__(self) -> Model:

@@ -24,6 +24,7 @@ from llmsession.commands import installer, serve
 from llmsession.commands.argtypes import port, positive_int, temperature
 from llmsession.commands.doctor import doctor, error
 from llmsession.commands.terminal_chat import Chat
+from llmsession.config import MemoryConfig, ModelConfig
 from llmsession.errors import LlmSessionError
 from llmsession.options import GenerationOptions
 from llmsession.text.tools import checked_tools
@@ -46,8 +47,9 @@ def chat(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, tools=tools, tool_choice=choice
         )
         # One conversation: one live sequence holding all the cells (its context, else the default).
-        settings = {"max_live_sessions": 1, "kv_tokens": args.context_size, **serve.prompt_settings(args)}
-        with Model(model_path, mmproj_path=args.mmproj, threads=args.threads, **settings) as model:
+        config = ModelConfig(mmproj_path=args.mmproj, threads=args.threads, **serve.prompt_settings(args))
+        memory = MemoryConfig(max_live_sessions=1, kv_tokens=args.context_size)
+        with Model(model_path, config=config, memory=memory) as model:
             session = model.session(system=args.system, context_size=args.context_size)
             if sys.stdin.isatty():
                 print(f"{model_path.name}: /help lists the commands, Ctrl-D quits", flush=True)

@@ -9,7 +9,7 @@ import sys
 
 from llmsession.commands import installer, paths
 from llmsession.commands.installer import SETUP_COMMAND
-from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.sizing import DEFAULT_CONTEXT_CAP, RAM_SHARE
 from llmsession.errors import LlmSessionError
 
@@ -69,7 +69,7 @@ def doctor(args: argparse.Namespace) -> int:
     installer.models(args)
     projector = paths.fixtures_dir() / "mmproj-tiny.gguf"
     print(f"projector fixture: {projector} {'present' if projector.exists() else 'missing'}")
-    budget = MemoryConfig()
+    budget = MemoryPlan()
     print(
         "memory budget per model (the defaults; Model() arguments change them): "
         "kv_tokens: each live session gets the model's training context (up to "

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from llmsession.commands import installer
 from llmsession.commands.argtypes import directory, port, positive_int, seconds
 from llmsession.commands.doctor import error
+from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.errors import LlmSessionError
 from llmsession.options import DRAFTS, KV_LAYOUTS, KV_TYPES
 
@@ -45,13 +46,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from llmsession.api.model import Model
 
-    settings = model_settings(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("llmsession.native").addFilter(CancelledDecodes())
     try:
-        with Model(model_path, **settings) as model:
-            if args.context_size:  # checked against the memory now, not at every request
-                model.session(context_size=args.context_size).close()
+        config, memory = cli_configs(args)
+        with Model(model_path, config=config, memory=memory) as model:
+            session = SessionConfig(context_size=args.context_size or None)
+            model.session(config=session).close()  # checked against the memory now, not at every request
             app = create_app(
                 model,
                 api_key=args.api_key,
@@ -59,37 +60,39 @@ def serve(args: argparse.Namespace) -> int:
                 max_body_bytes=args.max_body_bytes,
                 cors_origins=args.cors_origin or (),
                 draft=args.draft,
-                **({"context_size": args.context_size} if args.context_size else {}),
+                session=session,
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
             print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
             print(f"prompts: {model.renderer}", flush=True)
-            config = uvicorn.Config(
+            server = uvicorn.Config(
                 app,
                 host=args.host,
                 port=args.port,
                 log_level="info",
                 timeout_graceful_shutdown=args.shutdown_timeout,
             )
-            quiet_exit(uvicorn.Server)(config).run()
+            quiet_exit(uvicorn.Server)(server).run()
     except (LlmSessionError, ValueError) as e:
         error(str(e))
         return 1
     return 0
 
 
-def model_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``Model`` settings the command line gives (the rest: the library's defaults)."""
-    names = ["mmproj_path", "threads", "kv_tokens", "max_live_sessions", "kv_layout", "host_cache_bytes"]
-    names += ["stateless_sessions", "kv_type", "disk_cache_dir"]
+def cli_configs(args: argparse.Namespace) -> tuple[ModelConfig, MemoryConfig]:
+    """The ``Model`` configs the command line gives (the rest: the library's defaults); a wrong
+    value is the configs' own ``TypeError`` or ``ValueError``."""
+    names = ["mmproj_path", "threads", "stateless_sessions", "kv_type"]
     settings = {name: value for name in names if (value := getattr(args, name)) is not None}
     if args.flash_attention != "auto":
         settings["flash_attention"] = args.flash_attention == "on"
-    return {**settings, **prompt_settings(args)}
+    memory_names = ["kv_tokens", "max_live_sessions", "kv_layout", "host_cache_bytes", "disk_cache_dir"]
+    memory = {name: value for name in memory_names if (value := getattr(args, name)) is not None}
+    return ModelConfig(**settings, **prompt_settings(args)), MemoryConfig(**memory)
 
 
 def prompt_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """How prompts are rendered, as ``add_prompt_arguments`` asked."""
+    """How prompts are rendered (``ModelConfig`` fields), as ``add_prompt_arguments`` asked."""
     settings: dict[str, Any] = {}
     if args.jinja != "auto":
         settings["use_jinja"] = args.jinja == "on"

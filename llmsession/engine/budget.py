@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmsession.engine.checkpoints import CheckpointConfig
+from llmsession.config import CheckpointConfig
 from llmsession.errors import MemoryBudgetError
 
 MIB = 1 << 20
@@ -28,8 +28,9 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class MemoryConfig:
-    """The model's memory budget (``Model(kv_tokens=..., ...)``)."""
+class MemoryPlan:
+    """The model's memory budget as the engine runs it: the public ``config.MemoryConfig``
+    with its KV cells chosen for the loaded model (``runtime.loading.sized``)."""
 
     kv_tokens: int = 8192  # KV cells of the live sessions (per layout: swa_full); Model's are sized
     max_live_sessions: int = 4  # sequences of the shared context
@@ -50,7 +51,7 @@ def own_cells(kv_tokens: int, max_live: int) -> int:
     return max(CELLS_QUANTUM, kv_tokens // max_live // CELLS_QUANTUM * CELLS_QUANTUM)
 
 
-def uses_own_cells(config: MemoryConfig, *, full: bool, recurrent: bool, encoder: bool) -> bool:
+def uses_own_cells(config: MemoryPlan, *, full: bool, recurrent: bool, encoder: bool) -> bool:
     """Whether live sessions of a layout each attend over cells of their own (llama.cpp's
     per-sequence streams): not a recurrent memory's (its states are its own already), nor the
     small sliding-window cache's (``full`` False: one live session), nor an encoder-decoder

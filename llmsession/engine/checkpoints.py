@@ -12,33 +12,12 @@ and which to keep; ``prefix.PrefixCache`` applies them through its ``Memory``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
+
+from llmsession.config import CheckpointConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """How many checkpoints a session keeps (newest first) and how often a long prefill takes one.
-
-    Besides every ``every`` positions, a prefill takes one where it starts (the state an edit of
-    the newest message resumes from) and one before its last item (where a regenerate resumes).
-    ``max_count`` 0 turns checkpoints off.
-    """
-
-    max_count: int = 8
-    max_bytes: int = 64 * MiB
-    every: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("max_count", "max_bytes", "every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"checkpoints: {name} must be an int >= 0, got {value!r}")
 
 
 class Checkpoint(NamedTuple):

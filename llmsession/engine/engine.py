@@ -28,7 +28,7 @@ from llmsession.engine.batching import Batcher, Gate
 from llmsession.engine.budget import (
     Budget,
     Counters,
-    MemoryConfig,
+    MemoryPlan,
     MemoryReport,
     SessionMemory,
     own_cells,
@@ -60,7 +60,7 @@ class Engine:
         native: NativeModel,
         projector: Projector | None,
         threads: int,
-        config: MemoryConfig,
+        config: MemoryPlan,
         make_context: Callable[..., NativeContext] | None = None,
         flash_attention: bool | None = None,
         kv_type: str = "f16",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmsession.config import CheckpointConfig
 from llmsession.engine.budget import Budget
-from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.engine.prefix import PrefixCache
 from llmsession.engine.residency import Residency
 from llmsession.native.context import NativeContext

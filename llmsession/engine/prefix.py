@@ -15,7 +15,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
-from llmsession.engine.checkpoints import CheckpointConfig, Checkpoints
+from llmsession.config import CheckpointConfig
+from llmsession.engine.checkpoints import Checkpoints
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

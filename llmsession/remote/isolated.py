@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.engine.budget import MemoryReport
 from llmsession.engine.prompt import Prompt
 from llmsession.errors import BackendError, GrammarError, ModelClosedError
@@ -55,16 +56,14 @@ class IsolatedModel:
     """The worker backend of ``api.Model``: the model's llama.cpp runs in a worker process, and
     this object speaks for it (the same calls as ``runtime.local.LocalModel``)."""
 
-    def __init__(self, path: str | Path, *, worker_timeout: float = 60.0, **settings: Any) -> None:
-        """``settings`` as for ``LocalModel``, which the worker makes with them."""
+    def __init__(self, path: str | Path, config: ModelConfig, memory: MemoryConfig) -> None:
+        """The worker makes a ``LocalModel`` with the same configs."""
         self.path = Path(path)
-        mmproj = settings.get("mmproj_path")
-        self.mmproj_path = None if mmproj is None else Path(mmproj)
-        self._worker = WorkerProcess(worker_timeout)
+        self.mmproj_path = config.mmproj_path
+        self._worker = WorkerProcess(config.worker_timeout)
         weakref.finalize(self, self._worker.stop)  # dropped unclosed: the worker goes too
         try:
-            settings = {**settings, "worker_timeout": worker_timeout}
-            info = self._worker.call("load", str(path), settings, limit=LOAD_TIMEOUT_S)
+            info = self._worker.call("load", str(path), config, memory, limit=LOAD_TIMEOUT_S)
         except BaseException:
             self._worker.stop()
             raise
@@ -91,12 +90,13 @@ class IsolatedModel:
     def _model_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self._call("model", name, args, kwargs)
 
-    def session(self, system: str | None = None, **kwargs: Any) -> IsolatedSession:
-        return IsolatedSession(self, self._call("session", system, kwargs))
+    def session(self, config: SessionConfig) -> IsolatedSession:
+        return IsolatedSession(self, self._call("session", config))
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
     ) -> str:
+        check_messages(messages)  # as in-process, before pickling
         return str(self._model_call("render", list(messages), add_generation_prompt, **kw))
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -105,8 +105,9 @@ class IsolatedModel:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return str(self._model_call("detokenize", list(tokens)))
 
-    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
-        return list(self._model_call("prompt_tokens", list(messages), thinking=thinking))
+    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], **kw: Any) -> list[int]:
+        check_messages(messages)
+        return list(self._model_call("prompt_tokens", list(messages), **kw))
 
     def identity(self) -> str:
         return str(self._model_call("identity"))
@@ -120,20 +121,26 @@ class IsolatedModel:
         return report
 
     def chat_stream(
-        self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None, **kw: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
     ) -> Stream:
         check_messages(messages)  # as in-process, before pickling
         options, schema_class = portable(options)
-        return IsolatedStream(
-            self, None, self._call("chat_stream", list(messages), options, kw), schema_class
-        )
+        key = self._call("chat_stream", list(messages), options, tenant, config)
+        return IsolatedStream(self, None, key, schema_class)
 
-    def complete_stream(self, prompt: str, options: GenerationOptions | None = None, **kw: Any) -> Stream:
+    def complete_stream(
+        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
+    ) -> Stream:
         options, schema_class = portable(options)
-        return IsolatedStream(self, None, self._call("complete_stream", prompt, options, kw), schema_class)
+        key = self._call("complete_stream", prompt, options, tenant, config)
+        return IsolatedStream(self, None, key, schema_class)
 
-    def load_session(self, path: str | Path, **overrides: Any) -> IsolatedSession:
-        return IsolatedSession(self, self._call("load_session", str(path), overrides))
+    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> IsolatedSession:
+        return IsolatedSession(self, self._call("load_session", str(path), dict(overrides)))
 
     def close(self) -> None:
         if not self._closed:
@@ -151,13 +158,17 @@ class IsolatedModel:
 class IsolatedSession(Session):
     """A session of an ``IsolatedModel``: its transcript is here, its state in the worker."""
 
-    def __init__(self, model: IsolatedModel, handle: tuple[int, dict[str, Any], list[Any]]) -> None:
+    def __init__(self, model: IsolatedModel, handle: tuple[int, SessionConfig, list[Any]]) -> None:
         self.model = model  # type: ignore[assignment]  # (its model is the worker's)
-        self._key, attrs, messages = handle
+        self._key, config, messages = handle
         self._sync(messages)
-        self.context_size, self.batch_size = attrs["context_size"], attrs["batch_size"]
-        self.thinking, self.swa_full = attrs["thinking"], attrs["swa_full"]
-        self.share_prefix = attrs["share_prefix"]
+        self.asked = config
+        self.context_size, self.batch_size = config.context_size, config.batch_size  # type: ignore[assignment]
+        self.thinking, self.swa_full, self.share_prefix = (
+            config.thinking,
+            config.swa_full,
+            config.share_prefix,
+        )
         self._closed = False
         weakref.finalize(self, model._worker.tell, None, "drop", (self._key,))
 

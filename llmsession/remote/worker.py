@@ -27,6 +27,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.errors import NativeError
 from llmsession.native.cancel import ACTIVITY
 from llmsession.options import GenerationOptions
@@ -145,15 +146,15 @@ class Worker:
         del self.objects[key]
         return ("end", stream.reply, stream.session.messages)
 
-    def handle(self, session: Session) -> tuple[int, dict[str, Any], list[Any]]:
+    def handle(self, session: Session) -> tuple[int, SessionConfig, list[Any]]:
         """What the parent's proxy of a session is made from."""
-        return self.keep(session), session.settings, session.messages
+        return self.keep(session), session.config, session.messages
 
     # -- operations ---------------------------------------------------------------------------
-    def op_load(self, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def op_load(self, path: str, config: ModelConfig, memory: MemoryConfig) -> dict[str, Any]:
         self.loading_since = time.monotonic()
         try:
-            self.model = model = LocalModel(path, **kwargs)
+            self.model = model = LocalModel(path, config, memory)
         finally:
             self.loading_since = None
         names = (
@@ -172,13 +173,13 @@ class Worker:
         assert self.model is not None and name in MODEL_CALLS
         return getattr(self.model, name)(*args, **kwargs)
 
-    def op_session(self, system: str | None, kwargs: dict[str, Any]) -> Any:
+    def op_session(self, config: SessionConfig) -> Any:
         assert self.model is not None
-        return self.handle(self.model.session(system, **kwargs))
+        return self.handle(self.model.session(config))
 
     def op_load_session(self, path: str, overrides: dict[str, Any]) -> Any:
         assert self.model is not None
-        return self.handle(self.model.load_session(path, **overrides))
+        return self.handle(self.model.load_session(path, overrides))
 
     def op_stream(
         self, key: int, messages: list[Any] | None, content: Any, options: GenerationOptions
@@ -187,13 +188,15 @@ class Worker:
         stream = session.stream(content, options)  # finishes an unfinished one first
         return self.keep(stream), session.messages
 
-    def op_chat_stream(self, messages: list[Any], options: Any, kwargs: dict[str, Any]) -> int:
+    def op_chat_stream(
+        self, messages: list[Any], options: Any, tenant: str | None, config: SessionConfig
+    ) -> int:
         assert self.model is not None
-        return self.keep(self.model.chat_stream(messages, options, **kwargs))
+        return self.keep(self.model.chat_stream(messages, options, tenant, config))
 
-    def op_complete_stream(self, prompt: str, options: Any, kwargs: dict[str, Any]) -> int:
+    def op_complete_stream(self, prompt: str, options: Any, tenant: str | None, config: SessionConfig) -> int:
         assert self.model is not None
-        return self.keep(self.model.complete_stream(prompt, options, **kwargs))
+        return self.keep(self.model.complete_stream(prompt, options, tenant, config))
 
     def op_next(self, key: int) -> tuple[Any, ...]:
         stream = self.stream(key)

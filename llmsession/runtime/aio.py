@@ -78,3 +78,11 @@ class AsyncStream:
         with self._step:
             if self._stream is not None:
                 self._stream.close()
+
+
+async def adrain(stream: AsyncStream) -> Reply:
+    """Run an async stream to its end and return its reply (``arespond``, ``Model.achat``)."""
+    async for _ in stream:
+        pass
+    assert stream.reply is not None
+    return stream.reply

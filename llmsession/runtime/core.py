@@ -15,22 +15,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from llmsession.config import MemoryConfig, ModelConfig
 from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryReport
-from llmsession.engine.checkpoints import CheckpointConfig
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
 from llmsession.errors import GrammarError, TemplateError, UnsupportedFeatureError
 from llmsession.native import rpc
-from llmsession.options import INT32_MAX, GenerationOptions, check_int
+from llmsession.options import GenerationOptions
 from llmsession.runtime.identity import FileIdentities
 from llmsession.runtime.loading import (
     Loaded,
-    check_kv_type,
     checked_threads,
     choose_flash_attention,
     load_native,
-    memory_config,
+    memory_plan,
 )
 from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
@@ -65,54 +64,32 @@ class ModelCore:
     """A model file loaded once, with its engine; see ``api.Model`` for the settings. Sessions
     built on it register in ``sessions`` (its ``close`` stops them first)."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        mmproj_path: str | Path | None = None,
-        gpu_layers: int | None = None,
-        threads: int | None = None,
-        use_jinja: bool | None = None,
-        chat_template: str | Path | None = None,
-        kv_tokens: int | None = None,
-        max_live_sessions: int = 4,
-        kv_layout: str = "per_session",
-        host_cache_bytes: int = 1 << 30,
-        disk_cache_dir: str | Path | None = None,
-        batch_size: int = 512,
-        checkpoints: CheckpointConfig | None = None,
-        flash_attention: bool | None = None,
-        kv_type: str = "f16",
-        anticipate: bool = True,
-        rpc_servers: Sequence[str] = (),
-        worker_timeout: float = 60.0,
-    ) -> None:
-        """``rpc_servers`` ("host:port") are preflighted here, after every other check:
+    def __init__(self, path: str | Path, config: ModelConfig, memory: MemoryConfig) -> None:
+        """``config.rpc_servers`` ("host:port") are preflighted here, after every other check:
         llama.cpp aborts the process on one that is not there."""
+        self.config = config
+        gpu_layers = config.gpu_layers
         if gpu_layers is None:  # every layer on the RPC servers' devices, else none offloaded
-            gpu_layers = -1 if rpc_servers else 0
-        self.threads = checked_threads(threads)
-        check_int("gpu_layers", gpu_layers, -1, INT32_MAX)
-        config = memory_config(
-            kv_tokens=kv_tokens,
-            max_live_sessions=max_live_sessions,
-            kv_layout=kv_layout,
-            host_cache_bytes=host_cache_bytes,
-            disk_cache_dir=disk_cache_dir,
-            batch_size=batch_size,
-            checkpoints=checkpoints,
-        )
+            gpu_layers = -1 if config.rpc_servers else 0
+        self.threads = checked_threads(config.threads)
         self.path = Path(path)
-        self.mmproj_path = None if mmproj_path is None else Path(mmproj_path)
-        self.kv_type = check_kv_type(kv_type, flash_attention)
-        self.flash_attention = choose_flash_attention(flash_attention, self.kv_type, gpu_layers)
-        self.anticipate = bool(anticipate)
-        servers = rpc.preflight_all(rpc.checked_servers(rpc_servers, worker_timeout), worker_timeout)
+        self.mmproj_path = config.mmproj_path
+        self.kv_type: str = config.kv_type
+        self.flash_attention = choose_flash_attention(config.flash_attention, self.kv_type, gpu_layers)
+        self.anticipate = config.anticipate
+        timeout = config.worker_timeout
+        servers = rpc.preflight_all(rpc.checked_servers(config.rpc_servers, timeout), timeout)
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
         where: dict[str, Any] = {"gpu_layers": gpu_layers, "threads": self.threads, "rpc_servers": servers}
-        prompts: dict[str, Any] = {"use_jinja": use_jinja, "chat_template": chat_template}
+        prompts: dict[str, Any] = {"use_jinja": config.use_jinja, "chat_template": config.chat_template}
         loaded = load_native(
-            self.path, self.mmproj_path, **where, cells=cells, memory=config, kv_tokens=kv_tokens, **prompts
+            self.path,
+            self.mmproj_path,
+            **where,
+            cells=cells,
+            memory=memory_plan(memory),
+            kv_tokens=memory.kv_tokens,
+            **prompts,
         )
         self._adopt(loaded, cells)
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
@@ -213,9 +190,18 @@ class ModelCore:
         """The text of token ids; an id outside the vocabulary raises ValueError naming it."""
         return self.native.detokenize(tokens)
 
-    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> list[int]:
-        """The tokens of a text-only transcript's prompt."""
-        return self._text_tokens(messages, self.render(messages, thinking=thinking), thinking)
+    def prompt_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        thinking: bool = False,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
+    ) -> list[int]:
+        """The tokens of a text-only transcript's prompt (with these tools), as an exchange makes
+        them: its replies generated here spliced in as the tokens they were."""
+        text = self.render(messages, thinking=thinking, tools=tools, tool_format=tool_format)
+        return self._text_tokens(messages, text, thinking, tools=tools, tool_format=tool_format)
 
     def _text_tokens(
         self,

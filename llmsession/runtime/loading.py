@@ -10,20 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmsession.engine.budget import CELLS_QUANTUM, MemoryConfig, uses_own_cells
-from llmsession.engine.checkpoints import CheckpointConfig
+from llmsession.config import MemoryConfig
+from llmsession.engine.budget import CELLS_QUANTUM, MemoryPlan, uses_own_cells
 from llmsession.engine.sizing import Sizing, size_kv
 from llmsession.errors import NativeError, TemplateError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, default_threads, usable_cores
 from llmsession.native.projector import Projector
 from llmsession.native.shape import architecture, kv_bytes_per_cell
-from llmsession.options import KV_LAYOUTS, KV_TYPES, MAX_POSITIONS, check_int
 from llmsession.text.renderer import Renderer, choose_renderer, is_jinja
 
 log = logging.getLogger("llmsession")
-MAX_THREADS = 512  # GGML_MAX_N_THREADS
-MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
 
 
 def choose_flash_attention(asked: bool | None, kv_type: str, gpu_layers: int) -> bool | None:
@@ -39,21 +36,6 @@ def choose_flash_attention(asked: bool | None, kv_type: str, gpu_layers: int) ->
     if asked is None and kv_type == "f16" and gpu_layers == 0:
         return False
     return asked
-
-
-def check_kv_type(kv_type: object, flash_attention: bool | None) -> str:
-    """The KV cells' type, checked before llama.cpp sees it: a quantized V cache needs flash
-    attention (llama.cpp refuses the context otherwise), so ``flash_attention=False`` takes f16 only."""
-    if not isinstance(kv_type, str):
-        raise TypeError(f"kv_type must be a str, got {type(kv_type).__name__}")
-    if kv_type not in KV_TYPES:  # (checked without the libraries: a model file is checked first)
-        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
-    if kv_type != "f16" and flash_attention is False:
-        raise ValueError(
-            f"kv_type={kv_type!r} quantizes the V cache, which llama.cpp holds only with flash "
-            "attention: leave flash_attention on (None or True) or use kv_type='f16'"
-        )
-    return kv_type
 
 
 def check_cells(native: NativeModel, kv_type: str = "f16", flash_attention: bool | None = None) -> None:
@@ -77,35 +59,18 @@ def check_cells(native: NativeModel, kv_type: str = "f16", flash_attention: bool
         ) from None
 
 
-def memory_config(
-    *,
-    kv_tokens: int | None,
-    max_live_sessions: int,
-    kv_layout: str,
-    host_cache_bytes: int,
-    disk_cache_dir: str | Path | None,
-    batch_size: int,
-    checkpoints: CheckpointConfig | None,
-) -> MemoryConfig:
-    """The memory settings, checked (TypeError or ValueError naming the first wrong one).
-    ``kv_tokens`` None is chosen once the model is loaded (``sized``): meanwhile the config
-    holds the least it could be."""
-    if kv_tokens is not None:
-        check_int("kv_tokens", kv_tokens, 16, MAX_POSITIONS)
-    check_int("max_live_sessions", max_live_sessions, 1, MAX_LIVE_SESSIONS)
-    check_int("host_cache_bytes", host_cache_bytes, 0, 2**62)
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r:.40}")
-    check_int("batch_size", batch_size, 1, MAX_POSITIONS)
-    kv_tokens = CELLS_QUANTUM * max_live_sessions if kv_tokens is None else kv_tokens
-    return MemoryConfig(
-        kv_tokens=kv_tokens,
-        max_live_sessions=max_live_sessions,
-        kv_layout=kv_layout,
-        host_cache_bytes=host_cache_bytes,
-        disk_cache_dir=None if disk_cache_dir is None else Path(disk_cache_dir),
-        batch_size=batch_size,
-        checkpoints=CheckpointConfig() if checkpoints is None else checkpoints,
+def memory_plan(memory: MemoryConfig) -> MemoryPlan:
+    """The engine's plan for a checked ``MemoryConfig``. ``kv_tokens`` None is chosen once the
+    model is loaded (``sized``): meanwhile the plan holds the least it could be."""
+    kv_tokens = memory.kv_tokens
+    return MemoryPlan(
+        kv_tokens=CELLS_QUANTUM * memory.max_live_sessions if kv_tokens is None else kv_tokens,
+        max_live_sessions=memory.max_live_sessions,
+        kv_layout=memory.kv_layout,
+        host_cache_bytes=memory.host_cache_bytes,
+        disk_cache_dir=memory.disk_cache_dir,
+        batch_size=memory.batch_size,
+        checkpoints=memory.checkpoints,
     )
 
 
@@ -179,8 +144,8 @@ def _reclaimable(folder: Path, cache_key: str) -> int:
 
 
 def sized(
-    native: NativeModel, config: MemoryConfig, asked: int | None, kv_type: str
-) -> tuple[MemoryConfig, Sizing]:
+    native: NativeModel, config: MemoryPlan, asked: int | None, kv_type: str
+) -> tuple[MemoryPlan, Sizing]:
     """The memory config with its KV cells chosen for this model and machine (``engine.sizing``:
     ``asked`` kv_tokens, or None for the default), checked against the memory available and
     against the model's layout (``check_layout``)."""
@@ -200,7 +165,7 @@ def sized(
     return config, sizing
 
 
-def check_layout(native: NativeModel, config: MemoryConfig) -> None:
+def check_layout(native: NativeModel, config: MemoryPlan) -> None:
     """Cells of their own too few for llama.cpp (at least ``CELLS_QUANTUM`` a sequence),
     refused at load where this model would use them (ValueError)."""
     if not uses_own_cells(config, full=True, recurrent=native.is_recurrent, encoder=native.has_encoder):
@@ -220,17 +185,16 @@ class Loaded:
 
     native: NativeModel
     projector: Projector | None
-    memory: MemoryConfig
+    memory: MemoryPlan
     sizing: Sizing
     renderer: Renderer
 
 
 def checked_threads(threads: int | None) -> int:
-    """The decode threads: the caller's (warned about if more than this process may use), or
-    a default for this machine."""
+    """The decode threads: the caller's (checked by ``ModelConfig``; warned about if more than
+    this process may use), or a default for this machine."""
     if threads is None:
         return default_threads()
-    check_int("threads", threads, 1, MAX_THREADS)
     if threads > (cores := usable_cores()):
         log.warning(
             "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
@@ -249,7 +213,7 @@ def load_native(
     threads: int,
     rpc_servers: Sequence[str],
     cells: Mapping[str, Any],
-    memory: MemoryConfig,
+    memory: MemoryPlan,
     kv_tokens: int | None,
     use_jinja: bool | None = None,
     chat_template: str | Path | None = None,

@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, session_config
 from llmsession.errors import SessionFileError
-from llmsession.options import GenerationOptions, check_int
+from llmsession.options import GenerationOptions
 from llmsession.runtime import persistence
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.session import Session
@@ -19,7 +20,6 @@ from llmsession.runtime.stream import Stream
 # conversation whose next turn decodes only what is new. Their states are live, parked or cold as
 # the memory budget decides, so keeping many costs a transcript each, not KV cells.
 STATELESS_SESSIONS = 64
-MAX_STATELESS_SESSIONS = 1 << 16
 # A recurrent or hybrid model's sessions keep checkpoints to rewind to (up to
 # ``CheckpointConfig.max_bytes`` each, outside the budget): fewer are kept by default.
 RECURRENT_STATELESS_SESSIONS = 8
@@ -28,59 +28,54 @@ RECURRENT_STATELESS_SESSIONS = 8
 class LocalModel(ModelCore):
     """A model loaded in this process, and its sessions."""
 
-    def __init__(self, path: str | Path, *, stateless_sessions: int | None = None, **settings: Any) -> None:
-        """``stateless_sessions``: how many conversations stateless calls keep (default: 64, or
-        four per live session if that is more; 8, or one per live session, for a recurrent or
-        hybrid model)."""
-        if stateless_sessions is not None:
-            check_int("stateless_sessions", stateless_sessions, 1, MAX_STATELESS_SESSIONS)
-        super().__init__(path, **settings)
+    def __init__(self, path: str | Path, config: ModelConfig, memory: MemoryConfig) -> None:
+        """``config.stateless_sessions``: how many conversations stateless calls keep (default:
+        64, or four per live session if that is more; 8, or one per live session, for a
+        recurrent or hybrid model)."""
+        super().__init__(path, config, memory)
         live = self.engine.config.max_live_sessions
         default = max(STATELESS_SESSIONS, 4 * live)
         if self.native.is_recurrent:  # each keeps checkpoints the budget does not count
             default = max(RECURRENT_STATELESS_SESSIONS, live)
-        kept = stateless_sessions or default
+        kept = config.stateless_sessions or default
         self.stateless = StatelessSessions(self, capacity=kept)
 
-    def session(self, system: str | None = None, **settings: Any) -> Session:
-        """A new conversation (``api.Model.session`` says what ``settings`` may be)."""
-        return Session(self, system=system, **settings)
+    def session(self, config: SessionConfig) -> Session:
+        """A new conversation (``api.Model.session``)."""
+        return Session(self, config)
 
     def chat_stream(
         self,
         messages: Sequence[Mapping[str, Any]],
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        **settings: Any,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
     ) -> Stream:
         """A stateless call (``api.Model.chat``) as a stream of snapshots."""
-        return self.stateless.stream(messages, options, tenant, **settings)
+        return self.stateless.stream(messages, options, tenant, config)
 
     def complete_stream(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        **settings: Any,
+        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
     ) -> Stream:
         """A raw completion (``api.Model.complete``) as a stream of snapshots."""
-        return self.stateless.complete(prompt, options, tenant, **settings)
+        return self.stateless.complete(prompt, options, tenant, config)
 
-    def load_session(self, path: str | Path, **overrides: Any) -> Session:
+    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
         belongs to this model and build (else its next reply's ``usage.cache_note`` says why).
-        A saved ``context_size`` larger than a live session holds here becomes that."""
+        A saved ``context_size`` larger than a live session holds here becomes that;
+        ``overrides`` (``SessionConfig`` fields) take the place of the saved ones."""
         saved, settings = persistence.read_saved(self, path)
         most = self.engine.session_cells({**settings, **overrides}.get("swa_full") is not False)
         if isinstance(size := settings.get("context_size"), int) and size > most:
             settings["context_size"] = most  # saved under a larger budget or the pool: what fits here
         try:
-            self.session(**settings).close()  # the file's own settings must be valid on their own
+            Session(
+                self, SessionConfig(**settings)
+            ).close()  # the file's own settings must be valid on their own
         except (TypeError, ValueError) as error:
             raise SessionFileError(f"{path}: invalid saved settings: {error}") from None
-        session = self.session(**{**settings, **overrides})
+        session = Session(self, session_config(SessionConfig(**settings), dict(overrides)))
         session.messages = persistence.saved_messages(saved)
         session.carry.load_note = persistence.restore(
             self,

@@ -12,6 +12,7 @@ background (``engine.anticipate``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -19,15 +20,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+from llmsession.config import SessionConfig
 from llmsession.engine import anticipate
-from llmsession.engine.budget import MemoryConfig
+from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
 from llmsession.errors import ContextOverflowError, ModelClosedError
-from llmsession.options import MAX_POSITIONS, GenerationOptions, check_int, checked_options
+from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply
 from llmsession.runtime import persistence
-from llmsession.runtime.aio import AsyncStream
+from llmsession.runtime.aio import AsyncStream, adrain
 from llmsession.runtime.calling import Calling
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Carry, Exchange, Place
@@ -53,7 +55,7 @@ def said_messages(content: Any) -> list[Message]:
     return [{"role": "user", "content": content}]
 
 
-def too_many(config: MemoryConfig, most: int) -> str:
+def too_many(config: MemoryPlan, most: int) -> str:
     """What a session's positions exceed, and what to load the model with instead."""
     if most == config.kv_tokens:
         return f"the model's kv_tokens ({most}); load the model with a larger kv_tokens"
@@ -68,36 +70,32 @@ class Session:
     """A conversation; create with ``Model.session()`` (``with model.session() as s:`` ends it
     on exit). Its KV state lives in the model's engine."""
 
-    def __init__(
-        self,
-        model: ModelCore,
-        *,
-        system: str | None = None,
-        context_size: int | None = None,
-        batch_size: int = 512,
-        thinking: bool = False,
-        swa_full: bool = True,
-        share_prefix: bool = True,
-    ) -> None:
+    def __init__(self, model: ModelCore, config: SessionConfig) -> None:
+        """``config`` as asked (checked when made); its context and batch are resolved here
+        against the model's memory (``config`` then says what they are)."""
         if model.closed:
             raise ModelClosedError("this model is closed")
-        config = model.engine.config
-        check_int("batch_size", batch_size, 1, MAX_POSITIONS)
-        for name, flag in (("thinking", thinking), ("swa_full", swa_full), ("share_prefix", share_prefix)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        most = model.engine.session_cells(swa_full)
+        memory = model.engine.config
+        most = model.engine.session_cells(config.swa_full)
+        context_size = config.context_size
         if context_size is None:  # the model's default (``engine.sizing``), or what a live session may hold
             context_size = min(model.sizing.context_size, most)
-        check_int("context_size", context_size, 16, MAX_POSITIONS)
         if context_size > most:
-            raise ValueError(f"context_size: {context_size} positions exceed {too_many(config, most)}")
+            raise ValueError(f"context_size: {context_size} positions exceed {too_many(memory, most)}")
+        self.asked = config  # (what a stateless call that may take this session asks for)
         self.model = model
         self.context_size = context_size
-        self.batch_size = min(batch_size, context_size, config.batch_size)
-        self.thinking, self.swa_full, self.share_prefix = thinking, swa_full, share_prefix
+        self.batch_size = min(config.batch_size, context_size, memory.batch_size)
+        self.thinking, self.swa_full, self.share_prefix = (
+            config.thinking,
+            config.swa_full,
+            config.share_prefix,
+        )
+        system = config.system
         self.messages: list[Message] = [{"role": "system", "content": system}] if system is not None else []
-        self.lease = model.engine.lease(swa_full=swa_full, batch_size=self.batch_size, shares=share_prefix)
+        self.lease = model.engine.lease(
+            swa_full=self.swa_full, batch_size=self.batch_size, shares=self.share_prefix
+        )
         weakref.finalize(self, model.engine.bury, self.lease)  # a dropped session frees its memory
         self.replies = ReplyTokens(capacity=256)  # its own replies, as generated
         self.carry = Carry()  # what its next exchange reports of before it
@@ -128,11 +126,7 @@ class Session:
 
     async def arespond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
         """``respond`` for asyncio; the event loop runs on while the reply decodes."""
-        stream = self.astream(content, options)
-        async for _ in stream:
-            pass
-        assert stream.reply is not None
-        return stream.reply
+        return await adrain(self.astream(content, options))
 
     def start(
         self,
@@ -177,7 +171,7 @@ class Session:
         state, not a re-decode): for alternatives and regenerations."""
         with self._guard:
             self._quiesce()
-            twin = Session(self.model, **self.settings)
+            twin = Session(self.model, self.asked)
             twin.messages = copy.deepcopy(self.messages)
             twin.replies = self.replies.copy()
             self.model.engine.fork(self.lease, twin.lease)
@@ -207,8 +201,13 @@ class Session:
         self.close()
 
     @property
+    def config(self) -> SessionConfig:
+        """The settings this session runs with: as asked, its context and batch resolved."""
+        return dataclasses.replace(self.asked, context_size=self.context_size, batch_size=self.batch_size)
+
+    @property
     def settings(self) -> dict[str, Any]:
-        """The ``Model.session()`` arguments this session was made with (a fork's, a file's)."""
+        """What a saved file keeps of ``config`` (``persistence.SETTINGS``)."""
         return {name: getattr(self, name) for name in persistence.SETTINGS}
 
     @property

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from llmsession.config import SessionConfig
 from llmsession.engine.prefix import common_prefix
 from llmsession.engine.prompt import Prompt
 from llmsession.errors import TemplateError
@@ -70,14 +71,15 @@ class StatelessSessions:
         self,
         messages: Sequence[Mapping[str, Any]],
         options: GenerationOptions | None,
-        tenant: str | None = None,
-        **session_args: Any,
+        tenant: str | None,
+        config: SessionConfig,
     ) -> Stream:
+        check_stateless(config)
         history, said = split(messages)
-        record = self._kept_record(tenant, session_args)
+        record = self._kept_record(tenant, config)
         options = checked_options(options)
         # Tokenized once: to choose the session, then as the session's prompt.
-        thinking = bool(session_args.get("thinking", False))
+        thinking = config.thinking
         tools = options_tools(options)
         prompt = self.model.prompt(
             [*history, *said],
@@ -87,25 +89,26 @@ class StatelessSessions:
             tools=tools,
             tool_format=options.tool_format,
         )
-        return self._route(prompt, Call(history, said, options, tools), tenant, record, session_args)
+        return self._route(prompt, Call(history, said, options, tools), tenant, record, config)
 
     def complete(
-        self, text: str, options: GenerationOptions | None, tenant: str | None = None, **session_args: Any
+        self, text: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
     ) -> Stream:
         """A raw completion (``Model.complete_stream``): ``text`` continued as it is, no chat
         template, routed to a kept session as a chat call is (the same tenants, the same reuse)."""
+        check_stateless(config)
         options = checked_options(options)
         if options_tools(options) is not None:
             raise ValueError("a raw completion cannot call tools (it has no chat template)")
         prompt = self.model.raw_prompt(text)  # (checked before the tenant's record is touched)
         try:
-            record = self._kept_record(tenant, session_args)
+            record = self._kept_record(tenant, config)
         except BaseException:
             prompt.close()
             raise
         said: list[Message] = [{"role": "user", "content": text}]  # (the transcript's stand-in)
         call = Call([], said, options, None, looks_ahead=False)  # (no chat turn will follow it)
-        return self._route(prompt, call, tenant, record, session_args)
+        return self._route(prompt, call, tenant, record, config)
 
     def _route(
         self,
@@ -113,15 +116,15 @@ class StatelessSessions:
         call: Call,
         tenant: str | None,
         record: ReplyTokens | None,
-        session_args: dict[str, Any],
+        config: SessionConfig,
     ) -> Stream:
         """Start ``call`` on the tenant's session whose cache shares most of ``prompt`` (owned
         from here), or on a new one; keep it for the next calls."""
-        keep = not (session_args.get("share_prefix", True) is False and tenant is None)
+        keep = config.share_prefix or tenant is not None
         with self._lock:
             try:
-                session = self._take(tenant, prompt.items, session_args) if keep else None
-                session = session or Session(self.model, **session_args)
+                session = self._take(tenant, prompt.items, config) if keep else None
+                session = session or Session(self.model, config)
                 if record is not None:
                     session.replies = record  # its prompts splice only its tenant's replies
                 session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
@@ -136,12 +139,12 @@ class StatelessSessions:
                 self._evict()
             return stream
 
-    def _kept_record(self, tenant: str | None, session_args: Mapping[str, Any]) -> ReplyTokens | None:
+    def _kept_record(self, tenant: str | None, config: SessionConfig) -> ReplyTokens | None:
         """The replies a call kept apart may splice (its tenant's, or none of anyone's without a
         tenant); None for a call that shares."""
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        if session_args.get("share_prefix", True) is not False:  # (a non-bool: Session refuses it)
+        if config.share_prefix:
             return None
         with self._lock:
             return self._record(tenant) if tenant is not None else ReplyTokens(capacity=256)
@@ -155,21 +158,13 @@ class StatelessSessions:
             self._records.popitem(last=False)
         return record
 
-    def _take(
-        self, tenant: str | None, items: Sequence[object], session_args: dict[str, Any]
-    ) -> Session | None:
+    def _take(self, tenant: str | None, items: Sequence[object], config: SessionConfig) -> Session | None:
         """The tenant's idle kept session whose cache is mostly a prefix of ``items`` (at least
         half of it: llama-server's similarity rule), else None (a new one) while there is room,
         else the least recently used idle one of the tenant's. Taking a session with little in
         common would throw away a cache another conversation is coming back to."""
         self._forget_closed()
-        fitting = [
-            s
-            for s in self._sessions
-            if self._tenants[s] == tenant
-            and s.idle
-            and all(getattr(s, k) == v for k, v in session_args.items())
-        ]
+        fitting = [s for s in self._sessions if self._tenants[s] == tenant and s.idle and s.asked == config]
         scored = [(common_prefix(s.lease.cache.items, items), s) for s in fitting]
         similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s.lease.cache.items)]
         if similar:
@@ -203,6 +198,14 @@ class StatelessSessions:
             self._sessions.clear()
             self._tenants.clear()
             self._records.clear()
+
+
+def check_stateless(config: SessionConfig) -> None:
+    """A stateless call's session settings: its system prompt comes in its messages."""
+    if config.system is not None:
+        raise ValueError(
+            "a stateless call takes its system prompt as its first message, not SessionConfig.system"
+        )
 
 
 def split(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message], list[Message]]:

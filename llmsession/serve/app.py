@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmsession.config import SessionConfig
 from llmsession.options import INT32_MAX
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Host, explain
@@ -102,12 +103,12 @@ class Server:
         model_name: str,
         max_body_bytes: int,
         queue: int,
-        session_args: dict[str, Any],
+        settings: SessionConfig,
         draft: str | None = None,
     ) -> None:
         admission = Admission(model.memory().max_live_sessions, queue)
         self.draft = draft  # every request's drafted tokens (the API has no field for them)
-        self.host = Host(model, model_name, session_args, admission)
+        self.host = Host(model, model_name, settings, admission)
         self.model, self.model_name, self.metrics = model, model_name, self.host.metrics
         self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
         self.max_body_bytes = max_body_bytes
@@ -291,7 +292,7 @@ def create_app(
     queue: int = 64,
     cors_origins: Sequence[str] = (),
     draft: str | None = None,
-    **session_args: Any,
+    session: SessionConfig | None = None,
 ) -> Starlette:
     """The server's ASGI app on ``model`` (which the caller opens and closes). ``api_key``: one
     key or several; with any, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``
@@ -299,7 +300,13 @@ def create_app(
     ``cors_origins``: the web origins whose pages may call the API (none by default: a page
     elsewhere cannot read its answers). ``draft``: drafted tokens for every request
     (``GenerationOptions.draft``).
-    ``session_args`` go to every stateless session (``context_size``, ...)."""
+    ``session``: every stateless session's settings (``context_size``, ...; its ``system``
+    must be None: a request's system prompt is in its messages)."""
+    settings = session or SessionConfig()
+    if not isinstance(settings, SessionConfig):
+        raise TypeError(f"session must be a SessionConfig, got {type(settings).__name__}")
+    if settings.system is not None:
+        raise ValueError("a request's system prompt is in its messages: session.system must be None")
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(key, str) or not key for key in keys):
         raise ValueError("an API key must be a non-empty str")
@@ -310,7 +317,7 @@ def create_app(
         model_name=name,
         max_body_bytes=max_body_bytes,
         queue=queue,
-        session_args=session_args,
+        settings=settings,
         draft=draft,
     )
     routes = [

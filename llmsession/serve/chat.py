@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from llmsession.config import SessionConfig
 from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError, UnavailableError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
@@ -78,7 +79,7 @@ class Host:
 
     model: Model
     name: str
-    session_args: dict[str, Any]
+    settings: SessionConfig  # every stateless session's (``create_app(session=...)``)
     admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
     locks: tuple[threading.Lock, ...] = field(
@@ -91,10 +92,10 @@ class Host:
         lock = self.locks[hash(tenant) % len(self.locks)]
 
         def call(options: GenerationOptions) -> Stream:
-            kept = {"tenant": tenant, "share_prefix": False, **self.session_args}
+            kept = dataclasses.replace(self.settings, share_prefix=False)
             if asked.prompt is not None:
-                return self.model.complete_stream(asked.prompt, options, **kept)
-            return self.model.chat_stream(asked.messages, options, **kept)
+                return self.model.complete_stream(asked.prompt, options, tenant=tenant, config=kept)
+            return self.model.chat_stream(asked.messages, options, tenant=tenant, config=kept)
 
         def locked(index: int) -> Stream:
             with lock:
