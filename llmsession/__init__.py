@@ -32,15 +32,20 @@ from llmsession.errors import (
 )
 from llmsession.options import GenerationOptions
 from llmsession.replies import (
+    Alternative,
     ContentPart,
     FinishReason,
     ImagePart,
+    ImageURL,
     ImageURLPart,
     Message,
     Reply,
     Snapshot,
     TextPart,
     Timings,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -48,21 +53,24 @@ if TYPE_CHECKING:
     from llmsession.api.model import Model
     from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
     from llmsession.runtime.aio import AsyncStream
-    from llmsession.runtime.session import Session
-    from llmsession.runtime.stream import Stream
+    from llmsession.runtime.choices import Choices
+    from llmsession.runtime.face import Session, Stream
     from llmsession.text.images import Image
+    from llmsession.text.renderer import Renderer
 
 # Loaded when first named: they bring numpy, PIL, llguidance and the bindings, which a bare
 # ``import llmsession`` (a command's start, a server's import of its errors) should not pay for.
 _LAZY = {
     "AsyncStream": ".runtime.aio",
+    "Choices": ".runtime.choices",
     "Counters": ".engine.budget",
     "MemoryReport": ".engine.budget",
     "SessionMemory": ".engine.budget",
     "Image": ".text.images",
+    "Renderer": ".text.renderer",
     "Model": ".api.model",
-    "Session": ".runtime.session",
-    "Stream": ".runtime.stream",
+    "Session": ".runtime.face",
+    "Stream": ".runtime.face",
 }
 
 
@@ -86,9 +94,11 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Alternative",
     "AsyncStream",
     "BackendError",
     "CheckpointConfig",
+    "Choices",
     "ContentPart",
     "ContextOverflowError",
     "Counters",
@@ -98,6 +108,7 @@ __all__ = [
     "Image",
     "ImageError",
     "ImagePart",
+    "ImageURL",
     "ImageURLPart",
     "KvLayout",
     "KvType",
@@ -112,6 +123,7 @@ __all__ = [
     "ModelLoadError",
     "ModelSettings",
     "NativeError",
+    "Renderer",
     "Reply",
     "RequestError",
     "Session",
@@ -125,6 +137,9 @@ __all__ = [
     "TemplateError",
     "TextPart",
     "Timings",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "UnavailableError",
     "UnsupportedFeatureError",
     "Usage",

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import internals
 import pytest
 from llama_cffi import LIBRARIES, lib_dir
 
@@ -119,7 +120,7 @@ def _forget_the_tests_sessions(request: pytest.FixtureRequest) -> Iterator[None]
     for name in SHARED_MODELS:
         if name in request.fixturenames:
             model = request.getfixturevalue(name)
-            for session in list(model.local.sessions):
+            for session in list(internals.local(model).sessions):
                 with contextlib.suppress(LlmSessionError):  # busy in a thread the test left, closed
                     session.close()
 

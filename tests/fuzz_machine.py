@@ -149,7 +149,7 @@ class SessionFuzzer(HostileRules, RuleBasedStateMachine):
         """The prompt a call on session i would decode (none where it cannot be built)."""
         messages = [*self.expected[i], {"role": "user", "content": content}]
         try:
-            prompt = env().model.local.prompt(messages, thinking=self.sessions[i].thinking)
+            prompt = internals.local(env().model).prompt(messages, thinking=self.sessions[i].thinking)
         except TYPED:
             return ()
         try:
@@ -376,7 +376,7 @@ class SessionFuzzer(HostileRules, RuleBasedStateMachine):
     def bad_token_ids(self, ids: list[int]) -> None:
         self.note("misuse: bad token ids", ids=ids)
         model = env().model
-        valid = all(0 <= t < model.native.n_vocab for t in ids)
+        valid = all(0 <= t < internals.local(model).native.n_vocab for t in ids)
         try:
             text = model.detokenize(ids)
         except ValueError:

@@ -70,7 +70,7 @@ def expect(
     ``alongside``: the prompt another session decodes meanwhile (a concurrent call), which may
     be held, with a reply of its own after it, by the time this one starts from it."""
     try:
-        prompt = env().model.local.prompt(
+        prompt = internals.local(env().model).prompt(
             [*shadow, user],
             thinking=session.thinking,
             own=internals.own_replies(session),

@@ -7,12 +7,29 @@ from typing import Any
 
 import numpy as np
 
-from llmsession import Session, Stream
+from llmsession import Model, Session, Stream
+from llmsession.api.model import local_model
 from llmsession.engine.prefix import Item
 from llmsession.engine.residency import State
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, bindings
+from llmsession.remote.isolated import IsolatedModel
+from llmsession.remote.process import WorkerProcess
+from llmsession.runtime.core import ModelCore
+from llmsession.runtime.local import LocalModel
 from llmsession.text.splice import ReplyTokens
+
+
+def local(model: Any) -> LocalModel:
+    """The model in this process behind a public ``Model`` (a ``LocalModel`` as it is)."""
+    return model if isinstance(model, ModelCore) else local_model(model)  # type: ignore[return-value]
+
+
+def worker(model: Model) -> WorkerProcess:
+    """The worker process of a model made with ``isolated=True``."""
+    backend = model._backend
+    assert isinstance(backend, IsolatedModel)
+    return backend.worker
 
 
 def settled(session: Session) -> Session:
@@ -27,7 +44,7 @@ def settle_others(session: Session) -> None:
     left to decode into the shared context after what comes next (the context's logits are its
     latest decode's); ``session``'s own is left as it is (an exchange may stop it)."""
     model = session.model
-    for other in list(getattr(model, "backend", model).sessions):
+    for other in list(model.sessions):
         if isinstance(other, Session) and other is not session:
             settled(other)
 

@@ -61,11 +61,13 @@ def test_the_next_exchange_decodes_only_the_users_words_and_equals_fresh(smollm2
     ahead = settled_ahead(session)  # after the reply: its end of turn, the next user header
     assert ahead.target is not None and ahead.decoded >= 4
     assert internals.record(session) == ahead.target
-    text = smollm2.native.detokenize([int(t) for t in ahead.target[-ahead.decoded :]], special=True)
+    text = internals.local(smollm2).native.detokenize(
+        [int(t) for t in ahead.target[-ahead.decoded :]], special=True
+    )
     assert text.endswith("<|im_start|>user\n"), text
     question = "Tell me about the history of Paris."
     before = internals.record(session)
-    prompt = smollm2.local.prompt(
+    prompt = internals.local(smollm2).prompt(
         [*session.messages, {"role": "user", "content": question}], own=session.replies
     )
     reply = assert_same_as_fresh(session, question)
@@ -148,7 +150,7 @@ def test_it_gives_way_to_another_sessions_exchange(smollm2: Model, monkeypatch: 
     """The anticipation's batches after its first (at position 0: memory is empty) wait, holding
     the engine, until another thread waits for it, so the other exchange comes while it runs
     however fast this machine decodes."""
-    original, engine = Seat.decode, smollm2.local.engine
+    original, engine = Seat.decode, internals.local(smollm2).engine
     first: list[threading.Thread] = []  # the anticipation that began at position 0
     waited_in_vain: list[int] = []  # where it waited for a waiter that never came
 
@@ -215,7 +217,7 @@ def test_an_undo_still_reuses_exactly_the_longest_common_prefix(smollm2: Model) 
     held = internals.record(session)
     del session.messages[-2:]
     question = "Which rivers should a visitor see?"
-    prompt = smollm2.local.prompt(
+    prompt = internals.local(smollm2).prompt(
         [*session.messages, {"role": "user", "content": question}], own=session.replies
     )
     reply = assert_same_as_fresh(session, question)
@@ -266,7 +268,7 @@ def test_a_stateless_call_reuses_what_was_decoded_ahead(smollm2_path: Path) -> N
     with Model(smollm2_path, threads=2) as model:
         history = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hi!"}]
         first = model.chat(history, GREEDY)
-        (kept,) = model.local.stateless._sessions
+        (kept,) = internals.local(model).stateless._sessions
         settled_ahead(kept)
         history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And you?"}]
         ahead = kept._ahead

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import internals
 import pytest
 from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
@@ -40,7 +41,7 @@ def run_concurrently(model: Model) -> list[tuple[Session, Reply]]:
 
 
 def test_concurrent_streams_share_batches_and_each_equals_its_solo_run(smollm2: Model) -> None:
-    batcher = smollm2.local.engine.batcher
+    batcher = internals.local(smollm2).engine.batcher
     batches, steps = batcher.batches, batcher.steps
     answered = run_concurrently(smollm2)
     assert (batcher.steps - steps) / (batcher.batches - batches) > 1.5, "the steps were not batched"

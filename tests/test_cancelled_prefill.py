@@ -106,7 +106,9 @@ def cancel_a_prefill(
                 context, seq, held = seat.context, seat.seq, len(seat.items)
                 seen.at_return = (held, context.pos_min(seq), context.pos_max(seq))
                 if seen.at_return[2] == held - 1:  # (else llama.cpp refuses the rest's positions)
-                    seen.rows = rows_after(context, seq, held, seen.prompt[held:], model.native.n_vocab)
+                    seen.rows = rows_after(
+                        context, seq, held, seen.prompt[held:], internals.local(model).native.n_vocab
+                    )
                     context.seq_rm(held, seq)
         return first
 
@@ -140,12 +142,16 @@ def fresh_rows(model: Model, prompt: Sequence[int], held: int) -> np.ndarray:
     """What a fresh context's logits are at each prompt position from ``held`` on, decoded in the
     session's batches."""
     context = NativeContext(
-        model.native, n_ctx=N_CTX, n_batch=512, threads=2, flash_attention=model.flash_attention
+        internals.local(model).native,
+        n_ctx=N_CTX,
+        n_batch=512,
+        threads=2,
+        flash_attention=model.flash_attention,
     )
     try:
         for start, end in itertools.pairwise([*range(0, held, BATCH), held]):
             context.decode(prompt[start:end], start)
-        return rows_after(context, 0, held, prompt[held:], model.native.n_vocab)
+        return rows_after(context, 0, held, prompt[held:], internals.local(model).native.n_vocab)
     finally:
         context.close()
 
@@ -168,7 +174,7 @@ def assert_memory_as_recorded(seen: Cancelled, where: str) -> None:
     _, seq = internals.placement(session)
     assert (context.pos_min(seq), context.pos_max(seq)) == (0, len(record) - 1)
     following = [*session.messages, {"role": "user", "content": QUESTION}]
-    prompt = seen.model.local.prompt(following, own=session.replies)
+    prompt = internals.local(seen.model).prompt(following, own=session.replies)
     assert len(record) >= seen.armed_at and list(record) == list(prompt.items[: len(record)])
 
 

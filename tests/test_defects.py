@@ -109,8 +109,10 @@ def test_bad_token_ids_raise_before_llama_cpp_sees_them(smollm2_path: Path) -> N
     result = run_python(
         f"""
         from llmsession import Model
+        from llmsession.api.model import local_model
         with Model({str(smollm2_path)!r}) as model:
-            n = model.native.n_vocab
+            native = local_model(model).native
+            n = native.n_vocab
             for bad, kind in [([n], ValueError), ([-5], ValueError), ([2**40], ValueError),
                               (["a"], TypeError), ([1.5], TypeError), ("abc", TypeError)]:
                 try:
@@ -119,7 +121,7 @@ def test_bad_token_ids_raise_before_llama_cpp_sees_them(smollm2_path: Path) -> N
                     assert kind is TypeError or str(bad[0]) in str(error), error
                 else:
                     raise SystemExit(f"no error for {{bad}}")
-            for call in (model.native.piece, model.native.is_eog, model.native.token_text):
+            for call in (native.piece, native.is_eog, native.token_text):
                 try:
                     call(n)
                 except ValueError:
@@ -160,7 +162,7 @@ def run_racing(targets: list[Callable[[], object]]) -> None:
 def test_token_pieces_from_many_threads_are_never_mixed_up(smollm2: Model) -> None:
     """The race directly: llama_token_to_piece runs without the GIL, so a buffer shared by the
     threads gets overwritten between the call and the copy."""
-    native = smollm2.native
+    native = internals.local(smollm2).native
     tokens = list(range(0, native.n_vocab, 7))
     expected = {token: native.piece(token) for token in tokens}
     wrong: list[int] = []

@@ -43,7 +43,7 @@ def test_a_drafted_greedy_reply_chooses_what_a_fresh_decode_chooses(smollm2: Mod
 
 
 def test_drafted_steps_batched_beside_another_stream_choose_as_fresh_decodes_do(smollm2: Model) -> None:
-    batcher = smollm2.local.engine.batcher
+    batcher = internals.local(smollm2).engine.batcher
     other, mine = smollm2.session(share_prefix=False), smollm2.session(share_prefix=False)
     replies: dict[str, Any] = {}
     start = threading.Barrier(2)

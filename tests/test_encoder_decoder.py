@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 
 from llmsession import ContextOverflowError, GenerationOptions, Model, UnsupportedFeatureError
@@ -20,7 +21,7 @@ GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 @pytest.fixture(scope="module")
 def t5(fixture_path: Callable[[str], Path]) -> Iterator[Model]:
     with Model(fixture_path("t5-tiny.gguf"), threads=2) as model:
-        assert model.native.has_encoder and model.native.has_decoder
+        assert internals.local(model).native.has_encoder and internals.local(model).native.has_decoder
         yield model
 
 

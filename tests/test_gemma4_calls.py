@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import internals
 import llguidance
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,8 +31,8 @@ def vocabulary(request: pytest.FixtureRequest, fixture_path: Any) -> Any:
     from llmsession.native.constraints import tokenizer
 
     with Model(fixture_path(request.param), threads=1, anticipate=False) as model:
-        specials = model.local.special_markers(model.local.tool_format())
-        yield model, tokenizer(model.native), specials
+        specials = internals.local(model).special_markers(internals.local(model).tool_format())
+        yield model, tokenizer(internals.local(model).native), specials
 
 
 def accepts(vocabulary: Any, schema: dict[str, Any], body: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import internals
 import pytest
 
 from llmsession import GenerationOptions, Model
@@ -23,7 +24,10 @@ def gemma4_chat(fixture_path: Callable[[str], Path]) -> Iterator[Model]:
 
 def test_llama_cpp_really_cannot_format_the_template(gemma4_chat: Model) -> None:
     assert gemma4_chat.template is not None and "<|turn>" in gemma4_chat.template
-    assert gemma4_chat.native.apply_template(gemma4_chat.template, [("user", "Hi")], True) is None
+    assert (
+        internals.local(gemma4_chat).native.apply_template(gemma4_chat.template, [("user", "Hi")], True)
+        is None
+    )
 
 
 def test_the_session_falls_back_to_the_gemma4_turn_syntax(gemma4_chat: Model) -> None:
@@ -35,7 +39,7 @@ def test_the_session_falls_back_to_the_gemma4_turn_syntax(gemma4_chat: Model) ->
     session = gemma4_chat.session(system=SYSTEM)
     messages = [*session.messages, {"role": "user", "content": "  Hello there!  "}]
     assert gemma4_chat.render(messages) == expected
-    bos = gemma4_chat.native.bos()
+    bos = internals.local(gemma4_chat).native.bos()
     tokens = gemma4_chat.prompt_tokens(messages)
     assert tokens == [bos, *gemma4_chat.tokenize(expected, add_special=False)]
     assert tokens.count(bos) == 1
@@ -52,9 +56,9 @@ def test_the_session_falls_back_to_the_gemma4_turn_syntax(gemma4_chat: Model) ->
 
 
 def test_a_bos_written_by_the_text_is_not_doubled(gemma4_chat: Model) -> None:
-    bos_text = gemma4_chat.native.token_text(gemma4_chat.native.bos())
+    bos_text = internals.local(gemma4_chat).native.token_text(internals.local(gemma4_chat).native.bos())
     tokens = gemma4_chat.tokenize(bos_text + "<|turn>user\nHi<turn|>\n")
-    assert tokens.count(gemma4_chat.native.bos()) == 1
+    assert tokens.count(internals.local(gemma4_chat).native.bos()) == 1
 
 
 def test_thinking_opens_the_system_turn_with_the_think_token(gemma4_chat: Model) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import internals
 import pytest
 from fuzz_hostile import not_a_regular_file
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -174,34 +175,40 @@ def test_keywords_the_mask_cannot_enforce_are_checked_after_the_reply(smollm2: M
     with pytest.raises(GrammarError, match="invalid schema"):
         session.respond("Hi", GenerationOptions(json_schema={"type": 5}, max_tokens=4))
     needs_b = {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}  # was refused
-    assert smollm2.local.constraint(GenerationOptions(json_schema=needs_b)) is not None
+    assert internals.local(smollm2).constraint(GenerationOptions(json_schema=needs_b)) is not None
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": ["b"]}}
-    assert smollm2.local.constraint(GenerationOptions(json_schema=draft7)) is not None  # draft 7 checks it
+    assert (
+        internals.local(smollm2).constraint(GenerationOptions(json_schema=draft7)) is not None
+    )  # draft 7 checks it
     with pytest.raises(GrammarError, match="dependencies"):  # 2020-12 does not: nobody would
-        smollm2.local.constraint(GenerationOptions(json_schema={"dependencies": {"a": ["b"]}}))
+        internals.local(smollm2).constraint(GenerationOptions(json_schema={"dependencies": {"a": ["b"]}}))
     rust_only = {"type": "string", "pattern": "^\\p{Lu}+$"}  # Python's re lacks \p{...}; the mask has it
-    assert smollm2.local.constraint(GenerationOptions(json_schema=rust_only)) is not None
+    assert internals.local(smollm2).constraint(GenerationOptions(json_schema=rust_only)) is not None
     for covered in (  # keywords jsonschema checks inside another's validator
         {"if": {"type": "integer"}, "then": {"minimum": 0}, "else": {"type": "string"}},
         {"type": "array", "contains": {"const": 1}, "minContains": 1, "maxContains": 2},
     ):
-        assert smollm2.local.constraint(GenerationOptions(json_schema=covered)).validator is not None
+        assert (
+            internals.local(smollm2).constraint(GenerationOptions(json_schema=covered)).validator is not None
+        )
     # Inside a keyword the mask skips, a pattern is the after-check's: it never escapes.
     starts_with_x = {"type": "array", "items": {"type": "string"}, "contains": {"pattern": "^x"}}
-    checker = smollm2.local.constraint(GenerationOptions(json_schema=starts_with_x))
+    checker = internals.local(smollm2).constraint(GenerationOptions(json_schema=starts_with_x))
     assert checker.parse('["xy"]') == ["xy"]
     with pytest.raises(ValueError, match="contain"):
         checker.parse('["abc"]')
     # A Rust-only pattern the mask enforced is not second-guessed by Python's re.
     upper = {"patternProperties": {"^\\p{Lu}+$": {"type": "integer"}}, "dependentRequired": {"A": ["B"]}}
-    checker = smollm2.local.constraint(GenerationOptions(json_schema=upper))
+    checker = internals.local(smollm2).constraint(GenerationOptions(json_schema=upper))
     assert checker.parse('{"A": 1, "B": 2}') == {"A": 1, "B": 2}
     with pytest.raises(ValueError, match="B"):
         checker.parse('{"A": 1}')
     for bad in ({"$schema": 5}, {"$schema": []}):
         with pytest.raises(GrammarError):
-            smollm2.local.constraint(GenerationOptions(json_schema=bad))
-    deep = smollm2.local.constraint(GenerationOptions(json_schema={"type": "array", "items": {"$ref": "#"}}))
+            internals.local(smollm2).constraint(GenerationOptions(json_schema=bad))
+    deep = internals.local(smollm2).constraint(
+        GenerationOptions(json_schema={"type": "array", "items": {"$ref": "#"}})
+    )
     assert deep is not None
     with pytest.raises(ValueError):  # typed, where a RecursionError escaped
         deep.parse("[" * 5000 + "]" * 5000)

@@ -53,11 +53,11 @@ def logits_after(model: Model, content: Any) -> np.ndarray:
 
 
 def test_an_image_becomes_one_chunk_of_the_expected_size(vision: Model, red: Image) -> None:
-    prompt = vision.local.prompt([{"role": "user", "content": ["What is this?", red]}])
+    prompt = internals.local(vision).prompt([{"role": "user", "content": ["What is this?", red]}])
     try:
         assert [image.n_tokens for image in prompt.images] == [IMAGE_TOKENS]
         assert prompt.unsafe_reuse == ""
-        text_only = vision.local.prompt([{"role": "user", "content": "What is this?"}])
+        text_only = internals.local(vision).prompt([{"role": "user", "content": "What is this?"}])
         assert len(prompt.items) > len(text_only.items) + IMAGE_TOKENS - 2  # the marker became the image
     finally:
         prompt.close()

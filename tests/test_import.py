@@ -61,7 +61,10 @@ def test_each_heavy_library_loads_when_first_needed(smollm2_path: Path) -> None:
     plain = opened.replace("threads=1", "threads=1, use_jinja=False")
     assert not loaded_after(plain) & {"llguidance", "PIL", "jinja2", "jsonschema", "pydantic"}
     regex = "GenerationOptions(regex='[0-9]')"
-    constrained = f"{opened}\nfrom llmsession import GenerationOptions\nmodel.local.constraint({regex})"
+    constrained = (
+        f"{opened}\nfrom llmsession import GenerationOptions\nfrom llmsession.api.model import local_model\n"
+        f"local_model(model).constraint({regex})"
+    )
     assert "llguidance" in loaded_after(constrained)
     decoded = "import llmsession\ntry:\n    llmsession.Image(b'not an image')\n"
     decoded += "except llmsession.ImageError:\n    pass"

@@ -12,12 +12,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import internals
 import pytest
 from near_ties import DUMP, assert_entries_within_noise, assert_same_within_noise, loaded, scored
 from test_defects import run_python
 from test_reuse import GREEDY, QUESTIONS
 
-from llmsession import BackendError, GenerationOptions, Model, ModelClosedError, Session
+from llmsession import BackendError, GenerationOptions, Model, ModelClosedError, Session, Stream
 from llmsession.remote.isolated import IsolatedModel
 
 
@@ -84,7 +85,7 @@ def test_a_dead_worker_is_a_typed_error_and_a_new_model_takes_over(smollm2_path:
     session.respond(QUESTIONS[0], GREEDY)
     before = copy.deepcopy(session.messages)
     assert model.isolated
-    os.kill(model.backend.worker.process.pid, signal.SIGKILL)
+    os.kill(internals.worker(model).process.pid, signal.SIGKILL)
     with pytest.raises(BackendError, match="SIGKILL"):
         session.respond(QUESTIONS[1], GREEDY)
     assert session.messages == before and model.closed
@@ -101,7 +102,7 @@ def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> N
     with Model(smollm2_path, threads=2, isolated=True, worker_timeout=1.0) as model:
         session = model.session()
         assert model.isolated
-        os.kill(model.backend.worker.process.pid, signal.SIGSTOP)
+        os.kill(internals.worker(model).process.pid, signal.SIGSTOP)
         began = time.monotonic()
         with pytest.raises(BackendError, match="sent nothing for 1 s"):
             session.respond(QUESTIONS[0], GREEDY)
@@ -109,23 +110,49 @@ def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> N
         assert session.messages == []
 
 
-def test_the_proxies_override_every_public_method_that_reaches_native_state() -> None:
-    """An inherited method would run on state the proxies do not have; these few are built on
-    overridden ones only."""
-    from llmsession.api.model import Backend
-    from llmsession.remote.isolated import IsolatedSession, IsolatedStream
+def face_problems(face: type, implementation: type) -> list[str]:
+    """What keeps ``implementation`` from being one side of ``face``: it must derive from the
+    face alone (not from the other implementation, overriding it whole) and leave nothing
+    abstract."""
+    problems = []
+    if implementation.__bases__ != (face,):
+        problems.append(
+            f"{implementation.__name__} derives from {implementation.__bases__}, not {face.__name__} alone"
+        )
+    if getattr(implementation, "__abstractmethods__", None):
+        problems.append(
+            f"{implementation.__name__} leaves {sorted(implementation.__abstractmethods__)} abstract"
+        )
+    return problems
+
+
+def test_one_face_each_for_sessions_and_streams_two_implementations_side_by_side() -> None:
+    """``Session`` and ``Stream`` are faces: the in-process and worker implementations each
+    derive from the face only, and both backends answer every call ``Model`` makes. Variants
+    that must fail: a worker session that inherits the local one, and one left abstract."""
+    from llmsession.api.backend import Backend
+    from llmsession.remote.isolated import WorkerSession, WorkerStream
     from llmsession.runtime.local import LocalModel
-    from llmsession.runtime.stream import Stream
+    from llmsession.runtime.session import LocalSession
+    from llmsession.runtime.stream import LocalStream
 
     calls = {name for name, value in vars(Backend).items() if callable(value) or isinstance(value, property)}
     for backend in (IsolatedModel, LocalModel):  # ``Model`` holds one or the other
         missing = {name for name in calls if not name.startswith("_") and not hasattr(backend, name)}
         assert not missing, f"{backend.__name__} lacks {sorted(missing)}"
-    built_on_others = {"respond", "arespond", "settings", "config"}
-    for proxy, base in ((IsolatedSession, Session), (IsolatedStream, Stream)):
-        public = {name for name in vars(base) if not name.startswith("_")}
-        missing = public - set(vars(proxy)) - built_on_others
-        assert not missing, f"{proxy.__name__} inherits {sorted(missing)}"
+    for face, sides in ((Session, (LocalSession, WorkerSession)), (Stream, (LocalStream, WorkerStream))):
+        for side in sides:
+            assert face_problems(face, side) == []
+
+    class Overriding(LocalSession):  # the old shape: a proxy inheriting the local session
+        pass
+
+    class Unfinished(Session):
+        pass
+
+    assert face_problems(Session, Overriding) and face_problems(Session, Unfinished)
+    with pytest.raises(TypeError, match=r"model\.session"):
+        Session()
 
 
 def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(

@@ -36,10 +36,10 @@ def test_the_split_accounts_for_the_time_to_first_token(smollm2: Model) -> None:
 
 def test_the_shared_context_is_made_while_the_model_loads(smollm2_path: Path) -> None:
     with Model(smollm2_path, threads=2) as model:
-        warm = model.local.engine.warm()  # a second call joins the same pool; wait for it
+        warm = internals.local(model).engine.warm()  # a second call joins the same pool; wait for it
         assert warm is not None
         warm.join()
-        (pool,) = model.local.engine._shared_contexts.values()
+        (pool,) = internals.local(model).engine._shared_contexts.values()
         assert pool._context is not None  # before any session spoke
         reply = model.session().respond("Hello", GREEDY)
         assert reply.timings.plan_s < reply.timings.prefill_s
@@ -51,11 +51,14 @@ def test_flash_attention_reaches_the_kernels(smollm2: Model) -> None:
     tokens = smollm2.tokenize("The history of the river and its bridges, told slowly. " * 8)
 
     def logits(flash: bool | None) -> np.ndarray:
-        context = NativeContext(smollm2.native, n_ctx=256, n_batch=256, threads=2, flash_attention=flash)
+        context = NativeContext(
+            internals.local(smollm2).native, n_ctx=256, n_batch=256, threads=2, flash_attention=flash
+        )
         try:
             context.decode(tokens, 0)
             return np.frombuffer(
-                ffi.buffer(internals.raw_logits(context), 4 * smollm2.native.n_vocab), np.float32
+                ffi.buffer(internals.raw_logits(context), 4 * internals.local(smollm2).native.n_vocab),
+                np.float32,
             ).copy()
         finally:
             context.close()
@@ -111,7 +114,7 @@ def test_a_context_keeps_one_thread_pool_for_its_decodes(smollm2: Model) -> None
     """The pool's workers (threads - 1) live as long as the context, not one graph: without a
     pool of its own, ggml starts and joins them for every graph it computes."""
     before = threads_now()
-    context = NativeContext(smollm2.native, n_ctx=256, n_batch=32, threads=2)
+    context = NativeContext(internals.local(smollm2).native, n_ctx=256, n_batch=32, threads=2)
     try:
         assert threads_now() == before + 1
         for pos in range(4):
@@ -182,11 +185,11 @@ def test_a_forked_child_decodes_without_the_parents_pool(smollm2_path: Path) -> 
 def test_a_greedy_pick_is_the_greedy_samplers(smollm2: Model) -> None:
     """The greedy chain's pick, taken as numpy's argmax, is llama.cpp's greedy sampler's: the
     first maximum, over real logits, ties and a constraint's -inf alike."""
-    n_vocab = smollm2.native.n_vocab
+    n_vocab = internals.local(smollm2).native.n_vocab
     fast = Sampler.from_options(GREEDY, n_vocab=n_vocab, last_n=0)
     chain = Sampler([lambda lib: lib.llama_sampler_init_greedy()])
     assert fast.argmax_of == n_vocab and chain.argmax_of == 0
-    context = NativeContext(smollm2.native, n_ctx=256, n_batch=64, threads=2)
+    context = NativeContext(internals.local(smollm2).native, n_ctx=256, n_batch=64, threads=2)
     try:
         tokens = smollm2.tokenize("The river runs under seven bridges before it meets the sea.")
         for end in range(1, len(tokens) + 1):

@@ -94,7 +94,7 @@ def test_streams_batched_together_each_score_their_own_rows(smollm2: Model) -> N
     sessions = [smollm2.session() for _ in questions]
     replies: list[Any] = [None] * len(sessions)
     start = threading.Barrier(len(sessions))
-    batcher = smollm2.local.engine.batcher
+    batcher = internals.local(smollm2).engine.batcher
     batches, steps = batcher.batches, batcher.steps
 
     def one(i: int) -> None:

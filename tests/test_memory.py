@@ -150,7 +150,7 @@ def test_parked_states_spill_to_disk_and_come_back(
 def test_a_parked_session_costs_its_tokens_not_its_context(smollm2: Model) -> None:
     """A parked state's size follows the positions it holds (KV bytes per token from the GGUF),
     whatever the session's context_size."""
-    native = smollm2.native
+    native = internals.local(smollm2).native
     keys = ("block_count", "attention.head_count", "attention.head_count_kv", "embedding_length")
     layers, heads, kv_heads, width = (int(internals.meta(native, f"llama.{key}") or 0) for key in keys)
     per_token = layers * 2 * (kv_heads * width // heads) * 2  # K and V rows, f16

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -230,7 +231,7 @@ def test_a_chat_sent_back_as_openai_clients_send_it(
         said = model.chat(ROUND, options)
         assert said.finish_reason in ("stop", "length", "tool_calls"), said
         tools = checked_tools([WEATHER])
-        assert model.local.render(ROUND, tools=tools) == model.local.render(
+        assert internals.local(model).render(ROUND, tools=tools) == internals.local(model).render(
             with_content(ROUND, 2, ""), tools=tools
         )
         with pytest.raises(TemplateError, match="message 1"):

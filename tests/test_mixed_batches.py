@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+import internals
 import pytest
 from test_reuse import batch_noise, check_against_fresh, paragraph, tolerance_for
 
@@ -48,13 +49,15 @@ def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, 
 
 
 def test_a_prompt_arriving_mid_stream_is_fed_in_chunks_and_equals_fresh(smollm2: Model) -> None:
-    batcher = smollm2.local.engine.batcher
+    batcher = internals.local(smollm2).engine.batcher
     before, batches, mixed = batcher.prompt_tokens, batcher.batches, batcher.mixed
     answered = streams_and_a_long_prompt(smollm2, paragraph(smollm2, 7, 600))
     (_, arriving) = answered[2]
     fed = batcher.prompt_tokens - before
     assert fed >= arriving.usage.prompt_tokens // 2, "the prompt was not decoded beside the streams"
-    assert batcher.batches - batches > fed / smollm2.local.engine.config.batch_size + 4, "not in chunks"
+    assert batcher.batches - batches > fed / internals.local(smollm2).engine.config.batch_size + 4, (
+        "not in chunks"
+    )
     assert batcher.mixed - mixed >= 3, "no slice rode beside the streams' steps"
     tolerance = tolerance_for(batch_noise(smollm2))
     for session, reply in answered:
@@ -64,7 +67,7 @@ def test_a_prompt_arriving_mid_stream_is_fed_in_chunks_and_equals_fresh(smollm2:
 def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2: Model) -> None:
     """Cancelled while its slices ride beside two streams, a prompt stops at the slice being
     decoded; the session's next turn answers as a fresh decode does."""
-    batcher, prompt = smollm2.local.engine.batcher, paragraph(smollm2, 9, 600)
+    batcher, prompt = internals.local(smollm2).engine.batcher, paragraph(smollm2, 9, 600)
     sessions = [smollm2.session() for _ in range(3)]
     streaming = threading.Event()
 
@@ -93,7 +96,7 @@ def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2:
     reply = arriving.reply
     assert reply is not None and reply.finish_reason == "cancelled"
     decoded = reply.usage.decoded_prompt_tokens
-    assert fed_at_cancel <= decoded <= fed_at_cancel + smollm2.local.engine.config.batch_size
+    assert fed_at_cancel <= decoded <= fed_at_cancel + internals.local(smollm2).engine.config.batch_size
     assert decoded < reply.usage.prompt_tokens // 2
     again = sessions[2].respond(prompt, ARRIVING)
     assert check_against_fresh(sessions[2], again, tolerance_for(batch_noise(smollm2)), final=False) == []

@@ -21,7 +21,7 @@ SYSTEM = "You are a patient guide to the old city. Answer in full sentences, wit
 
 
 def test_the_default_layout_gives_each_live_session_cells_of_its_own(smollm2: Model) -> None:
-    engine = smollm2.local.engine
+    engine = internals.local(smollm2).engine
     session = smollm2.session()
     session.respond("Hi.", GenerationOptions(max_tokens=2, temperature=0))
     context = internals.live_context(session)
@@ -123,7 +123,7 @@ def test_a_session_larger_than_its_own_cells_is_refused_with_what_to_change(
         Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=8)
     # A recurrent model keeps the pool: the same budget is fine there.
     with Model(fixture_path("mamba-tiny.gguf"), threads=2, kv_tokens=1024, max_live_sessions=8) as mamba:
-        assert not mamba.local.engine.own_cells(True)
+        assert not internals.local(mamba).engine.own_cells(True)
 
 
 def test_a_session_saved_larger_than_a_live_session_holds_here_loads_at_what_fits(

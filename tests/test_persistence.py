@@ -143,7 +143,7 @@ def test_a_sliding_window_past_its_window_is_saved_without_its_cache(gemma3: Mod
     saved = tmp_path / "gemma.llmsession"
     session = gemma3.session(context_size=2048)
     session.respond("word " * 600, GenerationOptions(max_tokens=4, temperature=0))
-    assert session.cached_tokens > gemma3.native.n_swa
+    assert session.cached_tokens > internals.local(gemma3).native.n_swa
     session.save(saved)
     assert "state" not in read(saved).blobs
     loaded = gemma3.load_session(saved)
@@ -215,7 +215,7 @@ def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int)
     states go cold either way."""
     tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
     position = len(tokens)
-    assert (position <= gemma3.native.n_swa) == (words == 200), position
+    assert (position <= internals.local(gemma3).native.n_swa) == (words == 200), position
     flash, plain = (restore_difference(gemma3, tokens, flash_attention) for flash_attention in (True, False))
     assert plain == 0.0
     if words == 200:
@@ -232,7 +232,11 @@ def restore_difference(gemma3: Model, tokens: list[int], flash_attention: bool) 
 
     def context() -> NativeContext:
         return NativeContext(
-            gemma3.native, n_ctx=2048, n_batch=512, threads=2, flash_attention=flash_attention
+            internals.local(gemma3).native,
+            n_ctx=2048,
+            n_batch=512,
+            threads=2,
+            flash_attention=flash_attention,
         )
 
     with contextlib.closing(context()) as original, contextlib.closing(context()) as copy_:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import internals
 import pytest
 
 from llmsession import GenerationOptions, Model
@@ -122,7 +123,7 @@ def test_use_jinja_false_renders_without_the_default_system_line(smollm2_path: P
 def test_gemma3_without_a_template_speaks_gemmas_turns(gemma3: Model) -> None:
     """Gemma 3 270M's file has no template: the prompt is Gemma's turns (each marker one special
     token), not ChatML, and the renderer says why."""
-    assert gemma3.native.chat_template() is None
+    assert internals.local(gemma3).native.chat_template() is None
     assert gemma3.template == "gemma" and not gemma3.use_jinja
     assert "architecture 'gemma3'" in str(gemma3.renderer)
     text = gemma3.render([{"role": "system", "content": "Be brief."}, *HI])

@@ -14,7 +14,15 @@ import internals
 import numpy as np
 import pytest
 
-from llmsession import CheckpointConfig, ContextOverflowError, GenerationOptions, Model, NativeError, Session
+from llmsession import (
+    CheckpointConfig,
+    ContextOverflowError,
+    GenerationOptions,
+    Model,
+    NativeError,
+    Session,
+    SessionConfig,
+)
 from llmsession.engine.prefix import PrefixCache, common_prefix
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import bindings
@@ -31,7 +39,7 @@ QUESTIONS = (
 def fresh_reply(model: Model, messages: list[dict[str, Any]], content: str, **session_args: Any) -> Any:
     """What a brand-new session answers given the same transcript (kept apart: it starts from
     nothing another session holds)."""
-    session = model.session(share_prefix=False, **session_args)
+    session = model.session(config=SessionConfig(share_prefix=False, **session_args))  # (or a LocalModel)
     session.messages = copy.deepcopy(messages)
     return session.respond(content, GREEDY)
 
@@ -60,7 +68,12 @@ def placement_noise(model: Model, n_tokens: int) -> float:
     first = fresh_logits(model, tokens, [])
     flash = model.flash_attention
     context = NativeContext(
-        model.native, n_ctx=2 * N_CTX, n_batch=N_CTX, threads=2, n_seq_max=2, flash_attention=flash
+        internals.local(model).native,
+        n_ctx=2 * N_CTX,
+        n_batch=N_CTX,
+        threads=2,
+        n_seq_max=2,
+        flash_attention=flash,
     )
     try:
         context.decode(other, 0, seq=1)
@@ -94,9 +107,9 @@ def batch_rows(model: Model) -> tuple[np.ndarray, np.ndarray]:
     the model's layout (with cells of their own, each sequence N_CTX)."""
     tokens = model.prompt_tokens([{"role": "user", "content": paragraph(model, 0, 300)}])
     n = len(tokens)
-    own = model.local.engine.own_cells(True)
+    own = internals.local(model).engine.own_cells(True)
     context = NativeContext(
-        model.native,
+        internals.local(model).native,
         n_ctx=4 * N_CTX if own else N_CTX,
         n_batch=512,
         threads=2,
@@ -115,7 +128,7 @@ def batch_rows(model: Model) -> tuple[np.ndarray, np.ndarray]:
             *((tokens[n - 1 - 7 * s : n - 7 * s], n - 1 - 7 * s, s) for s in (1, 2, 3)),
         ]
         row = context.decode_many(runs)[0]
-        together = context.last_logits(model.native.n_vocab, row).copy()
+        together = context.last_logits(internals.local(model).native.n_vocab, row).copy()
     finally:
         context.close()
     return alone, together
@@ -167,14 +180,18 @@ def paragraph(model: Model, seed: int, n_tokens: int) -> str:
 
 def read_logits(model: Model, context: NativeContext) -> np.ndarray:
     _, ffi = bindings()
-    buffer = ffi.buffer(internals.raw_logits(context), 4 * model.native.n_vocab)
+    buffer = ffi.buffer(internals.raw_logits(context), 4 * internals.local(model).native.n_vocab)
     return np.frombuffer(buffer, dtype=np.float32).copy()
 
 
 def fresh_logits(model: Model, tokens: list[int], splits: list[int]) -> np.ndarray:
     """Final logits of a fresh decode of tokens, cut into batches at the given positions."""
     context = NativeContext(
-        model.native, n_ctx=N_CTX, n_batch=len(tokens), threads=2, flash_attention=model.flash_attention
+        internals.local(model).native,
+        n_ctx=N_CTX,
+        n_batch=len(tokens),
+        threads=2,
+        flash_attention=model.flash_attention,
     )
     try:
         for a, b in itertools.pairwise([0, *splits, len(tokens)]):
@@ -247,13 +264,17 @@ def decode_fresh(
     model: Model, prompt: tuple[int, ...], generated: tuple[int, ...], reply_end: int
 ) -> tuple[np.ndarray, ...]:
     context = NativeContext(
-        model.native, n_ctx=N_CTX, n_batch=512, threads=2, flash_attention=model.flash_attention
+        internals.local(model).native,
+        n_ctx=N_CTX,
+        n_batch=512,
+        threads=2,
+        flash_attention=model.flash_attention,
     )
     try:
         for start in range(0, len(prompt), 512):
             context.decode(prompt[start : start + 512], start)
         steps = [read_logits(model, context)]  # what step 0 chose from, then each step's own
-        n_vocab = model.native.n_vocab
+        n_vocab = internals.local(model).native.n_vocab
         for start, end in ((0, reply_end), (reply_end, len(generated))):
             if end > start:
                 context.decode(generated[start:end], len(prompt) + start, outputs=True)
@@ -365,7 +386,7 @@ def test_recurrent_model_rewinds_to_a_checkpoint_or_decodes_everything(
 ) -> None:
     config = CheckpointConfig(max_count=kept)
     with Model(fixture_path("mamba-tiny.gguf"), threads=2, checkpoints=config) as model:
-        assert model.native.is_recurrent
+        assert internals.local(model).native.is_recurrent
         session = model.session(system="You are a helpful assistant.", context_size=1024)
         for question in QUESTIONS[:2]:
             assert_same_as_fresh(session, question)

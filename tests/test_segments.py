@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 
 from llmsession import GenerationOptions, Model
@@ -56,7 +57,7 @@ def family(
 
 def test_segments_equal_the_whole_text_on_every_family(family: tuple[Model, bool]) -> None:
     model, special = family
-    core = model.local
+    core = internals.local(model)
     for turns in (24, 25):  # the second prompt is the first plus a turn: its earlier segments are remembered
         text = model.render(transcript(turns))
         assert len(text) >= LONG_TEXT
@@ -73,7 +74,7 @@ def test_gemma3_sentencepiece_in_its_own_markup(gemma3: Model) -> None:
     """The test model's Gemma 3 file holds no chat template (its prompts are ChatML text, nothing
     special), so this is Gemma 3's own turn markup, as its real template writes it: SentencePiece
     adds a space before text that follows a special token, in the segments as in the whole."""
-    native = gemma3.local.native
+    native = internals.local(gemma3).native
     turns = [
         f"<start_of_turn>user\n{said}<end_of_turn>\n<start_of_turn>model\n{said} <end_of_turn>\n"
         for said in AWKWARD
@@ -83,15 +84,15 @@ def test_gemma3_sentencepiece_in_its_own_markup(gemma3: Model) -> None:
     assert {"<bos>", "<start_of_turn>", "<end_of_turn>"} <= set(found)
     pattern = anchor_pattern(found)
     assert pattern is not None and len(segments(text, pattern)) > 2 * 3 * len(AWKWARD)
-    whole = gemma3.local.tokenize(text)
-    cut = tokenize_in_segments(text, pattern, gemma3.local.tokenize)
+    whole = internals.local(gemma3).tokenize(text)
+    cut = tokenize_in_segments(text, pattern, internals.local(gemma3).tokenize)
     assert cut == whole
 
 
 def test_a_cut_elsewhere_changes_the_tokens(smollm2: Model) -> None:
     """The must-fail variant: cut the same text before every newline instead of at special
     tokens, and the tokens differ (BPE merges across the cut)."""
-    native = smollm2.local.native
+    native = internals.local(smollm2).native
     text = smollm2.render(transcript(24))
     whole = native.tokenize(text, add_special=True)
     cut = tokenize_in_segments(text, re.compile("\n"), lambda s, first: native.tokenize(s, add_special=first))
@@ -101,7 +102,7 @@ def test_a_cut_elsewhere_changes_the_tokens(smollm2: Model) -> None:
 
 def test_a_prompt_tokenizes_only_what_changed(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a transcript's prompt, the next turn's prompt tokenizes only its new turn's text."""
-    core = smollm2.local
+    core = internals.local(smollm2)
     core.tokenizer.prompt(smollm2.render(transcript(40)), shared=True)
     text = smollm2.render(transcript(41))
     tokenized: list[str] = []
@@ -119,7 +120,7 @@ def test_a_prompt_tokenizes_only_what_changed(smollm2: Model, monkeypatch: pytes
 
 
 def test_kept_apart_prompts_tokenize_afresh(smollm2: Model) -> None:
-    tokenizer = smollm2.local.tokenizer
+    tokenizer = internals.local(smollm2).tokenizer
     text = smollm2.render(transcript(14)) + "a text no prompt held before"
     assert len(text) >= LONG_TEXT
     assert tokenizer.prompt(text, shared=False) == tokenizer.tokenize(text)
@@ -158,13 +159,13 @@ def test_a_model_that_adds_bos_keeps_its_spliced_prompts(
     session = gemma3.session(system="You answer briefly.")
     session.respond("Name a colour and a fruit.", GenerationOptions(max_tokens=12, temperature=0))
     tokenized: list[str] = []
-    tokenize = gemma3.local.native.tokenize
+    tokenize = internals.local(gemma3).native.tokenize
 
     def recorded(text: str, **kwargs: Any) -> list[int]:
         tokenized.append(text)
         return tokenize(text, **kwargs)
 
-    monkeypatch.setattr(gemma3.local.native, "tokenize", recorded)
+    monkeypatch.setattr(internals.local(gemma3).native, "tokenize", recorded)
     try:
         session.respond("And another one?", GenerationOptions(max_tokens=1))
     finally:

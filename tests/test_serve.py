@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import internals
 import jsonschema
 import openai
 import pytest
@@ -33,6 +34,7 @@ from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
+from llmsession.runtime.stateless import TURNS
 from llmsession.serve.app import PARSERS, create_app, digest
 
 BODY_LIMIT = 1 << 20
@@ -300,7 +302,7 @@ def test_n_past_the_live_sessions_is_a_400_naming_the_limit(narrow: Served) -> N
 
 
 def test_concurrent_requests_decode_in_one_batch(served: Served) -> None:
-    batcher = served.model.local.engine.batcher
+    batcher = internals.local(served.model).engine.batcher
     batches, steps = batcher.batches, batcher.steps
     replies: list[Any] = []
     threads = [
@@ -663,12 +665,13 @@ def test_a_client_that_leaves_the_queue_gives_its_place_up(
 
 
 def apart_from(served: Served, user: str) -> str:
-    """A user whose tenant does not share ``user``'s lock: the server keeps its tenants' locks
-    in buckets by ``hash``, which changes from process to process, and HOLD waits holding one."""
-    key, locks = hashlib.sha256(KEY.encode()).hexdigest(), served.server.host.locks
+    """A user whose tenant does not share ``user``'s lock: the library keeps its tenants' locks
+    in buckets by ``hash`` (``StatelessSessions.turn``), which changes from process to process,
+    and HOLD waits holding one."""
+    key = hashlib.sha256(KEY.encode()).hexdigest()
 
     def bucket(name: str) -> int:
-        return hash(digest(key, name)) % len(locks)
+        return hash(digest(key, name)) % TURNS
 
     return next(name for i in range(100) if bucket(name := f"retried-{i}") != bucket(user))
 

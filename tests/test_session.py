@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 from llama_cffi import abort_check
 from near_ties import assert_same_within_noise, scored
@@ -70,7 +71,7 @@ def multi_token_characters(model: Model) -> list[str]:
     """Characters that SmolLM2's byte-level vocabulary splits across several tokens."""
     found = []
     for char in "🦙🐍🧪㊗𝔘ꙮ":
-        pieces = [model.native.piece(t) for t in model.tokenize(char, add_special=False)]
+        pieces = [internals.local(model).native.piece(t) for t in model.tokenize(char, add_special=False)]
         if len(pieces) > 1 and any(_invalid_alone(p) for p in pieces):
             found.append(char)
     return found
@@ -91,7 +92,7 @@ def test_split_characters_never_show_replacement_characters(smollm2: Model) -> N
     detokenizer = IncrementalDetokenizer()
     seen = ""
     for token in smollm2.tokenize(text, add_special=False):
-        seen += detokenizer.push(smollm2.native.piece(token))
+        seen += detokenizer.push(internals.local(smollm2).native.piece(token))
         assert "\ufffd" not in seen
     assert seen + detokenizer.flush() == text
 

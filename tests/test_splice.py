@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import internals
+
 from llmsession import GenerationOptions, Model, Session
 from llmsession.text.splice import ReplyTokens, marker, splice, stretches
 
@@ -47,7 +49,7 @@ def test_a_user_who_typed_the_reply_keeps_the_canonical_split(smollm2: Model) ->
     (ok,) = smollm2.tokenize(" OK", add_special=False)[-1:]
     odd = smollm2.tokenize(" O", add_special=False) + smollm2.tokenize("K", add_special=False)
     assert smollm2.detokenize(odd) == " OK" and odd != [ok]
-    smollm2.local.remember_reply(" OK", odd)
+    internals.local(smollm2).remember_reply(" OK", odd)
     messages = [
         {"role": "user", "content": "Please answer OK or not: OK"},
         {"role": "assistant", "content": " OK"},
@@ -72,12 +74,14 @@ def test_a_session_holds_its_own_reply_even_when_another_said_the_same(smollm2: 
     assert canonical != other and smollm2.detokenize(other) == text
     mine.messages = [{"role": "user", "content": "Help?"}, {"role": "assistant", "content": text}]
     theirs.messages = [dict(m) for m in mine.messages]
-    smollm2.local.remember_reply(text, canonical, mine.replies)
-    smollm2.local.remember_reply(text, other, theirs.replies)  # the model's shared record now says `other`
+    internals.local(smollm2).remember_reply(text, canonical, mine.replies)
+    internals.local(smollm2).remember_reply(
+        text, other, theirs.replies
+    )  # the model's shared record now says `other`
     ask = [{"role": "user", "content": "Go on."}]
-    held = smollm2.local.prompt([*mine.messages, *ask], own=mine.replies).tokens()
+    held = internals.local(smollm2).prompt([*mine.messages, *ask], own=mine.replies).tokens()
     assert held == smollm2.tokenize(smollm2.render([*mine.messages, *ask]))  # its own: canonical
-    assert smollm2.local.prompt([*theirs.messages, *ask], own=theirs.replies).tokens() != held
+    assert internals.local(smollm2).prompt([*theirs.messages, *ask], own=theirs.replies).tokens() != held
     assert mine.fork().replies.get(text) == tuple(canonical)
 
 
@@ -86,13 +90,13 @@ def test_remembered_stretches_give_the_prompt_a_cold_tokenizer_gives(smollm2: Mo
     remembered stretches equals one built with none remembered, and a caller that changes the
     tokens it got back changes nothing remembered."""
     session, messages = conversation_with_a_non_canonical_reply(smollm2)
-    warm = smollm2.local.prompt(messages, own=session.replies).items
-    smollm2.local.prompt(messages, own=session.replies).items.clear()  # a caller's own copy
-    smollm2.local._stretches = (ReplyTokens(), ReplyTokens())  # none remembered
-    cold = smollm2.local.prompt(messages, own=session.replies).items
+    warm = internals.local(smollm2).prompt(messages, own=session.replies).items
+    internals.local(smollm2).prompt(messages, own=session.replies).items.clear()  # a caller's own copy
+    internals.local(smollm2)._stretches = (ReplyTokens(), ReplyTokens())  # none remembered
+    cold = internals.local(smollm2).prompt(messages, own=session.replies).items
     assert warm == cold
     tokens = [int(t) for t in cold]
-    assert smollm2.native.detokenize(tokens, special=True) == smollm2.render(messages)
+    assert internals.local(smollm2).native.detokenize(tokens, special=True) == smollm2.render(messages)
     assert tokens != smollm2.tokenize(smollm2.render(messages))
 
 
@@ -107,7 +111,7 @@ def conversation_with_a_non_canonical_reply(model: Model) -> tuple[Session, list
             options = GenerationOptions(max_tokens=12, temperature=1.2, top_k=0, min_p=0.0, seed=seed)
             session.respond(question, options)
         messages = [*session.messages, {"role": "user", "content": "Thanks!"}]
-        spliced = model.local.prompt(messages, own=session.replies).tokens()
+        spliced = internals.local(model).prompt(messages, own=session.replies).tokens()
         if spliced != model.tokenize(model.render(messages)):
             return session, messages
     raise AssertionError("no seed in 13..44 sampled a reply the tokenizer splits otherwise")

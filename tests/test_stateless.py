@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from near_ties import assert_same_within_noise, scored
 
-from llmsession import GenerationOptions, Model, Session, TemplateError
+from llmsession import GenerationOptions, Model, TemplateError
+from llmsession.runtime.session import LocalSession
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 QUESTIONS = [
@@ -117,15 +118,15 @@ def test_a_session_still_finishing_its_reply_is_not_taken_by_another_call(
     its exchange already done: a call arriving then (a client that left, then came back) gets
     another session, not a SessionBusyError (a 500 from the server, seen in its soak test)."""
     history = [{"role": "user", "content": QUESTIONS[0]}]
-    look_ahead, seen = Session._look_ahead, []
+    look_ahead, seen = LocalSession._look_ahead, []
 
-    def meanwhile(session: Session) -> None:
-        monkeypatch.setattr(Session, "_look_ahead", look_ahead)
+    def meanwhile(session: LocalSession) -> None:
+        monkeypatch.setattr(LocalSession, "_look_ahead", look_ahead)
         grown = [*history, session.messages[-1], {"role": "user", "content": QUESTIONS[1]}]
         with smollm2.chat_stream(grown, GREEDY) as stream:
             seen.append(stream.session is not session)
 
-    monkeypatch.setattr(Session, "_look_ahead", meanwhile)
+    monkeypatch.setattr(LocalSession, "_look_ahead", meanwhile)
     smollm2.chat(history, GREEDY)
     assert seen == [True]
 

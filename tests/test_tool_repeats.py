@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,7 +110,7 @@ def test_the_same_json_is_a_repeat_and_another_number_is_not() -> None:
 @pytest.fixture(scope="module", params=[False, True], ids=["builtin", "jinja"])
 def model(request: pytest.FixtureRequest, smollm2_path: Path) -> Iterator[Model]:
     with Model(smollm2_path, threads=1, use_jinja=request.param, anticipate=False) as loaded:
-        assert loaded.local.tool_format().name == "generic"
+        assert internals.local(loaded).tool_format().name == "generic"
         yield loaded
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import internals
 import jsonschema
 import pytest
 from tool_helpers import TIME, WEATHER, hf_render, scripted_start, steered
@@ -28,10 +29,12 @@ def test_markers_held_as_special_tokens_are_generated_as_those_tokens(
     """Spelled as text in the grammar, a special marker could only come byte by byte, which a
     real model never writes: the grammar names its id, and the reply's text spells it."""
     with Model(fixture_path(name), threads=2, use_jinja=True, anticipate=False) as model:
-        fmt = model.local.tool_format()
+        fmt = internals.local(model).tool_format()
         (special,) = model.tokenize(marker, add_special=False)
-        assert model.local.special_markers(fmt)[marker] == special
-        assert model.native.piece(special) == printed and model.native.is_special(special)
+        assert internals.local(model).special_markers(fmt)[marker] == special
+        assert internals.local(model).native.piece(special) == printed and internals.local(
+            model
+        ).native.is_special(special)
         session = model.session()
         options = GenerationOptions(
             max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
@@ -60,16 +63,19 @@ def test_gemma4_without_jinja_renders_and_calls_in_its_own_syntax(fixture_path: 
     with Model(
         fixture_path("smollm2-gemma4-special.gguf"), threads=2, anticipate=False, use_jinja=False
     ) as model:
-        assert not model.use_jinja and model.local.tool_format().name == "gemma4"
+        assert not model.use_jinja and internals.local(model).tool_format().name == "gemma4"
         call = ToolCall("call_1", "get_weather", '{"city": "Paris", "days": 2}')
         messages = [
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [call.message_part()]},
             {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
         ]
-        ours = model.local.render(messages, tools=checked_tools([WEATHER]))
+        ours = internals.local(model).render(messages, tools=checked_tools([WEATHER]))
         assert '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>' in ours
-        assert hf_render(model, messages, [WEATHER]) == model.native.token_text(model.native.bos()) + ours
+        assert (
+            hf_render(model, messages, [WEATHER])
+            == internals.local(model).native.token_text(internals.local(model).native.bos()) + ours
+        )
         options = GenerationOptions(
             max_tokens=48, temperature=0, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
         )

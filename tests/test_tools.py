@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import internals
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -150,7 +151,7 @@ def matcher_accepts(model: Model, lark: str, text: str) -> bool:
     from llmsession.native.constraints import tokenizer
 
     matcher = llguidance.LLMatcher(
-        tokenizer(model.native), llguidance.grammar_from("lark", lark), log_level=0
+        tokenizer(internals.local(model).native), llguidance.grammar_from("lark", lark), log_level=0
     )
     assert not matcher.is_error(), matcher.get_error()
     taken = matcher.consume_tokens(model.tokenize(text, add_special=False))
@@ -186,7 +187,7 @@ def family(request: pytest.FixtureRequest, fixture_path: Any) -> Any:
 
 def test_the_template_renders_tools_calls_and_results_as_transformers_does(family: Any) -> None:
     model, name = family
-    assert model.local.tool_format().name == name
+    assert internals.local(model).tool_format().name == name
     ids = CallIds(FORMATS[name])
     call = ToolCall(ids(0), "get_weather", '{"city": "Paris"}')
     messages = [
@@ -195,10 +196,12 @@ def test_the_template_renders_tools_calls_and_results_as_transformers_does(famil
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
     ]
     tools = checked_tools([WEATHER])
-    ours = model.local.render(messages, tools=tools)
+    ours = internals.local(model).render(messages, tools=tools)
     assert ours == hf_render(model, messages, [WEATHER])
     with pytest.raises(TemplateError, match="answers no earlier call"):
-        model.local.render([*messages, {"role": "tool", "tool_call_id": "unknown", "content": "x"}])
+        internals.local(model).render(
+            [*messages, {"role": "tool", "tool_call_id": "unknown", "content": "x"}]
+        )
 
 
 def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: Any) -> None:
@@ -224,9 +227,9 @@ def test_a_forced_call_validates_and_the_result_turn_keeps_the_prefix(family: An
         # Gemma 4 31B's template primes an empty thought after the turn opens and drops it from
         # the turn once written: the prompt differs from there on, exactly there.
         tools = checked_tools([WEATHER, TIME])
-        asked = model.local.render([question], tools=tools)
+        asked = internals.local(model).render([question], tools=tools)
         assert asked.endswith(EMPTY_THOUGHT)
-        now = model.local.render([*session.messages], tools=tools)
+        now = internals.local(model).render([*session.messages], tools=tools)
         common = asked[: next(i for i, (a, b) in enumerate(zip(asked, now, strict=False)) if a != b)]
         assert len(asked) - len(EMPTY_THOUGHT) <= len(common) < len(asked)  # (the call, not the thought)
         assert after.usage.reused_tokens >= len(model.tokenize(common)) - 1, after.usage  # (a boundary)
@@ -319,13 +322,13 @@ def test_tool_choice_none_still_declares_the_tools(smollm2: Model, fixture_path:
     25 times its new tokens while "none" left the tools out."""
     messages = [{"role": "user", "content": "Hi"}]
     for choice in ("auto", "required"):
-        assert smollm2.local.render(messages, tools=checked_tools([WEATHER], "none")) == smollm2.local.render(
-            messages, tools=checked_tools([WEATHER], choice)
-        )
+        assert internals.local(smollm2).render(
+            messages, tools=checked_tools([WEATHER], "none")
+        ) == internals.local(smollm2).render(messages, tools=checked_tools([WEATHER], choice))
     with Model(
         fixture_path("smollm2-qwen25-template.gguf"), threads=1, use_jinja=True, anticipate=False
     ) as qwen:
-        declared = qwen.local.render(messages, tools=checked_tools([WEATHER], "none"))
-        assert "get_weather" in declared and declared == qwen.local.render(
+        declared = internals.local(qwen).render(messages, tools=checked_tools([WEATHER], "none"))
+        assert "get_weather" in declared and declared == internals.local(qwen).render(
             messages, tools=checked_tools([WEATHER])
         )

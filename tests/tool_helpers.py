@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import internals
 import jinja2
 import jinja2.ext
 import pytest
@@ -56,7 +57,7 @@ def hf_render(model: Model, messages: list[dict[str, Any]], tools: list[Any]) ->
                 for c in m["tool_calls"]
             ]
         hf.append(m)
-    native = model.native
+    native = internals.local(model).native
     bos, eos = native.token_text(native.bos()), native.token_text(native.eos())
     assert model.template is not None
     return env.from_string(model.template).render(
@@ -91,7 +92,10 @@ def steered(monkeypatch: pytest.MonkeyPatch, model: Model, target: str) -> None:
     from llmsession.native.constraints import GuidedSampler
 
     left, sample, forced = [target], GuidedSampler.sample, GuidedSampler.forced
-    pieces = [model.native.piece(t).decode("utf-8", "replace") for t in range(model.native.n_vocab)]
+    pieces = [
+        internals.local(model).native.piece(t).decode("utf-8", "replace")
+        for t in range(internals.local(model).native.n_vocab)
+    ]
 
     def advance(tokens: list[int]) -> None:
         for token in tokens:

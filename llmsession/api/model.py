@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
+from llmsession.api.backend import Backend
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_configs, session_config
 from llmsession.errors import UnsupportedFeatureError
 from llmsession.options import GenerationOptions
@@ -18,79 +19,44 @@ from llmsession.text.tools import checked_tools
 if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is imported)
     from typing_extensions import Unpack
 
-    from llmsession.config import ModelSettings, SessionSettings
+    from llmsession.config import KvType, ModelSettings, SessionSettings
     from llmsession.engine.budget import MemoryReport
-    from llmsession.native.llama import NativeModel
-    from llmsession.native.projector import Projector
     from llmsession.runtime.aio import AsyncStream
+    from llmsession.runtime.choices import Choices
+    from llmsession.runtime.face import Session, Stream
     from llmsession.runtime.local import LocalModel
-    from llmsession.runtime.session import Session
-    from llmsession.runtime.stream import Stream
     from llmsession.text.renderer import Renderer
-    from llmsession.text.tools import Tools
 
 
-class Backend(Protocol):
-    """What ``Model`` delegates to; ``LocalModel`` and ``IsolatedModel`` both are one."""
+def local_model(model: Model) -> LocalModel:
+    """The model in this process behind ``model`` (its engine, native model, prompts), for the
+    package's own commands and the tests; a model in a worker process has none here:
+    ``UnsupportedFeatureError``. Not part of the public surface."""
+    from llmsession.runtime.local import LocalModel
 
-    path: Path
-    mmproj_path: Path | None
-    threads: int
-    use_jinja: bool
-    renderer: Renderer
-    flash_attention: bool | None
-    kv_type: str
-    anticipate: bool
-    template: str | None
-    media_marker: str
-
-    @property
-    def closed(self) -> bool: ...
-    def session(self, config: SessionConfig) -> Session: ...
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        *,
-        thinking: bool = False,
-        tools: Tools | None = None,
-        tool_format: str | None = None,
-    ) -> str: ...
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
-    def detokenize(self, tokens: Sequence[int]) -> str: ...
-    def prompt_tokens(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        thinking: bool = False,
-        tools: Tools | None = None,
-        tool_format: str | None = None,
-    ) -> list[int]: ...
-    def chat_stream(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        options: GenerationOptions | None,
-        tenant: str | None,
-        config: SessionConfig,
-    ) -> Stream: ...
-    def complete_stream(
-        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
-    ) -> Stream: ...
-    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> Session: ...
-    def memory(self) -> MemoryReport: ...
-    def identity(self) -> str: ...
-    def projector_identity(self) -> str | None: ...
-    def close(self) -> None: ...
+    if not isinstance(model._backend, LocalModel):
+        raise UnsupportedFeatureError("this model runs in a worker process: only the public API reaches it")
+    return model._backend
 
 
-class Setting:
+T = TypeVar("T")
+
+
+class Setting(Generic[T]):
     """A setting the model was loaded with, read from its backend (``model.threads``, ...)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, model: Model | None, owner: type) -> Any:
-        return self if model is None else getattr(model.backend, self.name)
+    @overload
+    def __get__(self, model: None, owner: type) -> Setting[T]: ...
+    @overload
+    def __get__(self, model: Model, owner: type) -> T: ...
+    def __get__(self, model: Model | None, owner: type) -> Setting[T] | T:
+        if model is None:
+            return self
+        value: T = getattr(model._backend, self.name)
+        return value
 
     def __set__(self, model: Model, value: object) -> None:
         raise AttributeError(f"{self.name} is fixed when the model is loaded")
@@ -114,14 +80,14 @@ class Model:
     model:`` frees the model and every session's state on exit.
     """
 
-    threads = Setting()  # the decode threads (as chosen at load)
-    use_jinja = Setting()  # whether jinja renders the prompts (as chosen at load)
-    renderer = Setting()  # how prompts are rendered, and why (``Renderer``)
-    flash_attention = Setting()  # as chosen at load (None: llama.cpp's choice)
-    kv_type = Setting()
-    anticipate = Setting()
-    template = Setting()  # the chat template in use (text or a llama.cpp built-in's name; None: chatml)
-    media_marker = Setting()  # where an image's embeddings go in a rendered prompt
+    threads: Setting[int] = Setting()  # the decode threads (as chosen at load)
+    use_jinja: Setting[bool] = Setting()  # whether jinja renders the prompts (as chosen at load)
+    renderer: Setting[Renderer] = Setting()  # how prompts are rendered, and why
+    flash_attention: Setting[bool | None] = Setting()  # as chosen at load (None: llama.cpp's choice)
+    kv_type: Setting[KvType] = Setting()
+    anticipate: Setting[bool] = Setting()
+    template: Setting[str | None] = Setting()  # the template in use (None: chatml)
+    media_marker: Setting[str] = Setting()  # where an image's embeddings go in a rendered prompt
 
     def __init__(
         self,
@@ -138,37 +104,16 @@ class Model:
         config = dataclasses.replace(config, rpc_servers=tuple(str(endpoint) for endpoint in servers))
         self.config, self.memory_config = config, memory  # as asked (``memory()``: as chosen)
         self.isolated = config.runs_isolated
-        self.backend: Backend
+        self._backend: Backend
         if self.isolated:  # (its worker's LocalModel checks the servers, right before llama.cpp)
             from llmsession.remote.isolated import IsolatedModel
 
-            self.backend = IsolatedModel(path, config, memory)
+            self._backend = IsolatedModel(path, config, memory)
         else:
             from llmsession.runtime.local import LocalModel
 
-            self.backend = LocalModel(path, config, memory)
-        self.path, self.mmproj_path = self.backend.path, self.backend.mmproj_path
-
-    @property
-    def local(self) -> LocalModel:
-        """The model in this process (its engine, native model, prompts); an isolated model has
-        none here: ``UnsupportedFeatureError``."""
-        from llmsession.runtime.local import LocalModel
-
-        if not isinstance(self.backend, LocalModel):
-            raise UnsupportedFeatureError(
-                "this model runs in a worker process: only the public API reaches it"
-            )
-        return self.backend
-
-    @property
-    def native(self) -> NativeModel:
-        """The loaded llama.cpp model (in-process models only)."""
-        return self.local.native
-
-    @property
-    def projector(self) -> Projector | None:
-        return self.local.projector
+            self._backend = LocalModel(path, config, memory)
+        self.path, self.mmproj_path = self._backend.path, self._backend.mmproj_path
 
     def session(
         self,
@@ -193,7 +138,7 @@ class Model:
         settings: dict[str, Any] = dict(overrides)
         if system is not None:
             settings["system"] = system
-        return self.backend.session(session_config(config, settings))
+        return self._backend.session(session_config(config, settings))
 
     def render(
         self,
@@ -209,17 +154,17 @@ class Model:
         pydantic classes, as ``GenerationOptions.tools`` takes them) renders, as Hugging
         Face's ``apply_chat_template(conversation, tools=...)`` does."""
         checked = checked_tools(tools, tool_choice)
-        return self.backend.render(
+        return self._backend.render(
             messages, add_generation_prompt, thinking=thinking, tools=checked, tool_format=tool_format
         )
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
-        return self.backend.tokenize(text, add_special)
+        return self._backend.tokenize(text, add_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of token ids; an id outside the vocabulary raises ValueError naming it."""
-        return self.backend.detokenize(tokens)
+        return self._backend.detokenize(tokens)
 
     def prompt_tokens(
         self,
@@ -233,7 +178,9 @@ class Model:
         """The tokens of a text-only transcript's prompt, with these tools, as an exchange
         decodes them (``render``'s text, with the replies generated here as they were)."""
         checked = checked_tools(tools, tool_choice)
-        return self.backend.prompt_tokens(messages, thinking=thinking, tools=checked, tool_format=tool_format)
+        return self._backend.prompt_tokens(
+            messages, thinking=thinking, tools=checked, tool_format=tool_format
+        )
 
     def chat(
         self,
@@ -268,7 +215,7 @@ class Model:
     ) -> Stream:
         """``chat`` as a stream of snapshots."""
         settings = session_config(config, dict(overrides))
-        return self.backend.chat_stream(messages, options, tenant, settings)
+        return self._backend.chat_stream(messages, options, tenant, settings)
 
     def achat_stream(
         self,
@@ -284,7 +231,7 @@ class Model:
         from llmsession.runtime.aio import AsyncStream
 
         settings = session_config(config, dict(overrides))
-        return AsyncStream(lambda: self.backend.chat_stream(messages, options, tenant, settings))
+        return AsyncStream(lambda: self._backend.chat_stream(messages, options, tenant, settings))
 
     async def achat(
         self,
@@ -299,6 +246,39 @@ class Model:
         from llmsession.runtime.aio import adrain
 
         return await adrain(self.achat_stream(messages, options, tenant=tenant, config=config, **overrides))
+
+    def chat_choices(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None = None,
+        *,
+        n: int,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
+    ) -> Choices:
+        """``n`` answers to the last message of ``messages`` (OpenAI's ``n``), as ``chat``'s
+        calls are routed: the prompt is decoded once, then each choice answers on a fork of its
+        state (a copy, not a re-decode), sampling with ``options.seed + i`` so the choices
+        differ. Each choice's ``Stream`` starts when first iterated (each may run in a thread of
+        its own); ``prompt`` is then the prompt's usage, counted once. On a model in a worker
+        process the choices are ``n`` calls."""
+        settings = session_config(config, dict(overrides))
+        return self._backend.chat_choices(messages, options, tenant, settings, n)
+
+    def complete_choices(
+        self,
+        prompt: str,
+        options: GenerationOptions | None = None,
+        *,
+        n: int,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
+        **overrides: Unpack[SessionSettings],
+    ) -> Choices:
+        """``n`` continuations of a raw ``prompt`` sharing one prefill (``chat_choices``)."""
+        settings = session_config(config, dict(overrides))
+        return self._backend.complete_choices(prompt, options, tenant, settings, n)
 
     def complete(
         self,
@@ -327,7 +307,7 @@ class Model:
     ) -> Stream:
         """``complete`` as a stream of snapshots."""
         settings = session_config(config, dict(overrides))
-        return self.backend.complete_stream(prompt, options, tenant, settings)
+        return self._backend.complete_stream(prompt, options, tenant, settings)
 
     def acomplete_stream(
         self,
@@ -342,7 +322,7 @@ class Model:
         from llmsession.runtime.aio import AsyncStream
 
         settings = session_config(config, dict(overrides))
-        return AsyncStream(lambda: self.backend.complete_stream(prompt, options, tenant, settings))
+        return AsyncStream(lambda: self._backend.complete_stream(prompt, options, tenant, settings))
 
     async def acomplete(
         self,
@@ -363,30 +343,30 @@ class Model:
         belongs to this model and build (else the next reply's ``usage.cache_note`` says why).
         ``overrides`` take the place of its saved settings (``context_size``, ...)."""
         session_config(None, dict(overrides))  # (checked here: an unknown or wrong one is refused)
-        return self.backend.load_session(path, dict(overrides))
+        return self._backend.load_session(path, dict(overrides))
 
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the
         counts of parks, restores and drops so far."""
-        return self.backend.memory()
+        return self._backend.memory()
 
     def identity(self) -> str:
         """The model file's sha256 (what a saved KV state belongs to), computed once."""
-        return self.backend.identity()
+        return self._backend.identity()
 
     def projector_identity(self) -> str | None:
         """The projector file's sha256, or None without one."""
-        return self.backend.projector_identity()
+        return self._backend.projector_identity()
 
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free the shared
         memory, then the projector and the model. Any later use raises ModelClosedError."""
-        self.backend.close()
+        self._backend.close()
 
     @property
     def closed(self) -> bool:
         """Whether the model was closed (or its worker process is gone)."""
-        return self.backend.closed
+        return self._backend.closed
 
     def __enter__(self) -> Model:
         return self

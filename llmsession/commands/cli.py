@@ -53,7 +53,7 @@ def chat(args: argparse.Namespace) -> int:
             session = model.session(system=args.system, context_size=args.context_size)
             if sys.stdin.isatty():
                 print(f"{model_path.name}: /help lists the commands, Ctrl-D quits", flush=True)
-            return Chat(session, options, has_projector=args.mmproj is not None).run()
+            return Chat(model, session, options, has_projector=args.mmproj is not None).run()
     except (LlmSessionError, ValueError) as e:
         error(str(e))
         return 1

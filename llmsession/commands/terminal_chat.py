@@ -17,11 +17,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmsession.api.model import Model, local_model
 from llmsession.commands.doctor import error
 from llmsession.errors import LlmSessionError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply, ToolCall
-from llmsession.runtime.session import Session
+from llmsession.runtime.face import Session
 
 MAX_ROUNDS = 8  # tool rounds after one message
 HELP = """commands:
@@ -65,8 +66,10 @@ class Totals:
 class Chat:
     """The chat loop's state: the session, images waiting for the next message, and totals."""
 
-    def __init__(self, session: Session, options: GenerationOptions, has_projector: bool) -> None:
-        self.session = session
+    def __init__(
+        self, model: Model, session: Session, options: GenerationOptions, has_projector: bool
+    ) -> None:
+        self.model, self.session = model, session
         self.options = options
         self.after_results = replace(options, tool_choice="auto")  # (a forced call, then the answer)
         self.has_projector = has_projector
@@ -97,7 +100,7 @@ class Chat:
             self.note("[reset]")
         elif name == "/stats":
             self.note(str(self.totals))
-            self.note(str(self.session.model.memory()))
+            self.note(str(self.model.memory()))
         elif name == "/help":
             print(HELP, file=self.out)
         else:
@@ -127,7 +130,7 @@ class Chat:
         except (OSError, ValueError, RecursionError) as problem:  # (nested too deep for json)
             error(f"cannot read a JSON schema from {path}: {problem or type(problem).__name__}")
             return
-        self.session.model.constraint(GenerationOptions(json_schema=schema))  # GrammarError now
+        local_model(self.model).constraint(GenerationOptions(json_schema=schema))  # GrammarError now
         self.schema = schema
         self.note(f"[the next reply follows the schema in {path}]")
 

@@ -16,23 +16,23 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.engine.budget import MemoryReport
-from llmsession.engine.prompt import Prompt
 from llmsession.errors import BackendError, GrammarError, ModelClosedError
-from llmsession.options import GenerationOptions, checked_options
+from llmsession.options import GenerationOptions, check_int, checked_options
 from llmsession.remote.process import WorkerProcess
-from llmsession.replies import Message, Reply, Snapshot
-from llmsession.runtime.aio import AsyncStream
-from llmsession.runtime.session import Session, said_messages
-from llmsession.runtime.stream import Stream
+from llmsession.replies import Reply, Snapshot
+from llmsession.runtime.choices import MAX_CHOICES, Choices, Lazy, seeded
+from llmsession.runtime.face import Session, Stream
+from llmsession.runtime.session import said_messages
 from llmsession.text.messages import check_messages
 from llmsession.text.renderer import Renderer
 from llmsession.text.schemas import schema_document
-from llmsession.text.tools import Tools, tool_from
+from llmsession.text.tools import tool_from
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
@@ -40,7 +40,7 @@ LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a s
 def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | None, type | None]:
     """Options that travel to the worker: a JSON schema as a plain JSON object, checked here as
     in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
-    pydantic class goes as its schema, and comes back with the reply (``IsolatedStream``
+    pydantic class goes as its schema, and comes back with the reply (``WorkerStream``
     parses ``parsed`` into it here). Tools go as their specs, checked here first."""
     options = checked_options(options)
     if options.tools:
@@ -82,16 +82,17 @@ class IsolatedModel:
         """The worker process's parent end (its ``process`` is the ``Popen``)."""
         return self._worker
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def call(self, op: str, *args: Any) -> Any:
+        """One operation in the worker (``remote.worker``), unless this model is closed."""
         if self._closed:
             raise ModelClosedError("this model is closed")
         return self._worker.call(op, *args)
 
     def _model_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self._call("model", name, args, kwargs)
+        return self.call("model", name, args, kwargs)
 
-    def session(self, config: SessionConfig) -> IsolatedSession:
-        return IsolatedSession(self, self._call("session", config))
+    def session(self, config: SessionConfig) -> WorkerSession:
+        return WorkerSession(self, self.call("session", config))
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
@@ -129,18 +130,51 @@ class IsolatedModel:
     ) -> Stream:
         check_messages(messages)  # as in-process, before pickling
         options, schema_class = portable(options)
-        key = self._call("chat_stream", list(messages), options, tenant, config)
-        return IsolatedStream(self, None, key, schema_class)
+        key = self.call("chat_stream", list(messages), options, tenant, config)
+        return WorkerStream(self, None, key, schema_class)
 
     def complete_stream(
         self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
     ) -> Stream:
         options, schema_class = portable(options)
-        key = self._call("complete_stream", prompt, options, tenant, config)
-        return IsolatedStream(self, None, key, schema_class)
+        key = self.call("complete_stream", prompt, options, tenant, config)
+        return WorkerStream(self, None, key, schema_class)
 
-    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> IsolatedSession:
-        return IsolatedSession(self, self._call("load_session", str(path), dict(overrides)))
+    def chat_choices(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        n: int,
+    ) -> Choices:
+        """``n`` stateless calls, each started when first iterated (the worker's sessions are
+        not here to fork: each choice decodes the prompt, reusing what its session holds)."""
+        options = checked_options(options)
+        check_messages(messages)
+        check_int("n", n, 1, MAX_CHOICES)
+        streams: list[Stream] = [
+            Lazy(partial(self.chat_stream, messages, seeded(options, i), tenant, config)) for i in range(n)
+        ]
+        return Choices(streams, lambda: None)
+
+    def complete_choices(
+        self,
+        prompt: str,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        n: int,
+    ) -> Choices:
+        options = checked_options(options)
+        check_int("n", n, 1, MAX_CHOICES)
+        streams: list[Stream] = [
+            Lazy(partial(self.complete_stream, prompt, seeded(options, i), tenant, config)) for i in range(n)
+        ]
+        return Choices(streams, lambda: None)
+
+    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> WorkerSession:
+        return WorkerSession(self, self.call("load_session", str(path), dict(overrides)))
 
     def close(self) -> None:
         if not self._closed:
@@ -155,34 +189,30 @@ class IsolatedModel:
         return self._closed or self._worker.failure is not None
 
 
-class IsolatedSession(Session):
+class WorkerSession(Session):
     """A session of an ``IsolatedModel``: its transcript is here, its state in the worker."""
 
     def __init__(self, model: IsolatedModel, handle: tuple[int, SessionConfig, list[Any]]) -> None:
-        self.model = model  # type: ignore[assignment]  # (its model is the worker's)
+        self._model = model
         self._key, config, messages = handle
         self._sync(messages)
-        self.asked = config
-        self.context_size, self.batch_size = config.context_size, config.batch_size  # type: ignore[assignment]
-        self.thinking, self.swa_full, self.share_prefix = (
-            config.thinking,
-            config.swa_full,
-            config.share_prefix,
-        )
+        self._config = config
+        self.context_size, self.batch_size = cast(int, config.context_size), config.batch_size
+        self.thinking, self.swa_full = config.thinking, config.swa_full
+        self.share_prefix = config.share_prefix
         self._closed = False
-        weakref.finalize(self, model._worker.tell, None, "drop", (self._key,))
+        weakref.finalize(self, model.worker.tell, None, "drop", (self._key,))
 
     @property
-    def _isolated(self) -> IsolatedModel:
-        assert isinstance(self.model, IsolatedModel)
-        return self.model
+    def config(self) -> SessionConfig:
+        return self._config
 
-    def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
+    def stream(self, content: Any, options: GenerationOptions | None = None) -> WorkerStream:
         check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
         options, schema_class = portable(options)
-        key, messages = self._isolated._call("stream", self._key, self._edits(), content, options)
+        key, messages = self._model.call("stream", self._key, self._edits(), content, options)
         self._sync(messages)  # with the exchange of an unfinished stream it finished first
-        return IsolatedStream(self._isolated, self, key, schema_class)
+        return WorkerStream(self._model, self, key, schema_class)
 
     def _edits(self) -> list[Any] | None:
         """The transcript if it was changed here since the worker's was last seen, else None:
@@ -192,76 +222,55 @@ class IsolatedSession(Session):
     def _sync(self, messages: list[Any]) -> None:
         self.messages, self._synced = messages, copy.deepcopy(messages)
 
+    def forget_sync(self) -> None:
+        """The worker's transcript may hold an interrupted exchange: send ours next time."""
+        self._synced = None
+
     _synced: list[Any] | None
 
-    def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
-        options = checked_options(options)
-        return AsyncStream(lambda: self.stream(content, options))
-
     def _session_call(self, name: str, *args: Any) -> Any:
-        value, messages = self._isolated._call("session_call", self._key, self._edits(), name, args)
+        value, messages = self._model.call("session_call", self._key, self._edits(), name, args)
         self._sync(messages)
         return value
 
     def clear_cached_context(self) -> None:
         self._session_call("clear_cached_context")
 
-    def fork(self) -> Session:
-        return IsolatedSession(self._isolated, self._session_call("fork"))
+    def fork(self) -> WorkerSession:
+        return WorkerSession(self._model, self._session_call("fork"))
 
     def save(self, path: str | Path) -> None:
         self._session_call("save", str(path))
 
     def close(self) -> None:
-        if not self._closed and not self._isolated.closed:
+        if not self._closed and not self._model.closed:
             self._session_call("close")
         self._closed = True
 
-    def start(
-        self,
-        said: list[Message],
-        options: GenerationOptions,
-        prompt: Prompt | None = None,
-        tools: Tools | None = None,
-    ) -> Stream:
-        """``stream`` for whole messages (their prompt and tools are always made in the worker)."""
-        if prompt is not None:
-            prompt.close()
-        return self.stream(said, options)
-
-    def shut(self, *, model_closing: bool = True) -> None:
-        self._closed = True
-
-    @property
-    def idle(self) -> bool:
-        """Never: only the worker's own stateless calls take sessions, never a proxy."""
-        return False
-
     @property
     def closed(self) -> bool:
-        return self._closed or self._isolated.closed
+        return self._closed or self._model.closed
 
     @property
     def cached_tokens(self) -> int:
-        return int(self._isolated._call("cached_tokens", self._key))
+        return int(self._model.call("cached_tokens", self._key))
 
 
-class IsolatedStream(Stream):
+class WorkerStream(Stream):
     """A stream whose steps run in the worker, one round trip each (nothing decodes between)."""
 
     def __init__(
         self,
         model: IsolatedModel,
-        session: IsolatedSession | None,
+        session: WorkerSession | None,
         key: int,
         schema_class: type | None = None,
     ) -> None:
-        # None for Model.chat_stream: its session is the worker's own
-        self.session = session  # type: ignore[assignment]
+        self.session = self._owner = session  # None for Model.chat_stream: its session is the worker's own
         self._model, self._key, self._schema_class = model, key, schema_class
         self._reply: Reply | None = None
         self._done = False
-        self._drop = weakref.finalize(self, model._worker.tell, None, "close_stream", (key,))
+        self._drop = weakref.finalize(self, model.worker.tell, None, "close_stream", (key,))
 
     @property
     def reply(self) -> Reply | None:
@@ -271,11 +280,11 @@ class IsolatedStream(Stream):
         if self._done:
             raise StopIteration
         try:
-            kind, *rest = self._model._call("next", self._key)
+            kind, *rest = self._model.call("next", self._key)
         except KeyboardInterrupt:  # as in-process: the decode stops, the transcript stays
-            self._model._worker.tell("interrupt")
-            if isinstance(self.session, IsolatedSession):
-                self.session._synced = None  # the worker's may hold the interrupted exchange
+            self._model.worker.tell("interrupt")
+            if self._owner is not None:
+                self._owner.forget_sync()
             raise
         if kind == "snapshot":
             snapshot: Snapshot = rest[0]
@@ -289,8 +298,8 @@ class IsolatedStream(Stream):
         failure being the GrammarError it is in-process, after the transcript is in step)."""
         self._done = True
         self._drop.detach()
-        if isinstance(self.session, IsolatedSession):
-            self.session._sync(messages)
+        if self._owner is not None:
+            self._owner._sync(messages)
         if self._schema_class is not None and reply.parsed is not None:  # the schema held
             try:
                 parsed = self._schema_class.model_validate_json(reply.text)  # type: ignore[attr-defined]
@@ -301,9 +310,9 @@ class IsolatedStream(Stream):
         self._reply = reply
 
     def cancel(self) -> None:
-        self._model._worker.tell("cancel", self._key)
+        self._model.worker.tell("cancel", self._key)
 
     def close(self) -> None:
         if not self._done:
-            _, reply, messages = self._model._call("close_stream", self._key)
+            _, reply, messages = self._model.call("close_stream", self._key)
             self._end(reply, messages)

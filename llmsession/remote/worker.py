@@ -31,9 +31,8 @@ from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.errors import NativeError
 from llmsession.native.cancel import ACTIVITY
 from llmsession.options import GenerationOptions
+from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.local import LocalModel
-from llmsession.runtime.session import Session
-from llmsession.runtime.stream import Stream
 
 BEAT_S = 0.25
 MODEL_CALLS = frozenset(
@@ -144,7 +143,8 @@ class Worker:
     def ended(self, key: int, stream: Stream) -> tuple[Any, ...]:
         """A stream that is over, forgotten: its reply and its session's transcript."""
         del self.objects[key]
-        return ("end", stream.reply, stream.session.messages)
+        session = stream.session
+        return ("end", stream.reply, session.messages if session is not None else [])
 
     def handle(self, session: Session) -> tuple[int, SessionConfig, list[Any]]:
         """What the parent's proxy of a session is made from."""

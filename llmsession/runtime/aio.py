@@ -11,12 +11,20 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmsession.replies import Reply, Snapshot
 
-if TYPE_CHECKING:
-    from llmsession.runtime.stream import Stream
+
+class Steps(Protocol):
+    """A stream of either kind, as the bridge drives it (``face.Stream``)."""
+
+    @property
+    def reply(self) -> Reply | None: ...
+    def __next__(self) -> Snapshot: ...
+    def cancel(self) -> None: ...
+    def close(self) -> None: ...
+
 
 _END = object()
 
@@ -24,9 +32,9 @@ _END = object()
 class AsyncStream:
     """``async for snapshot in session.astream(...)``; ``reply`` once it ends."""
 
-    def __init__(self, start: Callable[[], Stream]) -> None:
+    def __init__(self, start: Callable[[], Steps]) -> None:
         self._start = start
-        self._stream: Stream | None = None
+        self._stream: Steps | None = None
         self._step = threading.Lock()  # one step at a time: a close waits for the step in flight
         self._cancelled = False
 

@@ -3,18 +3,21 @@ kept for stateless calls, saved and loaded)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, session_config
 from llmsession.errors import SessionFileError
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, check_int, checked_options
+from llmsession.replies import Message
 from llmsession.runtime import persistence
+from llmsession.runtime.choices import MAX_CHOICES, Answer, Choices, Forks, prefill_options
 from llmsession.runtime.core import ModelCore
-from llmsession.runtime.session import Session
-from llmsession.runtime.stateless import StatelessSessions
-from llmsession.runtime.stream import Stream
+from llmsession.runtime.face import Stream
+from llmsession.runtime.session import LocalSession
+from llmsession.runtime.stateless import StatelessSessions, check_stateless, split
 
 # Sessions kept for stateless calls (``Model.chat``, the server's requests), at least: each is a
 # conversation whose next turn decodes only what is new. Their states are live, parked or cold as
@@ -40,9 +43,9 @@ class LocalModel(ModelCore):
         kept = config.stateless_sessions or default
         self.stateless = StatelessSessions(self, capacity=kept)
 
-    def session(self, config: SessionConfig) -> Session:
+    def session(self, config: SessionConfig) -> LocalSession:
         """A new conversation (``api.Model.session``)."""
-        return Session(self, config)
+        return LocalSession(self, config)
 
     def chat_stream(
         self,
@@ -60,7 +63,62 @@ class LocalModel(ModelCore):
         """A raw completion (``api.Model.complete``) as a stream of snapshots."""
         return self.stateless.complete(prompt, options, tenant, config)
 
-    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> Session:
+    def chat_choices(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        n: int,
+    ) -> Choices:
+        """``n`` choices of a stateless call sharing one prefill (``runtime.choices``)."""
+        check_stateless(config)
+        options = checked_options(options)
+        history, said = split(messages)  # (checked now, before anything decodes)
+
+        def prefill() -> Stream:
+            return self.stateless.stream(messages, prefill_options(options), tenant, config)
+
+        def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
+            fork.messages = copy.deepcopy(history)
+            return fork.stream(copy.deepcopy(said), chosen)
+
+        return self._forks(n, prefill, answer, options, tenant)
+
+    def complete_choices(
+        self,
+        prompt: str,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        n: int,
+    ) -> Choices:
+        """``n`` continuations of a raw prompt sharing one prefill."""
+        check_stateless(config)
+        options = checked_options(options)
+
+        def prefill() -> Stream:
+            return self.stateless.complete(prompt, prefill_options(options), tenant, config)
+
+        def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
+            fork.messages = []  # (its prompt is the text as it is, on the fork's cells)
+            said: list[Message] = [{"role": "user", "content": prompt}]
+            return fork.start(said, chosen, self.raw_prompt(prompt))
+
+        return self._forks(n, prefill, answer, options, tenant)
+
+    def _forks(
+        self,
+        n: int,
+        prefill: Callable[[], Stream],
+        answer: Answer,
+        options: GenerationOptions,
+        tenant: str | None,
+    ) -> Choices:
+        check_int("n", n, 1, MAX_CHOICES)
+        return Forks(n, prefill, answer, options, self.stateless.turn(tenant)).choices()
+
+    def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> LocalSession:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
         belongs to this model and build (else its next reply's ``usage.cache_note`` says why).
         A saved ``context_size`` larger than a live session holds here becomes that;
@@ -70,12 +128,12 @@ class LocalModel(ModelCore):
         if isinstance(size := settings.get("context_size"), int) and size > most:
             settings["context_size"] = most  # saved under a larger budget or the pool: what fits here
         try:
-            Session(
+            LocalSession(
                 self, SessionConfig(**settings)
             ).close()  # the file's own settings must be valid on their own
         except (TypeError, ValueError) as error:
             raise SessionFileError(f"{path}: invalid saved settings: {error}") from None
-        session = Session(self, session_config(SessionConfig(**settings), dict(overrides)))
+        session = LocalSession(self, session_config(SessionConfig(**settings), dict(overrides)))
         session.messages = persistence.saved_messages(saved)
         session.carry.load_note = persistence.restore(
             self,

@@ -29,11 +29,11 @@ from llmsession.errors import ContextOverflowError, ModelClosedError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply
 from llmsession.runtime import persistence
-from llmsession.runtime.aio import AsyncStream, adrain
 from llmsession.runtime.calling import Calling
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Carry, Exchange, Place
-from llmsession.runtime.stream import Guard, Stream, drain
+from llmsession.runtime.face import Session
+from llmsession.runtime.stream import Guard, LocalStream
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import Tools, options_tools
@@ -66,9 +66,12 @@ def too_many(config: MemoryPlan, most: int) -> str:
     )
 
 
-class Session:
-    """A conversation; create with ``Model.session()`` (``with model.session() as s:`` ends it
-    on exit). Its KV state lives in the model's engine."""
+class LocalSession(Session):
+    """A conversation with a model in this process (``face.Session`` says what it offers); its
+    KV state lives in the model's engine. Below the face: its ``lease`` of that memory, the
+    ``carry`` its next exchange reports, its own ``replies``, ``start`` for an exchange whose
+    prompt a stateless call made, and ``shut`` and ``idle`` for its model and the stateless
+    calls."""
 
     def __init__(self, model: ModelCore, config: SessionConfig) -> None:
         """``config`` as asked (checked when made); its context and batch are resolved here
@@ -108,25 +111,9 @@ class Session:
         self._tools: tuple[Tools | None, str | None] = (None, None)  # the latest exchange's, for its prompts
         model.sessions.add(self)  # its model's close() ends it
 
-    # -- public API ---------------------------------------------------------------------------
-    def respond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
-        """Send a user message and return the whole reply."""
-        return drain(self.stream(content, options))
-
-    def stream(self, content: Any, options: GenerationOptions | None = None) -> Stream:
-        """Send a user message (or a message, or messages: tool results); iterate the result
-        for snapshots as tokens decode."""
+    # -- the face ------------------------------------------------------------------------------
+    def stream(self, content: Any, options: GenerationOptions | None = None) -> LocalStream:
         return self.start(said_messages(content), checked_options(options))
-
-    def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
-        """``stream`` for asyncio: ``async for snapshot in session.astream(...)``. Every step runs
-        in a worker thread; cancelling the task cancels the exchange within one token."""
-        options = checked_options(options)
-        return AsyncStream(lambda: self.start(said_messages(content), options))
-
-    async def arespond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
-        """``respond`` for asyncio; the event loop runs on while the reply decodes."""
-        return await adrain(self.astream(content, options))
 
     def start(
         self,
@@ -134,7 +121,7 @@ class Session:
         options: GenerationOptions,
         prompt: Prompt | None = None,
         tools: Tools | None = None,
-    ) -> Stream:
+    ) -> LocalStream:
         """``stream`` for the messages an exchange answers and checked options, with its prompt
         if the caller already tokenized the transcript plus ``said`` (a stateless call does, to
         choose the session), made with ``tools`` (the options', checked); owns ``prompt``."""
@@ -155,54 +142,39 @@ class Session:
             except BaseException:
                 prompt.close()
                 raise
-            stream = Stream(self, exchange, self._guard)
+            stream = LocalStream(self, exchange, self._guard)
             self._latest, self._abandon = exchange, stream.abandon
             return stream
 
     def clear_cached_context(self) -> None:
-        """Forget the session's KV state (the next exchange decodes from scratch, but for what it
-        may start from of another session's: ``share_prefix``)."""
         with self._guard:
             self._quiesce()
             self.model.engine.discard(self.lease)
 
-    def fork(self) -> Session:
-        """A new session with a copy of this transcript and of its KV cache (a copy of the
-        state, not a re-decode): for alternatives and regenerations."""
+    def fork(self) -> LocalSession:
         with self._guard:
             self._quiesce()
-            twin = Session(self.model, self.asked)
+            twin = LocalSession(self.model, self.asked)
             twin.messages = copy.deepcopy(self.messages)
             twin.replies = self.replies.copy()
             self.model.engine.fork(self.lease, twin.lease)
             return twin
 
     def save(self, path: str | Path) -> None:
-        """Write the transcript and the KV cache to one file (atomically); ``Model.load_session``
-        reads it back, here or in another process. An unfinished stream is finished first."""
         target = target_file(path)  # a path that cannot be written is refused before any work
         with self._guard:
             self._quiesce()
             persistence.save(self.model, self.lease, self.messages, self.settings, target)
 
     def close(self) -> None:
-        """End the session: finish its stream, free its KV state; later calls raise
-        ``ModelClosedError`` (the transcript stays readable). Idempotent."""
         if self._guard.closed:
             return
         self.shut(model_closing=False)
         if not self.model.closed:
             self.model.engine.discard(self.lease)
 
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     @property
     def config(self) -> SessionConfig:
-        """The settings this session runs with: as asked, its context and batch resolved."""
         return dataclasses.replace(self.asked, context_size=self.context_size, batch_size=self.batch_size)
 
     @property
@@ -212,7 +184,6 @@ class Session:
 
     @property
     def cached_tokens(self) -> int:
-        """How many positions the session's KV state holds (live or parked)."""
         return len(self.lease.cache.items)
 
     @property

@@ -29,8 +29,8 @@ from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
-from llmsession.runtime.session import Session
-from llmsession.runtime.stream import Stream
+from llmsession.runtime.face import Stream
+from llmsession.runtime.session import LocalSession
 from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
@@ -38,6 +38,7 @@ from llmsession.text.tools import Tools, options_tools
 SIMILARITY = 0.5
 BRANCH = 16
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
+TURNS = 64  # locks by tenant (``turn``)
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,16 @@ class StatelessSessions:
     def __init__(self, model: ModelCore, capacity: int) -> None:
         self.model = model
         self.capacity = capacity
-        self._sessions: list[Session] = []
-        self._tenants: dict[Session, str | None] = {}  # whose calls each kept session serves
+        self._sessions: list[LocalSession] = []
+        self._tenants: dict[LocalSession, str | None] = {}  # whose calls each kept session serves
         self._records: OrderedDict[str | None, ReplyTokens] = OrderedDict()  # each tenant's replies
         self._lock = threading.Lock()
+        self._turns = tuple(threading.RLock() for _ in range(TURNS))
+
+    def turn(self, tenant: str | None) -> threading.RLock:
+        """The lock a tenant's calls take turns under to choose their session (and the prefill
+        of ``n`` choices holds until it is forked: ``choices.Forks``)."""
+        return self._turns[hash(tenant) % len(self._turns)]
 
     def stream(
         self,
@@ -121,10 +128,10 @@ class StatelessSessions:
         """Start ``call`` on the tenant's session whose cache shares most of ``prompt`` (owned
         from here), or on a new one; keep it for the next calls."""
         keep = config.share_prefix or tenant is not None
-        with self._lock:
+        with self.turn(tenant), self._lock:
             try:
                 session = self._take(tenant, prompt.items, config) if keep else None
-                session = session or Session(self.model, config)
+                session = session or LocalSession(self.model, config)
                 if record is not None:
                     session.replies = record  # its prompts splice only its tenant's replies
                 session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
@@ -158,7 +165,9 @@ class StatelessSessions:
             self._records.popitem(last=False)
         return record
 
-    def _take(self, tenant: str | None, items: Sequence[object], config: SessionConfig) -> Session | None:
+    def _take(
+        self, tenant: str | None, items: Sequence[object], config: SessionConfig
+    ) -> LocalSession | None:
         """The tenant's idle kept session whose cache is mostly a prefix of ``items`` (at least
         half of it: llama-server's similarity rule), else None (a new one) while there is room,
         else the least recently used idle one of the tenant's. Taking a session with little in

@@ -1,4 +1,4 @@
-"""One exchange as its caller sees it: ``Stream`` iterates the reply's snapshots, one
+"""One exchange as its caller sees it: ``LocalStream`` iterates the reply's snapshots, one
 ``exchange.Exchange`` step at a time, under its session's busy guard."""
 
 from __future__ import annotations
@@ -9,14 +9,9 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from llmsession.errors import ModelClosedError, SessionBusyError
-from llmsession.replies import Message, Reply, Snapshot
+from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.exchange import Exchange
-
-
-class Transcript(Protocol):
-    """What a stream tells of its session: the transcript, with the exchange once it ends."""
-
-    messages: list[Message]
+from llmsession.runtime.face import Session, Stream
 
 
 class Replying(Protocol):
@@ -55,10 +50,11 @@ def drain(stream: Replying) -> Reply:
     return stream.reply
 
 
-class Stream:
-    """An iterator of ``Snapshot``s; ``reply`` holds the final ``Reply`` once it ends."""
+class LocalStream(Stream):
+    """A stream decoded in this process: one ``exchange.Exchange`` step per snapshot, each under
+    its session's busy guard."""
 
-    def __init__(self, session: Transcript, exchange: Exchange, guard: Guard) -> None:
+    def __init__(self, session: Session, exchange: Exchange, guard: Guard) -> None:
         self.session = session
         self.exchange = exchange
         self._guard = guard
@@ -69,9 +65,6 @@ class Stream:
     @property
     def reply(self) -> Reply | None:
         return self.exchange.reply
-
-    def __iter__(self) -> Stream:
-        return self
 
     def __next__(self) -> Snapshot:
         if self.exchange.model_closed:
@@ -87,19 +80,11 @@ class Stream:
                 raise
 
     def cancel(self) -> None:
-        """Stop decoding before the next token (or mid-prefill); thread-safe and idempotent."""
         self.exchange.cancelled.set()
 
     def close(self) -> None:
-        """Cancel and finish the reply now (what was generated is kept)."""
         self.cancel()
         if self.exchange.done:
             return  # finished, or ended by its model's close()
         with self._guard:
             self.abandon()
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -5,7 +5,7 @@ that resends its history decodes only the new turn; its tenant is a digest of it
 ``user``, with ``share_prefix=False``, so two tenants never share cells (one's timings tell nothing
 of another's prompts). Each choice decodes in a thread of its own (``runner``): concurrent
 requests are batched by the engine, and the event loop never waits for a decode. ``n`` choices
-fork one prefill (``runner.Forks``). A client that goes away, even while it waits for room,
+fork one prefill (``Model.chat_choices``). A client that goes away, even while it waits for room,
 cancels its exchange within a token and leaves the queue.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,23 +24,19 @@ from starlette.types import Receive, Scope, Send
 
 from llmsession.config import SessionConfig
 from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError, UnavailableError
-from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
-from llmsession.runtime.stateless import split
 from llmsession.serve import sse
 from llmsession.serve.errors import ApiError, from_library, internal
 from llmsession.serve.metrics import Metrics
-from llmsession.serve.runner import Admission, Choices, Event, Forks
+from llmsession.serve.runner import Admission, Choices, Event
 from llmsession.serve.schema import ChatRequest
 
 if TYPE_CHECKING:
+    from llmsession import Stream
     from llmsession.api.model import Model
-    from llmsession.runtime.session import Session
-    from llmsession.runtime.stream import Stream
 
 log = logging.getLogger("llmsession.serve")
 T = TypeVar("T")
-TENANT_LOCKS = 64
 
 
 class ClientGone(Exception):
@@ -64,57 +59,38 @@ def explain(error: BaseException) -> ApiError:
     return known
 
 
-def seeded(options: GenerationOptions, index: int) -> GenerationOptions:
-    """Choice ``index``'s options: the seed moved on by the index, so the choices differ."""
-    if not index or options.seed is None:
-        return options
-    return dataclasses.replace(options, seed=(options.seed + index) % 0xFFFFFFFF)
-
-
 @dataclass
 class Host:
     """What every call shares: the model, its name in the API, its sessions' settings, the
-    admission, the counters, and locks by tenant (a tenant's stateless calls and the prefill and
-    forks of its ``n`` choices take turns choosing their session: ``runner.Forks``)."""
+    admission and the counters."""
 
     model: Model
     name: str
     settings: SessionConfig  # every stateless session's (``create_app(session=...)``)
     admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
-    locks: tuple[threading.Lock, ...] = field(
-        default_factory=lambda: tuple(threading.Lock() for _ in range(TENANT_LOCKS))
-    )
 
     def choices(self, asked: ChatRequest, tenant: str, released: Callable[[], None]) -> Choices:
-        """A request's choices, started: one stateless call, or ``n`` forks of one prefill (a
-        model in a worker process has no session here to fork: ``n`` stateless calls)."""
-        lock = self.locks[hash(tenant) % len(self.locks)]
+        """A request's choices, started: one stateless call, or the library's ``n`` choices of
+        one prefill (``Model.chat_choices``), kept apart by tenant."""
+        kept = dataclasses.replace(self.settings, share_prefix=False)
+        if asked.n == 1:
 
-        def call(options: GenerationOptions) -> Stream:
-            kept = dataclasses.replace(self.settings, share_prefix=False)
-            if asked.prompt is not None:
-                return self.model.complete_stream(asked.prompt, options, tenant=tenant, config=kept)
-            return self.model.chat_stream(asked.messages, options, tenant=tenant, config=kept)
+            def call(index: int) -> Stream:
+                if asked.prompt is not None:
+                    return self.model.complete_stream(asked.prompt, asked.options, tenant=tenant, config=kept)
+                return self.model.chat_stream(asked.messages, asked.options, tenant=tenant, config=kept)
 
-        def locked(index: int) -> Stream:
-            with lock:
-                return call(seeded(asked.options, index))
-
-        def answer(session: Session, index: int) -> Stream:
-            options = seeded(asked.options, index)
-            if asked.prompt is not None:  # a raw completion: its prompt as it is, on the fork
-                session.messages = []
-                said: list[Any] = [{"role": "user", "content": asked.prompt}]
-                return session.start(said, options, session.model.raw_prompt(asked.prompt))
-            session.messages, said = split(asked.messages)
-            return session.stream(said, options)
-
-        if asked.n == 1 or self.model.isolated:
-            return Choices(asked.n, locked, self.metrics.reply, released)
-        prefill = dataclasses.replace(asked.options, max_tokens=1, temperature=0.0, stop=())
-        forks = Forks(asked.n, lambda: call(prefill), answer, lock)  # (it takes the lock itself)
-        return Choices(asked.n, forks.start, self.metrics.reply, released, forks)
+            return Choices(1, call, self.metrics.reply, released)
+        if asked.prompt is not None:
+            forks = self.model.complete_choices(
+                asked.prompt, asked.options, n=asked.n, tenant=tenant, config=kept
+            )
+        else:
+            forks = self.model.chat_choices(
+                asked.messages, asked.options, n=asked.n, tenant=tenant, config=kept
+            )
+        return Choices(asked.n, forks.__getitem__, self.metrics.reply, released, forks)
 
 
 class EventStream(StreamingResponse):

@@ -1,7 +1,8 @@
 """Exchanges run off the event loop: each choice of a request iterates its stream in a thread of
 its own, so streams of concurrent requests step at once and the engine decodes them in one batch
 (``engine.batching`` batches the steps of streams iterated from several threads), and the loop
-only forwards their snapshots. ``Forks`` makes a request's choices share one prefill.
+only forwards their snapshots (``n`` choices that share a prefill are the library's:
+``Model.chat_choices``).
 ``Admission`` bounds how many run at once (the model's live sessions) and how many wait; past that
 a request is a 503 the client may retry."""
 
@@ -13,16 +14,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from llmsession.errors import MemoryBudgetError, ModelClosedError
 from llmsession.replies import Reply, Snapshot, Usage
-from llmsession.runtime.session import Session
-from llmsession.runtime.stream import drain
 from llmsession.serve.errors import busy
 
 if TYPE_CHECKING:
-    from llmsession.runtime.stream import Stream
+    from llmsession import Stream
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,11 @@ class Event:
         return self.snapshot is None
 
 
-class Cancelled(Exception):
-    """The request was cancelled before its choice began (nobody reads this)."""
+class Forked(Protocol):
+    """The library's ``Choices``, as the server reads them: the prompt's usage, counted once."""
+
+    @property
+    def prompt(self) -> Usage | None: ...
 
 
 class Run:
@@ -55,13 +56,11 @@ class Run:
         queue: asyncio.Queue[Event],
         ended: Callable[[Reply], None],
         released: Callable[[], None],
-        end: Callable[[], None] | None = None,
     ) -> None:
-        """``ended`` is called with the reply in the run's thread, ``end`` in the thread once the
-        stream is done (before the last event is sent: what it frees is free by then), and
-        ``released`` on the loop once the thread is done with the model."""
+        """``ended`` is called with the reply in the run's thread, and ``released`` on the loop
+        once the thread is done with the model (its stream closed: what it frees is free)."""
         self.index, self._start, self._queue = index, start, queue
-        self._ended, self._released, self._end = ended, released, end
+        self._ended, self._released = ended, released
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._stream: Stream | None = None
@@ -81,11 +80,6 @@ class Run:
             last = Event(self.index, reply=self._decode())
         except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
             last = Event(self.index, error=error)
-        if self._end is not None:
-            try:
-                self._end()
-            except BaseException as error:
-                last = last if last.error is not None else Event(self.index, error=error)
         self._send(last)
 
     def _decode(self) -> Reply:
@@ -120,91 +114,11 @@ class Run:
             self._released()
 
 
-class Forks:
-    """``n`` choices of one prompt sharing its cells: the first choice's thread decodes the
-    prompt once (``prefill``: a stateless call of one token, under the tenant's ``lock`` so that
-    no other call of the tenant takes its session before it is forked), then forks its session
-    ``n`` times (a copy of the state, not a re-decode); choice ``i`` answers on fork ``i``
-    (``answer``), which ``close`` ends. ``prompt`` is the prefill's usage."""
-
-    def __init__(
-        self,
-        n: int,
-        prefill: Callable[[], Stream],
-        answer: Callable[[Session, int], Stream],
-        lock: threading.Lock,
-    ) -> None:
-        self.n = n
-        self.prompt: Usage | None = None
-        self._prefill, self._answer, self._tenant = prefill, answer, lock
-        self._once = threading.Lock()  # the first thread prepares; the others wait for it
-        self._guard = threading.Lock()  # for cancel, from the loop
-        self._stream: Stream | None = None
-        self._cancelled = False
-        self._sessions: list[Session] | None = None
-        self._error: BaseException | None = None
-
-    def start(self, index: int) -> Stream:
-        with self._once:
-            if self._sessions is None and self._error is None:
-                try:
-                    self._sessions = self._prepare()
-                except BaseException as error:
-                    self._error = error
-        if self._error is not None:
-            raise self._error
-        assert self._sessions is not None
-        return self._answer(self._sessions[index], index)
-
-    def close(self, index: int) -> None:
-        with self._once:
-            sessions = self._sessions
-        if sessions is not None:
-            sessions[index].close()
-
-    def cancel(self) -> None:
-        with self._guard:
-            self._cancelled = True
-            stream = self._stream
-        if stream is not None:
-            stream.cancel()
-
-    def _prepare(self) -> list[Session]:
-        with self._tenant:
-            stream = self._prefill()
-            with self._guard:
-                self._stream = stream
-                if self._cancelled:
-                    stream.cancel()
-            try:
-                reply = drain(stream)
-            finally:
-                stream.close()
-            if reply.finish_reason == "cancelled":
-                raise Cancelled("the request was cancelled")
-            base = stream.session
-            if not isinstance(base, Session):
-                raise TypeError(f"a stateless call's session is a {type(base).__name__}")
-            forks: list[Session] = []
-            try:
-                while len(forks) < self.n:
-                    forks.append(base.fork())
-            except BaseException as error:
-                for fork in forks:
-                    fork.close()
-                if isinstance(error, ModelClosedError) and not base.model.closed:  # evicted
-                    raise MemoryBudgetError("the prompt's session was evicted before its forks") from None
-                raise
-        for fork in forks:
-            fork.looks_ahead = False  # (closed after its reply: nothing will follow it)
-        self.prompt = reply.usage
-        return forks
-
-
 class Choices:
-    """A request's choices, each a ``Run`` of ``start(index)`` (of ``forks`` if given); their
-    events in one queue. ``released`` is called on the loop once every run's thread is done
-    with the model, and ``finished`` is set then."""
+    """A request's choices, each a ``Run`` of ``start(index)`` (the library's ``forks`` if
+    ``n`` share a prefill: their ``prompt`` usage is the request's); their events in one queue.
+    ``released`` is called on the loop once every run's thread is done with the model, and
+    ``finished`` is set then."""
 
     def __init__(
         self,
@@ -212,13 +126,12 @@ class Choices:
         start: Callable[[int], Stream],
         ended: Callable[[Reply], None],
         released: Callable[[], None],
-        forks: Forks | None = None,
+        forks: Forked | None = None,
     ) -> None:
         self.n, self.queue, self.forks = n, asyncio.Queue[Event](), forks
         self.finished = asyncio.Event()
         self._left, self._released = n, released
-        ends = [None if forks is None else partial(forks.close, i) for i in range(n)]
-        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done, ends[i]) for i in range(n)]
+        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done) for i in range(n)]
 
     def _one_done(self) -> None:
         self._left -= 1
@@ -227,9 +140,7 @@ class Choices:
             self.finished.set()
 
     def cancel(self) -> None:
-        if self.forks is not None:
-            self.forks.cancel()
-        for run in self.runs:
+        for run in self.runs:  # (the forks' prefill stops once every choice is cancelled)
             run.cancel()
 
 

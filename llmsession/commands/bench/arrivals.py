@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmsession.api.model import Model
+from llmsession.api.model import Model, local_model
 from llmsession.commands.bench.common import batched_bench, flash_attn_option
 from llmsession.options import GenerationOptions
 
@@ -117,9 +117,11 @@ def arrivals(model: Model, exe: Path, repeats: int, long_tokens: int = 2000) -> 
     mid = [long_prompt_mid_stream(model, long_tokens, seed) for seed in range(repeats)]
     together = [prompts_together(model, 4, 200, 10 * seed + 1000) for seed in range(repeats)]
     n_prompt = len(model.prompt_tokens([{"role": "user", "content": text_of(model, 1000, 200)}]))
-    c = model.local.engine.config
+    c = local_model(model).engine.config
     options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size)]
-    options += [] if model.local.engine.own_cells(True) else ["-kvu"]  # (our layout: streams, or one pool)
+    options += (
+        [] if local_model(model).engine.own_cells(True) else ["-kvu"]
+    )  # (our layout: streams, or one pool)
     options += [
         "-npp",
         str(n_prompt),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from llama_cffi import lib_dir
 
+from llmsession.api.model import local_model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.native.llama import build_commit
@@ -141,7 +142,7 @@ def batched_bench(exe: Path, model_path: Path, threads: int, *options: str) -> d
 def mask_cost(model: Model, constraint: Constraint, text: str) -> float:
     """Milliseconds per token to compute ``constraint``'s mask and apply it to a logits row,
     walking its matcher along ``text``'s tokens: what a constrained step adds to the decode."""
-    n_vocab = model.native.n_vocab
+    n_vocab = local_model(model).native.n_vocab
     guide = constraint.sampler(Sampler.from_options(GenerationOptions(), n_vocab=n_vocab, last_n=0), n_vocab)
     logits, spent = np.zeros(n_vocab, np.float32), 0.0
     tokens = model.tokenize(text, add_special=False)

@@ -30,7 +30,7 @@ from typing import Any
 
 from llama_cffi import python_abort_checks
 
-from llmsession.api.model import Model
+from llmsession.api.model import Model, local_model
 from llmsession.commands.argtypes import positive_int, positive_ints
 from llmsession.commands.bench import arrivals
 from llmsession.commands.bench.common import (
@@ -67,7 +67,7 @@ def streams(model: Model, n: int, options: GenerationOptions, *, together: bool)
         assert stream.reply is not None
         ttft[i], tokens[i] = first - began, stream.reply.usage.completion_tokens
 
-    batcher = model.local.engine.batcher
+    batcher = local_model(model).engine.batcher
     batches, steps, began = batcher.batches, batcher.steps, time.perf_counter()
     if together:
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -126,9 +126,11 @@ def batched_reference(model: Model, sizes: str, max_tokens: int, exe: Path, repe
     length, ``max_tokens`` each, the engine's cells and batch size; medians of ``repeats`` runs."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(int(n) for n in sizes.split(",")))]
     npp = round(statistics.fmean(len(model.prompt_tokens([{"role": "user", "content": p}])) for p in prompts))
-    c = model.local.engine.config
+    c = local_model(model).engine.config
     options = ["-c", str(c.kv_tokens), "-b", str(c.batch_size), "-ub", str(c.batch_size)]
-    options += [] if model.local.engine.own_cells(True) else ["-kvu"]  # (our layout: streams, or one pool)
+    options += (
+        [] if local_model(model).engine.own_cells(True) else ["-kvu"]
+    )  # (our layout: streams, or one pool)
     options += ["-npp", str(npp), "-ntg", str(max_tokens), "-npl", sizes]
     options += ["-fa", flash_attn_option(model.flash_attention)]
     runs = [batched_bench(exe, model.path, model.threads, *options) for _ in range(repeats)]

@@ -36,7 +36,7 @@ from llmsession.commands.bench.report import MeasuredTurn, exchange, plot, repor
 from llmsession.engine.prefix import common_prefix
 from llmsession.options import GenerationOptions
 from llmsession.replies import Message
-from llmsession.runtime.session import Session
+from llmsession.runtime.face import Session
 
 SYSTEM = "You are a helpful, concise assistant."
 QUESTIONS = (

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from llmsession.api.model import Model
+from llmsession.api.model import Model, local_model
 from llmsession.commands.argtypes import positive_int, positive_ints
 from llmsession.commands.bench.common import common_arguments, machine, progress, publish, run_worker, table
 from llmsession.engine.prefix import PrefixCache
@@ -57,7 +57,7 @@ class ContextPerSession:
     def __init__(self, model: Model, n_ctx: int) -> None:
         self.model, self.messages = model, [{"role": "system", "content": SYSTEM}]
         self.context = NativeContext(
-            model.native,
+            local_model(model).native,
             n_ctx=n_ctx,
             n_batch=512,
             threads=model.threads,
@@ -75,10 +75,10 @@ class ContextPerSession:
             context.decode(prompt[i : i + 512], pos)
             self.cache.extend(prompt[i : i + 512])
             pos += len(prompt[i : i + 512])
-        sampler = Sampler.from_options(GREEDY, n_vocab=model.native.n_vocab, last_n=0)
+        sampler = Sampler.from_options(GREEDY, n_vocab=local_model(model).native.n_vocab, last_n=0)
         token, first = sampler.sample(context), time.perf_counter()
         ttft, generated = first - began, list[int]()
-        while len(generated) < GREEDY.max_tokens and not model.native.is_eog(token):
+        while len(generated) < GREEDY.max_tokens and not local_model(model).native.is_eog(token):
             generated.append(token)
             context.decode([token], pos)
             self.cache.extend([token])

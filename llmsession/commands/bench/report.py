@@ -12,7 +12,7 @@ from typing import Any
 
 from llmsession.commands.bench.common import table
 from llmsession.options import GenerationOptions
-from llmsession.runtime.session import Session
+from llmsession.runtime.face import Session
 
 
 @dataclass

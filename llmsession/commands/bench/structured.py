@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from llmsession.api.model import Model
+from llmsession.api.model import Model, local_model
 from llmsession.commands.argtypes import positive_int
 from llmsession.commands.bench.common import (
     common_arguments,
@@ -78,7 +78,7 @@ def ours(model: Model, ask: str, schema: dict[str, Any] | None, max_tokens: int)
 
 def schema_mask_cost(model: Model, schema: dict[str, Any], text: str) -> float:
     """A JSON schema's mask cost per token along ``text`` (a reply that holds to it)."""
-    constraint = model.local.constraint(GenerationOptions(json_schema=schema))
+    constraint = local_model(model).constraint(GenerationOptions(json_schema=schema))
     assert constraint is not None
     return mask_cost(model, constraint, text)
 
@@ -88,7 +88,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ours": {}}
     with Model(args.model, threads=args.threads) as model:
         model.session().respond("Hello", GenerationOptions(max_tokens=4, temperature=0))  # warm up
-        model.local.constraint(GenerationOptions(json_schema={"type": "object"}))  # build the tokenizer once
+        local_model(model).constraint(
+            GenerationOptions(json_schema={"type": "object"})
+        )  # build the tokenizer once
         results["machine"] = machine(model.threads)
         for name, case in CASES.items():
             progress(f"structured: {name}", started)

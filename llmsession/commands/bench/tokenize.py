@@ -23,7 +23,7 @@ from llmsession.commands.argtypes import positive_int
 from llmsession.commands.bench.common import common_arguments, machine, progress, publish, table
 from llmsession.commands.bench.main import QUESTIONS, SYSTEM
 from llmsession.options import GenerationOptions
-from llmsession.runtime.session import Session
+from llmsession.runtime.face import Session
 
 REPLY = GenerationOptions(max_tokens=48, temperature=0)
 

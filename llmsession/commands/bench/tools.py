@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmsession.api.model import Model
+from llmsession.api.model import Model, local_model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.commands.bench.common import machine, mask_cost, progress, publish, table
 from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
-from llmsession.runtime.session import Session
+from llmsession.runtime.face import Session
 from llmsession.runtime.stream import drain
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import options_tools
@@ -133,8 +133,8 @@ def respond(session: Session, said: Any, options: GenerationOptions) -> tuple[Re
 def auto_mask_cost(model: Model, text: str) -> float:
     """The "auto" constraint's mask cost per token along ``text`` (a reply that stays text)."""
     options = GenerationOptions(tools=TOOLS)
-    ids = CallIds(model.local.tool_format())
-    constraint = model.local.constraint(options, options_tools(options), [ids(k) for k in range(8)])
+    ids = CallIds(local_model(model).tool_format())
+    constraint = local_model(model).constraint(options, options_tools(options), [ids(k) for k in range(8)])
     assert constraint is not None
     return mask_cost(model, constraint, text)
 

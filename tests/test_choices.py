@@ -1,0 +1,98 @@
+"""``Model.chat_choices`` / ``complete_choices``: ``n`` answers of one prompt that share its
+prefill (the library's, which the server's ``n`` is built on). The prompt is decoded once; each
+choice answers on a fork of its state, as a fresh decode would (within the build's noise); a
+choice cancelled before it began ends at once; tenants stay apart."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from near_ties import assert_same_within_noise, scored
+
+from llmsession import Choices, GenerationOptions, Model, SessionConfig, Stream
+
+QUESTION = "You are a careful naturalist. List three animals of the Arctic and say why they thrive."
+GREEDY = scored(GenerationOptions(max_tokens=12, temperature=0))
+
+
+def run_all(choices: Choices) -> list[object]:
+    """Each choice iterated in a thread of its own, as the server runs them."""
+    replies: list[object] = [None] * len(choices)
+
+    def run(index: int, stream: Stream) -> None:
+        with stream:
+            for _ in stream:
+                pass
+        replies[index] = stream.reply
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(choices)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return replies
+
+
+def test_the_prompt_is_decoded_once_and_each_choice_answers_as_a_fresh_decode(smollm2: Model) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = len(smollm2.prompt_tokens(messages))
+    choices = smollm2.chat_choices(messages, GREEDY, n=3, tenant="choices-once", share_prefix=False)
+    assert len(choices) == 3 and choices.prompt is None  # nothing decodes before a choice runs
+    replies = run_all(choices)
+    assert choices.prompt is not None and choices.prompt.decoded_prompt_tokens == prompt
+    for reply in replies:
+        assert reply is not None and reply.usage.prompt_tokens == prompt  # type: ignore[attr-defined]
+        assert reply.usage.reused_tokens >= prompt - 1  # type: ignore[attr-defined]  # the fork's
+    fresh = smollm2.session(share_prefix=False).respond(QUESTION, GREEDY)
+    for reply in replies:
+        assert_same_within_noise(smollm2, reply, fresh)
+    assert all(stream.session is not None and stream.session.closed for stream in choices)
+
+
+def test_separate_calls_would_each_decode_the_prompt(smollm2: Model) -> None:
+    """The variant that must fail the check above: ``n`` calls of new tenants each prefill."""
+    messages = [{"role": "user", "content": QUESTION + " Be brief."}]
+    prompt = len(smollm2.prompt_tokens(messages))
+    decoded = [
+        smollm2.chat(messages, GREEDY, tenant=f"apart-{i}", share_prefix=False).usage.decoded_prompt_tokens
+        for i in range(2)
+    ]
+    assert decoded == [prompt, prompt]
+
+
+def test_a_raw_prompt_forks_too_and_a_tenant_reuses_its_own_prefill(smollm2: Model) -> None:
+    text = "The three largest animals of the Arctic are"
+    options = GenerationOptions(max_tokens=6, temperature=0.9, seed=7)
+    choices = smollm2.complete_choices(text, options, n=2, tenant="raw-forks", share_prefix=False)
+    replies = run_all(choices)
+    assert choices.prompt is not None and choices.prompt.decoded_prompt_tokens > 0
+    assert all(r is not None and r.usage.reused_tokens >= r.usage.prompt_tokens - 1 for r in replies)  # type: ignore[attr-defined]
+    again = smollm2.complete(text + " polar", options, tenant="raw-forks", share_prefix=False)
+    assert again.usage.reused_tokens >= choices.prompt.prompt_tokens - 1  # the prefill's session, kept
+    other = smollm2.complete(text + " polar", options, tenant="someone-else", share_prefix=False)
+    assert other.usage.reused_tokens == 0  # nothing crosses tenants
+
+
+def test_choices_cancelled_before_they_begin_end_at_once(smollm2: Model) -> None:
+    choices = smollm2.chat_choices(
+        [{"role": "user", "content": "Write a long story about the sea."}],
+        GenerationOptions(max_tokens=200, temperature=0.7, seed=1),
+        n=2,
+        config=SessionConfig(share_prefix=False),
+        tenant="cancelled-choices",
+    )
+    choices.cancel()
+    replies = run_all(choices)
+    assert [r.finish_reason for r in replies] == ["cancelled", "cancelled"]  # type: ignore[attr-defined]
+    assert all(r.usage.completion_tokens == 0 for r in replies)  # type: ignore[attr-defined]
+    assert smollm2.chat([{"role": "user", "content": "Hi"}], GenerationOptions(max_tokens=2)).text is not None
+
+
+def test_bad_arguments_are_refused_before_anything_decodes(smollm2: Model) -> None:
+    with pytest.raises(ValueError, match="n: must be between 1 and 128"):
+        smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=0)
+    with pytest.raises(TypeError, match="unknown session setting"):
+        smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, **{"context": 9})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="system prompt"):
+        smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, config=SessionConfig(system="x"))
