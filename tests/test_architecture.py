@@ -251,3 +251,229 @@ def test_every_subpackage_ships_in_the_wheel() -> None:
     )
     packages = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
     assert packages <= listed, f"missing from pyproject.toml: {sorted(packages - listed)}"
+
+
+# -- the public surface ----------------------------------------------------------------------------
+README = (PACKAGE.parent / "README.md").read_text()
+TOP_CLASSES = ("Model", "Session", "Stream", "AsyncStream", "Choices")
+INHERITED = {"index", "count"}  # ``Sequence``'s mixins on ``Choices``
+
+
+def public_surface() -> dict[str, object]:
+    """Everything ``llmsession`` exports, and ``llmsession.serve.create_app``."""
+    import llmsession
+    import llmsession.serve
+
+    surface = {name: getattr(llmsession, name) for name in llmsession.__all__}
+    surface["create_app"] = llmsession.serve.create_app
+    return surface
+
+
+def callables_of(name: str, value: object) -> list[tuple[str, object]]:
+    """A public function, or a public class's constructor and public methods."""
+    import inspect
+
+    if not isinstance(value, type):
+        return [(name, value)] if inspect.isfunction(value) else []  # (not a type alias)
+    found = [(f"{name}.__init__", value.__init__)] if "__init__" in vars(value) else []
+    for attr, member in vars(value).items():
+        if not attr.startswith("_") and callable(member):
+            found.append((f"{name}.{attr}", member))
+    return found
+
+
+def loose_keywords(name: str, function: object) -> list[str]:
+    """``**kwargs`` whose type a checker cannot see (unannotated, or ``Any``)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(function)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return []
+    return [
+        f"{name}(**{p.name}: {p.annotation if p.annotation is not p.empty else 'unannotated'})"
+        for p in signature.parameters.values()
+        if p.kind is p.VAR_KEYWORD and (p.annotation is p.empty or "Any" in str(p.annotation))
+    ]
+
+
+def test_no_public_signature_takes_untyped_keywords() -> None:
+    """Settings are typed (``Unpack[ModelSettings]``): a misspelled one is a type error."""
+    problems = [
+        problem
+        for name, value in public_surface().items()
+        for qualified, function in callables_of(name, value)
+        for problem in loose_keywords(qualified, function)
+    ]
+    assert problems == []
+
+
+def test_the_untyped_keywords_check_catches_one() -> None:
+    from typing import Any
+
+    def settings_as_before(path: str, **settings: Any) -> None: ...
+
+    def typed(path: str, **overrides: int) -> None: ...
+
+    assert loose_keywords("Model", settings_as_before) and not loose_keywords("Model", typed)
+
+
+def llmsession_classes() -> dict[str, str]:
+    """Every class and type alias defined at the top of an llmsession module, by name."""
+    found: dict[str, str] = {}
+    for module in MODULES:
+        for node in tree(module).body:
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, module)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and target.id[:1].isupper() and not target.id.isupper():
+                    found.setdefault(target.id, module)
+    return found
+
+
+def exposed_annotations(value: type) -> list[tuple[str, str]]:
+    """The annotations of a class's public fields, properties and methods' return values."""
+    import re
+
+    found = []
+    for klass in reversed(value.__mro__):
+        if klass.__module__.startswith("llmsession"):
+            for field, annotation in vars(klass).get("__annotations__", {}).items():
+                if not field.startswith("_"):  # (a ``Setting[T]`` descriptor reads as a T)
+                    found.append(
+                        (f"{value.__name__}.{field}", re.sub(r"^Setting\[(.*)\]$", r"\1", str(annotation)))
+                    )
+            for attr, member in vars(klass).items():
+                if attr.startswith("_"):
+                    continue
+                function = member.fget if isinstance(member, property) else member
+                returned = getattr(function, "__annotations__", {}).get("return")
+                if returned is not None:
+                    found.append((f"{value.__name__}.{attr}", str(returned)))
+    return found
+
+
+def unexported_types(exported: set[str], annotations: list[tuple[str, str]]) -> list[str]:
+    import re
+
+    ours = llmsession_classes()
+    return [
+        f"{where}: {name} ({ours[name]}) is not exported"
+        for where, annotation in annotations
+        for name in re.findall(r"[A-Za-z_]\w*", annotation)
+        if name in ours and name not in exported
+    ]
+
+
+def test_every_public_field_and_return_type_is_exported() -> None:
+    """What a public field holds or a public call returns can be named by its user: imported
+    from ``llmsession``, where a type checker and the documentation find it."""
+    surface = public_surface()
+    annotations = [
+        pair for value in surface.values() if isinstance(value, type) for pair in exposed_annotations(value)
+    ]
+    assert len(annotations) > 100
+    assert unexported_types(set(surface), annotations) == []
+
+
+def test_the_exported_types_check_catches_one() -> None:
+    """A variant that must fail: a reply field typed by a class ``llmsession`` does not export."""
+    from dataclasses import dataclass
+
+    import llmsession
+
+    @dataclass
+    class Leaky:
+        calls: tuple[ToolCall, ...]  # noqa: F821
+        tools: Tools | None  # noqa: F821  # (llmsession.text.tools: not exported)
+
+    Leaky.__module__ = "llmsession.leaky"
+    problems = unexported_types(set(llmsession.__all__), exposed_annotations(Leaky))
+    assert problems == ["Leaky.tools: Tools (llmsession.text.tools) is not exported"]
+
+
+def instance_attributes(value: type) -> set[str]:
+    """The public attributes a class's ``__init__`` assigns (``self.path = ...``)."""
+    import inspect
+    import textwrap
+
+    init = vars(value).get("__init__")
+    if init is None:
+        return set()
+    body = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    return {
+        target.attr
+        for node in ast.walk(body)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for target in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(target, ast.Attribute) and not target.attr.startswith("_")
+    }
+
+
+def public_names(value: type) -> set[str]:
+    names = set(instance_attributes(value))
+    for klass in value.__mro__:
+        if klass.__module__.startswith("llmsession"):
+            names |= {n for n in vars(klass) if not n.startswith("_")}
+            names |= {n for n in vars(klass).get("__annotations__", {}) if not n.startswith("_")}
+    return names - INHERITED
+
+
+def undocumented(value: type, readme: str) -> list[str]:
+    """The public names of ``value`` the README does not name in code (`` `name` ``,
+    `` `name(...)` ``, `` `obj.name` ``)."""
+    import re
+
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", readme, flags=re.S | re.M)
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", readme, flags=re.S | re.M)
+    spans = " ".join([*fenced, *re.findall(r"`([^`]+)`", prose)])
+    return sorted(n for n in public_names(value) if not re.search(rf"(?<![\w]){re.escape(n)}(?![\w])", spans))
+
+
+def test_the_top_classes_have_no_public_name_the_readme_does_not_document() -> None:
+    surface = public_surface()
+    problems = {name: undocumented(surface[name], README) for name in TOP_CLASSES}  # type: ignore[arg-type]
+    assert all(len(public_names(surface[name])) >= 3 for name in TOP_CLASSES)  # type: ignore[arg-type]
+    assert {name: names for name, names in problems.items() if names} == {}
+
+
+def test_the_readme_check_catches_an_undocumented_name() -> None:
+    class Model:
+        def session(self) -> None: ...
+
+        def lease(self) -> None: ...  # plumbing made public
+
+    Model.__module__ = "llmsession.api.model"
+    assert undocumented(Model, "`model.session()` makes one") == ["lease"]
+
+
+BELOW_THE_API = ("llmsession.runtime", "llmsession.engine", "llmsession.native", "llmsession.remote")
+
+
+def reaches_under(module: str) -> list[str]:
+    """What a server module imports from below the public API."""
+    return sorted(m for m in imports(module) if m.startswith(BELOW_THE_API))
+
+
+def test_the_server_stands_on_the_public_api() -> None:
+    """``serve/`` is routes and translation: every call it makes is one a library user can."""
+    server = [m for m in MODULES if m.startswith("llmsession.serve")]
+    assert len(server) >= 8
+    assert {m: found for m in server if (found := reaches_under(m))} == {}
+
+
+def test_the_server_check_catches_a_reach_under() -> None:
+    """The variant that must fail: the server's ``n`` as it was, on ``stateless.split``."""
+    import unittest.mock
+
+    source = "from llmsession.runtime.stateless import split\nfrom llmsession import Model\n"
+    tree.cache_clear()
+    imports.cache_clear()
+    try:
+        with unittest.mock.patch(f"{__name__}.tree", return_value=ast.parse(source)):
+            assert reaches_under("llmsession.serve.chat") == ["llmsession.runtime.stateless"]
+    finally:
+        tree.cache_clear()
+        imports.cache_clear()
