@@ -11,7 +11,7 @@ loaded. ``Model(path, config=..., memory=..., **overrides)`` and ``model.session
 from __future__ import annotations
 
 import dataclasses
-import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypedDict, TypeVar
@@ -42,9 +42,9 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 def _path(name: str, value: object) -> Path | None:
     if value is None or isinstance(value, Path):
         return value
-    if isinstance(value, str) and value:
+    if (isinstance(value, str) and value) or isinstance(value, os.PathLike):
         return Path(value)
-    raise TypeError(f"{name} must be a path (str or Path) or None, got {value!r:.40}")
+    raise TypeError(f"{name} must be a path (str or os.PathLike) or None, got {value!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -117,14 +117,18 @@ class ModelConfig:
             raise TypeError(f"chat_template must be a str, a Path or None, got {self.chat_template!r:.40}")
         _check_bool("anticipate", self.anticipate)
         servers = self.rpc_servers
-        if isinstance(servers, str) or not all(isinstance(s, str) for s in servers):
+        try:
+            listed = () if isinstance(servers, str) else tuple(servers)
+        except TypeError:
+            listed = ()
+        if (not listed and servers) or not all(isinstance(server, str) for server in listed):
             raise TypeError("rpc_servers must be a sequence of 'host:port' strings")
-        object.__setattr__(self, "rpc_servers", tuple(servers))
+        object.__setattr__(self, "rpc_servers", listed)
         _check_bool("isolated", self.isolated, optional=True)
         timeout = self.worker_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"worker_timeout must be a number of seconds, got {timeout!r:.40}")
-        if not (timeout > 0 and math.isfinite(timeout)):
+        if not timeout > 0:  # (NaN too; infinity waits for ever, as asked)
             raise ValueError(f"worker_timeout must be positive, got {timeout!r}")
         if self.stateless_sessions is not None:
             check_int("stateless_sessions", self.stateless_sessions, 1, MAX_STATELESS_SESSIONS)
@@ -165,6 +169,8 @@ class MemoryConfig:
         _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
         object.__setattr__(self, "disk_cache_dir", _path("disk_cache_dir", self.disk_cache_dir))
         check_int("batch_size", self.batch_size, 1, MAX_POSITIONS)
+        if self.checkpoints is None:  # (the default, as earlier versions took it)
+            object.__setattr__(self, "checkpoints", CheckpointConfig())
         if not isinstance(self.checkpoints, CheckpointConfig):
             raise TypeError(f"checkpoints must be a CheckpointConfig, got {type(self.checkpoints).__name__}")
 

@@ -4,6 +4,9 @@ and cancel through the task within one token."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
+import time
 
 import pytest
 from near_ties import assert_same_within_noise, scored
@@ -92,3 +95,47 @@ def test_closed_before_its_first_step_it_never_starts(smollm2: Model) -> None:
 def test_bad_options_fail_at_once(smollm2: Model) -> None:
     with pytest.raises(TypeError):
         smollm2.session().astream("Hello", {"max_tokens": 3})  # type: ignore[arg-type]
+
+
+def astream_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "llmsession-astream"]
+
+
+def test_a_dropped_stream_is_cancelled_and_its_thread_ends(smollm2: Model) -> None:
+    """The bridge's thread waits for the loop to ask for each step; a stream left unfinished
+    (a ``break``, then dropped) must not leave it waiting forever, holding the session."""
+    session = smollm2.session()
+
+    async def main() -> None:
+        stream = session.astream("Count from one to fifty.", GenerationOptions(max_tokens=100))
+        async for _ in stream:
+            break
+        assert len(astream_threads()) == 1  # waiting for the loop to ask for the next step
+        del stream
+
+    asyncio.run(main())
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while astream_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert astream_threads() == []
+    reply = session.respond("Still there?", GREEDY)
+    assert reply.usage.reused_tokens > 0 and session.messages[1]["content"]  # what it said is kept
+
+
+def test_the_server_side_of_the_bridge_decodes_on_without_asking(smollm2: Model) -> None:
+    """``ahead=None``: the thread decodes to the end while the loop has asked for one snapshot
+    only (the server forwards snapshots as they come); ``ahead=0`` waits (the variant)."""
+    from llmsession import AsyncStream
+
+    async def taken(ahead: int | None) -> int:
+        session = smollm2.session()
+        stream = AsyncStream(lambda: session.stream("Name three colours.", GREEDY), ahead=ahead)
+        await stream.__anext__()
+        await asyncio.sleep(1.0)
+        decoded = session.cached_tokens
+        await stream.aclose()
+        return decoded - len(smollm2.prompt_tokens([{"role": "user", "content": "Name three colours."}]))
+
+    assert asyncio.run(taken(None)) > 2
+    assert asyncio.run(taken(0)) <= 1

@@ -283,8 +283,9 @@ def callables_of(name: str, value: object) -> list[tuple[str, object]]:
 
 
 def loose_keywords(name: str, function: object) -> list[str]:
-    """``**kwargs`` whose type a checker cannot see (unannotated, or ``Any``)."""
+    """``**kwargs`` whose type a checker cannot see (unannotated, ``Any`` or ``object``)."""
     import inspect
+    import re
 
     try:
         signature = inspect.signature(function)  # type: ignore[arg-type]
@@ -293,7 +294,8 @@ def loose_keywords(name: str, function: object) -> list[str]:
     return [
         f"{name}(**{p.name}: {p.annotation if p.annotation is not p.empty else 'unannotated'})"
         for p in signature.parameters.values()
-        if p.kind is p.VAR_KEYWORD and (p.annotation is p.empty or "Any" in str(p.annotation))
+        if p.kind is p.VAR_KEYWORD
+        and (p.annotation is p.empty or re.search(r"\b(Any|object)\b", str(p.annotation)))
     ]
 
 
@@ -315,7 +317,10 @@ def test_the_untyped_keywords_check_catches_one() -> None:
 
     def typed(path: str, **overrides: int) -> None: ...
 
-    assert loose_keywords("Model", settings_as_before) and not loose_keywords("Model", typed)
+    def anything(path: str, **overrides: object) -> None: ...
+
+    assert loose_keywords("Model", settings_as_before) and loose_keywords("Model", anything)
+    assert not loose_keywords("Model", typed)
 
 
 def llmsession_classes() -> dict[str, str]:

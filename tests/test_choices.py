@@ -6,6 +6,7 @@ choice cancelled before it began ends at once; tenants stay apart."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from near_ties import assert_same_within_noise, scored
@@ -74,7 +75,7 @@ def test_a_raw_prompt_forks_too_and_a_tenant_reuses_its_own_prefill(smollm2: Mod
     assert other.usage.reused_tokens == 0  # nothing crosses tenants
 
 
-def test_choices_cancelled_before_they_begin_end_at_once(smollm2: Model) -> None:
+def test_choices_cancelled_before_they_begin_end_at_once_and_nothing_is_forked(smollm2: Model) -> None:
     choices = smollm2.chat_choices(
         [{"role": "user", "content": "Write a long story about the sea."}],
         GenerationOptions(max_tokens=200, temperature=0.7, seed=1),
@@ -82,11 +83,52 @@ def test_choices_cancelled_before_they_begin_end_at_once(smollm2: Model) -> None
         config=SessionConfig(share_prefix=False),
         tenant="cancelled-choices",
     )
+    before = len(smollm2.memory().sessions)
     choices.cancel()
     replies = run_all(choices)
     assert [r.finish_reason for r in replies] == ["cancelled", "cancelled"]  # type: ignore[attr-defined]
-    assert all(r.usage.completion_tokens == 0 for r in replies)  # type: ignore[attr-defined]
+    assert all(r.usage.completion_tokens == 0 and r.text == "" for r in replies)  # type: ignore[attr-defined]
+    assert all(stream.session is None for stream in choices)  # no fork was made
+    assert choices.prompt is not None and choices.prompt.decoded_prompt_tokens < choices.prompt.prompt_tokens
+    assert len(smollm2.memory().sessions) <= before + 1  # the prefill's session only (kept)
     assert smollm2.chat([{"role": "user", "content": "Hi"}], GenerationOptions(max_tokens=2)).text is not None
+
+
+def test_a_cancel_during_the_prefill_returns_at_once_and_stops_it(smollm2: Model) -> None:
+    """A client that leaves while ``n`` choices share a long prefill: the server cancels every
+    choice from its event loop, which must not wait for the prefill (nor let it run on)."""
+    long = " ".join(["river bridge lantern harbour meadow orchard"] * 300)  # about 2,100 tokens
+    choices = smollm2.chat_choices(
+        [{"role": "user", "content": long}], GREEDY, n=2, tenant="cancel-in-prefill", share_prefix=False
+    )
+    runner = threading.Thread(target=run_all, args=(choices,))
+    runner.start()
+    time.sleep(0.25)  # inside the prefill (seconds long on 2 cores)
+    began = time.monotonic()
+    choices.cancel()
+    assert time.monotonic() - began < 0.05
+    runner.join(60)
+    assert not runner.is_alive()
+    assert all(c.reply is not None and c.reply.finish_reason == "cancelled" for c in choices)
+    assert choices.prompt is not None and choices.prompt.decoded_prompt_tokens < choices.prompt.prompt_tokens
+
+
+def test_closing_choices_nobody_began_decodes_nothing(smollm2: Model) -> None:
+    exchanges = smollm2.memory().counters.exchanges
+    choices = smollm2.chat_choices([{"role": "user", "content": "Hello there."}], GREEDY, n=3)
+    choices.close()
+    assert all(c.reply is None and c.session is None for c in choices) and choices.prompt is None
+    assert list(choices[0]) == [] and smollm2.memory().counters.exchanges == exchanges
+
+
+def test_the_messages_are_read_when_the_choices_are_made(smollm2: Model) -> None:
+    """A caller that goes on editing its list (appending the next turn, say) after asking."""
+    messages = [{"role": "user", "content": QUESTION}]
+    choices = smollm2.chat_choices(messages, GREEDY, n=2, tenant="edited-after", share_prefix=False)
+    messages.append({"role": "assistant", "content": "Polar bears."})
+    replies = run_all(choices)
+    prompt = len(smollm2.prompt_tokens([{"role": "user", "content": QUESTION}]))
+    assert all(r.usage.prompt_tokens == prompt for r in replies)  # type: ignore[attr-defined]
 
 
 def test_bad_arguments_are_refused_before_anything_decodes(smollm2: Model) -> None:

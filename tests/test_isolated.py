@@ -18,7 +18,16 @@ from near_ties import DUMP, assert_entries_within_noise, assert_same_within_nois
 from test_defects import run_python
 from test_reuse import GREEDY, QUESTIONS
 
-from llmsession import BackendError, GenerationOptions, Model, ModelClosedError, Session, Stream
+from llmsession import (
+    BackendError,
+    GenerationOptions,
+    Model,
+    ModelClosedError,
+    Session,
+    SessionConfig,
+    Stream,
+    TemplateError,
+)
 from llmsession.remote.isolated import IsolatedModel
 
 
@@ -194,3 +203,19 @@ def test_ctrl_c_stops_an_isolated_prefill_and_keeps_the_transcript(
     reply, fresh = json.loads(result.stdout.split("SCORED ", 1)[1].splitlines()[0])
     assert_entries_within_noise(smollm2, loaded(reply), loaded(fresh))
     assert "kept" in result.stdout
+
+
+def test_n_choices_on_a_worker_model_are_n_calls_checked_at_once(isolated: Model) -> None:
+    asked = [{"role": "user", "content": "Name a colour."}]
+    choices = isolated.chat_choices(asked, GenerationOptions(max_tokens=4, temperature=0.9, seed=3), n=2)
+    asked.append({"role": "assistant", "content": "Blue."})  # (read when the choices were made)
+    for choice in choices:
+        with choice:
+            texts = [snapshot.delta for snapshot in choice]
+        assert choice.reply is not None and choice.reply.text == "".join(texts)
+        assert choice.reply.usage.prompt_tokens == len(isolated.prompt_tokens(asked[:1]))
+    assert choices.prompt is None  # (n calls: no shared prefill to report)
+    with pytest.raises(ValueError, match="system prompt"):
+        isolated.chat_choices(asked[:1], n=2, config=SessionConfig(system="Be brief."))
+    with pytest.raises(TemplateError):
+        isolated.chat_choices(asked, n=2)  # it ends with the assistant's turn

@@ -226,8 +226,8 @@ class Model:
         config: SessionConfig | None = None,
         **overrides: Unpack[SessionSettings],
     ) -> AsyncStream:
-        """``chat_stream`` for asyncio: ``async for snapshot in model.achat_stream(...)``; every
-        step runs in a worker thread, and cancelling the task cancels the exchange."""
+        """``chat_stream`` for asyncio: ``async for snapshot in model.achat_stream(...)``; the
+        stream runs in a thread of its own, and cancelling the task cancels the exchange."""
         from llmsession.runtime.aio import AsyncStream
 
         settings = session_config(config, dict(overrides))
@@ -342,6 +342,8 @@ class Model:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
         belongs to this model and build (else the next reply's ``usage.cache_note`` says why).
         ``overrides`` take the place of its saved settings (``context_size``, ...)."""
+        if "system" in overrides:
+            raise TypeError("load_session keeps the saved transcript: it takes no system prompt")
         session_config(None, dict(overrides))  # (checked here: an unknown or wrong one is refused)
         return self._backend.load_session(path, dict(overrides))
 

@@ -29,6 +29,7 @@ from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.choices import MAX_CHOICES, Choices, Lazy, seeded
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import said_messages
+from llmsession.runtime.stateless import check_stateless, split
 from llmsession.text.messages import check_messages
 from llmsession.text.renderer import Renderer
 from llmsession.text.schemas import schema_document
@@ -150,8 +151,10 @@ class IsolatedModel:
     ) -> Choices:
         """``n`` stateless calls, each started when first iterated (the worker's sessions are
         not here to fork: each choice decodes the prompt, reusing what its session holds)."""
+        check_stateless(config)
         options = checked_options(options)
-        check_messages(messages)
+        messages = copy.deepcopy(list(messages))  # (as they are now: the calls come later)
+        split(messages)  # (checked now, as in-process)
         check_int("n", n, 1, MAX_CHOICES)
         streams: list[Stream] = [
             Lazy(partial(self.chat_stream, messages, seeded(options, i), tenant, config)) for i in range(n)
@@ -166,6 +169,7 @@ class IsolatedModel:
         config: SessionConfig,
         n: int,
     ) -> Choices:
+        check_stateless(config)
         options = checked_options(options)
         check_int("n", n, 1, MAX_CHOICES)
         streams: list[Stream] = [

@@ -1,15 +1,21 @@
-"""asyncio: ``Session.astream`` and ``Session.arespond`` never block the event loop.
+"""asyncio: ``Session.astream``, ``Model.achat_stream`` (and the server's choices) never block
+the event loop. This is the package's one bridge between its threads and a loop.
 
-Each step of the exchange (making the prompt, then each token) runs in a worker thread through
-``asyncio.to_thread``; the loop only awaits it. Cancelling the awaiting task cancels the exchange
-as ``Stream.cancel()`` does: the step in flight stops before its next token (or mid-prefill, between
-graph nodes) and the reply is kept as far as it got, marked ``"cancelled"``.
+A stream is made and iterated in a thread of its own (its ``Pump``), started by the first
+``__anext__``; each snapshot is handed to the loop as it comes. By default the thread takes a
+step only when the loop asks for the next snapshot (``ahead=0``), so cancelling the awaiting
+task cancels the exchange within one token: the step in flight stops before its next token (or
+mid-prefill, between graph nodes) and the reply is kept as far as it got, marked
+``"cancelled"``. ``ahead=None`` lets the thread decode on without waiting for the loop (the
+server's choices, whose snapshots are forwarded as they come). A stream dropped unfinished is
+cancelled, and its thread ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -29,63 +35,146 @@ class Steps(Protocol):
 _END = object()
 
 
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Pump:
+    """The thread that makes and iterates one stream, and what it shares with the loop."""
+
+    def __init__(self, start: Callable[[], Steps], ahead: int | None) -> None:
+        self.start, self.ahead = start, ahead
+        self.stream: Steps | None = None
+        self.cancelled = False
+        self.asked = 0  # snapshots the loop asked for (``ahead`` bounds the steps past them)
+        self.taken = 0
+        self.turn = threading.Condition()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.queue: asyncio.Queue[object] | None = None
+        self.ended: asyncio.Event | None = None
+
+    def begin(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue, self.ended = asyncio.Queue(), asyncio.Event()
+        threading.Thread(target=self.run, name="llmsession-astream", daemon=True).start()
+
+    def ask(self) -> None:
+        with self.turn:
+            self.asked += 1
+            self.turn.notify()
+
+    def cancel(self) -> None:
+        """Thread-safe and idempotent: the step in flight stops, a waiting thread goes on."""
+        with self.turn:
+            self.cancelled = True
+            stream = self.stream
+            self.turn.notify()
+        if stream is not None:
+            stream.cancel()
+
+    def run(self) -> None:
+        try:
+            stream = self.start()
+            with self.turn:
+                self.stream = stream
+                cancelled = self.cancelled
+            if cancelled:
+                stream.cancel()
+            try:
+                while True:
+                    self.wait_for_demand()
+                    try:
+                        snapshot = next(stream)
+                    except StopIteration:
+                        break
+                    self.send(snapshot)
+            finally:
+                stream.close()  # (in this thread: a stream's guard is one thread's at a time)
+            self.send(_END)
+        except BaseException as error:  # the loop raises it
+            self.send(_Failed(error))
+        finally:
+            self.call(self.ended.set if self.ended is not None else None)
+
+    def wait_for_demand(self) -> None:
+        """Until the next step may be taken: at once past a cancel (which ends the stream),
+        else once the loop asked for it (``ahead`` steps early at most; None: no bound)."""
+        with self.turn:
+            while self.ahead is not None and not self.cancelled and self.taken >= self.asked + self.ahead:
+                self.turn.wait()
+            self.taken += 1
+
+    def send(self, item: object) -> None:
+        assert self.queue is not None
+        if not self.call(self.queue.put_nowait, item):
+            self.cancel()  # the loop is closed: nobody will read the rest
+
+    def call(self, function: Callable[..., object] | None, *args: object) -> bool:
+        if function is None or self.loop is None:
+            return False
+        try:
+            self.loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:
+            return False
+        return True
+
+
 class AsyncStream:
     """``async for snapshot in session.astream(...)``; ``reply`` once it ends."""
 
-    def __init__(self, start: Callable[[], Steps]) -> None:
-        self._start = start
-        self._stream: Steps | None = None
-        self._step = threading.Lock()  # one step at a time: a close waits for the step in flight
-        self._cancelled = False
+    def __init__(self, start: Callable[[], Steps], *, ahead: int | None = 0) -> None:
+        self._pump = Pump(start, ahead)
+        self._started = False
+        weakref.finalize(self, self._pump.cancel)  # dropped unfinished: its thread ends
 
     @property
     def reply(self) -> Reply | None:
-        return self._stream.reply if self._stream is not None else None
+        stream = self._pump.stream
+        return stream.reply if stream is not None else None
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> Snapshot:
+        pump = self._pump
+        if not self._started:
+            self._started = True
+            pump.begin()
+        assert pump.queue is not None
+        pump.ask()
         try:
-            item = await asyncio.to_thread(self._next)
+            item = await pump.queue.get()
         except asyncio.CancelledError:
-            self.cancel()
-            await asyncio.shield(asyncio.to_thread(self._close))  # the step in flight ends first
+            pump.cancel()
+            await asyncio.shield(self._finished())  # the step in flight ends first
             raise
-        if item is _END:
+        if item is _END or isinstance(item, _Failed):
+            pump.queue.put_nowait(_END)  # (a later call ends too)
+            if isinstance(item, _Failed):
+                raise item.error
             raise StopAsyncIteration
         assert isinstance(item, Snapshot)
         return item
 
     def cancel(self) -> None:
         """Stop before the next token (or mid-prefill); thread-safe, and safe from the loop."""
-        self._cancelled = True
-        if self._stream is not None:
-            self._stream.cancel()
+        self._pump.cancel()
 
     async def aclose(self) -> None:
         """Cancel and finish the reply (what was generated is kept)."""
-        self.cancel()
-        await asyncio.to_thread(self._close)
+        self._pump.cancel()
+        await self._finished()
+
+    async def _finished(self) -> None:
+        if self._started and self._pump.ended is not None:
+            await self._pump.ended.wait()
 
     async def __aenter__(self) -> AsyncStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def _next(self) -> object:
-        with self._step:
-            if self._stream is None:
-                self._stream = self._start()
-                if self._cancelled:
-                    self._stream.cancel()
-            return next(self._stream, _END)
-
-    def _close(self) -> None:
-        with self._step:
-            if self._stream is not None:
-                self._stream.close()
 
 
 async def adrain(stream: AsyncStream) -> Reply:

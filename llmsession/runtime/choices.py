@@ -2,8 +2,11 @@
 once by a stateless call of one greedy token, then its session is forked ``n`` times (a copy of
 the state, not a re-decode) and choice ``i`` answers on fork ``i``, sampling with the options'
 seed moved on by ``i`` so the choices differ. Nothing decodes until a choice is first iterated;
-the first one prepares, the others wait for it. A choice cancelled before it began ends at
-once with a "cancelled" reply; the prefill stops when every choice was cancelled."""
+the first one prepares, the others wait for it. The prefill's session joins the kept ones only
+once it is forked, so no other call takes it first. A choice cancelled before it began ends at
+once with a "cancelled" reply; the prefill stops when every choice was cancelled, and then no
+fork is made (each choice's reply is "cancelled" and empty). A choice closed before it began
+never begins (its ``reply`` stays None)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from functools import partial
 
 from llmsession.errors import MemoryBudgetError, ModelClosedError
 from llmsession.options import GenerationOptions
-from llmsession.replies import Reply, Snapshot, Usage
+from llmsession.replies import Reply, Snapshot, Timings, Usage
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
 
@@ -63,15 +66,45 @@ class Choices(Sequence[Stream]):
             stream.cancel()
 
     def close(self) -> None:
-        """Cancel and finish every choice."""
+        """Cancel every choice, then finish each (one not begun never begins); the first error
+        is raised once all are closed."""
+        self.cancel()
+        failed: BaseException | None = None
         for stream in self._streams:
-            stream.close()
+            try:
+                stream.close()
+            except Exception as error:
+                failed = failed or error
+        if failed is not None:
+            raise failed
+
+
+class Ended(Stream):
+    """A choice whose prefill was cancelled (every choice was): no fork, an empty reply."""
+
+    def __init__(self, usage: Usage) -> None:
+        self.session = None
+        self._reply = Reply("", "cancelled", usage, Timings())
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._reply
+
+    def __next__(self) -> Snapshot:
+        raise StopIteration
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Lazy(Stream):
-    """A choice's stream, made by ``start`` when first iterated (or closed); a cancel before
-    that is passed on once it exists, and told to ``cancelled``. ``ended`` runs once, when the
-    stream is closed."""
+    """A choice's stream, made by ``start`` when first iterated; a cancel before that is
+    passed on once it exists, and told to ``cancelled`` (never blocking: a start may take a
+    whole prefill). ``ended`` runs once, when the stream is closed. Closed before it began, it
+    never begins."""
 
     def __init__(
         self,
@@ -82,28 +115,38 @@ class Lazy(Stream):
         self.session: Session | None = None
         self._start, self._ended, self._told = start, ended, cancelled
         self._stream: Stream | None = None
-        self._lock = threading.Lock()
-        self._cancelled = self._failed = False
+        self._lock = threading.Lock()  # the fields below, briefly
+        self._starting = threading.Lock()  # one start at a time
+        self._cancelled = self._closed = self._failed = False
 
-    def _begun(self) -> Stream:
-        with self._lock:
-            if self._stream is None:
-                try:
-                    self._stream = self._start()
-                except BaseException:
+    def _begun(self) -> Stream | None:
+        with self._starting:
+            with self._lock:
+                if self._stream is not None or self._closed or self._failed:
+                    return self._stream
+            try:
+                stream = self._start()
+            except BaseException:
+                with self._lock:
                     self._failed = True
-                    raise
-                self.session = self._stream.session
-                if self._cancelled:
-                    self._stream.cancel()
-            return self._stream
+                raise
+            with self._lock:
+                self._stream, cancelled = stream, self._cancelled
+            self.session = stream.session
+            if cancelled:
+                stream.cancel()
+            return stream
 
     @property
     def reply(self) -> Reply | None:
-        return self._stream.reply if self._stream is not None else None
+        stream = self._stream
+        return stream.reply if stream is not None else None
 
     def __next__(self) -> Snapshot:
-        return next(self._begun())
+        stream = self._begun()
+        if stream is None:
+            raise StopIteration
+        return next(stream)
 
     def cancel(self) -> None:
         with self._lock:
@@ -116,9 +159,12 @@ class Lazy(Stream):
 
     def close(self) -> None:
         self.cancel()
+        with self._lock:
+            stream = self._stream
+            self._closed = stream is None  # (not begun: it never will)
         try:
-            if not self._failed:
-                self._begun().close()  # (a choice closed unstarted still ends with a reply)
+            if stream is not None:
+                stream.close()
         finally:
             ended, self._ended = self._ended, None
             if ended is not None:
@@ -126,9 +172,9 @@ class Lazy(Stream):
 
 
 class Forks:
-    """The forks of one prefill: ``prefill`` (a stateless call of one token, routed and decoded
-    under ``lock``, its tenant's, so that no other call of the tenant takes the session before
-    it is forked), then ``n`` forks; choice ``i`` answers on fork ``i`` (``answer``)."""
+    """The forks of one prefill: ``prefill`` (a stateless call of one token whose session is
+    left out of the kept ones), then ``n`` forks, then ``settle`` (the session kept, or closed);
+    choice ``i`` answers on fork ``i`` (``answer``)."""
 
     def __init__(
         self,
@@ -136,11 +182,11 @@ class Forks:
         prefill: Callable[[], Stream],
         answer: Answer,
         options: GenerationOptions,
-        lock: threading.RLock,
+        settle: Callable[[LocalSession], None],
     ) -> None:
         self.n = n
         self.prompt: Usage | None = None
-        self._prefill, self._answer, self._options, self._tenant = prefill, answer, options, lock
+        self._prefill, self._answer, self._options, self._settle = prefill, answer, options, settle
         self._once = threading.Lock()  # the first choice prepares; the others wait for it
         self._guard = threading.Lock()  # for cancels, from any thread
         self._stream: Stream | None = None
@@ -164,13 +210,15 @@ class Forks:
                     self._error = error
         if self._error is not None:
             raise self._error
-        assert self._sessions is not None
+        assert self._sessions is not None and self.prompt is not None
+        if not self._sessions:  # the prefill was cancelled: no forks
+            return Ended(self.prompt)
         return self._answer(self._sessions[index], index, seeded(self._options, index))
 
     def _close(self, index: int) -> None:
         with self._once:
             sessions = self._sessions
-        if sessions is not None:
+        if sessions:
             sessions[index].close()
 
     def _cancel(self, index: int) -> None:
@@ -182,30 +230,36 @@ class Forks:
             stream.cancel()
 
     def _prepare(self) -> list[LocalSession]:
-        with self._tenant:
-            stream = self._prefill()
+        """The prefill decoded, then the forks made (none if it was cancelled); its session is
+        settled on every path, errors included."""
+        stream = self._prefill()
+        base = stream.session
+        assert isinstance(base, LocalSession)
+        forks: list[LocalSession] = []
+        try:
             with self._guard:
                 self._stream = stream
-                if len(self._cancelled) == self.n:
-                    stream.cancel()
+                cancelled = len(self._cancelled) == self.n
+            if cancelled:
+                stream.cancel()
             try:
                 for _ in stream:
                     pass
             finally:
                 stream.close()
-            base = stream.session
-            assert isinstance(base, LocalSession) and stream.reply is not None
-            forks: list[LocalSession] = []
-            try:
-                while len(forks) < self.n:
-                    forks.append(base.fork())
-            except BaseException as error:
-                for fork in forks:
-                    fork.close()
-                if isinstance(error, ModelClosedError) and not base.model.closed:  # evicted
-                    raise MemoryBudgetError("the prompt's session was evicted before its forks") from None
-                raise
+            reply = stream.reply
+            assert reply is not None
+            while len(forks) < self.n and reply.finish_reason != "cancelled":
+                forks.append(base.fork())
+        except BaseException as error:
+            for fork in forks:
+                fork.close()
+            if isinstance(error, ModelClosedError) and not base.model.closed:  # evicted
+                raise MemoryBudgetError("the prompt's session was evicted before its forks") from None
+            raise
+        finally:
+            self._settle(base)
         for fork in forks:
             fork.looks_ahead = False  # (closed after its reply: nothing will follow it)
-        self.prompt = stream.reply.usage
+        self.prompt = reply.usage
         return forks

@@ -123,8 +123,9 @@ class Session(ABC):
         return stream.reply
 
     def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
-        """``stream`` for asyncio: ``async for snapshot in session.astream(...)``. Every step runs
-        in a worker thread; cancelling the task cancels the exchange within one token."""
+        """``stream`` for asyncio: ``async for snapshot in session.astream(...)``. The stream runs
+        in a thread of its own, a step each time the loop asks; cancelling the task cancels the
+        exchange within one token."""
         checked = checked_options(options)  # (a bad option is refused here, not in the loop)
         return AsyncStream(lambda: self.stream(content, checked))
 

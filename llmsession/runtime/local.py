@@ -74,16 +74,17 @@ class LocalModel(ModelCore):
         """``n`` choices of a stateless call sharing one prefill (``runtime.choices``)."""
         check_stateless(config)
         options = checked_options(options)
+        messages = copy.deepcopy(list(messages))  # (as they are now: the prefill comes later)
         history, said = split(messages)  # (checked now, before anything decodes)
 
         def prefill() -> Stream:
-            return self.stateless.stream(messages, prefill_options(options), tenant, config)
+            return self.stateless.stream(messages, prefill_options(options), tenant, config, pooled=False)
 
         def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
             fork.messages = copy.deepcopy(history)
             return fork.stream(copy.deepcopy(said), chosen)
 
-        return self._forks(n, prefill, answer, options, tenant)
+        return self._forks(n, prefill, answer, options, tenant, config)
 
     def complete_choices(
         self,
@@ -98,14 +99,14 @@ class LocalModel(ModelCore):
         options = checked_options(options)
 
         def prefill() -> Stream:
-            return self.stateless.complete(prompt, prefill_options(options), tenant, config)
+            return self.stateless.complete(prompt, prefill_options(options), tenant, config, pooled=False)
 
         def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
             fork.messages = []  # (its prompt is the text as it is, on the fork's cells)
             said: list[Message] = [{"role": "user", "content": prompt}]
             return fork.start(said, chosen, self.raw_prompt(prompt))
 
-        return self._forks(n, prefill, answer, options, tenant)
+        return self._forks(n, prefill, answer, options, tenant, config)
 
     def _forks(
         self,
@@ -114,9 +115,14 @@ class LocalModel(ModelCore):
         answer: Answer,
         options: GenerationOptions,
         tenant: str | None,
+        config: SessionConfig,
     ) -> Choices:
         check_int("n", n, 1, MAX_CHOICES)
-        return Forks(n, prefill, answer, options, self.stateless.turn(tenant)).choices()
+
+        def settle(base: LocalSession) -> None:
+            self.stateless.adopt(base, tenant, config)
+
+        return Forks(n, prefill, answer, options, settle).choices()
 
     def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> LocalSession:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it

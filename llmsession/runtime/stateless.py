@@ -38,7 +38,6 @@ from llmsession.text.tools import Tools, options_tools
 SIMILARITY = 0.5
 BRANCH = 16
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
-TURNS = 64  # locks by tenant (``turn``)
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,6 @@ class StatelessSessions:
         self._tenants: dict[LocalSession, str | None] = {}  # whose calls each kept session serves
         self._records: OrderedDict[str | None, ReplyTokens] = OrderedDict()  # each tenant's replies
         self._lock = threading.Lock()
-        self._turns = tuple(threading.RLock() for _ in range(TURNS))
-
-    def turn(self, tenant: str | None) -> threading.RLock:
-        """The lock a tenant's calls take turns under to choose their session (and the prefill
-        of ``n`` choices holds until it is forked: ``choices.Forks``)."""
-        return self._turns[hash(tenant) % len(self._turns)]
 
     def stream(
         self,
@@ -80,7 +73,11 @@ class StatelessSessions:
         options: GenerationOptions | None,
         tenant: str | None,
         config: SessionConfig,
+        *,
+        pooled: bool = True,
     ) -> Stream:
+        """A stateless call (``Model.chat_stream``); ``pooled`` False leaves its session out of
+        the kept ones until ``adopt`` (so no other call takes it first: ``choices.Forks``)."""
         check_stateless(config)
         history, said = split(messages)
         record = self._kept_record(tenant, config)
@@ -96,10 +93,17 @@ class StatelessSessions:
             tools=tools,
             tool_format=options.tool_format,
         )
-        return self._route(prompt, Call(history, said, options, tools), tenant, record, config)
+        call = Call(history, said, options, tools)
+        return self._route(prompt, call, tenant, record, config, pooled)
 
     def complete(
-        self, text: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
+        self,
+        text: str,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        *,
+        pooled: bool = True,
     ) -> Stream:
         """A raw completion (``Model.complete_stream``): ``text`` continued as it is, no chat
         template, routed to a kept session as a chat call is (the same tenants, the same reuse)."""
@@ -115,7 +119,7 @@ class StatelessSessions:
             raise
         said: list[Message] = [{"role": "user", "content": text}]  # (the transcript's stand-in)
         call = Call([], said, options, None, looks_ahead=False)  # (no chat turn will follow it)
-        return self._route(prompt, call, tenant, record, config)
+        return self._route(prompt, call, tenant, record, config, pooled)
 
     def _route(
         self,
@@ -124,11 +128,12 @@ class StatelessSessions:
         tenant: str | None,
         record: ReplyTokens | None,
         config: SessionConfig,
+        pooled: bool,
     ) -> Stream:
         """Start ``call`` on the tenant's session whose cache shares most of ``prompt`` (owned
-        from here), or on a new one; keep it for the next calls."""
-        keep = config.share_prefix or tenant is not None
-        with self.turn(tenant), self._lock:
+        from here), or on a new one; keep it for the next calls (``pooled``, else ``adopt``)."""
+        keep = keeps(tenant, config)
+        with self._lock:
             try:
                 session = self._take(tenant, prompt.items, config) if keep else None
                 session = session or LocalSession(self.model, config)
@@ -140,11 +145,23 @@ class StatelessSessions:
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 raise
-            if keep:
-                self._sessions.append(session)  # busy until its stream is done
-                self._tenants[session] = tenant
-                self._evict()
+            if keep and pooled:
+                self._keep(session, tenant)
             return stream
+
+    def adopt(self, session: LocalSession, tenant: str | None, config: SessionConfig) -> None:
+        """A session a call left out of the kept ones (``pooled=False``): kept now, or closed
+        if calls like it keep none."""
+        if not keeps(tenant, config):
+            session.close()
+            return
+        with self._lock:
+            self._keep(session, tenant)
+
+    def _keep(self, session: LocalSession, tenant: str | None) -> None:
+        self._sessions.append(session)  # busy until its stream is done
+        self._tenants[session] = tenant
+        self._evict()
 
     def _kept_record(self, tenant: str | None, config: SessionConfig) -> ReplyTokens | None:
         """The replies a call kept apart may splice (its tenant's, or none of anyone's without a
@@ -207,6 +224,12 @@ class StatelessSessions:
             self._sessions.clear()
             self._tenants.clear()
             self._records.clear()
+
+
+def keeps(tenant: str | None, config: SessionConfig) -> bool:
+    """Whether a call's session is kept for the next calls: not one kept apart without a
+    tenant (nobody's to follow)."""
+    return config.share_prefix or tenant is not None
 
 
 def check_stateless(config: SessionConfig) -> None:

@@ -1,12 +1,13 @@
 """The Starlette application of ``llmsession serve``: OpenAI's chat completions on a model.
 
-The routes authorize, read and check a request (``schema``, in a worker thread, a few at a time:
-a large body is neither parsed on the event loop nor held by many requests at once), then hand
-it to ``chat.Call``. Every error a route raises becomes its response inside the route, so the
-counters (``Counting``) see the status the client gets, and it is logged once. A request refused
-before its body was read (over the size limit, a wrong key) has the rest of its body read and
-dropped first, within bounds (``drain``), so a client that sends its whole body before it reads
-gets its answer rather than a reset connection.
+Each route's key is checked in one place (``guarded``); a route reads and checks a request
+(``schema``, in a worker thread, a few at a time: a large body is neither parsed on the event
+loop nor held by many requests at once), then hands it to ``chat.Call``. Every error a route
+raises becomes its response inside the route, so the counters (``Counting``) see the status the
+client gets, and it is logged once. A request refused before its body was read (over the size
+limit, a wrong key) has the rest of its body read and dropped first, within bounds (``drain``),
+so a client that sends its whole body before it reads gets its answer rather than a reset
+connection.
 """
 
 from __future__ import annotations
@@ -159,11 +160,9 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def models(self, request: Request) -> Response:
-        self.authorize(request)
         return JSONResponse({"object": "list", "data": [self.card()]})
 
     async def model_card(self, request: Request) -> Response:
-        self.authorize(request)
         if request.path_params["name"] != self.model_name:
             raise ApiError(f"no model {request.path_params['name']!r:.80}", "model", "model_not_found", 404)
         return JSONResponse(self.card())
@@ -180,7 +179,6 @@ class Server:
 
     async def metrics_text(self, request: Request) -> Response:
         """The counters: the whole server's, whichever key asks (``README``)."""
-        self.authorize(request)
         states: list[str] = []
         if not self.model.closed:
             report = await asyncio.to_thread(self.model.memory)  # (it waits for the engine's lock)
@@ -195,7 +193,7 @@ class Server:
         return await self.answer(request, self.checked)
 
     async def answer(self, request: Request, checked: Callable[[bytes], ChatRequest]) -> Response:
-        key = self.authorize(request)
+        key: str | None = request.state.key  # (``guarded`` asked ``authorize``)
         async with self.parsing:  # (a few bodies in memory at once; parsed off the event loop)
             body = await self.body(request)
             asked = await asyncio.to_thread(checked, body)
@@ -211,14 +209,18 @@ class Server:
         return chat_request(parse_json(body), INT32_MAX)
 
 
-def guarded(route: Handler) -> Handler:
-    """``route`` answering any error itself, so the counting middleware sees the status the
-    client gets and nothing else logs it again (Starlette's handler for ``Exception`` runs
-    outside every middleware, and re-raises to the server, which logs it a second time)."""
+def guarded(route: Handler, authorize: Callable[[Request], str | None] | None = None) -> Handler:
+    """``route`` behind ``authorize`` (the one place a key is checked: its digest goes to
+    ``request.state.key``), answering any error itself, so the counting middleware sees the
+    status the client gets and nothing else logs it again (Starlette's handler for
+    ``Exception`` runs outside every middleware, and re-raises to the server, which logs it a
+    second time)."""
 
     @functools.wraps(route)
     async def answer(request: Request) -> Response:
         try:
+            if authorize is not None:
+                request.state.key = authorize(request)
             return await route(request)
         except Exception as error:
             return await refuse(request, error)
@@ -320,14 +322,15 @@ def create_app(
         settings=settings,
         draft=draft,
     )
+    keyed = server.authorize
     routes = [
         *page_routes(),  # the chat page at / (no data in it: no key needed)
-        Route("/health", guarded(server.health), methods=["GET"]),
-        Route("/metrics", guarded(server.metrics_text), methods=["GET"]),
-        Route("/v1/models", guarded(server.models), methods=["GET"]),
-        Route("/v1/models/{name:path}", guarded(server.model_card), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(server.chat), methods=["POST"]),
-        Route("/v1/completions", guarded(server.completions), methods=["POST"]),
+        Route("/health", guarded(server.health), methods=["GET"]),  # (open: a load balancer's probe)
+        Route("/metrics", guarded(server.metrics_text, keyed), methods=["GET"]),
+        Route("/v1/models", guarded(server.models, keyed), methods=["GET"]),
+        Route("/v1/models/{name:path}", guarded(server.model_card, keyed), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(server.chat, keyed), methods=["POST"]),
+        Route("/v1/completions", guarded(server.completions, keyed), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: refuse, HTTPException: refuse})
     if cors_origins:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
+from llmsession import AsyncStream
 from llmsession.replies import Reply, Snapshot, Usage
 from llmsession.serve.errors import busy
 
@@ -44,10 +44,14 @@ class Forked(Protocol):
     def prompt(self) -> Usage | None: ...
 
 
+RUNNING: set[asyncio.Future[None]] = set()  # every run's task, until it ends
+
+
 class Run:
-    """One choice: ``start()`` (which makes the stream: rendering, tokenizing) and every step of
-    the stream run in a daemon thread; its events go to ``queue`` on ``loop``. ``cancel`` from
-    the loop stops the exchange within a token (a prefill within a batch)."""
+    """One choice: its stream, made by ``start()`` (rendering, tokenizing) and iterated off the
+    loop by the library's one bridge (``AsyncStream``, decoding on without waiting for the
+    loop); its events go to ``queue``. ``cancel`` stops the exchange within a token (a prefill
+    within a batch)."""
 
     def __init__(
         self,
@@ -57,61 +61,32 @@ class Run:
         ended: Callable[[Reply], None],
         released: Callable[[], None],
     ) -> None:
-        """``ended`` is called with the reply in the run's thread, and ``released`` on the loop
-        once the thread is done with the model (its stream closed: what it frees is free)."""
-        self.index, self._start, self._queue = index, start, queue
-        self._ended, self._released = ended, released
-        self._loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()
-        self._stream: Stream | None = None
-        self._cancelled = False
-        self._finished = False  # its stream ended: nothing left to cancel
-        threading.Thread(target=self._run, name=f"llmsession-serve-{index}", daemon=True).start()
+        """``ended`` is called with the reply, and ``released`` once the stream's thread is
+        done with the model (its stream closed: what it frees is free), both on the loop."""
+        self.index, self._queue, self._ended, self._released = index, queue, ended, released
+        self._stream = AsyncStream(start, ahead=None)
+        task = asyncio.ensure_future(self._run())
+        RUNNING.add(task)  # (the loop holds tasks weakly: a request that went away drops its runs)
+        task.add_done_callback(RUNNING.discard)
 
     def cancel(self) -> None:
         """Thread-safe and idempotent; a run not started yet stops before it decodes."""
-        with self._lock:
-            self._cancelled = True
-            if self._stream is not None and not self._finished:
-                self._stream.cancel()
+        self._stream.cancel()
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         try:
-            last = Event(self.index, reply=self._decode())
-        except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
-            last = Event(self.index, error=error)
-        self._send(last)
-
-    def _decode(self) -> Reply:
-        stream = self._start()
-        with self._lock:
-            self._stream = stream
-            if self._cancelled:
-                stream.cancel()
-        try:
-            for snapshot in stream:
+            async for snapshot in self._stream:
                 if snapshot.delta or snapshot.tool_calls:
-                    self._send(Event(self.index, snapshot=snapshot))
-        finally:
-            with self._lock:
-                self._finished = True
-            stream.close()  # (in this thread: the stream's guard is one thread's at a time)
-            if stream.reply is not None:
-                self._ended(stream.reply)
-        if stream.reply is None:  # (a stream ends with its reply, or raises)
-            raise RuntimeError("a stream ended without a reply")
-        return stream.reply
-
-    def _send(self, event: Event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:  # the loop is closed: nobody will read the rest
-            self.cancel()
-
-    def _deliver(self, event: Event) -> None:
-        self._queue.put_nowait(event)
-        if event.last:
-            self._released()
+                    self._queue.put_nowait(Event(self.index, snapshot=snapshot))
+            reply = self._stream.reply
+            if reply is None:  # (a stream ends with its reply, or raises)
+                raise RuntimeError("a stream ended without a reply")
+            self._ended(reply)
+            last = Event(self.index, reply=reply)
+        except Exception as error:  # reported to the request (a 4xx, or a logged 500)
+            last = Event(self.index, error=error)
+        self._queue.put_nowait(last)
+        self._released()
 
 
 class Choices:
