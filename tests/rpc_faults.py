@@ -25,7 +25,7 @@ GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 TIMEOUT_S = 3.0
 
 
-def expect_backend_error(session: Session, action: Callable[[], object], label: str) -> float:
+def expect_backend_error(model: Model, session: Session, action: Callable[[], object], label: str) -> float:
     """``action`` must raise BackendError and leave the transcript as it was; returns the time
     it took to raise."""
     before = copy.deepcopy(session.messages)
@@ -35,7 +35,7 @@ def expect_backend_error(session: Session, action: Callable[[], object], label: 
     except BackendError as error:
         took = time.monotonic() - began
         assert session.messages == before, f"{label}: the transcript changed"
-        assert session.model.closed, f"{label}: the model is not closed after {error}"
+        assert model.closed and session.closed, f"{label}: the model is not closed after {error}"
         return took
     raise AssertionError(f"{label}: no BackendError")
 
@@ -55,7 +55,9 @@ def killed_after_load(path: str) -> str:
         model = Model(path, rpc_servers=[e for e, _ in started], worker_timeout=TIMEOUT_S)
         session = model.session()
         started[1][1].kill()
-        took = expect_backend_error(session, lambda: session.respond("Hello!", GREEDY), "killed after load")
+        took = expect_backend_error(
+            model, session, lambda: session.respond("Hello!", GREEDY), "killed after load"
+        )
         return f"BackendError after {took:.2f} s"
 
 
@@ -71,7 +73,7 @@ def stream_then(path: str, fault: Callable[[subprocess.Popen[bytes]], None], lab
                 if i == 2:
                     fault(started[0][1])
 
-        took = expect_backend_error(session, second, label)
+        took = expect_backend_error(model, session, second, label)
         model.close()
         return took, first.text
 
