@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import internals
 import pytest
 from near_ties import assert_same_within_noise, scored
 
@@ -138,3 +139,25 @@ def test_bad_arguments_are_refused_before_anything_decodes(smollm2: Model) -> No
         smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, **{"context": 9})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="system prompt"):
         smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, config=SessionConfig(system="x"))
+
+
+def test_a_choice_closed_before_the_forks_are_made_leaves_no_fork_open(smollm2: Model) -> None:
+    """Closing one choice before any began, then running another: the closed one's fork is
+    closed as soon as it is made (its cells are not held until a garbage collection)."""
+    choices = smollm2.chat_choices([{"role": "user", "content": "Name a fruit."}], GREEDY, n=2)
+    choices[0].close()
+    with choices[1] as stream:
+        for _ in stream:
+            pass
+    assert stream.reply is not None and stream.session is not None and stream.session.closed
+    local = internals.local(smollm2)
+    kept = set(local.stateless._sessions)
+    assert [s for s in local.sessions if not s.closed and s not in kept] == []  # no fork left open
+
+
+def test_the_bridge_refuses_a_bound_that_would_never_step() -> None:
+    from llmsession import AsyncStream
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="ahead"):
+            AsyncStream(lambda: iter(()), ahead=bad)  # type: ignore[arg-type, return-value]

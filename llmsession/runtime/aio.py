@@ -14,6 +14,7 @@ cancelled, and its thread ends.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import weakref
 from collections.abc import Callable
@@ -46,7 +47,7 @@ class Pump:
     def __init__(self, start: Callable[[], Steps], ahead: int | None) -> None:
         self.start, self.ahead = start, ahead
         self.stream: Steps | None = None
-        self.cancelled = False
+        self.cancelled = self.done = False
         self.asked = 0  # snapshots the loop asked for (``ahead`` bounds the steps past them)
         self.taken = 0
         self.turn = threading.Condition()
@@ -57,7 +58,8 @@ class Pump:
     def begin(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue, self.ended = asyncio.Queue(), asyncio.Event()
-        threading.Thread(target=self.run, name="llmsession-astream", daemon=True).start()
+        context = contextvars.copy_context()  # (as asyncio.to_thread: the caller's context)
+        threading.Thread(target=context.run, args=(self.run,), name="llmsession-astream", daemon=True).start()
 
     def ask(self) -> None:
         with self.turn:
@@ -67,6 +69,8 @@ class Pump:
     def cancel(self) -> None:
         """Thread-safe and idempotent: the step in flight stops, a waiting thread goes on."""
         with self.turn:
+            if self.done:
+                return
             self.cancelled = True
             stream = self.stream
             self.turn.notify()
@@ -95,6 +99,8 @@ class Pump:
         except BaseException as error:  # the loop raises it
             self.send(_Failed(error))
         finally:
+            with self.turn:
+                self.done = True  # (a cancel then has nothing to stop)
             self.call(self.ended.set if self.ended is not None else None)
 
     def wait_for_demand(self) -> None:
@@ -124,6 +130,8 @@ class AsyncStream:
     """``async for snapshot in session.astream(...)``; ``reply`` once it ends."""
 
     def __init__(self, start: Callable[[], Steps], *, ahead: int | None = 0) -> None:
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
+            raise ValueError(f"ahead must be None or an int >= 0, got {ahead!r}")
         self._pump = Pump(start, ahead)
         self._started = False
         weakref.finalize(self, self._pump.cancel)  # dropped unfinished: its thread ends

@@ -117,18 +117,21 @@ class Lazy(Stream):
         self._stream: Stream | None = None
         self._lock = threading.Lock()  # the fields below, briefly
         self._starting = threading.Lock()  # one start at a time
-        self._cancelled = self._closed = self._failed = False
+        self._cancelled = self._closed = False
+        self._failed: BaseException | None = None  # (raised again by a later call)
 
     def _begun(self) -> Stream | None:
         with self._starting:
             with self._lock:
-                if self._stream is not None or self._closed or self._failed:
+                if self._failed is not None:
+                    raise self._failed
+                if self._stream is not None or self._closed:
                     return self._stream
             try:
                 stream = self._start()
-            except BaseException:
+            except BaseException as error:
                 with self._lock:
-                    self._failed = True
+                    self._failed = error
                 raise
             with self._lock:
                 self._stream, cancelled = stream, self._cancelled
@@ -159,7 +162,7 @@ class Lazy(Stream):
 
     def close(self) -> None:
         self.cancel()
-        with self._lock:
+        with self._starting, self._lock:  # (a start in flight in another thread ends first)
             stream = self._stream
             self._closed = stream is None  # (not begun: it never will)
         try:
@@ -192,6 +195,7 @@ class Forks:
         self._stream: Stream | None = None
         self._cancelled: set[int] = set()
         self._sessions: list[LocalSession] | None = None
+        self._dropped: set[int] = set()  # choices closed before the forks were made
         self._error: BaseException | None = None
 
     def choices(self) -> Choices:
@@ -218,6 +222,8 @@ class Forks:
     def _close(self, index: int) -> None:
         with self._once:
             sessions = self._sessions
+            if sessions is None:
+                self._dropped.add(index)  # (its fork is closed as soon as it is made)
         if sessions:
             sessions[index].close()
 
@@ -254,12 +260,20 @@ class Forks:
         except BaseException as error:
             for fork in forks:
                 fork.close()
+            forks.clear()
             if isinstance(error, ModelClosedError) and not base.model.closed:  # evicted
                 raise MemoryBudgetError("the prompt's session was evicted before its forks") from None
             raise
         finally:
-            self._settle(base)
-        for fork in forks:
+            try:
+                self._settle(base)
+            except BaseException:
+                for fork in forks:
+                    fork.close()
+                raise
+        for index, fork in enumerate(forks):
             fork.looks_ahead = False  # (closed after its reply: nothing will follow it)
+            if index in self._dropped:
+                fork.close()
         self.prompt = reply.usage
         return forks

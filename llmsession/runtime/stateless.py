@@ -155,6 +155,8 @@ class StatelessSessions:
         if not keeps(tenant, config):
             session.close()
             return
+        if session.closed:  # (its model closed, or the budget evicted it)
+            return
         with self._lock:
             self._keep(session, tenant)
 

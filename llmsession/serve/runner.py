@@ -74,19 +74,25 @@ class Run:
         self._stream.cancel()
 
     async def _run(self) -> None:
+        """Every snapshot, then the last event and ``released()``, on every path."""
+        last = Event(self.index, error=RuntimeError("a stream ended without a reply"))
         try:
             async for snapshot in self._stream:
                 if snapshot.delta or snapshot.tool_calls:
                     self._queue.put_nowait(Event(self.index, snapshot=snapshot))
-            reply = self._stream.reply
-            if reply is None:  # (a stream ends with its reply, or raises)
-                raise RuntimeError("a stream ended without a reply")
-            self._ended(reply)
-            last = Event(self.index, reply=reply)
-        except Exception as error:  # reported to the request (a 4xx, or a logged 500)
+            if self._stream.reply is not None:  # (a stream ends with its reply, or raises)
+                last = Event(self.index, reply=self._stream.reply)
+        except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
             last = Event(self.index, error=error)
-        self._queue.put_nowait(last)
-        self._released()
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        finally:
+            try:
+                if self._stream.reply is not None:
+                    self._ended(self._stream.reply)  # (counted, as far as it got)
+            finally:
+                self._queue.put_nowait(last)
+                self._released()
 
 
 class Choices:
