@@ -12,7 +12,7 @@ from tool_helpers import TIME, WEATHER, hf_render, scripted_start, steered
 
 from llmsession import GenerationOptions, Model
 from llmsession.replies import ToolCall
-from llmsession.runtime.stream import drain
+from llmsession.runtime.face import drain
 from llmsession.text.tools import checked_tools
 
 

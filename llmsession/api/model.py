@@ -200,7 +200,7 @@ class Model:
         its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
         call without a tenant starts from nothing of any other call's, and no call starts from
         its cells; with a tenant it reuses only that tenant's sessions."""
-        from llmsession.runtime.stream import drain
+        from llmsession.runtime.face import drain
 
         return drain(self.chat_stream(messages, options, tenant=tenant, config=config, **overrides))
 
@@ -292,7 +292,7 @@ class Model:
         """Continue ``prompt`` as it is, without the chat template (OpenAI's completions): the
         text is tokenized as given, BOS added as the model adds it. Calls are routed and kept
         apart by ``tenant`` as ``chat`` calls are, so a prompt that grows decodes only its end."""
-        from llmsession.runtime.stream import drain
+        from llmsession.runtime.face import drain
 
         return drain(self.complete_stream(prompt, options, tenant=tenant, config=config, **overrides))
 

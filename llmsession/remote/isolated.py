@@ -16,17 +16,16 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.engine.budget import MemoryReport
 from llmsession.errors import BackendError, GrammarError, ModelClosedError
-from llmsession.options import GenerationOptions, check_int, checked_options
+from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
 from llmsession.replies import Reply, Snapshot
-from llmsession.runtime.choices import MAX_CHOICES, Choices, Lazy, seeded
+from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import said_messages
 from llmsession.runtime.stateless import check_stateless, split
@@ -152,14 +151,11 @@ class IsolatedModel:
         """``n`` stateless calls, each started when first iterated (the worker's sessions are
         not here to fork: each choice decodes the prompt, reusing what its session holds)."""
         check_stateless(config)
-        options = checked_options(options)
         messages = copy.deepcopy(list(messages))  # (as they are now: the calls come later)
         split(messages)  # (checked now, as in-process)
-        check_int("n", n, 1, MAX_CHOICES)
-        streams: list[Stream] = [
-            Lazy(partial(self.chat_stream, messages, seeded(options, i), tenant, config)) for i in range(n)
-        ]
-        return Choices(streams, lambda: None)
+        return separate(
+            n, checked_options(options), lambda chosen: self.chat_stream(messages, chosen, tenant, config)
+        )
 
     def complete_choices(
         self,
@@ -170,12 +166,9 @@ class IsolatedModel:
         n: int,
     ) -> Choices:
         check_stateless(config)
-        options = checked_options(options)
-        check_int("n", n, 1, MAX_CHOICES)
-        streams: list[Stream] = [
-            Lazy(partial(self.complete_stream, prompt, seeded(options, i), tenant, config)) for i in range(n)
-        ]
-        return Choices(streams, lambda: None)
+        return separate(
+            n, checked_options(options), lambda chosen: self.complete_stream(prompt, chosen, tenant, config)
+        )
 
     def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> WorkerSession:
         return WorkerSession(self, self.call("load_session", str(path), dict(overrides)))

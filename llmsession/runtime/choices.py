@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 from llmsession.errors import MemoryBudgetError, ModelClosedError
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, check_int
 from llmsession.replies import Reply, Snapshot, Timings, Usage
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
@@ -77,6 +77,13 @@ class Choices(Sequence[Stream]):
                 failed = failed or error
         if failed is not None:
             raise failed
+
+
+def separate(n: int, options: GenerationOptions, call: Callable[[GenerationOptions], Stream]) -> Choices:
+    """``n`` choices as ``n`` calls of ``call`` (each seeded, started when first iterated):
+    where no session here can be forked (a model in a worker process)."""
+    check_int("n", n, 1, MAX_CHOICES)
+    return Choices([Lazy(partial(call, seeded(options, i))) for i in range(n)], lambda: None)
 
 
 class Ended(Stream):

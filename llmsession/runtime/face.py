@@ -52,6 +52,14 @@ class Stream(ABC):
         self.close()
 
 
+def drain(stream: Stream) -> Reply:
+    """Run a stream of either kind to its end and return its reply (``respond``, ``chat``)."""
+    for _ in stream:
+        pass
+    assert stream.reply is not None
+    return stream.reply
+
+
 class Session(ABC):
     """A conversation with a model, made by ``model.session(...)``: its transcript
     (``messages``, which a caller may edit between exchanges), its settings (``config``, and
@@ -116,11 +124,7 @@ class Session(ABC):
 
     def respond(self, content: Any, options: GenerationOptions | None = None) -> Reply:
         """Send a user message and return the whole reply."""
-        stream = self.stream(content, options)
-        for _ in stream:
-            pass
-        assert stream.reply is not None
-        return stream.reply
+        return drain(self.stream(content, options))
 
     def astream(self, content: Any, options: GenerationOptions | None = None) -> AsyncStream:
         """``stream`` for asyncio: ``async for snapshot in session.astream(...)``. The stream runs

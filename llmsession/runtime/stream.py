@@ -5,22 +5,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Protocol
 
 from llmsession.errors import ModelClosedError, SessionBusyError
 from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session, Stream
-
-
-class Replying(Protocol):
-    """A stream of either kind (in this process or a worker's, sync or async): ``drain``."""
-
-    @property
-    def reply(self) -> Reply | None: ...
-
-    def __iter__(self) -> Iterator[Snapshot]: ...
 
 
 class Guard:
@@ -40,14 +29,6 @@ class Guard:
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
-
-
-def drain(stream: Replying) -> Reply:
-    """Run a stream to its end and return its reply (``respond`` and ``chat`` are this)."""
-    for _ in stream:
-        pass
-    assert stream.reply is not None
-    return stream.reply
 
 
 class LocalStream(Stream):

@@ -25,8 +25,7 @@ from llmsession.commands.bench.common import machine, mask_cost, progress, publi
 from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
-from llmsession.runtime.face import Session
-from llmsession.runtime.stream import drain
+from llmsession.runtime.face import Session, drain
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import options_tools
 
