@@ -143,6 +143,7 @@ class Reply:
     parsed: Any = None  # a complete json_schema reply, parsed (a pydantic instance for a model class)
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None  # with ``logprobs`` asked: its text's tokens
+    stop_sequence: str | None = None  # the stop string that ended it (``GenerationOptions.stop``)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ def test_output_is_text_up_to_earliest_stop(args: tuple[list[str], list[str]]) -
     out = "".join(matcher.push(p) for p in pushes) + matcher.flush()
     assert out == (full if cut is None else full[:cut])
     assert matcher.stopped == (cut is not None)
+    # the stop it names starts there, and is the first to complete of those that do
+    starting = [s for s in stops if cut is not None and full.startswith(s, cut)]
+    assert matcher.matched == (min(starting, key=len) if starting else None)
 
 
 @given(st.one_of(case(), periodic_case()))
@@ -208,29 +211,30 @@ def test_overlapping_stops_cut_at_earliest_start() -> None:
     matcher = StopMatcher(["b", "ab"])
     assert matcher.push("xa") == "x"
     assert matcher.push("b") == ""
-    assert matcher.stopped
+    assert matcher.stopped and matcher.matched == "ab"
 
 
 def test_nested_stop_waits_for_longer_one() -> None:
     matcher = StopMatcher(["abcd", "bc"])
     assert matcher.push("xabc") == "x"
     assert not matcher.stopped
+    assert matcher.matched is None
     assert matcher.push("d") == ""
-    assert matcher.stopped
+    assert matcher.stopped and matcher.matched == "abcd"
 
 
 def test_nested_stop_fires_when_longer_one_fails() -> None:
     matcher = StopMatcher(["abcd", "bc"])
     assert matcher.push("abc") == ""
     assert matcher.push("x") == "a"
-    assert matcher.stopped
+    assert matcher.stopped and matcher.matched == "bc"
 
 
 def test_flush_cuts_at_pending_stop() -> None:
     matcher = StopMatcher(["abcd", "bc"])
     assert matcher.push("abc") == ""
     assert matcher.flush() == "a"
-    assert matcher.stopped
+    assert matcher.stopped and matcher.matched == "bc"
 
 
 def test_rejects_empty_stop() -> None:

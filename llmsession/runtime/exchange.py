@@ -93,6 +93,7 @@ class Exchange:
     cancelled: threading.Event = field(default_factory=CancelFlag)  # (native code reads it too)
     phase: Phase = Phase.READY
     finish: FinishReason = "length"
+    stop_sequence: str | None = None  # the stop string the reply was cut at
     reply: Reply | None = None
     model_closed: bool = False  # its model was closed before it finished
     calling: Calling | None = None  # its tools, when the reply may call them
@@ -211,6 +212,9 @@ class Exchange:
             # The detokenizer may still hold the first bytes of a character the reply was cut
             # inside of (max_tokens, cancel): they stay in the token record, not in the text.
             tail = "" if stops.stopped else stops.flush()
+            self.stop_sequence = stops.matched
+            if self.stop_sequence is not None and self.finish == "length":
+                self.finish = "stop"  # (the flush found a stop the last tokens had held back)
             if tail:
                 yield tail
 
@@ -358,7 +362,8 @@ class Exchange:
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")
         logprobs = None if self.scoring is None else self.scoring.reply(text)
-        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs))
+        stop = self.stop_sequence if finish == "stop" else None  # (not a call's, not a cancel's)
+        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs, stop))
         if error is not None:
             raise error
 

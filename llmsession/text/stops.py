@@ -53,12 +53,19 @@ class StopMatcher:
         self._skip = 0  # characters of self._held[0] already emitted
         self._start = 0  # absolute position of the first held character
         self._found: int | None = None  # start of the earliest complete stop seen
+        self._matched: str | None = None  # the stop found there
         self._stopped = False
 
     @property
     def stopped(self) -> bool:
         """True once a stop string was found; later pushes return ""."""
         return self._stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string the text was cut at (the earliest; of two starting there, the one
+        that completed first), once ``stopped``."""
+        return self._matched if self._stopped else None
 
     def push(self, text: str) -> str:
         """Add streamed text; return the part that is safe to emit now."""
@@ -81,7 +88,7 @@ class StopMatcher:
                     k += 1
                     if k == len(stop):
                         if found is None or pos - k < found:
-                            found = pos - k
+                            found, self._matched = pos - k, stop
                         k = self._fail[i][k - 1]
                     state[i] = k
                     live = max(live, k)
