@@ -53,6 +53,8 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.text.tool_formats",
     "llmsession.text.tool_grammar",
     "llmsession.serve.schema",
+    "llmsession.serve.messages",
+    "llmsession.serve.messages_sse",
     "llmsession.serve.body",
     "llmsession.serve.sse",
     "llmsession.serve.errors",

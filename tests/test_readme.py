@@ -32,7 +32,7 @@ def script(blocks: list[str], replacements: dict[str, str]) -> str:
     for index, block in enumerate(blocks, 1):
         for old, new in replacements.items():
             block = block.replace(old, new)
-        parts.append(f"print('--- README block {index}', flush=True)\n{block}")
+        parts.append(f"print('\\n--- README block {index}', flush=True)\n{block}")
     return "\n".join(parts) + "\nprint('--- README done')\n"
 
 
@@ -40,7 +40,7 @@ def test_the_readme_has_examples_and_each_replacement_is_used() -> None:
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 10
     text = "\n".join(blocks)
-    for address in ('"model.gguf"', '"mmproj.gguf"', '"cat.png"', "10.0.0.2:50052", "127.0.0.1:8080"):
+    for address in ('"model.gguf"', '"mmproj.gguf"', '"cat.png"', "10.0.0.2:50052", "127.0.0.1:8080/v1"):
         assert address in text, address
 
 
@@ -58,6 +58,7 @@ def test_the_readme_examples_run_as_they_stand(
             "10.0.0.2:50052": first,
             "10.0.0.3:50052": second,
             "http://127.0.0.1:8080/v1": url,
+            '"http://127.0.0.1:8080"': repr(url.removesuffix("/v1")),  # (Anthropic's base URL)
         }
         source = script(blocks, replacements)
         (tmp_path / "readme_examples.py").write_text(source)

@@ -520,8 +520,8 @@ def test_a_refused_body_is_read_only_so_far(
     """What is left of a refused body is read within bounds: a client that floods an endless
     chunked body, or trickles one, gets its 413 and the connection closed, not a server
     reading for as long as it sends (uvicorn drops the rest of a body forever on its own)."""
-    monkeypatch.setattr("llmsession.serve.app.DRAIN_BYTES", 4 << 20)
-    monkeypatch.setattr("llmsession.serve.app.DRAIN_SECONDS", 1.0)
+    monkeypatch.setattr("llmsession.serve.http.DRAIN_BYTES", 4 << 20)
+    monkeypatch.setattr("llmsession.serve.http.DRAIN_SECONDS", 1.0)
     sent, stop = [0], threading.Event()
     with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
         head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"

@@ -47,9 +47,10 @@ from llmsession.replies import (
     Usage,
 )
 from llmsession.serve import sse
-from llmsession.serve.app import counted_path, create_app, digest
+from llmsession.serve.app import create_app, digest
 from llmsession.serve.body import parse_json
 from llmsession.serve.errors import ApiError, from_library
+from llmsession.serve.http import counted_path
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import chat_request, completion_request

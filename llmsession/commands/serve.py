@@ -40,7 +40,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from llmsession.serve.app import create_app
+        from llmsession.serve.app import VOLATILE_LINES, create_app
     except ModuleNotFoundError as e:
         error(f"`llmsession serve` needs {e.name}: pip install 'llmsession[serve]'")
         return 2
@@ -53,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
         with Model(model_path, config=config, memory=memory) as model:
             session = SessionConfig(context_size=args.context_size or None)
             model.session(config=session).close()  # checked against the memory now, not at every request
+            volatile = volatile_lines(args)
             app = create_app(
                 model,
                 api_key=args.api_key,
@@ -61,6 +62,7 @@ def serve(args: argparse.Namespace) -> int:
                 cors_origins=args.cors_origin or (),
                 draft=args.draft,
                 session=session,
+                volatile_lines=VOLATILE_LINES if volatile is None else volatile,
             )
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
             print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
@@ -186,6 +188,20 @@ def quiet_exit(base: type[uvicorn.Server]) -> type[uvicorn.Server]:
     return Server
 
 
+def regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
+    return text
+
+
+def volatile_lines(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The volatile lines the command names (an empty one: none), or None for the default."""
+    given: list[str] | None = args.volatile_line
+    return None if given is None else tuple(line for line in given if line)
+
+
 def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add = parser.add_argument
@@ -223,6 +239,15 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=8 << 20,
         metavar="N",
         help="largest request body (default: %(default)s)",
+    )
+    add(
+        "--volatile-line",
+        action="append",
+        type=regex,
+        metavar="REGEX",
+        help="a system-prompt line that changes every request and is dropped before rendering, "
+        "matched whole (repeatable; default: Claude Code's x-anthropic-billing-header line; "
+        "--volatile-line '' drops none)",
     )
     add(
         "--shutdown-timeout",

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,8 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmsession.config import SessionConfig
 from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError, UnavailableError
-from llmsession.replies import Reply
-from llmsession.serve import sse
+from llmsession.replies import Reply, Usage
 from llmsession.serve.errors import ApiError, from_library, internal
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission, Choices, Event
@@ -93,6 +92,19 @@ class Host:
         return Choices(asked.n, forks.__getitem__, self.metrics.reply, released, forks)
 
 
+class Door(Protocol):
+    """How one API answers a request that ran: its whole body, or its stream of events (which
+    begins once every choice sent its first event, or after ``patience`` seconds: a stream
+    whose first events are late then begins without them, and keeps its client waiting with
+    its API's keep-alive events)."""
+
+    patience: float | None
+
+    def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]: ...
+
+    def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]: ...
+
+
 class EventStream(StreamingResponse):
     """Server-sent events; ``on_close`` runs however the response ends (a finished stream, a
     client gone, a server stopping), so the exchanges behind it never outlive it."""
@@ -115,8 +127,8 @@ class Call:
     requests running then (admission counts sequences, not KV cells). The client's disconnect
     is raced against every wait."""
 
-    def __init__(self, host: Host, request: Request, asked: ChatRequest, tenant: str) -> None:
-        self.host, self.request, self.asked, self.tenant = host, request, asked, tenant
+    def __init__(self, host: Host, request: Request, asked: ChatRequest, tenant: str, door: Door) -> None:
+        self.host, self.request, self.asked, self.tenant, self.door = host, request, asked, tenant, door
 
     async def respond(self) -> Response:
         gone = asyncio.ensure_future(disconnected(self.request))
@@ -133,7 +145,8 @@ class Call:
             weight = await race(gone, admission.acquire(asked.n, behind=retry))
             choices = self._start(weight)
             try:
-                first = await until(gone, choices, whole=not asked.stream)
+                patience = self.door.patience if asked.stream else None
+                first = await until(gone, choices, whole=not asked.stream, patience=patience)
             except BaseException:
                 choices.cancel()
                 raise
@@ -163,55 +176,31 @@ class Call:
 
     def _answer(self, choices: Choices, first: list[Event]) -> Response:
         """The whole reply, or a stream of it from the first events on."""
-        prompt = choices.forks.prompt if choices.forks is not None else None
-        completion = sse.Completion(
-            self.host.name,
-            self.asked.include_usage,
-            prompt,
-            text=self.asked.prompt is not None,
-            logprobs=self.asked.options.logprobs is not None,
-        )
         if not self.asked.stream:
             replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
-            return JSONResponse(completion.body([e.reply for e in replies if e.reply is not None]))
-        return EventStream(events(choices, first, completion), choices.cancel)
+            prompt = choices.forks.prompt if choices.forks is not None else None
+            return JSONResponse(self.door.whole([e.reply for e in replies if e.reply is not None], prompt))
+        return EventStream(self.door.stream(choices, first), choices.cancel)
 
 
-async def events(choices: Choices, first: list[Event], completion: sse.Completion) -> AsyncIterator[bytes]:
-    """The SSE body: every choice's role, then its pieces as they come, its finish, the usage if
-    asked, ``[DONE]``. An error mid-stream is an error event (logged if it is the server's)."""
-    replies: dict[int, Reply] = {}
-    streamed = [sse.Streamed() for _ in range(choices.n)]
-    pending = list(first)
-    try:
-        for opening in completion.openings(choices.n):
-            yield sse.event(opening)
-        while len(replies) < choices.n:
-            event = pending.pop(0) if pending else await choices.queue.get()
-            if event.error is not None:
-                yield sse.event(explain(event.error).body())
-                break
-            if event.snapshot is not None:
-                for chunk in completion.pieces(event.index, event.snapshot, streamed[event.index]):
-                    yield sse.event(chunk)
-            elif event.reply is not None:
-                replies[event.index] = event.reply
-                yield sse.event(completion.finish(event.index, event.reply, streamed[event.index]))
-        else:
-            if completion.include_usage:
-                yield sse.event(completion.usage_chunk([replies[i] for i in range(choices.n)]))
-        yield sse.DONE
-    finally:
-        choices.cancel()
-
-
-async def until(gone: asyncio.Future[None], choices: Choices, *, whole: bool) -> list[Event]:
+async def until(
+    gone: asyncio.Future[None], choices: Choices, *, whole: bool, patience: float | None = None
+) -> list[Event]:
     """Events of ``choices`` until every choice sent its first (or, ``whole``, its last) or one
-    failed; ``whole`` keeps only the last ones. ``ClientGone`` if the client leaves first."""
+    failed, or ``patience`` seconds passed; ``whole`` keeps only the last ones. ``ClientGone``
+    if the client leaves first."""
     events: list[Event] = []
     heard: set[int] = set()
+    loop = asyncio.get_running_loop()
+    deadline = None if patience is None else loop.time() + patience
     while len(heard) < choices.n and not (events and events[-1].error is not None):
-        event = await race(gone, choices.queue.get())
+        if deadline is None:
+            event = await race(gone, choices.queue.get())
+        else:
+            try:
+                event = await race(gone, asyncio.wait_for(choices.queue.get(), deadline - loop.time()))
+            except TimeoutError:
+                break
         if event.last or not whole:
             events.append(event)
             heard.add(event.index)

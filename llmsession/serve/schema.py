@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,36 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
     asked = chat_request({**kept, "messages": [{"role": "user", "content": "-"}]}, COMPLETION_DEFAULT_TOKENS)
     scored = dataclasses.replace(asked.options, logprobs=top)
     return dataclasses.replace(asked, messages=[], prompt=prompt, options=scored)
+
+
+class Volatile:
+    """Lines of system prompts that change every request and carry nothing for the model: a line
+    one of ``patterns`` (regular expressions) matches whole is dropped, so a resent
+    conversation's prompt is the same as before and read from the cache."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+            raise TypeError("volatile lines must be a sequence of non-empty regular expressions")
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def dropped(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.patterns or not any(m["role"] == "system" for m in messages):
+            return messages
+        return [self._message(m) if m["role"] == "system" else m for m in messages]
+
+    def _message(self, message: dict[str, Any]) -> dict[str, Any]:
+        content = message["content"]
+        if isinstance(content, str):
+            return {**message, "content": self._text(content)}
+        parts = [{**p, "text": self._text(p["text"])} if p.get("type") == "text" else p for p in content]
+        return {**message, "content": parts}
+
+    def _text(self, text: str) -> str:
+        if not any(p.search(text) for p in self.patterns):  # (most prompts: no line to split)
+            return text
+        lines = text.splitlines(keepends=True)
+        kept = [line for line in lines if not any(p.fullmatch(line.rstrip("\r\n")) for p in self.patterns)]
+        return "".join(kept)
 
 
 def _check_transcript(messages: list[dict[str, Any]]) -> None:

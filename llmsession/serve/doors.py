@@ -1,0 +1,101 @@
+"""The APIs' ways of answering a request that ran (``chat.Door``): OpenAI's chat and raw
+completions (``CompletionDoor``) and Anthropic's messages (``MessagesDoor``). Each turns the
+replies into its body, or the choices' events into its stream; an error mid-stream is its API's
+error event (logged if it is the server's: ``chat.explain``), and a stream that ends, however it
+ends, cancels the exchanges behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmsession.replies import Reply, Usage
+from llmsession.serve import sse
+from llmsession.serve.chat import explain
+from llmsession.serve.messages_sse import AnthropicMessage, Blocks
+from llmsession.serve.runner import Choices, Event
+
+PING_SECONDS = 5.0  # a Messages stream's keep-alive while its prompt decodes
+
+
+class CompletionDoor:
+    """OpenAI's chat completions (or, ``completion.text``, raw completions)."""
+
+    patience: float | None = None  # (a stream begins with its first events: its status is theirs)
+
+    def __init__(self, completion: sse.Completion) -> None:
+        self.completion = completion
+
+    def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
+        return dataclasses.replace(self.completion, prompt=prompt).body(replies)
+
+    async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
+        """Every choice's role, then its pieces as they come, its finish, the usage if asked,
+        ``[DONE]``."""
+        prompt = choices.forks.prompt if choices.forks is not None else None
+        completion = dataclasses.replace(self.completion, prompt=prompt)
+        replies: dict[int, Reply] = {}
+        streamed = [sse.Streamed() for _ in range(choices.n)]
+        pending = list(first)
+        try:
+            for opening in completion.openings(choices.n):
+                yield sse.event(opening)
+            while len(replies) < choices.n:
+                event = pending.pop(0) if pending else await choices.queue.get()
+                if event.error is not None:
+                    yield sse.event(explain(event.error).body())
+                    break
+                if event.snapshot is not None:
+                    for chunk in completion.pieces(event.index, event.snapshot, streamed[event.index]):
+                        yield sse.event(chunk)
+                elif event.reply is not None:
+                    replies[event.index] = event.reply
+                    yield sse.event(completion.finish(event.index, event.reply, streamed[event.index]))
+            else:
+                if completion.include_usage:
+                    yield sse.event(completion.usage_chunk([replies[i] for i in range(choices.n)]))
+            yield sse.DONE
+        finally:
+            choices.cancel()
+
+
+class MessagesDoor:
+    """Anthropic's messages: one choice. A stream whose prompt takes longer than ``patience``
+    to decode begins anyway, with ``ping`` every ``PING_SECONDS`` until its first text (an
+    agent's 20K-token prompt would otherwise hold a silent connection for a minute)."""
+
+    def __init__(self, model: str, patience: float | None = None) -> None:
+        self.message = AnthropicMessage(model)
+        self.patience: float | None = PING_SECONDS if patience is None else patience
+
+    def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
+        return self.message.body(replies[0])
+
+    async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
+        message, blocks, pending = self.message, Blocks(), list(first)
+        try:
+            yield message.start()
+            yield message.ping()
+            while True:
+                if pending:
+                    event = pending.pop(0)
+                else:
+                    try:
+                        event = await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
+                    except TimeoutError:
+                        yield message.ping()
+                        continue
+                if event.error is not None:
+                    yield message.error(explain(event.error))
+                    break
+                if event.snapshot is not None:
+                    for piece in message.pieces(event.snapshot, blocks):
+                        yield piece
+                elif event.reply is not None:
+                    for piece in message.finish(event.reply, blocks):
+                        yield piece
+                    break
+        finally:
+            choices.cancel()

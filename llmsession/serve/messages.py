@@ -1,0 +1,261 @@
+"""An Anthropic Messages request (``POST /v1/messages``, ``/v1/messages/count_tokens``), as
+Anthropic documents it, checked and turned into a chat request in OpenAI's shape, then checked
+as one (``schema.chat_request``). Pure: no model, no web framework.
+
+What maps where: ``system`` (a string or text blocks, ``cache_control`` ignored) is the first
+message; a user message's ``tool_result`` blocks are ``tool`` messages, in their order among
+its text and image blocks (an ``is_error`` result's text begins "Error: "); an assistant's
+``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON text); ``thinking`` and
+``redacted_thinking`` blocks sent back are dropped (no template here renders them); tools'
+``input_schema`` is a function's ``parameters``; ``tool_choice`` ``any`` is ``required``;
+``stop_sequences`` are stop strings; ``metadata.user_id`` names the tenant's user as ``user``
+does. An image is a base64 block only: a URL is never fetched. Fields the engine has no use for
+(``thinking``, ``service_tier``, ``container``, ...) are accepted and ignored, as unknown ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from llmsession.options import INT32_MAX
+from llmsession.serve.body import kind_of
+from llmsession.serve.errors import ApiError
+from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
+from llmsession.text.tools import MAX_TOOLS
+
+ROLES = ("user", "assistant")
+MAX_STOP_SEQUENCES = 16
+ERROR_PREFIX = "Error: "  # a tool result with ``is_error``
+
+
+def messages_request(body: Mapping[str, Any], *, counting: bool = False) -> ChatRequest:
+    """A ``/v1/messages`` body (``counting``: a ``count_tokens`` one, which has no
+    ``max_tokens``), checked; ``ApiError`` names the first bad field."""
+    converted = chat_body(body, counting=counting)
+    asked = chat_request(converted)
+    top_k = _integer(body, "top_k", 0, INT32_MAX)
+    if top_k is not None:
+        asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, top_k=top_k))
+    return asked
+
+
+def chat_body(body: Mapping[str, Any], *, counting: bool = False) -> dict[str, Any]:
+    """The OpenAI chat body a Messages body asks the same of."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(f"model must be a string, got {kind_of(model)}", "model")
+    out: dict[str, Any] = {"model": model, "messages": [*_system(body.get("system")), *_messages(body)]}
+    if not counting:
+        if body.get("max_tokens") is None:
+            raise ApiError("max_tokens is required", "max_tokens")
+        out["max_tokens"] = body["max_tokens"]
+    for name in ("temperature", "top_p", "stream"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    if isinstance(out.get("temperature"), int | float) and not 0 <= out["temperature"] <= 1:
+        raise ApiError("temperature must be between 0 and 1", "temperature")
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
+            most = f"a list of at most {MAX_STOP_SEQUENCES} strings"
+            raise ApiError(f"stop_sequences must be {most}", "stop_sequences")
+        if stops:
+            out["stop"] = stops
+    out.update(_tools(body))
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ApiError(f"metadata must be an object, got {kind_of(metadata)}", "metadata")
+    user = (metadata or {}).get("user_id")
+    if user is not None:
+        if not isinstance(user, str) or len(user) > MAX_USER:
+            most = f"a string of at most {MAX_USER} characters"
+            raise ApiError(f"metadata.user_id must be {most}", "metadata.user_id")
+        out["user"] = user
+    return out
+
+
+def _system(system: object) -> list[dict[str, Any]]:
+    """The system prompt as one message: a string, or its text blocks joined by a line break."""
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}] if system else []
+    if not isinstance(system, list):
+        raise ApiError(f"system must be a string or a list of text blocks, got {kind_of(system)}", "system")
+    texts = []
+    for i, block in enumerate(system):
+        if _kind(block, f"system[{i}]") != "text" or not isinstance(block.get("text"), str):
+            raise ApiError(f"system[{i}] must be a text block", f"system[{i}]")
+        texts.append(block["text"])
+    joined = "\n".join(text for text in texts if text)
+    return [{"role": "system", "content": joined}] if joined else []
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError("messages must be a non-empty list", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"{where} must be an object, got {kind_of(message)}", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(f"{where}.role must be one of {list(ROLES)}, got {role!r:.40}", f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            out.extend(_user(content, where) if role == "user" else [_assistant(content, where)])
+        else:
+            raise ApiError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+    return out
+
+
+def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user message's blocks, in order: runs of text and images as user messages, each tool
+    result a ``tool`` message."""
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = _kind(block, at)
+        if kind == "tool_result":
+            if parts:
+                out.append({"role": "user", "content": parts})
+                parts = []
+            out.append(_result(block, at))
+        elif kind == "text":
+            parts.append(_text_part(block, at))
+        elif kind == "image":
+            parts.append(_image(block, at))
+        else:
+            allowed = "text, image and tool_result blocks"
+            raise ApiError(f"{at}: a user message holds {allowed}, got {kind!r:.40}", at)
+    if parts:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+    """An assistant message's text and its calls (thinking blocks dropped)."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = _kind(block, at)
+        if kind == "text":
+            texts.append(_text_part(block, at)["text"])
+        elif kind == "tool_use":
+            ident, name, given = block.get("id"), block.get("name"), block.get("input", {})
+            if not (isinstance(ident, str) and isinstance(name, str) and isinstance(given, dict)):
+                raise ApiError(f"{at}: a tool_use block needs an id, a name and an input object", at)
+            function = {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}
+            calls.append({"id": ident, "type": "function", "function": function})
+        elif kind not in ("thinking", "redacted_thinking"):
+            allowed = "text, tool_use and thinking blocks"
+            raise ApiError(f"{at}: an assistant message holds {allowed}, got {kind!r:.40}", at)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _result(block: dict[str, Any], at: str) -> dict[str, Any]:
+    ident = block.get("tool_use_id")
+    if not isinstance(ident, str):
+        raise ApiError(f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            inner = f"{at}.content[{k}]"
+            if _kind(part, inner) != "text":
+                raise ApiError(f"{inner}: a tool result holds text blocks here", inner)
+            texts.append(_text_part(part, inner)["text"])
+        content = "\n".join(texts)
+    elif content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(f"{at}.content must be a string or a list of text blocks", f"{at}.content")
+    if block.get("is_error") is True:
+        content = ERROR_PREFIX + content
+    return {"role": "tool", "tool_call_id": ident, "content": content}
+
+
+def _kind(block: object, at: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(kind, str):
+        raise ApiError(f"{at} must be a block object with a type", at)
+    return kind
+
+
+def _text_part(block: dict[str, Any], at: str) -> dict[str, Any]:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise ApiError(f"{at}.text must be a string", f"{at}.text")
+    return {"type": "text", "text": text}
+
+
+def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """A base64 image block as a ``data:`` URL part (its bytes checked by ``schema``)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        raise ApiError(f"{at}: an image must be a base64 source (nothing is fetched)", f"{at}.source")
+    media, data = source.get("media_type"), source.get("data")
+    if not (isinstance(media, str) and media.startswith("image/") and isinstance(data, str)):
+        raise ApiError(f"{at}.source needs an image media_type and base64 data", f"{at}.source")
+    return {"type": "image_url", "image_url": {"url": f"data:{media[:64]};base64,{data}"}}
+
+
+def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` in OpenAI's shape."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise ApiError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+        out["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if choice is None:
+        return out
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise ApiError("tool_choice.name must be a string", "tool_choice.name")
+        out["tool_choice"] = {"type": "function", "function": {"name": name}}
+    elif kind in ("auto", "any", "none"):
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    else:
+        raise ApiError('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice")
+    if choice.get("disable_parallel_tool_use") is True:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def _tool(tool: object, at: str) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        raise ApiError(f"{at} must be an object", at)
+    if tool.get("type") not in (None, "custom"):
+        raise ApiError(f"{at}: only client tools are supported here, got type {tool['type']!r:.40}", at)
+    name, schema = tool.get("name"), tool.get("input_schema", {"type": "object"})
+    description = tool.get("description", "")
+    if not (isinstance(name, str) and isinstance(schema, dict) and isinstance(description, str)):
+        raise ApiError(f"{at} needs a name, an input_schema object and a description string", at)
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(f"{name} must be an integer between {low} and {high}", name)
+    return value

@@ -1,0 +1,168 @@
+"""Anthropic Messages bodies and stream events, as Anthropic writes them. Pure.
+
+A stream is ``message_start`` (its usage counts nothing yet: the prompt's tokens are known
+once it is decoded), then a block at a time: ``content_block_start``, its deltas (``text_delta``,
+or a tool call's ``input_json_delta`` pieces of its input as JSON text),
+``content_block_stop``; then ``message_delta`` with the stop reason and the whole usage
+(cumulative counts, which the SDK's ``messages.stream`` helper takes over the start's), and
+``message_stop``. ``ping`` may come at any point after ``message_start``; an error is an
+``error`` event with Anthropic's error body.
+
+Usage means what Anthropic means by it: ``cache_read_input_tokens`` are the prompt tokens the
+engine reused, ``input_tokens`` the ones it decoded, ``cache_creation_input_tokens`` 0 (every
+decoded token is kept, but counting it again would break the sum Anthropic's clients take for
+the prompt's length), ``output_tokens`` the reply's.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsession.replies import Reply, Snapshot, ToolCall, Usage
+from llmsession.serve.errors import ApiError
+
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else "end_turn"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def event(name: str, payload: Mapping[str, Any]) -> bytes:
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"event: {name}\ndata: {text}\n\n".encode()
+
+
+def _delta(index: int, delta: dict[str, Any]) -> bytes:
+    return event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """Anthropic's error body for a refused request."""
+    kind = ERROR_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def usage(used: Usage | None) -> dict[str, Any]:
+    used = used or Usage()
+    return {
+        "input_tokens": used.prompt_tokens - used.reused_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": used.reused_tokens,
+        "output_tokens": used.completion_tokens,
+    }
+
+
+def stop_reason(reply: Reply) -> str:
+    if reply.stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(reply.finish_reason, "end_turn")
+
+
+def tool_input(call: ToolCall) -> dict[str, Any]:
+    """A call's arguments as the object ``input`` is (any other JSON value kept under a key)."""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        return {"arguments": call.arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+@dataclass
+class Blocks:
+    """Where a stream is among its content blocks: the open one's index and kind."""
+
+    index: int = -1
+    kind: str | None = None  # "text", "tool_use" or None (none open)
+    call: int | None = None  # the open tool_use block's call index
+
+
+@dataclass(frozen=True)
+class AnthropicMessage:
+    """One message's identity: its body, or every event of its stream."""
+
+    model: str
+    id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
+
+    def body(self, reply: Reply) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        if reply.text or not reply.tool_calls:
+            content.append({"type": "text", "text": reply.text})
+        for call in reply.tool_calls:
+            content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)})
+        return {**self._shell(content, stop_reason(reply), reply.stop_sequence), "usage": usage(reply.usage)}
+
+    def _shell(self, content: list[Any], stop: str | None, sequence: str | None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": sequence,
+        }
+
+    def start(self) -> bytes:
+        message = {**self._shell([], None, None), "usage": usage(None)}
+        return event("message_start", {"type": "message_start", "message": message})
+
+    def pieces(self, snapshot: Snapshot, blocks: Blocks) -> list[bytes]:
+        """A snapshot's events: its text in the open text block (one opened if need be), then
+        each call's pieces, a block per call."""
+        out: list[bytes] = []
+        if snapshot.delta:
+            if blocks.kind != "text":
+                out += self._open(blocks, "text", {"type": "text", "text": ""})
+            out.append(_delta(blocks.index, {"type": "text_delta", "text": snapshot.delta}))
+        for piece in snapshot.tool_calls:
+            if blocks.kind != "tool_use" or blocks.call != piece.index:
+                block = {"type": "tool_use", "id": piece.id or "", "name": piece.name or "", "input": {}}
+                out += self._open(blocks, "tool_use", block)
+                blocks.call = piece.index
+            if piece.arguments:
+                json_delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                out.append(_delta(blocks.index, json_delta))
+        return out
+
+    def _open(self, blocks: Blocks, kind: str, block: dict[str, Any]) -> list[bytes]:
+        out = self._close(blocks)
+        blocks.index, blocks.kind = blocks.index + 1, kind
+        payload = {"type": "content_block_start", "index": blocks.index, "content_block": block}
+        out.append(event("content_block_start", payload))
+        return out
+
+    @staticmethod
+    def _close(blocks: Blocks) -> list[bytes]:
+        if blocks.kind is None:
+            return []
+        blocks.kind, blocks.call = None, None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": blocks.index})]
+
+    def finish(self, reply: Reply, blocks: Blocks) -> list[bytes]:
+        """The last block closed (an empty text block if none was opened), the stop reason and
+        usage, the end."""
+        out = [] if blocks.index >= 0 else self._open(blocks, "text", {"type": "text", "text": ""})
+        out += self._close(blocks)
+        delta = {"stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence}
+        payload = {"type": "message_delta", "delta": delta, "usage": usage(reply.usage)}
+        out.append(event("message_delta", payload))
+        out.append(event("message_stop", {"type": "message_stop"}))
+        return out
+
+    @staticmethod
+    def ping() -> bytes:
+        return event("ping", {"type": "ping"})
+
+    @staticmethod
+    def error(error: ApiError) -> bytes:
+        return event("error", error_body(error))

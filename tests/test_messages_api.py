@@ -1,0 +1,285 @@
+"""Anthropic's Messages API on ``llmsession serve``, through the official ``anthropic`` client
+over real HTTP on the default SmolLM2 model: bodies, the ``messages.stream`` helper, tools with
+``input_json_delta``, stop sequences, ``count_tokens`` against usage, keys and error bodies, and
+a resent Claude-Code-shaped conversation read from the cache despite its per-request billing
+line."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
+
+from llmsession import Model
+from llmsession.commands.cli import parser
+from llmsession.commands.serve import volatile_lines
+from llmsession.serve import doors
+from llmsession.serve.app import VOLATILE_LINES, create_app
+from llmsession.serve.schema import Volatile
+
+TOOL = {
+    "name": WEATHER["function"]["name"],
+    "description": WEATHER["function"]["description"],
+    "input_schema": WEATHER["function"]["parameters"],
+}
+GREEDY = {"temperature": 0}  # (the SDK's own fields have no sampling settings any more)
+SYSTEM = "You are a helpful assistant. Answer briefly."
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path: Path) -> Iterator[Served]:
+    with Model(smollm2_path, threads=1) as model:
+        app = create_app(model, api_key=[KEY, OTHER_KEY])
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server)
+
+
+@pytest.fixture(scope="module")
+def unfiltered(smollm2_path: Path) -> Iterator[Served]:
+    """The same model with no volatile lines: the variant the billing-line test must fail on."""
+    with Model(smollm2_path, threads=1) as model:
+        app = create_app(model, api_key=KEY, volatile_lines=())
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server)
+
+
+def client(served: Served, key: str = KEY) -> anthropic.Anthropic:
+    base = served.url.removesuffix("/v1")
+    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=120)
+
+
+def user(*blocks: Any) -> dict[str, Any]:
+    return {"role": "user", "content": list(blocks)}
+
+
+def billing() -> dict[str, Any]:
+    """Claude Code's first system block: its hash differs every request."""
+    stamp = secrets.token_hex(3)[:5]
+    text = f"x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch={stamp};"
+    return {"type": "text", "text": text}
+
+
+def test_a_message_answers_with_anthropic_fields(served: Served) -> None:
+    said = [{"role": "user", "content": "Name a colour."}]
+    message = client(served).messages.create(model="claude-x", max_tokens=12, system=SYSTEM, messages=said)
+    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
+    assert message.model == served.name
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.stop_sequence is None
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) > 10
+    assert usage.cache_creation_input_tokens == 0 and 0 < usage.output_tokens <= 12
+    short = client(served).messages.create(model="m", max_tokens=1, system=SYSTEM, messages=said)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 1
+
+
+def test_the_stream_helper_joins_to_the_message(served: Served) -> None:
+    said = [{"role": "user", "content": "Say hello to Paris."}]
+    with client(served).messages.stream(
+        model="m", max_tokens=16, system=SYSTEM, messages=said, extra_body=GREEDY
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    text = "".join(block.text for block in final.content if block.type == "text")
+    assert text and kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    assert "text" in kinds and kinds[-2] == "message_delta"  # (the helper's text events)
+    whole = client(served).messages.create(
+        model="m", max_tokens=16, system=SYSTEM, messages=said, extra_body=GREEDY
+    )
+    assert whole.content[0].text == text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    prompt = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+    assert prompt == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+
+
+def test_a_stop_sequence_is_named(served: Served) -> None:
+    said = [{"role": "user", "content": "Count from one to ten in words."}]
+    free = client(served).messages.create(model="m", max_tokens=30, messages=said, extra_body=GREEDY)
+    words = free.content[0].text.split()
+    assert len(words) >= 3, free
+    stop = words[2]
+    stopped = client(served).messages.create(
+        model="m", max_tokens=30, messages=said, extra_body=GREEDY, stop_sequences=["zzzq", stop]
+    )
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    text = stopped.content[0].text
+    assert stop not in text and free.content[0].text.startswith(text)
+
+
+def test_tools_stream_input_json_and_take_results(served: Served) -> None:
+    said: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = {"type": "tool", "name": "get_weather"}
+    with client(served).messages.stream(
+        model="m", max_tokens=60, messages=said, tools=[TOOL], tool_choice=forced
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "content_block_delta"]
+        pieces = [d.partial_json for d in deltas if d.type == "input_json_delta"]
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    calls = [block for block in final.content if block.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert isinstance(calls[0].input, dict) and isinstance(calls[0].input.get("city"), str)
+    assert json.loads("".join(pieces)) == calls[0].input
+    whole = client(served).messages.create(
+        model="m", max_tokens=60, messages=said, tools=[TOOL], tool_choice=forced
+    )
+    assert [b.type for b in whole.content] == ["tool_use"] and whole.stop_reason == "tool_use"
+    said += [
+        {"role": "assistant", "content": [block.model_dump() for block in final.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny, 21 C"},
+                {"type": "text", "text": "Thanks. Summarize it."},
+            ],
+        },
+    ]
+    answer = client(served).messages.create(model="m", max_tokens=20, messages=said, tools=[TOOL])
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert answer.usage.cache_read_input_tokens  # (the call's transcript was kept)
+
+
+def test_count_tokens_is_the_prompt_usage_adds_up_to(served: Served) -> None:
+    system = [billing(), {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    said = [{"role": "user", "content": "Which is larger, 7 or 9?"}]
+    counted = client(served).messages.count_tokens(model="m", system=system, messages=said, tools=[TOOL])
+    used = (
+        client(served, OTHER_KEY)
+        .messages.create(model="m", max_tokens=4, system=system, messages=said, tools=[TOOL])
+        .usage
+    )
+    assert counted.input_tokens == used.input_tokens + (used.cache_read_input_tokens or 0) > 100
+
+
+def test_a_resent_claude_code_conversation_decodes_only_its_new_turn(
+    served: Served, unfiltered: Served
+) -> None:
+    """Its billing line's hash changes every request; dropped, each turn decodes at most its new
+    tokens and one more. The variant that must fail: a server that keeps the line re-decodes
+    everything after it."""
+    tools = [TOOL, {**TOOL, "name": "read_file", "description": "Read a file from the project."}]
+    body = "You are Claude Code, a coding agent. " + "Follow the project's conventions. " * 40
+    for where, bound in ((served, "new"), (unfiltered, "everything")):
+        said: list[dict[str, Any]] = []
+        counted_before = 0
+        for turn, question in enumerate(["List the files.", "Open the README.", "What does it say?"]):
+            said.append({"role": "user", "content": question})
+            system = [billing(), {"type": "text", "text": body}]
+            with client(where).messages.stream(
+                model="m", max_tokens=12, system=system, messages=said, tools=tools, extra_body=GREEDY
+            ) as stream:
+                final = stream.get_final_message()
+            counting = client(where).messages.count_tokens
+            counted = counting(model="m", system=system, messages=said, tools=tools).input_tokens
+            usage = final.usage
+            assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted
+            if turn > 0:
+                new = counted - counted_before
+                if bound == "new":
+                    assert usage.input_tokens <= new + 1, (turn, usage, new)
+                else:
+                    assert usage.input_tokens > counted - 40, (turn, usage)
+            content = [b.model_dump() for b in final.content if b.type == "text" and b.text]
+            said.append({"role": "assistant", "content": content or "ok"})
+            counted_before = counted + usage.output_tokens
+
+
+def test_keys_errors_and_tenants(served: Served) -> None:
+    said = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        client(served, "sk-wrong").messages.create(model="m", max_tokens=2, messages=said)
+    said_back = refused.value.body
+    assert said_back["type"] == "error" and said_back["error"]["type"] == "authentication_error"
+    assert set(said_back) == {"type", "error"} and set(said_back["error"]) == {"type", "message"}
+    base = served.url.removesuffix("/v1")
+    for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+        headers = {**headers, "anthropic-version": "2023-06-01", "anthropic-beta": "x"}
+        asked = {"model": "m", "max_tokens": 2, "messages": said}
+        got = httpx.post(f"{base}/v1/messages?beta=true", json=asked, headers=headers, timeout=60)
+        assert got.status_code == 200 and got.json()["type"] == "message"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client(served).messages.create(model="m", messages=said, max_tokens=None)
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in bad.value.body["error"]["message"]
+    url_image = {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/"}}
+    with pytest.raises(anthropic.BadRequestError, match="nothing is fetched"):
+        client(served).messages.create(model="m", max_tokens=2, messages=[user(url_image)])
+    with pytest.raises(anthropic.BadRequestError, match="content"):
+        client(served).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": 5}])
+    # another key's identical conversation reads nothing of this one's cache
+    system = "Tenant check: " + secrets.token_hex(8) + " Be brief." * 30
+    first = client(served).messages.create(model="m", max_tokens=2, system=system, messages=said)
+    again = client(served).messages.create(model="m", max_tokens=2, system=system, messages=said)
+    other = client(served, OTHER_KEY).messages.create(model="m", max_tokens=2, system=system, messages=said)
+    assert first.usage.cache_read_input_tokens == 0
+    assert (again.usage.cache_read_input_tokens or 0) > 100
+    assert other.usage.cache_read_input_tokens == 0
+
+
+def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``patience`` the stream begins before the prompt is decoded: ``message_start``, then
+    ``ping``s, then the text (which the helper still joins); an error then is an ``error`` event
+    with Anthropic's body, which the client raises."""
+    monkeypatch.setattr(doors, "PING_SECONDS", 0.05)
+    said = [{"role": "user", "content": "Tell me about rivers. " * 60}]
+    base = served.url.removesuffix("/v1")
+    body = {"model": "m", "max_tokens": 4, "messages": said, "stream": True}
+    url, keyed = f"{base}/v1/messages", {"x-api-key": KEY}
+    with httpx.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
+        assert response.status_code == 200
+        names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert names.count("ping") >= 2 and "content_block_delta" in names
+    with client(served).messages.stream(model="m", max_tokens=4, messages=said) as stream:
+        assert stream.get_final_message().usage.output_tokens == 4
+    huge = [{"role": "user", "content": "word " * 9000}]
+    with (
+        pytest.raises(anthropic.APIStatusError) as failed,
+        client(served).messages.stream(model="m", max_tokens=4, messages=huge) as stream,
+    ):
+        stream.get_final_message()
+    assert failed.value.body["type"] == "error"
+    assert failed.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_volatile_lines_are_whole_system_lines_only() -> None:
+    volatile = Volatile(VOLATILE_LINES)
+    header = "x-anthropic-billing-header: cc_version=2.1; cch=ab12c;"
+    system = {
+        "role": "system",
+        "content": f"{header}\nYou are an agent.\nSay x-anthropic-billing-header: no.",
+    }
+    user = {"role": "user", "content": header}
+    kept = volatile.dropped([system, user])
+    assert kept == [
+        {"role": "system", "content": "You are an agent.\nSay x-anthropic-billing-header: no."},
+        user,
+    ]
+    parts = {"role": "system", "content": [{"type": "text", "text": header}, {"type": "text", "text": "Hi"}]}
+    assert volatile.dropped([parts])[0]["content"] == [
+        {"type": "text", "text": ""},
+        {"type": "text", "text": "Hi"},
+    ]
+    assert Volatile(()).dropped([system]) == [system]
+    with pytest.raises(TypeError):
+        Volatile("x-anthropic")
+
+
+def test_the_command_names_its_volatile_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    read = parser().parse_args
+    assert volatile_lines(read(["serve"])) is None  # (create_app's default)
+    assert volatile_lines(read(["serve", "--volatile-line", "a.*", "--volatile-line", "b"])) == ("a.*", "b")
+    assert volatile_lines(read(["serve", "--volatile-line", ""])) == ()
+    with pytest.raises(SystemExit):
+        read(["serve", "--volatile-line", "(unclosed"])
+    assert "not a regular expression" in capsys.readouterr().err
