@@ -26,17 +26,21 @@ from starlette.routing import Route
 
 from llmsession.config import SessionConfig
 from llmsession.options import INT32_MAX
+from llmsession.replies import Reply
 from llmsession.serve import sse
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Door, Host
-from llmsession.serve.doors import CompletionDoor, MessagesDoor
+from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.http import Counting, declared, guarded, refuse
 from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.page import routes as page_routes
+from llmsession.serve.responses import responses_ask, responses_request
+from llmsession.serve.responses_sse import ResponseObject
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, Volatile, chat_request, completion_request
+from llmsession.serve.store import ResponseStore
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -46,6 +50,18 @@ PARSERS = 4  # requests reading or checking their body at once
 # Lines of a system prompt that change every request and carry nothing for the model: dropped
 # before rendering, so a resent conversation is read from the cache (``create_app``).
 VOLATILE_LINES = (r"x-anthropic-billing-header:.*",)  # Claude Code's, with a per-request hash
+
+
+def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
+    return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
+
+
+def said(reply: Reply) -> dict[str, Any]:
+    """A reply as the assistant message a client sends back."""
+    if not reply.tool_calls:
+        return {"role": "assistant", "content": reply.text}
+    calls = [call.message_part() for call in reply.tool_calls]
+    return {"role": "assistant", "content": reply.text, "tool_calls": calls}
 
 
 def digest(*parts: str | None) -> str:
@@ -72,6 +88,7 @@ class Server:
     ) -> None:
         admission = Admission(model.memory().max_live_sessions, queue)
         self.volatile = volatile or Volatile(())
+        self.store = ResponseStore()
         self.draft = draft  # every request's drafted tokens (the API has no field for them)
         self.host = Host(model, model_name, settings, admission)
         self.model, self.model_name, self.metrics = model, model_name, self.host.metrics
@@ -180,6 +197,40 @@ class Server:
         )
         return JSONResponse({"input_tokens": len(tokens)})
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (``responses``): a ``previous_response_id`` continues that
+        response's transcript (the stateless sessions hold its state: only the new input is
+        decoded); ``store`` keeps the response for retrieval and continuation."""
+        key: str | None = request.state.key
+        async with self.parsing:
+            body = await self.body(request)
+            ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
+            history: list[dict[str, Any]] = []
+            if ask.previous is not None:
+                stored = self.store.get(ask.previous, key)
+                if stored is None:
+                    raise not_found("response", ask.previous, "previous_response_id")
+                history = stored.transcript
+            asked = await asyncio.to_thread(responses_request, ask, history)
+        transcript = asked.messages[1 if ask.instructions else 0 :]
+        asked = dataclasses.replace(asked, messages=self.volatile.dropped(asked.messages))
+        response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store)
+
+        def keep(body: dict[str, Any], reply: Reply) -> None:
+            self.store.put(key, body, [*transcript, said(reply)])
+
+        return await self.answer(request, asked, ResponsesDoor(response, keep if ask.store else None))
+
+    async def stored_response(self, request: Request) -> Response:
+        ident = request.path_params["id"]
+        stored = self.store.get(ident, request.state.key)
+        if stored is None:
+            raise not_found("response", ident)
+        if request.method == "DELETE":
+            self.store.delete(ident, request.state.key)
+            return JSONResponse({"id": ident, "object": "response", "deleted": True})
+        return JSONResponse(stored.body)
+
     async def read(self, request: Request, checked: Callable[[bytes], ChatRequest]) -> ChatRequest:
         """A request's body, read and checked (a few at once, off the event loop), its system
         prompt's volatile lines dropped."""
@@ -217,6 +268,8 @@ def routes(server: Server) -> list[Route]:
         Route("/v1/models/{name:path}", guarded(server.model_card, keyed), methods=["GET"]),
         Route("/v1/chat/completions", guarded(server.chat, keyed), methods=["POST"]),
         Route("/v1/completions", guarded(server.completions, keyed), methods=["POST"]),
+        Route("/v1/responses", guarded(server.responses, keyed), methods=["POST"]),
+        Route("/v1/responses/{id}", guarded(server.stored_response, keyed), methods=["GET", "DELETE"]),
         Route("/v1/messages", guarded(server.messages, keyed, error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(server.count_tokens, keyed, error_body), methods=["POST"]),
     ]
@@ -270,7 +323,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(cors_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", *ANTHROPIC_HEADERS],
         )
     app.add_middleware(Counting, metrics=server.metrics)

@@ -1,5 +1,6 @@
 """The APIs' ways of answering a request that ran (``chat.Door``): OpenAI's chat and raw
-completions (``CompletionDoor``) and Anthropic's messages (``MessagesDoor``). Each turns the
+completions (``CompletionDoor``), OpenAI's responses (``ResponsesDoor``) and Anthropic's messages
+(``MessagesDoor``). Each turns the
 replies into its body, or the choices' events into its stream; an error mid-stream is its API's
 error event (logged if it is the server's: ``chat.explain``), and a stream that ends, however it
 ends, cancels the exchanges behind it."""
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmsession.replies import Reply, Usage
 from llmsession.serve import sse
 from llmsession.serve.chat import explain
 from llmsession.serve.messages_sse import AnthropicMessage, Blocks
+from llmsession.serve.responses_sse import KEEP_ALIVE, Items, ResponseObject
 from llmsession.serve.runner import Choices, Event
 
 PING_SECONDS = 5.0  # a Messages stream's keep-alive while its prompt decodes
@@ -96,6 +98,58 @@ class MessagesDoor:
                 elif event.reply is not None:
                     for piece in message.finish(event.reply, blocks):
                         yield piece
+                    break
+        finally:
+            choices.cancel()
+
+
+Keep = Callable[[dict[str, Any], Reply], None]  # a finished response, to store
+
+
+class ResponsesDoor:
+    """OpenAI's responses: one choice. ``keep`` is given each finished response (stored, for
+    ``store: true``); a failed or cancelled one is not. Past ``patience`` a stream begins with
+    ``response.created`` and keeps its connection alive with SSE comments until its first
+    token."""
+
+    def __init__(
+        self, response: ResponseObject, keep: Keep | None = None, patience: float | None = None
+    ) -> None:
+        self.response, self.keep = response, keep
+        self.patience: float | None = PING_SECONDS if patience is None else patience
+
+    def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
+        body = self.response.whole(replies[0])
+        if self.keep is not None:
+            self.keep(body, replies[0])
+        return body
+
+    async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
+        response, items, pending = self.response, Items(), list(first)
+        try:
+            for opening in response.opening():
+                yield opening
+            while True:
+                if pending:
+                    event = pending.pop(0)
+                else:
+                    try:
+                        event = await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
+                    except TimeoutError:
+                        yield KEEP_ALIVE
+                        continue
+                if event.error is not None:
+                    yield response.failed(explain(event.error), items)
+                    break
+                if event.snapshot is not None:
+                    for piece in response.pieces(event.snapshot, items):
+                        yield piece
+                elif event.reply is not None:
+                    pieces, final = response.finish(event.reply, items)
+                    for piece in pieces:
+                        yield piece
+                    if self.keep is not None:
+                        self.keep(final, event.reply)
                     break
         finally:
             choices.cancel()

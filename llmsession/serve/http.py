@@ -33,6 +33,7 @@ PATHS = (
     "/v1/models",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
 )
@@ -76,6 +77,8 @@ def counted_path(path: str) -> str:
     "other" (a label per unknown path would let any client grow the counters without bound)."""
     if path in PATHS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/static/" if path.startswith("/static/") else "other"
 
 

@@ -23,10 +23,11 @@ from typing import Any
 from llmsession.options import INT32_MAX
 from llmsession.serve.body import kind_of
 from llmsession.serve.errors import ApiError
-from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
+from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request, renamed
 from llmsession.text.tools import MAX_TOOLS
 
 ROLES = ("user", "assistant")
+NAMES = {"stop": "stop_sequences"}  # (a message's path is the converted list's: kept as it is)
 MAX_STOP_SEQUENCES = 16
 ERROR_PREFIX = "Error: "  # a tool result with ``is_error``
 
@@ -35,7 +36,10 @@ def messages_request(body: Mapping[str, Any], *, counting: bool = False) -> Chat
     """A ``/v1/messages`` body (``counting``: a ``count_tokens`` one, which has no
     ``max_tokens``), checked; ``ApiError`` names the first bad field."""
     converted = chat_body(body, counting=counting)
-    asked = chat_request(converted)
+    try:
+        asked = chat_request(converted)
+    except ApiError as error:
+        raise renamed(error, NAMES) from None
     top_k = _integer(body, "top_k", 0, INT32_MAX)
     if top_k is not None:
         asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, top_k=top_k))

@@ -119,6 +119,19 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
     return dataclasses.replace(asked, messages=[], prompt=prompt, options=scored)
 
 
+def renamed(error: ApiError, names: Mapping[str, str]) -> ApiError:
+    """A chat request's error, naming the field as another API spells it (``max_tokens`` is
+    ``max_output_tokens`` there; a message's path is the whole ``input``'s)."""
+    param = error.param or ""
+    for old, new in names.items():
+        if param == old or param.startswith((old + "[", old + ".")):
+            message = (
+                error.message.replace(param, new, 1) if error.message.startswith(param) else error.message
+            )
+            return dataclasses.replace(error, message=message, param=new)
+    return error
+
+
 class Volatile:
     """Lines of system prompts that change every request and carry nothing for the model: a line
     one of ``patterns`` (regular expressions) matches whole is dropped, so a resent

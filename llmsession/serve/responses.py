@@ -1,0 +1,246 @@
+"""An OpenAI Responses request (``POST /v1/responses``), as OpenAI documents it, checked and
+turned into a chat request in OpenAI's chat shape (then checked as one: ``schema.chat_request``).
+Pure: no model, no web framework.
+
+What maps where: ``instructions`` is the system message (a previous response's is not carried
+over, as OpenAI has it); ``input`` is a string (one user message) or items: ``message`` (roles
+user, assistant, system, developer; ``input_text`` / ``output_text`` parts, ``input_image`` as a
+base64 ``data:`` URL only), ``function_call`` (consecutive calls are one assistant message's
+``tool_calls``), ``function_call_output`` (a ``tool`` message); ``reasoning`` items sent back are
+dropped (no template here renders them). ``tools`` are flat function tools; ``text.format`` is a
+``response_format``; ``max_output_tokens`` is ``max_tokens``; ``stop`` and ``seed`` are taken
+when a client sends them. Fields the engine has no use for (``include``, ``truncation``,
+``reasoning``, ``service_tier``, ...) are accepted and ignored, as unknown ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsession.serve.body import kind_of
+from llmsession.serve.errors import ApiError
+from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request, renamed
+from llmsession.text.tools import MAX_TOOLS
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+MAX_METADATA = 16  # keys, as OpenAI bounds them
+MAX_ID = 128  # characters of a previous_response_id
+
+
+@dataclass(frozen=True)
+class ResponsesAsk:
+    """A Responses body, read: the chat body it asks the same of (its messages the new input
+    only: ``previous`` is looked up by the route), and what the response echoes."""
+
+    chat: dict[str, Any]
+    items: list[dict[str, Any]]  # the new input, as chat messages
+    instructions: str | None
+    previous: str | None
+    store: bool
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
+    """A ``/v1/responses`` body, checked; ``ApiError`` names the first bad field."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(f"model must be a string, got {kind_of(model)}", "model")
+    instructions = _optional(body, "instructions", str)
+    previous = _optional(body, "previous_response_id", str)
+    if previous is not None and not 0 < len(previous) <= MAX_ID:
+        raise ApiError("previous_response_id is not a response id", "previous_response_id")
+    store = _optional(body, "store", bool)
+    chat: dict[str, Any] = {"model": model}
+    tokens = body.get("max_output_tokens")
+    if tokens is not None:
+        chat["max_tokens"] = tokens
+    for name in ("temperature", "top_p", "stream", "stop", "seed", "parallel_tool_calls", "user"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if chat.get("user") is None and isinstance(body.get("safety_identifier"), str):
+        chat["user"] = body["safety_identifier"]
+    if isinstance(chat.get("user"), str) and len(chat["user"]) > MAX_USER:
+        raise ApiError(f"user: at most {MAX_USER} characters", "user")
+    chat.update(_tools(body), **_format(body))
+    metadata = _metadata(body)
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": tokens,
+        "metadata": metadata,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "text": {"format": body["text"].get("format") or {"type": "text"}}
+        if body.get("text")
+        else {"format": {"type": "text"}},
+        "user": chat.get("user"),
+    }
+    items = _input(body.get("input"))
+    return ResponsesAsk(chat, items, instructions, previous, True if store is None else store, echo)
+
+
+NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def responses_request(ask: ResponsesAsk, history: list[dict[str, Any]]) -> ChatRequest:
+    """The chat request a read body asks for, after the transcript it continues: checked as a
+    chat's (an error names the field as the Responses API spells it)."""
+    system = [{"role": "system", "content": ask.instructions}] if ask.instructions else []
+    try:
+        return chat_request({**ask.chat, "messages": [*system, *history, *ask.items]})
+    except ApiError as error:
+        raise renamed(error, NAMES) from None
+
+
+def _input(value: object) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        if not value:
+            raise ApiError("input must be a non-empty string or a list of items", "input")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ApiError("input must be a non-empty string or a list of items", "input")
+    if len(value) > MAX_MESSAGES:
+        raise ApiError(f"input: at most {MAX_MESSAGES} items, got {len(value)}", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(f"{where} must be an object, got {kind_of(item)}", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            _call(item, where, out)
+        elif kind == "function_call_output":
+            out.append(_output(item, where))
+        elif kind != "reasoning":
+            raise ApiError(f"{where}: items of type {kind!r:.40} are not supported here", f"{where}.type")
+    if not out:
+        raise ApiError("input holds nothing to answer", "input")
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise ApiError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": ROLES[role], "content": content}
+    if not isinstance(content, list):
+        raise ApiError(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS:
+            text = part.get("text", part.get("refusal"))
+            if not isinstance(text, str):
+                raise ApiError(f"{at}.text must be a string", f"{at}.text")
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise ApiError(f"{at}: an image must be a base64 data: URL (nothing is fetched)", at)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ApiError(f"{at}: only text and input_image parts are supported here, got {kind!r:.40}", at)
+    if ROLES[role] != "user" and all(p["type"] == "text" for p in parts):  # (images: the check's)
+        return {"role": ROLES[role], "content": "".join(p["text"] for p in parts)}
+    return {"role": ROLES[role], "content": parts}
+
+
+def _call(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
+    """A call the model made: joined to the assistant message just before it, if it has one."""
+    ident, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+    if not (isinstance(ident, str) and isinstance(name, str) and isinstance(arguments, str)):
+        raise ApiError(f"{where}: a function_call needs a call_id, a name and arguments as JSON text", where)
+    call = {"id": ident, "type": "function", "function": {"name": name, "arguments": arguments}}
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant" and isinstance(last["content"], str):
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    ident, output = item.get("call_id"), item.get("output")
+    if isinstance(output, list):
+        texts = [p.get("text") for p in output if isinstance(p, dict) and p.get("type") in TEXT_PARTS]
+        if len(texts) != len(output) or not all(isinstance(t, str) for t in texts):
+            raise ApiError(f"{where}.output: only text parts are supported here", f"{where}.output")
+        output = "".join(texts)  # type: ignore[arg-type]
+    if not (isinstance(ident, str) and isinstance(output, str)):
+        raise ApiError(f"{where}: a function_call_output needs a call_id and an output string", where)
+    return {"role": "tool", "tool_call_id": ident, "content": output}
+
+
+def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise ApiError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+        out["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ApiError(
+                'tool_choice must be "auto", "none", "required" or a function by name', "tool_choice"
+            )
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _tool(tool: object, at: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else kind_of(tool)
+        raise ApiError(f"{at}: only function tools are supported here, got {kind!r:.40}", at)
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _format(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``text.format`` as a chat's ``response_format``."""
+    text = body.get("text")
+    if text is None:
+        return {}
+    if not isinstance(text, dict):
+        raise ApiError(f"text must be an object, got {kind_of(text)}", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}}
+    if kind in ("json_object", "text"):
+        return {"response_format": {"type": kind}}
+    raise ApiError('text.format.type must be "text", "json_object" or "json_schema"', "text.format")
+
+
+def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
+        raise ApiError(f"metadata must be an object of at most {MAX_METADATA} keys", "metadata")
+    if not all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+        for k, v in metadata.items()
+    ):
+        raise ApiError("metadata holds strings: keys of at most 64 characters, values of 512", "metadata")
+    return metadata
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise ApiError(
+            f"{name} must be {'a string' if kind is str else 'a boolean'}, got {kind_of(value)}", name
+        )
+    return value

@@ -1,0 +1,214 @@
+"""OpenAI Responses objects and stream events, as OpenAI writes them. Pure.
+
+A response's output is a ``message`` item (one ``output_text`` part) when the reply has text or
+no calls, then a ``function_call`` item per call (``call_id``, ``name``, ``arguments`` as JSON
+text). A stream is ``response.created``, ``response.in_progress``, then an item at a time:
+``response.output_item.added``; for a message ``response.content_part.added``,
+``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``;
+for a call ``response.function_call_arguments.delta``..., ``.done``; then
+``response.output_item.done``; and last ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut it, ``response.failed`` when it failed), every event with its
+``sequence_number``. The items a stream announced are the ones its last event's response holds,
+with the same ids (the SDK's ``responses.stream`` helper checks).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsession.replies import Reply, Snapshot, Usage
+from llmsession.serve.errors import ApiError
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def usage(used: Usage | None) -> dict[str, Any]:
+    used = used or Usage()
+    return {
+        "input_tokens": used.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": used.reused_tokens},
+        "output_tokens": used.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": used.prompt_tokens + used.completion_tokens,
+    }
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return f"event: {payload['type']}\ndata: {text}\n\n".encode()
+
+
+KEEP_ALIVE = b": keep-alive\n\n"  # (an SSE comment: clients skip it)
+
+
+@dataclass
+class Items:
+    """A stream's output items so far, in order; the last may be open."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    open: bool = False
+    call: int | None = None  # the open function_call's index among the reply's calls
+
+
+@dataclass
+class ResponseObject:
+    """One response's identity and what it echoes of its request: its body, or its events."""
+
+    model: str
+    echo: dict[str, Any]
+    previous: str | None = None
+    store: bool = True
+    id: str = field(default_factory=lambda: new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    sequence: int = 0
+
+    def body(
+        self, status: str, output: list[dict[str, Any]], used: Usage | None, **extra: Any
+    ) -> dict[str, Any]:
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "model": self.model,
+            "output": output,
+            "previous_response_id": self.previous,
+            "reasoning": {"effort": None, "summary": None},
+            "store": self.store,
+            "truncation": "disabled",
+            "usage": None if used is None else usage(used),
+            **self.echo,
+        }
+        return {**out, **extra}
+
+    def whole(self, reply: Reply) -> dict[str, Any]:
+        """The response to ``reply``, not streamed."""
+        items = Items()
+        if reply.text or not reply.tool_calls:
+            items.items.append(_message(reply.text))
+        for call in reply.tool_calls:
+            items.items.append(_call(call.id, call.name, call.arguments))
+        return self.final(reply, items)
+
+    def final(self, reply: Reply, items: Items) -> dict[str, Any]:
+        status = "incomplete" if reply.finish_reason == "length" else "completed"
+        for item in items.items:
+            item["status"] = status
+        extra = {"incomplete_details": {"reason": "max_output_tokens"}} if status == "incomplete" else {}
+        return self.body(status, items.items, reply.usage, **extra)
+
+    # -- the stream --------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self.sequence += 1
+        return event({"type": kind, "sequence_number": self.sequence - 1, **fields})
+
+    def opening(self) -> list[bytes]:
+        started = self.body("in_progress", [], None)
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+        ]
+
+    def pieces(self, snapshot: Snapshot, items: Items) -> list[bytes]:
+        out: list[bytes] = []
+        if snapshot.delta:
+            if not (items.open and items.items[-1]["type"] == "message"):
+                out += self._close(items) + self._open(items, _message(""))
+            item = items.items[-1]
+            item["content"][0]["text"] += snapshot.delta
+            where = {"item_id": item["id"], "output_index": len(items.items) - 1, "content_index": 0}
+            out.append(self._event("response.output_text.delta", **where, delta=snapshot.delta, logprobs=[]))
+        for piece in snapshot.tool_calls:
+            if not (items.open and items.call == piece.index):
+                out += self._close(items) + self._open(items, _call(piece.id or "", piece.name or "", ""))
+                items.call = piece.index
+            if piece.arguments:
+                item = items.items[-1]
+                item["arguments"] += piece.arguments
+                where = {"item_id": item["id"], "output_index": len(items.items) - 1}
+                out.append(
+                    self._event("response.function_call_arguments.delta", **where, delta=piece.arguments)
+                )
+        return out
+
+    def _open(self, items: Items, item: dict[str, Any]) -> list[bytes]:
+        items.items.append(item)
+        items.open, index = True, len(items.items) - 1
+        shown = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            shown["content"] = []
+        out = [self._event("response.output_item.added", output_index=index, item=shown)]
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(self._event("response.content_part.added", **where, part=part))
+        return out
+
+    def _close(self, items: Items, status: str = "completed") -> list[bytes]:
+        if not items.open:
+            return []
+        items.open, items.call = False, None
+        item, index = items.items[-1], len(items.items) - 1
+        item["status"] = status
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(self._event("response.output_text.done", **where, text=part["text"], logprobs=[]))
+            out.append(self._event("response.content_part.done", **where, part=part))
+        else:
+            where = {"item_id": item["id"], "output_index": index}
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def finish(self, reply: Reply, items: Items) -> tuple[list[bytes], dict[str, Any]]:
+        """The open item closed (an empty message if the reply said nothing), the last event;
+        and the response it holds."""
+        status = "incomplete" if reply.finish_reason == "length" else "completed"
+        out = [] if items.items else self._open(items, _message(""))
+        out += self._close(items, status)
+        final = self.final(reply, items)
+        return [*out, self._event(f"response.{status}", response=final)], final
+
+    def failed(self, error: ApiError, items: Items) -> bytes:
+        """The stream's end after a failure: ``response.failed`` with the error."""
+        failure = {"code": error.code or error.kind, "message": error.message}
+        return self._event("response.failed", response=self.body("failed", items.items, None, error=failure))
+
+
+def _message(text: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {
+        "type": "message",
+        "id": new_id("msg"),
+        "status": "completed",
+        "role": "assistant",
+        "content": [part],
+    }
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": new_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }

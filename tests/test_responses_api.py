@@ -1,0 +1,230 @@
+"""OpenAI's Responses API on ``llmsession serve``, through the official ``openai`` client over
+real HTTP on the default SmolLM2 model: bodies and the ``responses.stream`` helper,
+``previous_response_id`` and ``store: false`` resends read from the cache, function calls and
+their outputs, ``text.format``, retrieval and deletion, 404s and tenants, and one run of the
+OpenAI Agents SDK with a function tool."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
+
+from llmsession import Model
+from llmsession.serve.app import create_app
+
+TOOL = {"type": "function", **WEATHER["function"], "strict": False}
+FORCED = {"type": "function", "name": "get_weather"}
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path: Path) -> Iterator[Served]:
+    with Model(smollm2_path, threads=1) as model:
+        app = create_app(model, api_key=[KEY, OTHER_KEY])
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server)
+
+
+def client(served: Served, key: str = KEY) -> openai.OpenAI:
+    return served.client(key)
+
+
+def test_a_response_answers_and_is_kept(served: Served) -> None:
+    made = client(served).responses.create(
+        model="m", instructions="Be brief.", input="Name a colour.", max_output_tokens=16, **GREEDY
+    )
+    assert made.id.startswith("resp_") and made.object == "response" and made.model == served.name
+    assert made.status in ("completed", "incomplete") and made.output_text
+    assert [item.type for item in made.output] == ["message"]
+    usage = made.usage
+    assert usage is not None and usage.input_tokens > 5 and 0 < usage.output_tokens <= 16
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    again = client(served).responses.retrieve(made.id)
+    assert again.output_text == made.output_text and again.id == made.id
+    with pytest.raises(openai.NotFoundError):
+        client(served, OTHER_KEY).responses.retrieve(made.id)  # another key's: unknown
+    with pytest.raises(openai.NotFoundError):
+        client(served, OTHER_KEY).responses.delete(made.id)
+    client(served).responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client(served).responses.retrieve(made.id)
+    short = client(served).responses.create(model="m", input="Tell me a story.", max_output_tokens=2)
+    assert short.status == "incomplete" and short.incomplete_details is not None
+    assert short.incomplete_details.reason == "max_output_tokens"
+    unkept = client(served).responses.create(model="m", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client(served).responses.retrieve(unkept.id)
+
+
+def test_the_stream_helper_joins_to_the_response(served: Served) -> None:
+    asked: dict[str, Any] = {"model": "m", "input": "Say hello to Paris.", "max_output_tokens": 120, **GREEDY}
+    with client(served).responses.stream(**asked) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"  # (the helper finishes on it only)
+    opened = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert kinds[2:5] == opened
+    closing = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-4:-1] == closing
+    whole = client(served).responses.create(**asked)
+    assert final.output_text == whole.output_text and final.output_text
+    assert final.usage is not None and whole.usage is not None
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert client(served).responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_continued_response_decodes_only_its_new_input(served: Served) -> None:
+    """``previous_response_id``: the earlier turns are read from the cache; so are a
+    ``store: false`` client's resent items (its transcript sent back whole, as Codex does)."""
+    system = "You are a travel guide. " + "Answer in one short sentence. " * 20
+    first = client(served).responses.create(
+        model="m", instructions=system, input="Name a river in France.", max_output_tokens=12, **GREEDY
+    )
+    second = client(served).responses.create(
+        model="m",
+        instructions=system,
+        previous_response_id=first.id,
+        input="And one in Spain?",
+        max_output_tokens=12,
+        **GREEDY,
+    )
+    assert first.usage is not None and second.usage is not None
+    seen = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens > seen
+    assert second.usage.input_tokens_details.cached_tokens >= seen - 1
+    with pytest.raises(openai.NotFoundError):
+        client(served, OTHER_KEY).responses.create(model="m", previous_response_id=first.id, input="Hi")
+    with pytest.raises(openai.NotFoundError):
+        client(served).responses.create(model="m", previous_response_id="resp_nothing", input="Hi")
+    # store: false, the whole transcript resent as items
+    items: list[Any] = [{"role": "user", "content": "Name a lake in Italy."}]
+    turn = client(served).responses.create(
+        model="m", instructions=system, input=items, max_output_tokens=12, store=False, **GREEDY
+    )
+    items += [item.model_dump(exclude_none=True) for item in turn.output]
+    items.append({"role": "user", "content": "And in Switzerland?"})
+    resent = client(served).responses.create(
+        model="m", instructions=system, input=items, max_output_tokens=12, store=False, **GREEDY
+    )
+    assert turn.usage is not None and resent.usage is not None
+    kept = turn.usage.input_tokens + turn.usage.output_tokens
+    assert resent.usage.input_tokens_details.cached_tokens >= kept - 1
+    other = client(served, OTHER_KEY).responses.create(
+        model="m", instructions=system, input=items, max_output_tokens=2, store=False
+    )
+    assert other.usage is not None and other.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_function_calls_stream_and_take_outputs(served: Served) -> None:
+    asked: dict[str, Any] = {
+        "model": "m",
+        "input": "What is the weather in Paris?",
+        "tools": [TOOL],
+        "tool_choice": FORCED,
+        "max_output_tokens": 60,
+    }
+    with client(served).responses.stream(**asked) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    arguments = json.loads(calls[0].arguments)
+    assert "".join(deltas) == calls[0].arguments and isinstance(arguments["city"], str)
+    answer = client(served).responses.create(
+        model="m",
+        previous_response_id=final.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"}],
+        tools=[TOOL],
+        tool_choice="none",
+        max_output_tokens=20,
+    )
+    assert answer.output_text and answer.usage is not None
+    assert answer.usage.input_tokens_details.cached_tokens > 50
+    # the same exchange resent whole, as items (store: false)
+    items = [{"role": "user", "content": "What is the weather in Paris?"}]
+    items += [item.model_dump(exclude_none=True) for item in final.output]
+    items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"})
+    resent = client(served).responses.create(
+        model="m", input=items, tools=[TOOL], tool_choice="none", max_output_tokens=4, store=False
+    )
+    assert resent.status in ("completed", "incomplete")
+
+
+def test_text_format_holds_the_reply_to_a_schema(served: Served) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}}
+    made = client(served).responses.create(model="m", input="Name a city.", text=fmt, max_output_tokens=40)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(made.output_text), schema)
+    assert made.text.format.type == "json_schema"  # type: ignore[union-attr]
+
+
+def test_bad_requests_are_400s_with_openai_bodies(served: Served) -> None:
+    base = served.url.removesuffix("/v1")
+    for body, param in (
+        ({"model": "m", "input": 5}, "input"),
+        ({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"model": "m", "input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"model": "m", "input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format"),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"model": "m", "input": "Hi", "store": "yes"}, "store"),
+        ({"model": "m", "input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"model": "m", "input": [{"role": "assistant", "content": "x"}]}, "input"),
+    ):
+        got = httpx.post(f"{base}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert got.status_code == 400, (body, got.text)
+        assert got.json()["error"]["param"] == param, got.json()
+
+
+def test_an_agents_sdk_run_calls_a_function_tool(served: Served) -> None:
+    """The OpenAI Agents SDK's loop on the Responses API: the model calls the tool (required on
+    the first turn), the SDK runs it and sends its output back (the tiny model would call it
+    again and again, so a hook asks for an answer then), and the run ends with the final text."""
+    import agents
+
+    called: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"Sunny in {city}"
+
+    class AnswerAfterTheTool(agents.AgentHooks):
+        async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: str) -> None:
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+    aclient = openai.AsyncOpenAI(base_url=served.url, api_key=KEY, max_retries=0)
+    agent = agents.Agent(
+        name="guide",
+        instructions="Call get_weather once, then answer in one sentence.",
+        model=agents.OpenAIResponsesModel(model="m", openai_client=aclient),
+        tools=[get_weather],
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60),
+        reset_tool_choice=False,
+        hooks=AnswerAfterTheTool(),
+    )
+    agents.set_tracing_disabled(True)
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(called) == 1 and called[0]
+    assert isinstance(result.final_output, str) and result.final_output
+    assert len(result.raw_responses) == 2  # the call, then the answer to its output
