@@ -154,3 +154,4 @@ class Snapshot:
     text: str
     tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls this step wrote
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens whose text this step released
+    usage: Usage | None = None  # the prompt's (decoded, reused), on a stream's first snapshot only

@@ -6,6 +6,7 @@ line."""
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from llmsession.commands.cli import parser
 from llmsession.commands.serve import volatile_lines
 from llmsession.serve import doors
 from llmsession.serve.app import VOLATILE_LINES, create_app
+from llmsession.serve.errors import ApiError
+from llmsession.serve.messages import messages_request
 from llmsession.serve.schema import Volatile
 
 TOOL = {
@@ -57,6 +60,14 @@ def client(served: Served, key: str = KEY) -> anthropic.Anthropic:
 
 def user(*blocks: Any) -> dict[str, Any]:
     return {"role": "user", "content": list(blocks)}
+
+
+PNG = base64.b64encode(
+    bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+        "1f15c4890000000d49444154789c6360f8cfc0f01f0005000201a3e1f5a80000000049454e44ae426082"
+    )
+).decode()
 
 
 def billing() -> dict[str, Any]:
@@ -142,9 +153,13 @@ def test_tools_stream_input_json_and_take_results(served: Served) -> None:
             ],
         },
     ]
+    before = client(served).messages.count_tokens(model="m", messages=said[:1], tools=[TOOL]).input_tokens
+    counted = client(served).messages.count_tokens(model="m", messages=said, tools=[TOOL]).input_tokens
     answer = client(served).messages.create(model="m", max_tokens=20, messages=said, tools=[TOOL])
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert answer.usage.cache_read_input_tokens  # (the call's transcript was kept)
+    assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) == counted
+    new = counted - before - final.usage.output_tokens  # (the call, as generated, is reused)
+    assert answer.usage.input_tokens <= new + 1, (answer.usage, new)
 
 
 def test_count_tokens_is_the_prompt_usage_adds_up_to(served: Served) -> None:
@@ -157,6 +172,16 @@ def test_count_tokens_is_the_prompt_usage_adds_up_to(served: Served) -> None:
         .usage
     )
     assert counted.input_tokens == used.input_tokens + (used.cache_read_input_tokens or 0) > 100
+    # with the reply sent back: counted as the exchange decodes it (its own tokens spliced)
+    reply = client(served).messages.create(model="m", max_tokens=24, system=system, messages=said)
+    said += [{"role": "assistant", "content": reply.content[0].text}, {"role": "user", "content": "Why?"}]
+    counted = client(served).messages.count_tokens(model="m", system=system, messages=said)
+    used = client(served).messages.create(model="m", max_tokens=4, system=system, messages=said).usage
+    assert counted.input_tokens == used.input_tokens + (used.cache_read_input_tokens or 0)
+    assert used.input_tokens <= 16  # (the reply's end and the new turn: the rest was reused)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    with pytest.raises(anthropic.BadRequestError, match="text-only"):
+        client(served).messages.count_tokens(model="m", messages=[user(image)])
 
 
 def test_a_resent_claude_code_conversation_decodes_only_its_new_turn(
@@ -238,11 +263,18 @@ def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
     with httpx.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
         assert response.status_code == 200
         names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
-    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
-    assert names.count("ping") >= 2 and "content_block_delta" in names
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    waiting = names[: names.index("content_block_start")]
+    assert waiting.count("ping") >= 3, names  # (one after the start, then one per 0.05 s of prefill)
     with client(served).messages.stream(model="m", max_tokens=4, messages=said) as stream:
         assert stream.get_final_message().usage.output_tokens == 4
+    monkeypatch.setattr(doors, "PING_SECONDS", 0.001)  # (begun at once: the error comes after)
     huge = [{"role": "user", "content": "word " * 9000}]
+    body = {"model": "m", "max_tokens": 4, "messages": huge, "stream": True}
+    with httpx.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
+        assert response.status_code == 200  # (begun before the prompt was tried)
+        lines = list(response.iter_lines())
+    assert "event: error" in lines and "event: message_stop" not in lines
     with (
         pytest.raises(anthropic.APIStatusError) as failed,
         client(served).messages.stream(model="m", max_tokens=4, messages=huge) as stream,
@@ -252,9 +284,11 @@ def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
     assert failed.value.body["error"]["type"] == "invalid_request_error"
 
 
-def test_volatile_lines_are_whole_system_lines_only() -> None:
+def test_volatile_lines_remove_only_the_billing_header() -> None:
     volatile = Volatile(VOLATILE_LINES)
     header = "x-anthropic-billing-header: cc_version=2.1; cch=ab12c;"
+    flattened = {"role": "system", "content": f"{header}You are Claude Code."}  # (blocks joined bare)
+    assert volatile.dropped([flattened])[0]["content"] == "You are Claude Code."
     system = {
         "role": "system",
         "content": f"{header}\nYou are an agent.\nSay x-anthropic-billing-header: no.",
@@ -283,3 +317,55 @@ def test_the_command_names_its_volatile_lines(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         read(["serve", "--volatile-line", "(unclosed"])
     assert "not a regular expression" in capsys.readouterr().err
+
+
+def test_anthropic_paths_and_tool_result_images() -> None:
+    """An error names the Anthropic field, not the chat request's it became; a tool result's
+    image goes after the results on a model with images, else a line says it was left out."""
+    system = "Be brief."
+    said = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "a\u0000b"},
+    ]
+    with pytest.raises(ApiError) as nul:
+        messages_request({"model": "m", "max_tokens": 2, "system": system, "messages": said})
+    assert nul.value.param == "messages[2]" and nul.value.message.startswith("messages[2]")
+    with pytest.raises(ApiError) as stop:
+        messages_request({"model": "m", "max_tokens": 2, "messages": said[:1], "stop_sequences": [""]})
+    assert stop.value.param == "stop_sequences"
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    call = {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}, image]}
+    history = [
+        said[0],
+        {"role": "assistant", "content": [call]},
+        user(result, {"type": "text", "text": "See?"}),
+    ]
+    body = {"model": "m", "max_tokens": 2, "messages": history}
+    seeing = messages_request(body).messages
+    assert [m["role"] for m in seeing] == ["user", "assistant", "tool", "user"]
+    assert seeing[2]["content"] == "ok\n[image: below]"
+    assert [p["type"] for p in seeing[3]["content"]] == ["image_url", "text"]
+    blind = messages_request(body, images=False).messages
+    assert blind[2]["content"] == "ok\n[image block: not shown to this model]" and blind[3]["content"] == [
+        {"type": "text", "text": "See?"}
+    ]
+    with pytest.raises(ApiError, match="is_error"):
+        messages_request({**body, "messages": [said[0], history[1], user({**result, "is_error": "yes"})]})
+
+
+def test_message_start_carries_the_prompt_usage(served: Served) -> None:
+    said = [{"role": "user", "content": "Name a fruit."}]
+    body = {"model": "m", "max_tokens": 4, "messages": said, "stream": True, "system": SYSTEM}
+    url = served.url.removesuffix("/v1") + "/v1/messages"
+    with httpx.stream("POST", url, json=body, headers={"x-api-key": KEY}, timeout=60) as response:
+        data = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    start, delta = data[0], next(d for d in data if d["type"] == "message_delta")
+    used = start["message"]["usage"]
+    assert used["input_tokens"] + used["cache_read_input_tokens"] > 10
+    final = delta["usage"]
+    assert (used["input_tokens"], used["cache_read_input_tokens"]) == (
+        final["input_tokens"],
+        final["cache_read_input_tokens"],
+    )

@@ -53,6 +53,14 @@ class Backend(Protocol):
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> list[int]: ...
+    def call_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> list[int]: ...
     def chat_stream(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -174,13 +174,20 @@ class Model:
         tool_choice: str | Mapping[str, Any] = "auto",
         tool_format: str | None = None,
         thinking: bool = False,
+        tenant: str | None = None,
+        config: SessionConfig | None = None,
     ) -> list[int]:
         """The tokens of a text-only transcript's prompt, with these tools, as an exchange
-        decodes them (``render``'s text, with the replies generated here as they were)."""
+        decodes them (``render``'s text, with the replies generated here as they were). With a
+        ``tenant`` or a ``config``: as ``chat`` with them decodes it (a tenant kept apart,
+        ``share_prefix=False``, splices only its own replies; ``config.thinking`` renders)."""
         checked = checked_tools(tools, tool_choice)
-        return self._backend.prompt_tokens(
-            messages, thinking=thinking, tools=checked, tool_format=tool_format
-        )
+        if tenant is None and config is None:
+            return self._backend.prompt_tokens(
+                messages, thinking=thinking, tools=checked, tool_format=tool_format
+            )
+        settings = session_config(config, {"thinking": True} if thinking else {})
+        return self._backend.call_tokens(messages, tenant, settings, checked, tool_format)
 
     def chat(
         self,

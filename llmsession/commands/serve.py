@@ -245,9 +245,9 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="append",
         type=regex,
         metavar="REGEX",
-        help="a system-prompt line that changes every request and is dropped before rendering, "
-        "matched whole (repeatable; default: Claude Code's x-anthropic-billing-header line; "
-        "--volatile-line '' drops none)",
+        help="system-prompt text that changes every request, removed where it matches before "
+        "rendering (repeatable; default: Claude Code's x-anthropic-billing-header line; "
+        "--volatile-line '' removes none)",
     )
     add(
         "--shutdown-timeout",

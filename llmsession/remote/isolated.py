@@ -32,7 +32,7 @@ from llmsession.runtime.stateless import check_stateless, split
 from llmsession.text.messages import check_messages
 from llmsession.text.renderer import Renderer
 from llmsession.text.schemas import schema_document
-from llmsession.text.tools import tool_from
+from llmsession.text.tools import Tools, tool_from
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
@@ -109,6 +109,17 @@ class IsolatedModel:
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], **kw: Any) -> list[int]:
         check_messages(messages)
         return list(self._model_call("prompt_tokens", list(messages), **kw))
+
+    def call_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> list[int]:
+        check_messages(messages)
+        return list(self._model_call("call_tokens", list(messages), tenant, config, tools, tool_format))
 
     def identity(self) -> str:
         return str(self._model_call("identity"))

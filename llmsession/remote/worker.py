@@ -36,7 +36,16 @@ from llmsession.runtime.local import LocalModel
 
 BEAT_S = 0.25
 MODEL_CALLS = frozenset(
-    {"render", "tokenize", "detokenize", "prompt_tokens", "identity", "projector_identity", "memory"}
+    {
+        "render",
+        "tokenize",
+        "detokenize",
+        "prompt_tokens",
+        "call_tokens",
+        "identity",
+        "projector_identity",
+        "memory",
+    }
 )
 SESSION_CALLS = frozenset({"clear_cached_context", "fork", "save", "close"})
 

@@ -197,11 +197,14 @@ class ModelCore:
         thinking: bool = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
+        own: ReplyTokens | None = None,
+        shared: bool = True,
     ) -> list[int]:
         """The tokens of a text-only transcript's prompt (with these tools), as an exchange makes
-        them: its replies generated here spliced in as the tokens they were."""
+        them: its replies generated here spliced in as the tokens they were (``own``'s first, and
+        every session's unless not ``shared``, as ``prompt``)."""
         text = self.render(messages, thinking=thinking, tools=tools, tool_format=tool_format)
-        return self._text_tokens(messages, text, thinking, tools=tools, tool_format=tool_format)
+        return self._text_tokens(messages, text, thinking, own, shared, tools, tool_format)
 
     def _text_tokens(
         self,

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING
@@ -129,7 +129,8 @@ class Exchange:
                         with closing(self._generate(seat, *first, sampler, usage, timings)) as deltas:
                             for delta in deltas:
                                 text += delta
-                                yield self._snapshot(delta, text)
+                                snapshot = self._snapshot(delta, text)
+                                yield snapshot if text != delta else replace(snapshot, usage=replace(usage))
                                 if self.calling is not None and self.calling.ended:
                                     break  # at a call that repeats one: the reply ends before it
                             if self.calling is not None and (tail := self.calling.tail()) is not None:

@@ -18,6 +18,7 @@ from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.session import LocalSession
 from llmsession.runtime.stateless import StatelessSessions, check_stateless, split
+from llmsession.text.tools import Tools
 
 # Sessions kept for stateless calls (``Model.chat``, the server's requests), at least: each is a
 # conversation whose next turn decodes only what is new. Their states are live, parked or cold as
@@ -56,6 +57,17 @@ class LocalModel(ModelCore):
     ) -> Stream:
         """A stateless call (``api.Model.chat``) as a stream of snapshots."""
         return self.stateless.stream(messages, options, tenant, config)
+
+    def call_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> list[int]:
+        """A stateless call's prompt tokens (``api.Model.prompt_tokens(tenant=...)``)."""
+        return self.stateless.tokens(messages, tenant, config, tools, tool_format)
 
     def complete_stream(
         self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig

@@ -96,6 +96,24 @@ class StatelessSessions:
         call = Call(history, said, options, tools)
         return self._route(prompt, call, tenant, record, config, pooled)
 
+    def tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> list[int]:
+        """The tokens a stateless call with these messages would decode as its prompt, spliced
+        from the replies its tenant's calls may splice (``Model.prompt_tokens(tenant=...)``)."""
+        check_stateless(config)
+        record = self._kept_record(tenant, config)
+        thinking = config.thinking
+        own, shared = record, record is None
+        return self.model.prompt_tokens(
+            messages, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
+        )
+
     def complete(
         self,
         text: str,

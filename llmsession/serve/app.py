@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests reading or checking their body at once
-# Lines of a system prompt that change every request and carry nothing for the model: dropped
-# before rendering, so a resent conversation is read from the cache (``create_app``).
-VOLATILE_LINES = (r"x-anthropic-billing-header:.*",)  # Claude Code's, with a per-request hash
+# Text of a system prompt that changes every request and carries nothing for the model: removed
+# before rendering, so a resent conversation is read from the cache (``create_app``). Claude
+# Code's billing line, up to its per-request hash (``cch=<hex>;``) and the line break after it.
+VOLATILE_LINES = (r"x-anthropic-billing-header:[^\n]*?cch=[0-9a-fA-F]*;[ \t]*\n?",)
 
 
 def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
@@ -184,17 +185,30 @@ class Server:
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (``messages``): the same engine and tenants as a chat's."""
-        asked = await self.read(request, lambda body: messages_request(parse_json(body)))
+        images = self.model.mmproj_path is not None
+        asked = await self.read(request, lambda body: messages_request(parse_json(body), images=images))
         return await self.answer(request, asked, MessagesDoor(self.model_name))
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``count_tokens``: the prompt's tokens, as a message's usage adds them up
         (what was decoded and what was reused)."""
         asked = await self.read(request, lambda body: messages_request(parse_json(body), counting=True))
-        options = asked.options
-        tokens = await asyncio.to_thread(
-            self.model.prompt_tokens, asked.messages, tools=options.tools, tool_choice=options.tool_choice
-        )
+        if any(
+            isinstance(m["content"], list) and any(p["type"] != "text" for p in m["content"])
+            for m in asked.messages
+        ):
+            raise ApiError("count_tokens counts text-only transcripts here", "messages")
+        options, tenant = asked.options, digest(request.state.key, asked.user)
+        config = dataclasses.replace(self.host.settings, share_prefix=False)  # (as the call's)
+        async with self.parsing:  # (a few at once, off the event loop)
+            tokens = await asyncio.to_thread(
+                self.model.prompt_tokens,
+                asked.messages,
+                tools=options.tools,
+                tool_choice=options.tool_choice,
+                tenant=tenant,
+                config=config,
+            )
         return JSONResponse({"input_tokens": len(tokens)})
 
     async def responses(self, request: Request) -> Response:
@@ -212,8 +226,9 @@ class Server:
                     raise not_found("response", ask.previous, "previous_response_id")
                 history = stored.transcript
             asked = await asyncio.to_thread(responses_request, ask, history)
-        transcript = asked.messages[1 if ask.instructions else 0 :]
-        asked = dataclasses.replace(asked, messages=self.volatile.dropped(asked.messages))
+            transcript = asked.messages[1 if ask.instructions else 0 :]
+            dropped = await asyncio.to_thread(self.volatile.dropped, asked.messages)
+        asked = dataclasses.replace(asked, messages=dropped)
         response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store)
 
         def keep(body: dict[str, Any], reply: Reply) -> None:
@@ -234,10 +249,15 @@ class Server:
     async def read(self, request: Request, checked: Callable[[bytes], ChatRequest]) -> ChatRequest:
         """A request's body, read and checked (a few at once, off the event loop), its system
         prompt's volatile lines dropped."""
+        volatile = self.volatile
+
+        def read(body: bytes) -> ChatRequest:
+            asked = checked(body)
+            return dataclasses.replace(asked, messages=volatile.dropped(asked.messages))
+
         async with self.parsing:  # (a few bodies in memory at once; parsed off the event loop)
             body = await self.body(request)
-            asked = await asyncio.to_thread(checked, body)
-        return dataclasses.replace(asked, messages=self.volatile.dropped(asked.messages))
+            return await asyncio.to_thread(read, body)
 
     async def answer(self, request: Request, asked: ChatRequest, door: Door) -> Response:
         key: str | None = request.state.key  # (``guarded`` asked ``authorize``)
@@ -296,9 +316,9 @@ def create_app(
     (``GenerationOptions.draft``).
     ``session``: every stateless session's settings (``context_size``, ...; its ``system``
     must be None: a request's system prompt is in its messages).
-    ``volatile_lines``: regular expressions; a line of a request's system prompt that one of
-    them matches whole is dropped before rendering (by default Claude Code's billing line,
-    whose hash changes every request: kept, it would make every turn a full prefill)."""
+    ``volatile_lines``: regular expressions; what one of them matches in a request's system
+    prompt is removed before rendering (by default Claude Code's billing line, whose hash
+    changes every request: kept, it would make every turn a full prefill)."""
     settings = session or SessionConfig()
     if not isinstance(settings, SessionConfig):
         raise TypeError(f"session must be a SessionConfig, got {type(settings).__name__}")

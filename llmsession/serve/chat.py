@@ -199,7 +199,7 @@ async def until(
         else:
             try:
                 event = await race(gone, asyncio.wait_for(choices.queue.get(), deadline - loop.time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (on 3.10, not the builtin)
                 break
         if event.last or not whole:
             events.append(event)

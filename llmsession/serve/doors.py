@@ -78,7 +78,7 @@ class MessagesDoor:
     async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
         message, blocks, pending = self.message, Blocks(), list(first)
         try:
-            yield message.start()
+            yield message.start(prompt_usage(first))
             yield message.ping()
             while True:
                 if pending:
@@ -86,7 +86,7 @@ class MessagesDoor:
                 else:
                     try:
                         event = await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:  # (on 3.10, not the builtin)
                         yield message.ping()
                         continue
                 if event.error is not None:
@@ -101,6 +101,16 @@ class MessagesDoor:
                     break
         finally:
             choices.cancel()
+
+
+def prompt_usage(first: list[Event]) -> Usage | None:
+    """The prompt's usage, from a choice's first event (its first snapshot, or its reply)."""
+    for event in first:
+        if event.snapshot is not None and event.snapshot.usage is not None:
+            return event.snapshot.usage
+        if event.reply is not None:
+            return event.reply.usage
+    return None
 
 
 Keep = Callable[[dict[str, Any], Reply], None]  # a finished response, to store
@@ -135,7 +145,7 @@ class ResponsesDoor:
                 else:
                     try:
                         event = await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:  # (on 3.10, not the builtin)
                         yield KEEP_ALIVE
                         continue
                 if event.error is not None:

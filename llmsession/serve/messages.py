@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,26 +33,42 @@ MAX_STOP_SEQUENCES = 16
 ERROR_PREFIX = "Error: "  # a tool result with ``is_error``
 
 
-def messages_request(body: Mapping[str, Any], *, counting: bool = False) -> ChatRequest:
+def messages_request(body: Mapping[str, Any], *, counting: bool = False, images: bool = True) -> ChatRequest:
     """A ``/v1/messages`` body (``counting``: a ``count_tokens`` one, which has no
-    ``max_tokens``), checked; ``ApiError`` names the first bad field."""
-    converted = chat_body(body, counting=counting)
+    ``max_tokens``), checked; ``ApiError`` names the first bad field. ``images``: the model
+    takes images (else a tool result's image is a line of text that says so)."""
+    converted, origins = chat_body(body, counting=counting, images=images)
     try:
         asked = chat_request(converted)
     except ApiError as error:
-        raise renamed(error, NAMES) from None
+        raise renamed(error, {**NAMES, **_origins(error, origins)}) from None
     top_k = _integer(body, "top_k", 0, INT32_MAX)
     if top_k is not None:
         asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, top_k=top_k))
     return asked
 
 
-def chat_body(body: Mapping[str, Any], *, counting: bool = False) -> dict[str, Any]:
-    """The OpenAI chat body a Messages body asks the same of."""
+def _origins(error: ApiError, origins: list[str]) -> dict[str, str]:
+    """The converted message an error names, as the Anthropic message it came from."""
+    found = re.match(r"messages\[(\d+)\]", error.param or "")
+    if found is None or int(found[1]) >= len(origins):
+        return {}
+    return {found[0]: origins[int(found[1])]}
+
+
+def chat_body(
+    body: Mapping[str, Any], *, counting: bool = False, images: bool = True
+) -> tuple[dict[str, Any], list[str]]:
+    """The OpenAI chat body a Messages body asks the same of, and where each of its messages
+    came from (``system``, ``messages[3]``)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise ApiError(f"model must be a string, got {kind_of(model)}", "model")
-    out: dict[str, Any] = {"model": model, "messages": [*_system(body.get("system")), *_messages(body)]}
+    system = _system(body.get("system"))
+    said, origins = _messages(body, images)
+    if len(system) + len(said) > MAX_MESSAGES:
+        raise ApiError(f"messages: at most {MAX_MESSAGES} messages and tool results in all", "messages")
+    out: dict[str, Any] = {"model": model, "messages": [*system, *said]}
     if not counting:
         if body.get("max_tokens") is None:
             raise ApiError("max_tokens is required", "max_tokens")
@@ -66,6 +83,8 @@ def chat_body(body: Mapping[str, Any], *, counting: bool = False) -> dict[str, A
         if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
             most = f"a list of at most {MAX_STOP_SEQUENCES} strings"
             raise ApiError(f"stop_sequences must be {most}", "stop_sequences")
+        if not all(isinstance(stop, str) and stop and "\0" not in stop for stop in stops):
+            raise ApiError("stop_sequences must be non-empty strings without NUL", "stop_sequences")
         if stops:
             out["stop"] = stops
     out.update(_tools(body))
@@ -78,7 +97,7 @@ def chat_body(body: Mapping[str, Any], *, counting: bool = False) -> dict[str, A
             most = f"a string of at most {MAX_USER} characters"
             raise ApiError(f"metadata.user_id must be {most}", "metadata.user_id")
         out["user"] = user
-    return out
+    return out, ["system"] * len(system) + origins
 
 
 def _system(system: object) -> list[dict[str, Any]]:
@@ -98,13 +117,14 @@ def _system(system: object) -> list[dict[str, Any]]:
     return [{"role": "system", "content": joined}] if joined else []
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any]], list[str]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError("messages must be a non-empty list", "messages")
     if len(raw) > MAX_MESSAGES:
         raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     out: list[dict[str, Any]] = []
+    origins: list[str] = []
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -114,19 +134,23 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             raise ApiError(f"{where}.role must be one of {list(ROLES)}, got {role!r:.40}", f"{where}.role")
         content = message.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            made = [{"role": role, "content": content}]
         elif isinstance(content, list):
-            out.extend(_user(content, where) if role == "user" else [_assistant(content, where)])
+            made = _user(content, where, images) if role == "user" else [_assistant(content, where)]
         else:
             raise ApiError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
-    return out
+        out += made
+        origins += [where] * len(made)
+    return out, origins
 
 
-def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+def _user(blocks: list[Any], where: str, images: bool) -> list[dict[str, Any]]:
     """A user message's blocks, in order: runs of text and images as user messages, each tool
-    result a ``tool`` message."""
+    result a ``tool`` message (the images a result holds after the results, as a user
+    message's: a tool message holds text)."""
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
+    shown: list[dict[str, Any]] = []  # the results' images
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = _kind(block, at)
@@ -134,16 +158,21 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             if parts:
                 out.append({"role": "user", "content": parts})
                 parts = []
-            out.append(_result(block, at))
-        elif kind == "text":
+            result, pictures = _result(block, at, images)
+            out.append(result)
+            shown += pictures
+            continue
+        if shown:  # (a result's images, before what the user says after it)
+            parts, shown = [*shown, *parts], []
+        if kind == "text":
             parts.append(_text_part(block, at))
         elif kind == "image":
             parts.append(_image(block, at))
         else:
             allowed = "text, image and tool_result blocks"
             raise ApiError(f"{at}: a user message holds {allowed}, got {kind!r:.40}", at)
-    if parts:
-        out.append({"role": "user", "content": parts})
+    if parts or shown:
+        out.append({"role": "user", "content": [*shown, *parts]})
     return out
 
 
@@ -171,26 +200,35 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
     return message
 
 
-def _result(block: dict[str, Any], at: str) -> dict[str, Any]:
-    ident = block.get("tool_use_id")
+def _result(block: dict[str, Any], at: str, images: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A tool result as a ``tool`` message, and the images it holds (a model without images
+    reads a line that says one was left out; another kind of block, likewise)."""
+    ident, failed = block.get("tool_use_id"), block.get("is_error", False)
     if not isinstance(ident, str):
         raise ApiError(f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
-    content = block.get("content", "")
+    if not isinstance(failed, bool):
+        raise ApiError(f"{at}.is_error must be a boolean", f"{at}.is_error")
+    content, pictures = block.get("content", ""), []
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
             inner = f"{at}.content[{k}]"
-            if _kind(part, inner) != "text":
-                raise ApiError(f"{inner}: a tool result holds text blocks here", inner)
-            texts.append(_text_part(part, inner)["text"])
+            kind = _kind(part, inner)
+            if kind == "text":
+                texts.append(_text_part(part, inner)["text"])
+            elif kind == "image" and images:
+                pictures.append(_image(part, inner))
+                texts.append("[image: below]")
+            else:
+                texts.append(f"[{kind:.40} block: not shown to this model]")
         content = "\n".join(texts)
     elif content is None:
         content = ""
     if not isinstance(content, str):
-        raise ApiError(f"{at}.content must be a string or a list of text blocks", f"{at}.content")
-    if block.get("is_error") is True:
+        raise ApiError(f"{at}.content must be a string or a list of blocks", f"{at}.content")
+    if failed:
         content = ERROR_PREFIX + content
-    return {"role": "tool", "tool_call_id": ident, "content": content}
+    return {"role": "tool", "tool_call_id": ident, "content": content}, pictures
 
 
 def _kind(block: object, at: str) -> str:

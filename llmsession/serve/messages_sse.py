@@ -1,7 +1,7 @@
 """Anthropic Messages bodies and stream events, as Anthropic writes them. Pure.
 
-A stream is ``message_start`` (its usage counts nothing yet: the prompt's tokens are known
-once it is decoded), then a block at a time: ``content_block_start``, its deltas (``text_delta``,
+A stream is ``message_start`` (with the prompt's usage: a stream begun before its prompt was
+decoded counts 0 there), then a block at a time: ``content_block_start``, its deltas (``text_delta``,
 or a tool call's ``input_json_delta`` pieces of its input as JSON text),
 ``content_block_stop``; then ``message_delta`` with the stop reason and the whole usage
 (cumulative counts, which the SDK's ``messages.stream`` helper takes over the start's), and
@@ -112,8 +112,10 @@ class AnthropicMessage:
             "stop_sequence": sequence,
         }
 
-    def start(self) -> bytes:
-        message = {**self._shell([], None, None), "usage": usage(None)}
+    def start(self, prompt: Usage | None = None) -> bytes:
+        """The first event, with the prompt's usage if it is known by then (a stream begun
+        before its prompt was decoded says 0 until ``message_delta``)."""
+        message = {**self._shell([], None, None), "usage": usage(prompt)}
         return event("message_start", {"type": "message_start", "message": message})
 
     def pieces(self, snapshot: Snapshot, blocks: Blocks) -> list[bytes]:

@@ -133,8 +133,8 @@ def renamed(error: ApiError, names: Mapping[str, str]) -> ApiError:
 
 
 class Volatile:
-    """Lines of system prompts that change every request and carry nothing for the model: a line
-    one of ``patterns`` (regular expressions) matches whole is dropped, so a resent
+    """Text in system prompts that changes every request and carries nothing for the model:
+    whatever one of ``patterns`` (regular expressions) matches is removed, so a resent
     conversation's prompt is the same as before and read from the cache."""
 
     def __init__(self, patterns: Sequence[str]) -> None:
@@ -155,11 +155,9 @@ class Volatile:
         return {**message, "content": parts}
 
     def _text(self, text: str) -> str:
-        if not any(p.search(text) for p in self.patterns):  # (most prompts: no line to split)
-            return text
-        lines = text.splitlines(keepends=True)
-        kept = [line for line in lines if not any(p.fullmatch(line.rstrip("\r\n")) for p in self.patterns)]
-        return "".join(kept)
+        for pattern in self.patterns:
+            text = pattern.sub("", text)
+        return text
 
 
 def _check_transcript(messages: list[dict[str, Any]]) -> None:
