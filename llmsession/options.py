@@ -57,6 +57,7 @@ class GenerationOptions:
     tool_format: str | None = None  # "hermes", "llama3", "mistral", "generic"; None: from the template
     logprobs: int | None = None  # score each token, with this many likeliest alternatives (0-20)
     draft: str | None = None  # "prompt_lookup": tokens drafted from the transcript, verified in one decode
+    reasoning_budget: int | None = None  # a thinking template's reasoning ends at this many tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.tools, list):
@@ -101,6 +102,8 @@ class GenerationOptions:
         logprobs_ok = self.logprobs is None or _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS)
         _require("logprobs", self.logprobs, logprobs_ok)
         _require("draft", self.draft, self.draft is None or self.draft in DRAFTS)
+        budget_ok = self.reasoning_budget is None or _int_in(self.reasoning_budget, 0, INT32_MAX)
+        _require("reasoning_budget", self.reasoning_budget, budget_ok)
         format_ok = self.tool_format is None or self.tool_format in TOOL_FORMATS
         _require("tool_format", self.tool_format, format_ok)
         given = self._constraints()

@@ -52,6 +52,7 @@ class Usage:
     reused_tokens: int = 0
     decoded_prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion's: its reasoning block's (not a budget's forced end)
     restored_tokens: int = 0  # positions loaded from a saved session before this exchange
     from_checkpoint: bool = False  # the reused positions came back from a checkpoint
     anticipated_tokens: int = 0  # reused positions decoded ahead, after the last reply
@@ -144,6 +145,7 @@ class Reply:
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None  # with ``logprobs`` asked: its text's tokens
     stop_sequence: str | None = None  # the stop string that ended it (``GenerationOptions.stop``)
+    reasoning: str = ""  # a thinking template's reasoning, split from ``text``
 
 
 @dataclass(frozen=True)
@@ -155,3 +157,4 @@ class Snapshot:
     tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls this step wrote
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens whose text this step released
     usage: Usage | None = None  # the prompt's (decoded, reused), on a stream's first snapshot only
+    reasoning_delta: str = ""  # the reasoning this step released (a thinking template's)

@@ -42,6 +42,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.config",
     "llmsession.text.messages",
     "llmsession.text.stops",
+    "llmsession.text.reasoning",
     "llmsession.text.logprobs",
     "llmsession.text.detokenize",
     "llmsession.text.splice",

@@ -188,11 +188,38 @@ def test_bad_requests_are_400s_with_openai_bodies(served: Served) -> None:
         ({"model": "m", "input": "Hi", "store": "yes"}, "store"),
         ({"model": "m", "input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"model": "m", "input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
         ({"model": "m", "input": [{"role": "assistant", "content": "x"}]}, "input"),
     ):
         got = httpx.post(f"{base}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert got.status_code == 400, (body, got.text)
         assert got.json()["error"]["param"] == param, got.json()
+
+
+def test_reasoning_items_are_the_next_turns_reasoning() -> None:
+    """Pure: a reasoning item joins the assistant turn after it; with none after it, it is
+    dropped; an empty assistant message the client sent is its own turn."""
+    from llmsession.serve.responses import responses_ask
+
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    said = responses_ask({"model": "m", "input": [{"role": "user", "content": "Hi"}, thought, call]}).items
+    assert said[1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "hmm",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    user = {"role": "user", "content": "Again"}
+    assert responses_ask({"model": "m", "input": [user, thought, user]}).items == [
+        {"role": "user", "content": "Again"},
+        {"role": "user", "content": "Again"},
+    ]
+    empty = {"role": "assistant", "content": ""}
+    items = responses_ask(
+        {"model": "m", "input": [user, empty, {"role": "assistant", "content": "hi"}, user]}
+    ).items
+    assert [m["content"] for m in items] == ["Again", "", "hi", "Again"]
 
 
 def test_an_agents_sdk_run_calls_a_function_tool(served: Served) -> None:

@@ -442,6 +442,7 @@ def test_a_body_and_chunks_are_openais() -> None:
         "completion_tokens": 6,
         "total_tokens": 16,
         "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
     chunks = [
         *completion.openings(1),

@@ -17,6 +17,7 @@ class Prompt:
     items: list[Item] = field(init=False)
     render_s: float = 0.0  # what making it cost: rendering the transcript, then tokenizing it
     tokenize_s: float = 0.0
+    raw: bool = False  # a raw completion's (no chat template: no reasoning markup to read)
 
     def __post_init__(self) -> None:
         self.items = []

@@ -35,6 +35,7 @@ from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
 from llmsession.text.messages import check_messages
+from llmsession.text.reasoning import markers_for
 from llmsession.text.splice import ReplyTokens, found_in_order, marker, splice, stretches
 from llmsession.text.templates import render_prompt
 from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect, said_text, stand_in
@@ -107,6 +108,7 @@ class ModelCore:
         self.engine = Engine(self.native, self.projector, self.threads, loaded.memory, **cells)
         self.engine.warm()
         self.use_jinja, self.template = self.renderer.jinja, self.renderer.template
+        self.reasoning_markers = markers_for(self.template, gemma4=is_gemma4_template(self.template))
         self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
 
@@ -178,7 +180,7 @@ class ModelCore:
         tokens = self.tokenize(text)
         if not tokens:  # (a model that adds no BOS, and text that tokenizes to nothing)
             raise ValueError("the prompt tokenizes to nothing")
-        prompt = Prompt([tokens])
+        prompt = Prompt([tokens], raw=True)
         prompt.tokenize_s = time.perf_counter() - began
         return prompt
 

@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 
 from llmsession.engine.batching import Tracker
 from llmsession.engine.drafting import Drafter
-from llmsession.engine.engine import Engine
-from llmsession.engine.lease import Lease
 from llmsession.engine.prefill import prefill
 from llmsession.engine.prefix import starts_a_chunk
 from llmsession.engine.prompt import Prompt
@@ -30,17 +28,17 @@ from llmsession.engine.seat import GROWTH, Seat
 from llmsession.errors import GrammarError, MemoryBudgetError, NativeError
 from llmsession.native.cancel import CancelFlag
 from llmsession.native.context import DecodeAborted
-from llmsession.native.llama import NativeModel
-from llmsession.native.sampler import Sampler, ScoringSampler, TokenSampler
+from llmsession.native.sampler import TokenSampler
 from llmsession.options import GenerationOptions
 from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, ToolCall, Usage
 from llmsession.runtime.calling import Calling
-from llmsession.runtime.scoring import Scoring
+from llmsession.runtime.place import Place
+from llmsession.runtime.scoring import Scoring, sampler_for
+from llmsession.runtime.thinking import Thinking
 from llmsession.text.detokenize import IncrementalDetokenizer
 from llmsession.text.stops import StopMatcher
 
 if TYPE_CHECKING:
-    from llmsession.engine.anticipate import Ahead
     from llmsession.native.constraints import Constraint
 
 log = logging.getLogger("llmsession")
@@ -54,27 +52,6 @@ class Phase(Enum):
     PREFILL = "prefill"
     GENERATE = "generate"
     FINISHED = "finished"
-
-
-@dataclass
-class Carry:
-    """What a session hands its next exchange: a loaded file's note and the anticipatory
-    prefill settled before it (each reported once, by the exchange that plans first)."""
-
-    load_note: tuple[int, str] | None = None
-    anticipated: Ahead | None = None
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where an exchange runs: its session's lease on the engine and its sizes."""
-
-    engine: Engine
-    native: NativeModel
-    lease: Lease
-    context_size: int
-    batch_size: int
-    carry: Carry
 
 
 @dataclass(eq=False)
@@ -99,6 +76,7 @@ class Exchange:
     calling: Calling | None = None  # its tools, when the reply may call them
     text: str = ""  # the reply as generated (its calls included)
     scoring: Scoring | None = None  # its tokens' scores, when ``logprobs`` are asked for
+    thinking: Thinking | None = None  # its reasoning split from its content (a thinking template)
 
     @property
     def done(self) -> bool:
@@ -106,8 +84,9 @@ class Exchange:
 
     @property
     def spelled(self) -> frozenset[int]:
-        """Special tokens whose text the reply keeps (a tool format's markers)."""
-        return self.calling.spelled if self.calling is not None else frozenset()
+        """Special tokens whose text the reply keeps (a tool format's markers, reasoning's)."""
+        calls = self.calling.spelled if self.calling is not None else frozenset()
+        return calls | (self.thinking.spelled if self.thinking is not None else frozenset())
 
     # -- the pipeline ---------------------------------------------------------------------------
     def run(self) -> Generator[Snapshot, None, None]:
@@ -127,10 +106,13 @@ class Exchange:
                     cancelled = first is None
                     if first is not None:
                         with closing(self._generate(seat, *first, sampler, usage, timings)) as deltas:
+                            opening = True  # (the first snapshot carries the prompt's usage)
                             for delta in deltas:
                                 text += delta
                                 snapshot = self._snapshot(delta, text)
-                                yield snapshot if text != delta else replace(snapshot, usage=replace(usage))
+                                if opening:
+                                    snapshot, opening = replace(snapshot, usage=replace(usage)), False
+                                yield snapshot
                                 if self.calling is not None and self.calling.ended:
                                     break  # at a call that repeats one: the reply ends before it
                             if self.calling is not None and (tail := self.calling.tail()) is not None:
@@ -151,6 +133,8 @@ class Exchange:
 
     def _snapshot(self, delta: str, text: str) -> Snapshot:
         snapshot = Snapshot(delta, text) if self.calling is None else self.calling.snapshot(delta)
+        if self.thinking is not None and self.thinking.pending:
+            snapshot = replace(snapshot, reasoning_delta=self.thinking.take())
         return snapshot if self.scoring is None else self.scoring.snapshot(snapshot)
 
     def _seat(self) -> AbstractContextManager[Seat]:
@@ -195,7 +179,8 @@ class Exchange:
         timings.time_to_first_token_s = first_token_at - self.began
         with self.place.engine.batcher.generating(seat.context) as tracker:
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
-            pending, drafter = [token, *sampler.forced()], self._drafter(seat)
+            cut, drafter = self._cut(usage, 0), self._drafter(seat)
+            pending = cut or [token, *sampler.forced()]
             held = 0  # how many of ``pending`` memory holds already (drafts the last step kept)
             while pending:
                 batch: list[int] = []
@@ -205,13 +190,18 @@ class Exchange:
                 if ended:
                     break
                 pos, kept, token = self._decode_step(seat, batch, pos + held, sampler, tracker, drafter)
-                pending, held = [*kept, token, *sampler.forced()], len(kept)
+                cut = self._cut(usage, len(kept))  # (the sampled token gives way to the marker)
+                pending, held = [*kept, *(cut or [token, *sampler.forced()])], len(kept)
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
             if drafter is not None:
                 usage.drafted_tokens, usage.accepted_drafts = drafter.proposed, drafter.accepted
             # The detokenizer may still hold the first bytes of a character the reply was cut
             # inside of (max_tokens, cancel): they stay in the token record, not in the text.
+            if self.thinking is not None and not stops.stopped:
+                more = stops.push(self.thinking.flush())
+                if more or self.thinking.pending:
+                    yield more
             tail = "" if stops.stopped else stops.flush()
             self.stop_sequence = stops.matched
             if self.stop_sequence is not None and self.finish == "length":
@@ -245,10 +235,12 @@ class Exchange:
             usage.completion_tokens += 1
             piece = native.piece(token, special=token in self.spelled)
             text = detokenizer.push(piece)
-            if self.scoring is not None:
+            if self.thinking is not None:
+                text = self.thinking.split(text, usage, counted=not self.thinking.forced(index))
+            if self.scoring is not None and (text or self.thinking is None):  # (reasoning: no scores)
                 self.scoring.note(token, piece, text, sampled=index == 0)  # (then what it forced)
             delta = stops.push(text)
-            if delta:
+            if delta or (self.thinking is not None and self.thinking.pending):
                 try:
                     yield delta
                 except GeneratorExit:  # closed here: the reply keeps this token, memory all but it
@@ -271,6 +263,9 @@ class Exchange:
                 self._keep_forced(seat, batch[:-1], pos + held)
             return True
         return False
+
+    def _cut(self, usage: Usage, at: int) -> list[int]:
+        return [] if self.thinking is None else self.thinking.cut(usage, at)
 
     def _decode_step(
         self,
@@ -297,8 +292,8 @@ class Exchange:
 
     def _drafts(self, drafter: Drafter | None, chunk: list[int], pos: int) -> list[int]:
         """Tokens to draft after ``chunk``, within the reply's, the context's and a batch's room."""
-        if drafter is None:
-            return []
+        if drafter is None or (self.thinking is not None and self.thinking.budgeting):
+            return []  # (a budget counts each token of the block: no drafts while it is open)
         done = len(self.tokens)  # (the reply's tokens so far, ``chunk`` included)
         room = min(
             self.options.max_tokens - done - 1,
@@ -331,22 +326,10 @@ class Exchange:
             log.debug("the reply's forced tokens were left undecoded: no room")
 
     def _sampler(self) -> TokenSampler:
-        """The exchange's sampler chain, its penalty window primed with the prompt's tokens,
-        held to the exchange's constraint if it has one."""
-        options, context_size, n_vocab = self.options, self.place.context_size, self.place.native.n_vocab
-        # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
-        window = options.repeat_last_n
-        last_n = context_size if window == -1 else min(window, context_size)
-        sampler = Sampler.from_options(options, n_vocab=n_vocab, last_n=last_n)
-        if options.penalized and last_n > 0:
-            for token in self.prompt.tokens()[-last_n:]:
-                sampler.accept(token)
-        held: TokenSampler = sampler if self.constraint is None else self.constraint.sampler(sampler, n_vocab)
-        if options.logprobs is None:
-            return held
-        scorer = ScoringSampler(held, n_vocab, options.logprobs)
-        self.scoring = Scoring(self.place.native, scorer)
-        return scorer
+        """The exchange's sampler chain (``scoring.sampler_for``); its scores kept if asked for."""
+        native, context_size = self.place.native, self.place.context_size
+        sampler, self.scoring = sampler_for(self.options, native, context_size, self.prompt, self.constraint)
+        return sampler
 
     # -- the end ----------------------------------------------------------------------------------
     def _conclude(self, text: str, finish: FinishReason, usage: Usage, timings: Timings) -> None:
@@ -358,13 +341,18 @@ class Exchange:
         if self.calling is not None:
             text, calls, finish, error = self.calling.conclude(text, finish)
         elif self.constraint is not None and finish == "complete":
-            try:
-                parsed = self.constraint.parse(text)
+            try:  # (what the constraint held: its reasoning too, if it thought)
+                parsed = self.constraint.parse(
+                    text if self.thinking is None else self.thinking.preamble + text
+                )
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")
         logprobs = None if self.scoring is None else self.scoring.reply(text)
         stop = self.stop_sequence if finish == "stop" else None  # (not a call's, not a cancel's)
-        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs, stop))
+        if self.thinking is not None:
+            self.text = self.thinking.preamble + self.text  # (as generated: its reasoning first)
+        reasoning = "" if self.thinking is None else self.thinking.reasoning
+        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs, stop, reasoning))
         if error is not None:
             raise error
 

@@ -4,11 +4,17 @@ with the text they belong to (``text.logprobs`` lines them up)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from llmsession.engine.prompt import Prompt
 from llmsession.native.llama import NativeModel
-from llmsession.native.sampler import ScoringSampler
+from llmsession.native.sampler import Sampler, ScoringSampler, TokenSampler
+from llmsession.options import GenerationOptions
 from llmsession.replies import Alternative, Snapshot, TokenLogprob
 from llmsession.text.logprobs import LogprobTrail
+
+if TYPE_CHECKING:
+    from llmsession.native.constraints import Constraint
 
 
 class Scoring:
@@ -36,3 +42,27 @@ class Scoring:
     def _alternative(self, token: int, logprob: float) -> Alternative:
         piece = self.native.piece(token, special=True)  # (an end of turn is named, not "")
         return Alternative(piece.decode("utf-8", errors="replace"), piece, logprob)
+
+
+def sampler_for(
+    options: GenerationOptions,
+    native: NativeModel,
+    context_size: int,
+    prompt: Prompt,
+    constraint: Constraint | None,
+) -> tuple[TokenSampler, Scoring | None]:
+    """An exchange's sampler chain, its penalty window primed with the prompt's tokens, held to
+    its constraint if it has one; and its scoring, if ``logprobs`` are asked for."""
+    n_vocab = native.n_vocab
+    # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
+    window = options.repeat_last_n
+    last_n = context_size if window == -1 else min(window, context_size)
+    sampler = Sampler.from_options(options, n_vocab=n_vocab, last_n=last_n)
+    if options.penalized and last_n > 0:
+        for token in prompt.tokens()[-last_n:]:
+            sampler.accept(token)
+    held: TokenSampler = sampler if constraint is None else constraint.sampler(sampler, n_vocab)
+    if options.logprobs is None:
+        return held, None
+    scorer = ScoringSampler(held, n_vocab, options.logprobs)
+    return scorer, Scoring(native, scorer)

@@ -25,15 +25,17 @@ from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
-from llmsession.errors import ContextOverflowError, ModelClosedError
+from llmsession.errors import ContextOverflowError, ModelClosedError, UnsupportedFeatureError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply
 from llmsession.runtime import persistence
 from llmsession.runtime.calling import Calling
 from llmsession.runtime.core import ModelCore
-from llmsession.runtime.exchange import Carry, Exchange, Place
+from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session
+from llmsession.runtime.place import Carry, Place
 from llmsession.runtime.stream import Guard, LocalStream
+from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import Tools, options_tools
@@ -243,6 +245,14 @@ class LocalSession(Session):
             calling = Calling(tools, fmt, CallIds(fmt), frozenset(model.special_markers(fmt).values()))
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         constraint = model.constraint(options, tools, ids)
+        reasoning = thinking(model.native, model.reasoning_markers, prompt, options.reasoning_budget)
+        if constraint is not None and reasoning is not None and reasoning.splitter.inside:
+            reasoning = None  # (the constraint holds the reply from its first token: all content)
+        if options.reasoning_budget is not None and constraint is not None and model.reasoning_markers:
+            raise UnsupportedFeatureError(
+                "a reasoning budget with a schema, a grammar or tools is not supported: the closing "
+                "marker it forces would have to pass the constraint"
+            )
         record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)
 
         def finished(exchange: Exchange, reply: Reply) -> None:
@@ -250,12 +260,24 @@ class LocalSession(Session):
             if method is not None:
                 method(exchange, reply)
 
-        return Exchange(place, said, prompt, options, constraint, finished, began=began, calling=calling)
+        return Exchange(
+            place,
+            said,
+            prompt,
+            options,
+            constraint,
+            finished,
+            began=began,
+            calling=calling,
+            thinking=reasoning,
+        )
 
     def _record(self, exchange: Exchange, reply: Reply) -> None:
         """A finished exchange: the user message and the reply, as far as it got."""
         self.model.remember_reply(exchange.text, exchange.tokens, self.replies, shared=self.share_prefix)
         answer: Message = {"role": "assistant", "content": reply.text}
+        if reply.reasoning:
+            answer["reasoning_content"] = reply.reasoning  # type: ignore[typeddict-unknown-key]
         if reply.tool_calls:
             answer["tool_calls"] = [call.message_part() for call in reply.tool_calls]  # type: ignore[typeddict-unknown-key]
         self.messages += [*exchange.said, answer]

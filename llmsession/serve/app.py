@@ -29,7 +29,7 @@ from llmsession.options import INT32_MAX
 from llmsession.replies import Reply
 from llmsession.serve import sse
 from llmsession.serve.body import parse_json
-from llmsession.serve.chat import Call, Door, Host
+from llmsession.serve.chat import Call, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.http import Counting, declared, guarded, refuse
@@ -59,10 +59,12 @@ def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
 
 def said(reply: Reply) -> dict[str, Any]:
     """A reply as the assistant message a client sends back."""
-    if not reply.tool_calls:
-        return {"role": "assistant", "content": reply.text}
-    calls = [call.message_part() for call in reply.tool_calls]
-    return {"role": "assistant", "content": reply.text, "tool_calls": calls}
+    said: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.reasoning:
+        said["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        said["tool_calls"] = [call.message_part() for call in reply.tool_calls]
+    return said
 
 
 def digest(*parts: str | None) -> str:
@@ -199,7 +201,7 @@ class Server:
         ):
             raise ApiError("count_tokens counts text-only transcripts here", "messages")
         options, tenant = asked.options, digest(request.state.key, asked.user)
-        config = dataclasses.replace(self.host.settings, share_prefix=False)  # (as the call's)
+        config = session_settings(self.host.settings, asked)  # (as the call's)
         async with self.parsing:  # (a few at once, off the event loop)
             tokens = await asyncio.to_thread(
                 self.model.prompt_tokens,

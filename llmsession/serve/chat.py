@@ -72,7 +72,7 @@ class Host:
     def choices(self, asked: ChatRequest, tenant: str, released: Callable[[], None]) -> Choices:
         """A request's choices, started: one stateless call, or the library's ``n`` choices of
         one prefill (``Model.chat_choices``), kept apart by tenant."""
-        kept = dataclasses.replace(self.settings, share_prefix=False)
+        kept = session_settings(self.settings, asked)
         if asked.n == 1:
 
             def call(index: int) -> Stream:
@@ -103,6 +103,13 @@ class Door(Protocol):
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]: ...
 
     def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]: ...
+
+
+def session_settings(settings: SessionConfig, asked: ChatRequest) -> SessionConfig:
+    """A request's stateless session settings: the server's, kept apart by tenant, thinking as
+    the request asks if it does."""
+    thinking = settings.thinking if asked.thinking is None else asked.thinking
+    return dataclasses.replace(settings, share_prefix=False, thinking=thinking)
 
 
 class EventStream(StreamingResponse):

@@ -45,7 +45,33 @@ def messages_request(body: Mapping[str, Any], *, counting: bool = False, images:
     top_k = _integer(body, "top_k", 0, INT32_MAX)
     if top_k is not None:
         asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, top_k=top_k))
-    return asked
+    thinking, budget = _thinking(body.get("thinking"))
+    if budget is not None and not asked.options.constrained:  # (a budget with a constraint: not yet)
+        asked = dataclasses.replace(
+            asked, options=dataclasses.replace(asked.options, reasoning_budget=budget)
+        )
+    return dataclasses.replace(asked, thinking=thinking)
+
+
+def _thinking(value: object) -> tuple[bool | None, int | None]:
+    """``thinking``: whether the template thinks (None: the server's setting) and its budget."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise ApiError("thinking must be an object", "thinking")
+    kind = value.get("type")
+    if kind == "disabled":
+        return False, None
+    if kind == "adaptive":
+        return True, None
+    if kind != "enabled":
+        raise ApiError('thinking.type must be "enabled", "adaptive" or "disabled"', "thinking")
+    budget = value.get("budget_tokens")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= INT32_MAX
+    ):
+        raise ApiError("thinking.budget_tokens must be a non-negative integer", "thinking.budget_tokens")
+    return True, budget
 
 
 def _origins(error: ApiError, origins: list[str]) -> dict[str, str]:
@@ -177,8 +203,9 @@ def _user(blocks: list[Any], where: str, images: bool) -> list[dict[str, Any]]:
 
 
 def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
-    """An assistant message's text and its calls (thinking blocks dropped)."""
+    """An assistant message's text, its calls and its reasoning (its thinking blocks')."""
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
@@ -191,10 +218,17 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
                 raise ApiError(f"{at}: a tool_use block needs an id, a name and an input object", at)
             function = {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}
             calls.append({"id": ident, "type": "function", "function": function})
-        elif kind not in ("thinking", "redacted_thinking"):
+        elif kind == "thinking":
+            thought = block.get("thinking")
+            if not isinstance(thought, str):
+                raise ApiError(f"{at}.thinking must be a string", f"{at}.thinking")
+            thoughts.append(thought)
+        elif kind != "redacted_thinking":
             allowed = "text, tool_use and thinking blocks"
             raise ApiError(f"{at}: an assistant message holds {allowed}, got {kind!r:.40}", at)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
     if calls:
         message["tool_calls"] = calls
     return message

@@ -82,7 +82,7 @@ class Blocks:
     """Where a stream is among its content blocks: the open one's index and kind."""
 
     index: int = -1
-    kind: str | None = None  # "text", "tool_use" or None (none open)
+    kind: str | None = None  # "thinking", "text", "tool_use" or None (none open)
     call: int | None = None  # the open tool_use block's call index
 
 
@@ -95,7 +95,9 @@ class AnthropicMessage:
 
     def body(self, reply: Reply) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
-        if reply.text or not reply.tool_calls:
+        if reply.reasoning:
+            content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        if reply.text or not (reply.tool_calls or reply.reasoning):  # (as the stream's blocks)
             content.append({"type": "text", "text": reply.text})
         for call in reply.tool_calls:
             content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)})
@@ -122,6 +124,10 @@ class AnthropicMessage:
         """A snapshot's events: its text in the open text block (one opened if need be), then
         each call's pieces, a block per call."""
         out: list[bytes] = []
+        if snapshot.reasoning_delta:
+            if blocks.kind != "thinking":
+                out += self._open(blocks, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(_delta(blocks.index, {"type": "thinking_delta", "thinking": snapshot.reasoning_delta}))
         if snapshot.delta:
             if blocks.kind != "text":
                 out += self._open(blocks, "text", {"type": "text", "text": ""})
@@ -147,8 +153,11 @@ class AnthropicMessage:
     def _close(blocks: Blocks) -> list[bytes]:
         if blocks.kind is None:
             return []
+        out = []
+        if blocks.kind == "thinking":  # (a thinking block ends with its signature: none here)
+            out.append(_delta(blocks.index, {"type": "signature_delta", "signature": ""}))
         blocks.kind, blocks.call = None, None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": blocks.index})]
+        return [*out, event("content_block_stop", {"type": "content_block_stop", "index": blocks.index})]
 
     def finish(self, reply: Reply, blocks: Blocks) -> list[bytes]:
         """The last block closed (an empty text block if none was opened), the stop reason and

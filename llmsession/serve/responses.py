@@ -60,6 +60,11 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
     for name in ("temperature", "top_p", "stream", "stop", "seed", "parallel_tool_calls", "user"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict):
+        raise ApiError(f"reasoning must be an object, got {kind_of(reasoning)}", "reasoning")
+    if reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     if chat.get("user") is None and isinstance(body.get("safety_identifier"), str):
         chat["user"] = body["safety_identifier"]
     if isinstance(chat.get("user"), str) and len(chat["user"]) > MAX_USER:
@@ -79,12 +84,18 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
         if body.get("text")
         else {"format": {"type": "text"}},
         "user": chat.get("user"),
+        "reasoning": {"effort": reasoning.get("effort"), "summary": None},
     }
     items = _input(body.get("input"))
     return ResponsesAsk(chat, items, instructions, previous, True if store is None else store, echo)
 
 
-NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+NAMES = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 def responses_request(ask: ResponsesAsk, history: list[dict[str, Any]]) -> ChatRequest:
@@ -112,22 +123,61 @@ def _input(value: object) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise ApiError(f"{where} must be an object, got {kind_of(item)}", where)
         kind = item.get("type", "message")
+        if out and _thinking_only(out[-1]) and kind not in ("message", "function_call"):
+            out.pop()  # (reasoning no assistant turn followed: nothing to render it with)
         if kind == "message":
-            out.append(_message(item, where))
+            message = _message(item, where)
+            if out and _thinking_only(out[-1]):
+                thought = out.pop()["reasoning_content"]
+                if message["role"] == "assistant":
+                    message = {**message, "reasoning_content": thought}
+            out.append(message)
         elif kind == "function_call":
             _call(item, where, out)
         elif kind == "function_call_output":
             out.append(_output(item, where))
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            _thought(item, where, out)
+        else:
             raise ApiError(f"{where}: items of type {kind!r:.40} are not supported here", f"{where}.type")
+    if out and _thinking_only(out[-1]):
+        out.pop()  # (reasoning nothing followed: no turn to render it with)
     if not out:
         raise ApiError("input holds nothing to answer", "input")
     return out
 
 
+def _thought(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
+    """A reasoning item sent back: the reasoning of the assistant turn that follows it (its
+    ``reasoning_text`` parts, else its summary; an encrypted one alone is nothing here)."""
+    texts: list[str] = []
+    for name, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(name) or []
+        if not isinstance(parts, list):
+            raise ApiError(f"{where}.{name} must be a list", f"{where}.{name}")
+        found = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == kind]
+        texts = [text for text in found if isinstance(text, str)]
+        if len(texts) != len(found):
+            raise ApiError(f"{where}.{name}: a part's text must be a string", f"{where}.{name}")
+        if texts:
+            break
+    if texts:
+        out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(texts)})
+
+
+def _thinking_only(message: dict[str, Any]) -> bool:
+    """A reasoning item's stand-in, no turn taken to it yet."""
+    return (
+        message["role"] == "assistant"
+        and message["content"] == ""
+        and "reasoning_content" in message
+        and "tool_calls" not in message
+    )
+
+
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ApiError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
     content = item.get("content")
     if isinstance(content, str):

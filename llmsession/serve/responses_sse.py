@@ -34,7 +34,7 @@ def usage(used: Usage | None) -> dict[str, Any]:
         "input_tokens": used.prompt_tokens,
         "input_tokens_details": {"cached_tokens": used.reused_tokens},
         "output_tokens": used.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": used.reasoning_tokens},
         "total_tokens": used.prompt_tokens + used.completion_tokens,
     }
 
@@ -81,7 +81,6 @@ class ResponseObject:
             "model": self.model,
             "output": output,
             "previous_response_id": self.previous,
-            "reasoning": {"effort": None, "summary": None},
             "store": self.store,
             "truncation": "disabled",
             "usage": None if used is None else usage(used),
@@ -92,7 +91,9 @@ class ResponseObject:
     def whole(self, reply: Reply) -> dict[str, Any]:
         """The response to ``reply``, not streamed."""
         items = Items()
-        if reply.text or not reply.tool_calls:
+        if reply.reasoning:
+            items.items.append(_reasoning(reply.reasoning))
+        if reply.text or not (reply.tool_calls or reply.reasoning):  # (as the stream's items)
             items.items.append(_message(reply.text))
         for call in reply.tool_calls:
             items.items.append(_call(call.id, call.name, call.arguments))
@@ -119,6 +120,13 @@ class ResponseObject:
 
     def pieces(self, snapshot: Snapshot, items: Items) -> list[bytes]:
         out: list[bytes] = []
+        if snapshot.reasoning_delta:
+            if not (items.open and items.items[-1]["type"] == "reasoning"):
+                out += self._close(items) + self._open(items, _reasoning(""))
+            item = items.items[-1]
+            item["content"][0]["text"] += snapshot.reasoning_delta
+            where = {"item_id": item["id"], "output_index": len(items.items) - 1, "content_index": 0}
+            out.append(self._event("response.reasoning_text.delta", **where, delta=snapshot.reasoning_delta))
         if snapshot.delta:
             if not (items.open and items.items[-1]["type"] == "message"):
                 out += self._close(items) + self._open(items, _message(""))
@@ -143,7 +151,7 @@ class ResponseObject:
         items.items.append(item)
         items.open, index = True, len(items.items) - 1
         shown = {**item, "status": "in_progress"}
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             shown["content"] = []
         out = [self._event("response.output_item.added", output_index=index, item=shown)]
         if item["type"] == "message":
@@ -164,6 +172,9 @@ class ResponseObject:
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             out.append(self._event("response.output_text.done", **where, text=part["text"], logprobs=[]))
             out.append(self._event("response.content_part.done", **where, part=part))
+        elif item["type"] == "reasoning":
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(self._event("response.reasoning_text.done", **where, text=item["content"][0]["text"]))
         else:
             where = {"item_id": item["id"], "output_index": index}
             out.append(
@@ -190,6 +201,11 @@ class ResponseObject:
         """The stream's end after a failure: ``response.failed`` with the error."""
         failure = {"code": error.code or error.kind, "message": error.message}
         return self._event("response.failed", response=self.body("failed", items.items, None, error=failure))
+
+
+def _reasoning(text: str) -> dict[str, Any]:
+    part = {"type": "reasoning_text", "text": text}
+    return {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [part], "status": "completed"}
 
 
 def _message(text: str) -> dict[str, Any]:

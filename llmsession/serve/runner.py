@@ -78,7 +78,7 @@ class Run:
         last = Event(self.index, error=RuntimeError("a stream ended without a reply"))
         try:
             async for snapshot in self._stream:
-                if snapshot.delta or snapshot.tool_calls or snapshot.usage is not None:
+                if snapshot.delta or snapshot.tool_calls or snapshot.reasoning_delta or snapshot.usage:
                     self._queue.put_nowait(Event(self.index, snapshot=snapshot))
             if self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)

@@ -55,6 +55,7 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     prompt: str | None = None  # a raw completion's (``/v1/completions``): no messages then
+    thinking: bool | None = None  # the template's thinking, as asked (None: the server's setting)
 
 
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
@@ -78,7 +79,37 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     if user is not None and len(user) > MAX_USER:
         raise ApiError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
     chosen = options(body, default_max_tokens, _chat_logprobs(body))
-    return ChatRequest(messages, chosen, n or 1, stream, bool(include_usage), user)
+    thinking, budget = _reasoning(body)
+    if budget is not None and not chosen.constrained:  # (a budget with a constraint: not yet)
+        chosen = dataclasses.replace(chosen, reasoning_budget=budget)
+    return ChatRequest(messages, chosen, n or 1, stream, bool(include_usage), user, thinking=thinking)
+
+
+# ``reasoning_effort`` as a budget of reasoning tokens (None: unbounded) and whether to think.
+EFFORTS: dict[str, int | None] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": None,
+    "xhigh": None,
+}
+
+
+def _reasoning(body: Mapping[str, Any]) -> tuple[bool | None, int | None]:
+    """Whether the request asks its template to think (``reasoning_effort``, or
+    ``chat_template_kwargs.enable_thinking`` as llama-server and vLLM take it), and the budget
+    its effort gives."""
+    effort = _optional(body, "reasoning_effort", str)
+    if effort is not None and effort not in EFFORTS:
+        raise ApiError(
+            f"reasoning_effort must be one of {list(EFFORTS)}, got {effort!r:.40}", "reasoning_effort"
+        )
+    kwargs = _optional(body, "chat_template_kwargs", dict) or {}
+    enabled = _optional(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
+    if effort is None:
+        return enabled, None
+    return (effort != "none" if enabled is None else enabled), EFFORTS[effort]
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -230,7 +261,7 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ApiError(f"{where} must be an object, got {kind_of(raw)}", where)
     role = raw.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ApiError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
     message: dict[str, Any] = {"role": ROLES[role]}
     name = _optional(raw, "name", str, f"{where}.name")
@@ -240,6 +271,11 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     if role == "assistant" and raw.get("tool_calls") is not None:
         message["tool_calls"] = _tool_calls(raw["tool_calls"], where)
         content = "" if content is None else content
+    thought = raw.get("reasoning_content", raw.get("reasoning"))
+    if role == "assistant" and thought is not None:  # (a thinking template renders it, or drops it)
+        if not isinstance(thought, str):
+            raise ApiError(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+        message["reasoning_content"] = _text(thought, f"{where}.reasoning_content")
     if role == "tool":
         ident = raw.get("tool_call_id")
         if not isinstance(ident, str):

@@ -46,12 +46,16 @@ def usage(usages: Sequence[Usage], prompt: Usage | None = None) -> dict[str, Any
         "completion_tokens": completion,
         "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": first.reused_tokens},
+        "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in usages)},
     }
 
 
 def message(reply: Reply) -> dict[str, Any]:
-    """A non-streamed choice's message."""
+    """A non-streamed choice's message (its reasoning as ``reasoning_content``, as llama-server
+    and DeepSeek's API write it)."""
     out: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None}
+    if reply.reasoning:
+        out["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
         out["content"] = reply.text or None
         out["tool_calls"] = [call.message_part() for call in reply.tool_calls]
@@ -184,6 +188,8 @@ class Completion:
         """The chunks of one snapshot: its text (with its tokens' scores), then the pieces of
         calls it wrote."""
         out = []
+        if snapshot.reasoning_delta and not self.text:
+            out.append(self.delta(index, {"reasoning_content": snapshot.reasoning_delta}))
         if snapshot.delta or (self.logprobs and snapshot.logprobs):
             scores = self._logprobs(snapshot.logprobs, streamed)
             out.append(self.delta(index, {"content": snapshot.delta}, scores=scores))

@@ -1,0 +1,100 @@
+"""An exchange's reasoning stage, between its detokenizer and its stop strings: each token's
+text split into reasoning and content (``text.reasoning.Splitter``), the reasoning gathered for
+the next snapshot and the reply, the block's tokens counted, and, at ``reasoning_budget``, the
+tokens that close the block handed to the exchange to force in place of the next sampled one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmsession.engine.prompt import Prompt
+from llmsession.native.llama import NativeModel
+from llmsession.replies import Usage
+from llmsession.text.reasoning import Markers, Splitter, opened
+
+PROMPT_TAIL = 16  # tokens of a prompt read for an open reasoning block (its generation prompt)
+
+
+class Thinking:
+    """One reply's reasoning so far, and what the exchange must do about it."""
+
+    def __init__(
+        self,
+        splitter: Splitter,
+        closing: Sequence[int],
+        budget: int | None,
+        spelled: frozenset[int] = frozenset(),
+    ) -> None:
+        self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
+        self.spelled = spelled  # the markers' special tokens: their text is needed to split
+        self.reasoning = ""  # the reply's, so far
+        self.pending = ""  # not yet in a snapshot
+        self._closed = False  # closed at the budget (once)
+        self.forced_from: int | None = None  # where the closing tokens start among the pending ones
+
+    @property
+    def preamble(self) -> str:
+        return self.splitter.preamble
+
+    def split(self, text: str, usage: Usage, *, counted: bool = True) -> str:
+        """A token's text less the reasoning it holds, counted as a reasoning token if the model
+        generated it in the block (``counted``: not a closing marker the budget forced)."""
+        splitter = self.splitter
+        was_started, was_done = splitter.started, splitter.done
+        thought, content = splitter.push(text)
+        if counted and was_started and not was_done:  # (not the token that opened the block)
+            usage.reasoning_tokens += 1
+        self._think(thought)
+        return content
+
+    def flush(self) -> str:
+        """The reply's end: the reasoning held back noted, the content held back returned."""
+        thought, content = self.splitter.flush()
+        self._think(thought)
+        return content
+
+    def take(self) -> str:
+        """The reasoning for the next snapshot."""
+        taken, self.pending = self.pending, ""
+        return taken
+
+    def cut(self, usage: Usage, at: int) -> list[int]:
+        """The tokens that close the block once it has had its budget (once; ``at``: where they
+        will start among the pending tokens), else none."""
+        self.forced_from = None
+        if self.budget is None or not self.splitter.inside or self._closed:
+            return []
+        if usage.reasoning_tokens < self.budget:
+            return []
+        self._closed, self.forced_from = True, at
+        return list(self.closing)
+
+    @property
+    def budgeting(self) -> bool:
+        """A budget is counting: the block is open and has not been closed at it."""
+        return self.budget is not None and self.splitter.inside and not self._closed
+
+    def forced(self, index: int) -> bool:
+        """Whether the pending token at ``index`` is one the budget forced."""
+        return self.forced_from is not None and index >= self.forced_from
+
+    def _think(self, thought: str) -> None:
+        self.reasoning += thought
+        self.pending += thought
+
+
+def thinking(
+    native: NativeModel, markers: Markers | None, prompt: Prompt, budget: int | None
+) -> Thinking | None:
+    """The reasoning stage of a reply to ``prompt`` on a template with ``markers`` (None
+    without): inside the block from the start if the generation prompt opened it."""
+    if markers is None or prompt.raw:  # (a raw completion is text continued as it is)
+        return None
+    tail = native.detokenize(prompt.tokens()[-PROMPT_TAIL:], special=True)
+    closing = native.tokenize(f"\n{markers.close}\n\n", add_special=False, parse_special=True)
+    spelled = frozenset(
+        ids[0]
+        for marker in (markers.open, markers.close)
+        if len(ids := native.tokenize(marker, add_special=False, parse_special=True)) == 1
+    )
+    return Thinking(Splitter(markers, inside=opened(tail, markers)), closing, budget, spelled)

@@ -1,0 +1,160 @@
+"""A reply's reasoning, split from its content as it streams. Pure.
+
+Templates of thinking models mark a reply's reasoning: Qwen3 and DeepSeek-R1 between
+``<think>`` and ``</think>`` (DeepSeek-R1's generation prompt opens the block itself, so its
+reply begins inside it), Gemma 4 in a thought channel, ``<|channel>thought`` to ``<channel|>``.
+``markers_for`` reads which from the renderer's template; ``opened`` says whether a prompt's
+generation prompt leaves the block open. ``Splitter`` takes the reply's text as it is
+generated and hands back, for each push, the reasoning and the content it released: a block
+is reasoning only at the start of a reply (text before it, or a second one, is content, as
+llama-server parses it); the whitespace around the reasoning and at the start of the content
+after it is dropped (a newline after the opening marker, the blank line after the closing
+one). What may still become a marker is held back until it is known, so the pieces streamed
+join up to exactly the reasoning and the content of the whole reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Markers:
+    """The text that opens and closes a reply's reasoning, and what a block begins with that
+    is the channel's name rather than reasoning (Gemma 4's ``thought``)."""
+
+    open: str
+    close: str
+    label: str = ""
+
+
+THINK = Markers("<think>", "</think>")
+GEMMA4 = Markers("<|channel>", "<channel|>", "thought")
+
+
+def markers_for(template: str | None, gemma4: bool = False) -> Markers | None:
+    """The reasoning markers a chat template writes, or None for a template without any."""
+    if gemma4:
+        return GEMMA4
+    if template is not None and THINK.open in template and THINK.close in template:
+        return THINK
+    return None
+
+
+def opened(prompt_tail: str, markers: Markers) -> bool:
+    """Whether a prompt ends inside a reasoning block: its generation prompt opened one, so the
+    prompt ends with the opening marker (and whitespace). Text a message holds never counts:
+    the turn's markup follows it."""
+    return prompt_tail.rstrip().endswith(markers.open)
+
+
+class Splitter:
+    """A reply's text split into reasoning and content as it streams (the module says how)."""
+
+    def __init__(self, markers: Markers, inside: bool = False) -> None:
+        self.markers = markers
+        self.inside = inside  # in the reasoning block now
+        self.started = inside  # a block was opened (content may not open another)
+        self.done = False  # the block closed (or content began): the rest is content
+        self._held = ""  # text not yet known to be reasoning, content or a marker
+        self._spaces = ""  # reasoning's whitespace, held until more reasoning follows it
+        self._leading = inside  # drop the whitespace that starts the reasoning
+        self._label = inside and bool(markers.label)
+        self._strip = False  # drop the whitespace that starts the content after a block
+        self._raw: list[str] = []  # every text pushed
+        self._content_chars = 0  # how much of it came out as content (its end)
+
+    def push(self, text: str) -> tuple[str, str]:
+        """``text``'s (reasoning, content), as far as it is known now."""
+        self._raw.append(text)
+        self._held += text
+        reasoning, content = [], []
+        while self._held:
+            if self.done:
+                content.append(self._content(self._held))
+                self._held = ""
+            elif self.inside:
+                piece, more = self._reasoning_step()
+                reasoning.append(piece)
+                if not more:
+                    break
+            elif not self._opening():
+                break
+        return "".join(reasoning), "".join(content)
+
+    def flush(self) -> tuple[str, str]:
+        """The end of the reply: what was held back, where it belongs (an unclosed block's
+        text is reasoning; a marker cut off is text)."""
+        held, self._held = self._held, ""
+        if self.inside:
+            return self._reasoning(held), ""
+        return "", self._content(held)
+
+    # -- the states -------------------------------------------------------------------------------
+    def _opening(self) -> bool:
+        """Before anything: a reply that opens with the marker (after whitespace) reasons, any
+        other is content. False while the text may still become the marker."""
+        stripped = self._held.lstrip()
+        if stripped.startswith(self.markers.open):
+            self._held = stripped[len(self.markers.open) :]
+            self.inside = self.started = self._leading = True
+            self._label = bool(self.markers.label)
+            return True
+        if stripped and not self.markers.open.startswith(stripped):
+            self.done = True  # (content from here on)
+            return True
+        return False
+
+    def _reasoning_step(self) -> tuple[str, bool]:
+        """Reasoning up to the closing marker (then content), or as much as cannot be its start;
+        True if there is more to read now."""
+        if self._label:
+            label = self.markers.label
+            if len(self._held) < len(label) and label.startswith(self._held):
+                return "", False
+            if self._held.startswith(label):
+                self._held = self._held[len(label) :]
+            self._label = False
+        close = self.markers.close
+        at = self._held.find(close)
+        if at >= 0:
+            piece = self._reasoning(self._held[:at])
+            self._held, self._spaces = self._held[at + len(close) :], ""
+            self.inside, self.done, self._strip = False, True, True
+            return piece, bool(self._held)
+        keep = _partial(self._held, close)
+        piece = self._reasoning(self._held[: len(self._held) - keep])
+        self._held = self._held[len(self._held) - keep :]
+        return piece, False
+
+    def _reasoning(self, text: str) -> str:
+        """Reasoning text, less its leading whitespace, its trailing whitespace held back."""
+        if self._leading:
+            text = text.lstrip()
+            self._leading = not text
+        text = self._spaces + text
+        body = text.rstrip()
+        self._spaces = text[len(body) :]
+        return body
+
+    def _content(self, text: str) -> str:
+        if self._strip:
+            text = text.lstrip()
+            self._strip = not text
+        self._content_chars += len(text)
+        return text
+
+    @property
+    def preamble(self) -> str:
+        """The text generated before the content (the block, its markers, the whitespace
+        dropped): the reply as generated is this and its content, once flushed."""
+        raw = "".join(self._raw)
+        return raw[: len(raw) - len(self._held) - self._content_chars]
+
+
+def _partial(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` may begin ``marker``."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,213 @@
+"""A thinking template's reasoning, split from the reply's content as it streams, on SmolLM2's
+weights with real templates: Qwen3's (the reply opens its own ``<think>`` block: a regex makes
+the tiny model write one) and DeepSeek-R1's (the generation prompt opens it); a budget forces
+the closing marker; the chat, Responses and Messages APIs carry it; and the splitter alone on
+every split of its input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from serve_helpers import KEY, Served, running
+
+from llmsession import GenerationOptions, Model, UnsupportedFeatureError
+from llmsession.serve.app import create_app
+from llmsession.text.reasoning import GEMMA4, THINK, Markers, Splitter, markers_for, opened
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+R1 = (TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text(encoding="utf-8")
+# What the constraint lets the model write: a block of lowercase words, then a sentence.
+PATTERN = r"<think>\n[a-z]+( [a-z]+){2,5}\n</think>\n\n[A-Z][a-z]+( [a-z]+){1,4}\."
+
+
+@pytest.fixture(scope="module")
+def qwen3(smollm2_path: Path) -> Iterator[Model]:
+    with Model(smollm2_path, chat_template=QWEN3, threads=2) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def r1(smollm2_path: Path) -> Iterator[Model]:
+    with Model(smollm2_path, chat_template=R1, threads=2) as model:
+        yield model
+
+
+def split(text: str, cuts: list[int], markers: Markers = THINK, inside: bool = False) -> tuple[str, str, str]:
+    splitter = Splitter(markers, inside)
+    reasoning = content = ""
+    at = 0
+    for cut in sorted(cuts):
+        thought, said = splitter.push(text[at:cut])
+        reasoning, content, at = reasoning + thought, content + said, cut
+    for thought, said in (splitter.push(text[at:]), splitter.flush()):
+        reasoning, content = reasoning + thought, content + said
+    return reasoning, content, splitter.preamble
+
+
+CASES = [
+    ("<think>\nI think.\n</think>\n\nHello!", THINK, False, ("I think.", "Hello!")),
+    ("Hello <think>x</think>", THINK, False, ("", "Hello <think>x</think>")),
+    ("  <think>a b  </think>  c ", THINK, False, ("a b", "c ")),
+    ("\nreason more\n</think>\n\nanswer", THINK, True, ("reason more", "answer")),
+    ("unclosed <thi", THINK, True, ("unclosed <thi", "")),
+    ("<|channel>thought\nhmm<channel|>Hi", GEMMA4, False, ("hmm", "Hi")),
+    ("<b>bold", THINK, False, ("", "<b>bold")),
+    ("  ", THINK, False, ("", "  ")),
+]
+
+
+@given(st.sampled_from(CASES), st.lists(st.integers(0, 40), max_size=12))
+def test_every_split_of_a_reply_gives_the_same_reasoning_and_content(
+    case: tuple[str, Markers, bool, tuple[str, str]], cuts: list[int]
+) -> None:
+    text, markers, inside, expected = case
+    reasoning, content, preamble = split(text, [min(c, len(text)) for c in cuts], markers, inside)
+    assert (reasoning, content) == expected
+    assert preamble + content == text  # (the reply as generated, for splicing)
+
+
+def test_markers_are_read_from_the_template() -> None:
+    assert markers_for(QWEN3) == THINK and markers_for(R1) == THINK
+    assert markers_for("{{ messages }}") is None and markers_for(None) is None
+    assert markers_for(None, gemma4=True) == GEMMA4
+    assert opened("<|im_start|>assistant\n<think>\n", THINK)
+    assert not opened("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
+    assert not opened("<|im_start|>assistant\n", THINK)
+    # a message that ends with the marker is not a block the generation prompt opened
+    assert not opened("Say <think><|im_end|>\n<|im_start|>assistant\n", THINK)
+
+
+def test_qwen3_reasoning_splits_as_its_template_marks_it(qwen3: Model) -> None:
+    """The reply the constraint held: its block is the reasoning, the rest the content; the
+    streamed pieces join up to each; the transcript keeps the reasoning for the template."""
+    session = qwen3.session("You are helpful.", thinking=True)
+    options = GenerationOptions(regex=PATTERN, max_tokens=80, temperature=0)
+    stream = session.stream("Name a city.", options)
+    deltas = [(s.reasoning_delta, s.delta) for s in stream]
+    reply = stream.reply
+    assert reply is not None and reply.finish_reason == "complete", reply
+    assert reply.reasoning and reply.text and "<think>" not in reply.text + reply.reasoning
+    assert "".join(r for r, _ in deltas) == reply.reasoning
+    assert "".join(c for _, c in deltas) == reply.text
+    assert reply.text[0].isupper() and reply.text.endswith(".")
+    assert len(reply.reasoning.split()) >= 3 and reply.reasoning == reply.reasoning.strip()
+    assert 0 < reply.usage.reasoning_tokens < reply.usage.completion_tokens
+    assert session.messages[-1]["reasoning_content"] == reply.reasoning
+    # the template (thinking on) renders no empty block: without the constraint the reply is content
+    plain = qwen3.session("You are helpful.").respond("Hi", GenerationOptions(max_tokens=6, temperature=0))
+    assert plain.reasoning == "" and plain.usage.reasoning_tokens == 0
+
+
+def test_a_budget_closes_the_reasoning_at_its_tokens(r1: Model) -> None:
+    """DeepSeek-R1's generation prompt opens the block (with thinking on): the reply begins in
+    it, and at N reasoning tokens the closing marker is forced; without a budget the tiny model
+    reasons on to its length."""
+    closing = len(r1.tokenize("\n</think>\n\n", add_special=False))
+    for budget in (0, 8):
+        session = r1.session(thinking=True)
+        reply = session.respond(
+            "Why is the sky blue?", GenerationOptions(reasoning_budget=budget, max_tokens=40)
+        )
+        assert reply.usage.reasoning_tokens == budget, reply.usage  # (the forced end not counted)
+        assert (reply.reasoning == "") == (budget == 0)
+        assert reply.text and reply.usage.completion_tokens > budget + closing  # (then content)
+    free = r1.session(thinking=True).respond("Why is the sky blue?", GenerationOptions(max_tokens=20))
+    assert free.usage.reasoning_tokens == free.usage.completion_tokens and free.text == ""
+    closed = r1.session().respond("Why?", GenerationOptions(max_tokens=6))  # (thinking off: closed)
+    assert closed.reasoning == "" and closed.usage.reasoning_tokens == 0
+    with pytest.raises(UnsupportedFeatureError, match="reasoning budget"):
+        r1.session(thinking=True).respond("Hi", GenerationOptions(reasoning_budget=4, regex="[a-z]+"))
+
+
+def test_raw_completions_and_constrained_replies_are_all_content(r1: Model) -> None:
+    """A raw completion continues text as it is, whatever markers it holds; a constraint holds a
+    reply from its first token, so a block the generation prompt opened is not its reasoning."""
+    raw = r1.complete("<｜User｜>Hi<｜Assistant｜><think>\n", GenerationOptions(max_tokens=6))
+    assert raw.reasoning == "" and raw.usage.reasoning_tokens == 0 and raw.text
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    }
+    held = r1.session(thinking=True).respond(
+        "Name a city.", GenerationOptions(json_schema=schema, max_tokens=40)
+    )
+    assert held.reasoning == "" and held.text.startswith("{") and isinstance(held.parsed, dict)
+
+
+@pytest.fixture(scope="module")
+def served(r1: Model) -> Iterator[Served]:
+    with running(create_app(r1, api_key=KEY)) as url:
+        yield Served(r1, url, "r1", None)
+
+
+def test_the_apis_carry_the_reasoning(served: Served) -> None:
+    """Chat (``reasoning_content`` and its deltas), Responses (a ``reasoning`` item) and
+    Messages (a ``thinking`` block): each asks for thinking its way and sets a budget."""
+    client = served.client()
+    said = [{"role": "user", "content": "Why is the sky blue?"}]
+    chat = client.chat.completions.create(
+        model="m", messages=said, max_tokens=30, reasoning_effort="low", extra_body={"seed": 1}
+    )
+    message = chat.choices[0].message
+    reasoning = message.reasoning_content
+    assert reasoning and chat.usage is not None
+    stream = client.chat.completions.create(
+        model="m", messages=said, max_tokens=30, reasoning_effort="low", stream=True, seed=1
+    )
+    pieces = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in pieces) == reasoning
+    off = client.chat.completions.create(model="m", messages=said, max_tokens=8, reasoning_effort="none")
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None  # (closed by the template)
+    thinking_on = client.chat.completions.create(
+        model="m",
+        messages=said,
+        max_tokens=30,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    assert getattr(thinking_on.choices[0].message, "reasoning_content", None)
+
+    made = client.responses.create(
+        model="m", input="Why is the sky blue?", max_output_tokens=30, reasoning={"effort": "low"}
+    )
+    kinds = [item.type for item in made.output]
+    assert kinds[0] == "reasoning" and made.usage is not None
+    assert made.usage.output_tokens_details.reasoning_tokens > 0
+    with client.responses.stream(
+        model="m", input="Why is the sky blue?", max_output_tokens=40, reasoning={"effort": "minimal"}
+    ) as events:
+        names = [e.type for e in events]
+    assert "response.reasoning_text.delta" in names and "response.reasoning_text.done" in names
+
+    claude = anthropic.Anthropic(base_url=served.url.removesuffix("/v1"), api_key=KEY, max_retries=0)
+    thought = claude.messages.create(
+        model="m",
+        max_tokens=60,
+        messages=said,
+        thinking={"type": "enabled", "budget_tokens": 8},
+        extra_body={"temperature": 0},
+    )
+    assert [b.type for b in thought.content][:2] == ["thinking", "text"]
+    with claude.messages.stream(
+        model="m",
+        max_tokens=60,
+        messages=said,
+        thinking={"type": "enabled", "budget_tokens": 8},
+        extra_body={"temperature": 0},
+    ) as stream2:
+        final = stream2.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == thought.content[0].thinking
+    # sent back, the thinking is the reasoning of that turn (rendered as the template does)
+    again = [
+        *said,
+        {"role": "assistant", "content": [b.model_dump() for b in final.content]},
+        {"role": "user", "content": "And at night?"},
+    ]
+    resent = claude.messages.create(model="m", max_tokens=4, messages=again, thinking={"type": "disabled"})
+    assert resent.usage.input_tokens > 0
