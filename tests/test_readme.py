@@ -20,6 +20,7 @@ from llmsession.native.rpc import local_servers
 from llmsession.serve import create_app
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 
 
 def python_blocks(text: str) -> list[str]:
@@ -55,6 +56,7 @@ def test_the_readme_examples_run_as_they_stand(
             '"model.gguf"': repr(str(smollm2_path)),
             '"mmproj.gguf"': repr(str(fixture_path("mmproj-tiny.gguf"))),
             '"cat.png"': repr(str(fixture_path("image-red.png"))),
+            '"qwen3.jinja"': repr(str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
             "10.0.0.2:50052": first,
             "10.0.0.3:50052": second,
             "http://127.0.0.1:8080/v1": url,

@@ -260,6 +260,7 @@ SCENARIOS = {  # ``llmsession bench NAME``: its module here
     "drafting": "drafting",
     "tokenize": "tokenize",
     "serve": "serve_bench",
+    "agents": "agents",
 }
 
 

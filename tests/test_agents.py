@@ -1,0 +1,55 @@
+"""Coding agents' conversations on ``llmsession serve`` over real HTTP, as ``bench agents``
+drives them: a ~4K-token system prompt with 8 tool schemas, 10 turns with tool calls and their
+results, the whole transcript resent every turn. Claude-Code-shaped on ``/v1/messages``
+(streamed, its billing line new every request) and Codex-shaped on ``/v1/responses``
+(``store: false``): turns 2-10 each decode at most what they add and one token more. The variant
+that must fail: a server that keeps the billing line decodes everything after it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_helpers import running
+
+from llmsession import Model, SessionConfig
+from llmsession.commands.bench import agents_load
+from llmsession.serve.app import VOLATILE_LINES, create_app
+
+KEY = "sk-bench"
+TURNS = 10
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path: Path) -> Iterator[Model]:
+    with Model(smollm2_path, kv_tokens=8192, max_live_sessions=1, threads=2) as model:
+        yield model
+
+
+@contextlib.contextmanager
+def served(model: Model, volatile: tuple[str, ...] = VOLATILE_LINES) -> Iterator[str]:
+    app = create_app(model, api_key=KEY, session=SessionConfig(context_size=8192), volatile_lines=volatile)
+    with running(app) as url:
+        yield url.removesuffix("/v1")
+
+
+@pytest.mark.parametrize("shape", ["claude_code", "codex"])
+def test_every_resent_turn_decodes_only_what_it_adds(model: Model, shape: str) -> None:
+    drive = getattr(agents_load, shape)
+    with served(model) as url, httpx.Client(timeout=300) as client:
+        turns = drive(client, url, TURNS, 48, KEY)
+    assert len(turns) == TURNS and turns[0].prompt_tokens > 4000
+    assert sum(t.tool_calls for t in turns) >= 3  # (forced on turns 2, 5 and 8: answered after)
+    for turn in turns[1:]:
+        assert turn.new_tokens is not None and turn.new_tokens > 0
+        assert turn.decoded_tokens <= turn.new_tokens + 1, (shape, turn)
+
+
+def test_a_server_that_keeps_the_billing_line_decodes_everything_again(model: Model) -> None:
+    with served(model, ()) as url, httpx.Client(timeout=300) as client:
+        turns = agents_load.claude_code(client, url, 2, 8, KEY, system_tokens=400)
+    for turn in turns[1:]:
+        assert turn.decoded_tokens > turn.prompt_tokens - 64, turn  # (all but the line's start)
