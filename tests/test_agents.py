@@ -43,8 +43,10 @@ def test_every_resent_turn_decodes_only_what_it_adds(model: Model, shape: str) -
         turns = drive(client, url, TURNS, 48, KEY)
     assert len(turns) == TURNS and turns[0].prompt_tokens > 4000
     assert sum(t.tool_calls for t in turns) >= 3  # (forced on turns 2, 5 and 8: answered after)
-    for turn in turns[1:]:
-        assert turn.new_tokens is not None and turn.new_tokens > 0
+    measured = [turn for turn in turns[1:] if turn.new_tokens is not None]
+    assert len(measured) >= TURNS - 3, turns  # (a turn after a call cut short is not: see Turn)
+    for turn in measured:
+        assert turn.new_tokens is not None and turn.new_tokens > 0, turn
         assert turn.decoded_tokens <= turn.new_tokens + 1, (shape, turn)
 
 

@@ -130,14 +130,10 @@ def test_raw_completions_and_constrained_replies_are_all_content(r1: Model) -> N
     reply from its first token, so a block the generation prompt opened is not its reasoning."""
     raw = r1.complete("<｜User｜>Hi<｜Assistant｜><think>\n", GenerationOptions(max_tokens=6))
     assert raw.reasoning == "" and raw.usage.reasoning_tokens == 0 and raw.text
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-    }
-    held = r1.session(thinking=True).respond(
-        "Name a city.", GenerationOptions(json_schema=schema, max_tokens=40)
-    )
+    city = {"city": {"type": "string", "maxLength": 12}}
+    schema = {"type": "object", "properties": city, "required": ["city"], "additionalProperties": False}
+    options = GenerationOptions(json_schema=schema, max_tokens=40, temperature=0)
+    held = r1.session(thinking=True).respond("Name a city.", options)
     assert held.reasoning == "" and held.text.startswith("{") and isinstance(held.parsed, dict)
 
 
@@ -174,13 +170,21 @@ def test_the_apis_carry_the_reasoning(served: Served) -> None:
     assert getattr(thinking_on.choices[0].message, "reasoning_content", None)
 
     made = client.responses.create(
-        model="m", input="Why is the sky blue?", max_output_tokens=30, reasoning={"effort": "low"}
+        model="m",
+        input="Why is the sky blue?",
+        max_output_tokens=30,
+        reasoning={"effort": "low"},
+        temperature=0,
     )
     kinds = [item.type for item in made.output]
     assert kinds[0] == "reasoning" and made.usage is not None
     assert made.usage.output_tokens_details.reasoning_tokens > 0
     with client.responses.stream(
-        model="m", input="Why is the sky blue?", max_output_tokens=40, reasoning={"effort": "minimal"}
+        model="m",
+        input="Why is the sky blue?",
+        max_output_tokens=40,
+        reasoning={"effort": "minimal"},
+        temperature=0,
     ) as events:
         names = [e.type for e in events]
     assert "response.reasoning_text.delta" in names and "response.reasoning_text.done" in names

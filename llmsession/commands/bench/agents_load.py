@@ -71,8 +71,8 @@ def tool_schemas() -> list[dict[str, Any]]:
             "input_schema": {
                 "type": "object",
                 "properties": {
-                    "path": {"type": "string", "maxLength": 40},
-                    "detail": {"type": "string", "maxLength": 40},
+                    "path": {"type": "string", "maxLength": 20},
+                    "detail": {"type": "string", "maxLength": 20},
                 },
                 "required": ["path"],
                 "additionalProperties": False,
@@ -98,8 +98,9 @@ class Turn:
     decoded_tokens: int
     cached_tokens: int
     output_tokens: int
-    new_tokens: int | None  # what this turn adds to the last one's prompt and reply (None: the first)
-    tool_calls: int
+    new_tokens: int | None  # what this turn adds to the last one's prompt and reply (None: the
+    tool_calls: int  # first, or one after a reply not sent back as it came: a call cut short)
+    resent: bool = True  # this reply is sent back as it came
 
 
 def sse(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -164,6 +165,7 @@ def claude_code(
         total = time.perf_counter() - began
         finished = [_finished(b) for b in blocks if b.get("type") != "text" or b.get("text")]
         content = [b for b in finished if b is not None]
+        resent = bool(content) and len(content) == len(finished)
         said.append({"role": "assistant", "content": content or [{"type": "text", "text": "(no answer)"}]})
         calls = [b for b in content if b["type"] == "tool_use"]
         pending = [
@@ -174,7 +176,7 @@ def claude_code(
             }
             for c in calls
         ]
-        out.append(_turn(turn, began, first, total, usage, len(calls), out))
+        out.append(_turn(turn, began, first, total, usage, len(calls), out, resent))
     return out
 
 
@@ -304,13 +306,24 @@ def _turn(
     usage: dict[str, Any],
     calls: int,
     before: list[Turn],
+    resent: bool = True,
 ) -> Turn:
     decoded, cached = int(usage.get("input_tokens") or 0), int(usage.get("cache_read_input_tokens") or 0)
     prompt = decoded + cached
-    new = None if not before else prompt - (before[-1].prompt_tokens + before[-1].output_tokens)
+    last = before[-1] if before else None
+    new = None if last is None or not last.resent else prompt - (last.prompt_tokens + last.output_tokens)
     ttft = (first or began + total) - began
     return Turn(
-        turn + 1, ttft, total, prompt, decoded, cached, int(usage.get("output_tokens") or 0), new, calls
+        turn + 1,
+        ttft,
+        total,
+        prompt,
+        decoded,
+        cached,
+        int(usage.get("output_tokens") or 0),
+        new,
+        calls,
+        resent,
     )
 
 
