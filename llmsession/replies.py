@@ -148,6 +148,17 @@ class Reply:
     reasoning: str = ""  # a thinking template's reasoning, split from ``text``
 
 
+def assistant_message(reply: Reply) -> dict[str, Any]:
+    """A reply as the assistant message of a transcript (a client sends it back so): its text,
+    its reasoning as ``reasoning_content``, its calls in OpenAI's shape."""
+    said: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.reasoning:
+        said["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        said["tool_calls"] = [call.message_part() for call in reply.tool_calls]
+    return said
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """One step of a stream: the new text and everything so far."""

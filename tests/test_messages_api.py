@@ -25,7 +25,7 @@ from llmsession.serve import doors
 from llmsession.serve.app import VOLATILE_LINES, create_app
 from llmsession.serve.errors import ApiError
 from llmsession.serve.messages import messages_request
-from llmsession.serve.schema import Volatile
+from llmsession.serve.translation import Volatile
 
 TOOL = {
     "name": WEATHER["function"]["name"],

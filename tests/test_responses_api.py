@@ -246,7 +246,7 @@ def test_an_agents_sdk_run_calls_a_function_tool(served: Served) -> None:
         instructions="Call get_weather once, then answer in one sentence.",
         model=agents.OpenAIResponsesModel(model="m", openai_client=aclient),
         tools=[get_weather],
-        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60),
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=120, temperature=0),
         reset_tool_choice=False,
         hooks=AnswerAfterTheTool(),
     )

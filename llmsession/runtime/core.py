@@ -31,6 +31,7 @@ from llmsession.runtime.loading import (
     load_native,
     memory_plan,
 )
+from llmsession.runtime.thinking import markup_for
 from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
@@ -108,7 +109,8 @@ class ModelCore:
         self.engine = Engine(self.native, self.projector, self.threads, loaded.memory, **cells)
         self.engine.warm()
         self.use_jinja, self.template = self.renderer.jinja, self.renderer.template
-        self.reasoning_markers = markers_for(self.template, gemma4=is_gemma4_template(self.template))
+        markers = markers_for(self.template, gemma4=is_gemma4_template(self.template))
+        self.reasoning = markup_for(self.native, markers)  # (its tokens read once)
         self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
 

@@ -27,7 +27,7 @@ from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
 from llmsession.errors import ContextOverflowError, ModelClosedError, UnsupportedFeatureError
 from llmsession.options import GenerationOptions, checked_options
-from llmsession.replies import Message, Reply
+from llmsession.replies import Message, Reply, assistant_message
 from llmsession.runtime import persistence
 from llmsession.runtime.calling import Calling
 from llmsession.runtime.core import ModelCore
@@ -245,10 +245,10 @@ class LocalSession(Session):
             calling = Calling(tools, fmt, CallIds(fmt), frozenset(model.special_markers(fmt).values()))
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         constraint = model.constraint(options, tools, ids)
-        reasoning = thinking(model.native, model.reasoning_markers, prompt, options.reasoning_budget)
+        reasoning = thinking(model.native, model.reasoning, prompt, options.reasoning_budget)
         if constraint is not None and reasoning is not None and reasoning.splitter.inside:
             reasoning = None  # (the constraint holds the reply from its first token: all content)
-        if options.reasoning_budget is not None and constraint is not None and model.reasoning_markers:
+        if options.reasoning_budget is not None and constraint is not None and model.reasoning:
             raise UnsupportedFeatureError(
                 "a reasoning budget with a schema, a grammar or tools is not supported: the closing "
                 "marker it forces would have to pass the constraint"
@@ -275,12 +275,7 @@ class LocalSession(Session):
     def _record(self, exchange: Exchange, reply: Reply) -> None:
         """A finished exchange: the user message and the reply, as far as it got."""
         self.model.remember_reply(exchange.text, exchange.tokens, self.replies, shared=self.share_prefix)
-        answer: Message = {"role": "assistant", "content": reply.text}
-        if reply.reasoning:
-            answer["reasoning_content"] = reply.reasoning  # type: ignore[typeddict-unknown-key]
-        if reply.tool_calls:
-            answer["tool_calls"] = [call.message_part() for call in reply.tool_calls]  # type: ignore[typeddict-unknown-key]
-        self.messages += [*exchange.said, answer]
+        self.messages += [*exchange.said, cast(Message, assistant_message(reply))]
         if not (self._superseded or exchange.model_closed or not self.looks_ahead):
             self._look_ahead()
 

@@ -6,6 +6,7 @@ tokens that close the block handed to the exchange to force in place of the next
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from llmsession.engine.prompt import Prompt
 from llmsession.native.llama import NativeModel
@@ -83,18 +84,36 @@ class Thinking:
         self.pending += thought
 
 
-def thinking(
-    native: NativeModel, markers: Markers | None, prompt: Prompt, budget: int | None
-) -> Thinking | None:
-    """The reasoning stage of a reply to ``prompt`` on a template with ``markers`` (None
-    without): inside the block from the start if the generation prompt opened it."""
-    if markers is None or prompt.raw:  # (a raw completion is text continued as it is)
+@dataclass(frozen=True)
+class Markup:
+    """A model's reasoning markers and their tokens, read once when it loads: what closes a
+    block (forced at a budget) and the markers that are single special tokens (their text is
+    needed to split)."""
+
+    markers: Markers
+    closing: tuple[int, ...]
+    spelled: frozenset[int]
+
+
+def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
+    if markers is None:
         return None
-    tail = native.detokenize(prompt.tokens()[-PROMPT_TAIL:], special=True)
     closing = native.tokenize(f"\n{markers.close}\n\n", add_special=False, parse_special=True)
     spelled = frozenset(
         ids[0]
         for marker in (markers.open, markers.close)
         if len(ids := native.tokenize(marker, add_special=False, parse_special=True)) == 1
     )
-    return Thinking(Splitter(markers, inside=opened(tail, markers)), closing, budget, spelled)
+    return Markup(markers, tuple(closing), spelled)
+
+
+def thinking(
+    native: NativeModel, markup: Markup | None, prompt: Prompt, budget: int | None
+) -> Thinking | None:
+    """The reasoning stage of a reply to ``prompt`` on a template with reasoning ``markup``
+    (None without): inside the block from the start if the generation prompt opened it."""
+    if markup is None or prompt.raw:  # (a raw completion is text continued as it is)
+        return None
+    tail = native.detokenize(prompt.tokens()[-PROMPT_TAIL:], special=True)
+    splitter = Splitter(markup.markers, inside=opened(tail, markup.markers))
+    return Thinking(splitter, markup.closing, budget, markup.spelled)

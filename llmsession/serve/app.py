@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from llmsession.config import SessionConfig
 from llmsession.options import INT32_MAX
-from llmsession.replies import Reply
+from llmsession.replies import Reply, assistant_message
 from llmsession.serve import sse
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Door, Host, session_settings
@@ -39,8 +39,9 @@ from llmsession.serve.page import routes as page_routes
 from llmsession.serve.responses import responses_ask, responses_request
 from llmsession.serve.responses_sse import ResponseObject
 from llmsession.serve.runner import Admission
-from llmsession.serve.schema import ChatRequest, Volatile, chat_request, completion_request
+from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 from llmsession.serve.store import ResponseStore
+from llmsession.serve.translation import Volatile
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -55,16 +56,6 @@ VOLATILE_LINES = (r"x-anthropic-billing-header:[^\n]*?cch=[0-9a-fA-F]*;[ \t]*\n?
 
 def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
     return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
-
-
-def said(reply: Reply) -> dict[str, Any]:
-    """A reply as the assistant message a client sends back."""
-    said: dict[str, Any] = {"role": "assistant", "content": reply.text}
-    if reply.reasoning:
-        said["reasoning_content"] = reply.reasoning
-    if reply.tool_calls:
-        said["tool_calls"] = [call.message_part() for call in reply.tool_calls]
-    return said
 
 
 def digest(*parts: str | None) -> str:
@@ -234,7 +225,7 @@ class Server:
         response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store)
 
         def keep(body: dict[str, Any], reply: Reply) -> None:
-            self.store.put(key, body, [*transcript, said(reply)])
+            self.store.put(key, body, [*transcript, assistant_message(reply)])
 
         return await self.answer(request, asked, ResponsesDoor(response, keep if ask.store else None))
 

@@ -76,19 +76,14 @@ class MessagesDoor:
         return self.message.body(replies[0])
 
     async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
-        message, blocks, pending = self.message, Blocks(), list(first)
+        message, blocks = self.message, Blocks()
         try:
             yield message.start(prompt_usage(first))
             yield message.ping()
-            while True:
-                if pending:
-                    event = pending.pop(0)
-                else:
-                    try:
-                        event = await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
-                    except asyncio.TimeoutError:  # (on 3.10, not the builtin)
-                        yield message.ping()
-                        continue
+            async for event in waited(choices, first):
+                if event is None:
+                    yield message.ping()
+                    continue
                 if event.error is not None:
                     yield message.error(explain(event.error))
                     break
@@ -101,6 +96,18 @@ class MessagesDoor:
                     break
         finally:
             choices.cancel()
+
+
+async def waited(choices: Choices, first: list[Event]) -> AsyncIterator[Event | None]:
+    """The first events, then each event as it comes, and None each ``PING_SECONDS`` none does
+    (the stream's moment to keep its client waiting)."""
+    for event in first:
+        yield event
+    while True:
+        try:
+            yield await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
+        except asyncio.TimeoutError:  # (on 3.10, not the builtin)
+            yield None
 
 
 def prompt_usage(first: list[Event]) -> Usage | None:
@@ -135,19 +142,14 @@ class ResponsesDoor:
         return body
 
     async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
-        response, items, pending = self.response, Items(), list(first)
+        response, items = self.response, Items()
         try:
             for opening in response.opening():
                 yield opening
-            while True:
-                if pending:
-                    event = pending.pop(0)
-                else:
-                    try:
-                        event = await asyncio.wait_for(choices.queue.get(), PING_SECONDS)
-                    except asyncio.TimeoutError:  # (on 3.10, not the builtin)
-                        yield KEEP_ALIVE
-                        continue
+            async for event in waited(choices, first):
+                if event is None:
+                    yield KEEP_ALIVE
+                    continue
                 if event.error is not None:
                     yield response.failed(explain(event.error), items)
                     break

@@ -21,8 +21,8 @@ from typing import Any
 
 from llmsession.serve.body import kind_of
 from llmsession.serve.errors import ApiError
-from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request, renamed
-from llmsession.text.tools import MAX_TOOLS
+from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
+from llmsession.serve.translation import converted_tools, renamed
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -234,9 +234,7 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise ApiError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
-        out["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+        out["tools"] = converted_tools(tools, _tool)
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
