@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from llmsession.runtime.face import Session, Stream
     from llmsession.text.images import Image
     from llmsession.text.renderer import Renderer
+    from llmsession.text.transcript import Transcript
 
 # Loaded when first named: they bring numpy, PIL, llguidance and the bindings, which a bare
 # ``import llmsession`` (a command's start, a server's import of its errors) should not pay for.
@@ -68,6 +69,7 @@ _LAZY = {
     "SessionMemory": ".engine.budget",
     "Image": ".text.images",
     "Renderer": ".text.renderer",
+    "Transcript": ".text.transcript",
     "Model": ".api.model",
     "Session": ".runtime.face",
     "Stream": ".runtime.face",
@@ -140,6 +142,7 @@ __all__ = [
     "TokenLogprob",
     "ToolCall",
     "ToolCallDelta",
+    "Transcript",
     "UnavailableError",
     "UnsupportedFeatureError",
     "Usage",

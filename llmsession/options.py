@@ -151,7 +151,8 @@ def _require(name: str, value: object, ok: bool) -> None:
 
 
 def checked_options(options: GenerationOptions | None) -> GenerationOptions:
-    """A caller's options, validated once here for every entry point (defaults for None)."""
+    """A caller's options (defaults for None): a ``GenerationOptions``, which was validated
+    when it was made (it is frozen: every copy, ``dataclasses.replace`` too, is made anew)."""
     if options is None:
         return GenerationOptions()
     if not isinstance(options, GenerationOptions):
@@ -159,5 +160,4 @@ def checked_options(options: GenerationOptions | None) -> GenerationOptions:
             f"options must be a GenerationOptions, got {type(options).__name__} "
             "(write GenerationOptions(**values) for a dict)"
         )
-    options.validate()
     return options

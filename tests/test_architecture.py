@@ -261,7 +261,7 @@ def test_every_subpackage_ships_in_the_wheel() -> None:
 
 # -- the public surface ----------------------------------------------------------------------------
 README = (PACKAGE.parent / "README.md").read_text()
-TOP_CLASSES = ("Model", "Session", "Stream", "AsyncStream", "Choices")
+TOP_CLASSES = ("Model", "Session", "Stream", "AsyncStream", "Choices", "Transcript")
 INHERITED = {"index", "count"}  # ``Sequence``'s mixins on ``Choices``
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
 
-from llmsession import Model
+from llmsession import Model, Transcript
 from llmsession.commands.cli import parser
 from llmsession.commands.serve import volatile_lines
 from llmsession.serve import doors
@@ -288,23 +288,24 @@ def test_volatile_lines_remove_only_the_billing_header() -> None:
     volatile = Volatile(VOLATILE_LINES)
     header = "x-anthropic-billing-header: cc_version=2.1; cch=ab12c;"
     flattened = {"role": "system", "content": f"{header}You are Claude Code."}  # (blocks joined bare)
-    assert volatile.dropped([flattened])[0]["content"] == "You are Claude Code."
+    assert volatile.dropped(Transcript([flattened]))[0]["content"] == "You are Claude Code."
     system = {
         "role": "system",
         "content": f"{header}\nYou are an agent.\nSay x-anthropic-billing-header: no.",
     }
     user = {"role": "user", "content": header}
-    kept = volatile.dropped([system, user])
+    kept = volatile.dropped(Transcript([system, user]))
     assert kept == [
         {"role": "system", "content": "You are an agent.\nSay x-anthropic-billing-header: no."},
         user,
     ]
     parts = {"role": "system", "content": [{"type": "text", "text": header}, {"type": "text", "text": "Hi"}]}
-    assert volatile.dropped([parts])[0]["content"] == [
+    assert volatile.dropped(Transcript([parts])).messages()[0]["content"] == [
         {"type": "text", "text": ""},
         {"type": "text", "text": "Hi"},
     ]
-    assert Volatile(()).dropped([system]) == [system]
+    unchanged = Transcript([system, user])
+    assert Volatile(()).dropped(unchanged) is unchanged and volatile.dropped(Transcript([user])) == [user]
     with pytest.raises(TypeError):
         Volatile("x-anthropic")
 
@@ -348,9 +349,9 @@ def test_anthropic_paths_and_tool_result_images() -> None:
     assert seeing[2]["content"] == "ok\n[image: below]"
     assert [p["type"] for p in seeing[3]["content"]] == ["image_url", "text"]
     blind = messages_request(body, images=False).messages
-    assert blind[2]["content"] == "ok\n[image block: not shown to this model]" and blind[3]["content"] == [
-        {"type": "text", "text": "See?"}
-    ]
+    assert blind[2]["content"] == "ok\n[image block: not shown to this model]" and blind.messages()[3][
+        "content"
+    ] == [{"type": "text", "text": "See?"}]
     with pytest.raises(ApiError, match="is_error"):
         messages_request({**body, "messages": [said[0], history[1], user({**result, "is_error": "yes"})]})
 

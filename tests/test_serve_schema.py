@@ -103,7 +103,11 @@ def test_a_full_request_becomes_options_and_messages() -> None:
     assert (asked.stream, asked.include_usage, asked.user, asked.n) == (True, True, "u1", 3)
     roles = [m["role"] for m in asked.messages]
     assert roles == ["system", "user", "assistant", "tool"]
-    assert asked.messages[1] == {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Hi"}]}
+    assert asked.messages.messages()[1] == {
+        "role": "user",
+        "name": "ann",
+        "content": [{"type": "text", "text": "Hi"}],
+    }
     assert asked.messages[2]["content"] == "" and asked.messages[2]["tool_calls"][0]["id"] == "c1"
     assert asked.messages[3]["tool_call_id"] == "c1"
 

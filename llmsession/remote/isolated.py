@@ -33,6 +33,7 @@ from llmsession.text.messages import check_messages
 from llmsession.text.renderer import Renderer
 from llmsession.text.schemas import schema_document
 from llmsession.text.tools import Tools, tool_from
+from llmsession.text.transcript import Transcript
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
@@ -97,8 +98,8 @@ class IsolatedModel:
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
     ) -> str:
-        check_messages(messages)  # as in-process, before pickling
-        return str(self._model_call("render", list(messages), add_generation_prompt, **kw))
+        transcript = Transcript(messages)  # checked as in-process, before pickling
+        return str(self._model_call("render", transcript, add_generation_prompt, **kw))
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return list(self._model_call("tokenize", text, add_special))
@@ -107,8 +108,8 @@ class IsolatedModel:
         return str(self._model_call("detokenize", list(tokens)))
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], **kw: Any) -> list[int]:
-        check_messages(messages)
-        return list(self._model_call("prompt_tokens", list(messages), **kw))
+        transcript = Transcript(messages)  # checked as in-process, before pickling
+        return list(self._model_call("prompt_tokens", transcript, **kw))
 
     def call_tokens(
         self,
@@ -118,8 +119,8 @@ class IsolatedModel:
         tools: Tools | None,
         tool_format: str | None,
     ) -> list[int]:
-        check_messages(messages)
-        return list(self._model_call("call_tokens", list(messages), tenant, config, tools, tool_format))
+        transcript = Transcript(messages)  # checked as in-process, before pickling
+        return list(self._model_call("call_tokens", transcript, tenant, config, tools, tool_format))
 
     def identity(self) -> str:
         return str(self._model_call("identity"))
@@ -139,9 +140,9 @@ class IsolatedModel:
         tenant: str | None,
         config: SessionConfig,
     ) -> Stream:
-        check_messages(messages)  # as in-process, before pickling
+        transcript = Transcript(messages)  # checked as in-process, before pickling
         options, schema_class = portable(options)
-        key = self.call("chat_stream", list(messages), options, tenant, config)
+        key = self.call("chat_stream", transcript, options, tenant, config)
         return WorkerStream(self, None, key, schema_class)
 
     def complete_stream(
@@ -162,10 +163,10 @@ class IsolatedModel:
         """``n`` stateless calls, each started when first iterated (the worker's sessions are
         not here to fork: each choice decodes the prompt, reusing what its session holds)."""
         check_stateless(config)
-        messages = copy.deepcopy(list(messages))  # (as they are now: the calls come later)
-        split(messages)  # (checked now, as in-process)
+        transcript = Transcript(messages)  # (checked now, as they are now: the calls come later)
+        split(transcript)  # (something to answer, as in-process)
         return separate(
-            n, checked_options(options), lambda chosen: self.chat_stream(messages, chosen, tenant, config)
+            n, checked_options(options), lambda chosen: self.chat_stream(transcript, chosen, tenant, config)
         )
 
     def complete_choices(

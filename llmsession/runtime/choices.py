@@ -10,7 +10,6 @@ never begins (its ``reply`` stays None)."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -20,6 +19,7 @@ from llmsession.options import GenerationOptions, check_int
 from llmsession.replies import Reply, Snapshot, Timings, Usage
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
+from llmsession.text.tools import replaced_options
 
 MAX_CHOICES = 128  # choices of one call (OpenAI's ``n`` is at most 128)
 # A choice's answer: on its fork (in this process), from its index and seeded options.
@@ -30,12 +30,12 @@ def seeded(options: GenerationOptions, index: int) -> GenerationOptions:
     """Choice ``index``'s options: the seed moved on by the index, so the choices differ."""
     if not index or options.seed is None:
         return options
-    return dataclasses.replace(options, seed=(options.seed + index) % 0xFFFFFFFF)
+    return replaced_options(options, seed=(options.seed + index) % 0xFFFFFFFF)
 
 
 def prefill_options(options: GenerationOptions) -> GenerationOptions:
     """The shared prefill's: one greedy token, no stop (its reply is not kept)."""
-    return dataclasses.replace(options, max_tokens=1, temperature=0.0, stop=(), logprobs=None, draft=None)
+    return replaced_options(options, max_tokens=1, temperature=0.0, stop=(), logprobs=None, draft=None)
 
 
 class Choices(Sequence[Stream]):

@@ -20,7 +20,7 @@ from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryReport
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
-from llmsession.errors import GrammarError, TemplateError, UnsupportedFeatureError
+from llmsession.errors import GrammarError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import GenerationOptions
 from llmsession.runtime.identity import FileIdentities
@@ -31,17 +31,18 @@ from llmsession.runtime.loading import (
     load_native,
     memory_plan,
 )
+from llmsession.runtime.spliced import Rendering, text_tokens
 from llmsession.runtime.thinking import markup_for
 from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
-from llmsession.text.messages import check_messages
 from llmsession.text.reasoning import markers_for
-from llmsession.text.splice import ReplyTokens, found_in_order, marker, splice, stretches
-from llmsession.text.templates import render_prompt
-from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect, said_text, stand_in
+from llmsession.text.splice import ReplyTokens
+from llmsession.text.templates import render_checked
+from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect
 from llmsession.text.tool_grammar import grammar
 from llmsession.text.tools import Tools
+from llmsession.text.transcript import Transcript
 
 if TYPE_CHECKING:
     import llguidance
@@ -122,12 +123,27 @@ class ModelCore:
         thinking: bool = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
-        stand_ins: bool = False,
     ) -> str:
-        """The exact prompt text a session would tokenize for these messages (and tools);
-        ``stand_ins``: replies replaced by markers, to find where they lie (``splice``)."""
-        text = render_prompt(
-            messages,
+        """The exact prompt text a session would tokenize for these messages (and tools):
+        checked here unless they are a ``Transcript`` (checked when it was made)."""
+        plain = Transcript(messages).messages()
+        return self.render_checked(
+            plain, add_generation_prompt, thinking=thinking, tools=tools, tool_format=tool_format
+        )
+
+    def render_checked(
+        self,
+        plain: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        thinking: bool = False,
+        tools: Tools | None = None,
+        tool_format: str | None = None,
+    ) -> str:
+        """``render`` for a checked transcript's editable copy (or one with stand-ins for its
+        replies: ``spliced``)."""
+        text = render_checked(
+            plain,
             template=self.template,
             native=self.native.apply_template,
             add_generation_prompt=add_generation_prompt,
@@ -138,7 +154,6 @@ class ModelCore:
             media_marker=self.media_marker,
             tools=tools,
             tool_format=self.tool_format(tool_format),
-            stand_ins=stand_ins,
             typed_content=self.renderer.typed_content,
         )
         refuse_nul(text, "a message")  # (llama.cpp's built-in templates could not carry one)
@@ -206,85 +221,10 @@ class ModelCore:
     ) -> list[int]:
         """The tokens of a text-only transcript's prompt (with these tools), as an exchange makes
         them: its replies generated here spliced in as the tokens they were (``own``'s first, and
-        every session's unless not ``shared``, as ``prompt``)."""
-        text = self.render(messages, thinking=thinking, tools=tools, tool_format=tool_format)
-        return self._text_tokens(messages, text, thinking, own, shared, tools, tool_format)
-
-    def _text_tokens(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        text: str,
-        thinking: bool,
-        own: ReplyTokens | None = None,
-        shared: bool = True,
-        tools: Tools | None = None,
-        tool_format: str | None = None,
-    ) -> list[int]:
-        """``text`` (the rendered ``messages``) tokenized, with the replies this model generated
-        as the tokens it generated (``splice``) when that spells exactly the same text; a
-        session's ``own`` replies first (another session may have said the same words otherwise),
-        and only those unless ``shared``: how a prompt splits would tell what others were told."""
-
-        def recorded(content: str) -> tuple[int, ...] | None:
-            mine = own.get(content) if own is not None else None
-            return mine or (self.replies.get(content) if shared else None)
-
-        fmt = self.tool_format(tool_format)
-        said = [said_text(m, fmt) for m in messages]
-        known = {
-            i: tokens for i, s in enumerate(said) if s is not None and (tokens := recorded(s)) is not None
-        }
-        if not known:
-            return self.tokenizer.prompt(text, shared)
-        around = self._around(messages, known, text, thinking, tools, tool_format)
-        if around is None:  # no stand-ins (a template that writes results inside the call's turn):
-            known = {i: t for i, t in known.items() if fmt.trigger in (said[i] or "")}  # calls only,
-            around = found_in_order(text, [said[i] or "" for i in known])  # where they are
-        if around is None or not known:
-            return self.tokenizer.prompt(text, shared)
-        # A prompt kept apart tokenizes its stretches afresh: how fast a remembered one came back
-        # would tell whether another prompt held the same text.
-        stretch_tokens = self.tokenizer.remembered if shared else self.tokenize
-        spliced = splice(around, list(known.values()), stretch_tokens)
-        spelled = self.native.detokenize(spliced, special=True)
-        if spelled in (text, self._with_bos(text, spliced)):  # exactly the rendered text
-            return spliced
-        plain = self.tokenizer.prompt(text, shared)  # (a tokenizer that adds spaces spells otherwise)
-        if spliced != plain and spelled == self.native.detokenize(plain, special=True):
-            return spliced
-        return plain
-
-    def _with_bos(self, text: str, tokens: Sequence[int]) -> str:
-        """How ``text`` is spelled with the BOS its tokens start with (text that spells none)."""
-        bos = self.native.bos()
-        if not (self.native.add_bos and tokens and tokens[0] == bos):
-            return text
-        return self.native.token_text(bos) + text
-
-    def _around(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        known: Mapping[int, Any],
-        text: str,
-        thinking: bool,
-        tools: Tools | None,
-        tool_format: str | None,
-    ) -> list[str] | None:
-        """The text around the ``known`` replies, found by rendering them as stand-ins; None
-        where the template cannot take the stand-ins or they do not rebuild ``text``."""
-        marked = [stand_in(m, marker(i)) if i in known else m for i, m in enumerate(messages)]
-        try:
-            rendered = self.render(
-                marked, thinking=thinking, tools=tools, tool_format=tool_format, stand_ins=True
-            )
-        except TemplateError:
-            return None
-        around = stretches(rendered, list(known))
-        fmt = self.tool_format(tool_format)
-        contents = [said_text(messages[i], fmt) or "" for i in known]
-        if around is None or "".join(a + c for a, c in zip(around, [*contents, ""], strict=True)) != text:
-            return None
-        return around
+        every session's unless not ``shared``, as ``prompt``); checked unless a ``Transcript``."""
+        plain = Transcript(messages).messages()
+        text = self.render_checked(plain, thinking=thinking, tools=tools, tool_format=tool_format)
+        return text_tokens(self, plain, text, Rendering(thinking, tools, tool_format), own, shared)
 
     def remember_reply(
         self, text: str, tokens: Sequence[int], own: ReplyTokens | None = None, shared: bool = True
@@ -311,19 +251,20 @@ class ModelCore:
     ) -> Prompt:
         """The tokenized prompt for a transcript (and the exchange's tools); images go through
         the projector. Replies are spliced from ``own``, and from every session's unless not
-        ``shared``."""
-        check_messages(messages)
-        images = list(message_images(messages))
+        ``shared``. The messages are checked unless they are a ``Transcript``."""
+        plain = Transcript(messages).messages()
+        images = list(message_images(plain))
         if images and self.projector is None:
             raise UnsupportedFeatureError(
                 "this model has no multimodal projector, so it cannot take images: "
                 "load one with Model(path, mmproj_path=...)"
             )
         began = time.perf_counter()
-        text = self.render(messages, thinking=thinking, tools=tools, tool_format=tool_format)
+        text = self.render_checked(plain, thinking=thinking, tools=tools, tool_format=tool_format)
         rendered = time.perf_counter()
         if not images:
-            prompt = Prompt([self._text_tokens(messages, text, thinking, own, shared, tools, tool_format)])
+            how = Rendering(thinking, tools, tool_format)
+            prompt = Prompt([text_tokens(self, plain, text, how, own, shared)])
             prompt.render_s, prompt.tokenize_s = rendered - began, time.perf_counter() - rendered
             return prompt
         assert self.projector is not None

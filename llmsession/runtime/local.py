@@ -19,6 +19,7 @@ from llmsession.runtime.face import Stream
 from llmsession.runtime.session import LocalSession
 from llmsession.runtime.stateless import StatelessSessions, check_stateless, split
 from llmsession.text.tools import Tools
+from llmsession.text.transcript import Transcript
 
 # Sessions kept for stateless calls (``Model.chat``, the server's requests), at least: each is a
 # conversation whose next turn decodes only what is new. Their states are live, parked or cold as
@@ -86,11 +87,11 @@ class LocalModel(ModelCore):
         """``n`` choices of a stateless call sharing one prefill (``runtime.choices``)."""
         check_stateless(config)
         options = checked_options(options)
-        messages = copy.deepcopy(list(messages))  # (as they are now: the prefill comes later)
-        history, said = split(messages)  # (checked now, before anything decodes)
+        transcript = Transcript(messages)  # (checked now, as they are now: the prefill comes later)
+        history, said = split(transcript)
 
         def prefill() -> Stream:
-            return self.stateless.stream(messages, prefill_options(options), tenant, config, pooled=False)
+            return self.stateless.stream(transcript, prefill_options(options), tenant, config, pooled=False)
 
         def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
             fork.messages = copy.deepcopy(history)

@@ -15,7 +15,6 @@ model's engine like any other.
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -31,9 +30,9 @@ from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.session import LocalSession
-from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
+from llmsession.text.transcript import Transcript
 
 SIMILARITY = 0.5
 BRANCH = 16
@@ -79,14 +78,15 @@ class StatelessSessions:
         """A stateless call (``Model.chat_stream``); ``pooled`` False leaves its session out of
         the kept ones until ``adopt`` (so no other call takes it first: ``choices.Forks``)."""
         check_stateless(config)
-        history, said = split(messages)
+        transcript = Transcript(messages)  # (checked here unless it is one: then only read)
+        history, said = split(transcript)
         record = self._kept_record(tenant, config)
         options = checked_options(options)
         # Tokenized once: to choose the session, then as the session's prompt.
         thinking = config.thinking
         tools = options_tools(options)
         prompt = self.model.prompt(
-            [*history, *said],
+            transcript,
             thinking=thinking,
             own=record,
             shared=record is None,
@@ -260,13 +260,12 @@ def check_stateless(config: SessionConfig) -> None:
         )
 
 
-def split(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message], list[Message]]:
-    """A stateless call's messages, checked and copied: the history, and what the call answers
-    (the last user message, or the tool results that end the list)."""
-    check_messages(messages)
-    if not messages or messages[-1].get("role") not in ("user", "tool"):
+def split(transcript: Transcript) -> tuple[list[Message], list[Message]]:
+    """A stateless call's (checked) transcript as editable copies: the history, and what the
+    call answers (the last user message, or the tool results that end the list)."""
+    if not transcript.ends_with_question():
         raise TemplateError("a stateless chat needs messages that end with a user message or tool results")
-    copied = cast(list[Message], [dict(m) for m in copy.deepcopy(list(messages))])
+    copied = cast(list[Message], transcript.messages())
     start = len(copied) - 1
     while copied[-1]["role"] == "tool" and start > 0 and copied[start - 1]["role"] == "tool":
         start -= 1

@@ -42,6 +42,7 @@ from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 from llmsession.serve.store import ResponseStore
 from llmsession.serve.translation import Volatile
+from llmsession.text.tools import replaced_options
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -187,7 +188,7 @@ class Server:
         (what was decoded and what was reused)."""
         asked = await self.read(request, lambda body: messages_request(parse_json(body), counting=True))
         if any(
-            isinstance(m["content"], list) and any(p["type"] != "text" for p in m["content"])
+            not isinstance(m["content"], str | None) and any(p["type"] != "text" for p in m["content"])
             for m in asked.messages
         ):
             raise ApiError("count_tokens counts text-only transcripts here", "messages")
@@ -219,7 +220,7 @@ class Server:
                     raise not_found("response", ask.previous, "previous_response_id")
                 history = stored.transcript
             asked = await asyncio.to_thread(responses_request, ask, history)
-            transcript = asked.messages[1 if ask.instructions else 0 :]
+            transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
             dropped = await asyncio.to_thread(self.volatile.dropped, asked.messages)
         asked = dataclasses.replace(asked, messages=dropped)
         response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store)
@@ -255,7 +256,7 @@ class Server:
     async def answer(self, request: Request, asked: ChatRequest, door: Door) -> Response:
         key: str | None = request.state.key  # (``guarded`` asked ``authorize``)
         if self.draft is not None:  # (the exchange leaves them out where they are unsound)
-            asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, draft=self.draft))
+            asked = dataclasses.replace(asked, options=replaced_options(asked.options, draft=self.draft))
         limit = self.admission.limit
         if asked.n > limit:
             raise ApiError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")

@@ -26,6 +26,7 @@ from llmsession.serve.body import kind_of
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
 from llmsession.serve.translation import converted_tools, renamed
+from llmsession.text.tools import replaced_options
 
 ROLES = ("user", "assistant")
 NAMES = {"stop": "stop_sequences"}  # (a message's path is the converted list's: kept as it is)
@@ -44,12 +45,10 @@ def messages_request(body: Mapping[str, Any], *, counting: bool = False, images:
         raise renamed(error, {**NAMES, **_origins(error, origins)}) from None
     top_k = _integer(body, "top_k", 0, INT32_MAX)
     if top_k is not None:
-        asked = dataclasses.replace(asked, options=dataclasses.replace(asked.options, top_k=top_k))
+        asked = dataclasses.replace(asked, options=replaced_options(asked.options, top_k=top_k))
     thinking, budget = _thinking(body.get("thinking"))
     if budget is not None and not asked.options.constrained:  # (a budget with a constraint: not yet)
-        asked = dataclasses.replace(
-            asked, options=dataclasses.replace(asked.options, reasoning_budget=budget)
-        )
+        asked = dataclasses.replace(asked, options=replaced_options(asked.options, reasoning_budget=budget))
     return dataclasses.replace(asked, thinking=thinking)
 
 

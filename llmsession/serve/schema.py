@@ -1,9 +1,10 @@
 """A chat completion request, as OpenAI documents it, checked and turned into the library's
 messages and ``GenerationOptions``. Pure: no model, no web framework.
 
-Every check the library would make later is made here first (its own ``checked_options``,
-``options_tools`` and ``check_messages``), so a request's mistake is a 400 before anything runs,
-and an error that comes out of a run is the server's. Unknown fields are ignored, as OpenAI's API
+Every check the library would make later is made here first (its own ``checked_options`` and
+``options_tools``; the messages become its checked ``Transcript``, which the library then reads
+without checking again), so a request's mistake is a 400 before anything runs, and an error that
+comes out of a run is the server's. Unknown fields are ignored, as OpenAI's API
 does; a known field of the wrong type or out of its range is a ``ApiError`` naming it
 (``param``). Counts are bounded (messages, stop strings, tools, images, ``user``) so one request
 cannot make the checks or the tenant records costly. Nothing in a request names a file or a URL the
@@ -31,8 +32,8 @@ from llmsession.options import (
 from llmsession.serve.body import NAMES, kind_of, shown
 from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
-from llmsession.text.messages import check_messages
-from llmsession.text.tools import MAX_TOOLS, options_tools
+from llmsession.text.tools import MAX_TOOLS, options_tools, replaced_options
+from llmsession.text.transcript import Transcript
 
 MAX_CHOICES = 8
 MAX_TEXT_LOGPROBS = 5  # the legacy completions field: OpenAI lists at most 5
@@ -47,7 +48,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 class ChatRequest:
     """What a request asks for, in the library's terms."""
 
-    messages: list[dict[str, Any]]
+    messages: Transcript  # (checked once, here: the library reads it without checking again)
     options: GenerationOptions
     n: int = 1
     stream: bool = False
@@ -66,8 +67,7 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     if len(raw) > MAX_MESSAGES:
         raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     images = ImageCount()
-    messages = [_message(i, m, images) for i, m in enumerate(raw)]
-    _check_transcript(messages)
+    messages = _transcript([_message(i, m, images) for i, m in enumerate(raw)])
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
         raise ApiError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
@@ -80,7 +80,7 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     chosen = options(body, default_max_tokens, _chat_logprobs(body))
     thinking, budget = _reasoning(body)
     if budget is not None and not chosen.constrained:  # (a budget with a constraint: not yet)
-        chosen = dataclasses.replace(chosen, reasoning_budget=budget)
+        chosen = replaced_options(chosen, reasoning_budget=budget)
     return ChatRequest(messages, chosen, n or 1, stream, bool(include_usage), user, thinking=thinking)
 
 
@@ -146,17 +146,19 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
     kept = {k: v for k, v in body.items() if k not in (*CHAT_ONLY, "logprobs", "top_logprobs")}
     asked = chat_request({**kept, "messages": [{"role": "user", "content": "-"}]}, COMPLETION_DEFAULT_TOKENS)
     scored = dataclasses.replace(asked.options, logprobs=top)
-    return dataclasses.replace(asked, messages=[], prompt=prompt, options=scored)
+    return dataclasses.replace(asked, messages=Transcript(), prompt=prompt, options=scored)
 
 
-def _check_transcript(messages: list[dict[str, Any]]) -> None:
-    """The library's own check of a transcript, and the stateless call's: something to answer."""
+def _transcript(messages: list[dict[str, Any]]) -> Transcript:
+    """The messages as the library's checked ``Transcript`` (its own check, made once), with
+    something to answer, as a stateless call needs."""
     try:
-        check_messages(messages)
+        transcript = Transcript(messages)
     except TemplateError as error:
         raise ApiError(str(error), "messages") from None
-    if messages[-1]["role"] not in ("user", "tool"):
+    if not transcript.ends_with_question():
         raise ApiError("the last message must be a user message or tool results", "messages")
+    return transcript
 
 
 def options(

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmsession.serve.errors import ApiError
 from llmsession.text.tools import MAX_TOOLS
+from llmsession.text.transcript import Transcript
 
 
 def renamed(error: ApiError, names: Mapping[str, str]) -> ApiError:
@@ -45,17 +46,23 @@ class Volatile:
             raise TypeError("volatile lines must be a sequence of non-empty regular expressions")
         self.patterns = [re.compile(p) for p in patterns]
 
-    def dropped(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if not self.patterns or not any(m["role"] == "system" for m in messages):
-            return messages
-        return [self._message(m) if m["role"] == "system" else m for m in messages]
+    def dropped(self, messages: Transcript) -> Transcript:
+        """The transcript with its system messages' volatile text removed (only those edited:
+        ``Transcript.edited`` checks nothing else again)."""
+        for i, message in enumerate(messages):
+            edited = self._message(message) if self.patterns and message["role"] == "system" else None
+            if edited is not None:
+                messages = messages.edited(i, edited)
+        return messages
 
-    def _message(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _message(self, message: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The message with its volatile text removed; None if it has none."""
         content = message["content"]
         if isinstance(content, str):
-            return {**message, "content": self._text(content)}
+            text = self._text(content)
+            return None if text == content else {**message, "content": text}
         parts = [{**p, "text": self._text(p["text"])} if p.get("type") == "text" else p for p in content]
-        return {**message, "content": parts}
+        return None if parts == list(content) else {**message, "content": parts}
 
     def _text(self, text: str) -> str:
         for pattern in self.patterns:

@@ -146,9 +146,29 @@ def render_gemma4(
     can be written at all. ``tools`` are OpenAI function specs (``{"type": "function",
     "function": {...}}``), declared in the system turn.
     """
+    check_messages(messages)
+    return gemma4_prompt(
+        messages,
+        template=template,
+        add_generation_prompt=add_generation_prompt,
+        thinking=thinking,
+        media_marker=media_marker,
+        tools=tools,
+    )
+
+
+def gemma4_prompt(
+    messages: Sequence[Message],
+    *,
+    template: str,
+    add_generation_prompt: bool = True,
+    thinking: bool = False,
+    media_marker: str = IMAGE_TOKEN,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """``render_gemma4`` for messages already checked (a ``Transcript``'s, or derived from it)."""
     if not is_gemma4_template(template):
         raise TemplateError("render_gemma4 needs a Gemma 4 template (one that writes <|turn>)")
-    check_messages(messages)
     if not messages:
         raise TemplateError("a Gemma 4 prompt needs at least one message")
     _refuse_old_tools(template, tools, messages)

@@ -9,7 +9,8 @@ collections, which is taken for an image (``llmsession.Image``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from llmsession.errors import TemplateError
@@ -19,7 +20,9 @@ Message = Mapping[str, Any]  # what renderers read: a ``replies.Message`` or any
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
-def check_messages(messages: Sequence[Message], *, answers: bool = True) -> None:
+def check_messages(
+    messages: Sequence[Message], *, answers: bool = True, calls: Iterable[str] = ()
+) -> frozenset[str]:
     """Fail early, naming the message, rather than deep inside a renderer: a TemplateError for
     anything but OpenAI's shapes (below). Tool calls and results are in OpenAI's shape; a result
     answers a call made earlier in the transcript (unless not ``answers``: a render with
@@ -28,10 +31,11 @@ def check_messages(messages: Sequence[Message], *, answers: bool = True) -> None
     ``content`` is a str or a list of parts (``is_image_part``); None only beside
     ``tool_calls`` (an assistant message that only calls, as OpenAI's clients send it back: the
     renderers read it as empty, ``filled``). ``name``, ``tool_call_id`` and reasoning, where
-    given, are str."""
+    given, are str. ``calls``: the ids of calls made before ``messages`` (which results in them
+    may answer). Returns the ids of every call made, those included."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes | bytearray):
         raise TemplateError(f"messages must be a list of messages, got {type(messages).__name__}")
-    calls: set[str] = set()
+    made = set(calls)
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TemplateError(f"message {i} must be a mapping, got {type(message).__name__}")
@@ -41,14 +45,15 @@ def check_messages(messages: Sequence[Message], *, answers: bool = True) -> None
         where = f"message {i} ({role:.20})"
         said_calls = message.get("tool_calls") is not None
         if said_calls:
-            calls |= _checked_calls(where, message)
+            made |= _checked_calls(where, message)
         _check_content(where, message.get("content"), may_be_none=said_calls)
         for key in TEXT_FIELDS:
             if not isinstance(message.get(key, ""), str | None):
                 raise TemplateError(f"{where}: {key} must be a str, got {type(message[key]).__name__}")
         answered = message.get("tool_call_id")
-        if role == "tool" and (not isinstance(answered, str) or (answers and answered not in calls)):
+        if role == "tool" and (not isinstance(answered, str) or (answers and answered not in made)):
             raise TemplateError(f"{where}: tool_call_id {answered!r:.40} answers no earlier call")
+    return frozenset(made)
 
 
 TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content")
@@ -100,11 +105,30 @@ def _checked_calls(where: str, message: Message) -> set[str]:
     return ids
 
 
+def frozen(value: Any) -> Any:
+    """JSON-like data made read-only, deeply: mappings as read-only views of copies, lists and
+    tuples as tuples; anything else (text, numbers, an image object) as it is."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({key: frozen(item) for key, item in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(frozen(item) for item in value)
+    return value
+
+
+def thawed(value: Any) -> Any:
+    """A plain copy of (``frozen``) JSON-like data: mappings as dicts, lists and tuples as lists."""
+    if isinstance(value, Mapping):
+        return {key: thawed(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [thawed(item) for item in value]
+    return value
+
+
 def _is_json_object(value: object) -> bool:
-    if not isinstance(value, dict):
+    if not isinstance(value, Mapping):
         return False
     try:
-        json.dumps(value)
+        json.dumps(thawed(value))
     except (TypeError, ValueError, RecursionError):
         return False
     return True

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from llmsession.errors import TemplateError
-from llmsession.text.gemma4 import is_gemma4_template, render_gemma4
+from llmsession.text.gemma4 import gemma4_prompt, is_gemma4_template
 from llmsession.text.jinja import render_jinja
 from llmsession.text.messages import Message, check_messages, filled, flatten_content, is_image_part
 from llmsession.text.tool_formats import GENERIC, ToolFormat, generic_messages
@@ -122,8 +122,42 @@ def render_prompt(
     left to tokenization unless a jinja template writes it. ``tools`` and tool messages reach a
     jinja template as Hugging Face passes them, for a native ``tool_format``; the generic one
     writes them into the messages (``tool_formats.generic_messages``), for any renderer.
+    The messages are checked first (``check_messages``; ``render_checked`` trusts its caller's).
     """
     check_messages(messages, answers=not stand_ins)  # (stand-ins hide the calls results answer)
+    return render_checked(
+        messages,
+        template=template,
+        native=native,
+        add_generation_prompt=add_generation_prompt,
+        thinking=thinking,
+        use_jinja=use_jinja,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        media_marker=media_marker,
+        tools=tools,
+        tool_format=tool_format,
+        typed_content=typed_content,
+    )
+
+
+def render_checked(
+    messages: Sequence[Message],
+    *,
+    template: str | None,
+    native: NativeApply,
+    add_generation_prompt: bool = True,
+    thinking: bool = False,
+    use_jinja: bool = False,
+    bos_token: str = "",
+    eos_token: str = "",
+    media_marker: str = "<__media__>",
+    tools: Tools | None = None,
+    tool_format: ToolFormat = GENERIC,
+    typed_content: bool = True,
+) -> str:
+    """``render_prompt`` for messages already checked: a ``Transcript``'s editable copy (or
+    one with stand-ins for its replies, derived from it). Nothing is checked again."""
     messages = filled(messages)
     gemma4 = template is not None and is_gemma4_template(template)
     native_tools = (use_jinja or gemma4) and tool_format is not GENERIC
@@ -166,7 +200,7 @@ def _without_jinja(
     if text is not None:
         return text
     if template is not None and gemma4:
-        return render_gemma4(
+        return gemma4_prompt(
             [_hf_message(m) for m in messages] if native_tools else messages,
             template=template,
             add_generation_prompt=add_generation_prompt,

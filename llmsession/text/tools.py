@@ -3,11 +3,13 @@ reports them. How calls are written and read for each model family is in ``tool_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from llmsession.options import GenerationOptions
 from llmsession.replies import ToolCall
@@ -92,8 +94,32 @@ def _checked(name: object, description: str, parameters: Any, index: int) -> Too
 
 
 def options_tools(options: GenerationOptions) -> Tools | None:
-    """An exchange's tools, from its options (checked: ``checked_tools``)."""
-    return checked_tools(options.tools, options.tool_choice, options.parallel_tool_calls)
+    """An exchange's tools, from its options (checked: ``checked_tools``), once per options
+    object: the server's schema checks them, and the call it makes reads what was checked (the
+    options are frozen, so their tools cannot change)."""
+    known = _CHECKED.get(id(options), _UNSEEN)
+    if known is not _UNSEEN:
+        return cast(Tools | None, known)
+    tools = checked_tools(options.tools, options.tool_choice, options.parallel_tool_calls)
+    if options.tools:  # (nothing to keep for options without tools)
+        _CHECKED[id(options)] = tools
+        weakref.finalize(options, _CHECKED.pop, id(options), None)  # (before its id is reused)
+    return tools
+
+
+def replaced_options(options: GenerationOptions, **changes: Any) -> GenerationOptions:
+    """``dataclasses.replace(options, **changes)``, keeping what was checked of its tools when
+    the changes leave them as they were."""
+    replaced = dataclasses.replace(options, **changes)
+    known = _CHECKED.get(id(options), _UNSEEN)
+    if known is not _UNSEEN and not changes.keys() & {"tools", "tool_choice", "parallel_tool_calls"}:
+        _CHECKED[id(replaced)] = known
+        weakref.finalize(replaced, _CHECKED.pop, id(replaced), None)
+    return replaced
+
+
+_UNSEEN = object()
+_CHECKED: dict[int, object] = {}  # each living options object's checked tools, by its id
 
 
 def checked_tools(

@@ -1,0 +1,161 @@
+"""A request checked once: ``Transcript``'s own guarantees, the layers below (the stateless
+routing, the prompt, the renderers, the server after its schema) reading one without checking it
+again, and an options object's tools checked once however many layers ask for them."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serve_helpers import running
+from tool_helpers import WEATHER
+
+from llmsession import GenerationOptions, Model, TemplateError, Transcript
+from llmsession.serve.app import create_app
+from llmsession.text import messages as messages_module
+from llmsession.text import tools as tools_module
+from llmsession.text.tools import options_tools, replaced_options
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"},
+]
+GREEDY = GenerationOptions(max_tokens=4, temperature=0)
+
+
+def test_a_transcript_is_a_read_only_copy_of_what_it_was_given() -> None:
+    given = copy.deepcopy(CHAT)
+    transcript = Transcript(given)
+    given[1]["content"][0]["text"] = "changed"  # (the caller's later edits do not reach it)
+    given.append({"role": "user", "content": "more"})
+    assert transcript == CHAT and len(transcript) == 4
+    with pytest.raises(TypeError):
+        transcript[0]["content"] = "edited"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        transcript[1]["content"][0]["text"] = "edited"
+    editable = transcript.messages()
+    editable[1]["content"][0]["text"] = "edited"
+    assert editable != CHAT and transcript == CHAT  # (the copy is the caller's own)
+    assert pickle.loads(pickle.dumps(transcript)) == transcript
+    assert Transcript(transcript) == transcript
+
+
+def test_a_bad_message_is_refused_when_the_transcript_is_made() -> None:
+    with pytest.raises(TemplateError, match="message 1"):
+        Transcript([{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "c9", "content": "r"}])
+    with pytest.raises(TemplateError, match="message 0"):
+        Transcript([{"role": "user", "content": 5}])
+
+
+@pytest.fixture
+def checked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many messages each ``check_messages`` call checks, wherever the library calls it."""
+    original = messages_module.check_messages
+    sizes: list[int] = []
+
+    def counting(messages: Sequence[Any], **kw: Any) -> frozenset[str]:
+        sizes.append(len(messages))
+        return original(messages, **kw)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("llmsession") and (
+            getattr(module, "check_messages", None) is original
+        ):
+            monkeypatch.setattr(module, "check_messages", counting)
+    yield sizes
+
+
+def test_extending_checks_only_what_is_added(checked: list[int]) -> None:
+    base = Transcript(CHAT[:3])
+    assert checked == [3]
+    joined = base.extended([CHAT[3]])  # (a result answering a call the base made)
+    assert checked == [3, 1] and joined == CHAT
+    with pytest.raises(TemplateError, match="answers no earlier call"):
+        base.extended([{"role": "tool", "tool_call_id": "c2", "content": "r"}])
+
+
+def test_an_edit_keeps_what_answers_what() -> None:
+    transcript = Transcript(CHAT)
+    edited = transcript.edited(0, {"role": "system", "content": "Be terse."})
+    assert edited[0]["content"] == "Be terse." and transcript[0]["content"] == "Be brief."
+    with pytest.raises(TemplateError, match="keep its tool_calls"):
+        transcript.edited(2, {"role": "assistant", "content": "no call"})
+    with pytest.raises(TemplateError, match="keep its role"):
+        transcript.edited(0, {"role": "user", "content": "x"})
+    with pytest.raises(TemplateError, match="message 0"):
+        transcript.edited(0, {"role": "system", "content": 7})
+
+
+def test_the_library_reads_a_transcript_without_checking_it_again(smollm2: Model, checked: list[int]) -> None:
+    transcript = Transcript(CHAT)
+    checked.clear()
+    tokens = smollm2.prompt_tokens(transcript)
+    text = smollm2.render(transcript)
+    reply = smollm2.chat(transcript, GREEDY)
+    assert checked == []  # (routing, prompt, splice and renderers all trusted it)
+    # The same calls with a plain list: checked once each, and the same prompt and reply.
+    assert smollm2.prompt_tokens(CHAT) == tokens and smollm2.render(CHAT) == text
+    assert smollm2.chat(CHAT, GREEDY).text == reply.text
+    assert checked == [4, 4, 4]
+
+
+@pytest.fixture
+def tools_checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tools each ``checked_tools`` call checks."""
+    original = tools_module.checked_tools
+    sizes: list[int] = []
+
+    def counting(specs: Any, *args: Any) -> Any:
+        sizes.append(len(specs or ()))
+        return original(specs, *args)
+
+    monkeypatch.setattr(tools_module, "checked_tools", counting)
+    return sizes
+
+
+def test_an_options_objects_tools_are_checked_once(smollm2: Model, tools_checked: list[int]) -> None:
+    options = GenerationOptions(max_tokens=4, temperature=0, tools=(WEATHER,), tool_choice="none")
+    asked = [{"role": "user", "content": "Hi"}]
+    smollm2.chat(asked, options)
+    smollm2.chat(asked, options)
+    choices = smollm2.chat_choices(asked, options, n=2)
+    try:
+        assert all("".join(snapshot.delta for snapshot in choice) for choice in choices)
+    finally:
+        choices.close()
+    assert tools_checked == [1]  # (the routing, the session and both choices read what was checked)
+    assert options_tools(replaced_options(options, seed=3)) == options_tools(options)
+    assert tools_checked == [1]
+    # What changes the tools, or a copy made without saying what changed, is checked again.
+    options_tools(replaced_options(options, tool_choice="auto"))
+    options_tools(dataclasses.replace(options, seed=3))
+    assert tools_checked == [1, 1, 1]
+
+
+def test_a_server_request_is_checked_once(
+    smollm2_path: Path, checked: list[int], tools_checked: list[int]
+) -> None:
+    import anthropic
+    import openai
+
+    with Model(smollm2_path, threads=1) as model, running(create_app(model)) as url:
+        client = openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=60)
+        checked.clear()
+        client.chat.completions.create(model="m", messages=CHAT, max_tokens=4, temperature=0, tools=[WEATHER])  # type: ignore[arg-type, list-item]
+        assert checked == [4] and tools_checked == [1]  # (the schema's: the library trusts them)
+        claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="-", max_retries=0)
+        tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]
+        said = [{"role": "user", "content": "Weather in Oslo?"}]
+        claude.messages.create(
+            model="m", max_tokens=4, messages=said, tools=[tool], extra_body={"top_k": 5}, system="Be brief."
+        )  # type: ignore[arg-type, list-item]
+        assert checked == [4, 2] and tools_checked == [1, 1]
