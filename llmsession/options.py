@@ -60,8 +60,10 @@ class GenerationOptions:
     reasoning_budget: int | None = None  # a thinking template's reasoning ends at this many tokens
 
     def __post_init__(self) -> None:
-        if isinstance(self.tools, list):
-            object.__setattr__(self, "tools", tuple(self.tools))
+        if isinstance(self.tools, list | tuple):  # (the options' own copy: the caller's may change)
+            object.__setattr__(self, "tools", tuple(_copied(spec, "tools") for spec in self.tools))
+        if isinstance(self.tool_choice, Mapping):
+            object.__setattr__(self, "tool_choice", _copied(self.tool_choice, "tool_choice"))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, Iterable) and not isinstance(self.stop, bytes | Mapping):
@@ -131,6 +133,23 @@ class GenerationOptions:
     @property
     def penalized(self) -> bool:
         return self.repeat_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def _copied(value: Any, name: str) -> Any:
+    """A copy of JSON-like data (mappings as dicts, lists and tuples as lists; anything else,
+    a pydantic class say, as it is)."""
+    try:
+        return _copy(value)
+    except RecursionError:
+        raise ValueError(f"GenerationOptions.{name}: nested too deep") from None
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_copy(item) for item in value]
+    return value
 
 
 def _is_int(value: object) -> bool:

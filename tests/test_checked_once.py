@@ -49,6 +49,25 @@ def test_a_transcript_is_a_read_only_copy_of_what_it_was_given() -> None:
     assert Transcript(transcript) == transcript
 
 
+def test_data_nested_past_pythons_recursion_is_a_template_error() -> None:
+    deep: Any = "x"
+    for _ in range(5000):
+        deep = {"d": deep}
+    with pytest.raises(TemplateError, match="nested too deep"):
+        Transcript([{"role": "user", "content": "Hi", "metadata": deep}])
+
+
+def test_an_options_objects_tools_are_its_own_copy() -> None:
+    spec = copy.deepcopy(WEATHER)
+    options = GenerationOptions(
+        tools=[spec], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    checked = options_tools(options)
+    spec["function"]["name"] = "renamed"  # (the caller's dict: the options hold their own)
+    assert options.tools == (WEATHER,) and options_tools(options) is checked
+    assert checked is not None and checked.tools[0].name == "get_weather"
+
+
 def test_a_bad_message_is_refused_when_the_transcript_is_made() -> None:
     with pytest.raises(TemplateError, match="message 1"):
         Transcript([{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "c9", "content": "r"}])
@@ -79,12 +98,16 @@ def test_extending_checks_only_what_is_added(checked: list[int]) -> None:
     assert checked == [3]
     joined = base.extended([CHAT[3]])  # (a result answering a call the base made)
     assert checked == [3, 1] and joined == CHAT
-    with pytest.raises(TemplateError, match="answers no earlier call"):
-        base.extended([{"role": "tool", "tool_call_id": "c2", "content": "r"}])
+    with pytest.raises(TemplateError, match=r"message 3 .*answers no earlier call"):
+        base.extended([{"role": "tool", "tool_call_id": "c2", "content": "r"}])  # (named in the whole)
 
 
 def test_an_edit_keeps_what_answers_what() -> None:
     transcript = Transcript(CHAT)
+    last = transcript.edited(-1, {"role": "tool", "tool_call_id": "c1", "content": "Rain"})
+    assert len(last) == 4 and last[3]["content"] == "Rain" and last[:3] == transcript[:3]
+    with pytest.raises(IndexError):
+        transcript.edited(4, {"role": "user", "content": "x"})
     edited = transcript.edited(0, {"role": "system", "content": "Be terse."})
     assert edited[0]["content"] == "Be terse." and transcript[0]["content"] == "Be brief."
     with pytest.raises(TemplateError, match="keep its tool_calls"):
@@ -106,6 +129,9 @@ def test_the_library_reads_a_transcript_without_checking_it_again(smollm2: Model
     assert smollm2.prompt_tokens(CHAT) == tokens and smollm2.render(CHAT) == text
     assert smollm2.chat(CHAT, GREEDY).text == reply.text
     assert checked == [4, 4, 4]
+    with smollm2.session() as session:  # (a session takes a transcript's messages as sent)
+        session.respond(Transcript([{"role": "user", "content": "Hi"}]), GREEDY)
+        assert [m["role"] for m in session.messages] == ["user", "assistant"]
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import Tools, options_tools
+from llmsession.text.transcript import Transcript
 
 MAX_CALLS = 8  # calls in one reply, where the format writes their ids
 
@@ -46,6 +47,8 @@ MAX_CALLS = 8  # calls in one reply, where the format writes their ids
 def said_messages(content: Any) -> list[Message]:
     """What ``stream`` sends: a message (a mapping with a ``role``: a tool result, say), a list of
     them, or else a user message's content."""
+    if isinstance(content, Transcript):
+        return cast(list[Message], content.messages())
     if isinstance(content, Mapping) and "role" in content:
         return [cast(Message, dict(content))]
     if (

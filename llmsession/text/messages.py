@@ -21,7 +21,7 @@ IMAGE_PART_TYPES = ("image", "image_url")
 
 
 def check_messages(
-    messages: Sequence[Message], *, answers: bool = True, calls: Iterable[str] = ()
+    messages: Sequence[Message], *, answers: bool = True, calls: Iterable[str] = (), start: int = 0
 ) -> frozenset[str]:
     """Fail early, naming the message, rather than deep inside a renderer: a TemplateError for
     anything but OpenAI's shapes (below). Tool calls and results are in OpenAI's shape; a result
@@ -32,11 +32,12 @@ def check_messages(
     ``tool_calls`` (an assistant message that only calls, as OpenAI's clients send it back: the
     renderers read it as empty, ``filled``). ``name``, ``tool_call_id`` and reasoning, where
     given, are str. ``calls``: the ids of calls made before ``messages`` (which results in them
-    may answer). Returns the ids of every call made, those included."""
+    may answer); ``start``: the first message's index, as errors name it. Returns the ids of
+    every call made, those included."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes | bytearray):
         raise TemplateError(f"messages must be a list of messages, got {type(messages).__name__}")
     made = set(calls)
-    for i, message in enumerate(messages):
+    for i, message in enumerate(messages, start):
         if not isinstance(message, Mapping):
             raise TemplateError(f"message {i} must be a mapping, got {type(message).__name__}")
         role = message.get("role")

@@ -96,15 +96,19 @@ def _checked(name: object, description: str, parameters: Any, index: int) -> Too
 def options_tools(options: GenerationOptions) -> Tools | None:
     """An exchange's tools, from its options (checked: ``checked_tools``), once per options
     object: the server's schema checks them, and the call it makes reads what was checked (the
-    options are frozen, so their tools cannot change)."""
+    options are frozen, and hold their own copy of the tools, made with them)."""
     known = _CHECKED.get(id(options), _UNSEEN)
     if known is not _UNSEEN:
         return cast(Tools | None, known)
     tools = checked_tools(options.tools, options.tool_choice, options.parallel_tool_calls)
     if options.tools:  # (nothing to keep for options without tools)
-        _CHECKED[id(options)] = tools
-        weakref.finalize(options, _CHECKED.pop, id(options), None)  # (before its id is reused)
+        _remember(options, tools)
     return tools
+
+
+def _remember(options: GenerationOptions, tools: Tools | None) -> None:
+    weakref.finalize(options, _CHECKED.pop, id(options), None)  # (forgotten before its id is reused)
+    _CHECKED[id(options)] = tools
 
 
 def replaced_options(options: GenerationOptions, **changes: Any) -> GenerationOptions:
@@ -113,8 +117,7 @@ def replaced_options(options: GenerationOptions, **changes: Any) -> GenerationOp
     replaced = dataclasses.replace(options, **changes)
     known = _CHECKED.get(id(options), _UNSEEN)
     if known is not _UNSEEN and not changes.keys() & {"tools", "tool_choice", "parallel_tool_calls"}:
-        _CHECKED[id(replaced)] = known
-        weakref.finalize(replaced, _CHECKED.pop, id(replaced), None)
+        _remember(replaced, cast(Tools | None, known))
     return replaced
 
 

@@ -3,8 +3,8 @@
 ``Transcript(messages)`` checks the messages (``check_messages``: a TemplateError naming the
 first bad one) and keeps a read-only copy, so the caller's later edits cannot reach it and the
 layers it is handed to (the stateless routing, the prompt, the renderers) read it without
-checking again. Extending it checks only what is added; crossing into a worker process
-checks again there (a pickled transcript is rebuilt from its messages).
+checking again. Extending it checks only what is added; a worker process takes the copy it is
+sent as checked (it was, in the process that sent it).
 """
 
 from __future__ import annotations
@@ -30,26 +30,28 @@ class Transcript(Sequence[Message]):
             self._calls: frozenset[str] = messages._calls
             return
         self._calls = check_messages(messages)
-        self._messages = tuple(frozen(message) for message in messages)
+        self._messages = _frozen(messages)
 
     def extended(self, more: Sequence[Mapping[str, Any]]) -> Transcript:
         """This transcript and ``more`` after it; only ``more`` is checked (its tool results
         may answer calls made here)."""
         if isinstance(more, Transcript):
             more = more._messages
-        calls = check_messages(more, calls=self._calls)
-        return _made(self._messages + tuple(frozen(message) for message in more), calls)
+        calls = check_messages(more, calls=self._calls, start=len(self._messages))
+        return _made(self._messages + _frozen(more), calls)
 
     def edited(self, index: int, message: Mapping[str, Any]) -> Transcript:
         """This transcript with the message at ``index`` replaced by ``message``, which is
         checked and must keep the replaced one's role, tool calls and the call it answers (so
         what answers what is unchanged: nothing else is checked again)."""
+        index = range(len(self._messages))[index]  # (IndexError past either end; -1 is the last)
         old = self._messages[index]
-        check_messages([message], answers=False)
+        check_messages([message], answers=False, start=index)
         for key in ("role", "tool_calls", "tool_call_id"):
             if thawed(message.get(key)) != thawed(old.get(key)):
                 raise TemplateError(f"message {index}: an edit must keep its {key}")
-        return _made((*self._messages[:index], frozen(message), *self._messages[index + 1 :]), self._calls)
+        (replacement,) = _frozen([message])
+        return _made((*self._messages[:index], replacement, *self._messages[index + 1 :]), self._calls)
 
     def messages(self) -> list[dict[str, Any]]:
         """An editable copy (dicts and lists)."""
@@ -84,8 +86,10 @@ class Transcript(Sequence[Message]):
     def __repr__(self) -> str:
         return f"Transcript({self.messages()!r})"
 
-    def __reduce__(self) -> tuple[type[Transcript], tuple[list[dict[str, Any]]]]:
-        return Transcript, (self.messages(),)  # (checked again where it is unpickled)
+    def __reduce__(self) -> tuple[Any, tuple[list[dict[str, Any]], frozenset[str]]]:
+        # Unpickled as checked (it was, here): a worker process reads it on its reader thread,
+        # which must not fail on a message. Never unpickle data from an untrusted source.
+        return _unpickled, (self.messages(), self._calls)
 
 
 def _made(messages: tuple[Message, ...], calls: frozenset[str]) -> Transcript:
@@ -93,3 +97,16 @@ def _made(messages: tuple[Message, ...], calls: frozenset[str]) -> Transcript:
     made = Transcript.__new__(Transcript)
     made._messages, made._calls = messages, calls
     return made
+
+
+def _unpickled(messages: list[dict[str, Any]], calls: frozenset[str]) -> Transcript:
+    return _made(_frozen(messages), calls)
+
+
+def _frozen(messages: Sequence[Mapping[str, Any]]) -> tuple[Message, ...]:
+    """Checked messages, frozen; a TemplateError for data nested deeper than Python recurses
+    (a field the check does not read)."""
+    try:
+        return tuple(frozen(message) for message in messages)
+    except RecursionError:
+        raise TemplateError("a message is nested too deep") from None
