@@ -27,6 +27,7 @@ LAYERS = (
     ("llmsession.remote",),
     ("llmsession.api", "llmsession"),
     ("llmsession.serve",),
+    ("llmsession.cluster",),
     ("llmsession.commands", "llmsession.__main__"),
 )
 PURE = (  # decisions without effects: no path to the native layer
@@ -63,6 +64,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.serve.sse",
     "llmsession.serve.errors",
     "llmsession.serve.metrics",
+    "llmsession.cluster.keys",
 )
 
 

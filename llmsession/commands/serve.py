@@ -50,20 +50,14 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("llmsession.native").addFilter(CancelledDecodes())
     try:
         config, memory = cli_configs(args)
+        settings = app_settings(args, VOLATILE_LINES)
+        if args.replicas is not None:
+            from llmsession.commands.serve_cluster import serve_replicas
+
+            return serve_replicas(args, model_path, config, memory, settings)
         with Model(model_path, config=config, memory=memory) as model:
-            session = SessionConfig(context_size=args.context_size or None)
-            model.session(config=session).close()  # checked against the memory now, not at every request
-            volatile = volatile_lines(args)
-            app = create_app(
-                model,
-                api_key=args.api_key,
-                model_name=args.model_name,
-                max_body_bytes=args.max_body_bytes,
-                cors_origins=args.cors_origin or (),
-                draft=args.draft,
-                session=session,
-                volatile_lines=VOLATILE_LINES if volatile is None else volatile,
-            )
+            model.session(config=settings["session"]).close()  # checked against the memory now
+            app = create_app(model, **settings)
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
             print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
             print(f"prompts: {model.renderer}", flush=True)
@@ -79,6 +73,20 @@ def serve(args: argparse.Namespace) -> int:
         error(str(e))
         return 1
     return 0
+
+
+def app_settings(args: argparse.Namespace, default_volatile: tuple[str, ...]) -> dict[str, Any]:
+    """``create_app``'s settings, as the command line gives them."""
+    volatile = volatile_lines(args)
+    return {
+        "api_key": args.api_key,
+        "model_name": args.model_name,
+        "max_body_bytes": args.max_body_bytes,
+        "cors_origins": args.cors_origin or (),
+        "draft": args.draft,
+        "session": SessionConfig(context_size=args.context_size or None),
+        "volatile_lines": default_volatile if volatile is None else volatile,
+    }
 
 
 def cli_configs(args: argparse.Namespace) -> tuple[ModelConfig, MemoryConfig]:
@@ -256,6 +264,9 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="S",
         help="on SIGTERM, how long streams may finish (default: %(default)s)",
     )
+    from llmsession.commands.serve_cluster import add_cluster_arguments
+
+    add_cluster_arguments(parser)
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.responses import responses_ask, responses_request
-from llmsession.serve.responses_sse import ResponseObject
+from llmsession.serve.responses_sse import ResponseObject, response_id
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 from llmsession.serve.store import ResponseStore
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests reading or checking their body at once
+CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
 # Text of a system prompt that changes every request and carries nothing for the model: removed
 # before rendering, so a resent conversation is read from the cache (``create_app``). Claude
 # Code's billing line, up to its per-request hash (``cch=<hex>;``) and the line break after it.
@@ -223,7 +224,10 @@ class Server:
             transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
             dropped = await asyncio.to_thread(self.volatile.dropped, asked.messages)
         asked = dataclasses.replace(asked, messages=dropped)
-        response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store)
+        conversation = request.headers.get(CONVERSATION_HEADER)  # (set by a cluster's front)
+        response = ResponseObject(
+            self.model_name, ask.echo, ask.previous, ask.store, response_id(conversation)
+        )
 
         def keep(body: dict[str, Any], reply: Reply) -> None:
             self.store.put(key, body, [*transcript, assistant_message(reply)])

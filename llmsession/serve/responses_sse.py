@@ -15,6 +15,7 @@ with the same ids (the SDK's ``responses.stream`` helper checks).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,18 @@ from llmsession.serve.errors import ApiError
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
+
+
+CONVERSATION = re.compile(r"[0-9a-f]{32}")
+
+
+def response_id(conversation: str | None) -> str:
+    """A new response's id; with the conversation a cluster's front named (32 hex digits: a
+    digest, ``cluster.keys``), that key first, so a ``previous_response_id`` routes the next turn
+    to the replica holding the stored response and its state."""
+    if conversation is not None and CONVERSATION.fullmatch(conversation):
+        return f"resp_{conversation}{secrets.token_hex(16)}"
+    return new_id("resp")
 
 
 def usage(used: Usage | None) -> dict[str, Any]:

@@ -1,0 +1,211 @@
+"""The two Ray Serve deployments of ``serve --replicas``: ``Front``, the HTTP ingress (one
+light replica), and ``Engine``, the model replicas.
+
+``Front`` reads a request's body (bounded), finds its conversation (``keys.conversation_key``),
+and hands the request to an ``Engine`` replica through a handle whose ``session_id`` is that key,
+so ``router.ConversationRouter`` chooses the replica; the replica's ASGI messages come back as a
+stream and are relayed as they come. A replica that fails before its answer began is replaced
+by the next one the router ranks (the request is retried there); after, the stream ends.
+
+``Engine`` is a ``Model`` with the server's app (``serve.create_app``), run in-process on each
+request's ASGI scope. It names itself in every response (``x-llmsession-replica``) and reports
+the conversations it answered, most recent last, as its routing stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.exceptions import RayActorError
+
+from llmsession.cluster.keys import conversation_key
+
+REPLICA_HEADER = b"x-llmsession-replica"
+CONVERSATION_HEADER = b"x-llmsession-conversation"  # the key, for the replica (``keys``)
+INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
+HELD_CONVERSATIONS = 4096  # the most recent conversations a replica reports holding
+RETRIES = 2  # other replicas tried for a request whose replica failed before answering
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class Engine:
+    """One replica: the model and the server's app over it."""
+
+    def __init__(self, path: str, config: Any, memory: Any, app_settings: dict[str, Any]) -> None:
+        from llmsession.api.model import Model
+        from llmsession.serve.app import create_app
+
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.model = Model(Path(path), config=config, memory=memory)
+        self.app = create_app(self.model, **app_settings)
+        self.held: OrderedDict[str, None] = OrderedDict()
+
+    async def answer(self, scope: Scope, body: bytes, key: str) -> AsyncIterator[Message]:
+        """The app's ASGI messages for one request, as they are sent."""
+        self.held[key] = None
+        self.held.move_to_end(key)
+        while len(self.held) > HELD_CONVERSATIONS:
+            self.held.popitem(last=False)
+        sent: asyncio.Queue[Message] = asyncio.Queue()
+        gone = asyncio.Event()
+        delivered = False
+
+        async def receive() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            await sent.put(message)
+
+        task = asyncio.ensure_future(self.app(dict(scope), receive, send))
+        try:
+            async for message in _messages(sent, task):
+                if message["type"] == "http.response.start":
+                    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REPLICA_HEADER]
+                    message = {**message, "headers": [*headers, (REPLICA_HEADER, self.name.encode())]}
+                yield message
+        finally:
+            gone.set()  # (the app sees the client gone)
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {"conversations": list(self.held)}
+
+    def __del__(self) -> None:
+        model = getattr(self, "model", None)
+        if model is not None:
+            model.close()
+
+
+async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> AsyncIterator[Message]:
+    """What the app sends, until it returns (its error raised after what it sent)."""
+    while True:
+        getting = asyncio.ensure_future(sent.get())
+        await asyncio.wait({getting, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getting.done():
+            yield getting.result()
+            continue
+        getting.cancel()
+        while not sent.empty():
+            yield sent.get_nowait()
+        task.result()  # (raises what the app raised)
+        return
+
+
+class Front:
+    """The ingress: routes each request to its conversation's replica and relays the answer."""
+
+    def __init__(self, engine: Any, max_body_bytes: int) -> None:
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+
+    def __serve_build_asgi_app__(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:  # (a function: ASGI 3)
+            await self.asgi(scope, receive, send)
+
+        return app
+
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # (websockets: none served)
+        body = await _body(receive, self.max_body_bytes)
+        if body is None:
+            await _error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes")
+            return
+        forwarded = _forwarded(scope)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in forwarded["headers"]}
+        key = conversation_key(scope.get("path", "/"), headers, body)
+        forwarded["headers"].append((CONVERSATION_HEADER, key.encode()))
+        for attempt in range(RETRIES + 1):
+            stream = self.engine.options(stream=True, session_id=key).answer.remote(forwarded, body, key)
+            try:
+                first = await stream.__anext__()
+            except RayActorError:
+                if attempt == RETRIES:
+                    await _error(send, 503, "no replica could answer the request; try again")
+                    return
+                continue  # (it had not begun: another replica answers)
+            await send(first)
+            async for message in stream:
+                await send(message)
+            return
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """Nothing to start or stop: each replica's model is the engine deployment's."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _body(receive: Receive, limit: int) -> bytes | None:
+    """The request's body, or None past ``limit`` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _forwarded(scope: Scope) -> dict[str, Any]:
+    """The parts of an ASGI scope a replica's app reads, picklable, without the cluster's own
+    headers as a client may have sent them."""
+    headers = [
+        (bytes(k), bytes(v))
+        for k, v in scope.get("headers", [])
+        if not bytes(k).lower().startswith(INTERNAL_PREFIX)
+    ]
+    client = scope.get("client")
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": scope.get("http_version", "1.1"),
+        "method": scope.get("method", "GET"),
+        "scheme": scope.get("scheme", "http"),
+        "path": scope.get("path", "/"),
+        "raw_path": scope.get("raw_path"),
+        "query_string": scope.get("query_string", b""),
+        "root_path": "",
+        "headers": headers,
+        "client": tuple(client) if client else None,
+        "server": tuple(scope["server"]) if scope.get("server") else None,
+    }
+
+
+async def _error(send: Send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "server_error", "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

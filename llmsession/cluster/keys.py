@@ -1,0 +1,122 @@
+"""A request's conversation, and which replica should answer it. Pure: no Ray, no model.
+
+The key is the conversation within its tenant (the API key that sent it): a session header a
+client sends (``x-session-id``; Claude Code's ``X-Claude-Code-Session-Id``; Codex's
+``session_id`` header, or ``prompt_cache_key`` in the body), the key a ``previous_response_id``
+was made under (the front names each request's key to its replica, which puts it in the ids of
+the responses it stores: the next turn goes where that response and its state are), else a
+digest of how the conversation opens (its path, system prompt and first user message), which
+every later turn of a resent conversation repeats, as the engine's own stateless routing finds a
+prefix. Keys are digests: a header's value is never echoed into routing state.
+
+Replicas are ranked for a key by rendezvous hashing (highest random weight): every replica set
+gives each key one owner, and a change of the set moves only the keys the change must move
+(those of a replica that left, or a share of the keys to a replica that came).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session_id", "session-id")
+BODY_KEYS = ("prompt_cache_key",)  # (a body field some clients set to their conversation)
+MAX_KEYED_BODY = 16 << 20  # bodies larger than this are routed by their headers only
+RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})[0-9a-f]{32}")  # (``serve.responses_sse.response_id``)
+OPENING_CHARS = 4096  # of the system prompt and the first user message, enough to tell them apart
+
+
+def _digest(*parts: str) -> str:
+    hashed = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        hashed.update(len(data).to_bytes(8, "little") + data)
+    return hashed.hexdigest()
+
+
+def tenant_of(headers: Mapping[str, str]) -> str:
+    """Whose request this is: its API key (Bearer or ``x-api-key``), as a digest."""
+    credential = headers.get("authorization", "") or headers.get("x-api-key", "")
+    return _digest("tenant", credential)
+
+
+def conversation_key(path: str, headers: Mapping[str, str], body: bytes) -> str:
+    """The conversation a request belongs to, within its tenant (``headers`` lower-cased)."""
+    tenant = tenant_of(headers)
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return _digest(tenant, "header", value[:512])
+    parsed = _parsed(body)
+    previous = parsed.get("previous_response_id")
+    chained = RESPONSE_ID.fullmatch(previous) if isinstance(previous, str) else None
+    if chained is not None:  # (the key the conversation's first response was made under)
+        return chained.group(1)
+    for name in BODY_KEYS:
+        value = parsed.get(name)
+        if isinstance(value, str) and value:
+            return _digest(tenant, "body", value[:512])
+    return _digest(tenant, "opening", path, *_opening(parsed))
+
+
+def _parsed(body: bytes) -> Mapping[str, Any]:
+    if len(body) > MAX_KEYED_BODY:
+        return {}
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _opening(body: Mapping[str, Any]) -> tuple[str, str]:
+    """The system prompt and the first user message, as text, whichever API's shape they came
+    in (chat's ``messages``, Anthropic's ``system``, the Responses API's ``instructions`` and
+    ``input``, a completion's ``prompt``); empty where absent."""
+    system = _text(body.get("system")) or _text(body.get("instructions"))
+    first = ""
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+    if isinstance(items, str):
+        first = items
+    elif isinstance(items, list):
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            role = item.get("role")
+            if role in ("system", "developer") and not system:
+                system = _text(item.get("content"))
+            elif role == "user":
+                first = _text(item.get("content"))
+                break
+    if not first:
+        first = _text(body.get("prompt"))
+    return system[:OPENING_CHARS], first[:OPENING_CHARS]
+
+
+def _text(value: object) -> str:
+    """A content's text: a str, or the text of its parts (blocks) joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = [part.get("text") for part in value if isinstance(part, dict)]
+        return "\n".join(text for text in texts if isinstance(text, str))
+    return ""
+
+
+def ranked(key: str, replicas: Sequence[str]) -> list[str]:
+    """``replicas`` (stable names) in the order ``key`` prefers them: its owner first."""
+    return sorted(replicas, key=lambda name: _digest(key, name), reverse=True)
+
+
+def preferred(key: str, replicas: Sequence[str], holders: Sequence[str]) -> list[str]:
+    """``ranked``, except that replicas which report holding ``key``'s state come first (in
+    their rank order): after the replica set changes, the state's holder answers, not the
+    hash's new owner."""
+    order = ranked(key, replicas)
+    holding = set(holders)
+    return [name for name in order if name in holding] + [name for name in order if name not in holding]

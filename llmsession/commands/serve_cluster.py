@@ -1,0 +1,72 @@
+"""``llmsession serve --replicas N``: the server on Ray Serve (``llmsession.cluster``), with
+every ``serve`` option. Ray is imported only when the command runs with ``--replicas``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from llmsession.commands.argtypes import positive_int
+from llmsession.commands.doctor import error
+from llmsession.config import MemoryConfig, ModelConfig
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--replicas",
+        type=positive_int,
+        metavar="N",
+        help="N replicas of the engine on Ray Serve, each conversation routed to the replica that "
+        "holds it (needs pip install 'llmsession[cluster]'; default: one process, no Ray)",
+    )
+    add(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="with --replicas: join this Ray cluster (auto: the one started on this host with "
+        "`ray start`); default: start a Ray instance here and stop it on exit",
+    )
+    add(
+        "--replica-cpus",
+        type=float,
+        metavar="C",
+        help="with --replicas: CPUs Ray reserves for each replica (default: its --threads)",
+    )
+
+
+def serve_replicas(
+    args: argparse.Namespace,
+    model_path: Path,
+    config: ModelConfig,
+    memory: MemoryConfig,
+    app_settings: dict[str, Any],
+) -> int:
+    """Run the cluster until SIGTERM or Ctrl-C; 2 when Ray is missing."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ModuleNotFoundError:
+        error("`llmsession serve --replicas` needs Ray Serve: pip install 'llmsession[cluster]'")
+        return 2
+    from llmsession.cluster.run import Cluster, run
+    from llmsession.native.llama import usable_cores
+
+    if config.threads is None:  # (the machine's cores shared among the replicas)
+        config = dataclasses.replace(config, threads=max(1, usable_cores() // args.replicas))
+    threads = config.threads or 1
+    cluster = Cluster(
+        path=model_path,
+        config=config,
+        memory=memory,
+        app_settings=app_settings,
+        replicas=args.replicas,
+        replica_cpus=args.replica_cpus if args.replica_cpus is not None else float(threads),
+        host=args.host,
+        port=args.port,
+        address=args.ray_address,
+        max_body_bytes=args.max_body_bytes,
+    )
+    run(cluster)
+    return 0

@@ -1,0 +1,260 @@
+"""``llmsession serve --replicas 2`` on a real local Ray instance (started once for the module,
+14-24 s on these machines): conversations pinned to a replica (a session header, or how the
+conversation opens), every replica used, resent turns read from the cache, a replica killed with
+SIGKILL and every conversation going on, and SIGTERM leaving no process of Ray's behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from llmsession.cluster.keys import conversation_key, preferred, ranked
+from llmsession.serve.responses_sse import response_id
+
+KEY = "sk-cluster"
+REPLICA = "x-llmsession-replica"
+RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "ServeReplica", "ServeController")
+
+
+def ray_processes() -> set[int]:
+    """Every running process of Ray's (by its command line)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(name in command for name in RAY_PROCESSES):
+            found.add(int(entry.name))
+    return found
+
+
+def wait_for(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.25)
+
+
+@dataclass
+class Cluster:
+    url: str
+    process: subprocess.Popen[str]
+    before: set[int]  # Ray's processes before it started
+
+    def chat(self, messages: list[dict[str, Any]], session: str | None = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        if session is not None:
+            headers["x-session-id"] = session
+        body = {"messages": messages, "max_tokens": 6, "temperature": 0}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_path: Path) -> Iterator[Cluster]:
+    before = ray_processes()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "llmsession", "serve", "--replicas", "2", "--threads", "1"]
+    command += ["--model", str(smollm2_path), "--port", str(port), "--api-key", KEY]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.poll() is None, process.stdout.read() if process.stdout else ""
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(up, 240)
+        yield Cluster(url, process, before)
+    finally:
+        if process.poll() is None:  # (a test failed before SIGTERM's: stop it as an operator would)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def converse(cluster: Cluster, name: str, turns: int, session: str | None) -> list[httpx.Response]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are assistant {name}."}]
+    answers = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn} of {name}: name a colour."})
+        response = cluster.chat(messages, session)
+        assert response.status_code == 200, response.text
+        messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        answers.append(response)
+    return answers
+
+
+def test_conversations_are_pinned_to_a_replica_and_read_from_its_cache(cluster: Cluster) -> None:
+    seen: set[str] = set()
+    for index in range(24):
+        session = f"conversation-{index}" if index % 2 == 0 else None  # (odd ones: by their opening)
+        answers = converse(cluster, f"c{index}", 3, session)
+        replicas = {response.headers[REPLICA] for response in answers}
+        assert len(replicas) == 1, (index, replicas)  # every turn on one replica
+        for response in answers[1:]:  # resent turns: the history read from that replica's cache
+            usage = response.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2, usage
+        seen |= replicas
+        if len(seen) == 2 and index >= 5:
+            break
+    assert len(seen) == 2  # (both replicas used: 2^-23 to fail by chance over 24 conversations)
+
+
+def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cluster) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for index in range(6):  # (by chance, all six second turns would find their replica once in 64)
+        body = {"model": "m", "input": f"Chain {index}: name a colour.", "max_output_tokens": 6}
+        first = httpx.post(
+            f"{cluster.url}/v1/responses", json={**body, "temperature": 0}, headers=auth, timeout=120
+        )
+        assert first.status_code == 200, first.text
+        follow = {
+            **body,
+            "input": "And another?",
+            "previous_response_id": first.json()["id"],
+            "temperature": 0,
+        }
+        second = httpx.post(f"{cluster.url}/v1/responses", json=follow, headers=auth, timeout=120)
+        assert second.status_code == 200, second.text  # (a 404 on a replica that did not store it)
+        assert second.headers[REPLICA] == first.headers[REPLICA]
+        assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    claude = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "x-claude-code-session-id": "cc-1"}
+    said: list[dict[str, Any]] = []
+    replicas = set()
+    for turn in range(3):
+        said.append({"role": "user", "content": f"Turn {turn}: name a colour."})
+        body = {"model": "m", "max_tokens": 6, "messages": said, "system": "Be brief.", "temperature": 0}
+        response = httpx.post(f"{cluster.url}/v1/messages", json=body, headers=claude, timeout=120)
+        assert response.status_code == 200, response.text
+        said.append({"role": "assistant", "content": response.json()["content"]})
+        replicas.add(response.headers[REPLICA])
+    assert len(replicas) == 1 and response.json()["usage"]["cache_read_input_tokens"] > 0
+
+
+def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", REPLICA: "forged", "x-llmsession-anything": "x"}
+    response = httpx.get(f"{cluster.url}/v1/models", headers=headers, timeout=30)
+    assert response.status_code == 200 and response.headers[REPLICA] != "forged"
+    assert response.headers.get_list(REPLICA) == [response.headers[REPLICA]]
+    assert httpx.get(f"{cluster.url}/v1/models", timeout=30).status_code == 401  # (auth still holds)
+
+
+def test_a_replica_killed_mid_run_and_every_conversation_goes_on(cluster: Cluster) -> None:
+    holders = {name: converse(cluster, name, 1, name)[0].headers[REPLICA] for name in ("one", "two", "six")}
+    replicas = [pid for pid in ray_processes() if b"ServeReplica:llmsession:engine" in _cmdline(pid)]
+    assert len(replicas) == 2, replicas
+    os.kill(replicas[0], signal.SIGKILL)  # (one of the two: half the conversations were on it)
+    for index in range(6):  # new conversations, while Ray replaces the replica
+        answers = converse(cluster, f"after-kill-{index}", 2, f"after-kill-{index}")
+        assert all(response.status_code == 200 for response in answers)
+    for name in holders:  # and the old ones go on, wherever they were
+        assert all(response.status_code == 200 for response in converse(cluster, name, 2, name))
+    wait_for(
+        lambda: len([p for p in ray_processes() if b"ServeReplica:llmsession:engine" in _cmdline(p)]) == 2,
+        120,
+    )
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_sigterm_stops_every_process_it_started(cluster: Cluster) -> None:
+    assert ray_processes() - cluster.before, "Ray is not running: the test proves nothing"
+    cluster.process.send_signal(signal.SIGTERM)
+    assert cluster.process.wait(120) == 0
+    wait_for(lambda: not (ray_processes() - cluster.before), 60)
+
+
+# -- the routing's pure parts ----------------------------------------------------------------------
+def test_a_conversation_key_is_its_session_else_its_opening_within_its_tenant() -> None:
+    alpha, beta = {"authorization": "Bearer a"}, {"authorization": "Bearer b"}
+    chat = b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}'
+    longer = (
+        b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},'
+        b' {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]}'
+    )
+    path = "/v1/chat/completions"
+    assert conversation_key(path, alpha, chat) == conversation_key(path, alpha, longer)  # (resent)
+    assert conversation_key(path, alpha, chat) != conversation_key(path, beta, chat)  # (tenants apart)
+    with_session = {**alpha, "x-session-id": "s1"}
+    assert conversation_key(path, with_session, chat) != conversation_key(
+        path, with_session | {"x-session-id": "s2"}, chat
+    )
+    claude = {**alpha, "x-claude-code-session-id": "s1"}
+    assert conversation_key("/v1/messages", claude, b"{}") == conversation_key("/v1/messages", claude, b"[1]")
+    anthropic = b'{"system": "S", "messages": [{"role": "user", "content": [{"type": "text", "text": "U"}]}]}'
+    responses = b'{"instructions": "S", "input": [{"role": "user", "content": "U"}], "prompt_cache_key": "k"}'
+    assert conversation_key("/v1/messages", alpha, anthropic) != conversation_key(path, alpha, chat)
+    assert conversation_key("/v1/responses", alpha, responses) == conversation_key(
+        "/v1/responses", alpha, b'{"prompt_cache_key": "k"}'
+    )
+    assert conversation_key(path, alpha, b"\xff not json") == conversation_key(path, alpha, b"[]")
+    # A response made under a key carries it: the next turn's previous_response_id routes there.
+    made = response_id(conversation_key("/v1/responses", alpha, responses))
+    chained = json.dumps({"previous_response_id": made, "input": "next"}).encode()
+    assert conversation_key("/v1/responses", alpha, chained) == conversation_key(
+        "/v1/responses", alpha, responses
+    )
+    assert response_id("not-a-key").startswith("resp_") and len(response_id(None)) == len("resp_") + 32
+
+
+def test_rendezvous_moves_only_the_keys_a_change_must_move() -> None:
+    keys = [f"k{i}" for i in range(2000)]
+    three, two = ["a", "b", "c"], ["a", "b"]
+    before = {key: ranked(key, three)[0] for key in keys}
+    after = {key: ranked(key, two)[0] for key in keys}
+    moved = [key for key in keys if before[key] != after[key]]
+    assert all(before[key] == "c" for key in moved)  # only the removed replica's keys move
+    assert 500 < sum(owner == "c" for owner in before.values()) < 834  # (about a third each)
+    assert preferred("k1", three, ["c"])[0] == "c"  # a replica holding the state comes first
+    assert preferred("k1", three, []) == ranked("k1", three)
+
+
+def test_without_ray_the_command_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmsession.commands.cli import parser
+    from llmsession.commands.serve_cluster import serve_replicas
+    from llmsession.config import MemoryConfig, ModelConfig
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # (import ray: ModuleNotFoundError)
+    args = parser().parse_args(["serve", "--replicas", "2"])
+    assert serve_replicas(args, Path("model.gguf"), ModelConfig(), MemoryConfig(), {}) == 2
+    assert "pip install 'llmsession[cluster]'" in capsys.readouterr().err
+
+
+def test_plain_serve_imports_no_ray() -> None:
+    code = (
+        "import sys; from llmsession.commands.cli import parser; parser().parse_args(['serve']); "
+        "import llmsession.serve.app, llmsession.commands.serve; assert 'ray' not in sys.modules, 'ray'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
