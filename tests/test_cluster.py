@@ -5,6 +5,7 @@ SIGKILL and every conversation going on, and SIGTERM leaving no process of Ray's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from llmsession.cluster.keys import conversation_key, preferred, ranked
+from llmsession.cluster.keys import conversation_key, preferred, ranked, routing
+from llmsession.cluster.metrics import merged
+from llmsession.cluster.run import Cluster as RunCluster
 from llmsession.serve.responses_sse import response_id
 
 KEY = "sk-cluster"
@@ -129,10 +132,15 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
     auth = {"Authorization": f"Bearer {KEY}"}
     for index in range(6):  # (by chance, all six second turns would find their replica once in 64)
         body = {"model": "m", "input": f"Chain {index}: name a colour.", "max_output_tokens": 6}
+        forged = {**auth, "x-llmsession-conversation": "0" * 32}  # (dropped by the front)
         first = httpx.post(
-            f"{cluster.url}/v1/responses", json={**body, "temperature": 0}, headers=auth, timeout=120
+            f"{cluster.url}/v1/responses", json={**body, "temperature": 0}, headers=forged, timeout=120
         )
         assert first.status_code == 200, first.text
+        ident = first.json()["id"]
+        assert not ident.startswith("resp_" + "0" * 32) and ident.endswith("_" + first.headers[REPLICA])
+        stored = httpx.get(f"{cluster.url}/v1/responses/{ident}", headers=auth, timeout=30)
+        assert stored.status_code == 200 and stored.headers[REPLICA] == first.headers[REPLICA]
         follow = {
             **body,
             "input": "And another?",
@@ -154,6 +162,26 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
         said.append({"role": "assistant", "content": response.json()["content"]})
         replicas.add(response.headers[REPLICA])
     assert len(replicas) == 1 and response.json()["usage"]["cache_read_input_tokens"] > 0
+
+
+def test_metrics_show_every_replica(cluster: Cluster) -> None:
+    converse(cluster, "counted", 2, "counted")  # (its second turn: a request its replica held)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def held(text: str) -> float:
+        prefix = 'llmsession_cluster_requests_total{held="true"'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+    def reported() -> bool:  # (replicas post theirs every second)
+        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        return "llmsession_cluster_replicas 2" in text and held(text) >= 1
+
+    wait_for(reported, 30)
+    text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+    replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
+    assert len(replicas) == 2
+    assert text.count("# TYPE llmsession_requests_total counter") == 1
+    assert httpx.get(f"{cluster.url}/metrics", timeout=30).status_code == 401  # (a replica refuses)
 
 
 def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:
@@ -224,7 +252,12 @@ def test_a_conversation_key_is_its_session_else_its_opening_within_its_tenant() 
     assert conversation_key("/v1/responses", alpha, chained) == conversation_key(
         "/v1/responses", alpha, responses
     )
-    assert response_id("not-a-key").startswith("resp_") and len(response_id(None)) == len("resp_") + 32
+    assert len(response_id("not-a-key")) == len(response_id(None)) == len("resp_") + 32  # (no key in it)
+    pinned = response_id("ab" * 16, "r1x")
+    assert routing(f"/v1/responses/{pinned}", alpha, b"") == ("ab" * 16, "r1x")
+    chain = json.dumps({"previous_response_id": pinned}).encode()
+    assert routing("/v1/responses", alpha, chain) == ("ab" * 16, "r1x")
+    assert response_id("ab" * 16, "bad name!").count("_") == 1  # (a name that is not one is left out)
 
 
 def test_rendezvous_moves_only_the_keys_a_change_must_move() -> None:
@@ -258,3 +291,27 @@ def test_plain_serve_imports_no_ray() -> None:
         "import llmsession.serve.app, llmsession.commands.serve; assert 'ray' not in sys.modules, 'ray'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_replicas_metrics_merge_with_a_replica_label() -> None:
+    one = '# HELP m_total M\n# TYPE m_total counter\nm_total{path="/a"} 3\nplain 1\n'
+    two = '# HELP m_total M\n# TYPE m_total counter\nm_total{path="/a"} 4\n'
+    text = merged({"r1": one, 'r"2': two})
+    assert text.count("# TYPE m_total counter") == 1
+    assert 'm_total{path="/a",replica="r1"} 3' in text and 'm_total{path="/a",replica="r\\"2"} 4' in text
+    assert 'plain{replica="r1"} 1' in text and merged({}) == ""
+
+
+def test_autoscaling_options_go_to_ray_and_a_bad_range_is_refused() -> None:
+    base = RunCluster(Path("m.gguf"), None, None, {}, replicas=2, replica_cpus=1.0, host="h", port=1)
+    assert base.engine_options()["num_replicas"] == 2 and "autoscaling_config" not in base.engine_options()
+    scaled = dataclasses.replace(base, max_replicas=4, target_ongoing=2.0).engine_options()
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 2,
+        "target_ongoing_requests": 2.0,
+    }
+    with pytest.raises(ValueError, match="within"):
+        dataclasses.replace(base, min_replicas=3).engine_options()

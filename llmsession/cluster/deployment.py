@@ -17,21 +17,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
-from llmsession.cluster.keys import conversation_key
+from llmsession.cluster.keys import PIN, routing
+from llmsession.cluster.metrics import STALE_S, Arrivals, merged, replicas_gauge
 
 REPLICA_HEADER = b"x-llmsession-replica"
 CONVERSATION_HEADER = b"x-llmsession-conversation"  # the key, for the replica (``keys``)
 INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
 HELD_CONVERSATIONS = 4096  # the most recent conversations a replica reports holding
-RETRIES = 2  # other replicas tried for a request whose replica failed before answering
+RETRIES = 1  # another replica tries a request whose replica died holding it, before answering
+BODY_TIMEOUT_S = 60.0  # for a request's body to arrive (a slow upload holds the front)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,24 +43,40 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+@ray.remote(num_cpus=0)
+class Board:
+    """Where replicas post their metrics' text, for the front's ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, tuple[float, str]] = {}
+
+    def put(self, replica: str, text: str) -> None:
+        self.texts[replica] = (time.monotonic(), text)
+
+    def fresh(self) -> dict[str, str]:
+        now = time.monotonic()
+        return {replica: text for replica, (at, text) in self.texts.items() if now - at <= STALE_S}
+
+
 class Engine:
     """One replica: the model and the server's app over it."""
 
-    def __init__(self, path: str, config: Any, memory: Any, app_settings: dict[str, Any]) -> None:
+    def __init__(self, path: str, config: Any, memory: Any, app_settings: dict[str, Any], board: Any) -> None:
         from llmsession.api.model import Model
         from llmsession.serve.app import create_app
 
         self.name = serve.get_replica_context().replica_id.unique_id
         self.model = Model(Path(path), config=config, memory=memory)
         self.app = create_app(self.model, **app_settings)
+        self.board = board
         self.held: OrderedDict[str, None] = OrderedDict()
+        self.arrivals = Arrivals()
+        self.in_flight = 0  # (reported too: Ray's own queue lengths expire after 10 s)
 
     async def answer(self, scope: Scope, body: bytes, key: str) -> AsyncIterator[Message]:
-        """The app's ASGI messages for one request, as they are sent."""
-        self.held[key] = None
-        self.held.move_to_end(key)
-        while len(self.held) > HELD_CONVERSATIONS:
-            self.held.popitem(last=False)
+        """The app's ASGI messages for one request, as they are sent; the replica's name goes to
+        the app (response ids carry it) and to the client (``x-llmsession-replica``)."""
+        held = key in self.held
         sent: asyncio.Queue[Message] = asyncio.Queue()
         gone = asyncio.Event()
         delivered = False
@@ -72,22 +92,42 @@ class Engine:
         async def send(message: Message) -> None:
             await sent.put(message)
 
-        task = asyncio.ensure_future(self.app(dict(scope), receive, send))
+        named = {**scope, "headers": [*scope["headers"], (REPLICA_HEADER, self.name.encode())]}
+        task = asyncio.ensure_future(self.app(named, receive, send))
+        self.in_flight += 1
         try:
             async for message in _messages(sent, task):
                 if message["type"] == "http.response.start":
+                    if message.get("status", 500) < 400:  # (a refused request holds nothing here)
+                        self._hold(key, held)
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REPLICA_HEADER]
                     message = {**message, "headers": [*headers, (REPLICA_HEADER, self.name.encode())]}
                 yield message
         finally:
+            self.in_flight -= 1
             gone.set()  # (the app sees the client gone)
             if not task.done():
                 task.cancel()
             with contextlib.suppress(BaseException):
                 await task
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        return {"conversations": list(self.held)}
+    def _hold(self, key: str, held: bool) -> None:
+        self.arrivals.add(held)
+        self.held[key] = None
+        self.held.move_to_end(key)
+        while len(self.held) > HELD_CONVERSATIONS:
+            self.held.popitem(last=False)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What Ray's router reads (every ``run.STATS_PERIOD_S``): the conversations held. The
+        metrics' text is posted to the board at the same beat."""
+        stats = {"conversations": list(self.held), "in_flight": self.in_flight}
+        if self.model.closed:  # (the replica is stopping)
+            return stats
+        report = await asyncio.to_thread(self.model.memory)  # (it waits for the engine's lock)
+        text = self.app.state.server.metrics.render([session.state for session in report.sessions])
+        self.board.put.remote(self.name, text + self.arrivals.render())
+        return stats
 
     def __del__(self) -> None:
         model = getattr(self, "model", None)
@@ -99,11 +139,15 @@ async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> 
     """What the app sends, until it returns (its error raised after what it sent)."""
     while True:
         getting = asyncio.ensure_future(sent.get())
-        await asyncio.wait({getting, task}, return_when=asyncio.FIRST_COMPLETED)
-        if getting.done():
+        try:
+            await asyncio.wait({getting, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            got = getting.done()
+            if not got:
+                getting.cancel()  # (the app ended, or the stream was closed; no item is lost)
+        if got:
             yield getting.result()
             continue
-        getting.cancel()
         while not sent.empty():
             yield sent.get_nowait()
         task.result()  # (raises what the app raised)
@@ -113,9 +157,10 @@ async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> 
 class Front:
     """The ingress: routes each request to its conversation's replica and relays the answer."""
 
-    def __init__(self, engine: Any, max_body_bytes: int) -> None:
+    def __init__(self, engine: Any, max_body_bytes: int, board: Any) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.board = board
 
     def __serve_build_asgi_app__(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:  # (a function: ASGI 3)
@@ -129,27 +174,49 @@ class Front:
             return
         if scope["type"] != "http":
             return  # (websockets: none served)
-        body = await _body(receive, self.max_body_bytes)
+        try:
+            body = await asyncio.wait_for(_body(receive, self.max_body_bytes), BODY_TIMEOUT_S)
+        except TimeoutError:
+            await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
+            return
         if body is None:
             await _error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes")
             return
+        if body is GONE:
+            return
         forwarded = _forwarded(scope)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in forwarded["headers"]}
-        key = conversation_key(scope.get("path", "/"), headers, body)
+        headers: dict[str, str] = {}
+        for name, value in forwarded["headers"]:  # (the first of a repeated header, as the server reads it)
+            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        path = scope.get("path", "/")
+        key, pinned = await asyncio.to_thread(routing, path, headers, body)  # (a large body's parse)
         forwarded["headers"].append((CONVERSATION_HEADER, key.encode()))
+        session = key if pinned is None else f"{key}{PIN}{pinned}"
         for attempt in range(RETRIES + 1):
-            stream = self.engine.options(stream=True, session_id=key).answer.remote(forwarded, body, key)
+            stream = self.engine.options(stream=True, session_id=session).answer.remote(forwarded, body, key)
             try:
                 first = await stream.__anext__()
-            except RayActorError:
+            except RayActorError:  # (died while it held the request, before answering)
                 if attempt == RETRIES:
                     await _error(send, 503, "no replica could answer the request; try again")
                     return
                 continue  # (it had not begun: another replica answers)
+            if path == "/metrics" and first.get("status") == 200:  # (a replica said yes)
+                stream.cancel()  # (its own text is not needed: the board has every replica's)
+                await self._metrics(send, first)
+                return
             await send(first)
             async for message in stream:
                 await send(message)
             return
+
+    async def _metrics(self, send: Send, first: Message) -> None:
+        """The cluster's metrics, for a request a replica authorized: every fresh replica's."""
+        texts = await self.board.fresh.remote()
+        body = (merged(texts) + replicas_gauge(len(texts))).encode()
+        headers = [(k, v) for k, v in first.get("headers", []) if k.lower() != b"content-length"]
+        await send({**first, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -163,13 +230,16 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             return
 
 
+GONE = b"(the client left)"  # (compared by identity)
+
+
 async def _body(receive: Receive, limit: int) -> bytes | None:
-    """The request's body, or None past ``limit`` bytes."""
+    """The request's body, None past ``limit`` bytes, or ``GONE`` if the client left."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return b""
+            return GONE
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

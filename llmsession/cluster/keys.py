@@ -25,7 +25,11 @@ from typing import Any
 SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session_id", "session-id")
 BODY_KEYS = ("prompt_cache_key",)  # (a body field some clients set to their conversation)
 MAX_KEYED_BODY = 16 << 20  # bodies larger than this are routed by their headers only
-RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})[0-9a-f]{32}")  # (``serve.responses_sse.response_id``)
+# A response's id (``serve.responses_sse.response_id``): the key it was made under, random digits,
+# and the replica that stored it; a stored response's own path.
+RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})[0-9a-f]{32}(?:_([A-Za-z0-9]{1,32}))?")
+STORED = re.compile(r"/v1/responses/resp_([0-9a-f]{32})[0-9a-f]{32}(?:_([A-Za-z0-9]{1,32}))?")
+PIN = "@"  # between a key and the replica it must reach, in a handle's session id
 OPENING_CHARS = 4096  # of the system prompt and the first user message, enough to tell them apart
 
 
@@ -43,18 +47,32 @@ def tenant_of(headers: Mapping[str, str]) -> str:
     return _digest("tenant", credential)
 
 
+def routing(path: str, headers: Mapping[str, str], body: bytes) -> tuple[str, str | None]:
+    """A request's conversation key (``conversation_key``), and the replica it must reach, if
+    any: the one that stored the response it continues (``previous_response_id``) or reads or
+    deletes (``/v1/responses/{id}``), named in that response's id."""
+    stored = STORED.fullmatch(path)
+    if stored is not None:
+        return stored.group(1), stored.group(2)
+    parsed = _parsed(body)
+    previous = parsed.get("previous_response_id")
+    chained = RESPONSE_ID.fullmatch(previous) if isinstance(previous, str) else None
+    if chained is not None:  # (the key the conversation's first response was made under)
+        return chained.group(1), chained.group(2)
+    return _key(path, headers, parsed), None
+
+
 def conversation_key(path: str, headers: Mapping[str, str], body: bytes) -> str:
     """The conversation a request belongs to, within its tenant (``headers`` lower-cased)."""
+    return routing(path, headers, body)[0]
+
+
+def _key(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) -> str:
     tenant = tenant_of(headers)
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value:
             return _digest(tenant, "header", value[:512])
-    parsed = _parsed(body)
-    previous = parsed.get("previous_response_id")
-    chained = RESPONSE_ID.fullmatch(previous) if isinstance(previous, str) else None
-    if chained is not None:  # (the key the conversation's first response was made under)
-        return chained.group(1)
     for name in BODY_KEYS:
         value = parsed.get(name)
         if isinstance(value, str) and value:

@@ -17,7 +17,7 @@ from typing import Any
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from llmsession.cluster.keys import preferred
+from llmsession.cluster.keys import PIN, preferred
 
 BUSY_THRESHOLD = 8  # requests in flight on the owner before a turn goes elsewhere
 
@@ -39,19 +39,28 @@ class ConversationRouter(ConsistentHashRouter):
             return []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-        key = pending_request.metadata.session_id if pending_request is not None else None
-        if not key:
+        session = pending_request.metadata.session_id if pending_request is not None else None
+        if not session:
             return [candidate_replicas]
+        key, _, pinned = session.partition(PIN)
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         holders = [name for name, replica in by_name.items() if key in _held(replica)]
         order = [by_name[name] for name in preferred(key, list(by_name), holders)]
+        if pinned in by_name:  # (it stored the response the request reads or continues: never moved)
+            order.remove(by_name[pinned])
+            return [[by_name[pinned]], *([replica] for replica in order)]
         if self._in_flight(order[0]) >= self.busy_threshold:
             order.sort(key=self._in_flight)  # (stable: the preferred order among equals)
         return [[replica] for replica in order]
 
     def _in_flight(self, replica: RunningReplica) -> int:
+        """Requests in flight on a replica: Ray's count, or the replica's own last report when
+        Ray's has expired (after 10 s without a request: a long generation, say)."""
         known = self.replica_queue_len_cache.get(replica.replica_id)
-        return int(known) if known is not None else 0
+        if known is not None:
+            return int(known)
+        reported = (replica.routing_stats or {}).get("in_flight", 0)
+        return reported if isinstance(reported, int) else 0
 
 
 def _held(replica: RunningReplica) -> frozenset[str]:

@@ -10,10 +10,11 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 APP_NAME = "llmsession"
 STATS_PERIOD_S = 1.0  # how often replicas report what they hold
+ENGINE_ONGOING = 64  # requests one replica takes at once (its server queues beyond its sessions)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,37 @@ class Cluster:
     port: int
     address: str | None = None  # a Ray cluster to join; None: start one here
     max_body_bytes: int = 8 << 20
+    min_replicas: int | None = None  # with max_replicas or target_ongoing: Ray's autoscaling
+    max_replicas: int | None = None
+    target_ongoing: float | None = None
+    shutdown_timeout: float = 10.0  # how long a stopping replica lets its streams finish
+
+    def engine_options(self) -> dict[str, Any]:
+        """The engine deployment's Ray Serve options: a fixed count of replicas, or Ray's
+        ``AutoscalingConfig`` starting from ``replicas`` when a bound or a target is given."""
+        options: dict[str, Any] = {
+            "name": "engine",
+            "ray_actor_options": {"num_cpus": self.replica_cpus},
+            "max_ongoing_requests": ENGINE_ONGOING,
+            "graceful_shutdown_timeout_s": self.shutdown_timeout,  # (streams finish, then stop)
+        }
+        bounds = (self.min_replicas, self.max_replicas, self.target_ongoing)
+        if all(bound is None for bound in bounds):
+            return {**options, "num_replicas": self.replicas}
+        low = self.min_replicas if self.min_replicas is not None else 1
+        high = self.max_replicas if self.max_replicas is not None else max(self.replicas, low)
+        if not low <= self.replicas <= high:
+            raise ValueError(
+                f"--replicas {self.replicas} must lie within --min-replicas {low} and --max-replicas {high}"
+            )
+        scaling: dict[str, Any] = {
+            "min_replicas": low,
+            "max_replicas": high,
+            "initial_replicas": self.replicas,
+        }
+        if self.target_ongoing is not None:
+            scaling["target_ongoing_requests"] = self.target_ongoing
+        return {**options, "autoscaling_config": scaling}
 
 
 def application(cluster: Cluster) -> Any:
@@ -38,52 +70,72 @@ def application(cluster: Cluster) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from llmsession.cluster.deployment import Engine, Front
+    from llmsession.cluster.deployment import Board, Engine, Front
 
     routing: Any = RequestRouterConfig  # (a pydantic model its stubs mistype)
     engine = serve.deployment(
-        name="engine",
-        num_replicas=cluster.replicas,
-        ray_actor_options={"num_cpus": cluster.replica_cpus},
-        max_ongoing_requests=64,
+        **cluster.engine_options(),
         request_router_config=routing(
             request_router_class="llmsession.cluster.router.ConversationRouter",
             request_routing_stats_period_s=STATS_PERIOD_S,
         ),
     )(Engine)
-    front = serve.deployment(name="front", ray_actor_options={"num_cpus": 0})(serve.ingress()(Front))
-    bound_engine = engine.bind(str(cluster.path), cluster.config, cluster.memory, cluster.app_settings)
-    return front.bind(bound_engine, cluster.max_body_bytes)
+    most = max(cluster.replicas, cluster.max_replicas or 0)
+    front = serve.deployment(
+        name="front",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=most * ENGINE_ONGOING,  # (every request passes through it)
+        graceful_shutdown_timeout_s=cluster.shutdown_timeout,
+    )(serve.ingress()(Front))
+    board = cast(Any, Board).remote()  # (this process owns it: it ends with the command)
+    bound_engine = engine.bind(str(cluster.path), cluster.config, cluster.memory, cluster.app_settings, board)
+    return front.bind(bound_engine, cluster.max_body_bytes, board)
 
 
-def run(cluster: Cluster, ready: threading.Event | None = None) -> None:
-    """Serve until SIGTERM or SIGINT (or ``stop``), then stop what was started."""
+def run(cluster: Cluster) -> None:
+    """Serve until SIGTERM or SIGINT, then stop what was started: the application, and Serve and
+    Ray themselves when this command started them (a joined cluster keeps its own)."""
     import ray
     from ray import serve
 
-    started = cluster.address is None
-    if started:
-        cpus = math.ceil(cluster.replicas * cluster.replica_cpus) + 1
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
-    else:
-        ray.init(address=cluster.address, logging_level=logging.WARNING)
     stopping = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def listen() -> dict[int, Any]:
+        return {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    previous = listen()  # (before Ray starts: a SIGTERM while it starts still stops it)
+    started = cluster.address is None
     try:
-        serve.start(http_options={"host": cluster.host, "port": cluster.port})
-        serve.run(application(cluster), name=APP_NAME, route_prefix="/")
-        print(
-            f"serving {cluster.path.name} on {cluster.replicas} replicas at http://{cluster.host}:{cluster.port}/v1",
-            flush=True,
-        )
-        if ready is not None:
-            ready.set()
-        stopping.wait()
+        if started:
+            most = max(cluster.replicas, cluster.max_replicas or 0)
+            cpus = math.ceil(most * cluster.replica_cpus) + 1
+            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address=cluster.address, logging_level=logging.WARNING)
+        listen()  # (again: ray.init installs handlers of its own, which abort the process)
+        try:
+            if not stopping.is_set():
+                serve.start(http_options={"host": cluster.host, "port": cluster.port})
+                serve.run(application(cluster), name=APP_NAME, route_prefix="/")
+                where = f"http://{cluster.host}:{cluster.port}/v1"
+                print(f"serving {cluster.path.name} on {cluster.replicas} replicas at {where}", flush=True)
+                stopping.wait()
+        finally:
+            _stop(started)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        try:
+
+
+def _stop(started: bool) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if started:
             serve.shutdown()  # type: ignore[no-untyped-call]
-        finally:
-            if started:
-                ray.shutdown()
+        else:
+            serve.delete(APP_NAME)  # (the cluster's other applications go on)
+    finally:
+        if started:
+            ray.shutdown()

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from llmsession.commands.serve_cluster import check_cluster_arguments
+
+    wrong = check_cluster_arguments(args)
+    if wrong is not None:
+        error(wrong)
+        return 2
     try:
         model_path = installer.find_model(args.model)
     except FileNotFoundError as e:

@@ -28,6 +28,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --replicas: join this Ray cluster (auto: the one started on this host with "
         "`ray start`); default: start a Ray instance here and stop it on exit",
     )
+    add("--min-replicas", type=positive_int, metavar="N", help="with --replicas: Ray's autoscaling floor")
+    add("--max-replicas", type=positive_int, metavar="N", help="with --replicas: Ray's autoscaling ceiling")
+    add(
+        "--target-ongoing-requests",
+        type=float,
+        metavar="R",
+        help="with --replicas: requests in flight per replica that Ray's autoscaling aims at",
+    )
     add(
         "--replica-cpus",
         type=float,
@@ -67,6 +75,32 @@ def serve_replicas(
         port=args.port,
         address=args.ray_address,
         max_body_bytes=args.max_body_bytes,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing=args.target_ongoing_requests,
+        shutdown_timeout=args.shutdown_timeout,
     )
-    run(cluster)
+    try:
+        cluster.engine_options()  # (a bad combination refused before Ray starts)
+    except ValueError as e:
+        error(str(e))
+        return 1
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        run(cluster)
+    except (RayServeException, RuntimeError, ConnectionError) as e:  # (a replica that did not start)
+        error(f"the cluster did not start: {e}")
+        return 1
     return 0
+
+
+def check_cluster_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the cluster options given, if anything: each needs ``--replicas``."""
+    if args.replicas is not None:
+        return None
+    names = ("ray_address", "replica_cpus", "min_replicas", "max_replicas", "target_ongoing_requests")
+    given = [name for name in names if getattr(args, name) is not None]
+    if given:
+        return f"--{given[0].replace('_', '-')} needs --replicas"
+    return None

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests reading or checking their body at once
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
+REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
 # Text of a system prompt that changes every request and carries nothing for the model: removed
 # before rendering, so a resent conversation is read from the cache (``create_app``). Claude
 # Code's billing line, up to its per-request hash (``cch=<hex>;``) and the line break after it.
@@ -224,10 +225,9 @@ class Server:
             transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
             dropped = await asyncio.to_thread(self.volatile.dropped, asked.messages)
         asked = dataclasses.replace(asked, messages=dropped)
-        conversation = request.headers.get(CONVERSATION_HEADER)  # (set by a cluster's front)
-        response = ResponseObject(
-            self.model_name, ask.echo, ask.previous, ask.store, response_id(conversation)
-        )
+        named = request.headers.get(CONVERSATION_HEADER), request.headers.get(REPLICA_HEADER)
+        ident = response_id(*named)  # (a cluster's front and replica name them: ``cluster``)
+        response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store, ident)
 
         def keep(body: dict[str, Any], reply: Reply) -> None:
             self.store.put(key, body, [*transcript, assistant_message(reply)])

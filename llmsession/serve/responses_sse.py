@@ -30,15 +30,18 @@ def new_id(prefix: str) -> str:
 
 
 CONVERSATION = re.compile(r"[0-9a-f]{32}")
+REPLICA = re.compile(r"[A-Za-z0-9]{1,32}")
 
 
-def response_id(conversation: str | None) -> str:
-    """A new response's id; with the conversation a cluster's front named (32 hex digits: a
-    digest, ``cluster.keys``), that key first, so a ``previous_response_id`` routes the next turn
-    to the replica holding the stored response and its state."""
-    if conversation is not None and CONVERSATION.fullmatch(conversation):
-        return f"resp_{conversation}{secrets.token_hex(16)}"
-    return new_id("resp")
+def response_id(conversation: str | None, replica: str | None = None) -> str:
+    """A new response's id; in a cluster (a conversation key, 32 hex digits, and the replica's
+    name, as the cluster names them to the app: ``cluster.keys``), the key first and the
+    replica last, so a ``previous_response_id`` or a read of the stored response routes to the
+    replica that stored it."""
+    if conversation is None or not CONVERSATION.fullmatch(conversation):
+        return new_id("resp")
+    named = replica is not None and REPLICA.fullmatch(replica)
+    return f"resp_{conversation}{secrets.token_hex(16)}" + (f"_{replica}" if named else "")
 
 
 def usage(used: Usage | None) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""``/metrics`` of a cluster: every replica's exposition text merged, each sample labelled with
+its replica, and how many replicas reported. Pure: no Ray.
+
+Replicas post their text to a board (``deployment.Board``) as Ray asks them for routing stats
+(every second); a replica that stopped posting is left out after ``STALE_S``. Sum a counter over
+the cluster with ``sum without (replica) (...)``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping
+
+STALE_S = 10.0
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$")
+
+
+class Arrivals:
+    """A replica's requests, by whether it held their conversation when they came (the
+    affinity the router kept) or not (a new conversation, or one that moved here)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[bool] = Counter()
+
+    def add(self, held: bool) -> None:
+        self.counts[held] += 1
+
+    def render(self) -> str:
+        lines = [
+            "# HELP llmsession_cluster_requests_total Requests, by whether the replica held the conversation",
+            "# TYPE llmsession_cluster_requests_total counter",
+            f'llmsession_cluster_requests_total{{held="true"}} {self.counts[True]}',
+            f'llmsession_cluster_requests_total{{held="false"}} {self.counts[False]}',
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def replicas_gauge(replicas: int) -> str:
+    return (
+        "# HELP llmsession_cluster_replicas Replicas whose metrics are fresh\n"
+        "# TYPE llmsession_cluster_replicas gauge\n"
+        f"llmsession_cluster_replicas {replicas}\n"
+    )
+
+
+def merged(texts: Mapping[str, str]) -> str:
+    """The replicas' exposition texts as one: each family's HELP and TYPE once, then every
+    replica's samples with a ``replica`` label (names are quoted, so any name is safe)."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    family = ""
+    for replica, text in sorted(texts.items()):
+        label = 'replica="' + replica.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for line in text.splitlines():
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3:
+                    family = parts[2]
+                    headers.setdefault(family, [])
+                    if line not in headers[family]:
+                        headers[family].append(line)
+                continue
+            match = SAMPLE.match(line)
+            if match is None:
+                continue
+            name, labels, value = match.groups()
+            inner = labels[1:-1] + "," if labels else ""
+            samples.setdefault(family or name, []).append(f"{name}{{{inner}{label}}} {value}")
+    lines: list[str] = []
+    for name in [*headers, *(n for n in samples if n not in headers)]:
+        lines += headers.get(name, []) + samples.get(name, [])
+    return "\n".join(lines) + ("\n" if lines else "")
