@@ -5,9 +5,11 @@ SIGKILL and every conversation going on, and SIGTERM leaving no process of Ray's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,6 +48,19 @@ def ray_processes() -> set[int]:
     return found
 
 
+def free_port() -> int:
+    """A free port outside the ranges Ray's own processes take theirs from (the ephemeral ports
+    from 32768, worker ports 10002-19999), so none of them takes it before the proxy binds it."""
+    for port in random.sample(range(20000, 30000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port")
+
+
 def wait_for(condition: Callable[[], bool], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -59,6 +74,12 @@ class Cluster:
     process: subprocess.Popen[str]
     before: set[int]  # Ray's processes before it started
 
+    def serving_replicas(self) -> int:
+        """Engine replicas up and answering (each posts its metrics every second)."""
+        auth = {"Authorization": f"Bearer {KEY}"}
+        text = httpx.get(f"{self.url}/metrics", headers=auth, timeout=30).text
+        return sum(1 for name in replica_names(text) if alive(name))
+
     def chat(self, messages: list[dict[str, Any]], session: str | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {KEY}"}
         if session is not None:
@@ -68,18 +89,20 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_path: Path) -> Iterator[Cluster]:
+def cluster(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     before = ray_processes()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "llmsession", "serve", "--replicas", "2", "--threads", "1"]
     command += ["--model", str(smollm2_path), "--port", str(port), "--api-key", KEY]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its output to a file: Ray writes a lot after a replica is killed, and a pipe nobody reads
+    # would fill and stop the process (it could not even exit on SIGTERM).
+    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
-        assert process.poll() is None, process.stdout.read() if process.stdout else ""
+        assert process.poll() is None, log.read_text()[-4000:]
         try:
             return httpx.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.TransportError:
@@ -96,8 +119,6 @@ def cluster(smollm2_path: Path) -> Iterator[Cluster]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 def converse(cluster: Cluster, name: str, turns: int, session: str | None) -> list[httpx.Response]:
@@ -202,10 +223,53 @@ def test_a_replica_killed_mid_run_and_every_conversation_goes_on(cluster: Cluste
         assert all(response.status_code == 200 for response in answers)
     for name in holders:  # and the old ones go on, wherever they were
         assert all(response.status_code == 200 for response in converse(cluster, name, 2, name))
-    wait_for(
-        lambda: len([p for p in ray_processes() if b"ServeReplica:llmsession:engine" in _cmdline(p)]) == 2,
-        120,
-    )
+    wait_for(lambda: cluster.serving_replicas() == 2, 120)  # (Ray replaced it)
+
+
+def test_a_replica_killed_mid_stream_ends_that_stream(cluster: Cluster) -> None:
+    """The stream ends (no hang, no traceback in it); the conversation goes on elsewhere."""
+    said = [{"role": "user", "content": "Write a very long story about the sea."}]
+    body = {"messages": said, "max_tokens": 2000, "temperature": 1.0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "x-session-id": "killed-mid-stream"}
+    began = time.monotonic()
+    with httpx.stream(
+        "POST", f"{cluster.url}/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        name = r.headers[REPLICA]
+        victim = replica_pid(name)
+        os.kill(victim, signal.SIGKILL)
+        rest = list(lines)  # (must end)
+    assert time.monotonic() - began < 90
+    assert "data: [DONE]" not in rest and not any("Traceback" in line for line in rest)
+    assert converse(cluster, "killed-mid-stream", 1, "killed-mid-stream")[0].headers[REPLICA] != name
+    wait_for(lambda: cluster.serving_replicas() == 2, 120)  # (Ray replaced it)
+
+
+def replica_names(metrics: str) -> set[str]:
+    return {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines() if 'replica="' in line}
+
+
+def alive(name: str) -> bool:
+    try:
+        replica_pid(name)
+    except AssertionError:
+        return False
+    return True
+
+
+def replica_pid(name: str) -> int:
+    """The process of the engine replica ``name`` (the one with its Serve log file open)."""
+    for pid in ray_processes():
+        if b"ServeReplica:llmsession:engine" not in _cmdline(pid):
+            continue
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if f"replica_llmsession_engine_{name}." in os.readlink(fd):
+                        return pid
+    raise AssertionError(f"no process for replica {name}")
 
 
 def _cmdline(pid: int) -> bytes:

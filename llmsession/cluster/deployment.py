@@ -27,7 +27,7 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
-from llmsession.cluster.keys import PIN, routing
+from llmsession.cluster.keys import routing, session_id
 from llmsession.cluster.metrics import STALE_S, Arrivals, merged, replicas_gauge
 
 REPLICA_HEADER = b"x-llmsession-replica"
@@ -161,6 +161,7 @@ class Front:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.board = board
+        self.last: OrderedDict[str, str] = OrderedDict()  # key -> the replica that answered it last
 
     def __serve_build_asgi_app__(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:  # (a function: ASGI 3)
@@ -191,7 +192,7 @@ class Front:
         path = scope.get("path", "/")
         key, pinned = await asyncio.to_thread(routing, path, headers, body)  # (a large body's parse)
         forwarded["headers"].append((CONVERSATION_HEADER, key.encode()))
-        session = key if pinned is None else f"{key}{PIN}{pinned}"
+        session = session_id(key, pinned, self.last.get(key))
         for attempt in range(RETRIES + 1):
             stream = self.engine.options(stream=True, session_id=session).answer.remote(forwarded, body, key)
             try:
@@ -201,14 +202,27 @@ class Front:
                     await _error(send, 503, "no replica could answer the request; try again")
                     return
                 continue  # (it had not begun: another replica answers)
+            self._answered(key, first)
             if path == "/metrics" and first.get("status") == 200:  # (a replica said yes)
                 stream.cancel()  # (its own text is not needed: the board has every replica's)
                 await self._metrics(send, first)
                 return
             await send(first)
-            async for message in stream:
-                await send(message)
+            try:
+                async for message in stream:
+                    await send(message)
+            except RayActorError:  # (the replica died mid-answer: end the body, no traceback)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+
+    def _answered(self, key: str, first: Message) -> None:
+        """Remember which replica answered ``key`` (and so holds its state)."""
+        names = [v for k, v in first.get("headers", []) if k.lower() == REPLICA_HEADER]
+        if first.get("status", 500) < 400 and names:
+            self.last[key] = names[-1].decode("latin-1")
+            self.last.move_to_end(key)
+            while len(self.last) > HELD_CONVERSATIONS * 16:
+                self.last.popitem(last=False)
 
     async def _metrics(self, send: Send, first: Message) -> None:
         """The cluster's metrics, for a request a replica authorized: every fresh replica's."""

@@ -30,6 +30,24 @@ MAX_KEYED_BODY = 16 << 20  # bodies larger than this are routed by their headers
 RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})[0-9a-f]{32}(?:_([A-Za-z0-9]{1,32}))?")
 STORED = re.compile(r"/v1/responses/resp_([0-9a-f]{32})[0-9a-f]{32}(?:_([A-Za-z0-9]{1,32}))?")
 PIN = "@"  # between a key and the replica it must reach, in a handle's session id
+LAST = "~"  # between a key and the replica that answered it last (as a holder: it has the state)
+
+
+def session_id(key: str, pinned: str | None, last: str | None) -> str:
+    """What the front hands the router: the key, and the replica it must reach or, else, the one
+    that last answered it (which holds its state before its report says so)."""
+    if pinned is not None:
+        return f"{key}{PIN}{pinned}"
+    return key if last is None else f"{key}{LAST}{last}"
+
+
+def parsed_session(session: str) -> tuple[str, str | None, str | None]:
+    """``session_id``'s key, pinned replica and last replica."""
+    key, _, pinned = session.partition(PIN)
+    key, _, last = key.partition(LAST)
+    return key, pinned or None, last or None
+
+
 OPENING_CHARS = 4096  # of the system prompt and the first user message, enough to tell them apart
 
 

@@ -4,6 +4,7 @@ application, Serve, and a Ray instance this command started (with every process 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
@@ -14,6 +15,7 @@ from typing import Any, cast
 
 APP_NAME = "llmsession"
 STATS_PERIOD_S = 1.0  # how often replicas report what they hold
+STOP_GRACE_S = 30.0  # beyond the replicas' own shutdown timeout, for Serve to stop
 ENGINE_ONGOING = 64  # requests one replica takes at once (its server queues beyond its sessions)
 
 
@@ -121,21 +123,28 @@ def run(cluster: Cluster) -> None:
                 print(f"serving {cluster.path.name} on {cluster.replicas} replicas at {where}", flush=True)
                 stopping.wait()
         finally:
-            _stop(started)
+            _stop(started, cluster.shutdown_timeout + STOP_GRACE_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _stop(started: bool) -> None:
+def _stop(started: bool, timeout: float) -> None:
+    """Delete the application (Serve and all when this command started them), waiting at most
+    ``timeout`` (a replica still starting can hold Serve's shutdown); then a Ray this command
+    started is stopped, with every process of it, whatever Serve finished."""
     import ray
     from ray import serve
 
-    try:
-        if started:
-            serve.shutdown()  # type: ignore[no-untyped-call]
-        else:
-            serve.delete(APP_NAME)  # (the cluster's other applications go on)
-    finally:
-        if started:
-            ray.shutdown()
+    def stop_serve() -> None:
+        with contextlib.suppress(Exception):
+            if started:
+                serve.shutdown()  # type: ignore[no-untyped-call]
+            else:
+                serve.delete(APP_NAME)  # (the cluster's other applications go on)
+
+    stopper = threading.Thread(target=stop_serve, name="llmsession-serve-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout)
+    if started:
+        ray.shutdown()
