@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -30,6 +31,7 @@ from ray.exceptions import RayActorError
 from llmsession.cluster.keys import routing, session_id
 from llmsession.cluster.metrics import STALE_S, Arrivals, merged, replicas_gauge
 
+log = logging.getLogger("llmsession.cluster")
 REPLICA_HEADER = b"x-llmsession-replica"
 CONVERSATION_HEADER = b"x-llmsession-conversation"  # the key, for the replica (``keys``)
 INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
@@ -43,7 +45,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class Board:
     """Where replicas post their metrics' text, for the front's ``/metrics``."""
 
@@ -203,16 +205,16 @@ class Front:
                     return
                 continue  # (it had not begun: another replica answers)
             self._answered(key, first)
-            if path == "/metrics" and first.get("status") == 200:  # (a replica said yes)
-                stream.cancel()  # (its own text is not needed: the board has every replica's)
-                await self._metrics(send, first)
+            if path == "/metrics" and first.get("status") == 200 and await self._metrics(send, first):
+                stream.cancel()  # (its own text is not needed: the board had every replica's)
                 return
             await send(first)
             try:
                 async for message in stream:
                     await send(message)
-            except RayActorError:  # (the replica died mid-answer: end the body, no traceback)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except RayActorError:  # (the replica died mid-answer: the connection is cut, so the
+                log.warning("a replica died while answering %s", path)  # client sees it unfinished)
+                raise
             return
 
     def _answered(self, key: str, first: Message) -> None:
@@ -224,13 +226,19 @@ class Front:
             while len(self.last) > HELD_CONVERSATIONS * 16:
                 self.last.popitem(last=False)
 
-    async def _metrics(self, send: Send, first: Message) -> None:
-        """The cluster's metrics, for a request a replica authorized: every fresh replica's."""
-        texts = await self.board.fresh.remote()
+    async def _metrics(self, send: Send, first: Message) -> bool:
+        """The cluster's metrics, for a request a replica authorized: every fresh replica's; False
+        (nothing sent: the replica's own answer is relayed) when the board cannot be read."""
+        try:
+            texts = await self.board.fresh.remote()
+        except RayActorError:
+            log.warning("the metrics board is gone: /metrics shows one replica's")
+            return False
         body = (merged(texts) + replicas_gauge(len(texts))).encode()
         headers = [(k, v) for k, v in first.get("headers", []) if k.lower() != b"content-length"]
         await send({**first, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+        return True
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

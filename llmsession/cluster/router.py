@@ -1,17 +1,19 @@
 """The Ray Serve request router that sends each conversation to the replica holding it.
 
-The front deployment names a request's conversation (``keys.conversation_key``) as the handle's
-``session_id``. Replicas report the conversations they hold (``record_routing_stats``:
-``{"conversations": [...]}``), and the router ranks the replicas for a key by
-``keys.preferred``: a holder first, else the key's rendezvous owner, then the rest in rank
-order, each rank one replica, so Ray's retry loop walks them in order when one rejects (a full
-queue). A request whose owner already has ``busy_threshold`` requests in flight goes to the
-least-loaded replica instead (the conversation then moves with its state, as any turn that
-lands elsewhere does). Ray's own ``ConsistentHashRouter`` supplies the retry loop.
+The front deployment names a request's conversation (``keys.session_id``) as the handle's
+``session_id``: its key, and the replica it must reach (one that stored the response it reads or
+continues: only that one) or the one that answered it last. Replicas report the conversations
+they hold (``record_routing_stats``: ``{"conversations": [...], "in_flight": n}``). The ranks:
+the last replica, then holders, then the key's rendezvous owner, then the rest, each rank one
+replica; a request whose first choice already has ``busy_threshold`` requests in flight goes to
+the least loaded instead. For its first ``STRICT_S`` a request is offered its first choice alone,
+then every rank in order (Ray's retry loop walks them with backoff). Ray's own
+``ConsistentHashRouter`` supplies that loop.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
@@ -20,7 +22,7 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 from llmsession.cluster.keys import parsed_session, preferred
 
 BUSY_THRESHOLD = 8  # requests in flight on the owner before a turn goes elsewhere
-STRICT_ATTEMPTS = 8  # routing rounds (with Ray's backoff) on the first choice before the others
+STRICT_S = 2.0  # how long a request waits for its first choice alone before the others
 MAX_TRACKED = 10_000  # requests whose routing rounds are counted
 
 
@@ -30,7 +32,7 @@ class ConversationRouter(ConsistentHashRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self.busy_threshold = BUSY_THRESHOLD
-        self._attempts: dict[str, int] = {}  # routing rounds of requests not yet completed
+        self._first_round: dict[str, float] = {}  # when each request not yet completed was first routed
 
     def initialize_state(self, **kwargs: Any) -> None:
         threshold = kwargs.pop("busy_threshold", BUSY_THRESHOLD)
@@ -51,31 +53,35 @@ class ConversationRouter(ConsistentHashRouter):
             return [candidate_replicas]
         key, pinned, last = parsed_session(session)
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        holders = [name for name, replica in by_name.items() if key in _held(replica) or name == last]
-        order = [by_name[name] for name in preferred(key, list(by_name), holders)]
         if pinned in by_name:  # (it stored the response the request reads or continues: never moved)
-            order.remove(by_name[pinned])
-            order.insert(0, by_name[pinned])
-        elif self._in_flight(order[0]) >= self.busy_threshold:
+            return [[by_name[pinned]]]
+        holders = [name for name, replica in by_name.items() if key in _held(replica)]
+        order = [by_name[name] for name in preferred(key, list(by_name), holders)]
+        if last in by_name:  # (it answered the latest turn: the newest state is there)
+            order.remove(by_name[last])
+            order.insert(0, by_name[last])
+        if self._in_flight(order[0]) >= self.busy_threshold:
             order.sort(key=self._in_flight)  # (stable: the preferred order among equals)
         ranks = [[replica] for replica in order]
-        # The first choice alone while it may still answer: Ray moves on to the next rank when a
-        # replica is slow to answer its queue-length probe (0.1 s), which a replica busy with a
-        # prefill often is, and the conversation would land cold elsewhere. A replica that died
-        # leaves the candidates; one that never answers is given up after STRICT_ATTEMPTS.
-        return ranks[:1] if self._attempt(pending_request) <= STRICT_ATTEMPTS else ranks
+        # The first choice alone for a while: Ray moves on to the next rank when a replica is slow
+        # to answer its queue-length probe (0.1 s at first), which a replica busy with a prefill
+        # often is, and the conversation would land cold elsewhere. A replica that died leaves
+        # the candidates; one that does not answer is given up after STRICT_S.
+        return ranks[:1] if self._strict(pending_request) else ranks
 
-    def _attempt(self, pending_request: PendingRequest | None) -> int:
+    def _strict(self, pending_request: PendingRequest | None) -> bool:
+        """Whether this request is still within its time on the first choice alone."""
         if pending_request is None:
-            return STRICT_ATTEMPTS + 1
+            return False
         ident = pending_request.metadata.internal_request_id
-        self._attempts[ident] = self._attempts.pop(ident, 0) + 1  # (most recent last)
-        while len(self._attempts) > MAX_TRACKED:
-            del self._attempts[next(iter(self._attempts))]
-        return self._attempts[ident]
+        now = time.monotonic()
+        first = self._first_round.setdefault(ident, now)
+        while len(self._first_round) > MAX_TRACKED:
+            del self._first_round[next(iter(self._first_round))]
+        return now - first < STRICT_S
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
-        self._attempts.pop(internal_request_id, None)
+        self._first_round.pop(internal_request_id, None)
 
     def _in_flight(self, replica: RunningReplica) -> int:
         """Requests in flight on a replica: Ray's count, or the replica's own last report when

@@ -4,9 +4,9 @@ application, Serve, and a Ray instance this command started (with every process 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -102,10 +102,15 @@ def run(cluster: Cluster) -> None:
 
     stopping = threading.Event()
 
-    def listen() -> dict[int, Any]:
-        return {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def stop(*_: object) -> None:
+        if stopping.is_set():  # (asked again: stop now, Ray's processes with this one)
+            os._exit(1)
+        stopping.set()
 
-    previous = listen()  # (before Ray starts: a SIGTERM while it starts still stops it)
+    def listen() -> dict[int, Any]:
+        return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    previous = listen()
     started = cluster.address is None
     try:
         if started:
@@ -114,7 +119,7 @@ def run(cluster: Cluster) -> None:
             ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
         else:
             ray.init(address=cluster.address, logging_level=logging.WARNING)
-        listen()  # (again: ray.init installs handlers of its own, which abort the process)
+        listen()  # (ray.init installs handlers of its own, which abort the process)
         try:
             if not stopping.is_set():
                 serve.start(http_options={"host": cluster.host, "port": cluster.port})
@@ -137,11 +142,13 @@ def _stop(started: bool, timeout: float) -> None:
     from ray import serve
 
     def stop_serve() -> None:
-        with contextlib.suppress(Exception):
+        try:
             if started:
                 serve.shutdown()  # type: ignore[no-untyped-call]
             else:
                 serve.delete(APP_NAME)  # (the cluster's other applications go on)
+        except Exception as error:  # (reported: Ray is stopped after all, if this command started it)
+            logging.getLogger("llmsession.cluster").warning("stopping Serve failed: %s", error)
 
     stopper = threading.Thread(target=stop_serve, name="llmsession-serve-stop", daemon=True)
     stopper.start()
