@@ -39,10 +39,7 @@ def ray_processes() -> set[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
+        command = _cmdline(int(entry.name)).replace(b"\0", b" ").decode(errors="replace")
         if any(name in command for name in RAY_PROCESSES):
             found.add(int(entry.name))
     return found
@@ -218,7 +215,7 @@ def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:
 
 def test_a_replica_killed_mid_run_and_every_conversation_goes_on(cluster: Cluster) -> None:
     holders = {name: converse(cluster, name, 1, name)[0].headers[REPLICA] for name in ("one", "two", "six")}
-    replicas = [pid for pid in ray_processes() if b"ServeReplica:llmsession:engine" in _cmdline(pid)]
+    replicas = engine_processes()
     assert len(replicas) == 2, replicas
     os.kill(replicas[0], signal.SIGKILL)  # (one of the two: half the conversations were on it)
     for index in range(6):  # new conversations, while Ray replaces the replica
@@ -265,15 +262,18 @@ def alive(name: str) -> bool:
 
 def replica_pid(name: str) -> int:
     """The process of the engine replica ``name`` (the one with its Serve log file open)."""
-    for pid in ray_processes():
-        if b"ServeReplica:llmsession:engine" not in _cmdline(pid):
-            continue
+    for pid in engine_processes():
         with contextlib.suppress(OSError):
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 with contextlib.suppress(OSError):
                     if f"replica_llmsession_engine_{name}." in os.readlink(fd):
                         return pid
     raise AssertionError(f"no process for replica {name}")
+
+
+def engine_processes() -> list[int]:
+    """The engine replicas' processes (one starting counts too)."""
+    return [pid for pid in ray_processes() if b"ServeReplica:llmsession:engine" in _cmdline(pid)]
 
 
 def _cmdline(pid: int) -> bytes:

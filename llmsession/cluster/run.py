@@ -39,6 +39,12 @@ class Cluster:
     target_ongoing: float | None = None
     shutdown_timeout: float = 10.0  # how long a stopping replica lets its streams finish
 
+    @property
+    def most_replicas(self) -> int:
+        """The most engine replicas it may run (what Ray must have CPUs for, and the front must
+        let through)."""
+        return max(self.replicas, self.max_replicas or 0)
+
     def engine_options(self) -> dict[str, Any]:
         """The engine deployment's Ray Serve options: a fixed count of replicas, or Ray's
         ``AutoscalingConfig`` starting from ``replicas`` when a bound or a target is given."""
@@ -82,11 +88,10 @@ def application(cluster: Cluster) -> Any:
             request_routing_stats_period_s=STATS_PERIOD_S,
         ),
     )(Engine)
-    most = max(cluster.replicas, cluster.max_replicas or 0)
     front = serve.deployment(
         name="front",
         ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=most * ENGINE_ONGOING,  # (every request passes through it)
+        max_ongoing_requests=cluster.most_replicas * ENGINE_ONGOING,  # (every request passes through it)
         graceful_shutdown_timeout_s=cluster.shutdown_timeout,
     )(serve.ingress()(Front))
     board = cast(Any, Board).remote()  # (this process owns it: it ends with the command)
@@ -114,8 +119,7 @@ def run(cluster: Cluster) -> None:
     started = cluster.address is None
     try:
         if started:
-            most = max(cluster.replicas, cluster.max_replicas or 0)
-            cpus = math.ceil(most * cluster.replica_cpus) + 1
+            cpus = math.ceil(cluster.most_replicas * cluster.replica_cpus) + 1
             ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
         else:
             ray.init(address=cluster.address, logging_level=logging.WARNING)
