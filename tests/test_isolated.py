@@ -233,3 +233,24 @@ def test_a_tenant_counts_its_prompt_as_its_call_decodes_it(isolated: Model, smol
         reply = model.chat(asked, GenerationOptions(max_tokens=2), tenant="t", config=kept)
         assert len(counted) == reply.usage.prompt_tokens
         assert reply.usage.reused_tokens >= reply.usage.prompt_tokens - 16
+
+
+def test_a_conversation_is_taken_and_kept_through_the_worker(isolated: Model, tmp_path: Path) -> None:
+    """``conversation`` labels cross the process; a session taken out is the caller's, and one
+    kept again is the model's (its handle closed here)."""
+    kept = SessionConfig(share_prefix=False)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    first = isolated.chat(messages, GREEDY, tenant="alice", conversation="c-1", config=kept)
+    assert "c-1" in isolated.conversations()
+    taken = isolated.take_conversation("c-1")
+    assert taken is not None and taken[1] == "alice" and "c-1" not in isolated.conversations()
+    session = taken[0]
+    assert session.cached_tokens > 0
+    session.save(tmp_path / "c-1.llmsession")
+    isolated.keep_conversation(session, tenant="alice", conversation="c-1")
+    assert session.closed and "c-1" in isolated.conversations()
+    answered = {"role": "assistant", "content": first.text}
+    asked = [*messages, answered, {"role": "user", "content": QUESTIONS[1]}]
+    again = isolated.chat(asked, GREEDY, tenant="alice", conversation="c-1", config=kept)
+    assert again.usage.reused_tokens > 0
+    assert isolated.take_conversation("nobody") is None

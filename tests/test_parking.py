@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from llmsession.engine import parking
-from llmsession.engine.parking import ParkingLot
+from llmsession.engine.parking import ParkingLot, host_name
 
 
 def open_fds() -> int:
@@ -32,7 +32,7 @@ def test_spilled_states_come_back_equal_and_leave_nothing(tmp_path: Path) -> Non
     assert bytes(lot.peek(3) or b"") == blobs[3]  # peek leaves it there
     assert lot.holds(3) == "disk" and bytes(lot.take(3) or b"") == blobs[3] and lot.holds(3) == ""
     (folder,) = tmp_path.iterdir()
-    assert folder.name.startswith(f"llmsession-{os.getpid()}-")
+    assert folder.name.startswith(f"llmsession-{os.getpid()}@{host_name()}-")
     assert open_fds() == before, "no descriptor is held per state on disk"
     lot.discard(4)
     lot.close()
@@ -113,12 +113,17 @@ def test_a_killed_process_folder_is_swept(tmp_path: Path) -> None:
     dead = tmp_path / f"llmsession-{int(child.stdout)}-abc"
     dead.mkdir()
     (dead / "0.state").write_bytes(b"left by a crash")
+    here = tmp_path / f"llmsession-{int(child.stdout)}@{host_name()}-abc"  # (the name it writes now)
+    here.mkdir()
+    elsewhere = tmp_path / f"llmsession-{int(child.stdout)}@another-host.example-abc"  # its host's to sweep
+    elsewhere.mkdir()
     mine = tmp_path / f"llmsession-{os.getpid()}-other"  # another lot of this process: kept
     mine.mkdir()
     lot = ParkingLot(tmp_path)
     lot.park("a", b"alpha")
     assert lot.spill("a")
-    assert not dead.exists() and mine.exists()
+    assert not dead.exists() and not here.exists()
+    assert mine.exists() and elsewhere.exists()
     lot.close()
 
 

@@ -67,9 +67,17 @@ class Backend(Protocol):
         options: GenerationOptions | None,
         tenant: str | None,
         config: SessionConfig,
+        *,
+        conversation: str | None = None,
     ) -> Stream: ...
     def complete_stream(
-        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
+        self,
+        prompt: str,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        *,
+        conversation: str | None = None,
     ) -> Stream: ...
     def chat_choices(
         self,
@@ -78,6 +86,8 @@ class Backend(Protocol):
         tenant: str | None,
         config: SessionConfig,
         n: int,
+        *,
+        conversation: str | None = None,
     ) -> Choices: ...
     def complete_choices(
         self,
@@ -86,8 +96,13 @@ class Backend(Protocol):
         tenant: str | None,
         config: SessionConfig,
         n: int,
+        *,
+        conversation: str | None = None,
     ) -> Choices: ...
     def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> Session: ...
+    def conversations(self) -> list[str]: ...
+    def take_conversation(self, conversation: str) -> tuple[Session, str | None] | None: ...
+    def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None: ...
     def memory(self) -> MemoryReport: ...
     def identity(self) -> str: ...
     def projector_identity(self) -> str | None: ...

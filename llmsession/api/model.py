@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from llmsession.api.backend import Backend
+from llmsession.api.completions import RawCompletions
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_configs, session_config
 from llmsession.errors import UnsupportedFeatureError
 from llmsession.options import GenerationOptions
@@ -62,7 +63,7 @@ class Setting(Generic[T]):
         raise AttributeError(f"{self.name} is fixed when the model is loaded")
 
 
-class Model:
+class Model(RawCompletions):
     """A model file loaded once; any number of sessions chat with it under one memory budget.
 
     ``config`` (``ModelConfig``: threads, devices, attention, KV cells, prompts, isolation) and
@@ -195,6 +196,7 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
         config: SessionConfig | None = None,
         **overrides: Unpack[SessionSettings],
     ) -> Reply:
@@ -206,10 +208,18 @@ class Model:
         ``tenant`` names whose call this is (a user, an API key): a call reuses only sessions
         its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
         call without a tenant starts from nothing of any other call's, and no call starts from
-        its cells; with a tenant it reuses only that tenant's sessions."""
+        its cells; with a tenant it reuses only that tenant's sessions.
+
+        ``conversation`` names the conversation the call continues (a session id its client
+        sent, 1 to 256 characters): the session that answers it is labelled so, for
+        ``take_conversation``. It never chooses a session: the messages' prefix does."""
         from llmsession.runtime.face import drain
 
-        return drain(self.chat_stream(messages, options, tenant=tenant, config=config, **overrides))
+        return drain(
+            self.chat_stream(
+                messages, options, tenant=tenant, conversation=conversation, config=config, **overrides
+            )
+        )
 
     def chat_stream(
         self,
@@ -217,12 +227,13 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
         config: SessionConfig | None = None,
         **overrides: Unpack[SessionSettings],
     ) -> Stream:
         """``chat`` as a stream of snapshots."""
         settings = session_config(config, dict(overrides))
-        return self._backend.chat_stream(messages, options, tenant, settings)
+        return self._backend.chat_stream(messages, options, tenant, settings, conversation=conversation)
 
     def achat_stream(
         self,
@@ -230,6 +241,7 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
         config: SessionConfig | None = None,
         **overrides: Unpack[SessionSettings],
     ) -> AsyncStream:
@@ -238,7 +250,9 @@ class Model:
         from llmsession.runtime.aio import AsyncStream
 
         settings = session_config(config, dict(overrides))
-        return AsyncStream(lambda: self._backend.chat_stream(messages, options, tenant, settings))
+        return AsyncStream(
+            lambda: self._backend.chat_stream(messages, options, tenant, settings, conversation=conversation)
+        )
 
     async def achat(
         self,
@@ -246,13 +260,18 @@ class Model:
         options: GenerationOptions | None = None,
         *,
         tenant: str | None = None,
+        conversation: str | None = None,
         config: SessionConfig | None = None,
         **overrides: Unpack[SessionSettings],
     ) -> Reply:
         """``chat`` for asyncio; the event loop runs on while the reply decodes."""
         from llmsession.runtime.aio import adrain
 
-        return await adrain(self.achat_stream(messages, options, tenant=tenant, config=config, **overrides))
+        return await adrain(
+            self.achat_stream(
+                messages, options, tenant=tenant, conversation=conversation, config=config, **overrides
+            )
+        )
 
     def chat_choices(
         self,
@@ -261,6 +280,7 @@ class Model:
         *,
         n: int,
         tenant: str | None = None,
+        conversation: str | None = None,
         config: SessionConfig | None = None,
         **overrides: Unpack[SessionSettings],
     ) -> Choices:
@@ -271,79 +291,7 @@ class Model:
         its own); ``prompt`` is then the prompt's usage, counted once. On a model in a worker
         process the choices are ``n`` calls."""
         settings = session_config(config, dict(overrides))
-        return self._backend.chat_choices(messages, options, tenant, settings, n)
-
-    def complete_choices(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        n: int,
-        tenant: str | None = None,
-        config: SessionConfig | None = None,
-        **overrides: Unpack[SessionSettings],
-    ) -> Choices:
-        """``n`` continuations of a raw ``prompt`` sharing one prefill (``chat_choices``)."""
-        settings = session_config(config, dict(overrides))
-        return self._backend.complete_choices(prompt, options, tenant, settings, n)
-
-    def complete(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        config: SessionConfig | None = None,
-        **overrides: Unpack[SessionSettings],
-    ) -> Reply:
-        """Continue ``prompt`` as it is, without the chat template (OpenAI's completions): the
-        text is tokenized as given, BOS added as the model adds it. Calls are routed and kept
-        apart by ``tenant`` as ``chat`` calls are, so a prompt that grows decodes only its end."""
-        from llmsession.runtime.face import drain
-
-        return drain(self.complete_stream(prompt, options, tenant=tenant, config=config, **overrides))
-
-    def complete_stream(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        config: SessionConfig | None = None,
-        **overrides: Unpack[SessionSettings],
-    ) -> Stream:
-        """``complete`` as a stream of snapshots."""
-        settings = session_config(config, dict(overrides))
-        return self._backend.complete_stream(prompt, options, tenant, settings)
-
-    def acomplete_stream(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        config: SessionConfig | None = None,
-        **overrides: Unpack[SessionSettings],
-    ) -> AsyncStream:
-        """``complete_stream`` for asyncio."""
-        from llmsession.runtime.aio import AsyncStream
-
-        settings = session_config(config, dict(overrides))
-        return AsyncStream(lambda: self._backend.complete_stream(prompt, options, tenant, settings))
-
-    async def acomplete(
-        self,
-        prompt: str,
-        options: GenerationOptions | None = None,
-        *,
-        tenant: str | None = None,
-        config: SessionConfig | None = None,
-        **overrides: Unpack[SessionSettings],
-    ) -> Reply:
-        """``complete`` for asyncio."""
-        from llmsession.runtime.aio import adrain
-
-        return await adrain(self.acomplete_stream(prompt, options, tenant=tenant, config=config, **overrides))
+        return self._backend.chat_choices(messages, options, tenant, settings, n, conversation=conversation)
 
     def load_session(self, path: str | Path, **overrides: Unpack[SessionSettings]) -> Session:
         """A session saved with ``Session.save``: its transcript always, its KV cache when it
@@ -353,6 +301,25 @@ class Model:
             raise TypeError("load_session keeps the saved transcript: it takes no system prompt")
         session_config(None, dict(overrides))  # (checked here: an unknown or wrong one is refused)
         return self._backend.load_session(path, dict(overrides))
+
+    def conversations(self) -> list[str]:
+        """The ``conversation`` names of the sessions kept for stateless calls, least recently
+        used first: what ``take_conversation`` can hand on."""
+        return self._backend.conversations()
+
+    def take_conversation(self, conversation: str) -> tuple[Session, str | None] | None:
+        """The session kept for the stateless calls that named ``conversation`` (the latest to
+        answer one), and its tenant, taken out of the kept ones: the caller owns it (to save it
+        for another model's ``keep_conversation``, say, then close it). None if none is kept or
+        it is answering a call now."""
+        return self._backend.take_conversation(conversation)
+
+    def keep_conversation(self, session: Session, *, tenant: str | None, conversation: str) -> None:
+        """Keep one of this model's sessions (one loaded with ``load_session``, say) for the
+        stateless calls of ``tenant``, named ``conversation``: a call whose messages its cache
+        begins decodes only the rest, as if this model had answered the earlier turns. The
+        model owns the session from here (it may close it to keep within its bounds)."""
+        self._backend.keep_conversation(session, tenant, conversation)
 
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the

@@ -2,10 +2,11 @@
 
 A parked state is the bytes ``llama_state_seq_get_data`` wrote for one session, kept here between
 exchanges; ``Residency`` decides which stay in RAM. With a disk directory, a state leaving RAM is
-written by a background thread (the exchange does not wait) into a folder of this process's own,
-``llmsession-<pid>-*``: removed when the model closes or the interpreter exits, and one left by a
-killed process is removed by the next one that spills into the same directory. No descriptor is
-held per state (a server with thousands of idle sessions would run out). A state read back comes
+written by a background thread (the exchange does not wait) into a folder of this process's
+own, ``llmsession-<pid>@<host>-*``: removed when the model closes or the interpreter exits, and
+one left by a killed process is removed by the next one of its host that spills into the same
+directory. No descriptor is held per state (a server with thousands of idle sessions would run
+out). A state read back comes
 into an anonymous mapping of its size, as ``NativeContext.state_get`` makes them (freed whole),
 and is checked against the crc32 taken when it was written: llama.cpp's loaders abort the process
 on malformed bytes, so a file that changed or came back short is a miss, never handed over.
@@ -17,7 +18,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
 import weakref
@@ -48,10 +51,19 @@ def running(pid: int) -> bool:
     return True
 
 
+def host_name() -> str:
+    """This host's name as a folder name may hold it (a shared directory is several hosts')."""
+    return re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname())[:64] or "host"
+
+
 def sweep(directory: Path) -> None:
-    """Remove the state folders of processes that ended without closing their models."""
+    """Remove the state folders of this host's processes that ended without closing their
+    models (``llmsession-<pid>@<host>-*``; a folder of another host's is that host's to sweep)."""
     for folder in directory.glob(f"{FOLDER_PREFIX}*-*"):
-        pid = folder.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        owner = folder.name.removeprefix(FOLDER_PREFIX).rpartition("-")[0]
+        pid, at, host = owner.partition("@")
+        if at and host != host_name():
+            continue
         if pid.isdigit() and int(pid) != os.getpid() and not running(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -136,7 +148,7 @@ class ParkingLot:
         if self._folder is None:
             assert self.disk_dir is not None
             sweep(self.disk_dir)
-            prefix = f"{FOLDER_PREFIX}{os.getpid()}-"
+            prefix = f"{FOLDER_PREFIX}{os.getpid()}@{host_name()}-"
             self._folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self.disk_dir))
             self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)
         return self._folder

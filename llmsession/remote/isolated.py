@@ -28,7 +28,7 @@ from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import said_messages
-from llmsession.runtime.stateless import check_stateless, split
+from llmsession.runtime.stateless import check_stateless, checked_label, split
 from llmsession.text.messages import check_messages
 from llmsession.text.renderer import Renderer
 from llmsession.text.schemas import schema_document
@@ -139,17 +139,25 @@ class IsolatedModel:
         options: GenerationOptions | None,
         tenant: str | None,
         config: SessionConfig,
+        *,
+        conversation: str | None = None,
     ) -> Stream:
         transcript = Transcript(messages)  # checked as in-process, before pickling
         options, schema_class = portable(options)
-        key = self.call("chat_stream", transcript, options, tenant, config)
+        key = self.call("chat_stream", transcript, options, tenant, config, checked_label(conversation))
         return WorkerStream(self, None, key, schema_class)
 
     def complete_stream(
-        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
+        self,
+        prompt: str,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        *,
+        conversation: str | None = None,
     ) -> Stream:
         options, schema_class = portable(options)
-        key = self.call("complete_stream", prompt, options, tenant, config)
+        key = self.call("complete_stream", prompt, options, tenant, config, checked_label(conversation))
         return WorkerStream(self, None, key, schema_class)
 
     def chat_choices(
@@ -159,6 +167,8 @@ class IsolatedModel:
         tenant: str | None,
         config: SessionConfig,
         n: int,
+        *,
+        conversation: str | None = None,
     ) -> Choices:
         """``n`` stateless calls, each started when first iterated (the worker's sessions are
         not here to fork: each choice decodes the prompt, reusing what its session holds)."""
@@ -166,7 +176,9 @@ class IsolatedModel:
         transcript = Transcript(messages)  # (checked now, as they are now: the calls come later)
         split(transcript)  # (something to answer, as in-process)
         return separate(
-            n, checked_options(options), lambda chosen: self.chat_stream(transcript, chosen, tenant, config)
+            n,
+            checked_options(options),
+            lambda chosen: self.chat_stream(transcript, chosen, tenant, config, conversation=conversation),
         )
 
     def complete_choices(
@@ -176,14 +188,31 @@ class IsolatedModel:
         tenant: str | None,
         config: SessionConfig,
         n: int,
+        *,
+        conversation: str | None = None,
     ) -> Choices:
         check_stateless(config)
         return separate(
-            n, checked_options(options), lambda chosen: self.complete_stream(prompt, chosen, tenant, config)
+            n,
+            checked_options(options),
+            lambda chosen: self.complete_stream(prompt, chosen, tenant, config, conversation=conversation),
         )
 
     def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> WorkerSession:
         return WorkerSession(self, self.call("load_session", str(path), dict(overrides)))
+
+    def conversations(self) -> list[str]:
+        return list(self._model_call("conversations"))
+
+    def take_conversation(self, conversation: str) -> tuple[WorkerSession, str | None] | None:
+        taken = self.call("take_conversation", conversation)
+        return None if taken is None else (WorkerSession(self, taken[0]), taken[1])
+
+    def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None:
+        if not isinstance(session, WorkerSession) or session._model is not self:
+            raise ValueError("keep_conversation takes a session of this model")
+        self.call("keep_conversation", session._key, tenant, checked_label(conversation))
+        session._kept()
 
     def close(self) -> None:
         if not self._closed:
@@ -254,6 +283,10 @@ class WorkerSession(Session):
     def close(self) -> None:
         if not self._closed and not self._model.closed:
             self._session_call("close")
+        self._closed = True
+
+    def _kept(self) -> None:
+        """Its model keeps it now (``keep_conversation``): no longer this handle's to use."""
         self._closed = True
 
     @property

@@ -42,6 +42,7 @@ MODEL_CALLS = frozenset(
         "detokenize",
         "prompt_tokens",
         "call_tokens",
+        "conversations",
         "identity",
         "projector_identity",
         "memory",
@@ -198,14 +199,26 @@ class Worker:
         return self.keep(stream), session.messages
 
     def op_chat_stream(
-        self, messages: list[Any], options: Any, tenant: str | None, config: SessionConfig
+        self, messages: list[Any], options: Any, tenant: str | None, config: SessionConfig, label: str | None
     ) -> int:
         assert self.model is not None
-        return self.keep(self.model.chat_stream(messages, options, tenant, config))
+        return self.keep(self.model.chat_stream(messages, options, tenant, config, conversation=label))
 
-    def op_complete_stream(self, prompt: str, options: Any, tenant: str | None, config: SessionConfig) -> int:
+    def op_complete_stream(
+        self, prompt: str, options: Any, tenant: str | None, config: SessionConfig, label: str | None
+    ) -> int:
         assert self.model is not None
-        return self.keep(self.model.complete_stream(prompt, options, tenant, config))
+        return self.keep(self.model.complete_stream(prompt, options, tenant, config, conversation=label))
+
+    def op_take_conversation(self, conversation: str) -> Any:
+        assert self.model is not None
+        taken = self.model.take_conversation(conversation)
+        return None if taken is None else (self.handle(taken[0]), taken[1])
+
+    def op_keep_conversation(self, key: int, tenant: str | None, conversation: str) -> None:
+        assert self.model is not None
+        self.model.keep_conversation(self.session(key), tenant, conversation)
+        self.objects.pop(key, None)  # (the model's now, not the caller's handle's)
 
     def op_next(self, key: int) -> tuple[Any, ...]:
         stream = self.stream(key)

@@ -15,7 +15,7 @@ from llmsession.replies import Message
 from llmsession.runtime import persistence
 from llmsession.runtime.choices import MAX_CHOICES, Answer, Choices, Forks, prefill_options
 from llmsession.runtime.core import ModelCore
-from llmsession.runtime.face import Stream
+from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
 from llmsession.runtime.stateless import StatelessSessions, check_stateless, split
 from llmsession.text.tools import Tools
@@ -55,9 +55,11 @@ class LocalModel(ModelCore):
         options: GenerationOptions | None,
         tenant: str | None,
         config: SessionConfig,
+        *,
+        conversation: str | None = None,
     ) -> Stream:
         """A stateless call (``api.Model.chat``) as a stream of snapshots."""
-        return self.stateless.stream(messages, options, tenant, config)
+        return self.stateless.stream(messages, options, tenant, config, conversation=conversation)
 
     def call_tokens(
         self,
@@ -71,10 +73,16 @@ class LocalModel(ModelCore):
         return self.stateless.tokens(messages, tenant, config, tools, tool_format)
 
     def complete_stream(
-        self, prompt: str, options: GenerationOptions | None, tenant: str | None, config: SessionConfig
+        self,
+        prompt: str,
+        options: GenerationOptions | None,
+        tenant: str | None,
+        config: SessionConfig,
+        *,
+        conversation: str | None = None,
     ) -> Stream:
         """A raw completion (``api.Model.complete``) as a stream of snapshots."""
-        return self.stateless.complete(prompt, options, tenant, config)
+        return self.stateless.complete(prompt, options, tenant, config, conversation=conversation)
 
     def chat_choices(
         self,
@@ -83,6 +91,8 @@ class LocalModel(ModelCore):
         tenant: str | None,
         config: SessionConfig,
         n: int,
+        *,
+        conversation: str | None = None,
     ) -> Choices:
         """``n`` choices of a stateless call sharing one prefill (``runtime.choices``)."""
         check_stateless(config)
@@ -91,7 +101,10 @@ class LocalModel(ModelCore):
         history, said = split(transcript)
 
         def prefill() -> Stream:
-            return self.stateless.stream(transcript, prefill_options(options), tenant, config, pooled=False)
+            prefilled = prefill_options(options)
+            return self.stateless.stream(
+                transcript, prefilled, tenant, config, pooled=False, conversation=conversation
+            )
 
         def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
             fork.messages = copy.deepcopy(history)
@@ -106,13 +119,18 @@ class LocalModel(ModelCore):
         tenant: str | None,
         config: SessionConfig,
         n: int,
+        *,
+        conversation: str | None = None,
     ) -> Choices:
         """``n`` continuations of a raw prompt sharing one prefill."""
         check_stateless(config)
         options = checked_options(options)
 
         def prefill() -> Stream:
-            return self.stateless.complete(prompt, prefill_options(options), tenant, config, pooled=False)
+            prefilled = prefill_options(options)
+            return self.stateless.complete(
+                prompt, prefilled, tenant, config, pooled=False, conversation=conversation
+            )
 
         def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
             fork.messages = []  # (its prompt is the text as it is, on the fork's cells)
@@ -163,6 +181,20 @@ class LocalModel(ModelCore):
             path=path,
         )
         return session
+
+    def conversations(self) -> list[str]:
+        """The conversations the stateless calls' kept sessions answered (``api.Model``)."""
+        return self.stateless.conversations()
+
+    def take_conversation(self, conversation: str) -> tuple[LocalSession, str | None] | None:
+        """The kept session that answered ``conversation`` last, out of the kept ones."""
+        return self.stateless.take(conversation)
+
+    def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None:
+        """Keep one of this model's sessions for the stateless calls, as ``conversation``'s."""
+        if not isinstance(session, LocalSession) or session.model is not self:
+            raise ValueError("keep_conversation takes a session of this model")
+        self.stateless.adopt(session, tenant, session.asked, conversation)
 
     def close(self) -> None:
         self.stateless.close()

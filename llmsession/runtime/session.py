@@ -71,6 +71,21 @@ def too_many(config: MemoryPlan, most: int) -> str:
     )
 
 
+def resolved_config(model: ModelCore, config: SessionConfig) -> SessionConfig:
+    """``config`` as a session of ``model`` has it: its context and batch resolved against the
+    model's memory (a ``context_size`` of None is the model's default, or what a live session may
+    hold if less); ValueError if the context is larger than a live session may hold."""
+    memory = model.engine.config
+    most = model.engine.session_cells(config.swa_full)
+    context_size = config.context_size
+    if context_size is None:  # the model's default (``engine.sizing``), or what a live session may hold
+        context_size = min(model.sizing.context_size, most)
+    if context_size > most:
+        raise ValueError(f"context_size: {context_size} positions exceed {too_many(memory, most)}")
+    batch_size = min(config.batch_size, context_size, memory.batch_size)
+    return dataclasses.replace(config, context_size=context_size, batch_size=batch_size)
+
+
 class LocalSession(Session):
     """A conversation with a model in this process (``face.Session`` says what it offers); its
     KV state lives in the model's engine. Below the face: its ``lease`` of that memory, the
@@ -83,17 +98,10 @@ class LocalSession(Session):
         against the model's memory (``config`` then says what they are)."""
         if model.closed:
             raise ModelClosedError("this model is closed")
-        memory = model.engine.config
-        most = model.engine.session_cells(config.swa_full)
-        context_size = config.context_size
-        if context_size is None:  # the model's default (``engine.sizing``), or what a live session may hold
-            context_size = min(model.sizing.context_size, most)
-        if context_size > most:
-            raise ValueError(f"context_size: {context_size} positions exceed {too_many(memory, most)}")
+        resolved = resolved_config(model, config)
         self.asked = config  # (what a stateless call that may take this session asks for)
         self.model = model
-        self.context_size = context_size
-        self.batch_size = min(config.batch_size, context_size, memory.batch_size)
+        self.context_size, self.batch_size = cast(int, resolved.context_size), resolved.batch_size
         self.thinking, self.swa_full, self.share_prefix = (
             config.thinking,
             config.swa_full,

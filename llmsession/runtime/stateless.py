@@ -11,11 +11,17 @@ cells of its own), so the original stays whole for the call that continues it. A
 taken out while its stream runs, so concurrent calls never share one. Past ``capacity`` the
 least recently used idle session is closed; the sessions kept are parked and restored by the
 model's engine like any other.
+
+A call may name its ``conversation`` (a session id its client sent): the session that answers
+it is labelled so, and can be taken out whole by that name (``take``: a replica handing the
+conversation on with its state) and kept again elsewhere (``adopt``). The label never chooses a
+session: the prefix does, so a label cannot reach a session whose cache the call does not share.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +35,7 @@ from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
-from llmsession.runtime.session import LocalSession
+from llmsession.runtime.session import LocalSession, resolved_config
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
 from llmsession.text.transcript import Transcript
@@ -49,6 +55,7 @@ class Call:
     options: GenerationOptions
     tools: Tools | None
     looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
+    conversation: str | None = None  # the label its session takes (``StatelessSessions.take``)
 
 
 class StatelessSessions:
@@ -63,6 +70,8 @@ class StatelessSessions:
         self.capacity = capacity
         self._sessions: list[LocalSession] = []
         self._tenants: dict[LocalSession, str | None] = {}  # whose calls each kept session serves
+        self._labels: dict[LocalSession, str] = {}  # the conversation each answered last, if named
+        self._pending: weakref.WeakKeyDictionary[LocalSession, str] = weakref.WeakKeyDictionary()
         self._records: OrderedDict[str | None, ReplyTokens] = OrderedDict()  # each tenant's replies
         self._lock = threading.Lock()
 
@@ -74,6 +83,7 @@ class StatelessSessions:
         config: SessionConfig,
         *,
         pooled: bool = True,
+        conversation: str | None = None,
     ) -> Stream:
         """A stateless call (``Model.chat_stream``); ``pooled`` False leaves its session out of
         the kept ones until ``adopt`` (so no other call takes it first: ``choices.Forks``)."""
@@ -93,7 +103,7 @@ class StatelessSessions:
             tools=tools,
             tool_format=options.tool_format,
         )
-        call = Call(history, said, options, tools)
+        call = Call(history, said, options, tools, conversation=checked_label(conversation))
         return self._route(prompt, call, tenant, record, config, pooled)
 
     def tokens(
@@ -122,10 +132,12 @@ class StatelessSessions:
         config: SessionConfig,
         *,
         pooled: bool = True,
+        conversation: str | None = None,
     ) -> Stream:
         """A raw completion (``Model.complete_stream``): ``text`` continued as it is, no chat
         template, routed to a kept session as a chat call is (the same tenants, the same reuse)."""
         check_stateless(config)
+        label = checked_label(conversation)
         options = checked_options(options)
         if options_tools(options) is not None:
             raise ValueError("a raw completion cannot call tools (it has no chat template)")
@@ -136,7 +148,7 @@ class StatelessSessions:
             prompt.close()
             raise
         said: list[Message] = [{"role": "user", "content": text}]  # (the transcript's stand-in)
-        call = Call([], said, options, None, looks_ahead=False)  # (no chat turn will follow it)
+        call = Call([], said, options, None, looks_ahead=False, conversation=label)  # (no chat turn follows)
         return self._route(prompt, call, tenant, record, config, pooled)
 
     def _route(
@@ -164,23 +176,56 @@ class StatelessSessions:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 raise
             if keep and pooled:
-                self._keep(session, tenant)
+                self._keep(session, tenant, call.conversation)
+            elif call.conversation is not None:
+                self._pending[session] = call.conversation  # (its label, for ``adopt``)
             return stream
 
-    def adopt(self, session: LocalSession, tenant: str | None, config: SessionConfig) -> None:
-        """A session a call left out of the kept ones (``pooled=False``): kept now, or closed
-        if calls like it keep none."""
+    def adopt(
+        self,
+        session: LocalSession,
+        tenant: str | None,
+        config: SessionConfig,
+        conversation: str | None = None,
+    ) -> None:
+        """A session a call left out of the kept ones (``pooled=False``), or one taken from
+        another model (``take``, then saved and loaded): kept now, labelled ``conversation`` (or
+        the label its call gave it), or closed if calls like it keep none."""
+        label = checked_label(conversation)
+        with self._lock:
+            label = self._pending.pop(session, None) if label is None else label
         if not keeps(tenant, config):
             session.close()
             return
         if session.closed:  # (its model closed, or the budget evicted it)
             return
         with self._lock:
-            self._keep(session, tenant)
+            self._keep(session, tenant, label)
 
-    def _keep(self, session: LocalSession, tenant: str | None) -> None:
+    def conversations(self) -> list[str]:
+        """The conversations the kept sessions answered, least recently used first."""
+        with self._lock:
+            self._forget_closed()
+            return list(dict.fromkeys(self._labels[s] for s in self._sessions if s in self._labels))
+
+    def take(self, conversation: str) -> tuple[LocalSession, str | None] | None:
+        """The kept session that answered ``conversation`` last, and its tenant, out of the kept
+        ones (the caller owns it now); None if none is kept, or it is answering a call."""
+        with self._lock:
+            self._forget_closed()
+            labelled = [s for s in self._sessions if self._labels.get(s) == conversation]
+            if not labelled or not labelled[-1].idle:
+                return None
+            session = labelled[-1]
+            self._sessions.remove(session)
+            del self._labels[session]
+            return session, self._tenants.pop(session)
+
+    def _keep(self, session: LocalSession, tenant: str | None, label: str | None) -> None:
         self._sessions.append(session)  # busy until its stream is done
         self._tenants[session] = tenant
+        if label is not None:
+            self._labels[session] = label
         self._evict()
 
     def _kept_record(self, tenant: str | None, config: SessionConfig) -> ReplyTokens | None:
@@ -210,7 +255,8 @@ class StatelessSessions:
         else the least recently used idle one of the tenant's. Taking a session with little in
         common would throw away a cache another conversation is coming back to."""
         self._forget_closed()
-        fitting = [s for s in self._sessions if self._tenants[s] == tenant and s.idle and s.asked == config]
+        wanted = resolved_config(self.model, config)  # (a session loaded elsewhere has its own ``asked``)
+        fitting = [s for s in self._sessions if self._tenants[s] == tenant and s.idle and s.config == wanted]
         scored = [(common_prefix(s.lease.cache.items, items), s) for s in fitting]
         similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s.lease.cache.items)]
         if similar:
@@ -223,6 +269,7 @@ class StatelessSessions:
             return None
         self._sessions.remove(chosen)
         del self._tenants[chosen]
+        self._labels.pop(chosen, None)
         return chosen
 
     def _forget_closed(self) -> None:
@@ -230,6 +277,9 @@ class StatelessSessions:
         for session in [s for s in self._sessions if s.closed]:
             self._sessions.remove(session)
             del self._tenants[session]
+            self._labels.pop(session, None)
+        for session in [s for s in self._pending if s.closed]:
+            del self._pending[session]
 
     def _evict(self) -> None:
         idle = [s for s in self._sessions if s.idle]
@@ -237,12 +287,15 @@ class StatelessSessions:
             oldest = idle.pop(0)
             self._sessions.remove(oldest)
             del self._tenants[oldest]
+            self._labels.pop(oldest, None)
             oldest.close()
 
     def close(self) -> None:
         with self._lock:
             self._sessions.clear()
             self._tenants.clear()
+            self._labels.clear()
+            self._pending.clear()
             self._records.clear()
 
 
@@ -250,6 +303,20 @@ def keeps(tenant: str | None, config: SessionConfig) -> bool:
     """Whether a call's session is kept for the next calls: not one kept apart without a
     tenant (nobody's to follow)."""
     return config.share_prefix or tenant is not None
+
+
+MAX_LABEL = 256  # characters of a conversation's name
+
+
+def checked_label(conversation: object) -> str | None:
+    """A call's ``conversation``: None, or a str of 1 to ``MAX_LABEL`` characters."""
+    if conversation is None:
+        return None
+    if not isinstance(conversation, str):
+        raise TypeError(f"conversation must be a str or None, got {type(conversation).__name__}")
+    if not 0 < len(conversation) <= MAX_LABEL:
+        raise ValueError(f"conversation must have 1 to {MAX_LABEL} characters, got {len(conversation)}")
+    return conversation
 
 
 def check_stateless(config: SessionConfig) -> None:

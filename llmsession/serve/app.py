@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from llmsession.options import INT32_MAX
 from llmsession.replies import Reply, assistant_message
 from llmsession.serve import sse
 from llmsession.serve.body import parse_json
-from llmsession.serve.chat import Call, Door, Host, session_settings
+from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.http import Counting, declared, guarded, refuse
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests reading or checking their body at once
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
+FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
 # Text of a system prompt that changes every request and carries nothing for the model: removed
 # before rendering, so a resent conversation is read from the cache (``create_app``). Claude
@@ -264,7 +266,10 @@ class Server:
         limit = self.admission.limit
         if asked.n > limit:
             raise ApiError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
-        return await Call(self.host, request, asked, digest(key, asked.user), door).respond()
+        named = request.headers.get(CONVERSATION_HEADER, "")  # (the front's key: a label only)
+        conversation = named if FRONT_KEY.fullmatch(named) else None
+        tenant = digest(key, asked.user)
+        return await Call(self.host, request, asked, Caller(tenant, conversation), door).respond()
 
     @staticmethod
     def checked(body: bytes) -> ChatRequest:

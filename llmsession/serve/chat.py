@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -58,6 +58,14 @@ def explain(error: BaseException) -> ApiError:
     return known
 
 
+class Caller(NamedTuple):
+    """Whose request this is: its tenant, and the conversation a cluster's front named (a
+    label its session takes, for handing it on: ``Model.take_conversation``)."""
+
+    tenant: str
+    conversation: str | None = None
+
+
 @dataclass
 class Host:
     """What every call shares: the model, its name in the API, its sessions' settings, the
@@ -69,26 +77,23 @@ class Host:
     admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
 
-    def choices(self, asked: ChatRequest, tenant: str, released: Callable[[], None]) -> Choices:
+    def choices(self, asked: ChatRequest, caller: Caller, released: Callable[[], None]) -> Choices:
         """A request's choices, started: one stateless call, or the library's ``n`` choices of
         one prefill (``Model.chat_choices``), kept apart by tenant."""
         kept = session_settings(self.settings, asked)
+        whose: dict[str, Any] = {"tenant": caller.tenant, "conversation": caller.conversation, "config": kept}
         if asked.n == 1:
 
             def call(index: int) -> Stream:
                 if asked.prompt is not None:
-                    return self.model.complete_stream(asked.prompt, asked.options, tenant=tenant, config=kept)
-                return self.model.chat_stream(asked.messages, asked.options, tenant=tenant, config=kept)
+                    return self.model.complete_stream(asked.prompt, asked.options, **whose)
+                return self.model.chat_stream(asked.messages, asked.options, **whose)
 
             return Choices(1, call, self.metrics.reply, released)
         if asked.prompt is not None:
-            forks = self.model.complete_choices(
-                asked.prompt, asked.options, n=asked.n, tenant=tenant, config=kept
-            )
+            forks = self.model.complete_choices(asked.prompt, asked.options, n=asked.n, **whose)
         else:
-            forks = self.model.chat_choices(
-                asked.messages, asked.options, n=asked.n, tenant=tenant, config=kept
-            )
+            forks = self.model.chat_choices(asked.messages, asked.options, n=asked.n, **whose)
         return Choices(asked.n, forks.__getitem__, self.metrics.reply, released, forks)
 
 
@@ -134,8 +139,8 @@ class Call:
     requests running then (admission counts sequences, not KV cells). The client's disconnect
     is raced against every wait."""
 
-    def __init__(self, host: Host, request: Request, asked: ChatRequest, tenant: str, door: Door) -> None:
-        self.host, self.request, self.asked, self.tenant, self.door = host, request, asked, tenant, door
+    def __init__(self, host: Host, request: Request, asked: ChatRequest, caller: Caller, door: Door) -> None:
+        self.host, self.request, self.asked, self.caller, self.door = host, request, asked, caller, door
 
     async def respond(self) -> Response:
         gone = asyncio.ensure_future(disconnected(self.request))
@@ -176,7 +181,7 @@ class Call:
             host.metrics.flight(-1)
 
         try:
-            return host.choices(self.asked, self.tenant, released)
+            return host.choices(self.asked, self.caller, released)
         except BaseException:
             released()
             raise
