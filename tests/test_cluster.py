@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -88,15 +89,16 @@ class Cluster:
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def cluster(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def running(path: Path, folder: Path, *options: str) -> Iterator[Cluster]:
+    """``serve --replicas`` with two one-thread replicas (and ``options``), until SIGTERM."""
     before = ray_processes()
     port = free_port()
     command = [sys.executable, "-m", "llmsession", "serve", "--replicas", "2", "--threads", "1"]
-    command += ["--model", str(smollm2_path), "--port", str(port), "--api-key", KEY]
+    command += ["--model", str(path), "--port", str(port), "--api-key", KEY, *options]
     # Its output to a file: Ray writes a lot after a replica is killed, and a pipe nobody reads
     # would fill and stop the process (it could not even exit on SIGTERM).
-    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    log = folder / "serve.log"
     with log.open("w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -119,6 +121,13 @@ def cluster(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    folder = tmp_path_factory.mktemp("cluster")
+    with running(smollm2_path, folder, "--disk-cache-dir", str(folder / "shared")) as started:
+        yield started
 
 
 def converse(cluster: Cluster, name: str, turns: int, session: str | None) -> list[httpx.Response]:
@@ -203,6 +212,72 @@ def test_metrics_show_every_replica(cluster: Cluster) -> None:
     assert len(replicas) == 2
     assert text.count("# TYPE llmsession_requests_total counter") == 1
     assert httpx.get(f"{cluster.url}/metrics", timeout=30).status_code == 401  # (a replica refuses)
+
+
+def metric(text: str, name: str) -> float:
+    """A counter summed over the cluster's replicas (and its other labels)."""
+    lines = [line for line in text.splitlines() if line.startswith((name + "{", name + " "))]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_a_turn_sent_from_a_busy_replica_takes_its_state_along(cluster: Cluster) -> None:
+    """The replica holding a conversation has 8 requests in flight: its next turn goes to the
+    other replica, which asks the holder for the conversation (saved to the shared folder) and
+    restores it, so the turn decodes only what is new."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    said: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are the assistant that moves. " * 12},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    first = cluster.chat(said, "moving")
+    assert first.status_code == 200, first.text
+    holder, used = first.headers[REPLICA], first.json()["usage"]
+    wait_for(lambda: len(replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text)) == 2, 30)
+    names = sorted(replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text))
+    busy = [f"busy-{i}" for i in range(200) if ranked(_key(f"busy-{i}"), names)[0] == holder][:10]
+    done = threading.Event()
+    streams = [threading.Thread(target=_long_stream, args=(cluster, session, done)) for session in busy]
+    for stream in streams:
+        stream.start()
+    time.sleep(2.5)  # (they run on the holder, which reports them within a second)
+    said += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And another?"},
+    ]
+    second = cluster.chat(said, "moving")
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert second.headers[REPLICA] != holder
+    held = used["prompt_tokens"] + used["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= held - 1, (used, usage)
+    done.set()  # (the busy streams are closed: their replica cancels them)
+    for stream in streams:
+        stream.join(60)
+
+    def counted() -> bool:
+        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        handed = 'llmsession_cluster_conversations_moved_total{why="handed"'
+        moved = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(handed))
+        return moved >= 1 and metric(text, "llmsession_cluster_conversations_restored_total") >= 1
+
+    wait_for(counted, 30)
+
+
+def _key(session: str) -> str:
+    headers = {"authorization": f"Bearer {KEY}", "x-session-id": session}
+    return conversation_key("/v1/chat/completions", headers, b"{}")
+
+
+def _long_stream(cluster: Cluster, session: str, done: threading.Event) -> None:
+    said = [{"role": "user", "content": f"Write a long story about {session}."}]
+    body = {"messages": said, "max_tokens": 300, "temperature": 1.0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "x-session-id": session}
+    with httpx.stream(
+        "POST", f"{cluster.url}/v1/chat/completions", json=body, headers=headers, timeout=180
+    ) as r:
+        for _ in r.iter_lines():
+            if done.is_set():
+                return
 
 
 def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:

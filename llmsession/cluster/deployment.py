@@ -9,7 +9,11 @@ by the next one the router ranks (the request is retried there); after, the stre
 
 ``Engine`` is a ``Model`` with the server's app (``serve.create_app``), run in-process on each
 request's ASGI scope. It names itself in every response (``x-llmsession-replica``) and reports
-the conversations it answered, most recent last, as its routing stats.
+the conversations it answered, most recent last, as its routing stats. With a disk cache folder
+(shared by every replica) conversations move with their state (``handoff``): a replica given a
+conversation that another answered last asks that one for it (which saves it there and lets it
+go) and restores it, or restores what a replica that stopped left there; a stopping replica
+saves the conversations it keeps.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
-from llmsession.cluster.keys import routing, session_id
+from llmsession.cluster.handoff import Handoff
+from llmsession.cluster.keys import PIN, routing, session_id
 from llmsession.cluster.metrics import STALE_S, Arrivals, merged, replicas_gauge
+from llmsession.cluster.moving import SharedSpill
 
 log = logging.getLogger("llmsession.cluster")
 REPLICA_HEADER = b"x-llmsession-replica"
@@ -38,6 +44,8 @@ INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's 
 HELD_CONVERSATIONS = 4096  # the most recent conversations a replica reports holding
 RETRIES = 1  # another replica tries a request whose replica died holding it, before answering
 BODY_TIMEOUT_S = 60.0  # for a request's body to arrive (a slow upload holds the front)
+ASK_S = 30.0  # for the replica that answered a conversation last to save it for another
+SWEEP_S = 300.0  # how often a replica removes the shared folder's files nobody claimed
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -63,22 +71,48 @@ class Board:
 class Engine:
     """One replica: the model and the server's app over it."""
 
-    def __init__(self, path: str, config: Any, memory: Any, app_settings: dict[str, Any], board: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        config: Any,
+        memory: Any,
+        app_settings: dict[str, Any],
+        board: Any,
+        secret: bytes | None = None,
+        drain_s: float = 10.0,
+    ) -> None:
+        """``secret``: the cluster's (``moving.load_secret``), to move conversations through
+        ``memory.disk_cache_dir``; ``drain_s``: how long a stopping replica saves them."""
         from llmsession.api.model import Model
         from llmsession.serve.app import create_app
 
-        self.name = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.name = context.replica_id.unique_id
+        self.peers: tuple[str, str] = (context.deployment, context.app_name)
         self.model = Model(Path(path), config=config, memory=memory)
         self.app = create_app(self.model, **app_settings)
         self.board = board
         self.held: OrderedDict[str, None] = OrderedDict()
         self.arrivals = Arrivals()
         self.in_flight = 0  # (reported too: Ray's own queue lengths expire after 10 s)
+        self.handoff: Handoff | None = None
+        if secret is not None and memory.disk_cache_dir is not None:
+            self.handoff = Handoff(self.model, SharedSpill(memory.disk_cache_dir, secret, self.name))
+        self.drain_s = drain_s
+        self._arriving: dict[str, asyncio.Lock] = {}
+        self._handle: Any = None
+        self._swept = 0.0
+        self._drained = False
 
-    async def answer(self, scope: Scope, body: bytes, key: str) -> AsyncIterator[Message]:
+    async def answer(
+        self, scope: Scope, body: bytes, key: str, previous: str | None = None
+    ) -> AsyncIterator[Message]:
         """The app's ASGI messages for one request, as they are sent; the replica's name goes to
-        the app (response ids carry it) and to the client (``x-llmsession-replica``)."""
+        the app (response ids carry it) and to the client (``x-llmsession-replica``).
+        ``previous``: the replica that answered the conversation last, as the front knows."""
         held = key in self.held
+        if self.handoff is not None and previous != self.name and (previous is not None or not held):
+            await self._arrive(self.handoff, key, previous)
         sent: asyncio.Queue[Message] = asyncio.Queue()
         gone = asyncio.Event()
         delivered = False
@@ -113,6 +147,41 @@ class Engine:
             with contextlib.suppress(BaseException):
                 await task
 
+    async def _arrive(self, handoff: Handoff, key: str, previous: str | None) -> None:
+        """Bring a conversation this replica did not answer last here with its state: from the
+        replica that did (asked to save it and let it go), or from what a stopped one saved."""
+        lock = self._arriving.setdefault(key, asyncio.Lock())
+        async with lock:  # (one restore of a conversation at a time)
+            try:
+                if previous is not None:
+                    await self._ask(key, previous)
+                await asyncio.to_thread(handoff.restore, key)
+            except Exception as error:  # (the turn goes on without it: a longer prefill)
+                log.warning("a conversation could not be moved here: %r", error)
+        if not lock.locked():
+            self._arriving.pop(key, None)
+
+    async def _ask(self, key: str, previous: str) -> None:
+        """Ask the replica that answered ``key`` last to save it for this one (nothing if that
+        replica is gone: Ray then routes the call elsewhere, which declines)."""
+        if self._handle is None:
+            self._handle = serve.get_deployment_handle(*self.peers)
+        call = self._handle.options(session_id=f"{key}{PIN}{previous}").surrender.remote(key, previous)
+        try:
+            await asyncio.wait_for(_awaited(call), ASK_S)
+        except (RayActorError, TimeoutError) as error:
+            log.info("the replica that held a conversation did not hand it on: %r", error)
+
+    async def surrender(self, key: str, replica: str) -> bool:
+        """Another replica was given conversation ``key``: save it for that one and let it go
+        here (if this is ``replica``, the one that answered it last, and keeps it)."""
+        if replica != self.name or self.handoff is None:
+            return False
+        given = await asyncio.to_thread(self.handoff.give, key, "handed")
+        if given:
+            self.held.pop(key, None)
+        return given
+
     def _hold(self, key: str, held: bool) -> None:
         self.arrivals.add(held)
         self.held[key] = None
@@ -128,13 +197,32 @@ class Engine:
             return stats
         report = await asyncio.to_thread(self.model.memory)  # (it waits for the engine's lock)
         text = self.app.state.server.metrics.render([session.state for session in report.sessions])
-        self.board.put.remote(self.name, text + self.arrivals.render())
+        text += self.arrivals.render()
+        if self.handoff is not None:
+            text += self.handoff.render()
+            if time.monotonic() - self._swept > SWEEP_S:
+                self._swept = time.monotonic()
+                await asyncio.to_thread(self.handoff.spill.sweep)
+        self.board.put.remote(self.name, text)
         return stats
 
     def __del__(self) -> None:
-        model = getattr(self, "model", None)
-        if model is not None:
+        """Stopping (Ray calls this once its requests are done): the conversations kept here
+        saved for the other replicas, then the model closed."""
+        model, handoff = getattr(self, "model", None), getattr(self, "handoff", None)
+        if model is None or getattr(self, "_drained", False):
+            return
+        self._drained = True
+        try:
+            if handoff is not None and not model.closed:
+                saved = handoff.drain(self.drain_s)
+                log.info("a stopping replica saved %d conversations for the others", saved)
+        finally:
             model.close()
+
+
+async def _awaited(call: Any) -> Any:
+    return await call
 
 
 async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> AsyncIterator[Message]:
@@ -196,7 +284,9 @@ class Front:
         forwarded["headers"].append((CONVERSATION_HEADER, key.encode()))
         session = session_id(key, pinned, self.last.get(key))
         for attempt in range(RETRIES + 1):
-            stream = self.engine.options(stream=True, session_id=session).answer.remote(forwarded, body, key)
+            previous = self.last.get(key)
+            handle = self.engine.options(stream=True, session_id=session)
+            stream = handle.answer.remote(forwarded, body, key, previous)
             try:
                 first = await stream.__anext__()
             except RayActorError:  # (died while it held the request, before answering)

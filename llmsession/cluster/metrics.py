@@ -36,6 +36,34 @@ class Arrivals:
         return "\n".join(lines) + "\n"
 
 
+class Moves:
+    """A replica's conversations moved with their state (``handoff``): given up, by why
+    (``drained``: the replica was stopping; ``handed``: another replica asked for it), restored
+    here from the shared folder, and refused (a file whose seal or state did not fit)."""
+
+    def __init__(self) -> None:
+        self.given: Counter[str] = Counter()
+        self.restored = 0
+        self.refused = 0
+
+    def render(self, refused_seals: int = 0) -> str:
+        lines = [
+            "# HELP llmsession_cluster_conversations_moved_total Conversations saved for another replica",
+            "# TYPE llmsession_cluster_conversations_moved_total counter",
+            *(
+                f'llmsession_cluster_conversations_moved_total{{why="{why}"}} {self.given[why]}'
+                for why in ("drained", "handed")
+            ),
+            "# HELP llmsession_cluster_conversations_restored_total Conversations moved in, restored",
+            "# TYPE llmsession_cluster_conversations_restored_total counter",
+            f"llmsession_cluster_conversations_restored_total {self.restored}",
+            "# HELP llmsession_cluster_conversations_refused_total Moved conversations' files refused",
+            "# TYPE llmsession_cluster_conversations_refused_total counter",
+            f"llmsession_cluster_conversations_refused_total {self.refused + refused_seals}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
 def replicas_gauge(replicas: int) -> str:
     return (
         "# HELP llmsession_cluster_replicas Replicas whose metrics are fresh\n"

@@ -37,7 +37,9 @@ class Cluster:
     min_replicas: int | None = None  # with max_replicas or target_ongoing: Ray's autoscaling
     max_replicas: int | None = None
     target_ongoing: float | None = None
+    downscale_delay: float | None = None  # seconds of low load before autoscaling removes a replica
     shutdown_timeout: float = 10.0  # how long a stopping replica lets its streams finish
+    secret: bytes | None = None  # to move conversations through memory.disk_cache_dir (``moving``)
 
     @property
     def most_replicas(self) -> int:
@@ -54,7 +56,7 @@ class Cluster:
             "max_ongoing_requests": ENGINE_ONGOING,
             "graceful_shutdown_timeout_s": self.shutdown_timeout,  # (streams finish, then stop)
         }
-        bounds = (self.min_replicas, self.max_replicas, self.target_ongoing)
+        bounds = (self.min_replicas, self.max_replicas, self.target_ongoing, self.downscale_delay)
         if all(bound is None for bound in bounds):
             return {**options, "num_replicas": self.replicas}
         low = self.min_replicas if self.min_replicas is not None else 1
@@ -70,6 +72,10 @@ class Cluster:
         }
         if self.target_ongoing is not None:
             scaling["target_ongoing_requests"] = self.target_ongoing
+        if self.downscale_delay is not None:
+            if not self.downscale_delay >= 0:
+                raise ValueError(f"--downscale-delay must be 0 or more seconds, got {self.downscale_delay}")
+            scaling["downscale_delay_s"] = self.downscale_delay
         return {**options, "autoscaling_config": scaling}
 
 
@@ -95,7 +101,15 @@ def application(cluster: Cluster) -> Any:
         graceful_shutdown_timeout_s=cluster.shutdown_timeout,
     )(serve.ingress()(Front))
     board = cast(Any, Board).remote()  # (this process owns it: it ends with the command)
-    bound_engine = engine.bind(str(cluster.path), cluster.config, cluster.memory, cluster.app_settings, board)
+    bound_engine = engine.bind(
+        str(cluster.path),
+        cluster.config,
+        cluster.memory,
+        cluster.app_settings,
+        board,
+        cluster.secret,
+        cluster.shutdown_timeout,
+    )
     return front.bind(bound_engine, cluster.max_body_bytes, board)
 
 

@@ -37,6 +37,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --replicas: requests in flight per replica that Ray's autoscaling aims at",
     )
     add(
+        "--downscale-delay",
+        type=float,
+        metavar="S",
+        help="with --replicas: seconds the load must stay low before Ray's autoscaling removes a "
+        "replica (Ray's default: 600); a removed replica's conversations move with their state "
+        "through a shared --disk-cache-dir",
+    )
+    add(
         "--replica-cpus",
         type=float,
         metavar="C",
@@ -78,7 +86,9 @@ def serve_replicas(
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_ongoing=args.target_ongoing_requests,
+        downscale_delay=args.downscale_delay,
         shutdown_timeout=args.shutdown_timeout,
+        secret=_secret() if memory.disk_cache_dir is not None else None,
     )
     try:
         cluster.engine_options()  # (a bad combination refused before Ray starts)
@@ -95,11 +105,22 @@ def serve_replicas(
     return 0
 
 
+def _secret() -> bytes:
+    """The cluster's secret, kept in the cache root (``moving.load_secret``)."""
+    from llmsession.cluster.moving import load_secret
+    from llmsession.commands.paths import cache_root
+
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    return load_secret(root / "cluster-secret")
+
+
 def check_cluster_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with the cluster options given, if anything: each needs ``--replicas``."""
     if args.replicas is not None:
         return None
-    names = ("ray_address", "replica_cpus", "min_replicas", "max_replicas", "target_ongoing_requests")
+    names = ["ray_address", "replica_cpus", "min_replicas", "max_replicas", "target_ongoing_requests"]
+    names.append("downscale_delay")
     given = [name for name in names if getattr(args, name) is not None]
     if given:
         return f"--{given[0].replace('_', '-')} needs --replicas"

@@ -1,0 +1,88 @@
+"""A replica's side of moving conversations with their state (``moving``): restoring one that
+arrives from another replica, and giving one up, when another replica asks for it or when this
+one stops. Blocking: run in threads. No Ray: the replica asks its peers (``deployment.Engine``).
+
+A conversation's session is taken out of the model's kept ones (``Model.take_conversation``),
+saved to the shared folder and closed; the replica it goes to loads it (``Model.load_session``)
+and keeps it for the same tenant (``Model.keep_conversation``), so its next turn decodes only
+what is new. A file that cannot be restored (another model, build or layout; a changed file) is
+refused and counted; the turn then decodes its whole prompt, as a conversation never spilled does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from llmsession.cluster.metrics import Moves
+from llmsession.cluster.moving import SharedSpill
+from llmsession.errors import LlmSessionError
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
+
+log = logging.getLogger("llmsession.cluster")
+
+
+class Handoff:
+    """Conversations moving in and out of one replica's ``model`` through ``spill``."""
+
+    def __init__(self, model: Model, spill: SharedSpill) -> None:
+        self.model, self.spill = model, spill
+        self.moves = Moves()
+
+    def give(self, key: str, why: str) -> bool:
+        """Save conversation ``key`` for another replica and let it go here (True), or keep it
+        (False: not kept here, answering a call now, or it could not be saved)."""
+        taken = self.model.take_conversation(key)
+        if taken is None:
+            return False
+        session, tenant = taken
+        try:
+            saved = self.spill.put(key, tenant, session.save)
+        except (LlmSessionError, OSError) as error:
+            log.warning("a conversation could not be saved for another replica: %s", error)
+            saved = False
+        if not saved:  # (it stays here, as it was)
+            self.model.keep_conversation(session, tenant=tenant, conversation=key)
+            return False
+        session.close()
+        self.moves.given[why] += 1
+        return True
+
+    def restore(self, key: str) -> bool:
+        """Restore conversation ``key`` from the shared folder if it is there (True)."""
+        claimed = self.spill.claim(key)
+        if claimed is None:
+            return False
+        try:
+            session = self.model.load_session(claimed.path)
+        except LlmSessionError as error:
+            self.moves.refused += 1
+            log.warning("a conversation's file could not be loaded: %s", error)
+            return False
+        finally:
+            claimed.path.unlink(missing_ok=True)
+        if session.cached_tokens == 0:  # (its state did not fit this model: only a transcript)
+            session.close()
+            self.moves.refused += 1
+            return False
+        self.model.keep_conversation(session, tenant=claimed.tenant, conversation=key)
+        self.moves.restored += 1
+        return True
+
+    def drain(self, seconds: float) -> int:
+        """Give up every conversation kept here, the most recent first, for at most ``seconds``
+        (the replica is stopping); how many were saved."""
+        deadline = time.monotonic() + seconds
+        given = 0
+        for key in reversed(self.model.conversations()):
+            if time.monotonic() > deadline:
+                log.warning("a stopping replica ran out of time to save its conversations")
+                break
+            given += self.give(key, "drained")
+        return given
+
+    def render(self) -> str:
+        return self.moves.render(self.spill.refused)

@@ -1,0 +1,167 @@
+"""Conversations handed from one replica to another with their state, through a folder every
+replica sees (``--disk-cache-dir``: a folder on one host, a network filesystem on a cluster).
+
+A replica that lets a conversation go (it is stopping, or the replica the conversation went to
+asks for it) saves its session (``Session.save``: the transcript, the KV state and what that
+depends on, under a sha256) and appends a seal: the conversation's tenant and an HMAC, under
+the cluster's secret (``load_secret``), of the conversation's key, that tenant and the file's
+checksum. The file is written under a hidden name and renamed to ``<key>.conversation`` when
+whole, so it is never read half written; a newer one replaces an older one at once.
+
+A replica given a conversation it does not hold claims its file by renaming it to a hidden name
+of its own (one rename wins; the others find nothing), checks the seal (a file someone else
+wrote or changed, or one renamed to another conversation, is refused and removed before any of
+it is read as a session), cuts the seal off and hands the session file to ``Model.load_session``
+(which restores the state only for the same model, build and context layout); the claimed file
+is removed once loaded. Files nobody claims are removed after ``MAX_AGE_S``, and hidden ones a
+replica that died left behind after ``STALE_S``. Pure Python: no Ray, no model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("llmsession.cluster")
+FOLDER = "conversations"  # under the disk cache directory
+SUFFIX = ".conversation"
+MAX_AGE_S = 24 * 3600.0  # an unclaimed conversation's file, then removed
+STALE_S = 3600.0  # a hidden file (being written, or claimed) whose replica died
+KEY = re.compile(r"[0-9a-f]{32}")  # a conversation's key (``keys``): the only names made here
+MAX_TENANT = 512  # characters of a tenant's name kept in a seal
+SECRET_BYTES = 32
+SEAL_MAGIC = b"LLMSEAL1"
+_TAIL = struct.Struct("<I8s32s")  # the seal's length, its magic, the HMAC
+_CHECKSUM = 32  # the session file's own sha256, just before the seal
+
+
+def load_secret(path: Path) -> bytes:
+    """The cluster's secret, kept in ``path`` (made on first use, readable by its owner only):
+    the command that runs the cluster gives it to every replica, so only they can seal."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_bytes()
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"{path} does not hold a secret of {SECRET_BYTES} bytes: remove it") from None
+        return secret
+    secret = secrets.token_bytes(SECRET_BYTES)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return secret
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A conversation's file this replica claimed: a session file now (the seal cut off), and
+    the tenant it was saved for."""
+
+    path: Path
+    tenant: str | None
+
+
+class SharedSpill:
+    """The shared folder's conversations, for one replica (``owner``: its name, in its hidden
+    files' names). ``refused`` counts the files it refused."""
+
+    def __init__(self, directory: Path, secret: bytes, owner: str) -> None:
+        if len(secret) < 16:
+            raise ValueError("the cluster's secret is too short")
+        self.folder = Path(directory) / FOLDER
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.secret = secret
+        self.owner = re.sub(r"[^A-Za-z0-9]", "", owner)[:32] or "replica"
+        self.refused = 0
+
+    def put(self, key: str, tenant: str | None, save: Callable[[Path], None]) -> bool:
+        """Save a conversation for another replica (``save`` writes a session file to the path
+        it is given); False if it cannot be (a key or tenant this folder does not take)."""
+        if not KEY.fullmatch(key) or (tenant is not None and len(tenant) > MAX_TENANT):
+            return False
+        hidden = self.folder / f".writing-{self.owner}-{secrets.token_hex(8)}"
+        try:
+            save(hidden)
+            with hidden.open("r+b") as f:
+                f.seek(-_CHECKSUM, os.SEEK_END)
+                checksum = f.read(_CHECKSUM)
+                seal = json.dumps({"tenant": tenant, "by": self.owner, "at": time.time()}).encode()
+                tag = self._tag(key, seal, checksum)
+                f.seek(0, os.SEEK_END)
+                f.write(seal + _TAIL.pack(len(seal), SEAL_MAGIC, tag))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(hidden, self.folder / f"{key}{SUFFIX}")  # (whole: a claim never sees it half made)
+            return True
+        finally:
+            hidden.unlink(missing_ok=True)
+
+    def claim(self, key: str) -> Claimed | None:
+        """The conversation's file, claimed by this replica and checked, or None (none there,
+        another replica claimed it first, or it was refused)."""
+        if not KEY.fullmatch(key):
+            return None
+        mine = self.folder / f".claimed-{self.owner}-{secrets.token_hex(8)}"
+        try:
+            os.rename(self.folder / f"{key}{SUFFIX}", mine)
+        except FileNotFoundError:
+            return None
+        try:
+            tenant = self._unsealed(key, mine)
+        except (OSError, ValueError) as error:
+            mine.unlink(missing_ok=True)
+            self.refused += 1
+            log.warning("a conversation's file was refused: %s", error)
+            return None
+        return Claimed(mine, tenant)
+
+    def _unsealed(self, key: str, path: Path) -> str | None:
+        """The tenant a claimed file was sealed for, its seal checked and cut off (ValueError if
+        it is not a sealed session file of this cluster's, for this conversation)."""
+        with path.open("r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < _TAIL.size + _CHECKSUM:
+                raise ValueError("it is too short to be sealed")
+            f.seek(size - _TAIL.size)
+            length, magic, tag = _TAIL.unpack(f.read(_TAIL.size))
+            if magic != SEAL_MAGIC or length > min(4096, size - _TAIL.size - _CHECKSUM):
+                raise ValueError("it carries no seal")
+            body = size - _TAIL.size - length  # (the session file's bytes end here)
+            f.seek(body - _CHECKSUM)
+            checksum, seal = f.read(_CHECKSUM), f.read(length)
+            if not hmac.compare_digest(tag, self._tag(key, seal, checksum)):
+                raise ValueError("its seal does not match (not this cluster's, or changed)")
+            f.truncate(body)
+        parsed = json.loads(seal)
+        tenant = parsed.get("tenant") if isinstance(parsed, dict) else 0
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError("its seal names no tenant")
+        return tenant
+
+    def _tag(self, key: str, seal: bytes, checksum: bytes) -> bytes:
+        message = b"\0".join((b"llmsession-conversation", key.encode(), seal, checksum))
+        return hmac.new(self.secret, message, hashlib.sha256).digest()
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove the files nobody claimed within ``MAX_AGE_S``, and hidden ones left behind;
+        how many were removed."""
+        now = time.time() if now is None else now
+        removed = 0
+        for entry in os.scandir(self.folder):
+            limit = STALE_S if entry.name.startswith(".") else MAX_AGE_S
+            try:
+                if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime > limit:
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue  # (claimed or removed meanwhile)
+        return removed

@@ -1,0 +1,257 @@
+"""Conversations moving between models with their state (``Model.take_conversation`` /
+``keep_conversation``, and the cluster's shared folder, ``cluster.moving`` and ``handoff``),
+on real models: the moved conversation's next turn decodes only what is new and answers exactly
+as the model it left would have; a file that was changed, forged, sealed for another
+conversation or saved from another model is refused and its turn decodes from scratch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmsession import GenerationOptions, Model, SessionConfig
+from llmsession.cluster.handoff import Handoff
+from llmsession.cluster.moving import MAX_AGE_S, STALE_S, SharedSpill, load_secret
+
+SECRET = b"s" * 32
+KEY = "0123456789abcdef0123456789abcdef"
+OTHER_KEY = "fedcba9876543210fedcba9876543210"
+GREEDY = GenerationOptions(max_tokens=12, temperature=0.0)
+KEPT = SessionConfig(share_prefix=False)  # (as the server's calls: kept apart by tenant)
+SYSTEM = {"role": "system", "content": "You answer briefly. " * 24}
+
+
+def opening() -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": "Name three fruits."}]
+
+
+def next_turn(messages: list[dict[str, Any]], reply: str, question: str) -> list[dict[str, Any]]:
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+@pytest.fixture
+def second(smollm2_path: Path) -> Iterator[Model]:
+    """Another replica's model: the same file, loaded apart."""
+    with Model(smollm2_path, threads=2) as model:
+        yield model
+
+
+def fake_session(body: bytes) -> Any:
+    """A ``save`` that writes a file ending in its body's sha256, as a session file does."""
+
+    def save(path: Path) -> None:
+        path.write_bytes(body + hashlib.sha256(body).digest())
+
+    return save
+
+
+# -- the shared folder, pure ------------------------------------------------------------------
+
+
+def test_a_sealed_file_is_claimed_once_with_its_tenant(tmp_path: Path) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "replica-a")
+    assert spill.put(KEY, "alice", fake_session(b"state"))
+    assert spill.put(OTHER_KEY, None, fake_session(b"other"))
+    here, there = SharedSpill(tmp_path, SECRET, "b"), SharedSpill(tmp_path, SECRET, "c")
+    claimed = here.claim(KEY)
+    assert claimed is not None and claimed.tenant == "alice"
+    body = b"state"
+    assert claimed.path.read_bytes() == body + hashlib.sha256(body).digest()  # (the seal cut off)
+    assert there.claim(KEY) is None and here.claim(KEY) is None  # (claimed: gone for everyone)
+    other = there.claim(OTHER_KEY)
+    assert other is not None and other.tenant is None
+    assert here.refused == there.refused == 0
+
+
+def test_concurrent_claims_give_the_file_to_one(tmp_path: Path) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    for _ in range(20):
+        assert spill.put(KEY, "alice", fake_session(b"x" * 1000))
+        got: list[object] = []
+        claimers = [SharedSpill(tmp_path, SECRET, f"r{i}") for i in range(4)]
+        threads = [threading.Thread(target=lambda s=s, got=got: got.append(s.claim(KEY))) for s in claimers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sum(claim is not None for claim in got) == 1
+
+
+@pytest.mark.parametrize("how", ["seal", "checksum", "secret", "renamed", "unsealed", "short"])
+def test_a_forged_or_changed_seal_is_refused_and_removed(tmp_path: Path, how: str) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"state" * 100))
+    path = spill.folder / f"{KEY}.conversation"
+    data = bytearray(path.read_bytes())
+    if how == "seal":  # (another tenant named in the seal)
+        data = bytearray(bytes(data).replace(b'"alice"', b'"mallo"'))
+    elif how == "checksum":  # (the session file's own checksum, which the seal covers)
+        data[500 + 2] ^= 0x01
+    elif how == "secret":  # (sealed by someone without this cluster's secret)
+        path.unlink()
+        assert SharedSpill(tmp_path, b"t" * 32, "x").put(KEY, "alice", fake_session(b"state" * 100))
+        data = bytearray(path.read_bytes())
+    elif how == "renamed":  # (another conversation's file under this one's name)
+        assert spill.put(OTHER_KEY, "alice", fake_session(b"state" * 100))
+        data = bytearray((spill.folder / f"{OTHER_KEY}.conversation").read_bytes())
+    elif how == "unsealed":  # (a plain session file with a valid checksum)
+        data = bytearray(b"state" * 100 + hashlib.sha256(b"state" * 100).digest())
+    else:
+        data = data[:20]
+    path.write_bytes(bytes(data))
+    claimer = SharedSpill(tmp_path, SECRET, "b")
+    assert claimer.claim(KEY) is None
+    assert claimer.refused == 1
+    assert not [p for p in spill.folder.iterdir() if KEY in p.name or p.name.startswith(".claimed")]
+
+
+def test_the_variant_that_must_pass_an_untouched_file_is_claimed(tmp_path: Path) -> None:
+    """The control for the test above: the same file, unchanged, is accepted."""
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"state" * 100))
+    assert SharedSpill(tmp_path, SECRET, "b").claim(KEY) is not None
+
+
+def test_names_the_folder_does_not_take_are_never_opened(tmp_path: Path) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert not spill.put("../../etc/passwd", "alice", fake_session(b"x"))
+    assert not spill.put(KEY, "x" * 600, fake_session(b"x"))  # (a tenant too long to seal)
+    assert spill.claim("../" + KEY) is None and spill.claim("*") is None
+    assert list(spill.folder.iterdir()) == []
+
+
+def test_a_newer_file_replaces_an_older_one(tmp_path: Path) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"old"))
+    assert spill.put(KEY, "alice", fake_session(b"new"))
+    claimed = SharedSpill(tmp_path, SECRET, "b").claim(KEY)
+    assert claimed is not None and claimed.path.read_bytes().startswith(b"new")
+
+
+def test_unclaimed_and_abandoned_files_age_out(tmp_path: Path) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"old"))
+    assert spill.put(OTHER_KEY, "alice", fake_session(b"fresh"))
+    abandoned = spill.folder / ".claimed-dead-0000"
+    abandoned.write_bytes(b"left by a replica that died")
+    now = time.time()
+    os.utime(spill.folder / f"{KEY}.conversation", (now - MAX_AGE_S - 5, now - MAX_AGE_S - 5))
+    os.utime(abandoned, (now - STALE_S - 5, now - STALE_S - 5))
+    assert spill.sweep() == 2
+    assert [p.name for p in spill.folder.iterdir()] == [f"{OTHER_KEY}.conversation"]
+
+
+def test_the_secret_is_made_once_and_kept_private(tmp_path: Path) -> None:
+    path = tmp_path / "cluster-secret"
+    secret = load_secret(path)
+    assert len(secret) == 32 and load_secret(path) == secret
+    assert path.stat().st_mode & 0o077 == 0
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="remove it"):
+        load_secret(path)
+
+
+# -- moving conversations between models --------------------------------------------------------
+
+
+def test_a_conversation_moves_with_its_state_and_answers_as_it_would_have(
+    smollm2: Model, second: Model, tmp_path: Path
+) -> None:
+    """The differential: the same turn answered where the conversation was (its session put
+    back) and where it moved (the file loaded): the same tokens, and the moved one decodes only
+    the new turn."""
+    first = smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert KEY in smollm2.conversations()
+    taken = smollm2.take_conversation(KEY)
+    assert taken is not None and KEY not in smollm2.conversations()
+    session, tenant = taken
+    assert tenant == "alice"
+    session.save(tmp_path / "moved.llmsession")
+    held = session.cached_tokens
+    smollm2.keep_conversation(session, tenant="alice", conversation=KEY)  # (stays, for the control)
+    moved = second.load_session(tmp_path / "moved.llmsession")
+    second.keep_conversation(moved, tenant="alice", conversation=KEY)
+    asked = next_turn(opening(), first.text, "And two colours?")
+    new_tokens = len(smollm2.prompt_tokens(asked, tenant="alice", config=KEPT)) - held
+    scored = GenerationOptions(max_tokens=12, temperature=0.0, logprobs=2)
+    stayed = smollm2.chat(asked, scored, tenant="alice", conversation=KEY, config=KEPT)
+    there = second.chat(asked, scored, tenant="alice", conversation=KEY, config=KEPT)
+    assert there.text == stayed.text and there.logprobs == stayed.logprobs  # (the same numbers)
+    assert there.usage.restored_tokens == held > 0
+    assert there.usage.decoded_prompt_tokens <= new_tokens + 1
+    assert stayed.usage.decoded_prompt_tokens <= new_tokens + 1
+
+
+def test_a_moved_conversation_stays_its_tenants(smollm2: Model, second: Model, tmp_path: Path) -> None:
+    """Kept for alice, it is nothing to bob: his identical call decodes everything."""
+    first = smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    taken = smollm2.take_conversation(KEY)
+    assert taken is not None
+    taken[0].save(tmp_path / "moved.llmsession")
+    taken[0].close()
+    second.keep_conversation(
+        second.load_session(tmp_path / "moved.llmsession"), tenant="alice", conversation=KEY
+    )
+    asked = next_turn(opening(), first.text, "And two colours?")
+    bob = second.chat(asked, GREEDY, tenant="bob", config=KEPT)
+    assert bob.usage.reused_tokens == 0
+    alice = second.chat(asked, GREEDY, tenant="alice", config=KEPT)
+    assert alice.usage.reused_tokens > 0
+
+
+def test_a_session_of_another_model_is_refused(smollm2: Model, second: Model) -> None:
+    session = second.session()
+    with pytest.raises(ValueError, match="of this model"):
+        smollm2.keep_conversation(session, tenant=None, conversation=KEY)
+    session.close()
+    with pytest.raises(ValueError, match="256"):
+        smollm2.chat(opening(), GREEDY, conversation="x" * 257)
+
+
+def test_handoff_restores_through_the_shared_folder(smollm2: Model, second: Model, tmp_path: Path) -> None:
+    here = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a"))
+    there = Handoff(second, SharedSpill(tmp_path, SECRET, "b"))
+    first = smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert there.restore(KEY) is False  # (nothing saved yet)
+    assert here.drain(10.0) == 1 and smollm2.conversations() == []
+    assert there.restore(KEY) is True and second.conversations() == [KEY]
+    assert list(there.spill.folder.iterdir()) == []  # (the claimed file removed once loaded)
+    reply = second.chat(next_turn(opening(), first.text, "Why?"), GREEDY, tenant="alice", config=KEPT)
+    assert reply.usage.restored_tokens > 0
+    assert "llmsession_cluster_conversations_restored_total 1" in there.render()
+    assert 'llmsession_cluster_conversations_moved_total{why="drained"} 1' in here.render()
+
+
+def test_a_changed_state_is_refused_and_the_turn_decodes_it_all(
+    smollm2: Model, second: Model, tmp_path: Path
+) -> None:
+    """The variant that must fail: a byte of the state changed under its seal (the seal holds,
+    the session file's checksum does not): refused, and the turn answers from scratch."""
+    here = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a"))
+    there = Handoff(second, SharedSpill(tmp_path, SECRET, "b"))
+    first = smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert here.give(KEY, "handed")
+    path = here.spill.folder / f"{KEY}.conversation"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+    assert there.restore(KEY) is False and there.moves.refused == 1
+    reply = second.chat(next_turn(opening(), first.text, "Why?"), GREEDY, tenant="alice", config=KEPT)
+    assert reply.usage.reused_tokens == 0
+
+
+def test_a_state_of_another_model_is_refused(smollm2: Model, gemma3: Model, tmp_path: Path) -> None:
+    """Saved from Gemma 3, offered to SmolLM2: the seal holds, the state does not fit."""
+    here = Handoff(gemma3, SharedSpill(tmp_path, SECRET, "a"))
+    there = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "b"))
+    gemma3.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert here.give(KEY, "handed")
+    assert there.restore(KEY) is False and there.moves.refused == 1
+    assert KEY not in smollm2.conversations()
