@@ -458,3 +458,37 @@ def test_autoscaling_options_go_to_ray_and_a_bad_range_is_refused() -> None:
     }
     with pytest.raises(ValueError, match="within"):
         dataclasses.replace(base, min_replicas=3).engine_options()
+
+
+def test_a_prefix_router_is_given_the_conversation_as_text() -> None:
+    from llmsession.cluster.keys import prompt_text
+
+    parts = b'[{"type": "text", "text": "U"}]'
+    chat = b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": ' + parts + b"}]}"
+    assert prompt_text("/v1/chat/completions", chat) == "S\nU"
+    anthropic = b'{"system": "S", "messages": [{"role": "user", "content": "U"}]}'
+    assert prompt_text("/v1/messages", anthropic) == "S\nU"
+    assert prompt_text("/v1/responses", b'{"instructions": "I", "input": "U"}') == "I\nU"
+    assert prompt_text("/v1/completions", b'{"prompt": "P"}') == "P"
+    assert prompt_text("/v1/models", b"") == "/v1/models"  # (never empty: that router cannot route "")
+    assert prompt_text("/x", b"[1, 2]") == "/x"
+
+
+def test_the_cluster_bench_counts_a_turn_elsewhere_as_a_move() -> None:
+    from llmsession.commands.bench.cluster import moves
+
+    def request(conversation: int, turn: int, replica: str, prompt: int, cached: int) -> dict[str, Any]:
+        return {"conversation": conversation, "turn": turn, "replica": replica, "sent_s": float(turn),
+                "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": 10}  # fmt: skip
+
+    requests = [
+        request(0, 1, "a", 600, 0),
+        request(0, 2, "a", 640, 610),
+        request(0, 3, "b", 680, 650),  # (moved with its state: decoded 30 of the 30 it added)
+        request(1, 1, "b", 600, 0),
+        request(1, 2, "a", 640, 0),  # (moved cold: decoded 640 of 30)
+    ]
+    found = {(m["conversation"], m["turn"]): m for m in moves(requests)}
+    assert set(found) == {(0, 3), (1, 2)}
+    assert found[0, 3]["added"] == 30 and found[0, 3]["ratio"] == 1.0
+    assert found[1, 2]["decoded"] == 640 and found[1, 2]["ratio"] == 640 / 30

@@ -1,11 +1,5 @@
-"""The two Ray Serve deployments of ``serve --replicas``: ``Front``, the HTTP ingress (one
-light replica), and ``Engine``, the model replicas.
-
-``Front`` reads a request's body (bounded), finds its conversation (``keys.conversation_key``),
-and hands the request to an ``Engine`` replica through a handle whose ``session_id`` is that key,
-so ``router.ConversationRouter`` chooses the replica; the replica's ASGI messages come back as a
-stream and are relayed as they come. A replica that fails before its answer began is replaced
-by the next one the router ranks (the request is retried there); after, the stream ends.
+"""The engine deployment of ``serve --replicas`` (``front`` is its ingress): the model replicas,
+and the board their metrics go to.
 
 ``Engine`` is a ``Model`` with the server's app (``serve.create_app``), run in-process on each
 request's ASGI scope. It names itself in every response (``x-llmsession-replica``) and reports
@@ -20,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +27,14 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from llmsession.cluster.handoff import Handoff
-from llmsession.cluster.keys import PIN, routing, session_id
-from llmsession.cluster.metrics import STALE_S, Arrivals, merged, replicas_gauge
+from llmsession.cluster.keys import PIN
+from llmsession.cluster.metrics import STALE_S, Arrivals
 from llmsession.cluster.moving import SharedSpill
 
 log = logging.getLogger("llmsession.cluster")
 REPLICA_HEADER = b"x-llmsession-replica"
 CONVERSATION_HEADER = b"x-llmsession-conversation"  # the key, for the replica (``keys``)
-INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
 HELD_CONVERSATIONS = 4096  # the most recent conversations a replica reports holding
-RETRIES = 1  # another replica tries a request whose replica died holding it, before answering
-BODY_TIMEOUT_S = 60.0  # for a request's body to arrive (a slow upload holds the front)
 ASK_S = 30.0  # for the replica that answered a conversation last to save it for another
 SWEEP_S = 300.0  # how often a replica removes the shared folder's files nobody claimed
 
@@ -66,6 +57,14 @@ class Board:
     def fresh(self) -> dict[str, str]:
         now = time.monotonic()
         return {replica: text for replica, (at, text) in self.texts.items() if now - at <= STALE_S}
+
+
+@dataclass(frozen=True)
+class Text:
+    """A request's text, where Ray's prefix-cache router looks for it (an argument's
+    ``prompt``)."""
+
+    prompt: str
 
 
 class Engine:
@@ -105,11 +104,12 @@ class Engine:
         self._drained = False
 
     async def answer(
-        self, scope: Scope, body: bytes, key: str, previous: str | None = None
+        self, scope: Scope, body: bytes, key: str, previous: str | None = None, text: Text | None = None
     ) -> AsyncIterator[Message]:
         """The app's ASGI messages for one request, as they are sent; the replica's name goes to
         the app (response ids carry it) and to the client (``x-llmsession-replica``).
-        ``previous``: the replica that answered the conversation last, as the front knows."""
+        ``previous``: the replica that answered the conversation last, as the front knows;
+        ``text``: the request's, for Ray's prefix router (read by it, not here)."""
         held = key in self.held
         if self.handoff is not None and previous != self.name and (previous is not None or not held):
             await self._arrive(self.handoff, key, previous)
@@ -242,152 +242,3 @@ async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> 
             yield sent.get_nowait()
         task.result()  # (raises what the app raised)
         return
-
-
-class Front:
-    """The ingress: routes each request to its conversation's replica and relays the answer."""
-
-    def __init__(self, engine: Any, max_body_bytes: int, board: Any) -> None:
-        self.engine = engine
-        self.max_body_bytes = max_body_bytes
-        self.board = board
-        self.last: OrderedDict[str, str] = OrderedDict()  # key -> the replica that answered it last
-
-    def __serve_build_asgi_app__(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:  # (a function: ASGI 3)
-            await self.asgi(scope, receive, send)
-
-        return app
-
-    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return  # (websockets: none served)
-        try:
-            body = await asyncio.wait_for(_body(receive, self.max_body_bytes), BODY_TIMEOUT_S)
-        except TimeoutError:
-            await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
-            return
-        if body is None:
-            await _error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes")
-            return
-        if body is GONE:
-            return
-        forwarded = _forwarded(scope)
-        headers: dict[str, str] = {}
-        for name, value in forwarded["headers"]:  # (the first of a repeated header, as the server reads it)
-            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-        path = scope.get("path", "/")
-        key, pinned = await asyncio.to_thread(routing, path, headers, body)  # (a large body's parse)
-        forwarded["headers"].append((CONVERSATION_HEADER, key.encode()))
-        session = session_id(key, pinned, self.last.get(key))
-        for attempt in range(RETRIES + 1):
-            previous = self.last.get(key)
-            handle = self.engine.options(stream=True, session_id=session)
-            stream = handle.answer.remote(forwarded, body, key, previous)
-            try:
-                first = await stream.__anext__()
-            except RayActorError:  # (died while it held the request, before answering)
-                if attempt == RETRIES:
-                    await _error(send, 503, "no replica could answer the request; try again")
-                    return
-                continue  # (it had not begun: another replica answers)
-            self._answered(key, first)
-            if path == "/metrics" and first.get("status") == 200 and await self._metrics(send, first):
-                stream.cancel()  # (its own text is not needed: the board had every replica's)
-                return
-            await send(first)
-            try:
-                async for message in stream:
-                    await send(message)
-            except RayActorError:  # (the replica died mid-answer: the connection is cut, so the
-                log.warning("a replica died while answering %s", path)  # client sees it unfinished)
-                raise
-            return
-
-    def _answered(self, key: str, first: Message) -> None:
-        """Remember which replica answered ``key`` (and so holds its state)."""
-        names = [v for k, v in first.get("headers", []) if k.lower() == REPLICA_HEADER]
-        if first.get("status", 500) < 400 and names:
-            self.last[key] = names[-1].decode("latin-1")
-            self.last.move_to_end(key)
-            while len(self.last) > HELD_CONVERSATIONS * 16:
-                self.last.popitem(last=False)
-
-    async def _metrics(self, send: Send, first: Message) -> bool:
-        """The cluster's metrics, for a request a replica authorized: every fresh replica's; False
-        (nothing sent: the replica's own answer is relayed) when the board cannot be read."""
-        try:
-            texts = await self.board.fresh.remote()
-        except RayActorError:
-            log.warning("the metrics board is gone: /metrics shows one replica's")
-            return False
-        body = (merged(texts) + replicas_gauge(len(texts))).encode()
-        headers = [(k, v) for k, v in first.get("headers", []) if k.lower() != b"content-length"]
-        await send({**first, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-        return True
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    """Nothing to start or stop: each replica's model is the engine deployment's."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-GONE = b"(the client left)"  # (compared by identity)
-
-
-async def _body(receive: Receive, limit: int) -> bytes | None:
-    """The request's body, None past ``limit`` bytes, or ``GONE`` if the client left."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return GONE
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _forwarded(scope: Scope) -> dict[str, Any]:
-    """The parts of an ASGI scope a replica's app reads, picklable, without the cluster's own
-    headers as a client may have sent them."""
-    headers = [
-        (bytes(k), bytes(v))
-        for k, v in scope.get("headers", [])
-        if not bytes(k).lower().startswith(INTERNAL_PREFIX)
-    ]
-    client = scope.get("client")
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": scope.get("http_version", "1.1"),
-        "method": scope.get("method", "GET"),
-        "scheme": scope.get("scheme", "http"),
-        "path": scope.get("path", "/"),
-        "raw_path": scope.get("raw_path"),
-        "query_string": scope.get("query_string", b""),
-        "root_path": "",
-        "headers": headers,
-        "client": tuple(client) if client else None,
-        "server": tuple(scope["server"]) if scope.get("server") else None,
-    }
-
-
-async def _error(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "server_error", "code": status}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

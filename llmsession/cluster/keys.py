@@ -134,6 +134,25 @@ def _opening(body: Mapping[str, Any]) -> tuple[str, str]:
     return system[:OPENING_CHARS], first[:OPENING_CHARS]
 
 
+MAX_PROMPT_TEXT = 1 << 16  # characters of a request's text a text-matching router is given
+
+
+def prompt_text(path: str, body: bytes) -> str:
+    """A request's conversation as plain text (its system prompt and every message's text, in
+    order), for a router that matches prefixes of text (Ray's prefix-cache router); the path
+    when there is none (that router cannot route an empty text)."""
+    parsed = _parsed(body)
+    parts = [_text(parsed.get("system")) or _text(parsed.get("instructions"))]
+    items = parsed.get("messages")
+    items = parsed.get("input") if not isinstance(items, list) else items
+    if isinstance(items, str):
+        parts.append(items)
+    elif isinstance(items, list):
+        parts += [_text(item.get("content")) for item in items if isinstance(item, dict)]
+    parts.append(_text(parsed.get("prompt")))
+    return "\n".join(part for part in parts if part)[:MAX_PROMPT_TEXT] or path
+
+
 def _text(value: object) -> str:
     """A content's text: a str, or the text of its parts (blocks) joined."""
     if isinstance(value, str):

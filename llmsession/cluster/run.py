@@ -17,6 +17,16 @@ APP_NAME = "llmsession"
 STATS_PERIOD_S = 1.0  # how often replicas report what they hold
 STOP_GRACE_S = 30.0  # beyond the replicas' own shutdown timeout, for Serve to stop
 ENGINE_ONGOING = 64  # requests one replica takes at once (its server queues beyond its sessions)
+# The request routers ``--request-router`` offers: ours, and Ray's own for comparison (``bench
+# cluster``), which get the conversation's key alone as the session id.
+ROUTERS = {
+    "conversation": "llmsession.cluster.router.ConversationRouter",
+    "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "consistent-hash": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+    "prefix-affinity": (  # (given each request's text: ``deployment.Text``)
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class Cluster:
     target_ongoing: float | None = None
     downscale_delay: float | None = None  # seconds of low load before autoscaling removes a replica
     shutdown_timeout: float = 10.0  # how long a stopping replica lets its streams finish
+    router: str = "conversation"  # a name in ``ROUTERS``
     secret: bytes | None = None  # to move conversations through memory.disk_cache_dir (``moving``)
 
     @property
@@ -84,13 +95,14 @@ def application(cluster: Cluster) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from llmsession.cluster.deployment import Board, Engine, Front
+    from llmsession.cluster.deployment import Board, Engine
+    from llmsession.cluster.front import Front
 
     routing: Any = RequestRouterConfig  # (a pydantic model its stubs mistype)
     engine = serve.deployment(
         **cluster.engine_options(),
         request_router_config=routing(
-            request_router_class="llmsession.cluster.router.ConversationRouter",
+            request_router_class=ROUTERS[cluster.router],
             request_routing_stats_period_s=STATS_PERIOD_S,
         ),
     )(Engine)
@@ -110,7 +122,7 @@ def application(cluster: Cluster) -> Any:
         cluster.secret,
         cluster.shutdown_timeout,
     )
-    return front.bind(bound_engine, cluster.max_body_bytes, board)
+    return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router)
 
 
 def run(cluster: Cluster) -> None:

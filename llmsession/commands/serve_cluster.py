@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from llmsession.cluster.run import ROUTERS
 from llmsession.commands.argtypes import positive_int
 from llmsession.commands.doctor import error
 from llmsession.config import MemoryConfig, ModelConfig
@@ -43,6 +44,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --replicas: seconds the load must stay low before Ray's autoscaling removes a "
         "replica (Ray's default: 600); a removed replica's conversations move with their state "
         "through a shared --disk-cache-dir",
+    )
+    add(
+        "--request-router",
+        choices=sorted(ROUTERS),
+        metavar="NAME",
+        help="with --replicas: how requests find replicas: conversation (ours: the replica holding "
+        "it), or Ray's power-of-two or consistent-hash, for comparison (default: conversation)",
     )
     add(
         "--replica-cpus",
@@ -87,6 +95,7 @@ def serve_replicas(
         max_replicas=args.max_replicas,
         target_ongoing=args.target_ongoing_requests,
         downscale_delay=args.downscale_delay,
+        router=args.request_router or "conversation",
         shutdown_timeout=args.shutdown_timeout,
         secret=_secret() if memory.disk_cache_dir is not None else None,
     )
@@ -120,7 +129,7 @@ def check_cluster_arguments(args: argparse.Namespace) -> str | None:
     if args.replicas is not None:
         return None
     names = ["ray_address", "replica_cpus", "min_replicas", "max_replicas", "target_ongoing_requests"]
-    names.append("downscale_delay")
+    names += ["downscale_delay", "request_router"]
     given = [name for name in names if getattr(args, name) is not None]
     if given:
         return f"--{given[0].replace('_', '-')} needs --replicas"

@@ -261,6 +261,7 @@ SCENARIOS = {  # ``llmsession bench NAME``: its module here
     "tokenize": "tokenize",
     "serve": "serve_bench",
     "agents": "agents",
+    "cluster": "cluster",
 }
 
 

@@ -93,6 +93,7 @@ class Request:
     cached_tokens: int | None
     completion_tokens: int | None
     reply: str
+    replica: str | None = None  # (a cluster's ``x-llmsession-replica``)
 
 
 def question(conversation: int, turn: int) -> str:
@@ -121,6 +122,7 @@ def chat(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tok
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read().decode()[:300]}")
+        replica = response.headers.get("x-llmsession-replica")
         for line in response.iter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
@@ -137,6 +139,7 @@ def chat(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tok
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
         "cached_tokens": cached,
+        "replica": replica,
     }
 
 
@@ -174,7 +177,7 @@ def drive(url: str, conversations: int, turns: int, clients: int, max_tokens: in
                         histories[c].append({"role": "assistant", "content": got["text"]})
                         measured = Request(c, turn + 1, index, sent, got["ttft_s"], got["total_s"],
                                            got["prompt_tokens"], got["cached_tokens"],
-                                           got["completion_tokens"], got["text"])  # fmt: skip
+                                           got["completion_tokens"], got["text"], got["replica"])  # fmt: skip
                         with lock:
                             done.append(measured)
             except BaseException as error:  # reported by the caller, with the others' results
