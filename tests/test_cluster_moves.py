@@ -17,7 +17,7 @@ import httpx
 import pytest
 from test_cluster import KEY, REPLICA, Cluster, metric, ray_processes, running, wait_for
 
-from llmsession.cluster.keys import conversation_key
+from llmsession.cluster.keys import conversation_key, ranked
 
 CONVERSATIONS = 6
 DOWNSCALE_S = 25  # (from when Ray's autoscaler first sees the idle replicas: after start-up)
@@ -47,8 +47,12 @@ def test_a_scale_down_moves_conversations_with_their_state(scaling: Cluster, sha
     auth = {"Authorization": f"Bearer {KEY}"}
     talks: dict[str, list[dict[str, Any]]] = {}
     firsts: dict[str, httpx.Response] = {}
-    for index in range(CONVERSATIONS):
-        name = f"moving-{index}"
+    wait_for(lambda: len(_serving(scaling)) == 2, 60)  # (both report: their names are known)
+    replicas = sorted(_serving(scaling))
+    owners = {f"moving-{i}": ranked(_key(f"moving-{i}"), replicas)[0] for i in range(100)}
+    names = [n for n in owners if owners[n] == replicas[0]][: CONVERSATIONS // 2]
+    names += [n for n in owners if owners[n] == replicas[1]][: CONVERSATIONS // 2]  # (half on each)
+    for index, name in enumerate(names):
         talks[name] = [
             {"role": "system", "content": f"You are assistant {index}. " * 12},
             {"role": "user", "content": "Name a colour."},

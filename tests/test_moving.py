@@ -70,6 +70,25 @@ def test_a_sealed_file_is_claimed_once_with_its_tenant(tmp_path: Path) -> None:
     assert here.refused == there.refused == 0
 
 
+def test_a_claimed_file_is_checked_and_loaded_from_a_private_copy(tmp_path: Path) -> None:
+    """Out of reach of anyone who can write the shared folder between the check and the load."""
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"state"))
+    claimer = SharedSpill(tmp_path, SECRET, "b")  # (its private folder lives as long as it does)
+    claimed = claimer.claim(KEY)
+    assert claimed is not None and spill.folder not in claimed.path.parents
+    assert claimed.path.parent.stat().st_mode & 0o077 == 0  # (a folder only this user enters)
+    assert not [p for p in spill.folder.iterdir() if not p.name.startswith(".replica-")]
+
+
+def test_a_replica_gives_only_to_one_that_sees_the_folder(tmp_path: Path) -> None:
+    here, there = SharedSpill(tmp_path, SECRET, "a"), SharedSpill(tmp_path, SECRET, "b")
+    assert not here.sees("b")  # (not announced: its folder may be another host's own)
+    there.announce()
+    assert here.sees("b") and not here.sees("c")
+    assert SharedSpill(tmp_path / "elsewhere", SECRET, "a").sees("b") is False
+
+
 def test_concurrent_claims_give_the_file_to_one(tmp_path: Path) -> None:
     spill = SharedSpill(tmp_path, SECRET, "a")
     for _ in range(20):
@@ -131,7 +150,8 @@ def test_a_newer_file_replaces_an_older_one(tmp_path: Path) -> None:
     spill = SharedSpill(tmp_path, SECRET, "a")
     assert spill.put(KEY, "alice", fake_session(b"old"))
     assert spill.put(KEY, "alice", fake_session(b"new"))
-    claimed = SharedSpill(tmp_path, SECRET, "b").claim(KEY)
+    claimer = SharedSpill(tmp_path, SECRET, "b")
+    claimed = claimer.claim(KEY)
     assert claimed is not None and claimed.path.read_bytes().startswith(b"new")
 
 
@@ -152,7 +172,11 @@ def test_the_secret_is_made_once_and_kept_private(tmp_path: Path) -> None:
     path = tmp_path / "cluster-secret"
     secret = load_secret(path)
     assert len(secret) == 32 and load_secret(path) == secret
-    assert path.stat().st_mode & 0o077 == 0
+    assert path.stat().st_mode & 0o077 == 0 and [p.name for p in tmp_path.iterdir()] == [path.name]
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="read by others"):
+        load_secret(path)
+    path.chmod(0o600)
     path.write_bytes(b"short")
     with pytest.raises(ValueError, match="remove it"):
         load_secret(path)
@@ -255,3 +279,37 @@ def test_a_state_of_another_model_is_refused(smollm2: Model, gemma3: Model, tmp_
     assert here.give(KEY, "handed")
     assert there.restore(KEY) is False and there.moves.refused == 1
     assert KEY not in smollm2.conversations()
+
+
+def test_a_session_kept_twice_is_kept_once(smollm2: Model) -> None:
+    """Keeping a session the model keeps already only renames it (a second entry would break
+    every later call)."""
+    first = smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    taken = smollm2.take_conversation(KEY)
+    assert taken is not None
+    smollm2.keep_conversation(taken[0], tenant="alice", conversation=KEY)
+    smollm2.keep_conversation(taken[0], tenant="alice", conversation=OTHER_KEY)
+    assert smollm2.conversations().count(OTHER_KEY) == 1 and KEY not in smollm2.conversations()
+    assert smollm2.take_conversation(OTHER_KEY) is not None
+    again = smollm2.chat(next_turn(opening(), first.text, "Why?"), GREEDY, tenant="alice", config=KEPT)
+    assert again.text
+
+
+def test_a_holder_past_the_askers_deadline_keeps_the_conversation(smollm2: Model, tmp_path: Path) -> None:
+    here = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a"))
+    smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert here.give(KEY, "handed", deadline=time.time() - 1) is False
+    assert KEY in smollm2.conversations() and list(here.spill.folder.glob("*.conversation")) == []
+
+
+def test_a_conversation_no_tenant_keeps_is_not_counted_restored(
+    smollm2: Model, second: Model, tmp_path: Path
+) -> None:
+    """Kept apart without a tenant, nobody's calls may take it: refused, not restored."""
+    here = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a"))
+    there = Handoff(second, SharedSpill(tmp_path, SECRET, "b"))
+    session = smollm2.session(share_prefix=False)
+    session.respond("Name three fruits.", GREEDY)
+    smollm2.keep_conversation(session, tenant="alice", conversation=KEY)  # (kept, under alice)
+    assert here.spill.put(KEY, None, session.save)  # (as if sealed for no tenant)
+    assert there.restore(KEY) is False and there.moves.refused == 1 and there.moves.restored == 0

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,12 +118,15 @@ def test_a_killed_process_folder_is_swept(tmp_path: Path) -> None:
     here.mkdir()
     elsewhere = tmp_path / f"llmsession-{int(child.stdout)}@another-host.example-abc"  # its host's to sweep
     elsewhere.mkdir()
+    gone = tmp_path / f"llmsession-{int(child.stdout)}@gone-host.example-abc"  # a host long gone
+    gone.mkdir()
+    os.utime(gone, (time.time() - 8 * 24 * 3600, time.time() - 8 * 24 * 3600))
     mine = tmp_path / f"llmsession-{os.getpid()}-other"  # another lot of this process: kept
     mine.mkdir()
     lot = ParkingLot(tmp_path)
     lot.park("a", b"alpha")
     assert lot.spill("a")
-    assert not dead.exists() and not here.exists()
+    assert not dead.exists() and not here.exists() and not gone.exists()
     assert mine.exists() and elsewhere.exists()
     lot.close()
 

@@ -24,18 +24,19 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.exceptions import RayActorError
+from starlette.requests import Request
 
 from llmsession.cluster.handoff import Handoff
-from llmsession.cluster.keys import PIN
 from llmsession.cluster.metrics import STALE_S, Arrivals
 from llmsession.cluster.moving import SharedSpill
+from llmsession.cluster.peers import Mover
+from llmsession.serve.errors import ApiError
 
 log = logging.getLogger("llmsession.cluster")
 REPLICA_HEADER = b"x-llmsession-replica"
 CONVERSATION_HEADER = b"x-llmsession-conversation"  # the key, for the replica (``keys``)
 HELD_CONVERSATIONS = 4096  # the most recent conversations a replica reports holding
-ASK_S = 30.0  # for the replica that answered a conversation last to save it for another
+MOVED_HEADER = b"x-llmsession-moved"  # the conversation came here with its state (``peers``)
 SWEEP_S = 300.0  # how often a replica removes the shared folder's files nobody claimed
 
 Scope = MutableMapping[str, Any]
@@ -87,20 +88,19 @@ class Engine:
 
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
-        self.peers: tuple[str, str] = (context.deployment, context.app_name)
         self.model = Model(Path(path), config=config, memory=memory)
         self.app = create_app(self.model, **app_settings)
         self.board = board
         self.held: OrderedDict[str, None] = OrderedDict()
         self.arrivals = Arrivals()
         self.in_flight = 0  # (reported too: Ray's own queue lengths expire after 10 s)
-        self.handoff: Handoff | None = None
+        self.mover: Mover | None = None
         if secret is not None and memory.disk_cache_dir is not None:
-            self.handoff = Handoff(self.model, SharedSpill(memory.disk_cache_dir, secret, self.name))
+            spill = SharedSpill(memory.disk_cache_dir, secret, self.name)
+            self.mover = Mover(Handoff(self.model, spill), self.name, (context.deployment, context.app_name))
         self.drain_s = drain_s
-        self._arriving: dict[str, asyncio.Lock] = {}
-        self._handle: Any = None
-        self._swept = 0.0
+        self._maintained = time.monotonic()
+        self._maintaining: asyncio.Future[None] | None = None
         self._drained = False
 
     async def answer(
@@ -110,9 +110,11 @@ class Engine:
         the app (response ids carry it) and to the client (``x-llmsession-replica``).
         ``previous``: the replica that answered the conversation last, as the front knows;
         ``text``: the request's, for Ray's prefix router (read by it, not here)."""
-        held = key in self.held
-        if self.handoff is not None and previous != self.name and (previous is not None or not held):
-            await self._arrive(self.handoff, key, previous)
+        held, moved = key in self.held, False
+        if self.mover is not None and self.mover.wants(scope, previous, held) and self._admitted(scope):
+            moved = await self.mover.arrive(key, previous)
+            if moved:  # (held here now, whatever the answer: the front is told so)
+                self._remember(key)
         sent: asyncio.Queue[Message] = asyncio.Queue()
         gone = asyncio.Event()
         delivered = False
@@ -137,7 +139,8 @@ class Engine:
                     if message.get("status", 500) < 400:  # (a refused request holds nothing here)
                         self._hold(key, held)
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REPLICA_HEADER]
-                    message = {**message, "headers": [*headers, (REPLICA_HEADER, self.name.encode())]}
+                    headers.append((REPLICA_HEADER, self.name.encode()))
+                    message = {**message, "headers": [*headers, *([(MOVED_HEADER, b"1")] if moved else [])]}
                 yield message
         finally:
             self.in_flight -= 1
@@ -147,43 +150,27 @@ class Engine:
             with contextlib.suppress(BaseException):
                 await task
 
-    async def _arrive(self, handoff: Handoff, key: str, previous: str | None) -> None:
-        """Bring a conversation this replica did not answer last here with its state: from the
-        replica that did (asked to save it and let it go), or from what a stopped one saved."""
-        lock = self._arriving.setdefault(key, asyncio.Lock())
-        async with lock:  # (one restore of a conversation at a time)
-            try:
-                if previous is not None:
-                    await self._ask(key, previous)
-                await asyncio.to_thread(handoff.restore, key)
-            except Exception as error:  # (the turn goes on without it: a longer prefill)
-                log.warning("a conversation could not be moved here: %r", error)
-        if not lock.locked():
-            self._arriving.pop(key, None)
-
-    async def _ask(self, key: str, previous: str) -> None:
-        """Ask the replica that answered ``key`` last to save it for this one (nothing if that
-        replica is gone: Ray then routes the call elsewhere, which declines)."""
-        if self._handle is None:
-            self._handle = serve.get_deployment_handle(*self.peers)
-        call = self._handle.options(session_id=f"{key}{PIN}{previous}").surrender.remote(key, previous)
+    def _admitted(self, scope: Scope) -> bool:
+        """Whether the server lets this request's caller in (a conversation moves for no one else)."""
         try:
-            await asyncio.wait_for(_awaited(call), ASK_S)
-        except (RayActorError, TimeoutError) as error:
-            log.info("the replica that held a conversation did not hand it on: %r", error)
-
-    async def surrender(self, key: str, replica: str) -> bool:
-        """Another replica was given conversation ``key``: save it for that one and let it go
-        here (if this is ``replica``, the one that answered it last, and keeps it)."""
-        if replica != self.name or self.handoff is None:
+            self.app.state.server.authorize(Request(scope))
+        except ApiError:
             return False
-        given = await asyncio.to_thread(self.handoff.give, key, "handed")
-        if given:
-            self.held.pop(key, None)
-        return given
+        return True
+
+    async def surrender(self, key: str, replica: str, asker: str, deadline: float) -> bool:
+        """``asker`` was given conversation ``key`` (``peers.Mover``): saved for it and let go
+        here, if this replica holds it."""
+        if self.mover is None or not await self.mover.surrender(key, replica, asker, deadline):
+            return False
+        self.held.pop(key, None)
+        return True
 
     def _hold(self, key: str, held: bool) -> None:
         self.arrivals.add(held)
+        self._remember(key)
+
+    def _remember(self, key: str) -> None:
         self.held[key] = None
         self.held.move_to_end(key)
         while len(self.held) > HELD_CONVERSATIONS:
@@ -198,31 +185,27 @@ class Engine:
         report = await asyncio.to_thread(self.model.memory)  # (it waits for the engine's lock)
         text = self.app.state.server.metrics.render([session.state for session in report.sessions])
         text += self.arrivals.render()
-        if self.handoff is not None:
-            text += self.handoff.render()
-            if time.monotonic() - self._swept > SWEEP_S:
-                self._swept = time.monotonic()
-                await asyncio.to_thread(self.handoff.spill.sweep)
+        if self.mover is not None:
+            text += self.mover.handoff.render()
+            if time.monotonic() - self._maintained > SWEEP_S:  # (in the background: a slow folder)
+                self._maintained = time.monotonic()
+                self._maintaining = asyncio.ensure_future(asyncio.to_thread(self.mover.maintain))
         self.board.put.remote(self.name, text)
         return stats
 
     def __del__(self) -> None:
         """Stopping (Ray calls this once its requests are done): the conversations kept here
         saved for the other replicas, then the model closed."""
-        model, handoff = getattr(self, "model", None), getattr(self, "handoff", None)
+        model, mover = getattr(self, "model", None), getattr(self, "mover", None)
         if model is None or getattr(self, "_drained", False):
             return
         self._drained = True
         try:
-            if handoff is not None and not model.closed:
-                saved = handoff.drain(self.drain_s)
+            if mover is not None and not model.closed:
+                saved = mover.handoff.drain(self.drain_s)
                 log.info("a stopping replica saved %d conversations for the others", saved)
         finally:
             model.close()
-
-
-async def _awaited(call: Any) -> Any:
-    return await call
 
 
 async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> AsyncIterator[Message]:

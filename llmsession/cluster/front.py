@@ -19,7 +19,13 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from llmsession.cluster.deployment import CONVERSATION_HEADER, HELD_CONVERSATIONS, REPLICA_HEADER, Text
+from llmsession.cluster.deployment import (
+    CONVERSATION_HEADER,
+    HELD_CONVERSATIONS,
+    MOVED_HEADER,
+    REPLICA_HEADER,
+    Text,
+)
 from llmsession.cluster.keys import prompt_text, routing, session_id
 from llmsession.cluster.metrics import merged, replicas_gauge
 
@@ -105,8 +111,10 @@ class Front:
 
     def _answered(self, key: str, first: Message) -> None:
         """Remember which replica answered ``key`` (and so holds its state)."""
-        names = [v for k, v in first.get("headers", []) if k.lower() == REPLICA_HEADER]
-        if first.get("status", 500) < 400 and names:
+        headers = first.get("headers", [])
+        names = [v for k, v in headers if k.lower() == REPLICA_HEADER]
+        moved = any(k.lower() == MOVED_HEADER for k, _ in headers)  # (its state is there now)
+        if (first.get("status", 500) < 400 or moved) and names:
             self.last[key] = names[-1].decode("latin-1")
             self.last.move_to_end(key)
             while len(self.last) > HELD_CONVERSATIONS * 16:

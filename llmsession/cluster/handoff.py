@@ -32,20 +32,27 @@ class Handoff:
         self.model, self.spill = model, spill
         self.moves = Moves()
 
-    def give(self, key: str, why: str) -> bool:
+    def give(self, key: str, why: str, deadline: float | None = None) -> bool:
         """Save conversation ``key`` for another replica and let it go here (True), or keep it
-        (False: not kept here, answering a call now, or it could not be saved)."""
+        (False: not kept here, answering a call now, past ``deadline`` on ``time.time()``'s
+        clock, when the asker stops waiting, or it could not be saved)."""
+        if deadline is not None and time.time() > deadline:
+            return False
         taken = self.model.take_conversation(key)
         if taken is None:
             return False
         session, tenant = taken
         try:
             saved = self.spill.put(key, tenant, session.save)
-        except (LlmSessionError, OSError) as error:
-            log.warning("a conversation could not be saved for another replica: %s", error)
+        except Exception as error:  # (a full disk, a closed model: it stays here, as it was)
+            log.warning("a conversation could not be saved for another replica: %r", error)
             saved = False
-        if not saved:  # (it stays here, as it was)
-            self.model.keep_conversation(session, tenant=tenant, conversation=key)
+        if not saved:
+            try:
+                self.model.keep_conversation(session, tenant=tenant, conversation=key)
+            except Exception:
+                session.close()
+                raise
             return False
         session.close()
         self.moves.given[why] += 1
@@ -64,11 +71,14 @@ class Handoff:
             return False
         finally:
             claimed.path.unlink(missing_ok=True)
-        if session.cached_tokens == 0:  # (its state did not fit this model: only a transcript)
+        if session.cached_tokens == 0:  # (its state did not fit this model, or no memory was free)
             session.close()
             self.moves.refused += 1
             return False
         self.model.keep_conversation(session, tenant=claimed.tenant, conversation=key)
+        if key not in self.model.conversations():  # (calls like its keep no session here)
+            self.moves.refused += 1
+            return False
         self.moves.restored += 1
         return True
 
@@ -81,7 +91,10 @@ class Handoff:
             if time.monotonic() > deadline:
                 log.warning("a stopping replica ran out of time to save its conversations")
                 break
-            given += self.give(key, "drained")
+            try:
+                given += self.give(key, "drained")
+            except Exception as error:  # (the next ones are still saved)
+                log.warning("a stopping replica could not save a conversation: %r", error)
         return given
 
     def render(self) -> str:

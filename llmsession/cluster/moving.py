@@ -9,16 +9,20 @@ checksum. The file is written under a hidden name and renamed to ``<key>.convers
 whole, so it is never read half written; a newer one replaces an older one at once.
 
 A replica given a conversation it does not hold claims its file by renaming it to a hidden name
-of its own (one rename wins; the others find nothing), checks the seal (a file someone else
-wrote or changed, or one renamed to another conversation, is refused and removed before any of
-it is read as a session), cuts the seal off and hands the session file to ``Model.load_session``
-(which restores the state only for the same model, build and context layout); the claimed file
-is removed once loaded. Files nobody claims are removed after ``MAX_AGE_S``, and hidden ones a
-replica that died left behind after ``STALE_S``. Pure Python: no Ray, no model.
+of its own (one rename wins; the others find nothing) and copies it into a private folder, out
+of reach of anyone who can write the shared one; there it checks the seal (a file someone else
+wrote or changed, or one renamed to another conversation, is refused), cuts the seal off and
+hands the session file to ``Model.load_session``, which checks every byte against the sealed
+checksum and restores the state only for the same model, build and context layout. Files nobody
+claims are removed after ``MAX_AGE_S``, and hidden ones a replica that died left behind after
+``STALE_S``. Each replica announces itself in the folder (``announce``): a replica gives a
+conversation up only to one whose announcement it sees, so a folder that is not shared (one of
+each host's own) moves nothing. Pure Python: no Ray, no model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -26,8 +30,11 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import struct
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +53,23 @@ _CHECKSUM = 32  # the session file's own sha256, just before the seal
 
 
 def load_secret(path: Path) -> bytes:
-    """The cluster's secret, kept in ``path`` (made on first use, readable by its owner only):
-    the command that runs the cluster gives it to every replica, so only they can seal."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        secret = path.read_bytes()
-        if len(secret) != SECRET_BYTES:
-            raise ValueError(f"{path} does not hold a secret of {SECRET_BYTES} bytes: remove it") from None
-        return secret
-    secret = secrets.token_bytes(SECRET_BYTES)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret)
+    """The cluster's secret, kept in ``path`` (made on first use, whole at once, readable by
+    its owner only): the command that runs the cluster gives it to every replica, so only they
+    can seal. A file others may read, or of another size, is refused."""
+    if not path.exists():
+        fd, name = tempfile.mkstemp(prefix=".secret-", dir=path.parent)  # (0600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(SECRET_BYTES))
+            with contextlib.suppress(FileExistsError):  # (another command made it first: theirs)
+                os.link(name, path)
+        finally:
+            os.unlink(name)
+    if path.stat().st_mode & 0o077:
+        raise ValueError(f"{path} may be read by others: chmod 600 it, or remove it")
+    secret = path.read_bytes()
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"{path} does not hold a secret of {SECRET_BYTES} bytes: remove it")
     return secret
 
 
@@ -80,8 +92,18 @@ class SharedSpill:
         self.folder = Path(directory) / FOLDER
         self.folder.mkdir(parents=True, exist_ok=True)
         self.secret = secret
-        self.owner = re.sub(r"[^A-Za-z0-9]", "", owner)[:32] or "replica"
+        self.owner = _name(owner)
         self.refused = 0
+        self._private: Path | None = None  # (claimed files are copied here: this process's own)
+
+    def announce(self) -> None:
+        """Say that this replica sees the folder (again: an announcement ages out as hidden
+        files do, after ``STALE_S``)."""
+        (self.folder / f".replica-{self.owner}").touch()
+
+    def sees(self, replica: str) -> bool:
+        """Whether ``replica`` announced itself here (it sees the files saved here)."""
+        return (self.folder / f".replica-{_name(replica)}").exists()
 
     def put(self, key: str, tenant: str | None, save: Callable[[Path], None]) -> bool:
         """Save a conversation for another replica (``save`` writes a session file to the path
@@ -110,19 +132,29 @@ class SharedSpill:
         another replica claimed it first, or it was refused)."""
         if not KEY.fullmatch(key):
             return None
-        mine = self.folder / f".claimed-{self.owner}-{secrets.token_hex(8)}"
+        claimed = self.folder / f".claimed-{self.owner}-{secrets.token_hex(8)}"
         try:
-            os.rename(self.folder / f"{key}{SUFFIX}", mine)
+            os.rename(self.folder / f"{key}{SUFFIX}", claimed)
         except FileNotFoundError:
             return None
+        mine = self._private_folder() / f"{key}-{secrets.token_hex(8)}.llmsession"
         try:
+            shutil.copyfile(claimed, mine)  # (what is checked and loaded is this copy, no one else's)
             tenant = self._unsealed(key, mine)
         except (OSError, ValueError) as error:
             mine.unlink(missing_ok=True)
             self.refused += 1
             log.warning("a conversation's file was refused: %s", error)
             return None
+        finally:
+            claimed.unlink(missing_ok=True)
         return Claimed(mine, tenant)
+
+    def _private_folder(self) -> Path:
+        if self._private is None:
+            self._private = Path(tempfile.mkdtemp(prefix="llmsession-claims-"))
+            weakref.finalize(self, shutil.rmtree, self._private, True)
+        return self._private
 
     def _unsealed(self, key: str, path: Path) -> str | None:
         """The tenant a claimed file was sealed for, its seal checked and cut off (ValueError if
@@ -165,3 +197,8 @@ class SharedSpill:
             except FileNotFoundError:
                 continue  # (claimed or removed meanwhile)
         return removed
+
+
+def _name(replica: str) -> str:
+    """A replica's name as a file name holds it."""
+    return re.sub(r"[^A-Za-z0-9]", "", replica)[:32] or "replica"

@@ -16,6 +16,7 @@ from typing import Any, cast
 APP_NAME = "llmsession"
 STATS_PERIOD_S = 1.0  # how often replicas report what they hold
 STOP_GRACE_S = 30.0  # beyond the replicas' own shutdown timeout, for Serve to stop
+DRAIN_MARGIN_S = 5.0  # beyond a replica's time to save its conversations, before Ray kills it
 ENGINE_ONGOING = 64  # requests one replica takes at once (its server queues beyond its sessions)
 # The request routers ``--request-router`` offers: ours, and Ray's own for comparison (``bench
 # cluster``), which get the conversation's key alone as the session id.
@@ -53,6 +54,12 @@ class Cluster:
     secret: bytes | None = None  # to move conversations through memory.disk_cache_dir (``moving``)
 
     @property
+    def drain_s(self) -> float:
+        """How long a stopping replica may spend saving its conversations (with a shared disk
+        cache folder): as long as its streams may take to finish."""
+        return self.shutdown_timeout if self.secret is not None else 0.0
+
+    @property
     def most_replicas(self) -> int:
         """The most engine replicas it may run (what Ray must have CPUs for, and the front must
         let through)."""
@@ -65,10 +72,15 @@ class Cluster:
             "name": "engine",
             "ray_actor_options": {"num_cpus": self.replica_cpus},
             "max_ongoing_requests": ENGINE_ONGOING,
-            "graceful_shutdown_timeout_s": self.shutdown_timeout,  # (streams finish, then stop)
+            # (its streams finish, then it saves its conversations: ``drain_s``; then Ray kills it)
+            "graceful_shutdown_timeout_s": self.shutdown_timeout + self.drain_s + DRAIN_MARGIN_S,
         }
-        bounds = (self.min_replicas, self.max_replicas, self.target_ongoing, self.downscale_delay)
+        bounds = (self.min_replicas, self.max_replicas, self.target_ongoing)
         if all(bound is None for bound in bounds):
+            if self.downscale_delay is not None:
+                raise ValueError(
+                    "--downscale-delay needs --min-replicas, --max-replicas or --target-ongoing-requests"
+                )
             return {**options, "num_replicas": self.replicas}
         low = self.min_replicas if self.min_replicas is not None else 1
         high = self.max_replicas if self.max_replicas is not None else max(self.replicas, low)
@@ -120,7 +132,7 @@ def application(cluster: Cluster) -> Any:
         cluster.app_settings,
         board,
         cluster.secret,
-        cluster.shutdown_timeout,
+        cluster.drain_s,
     )
     return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router)
 
@@ -158,7 +170,7 @@ def run(cluster: Cluster) -> None:
                 print(f"serving {cluster.path.name} on {cluster.replicas} replicas at {where}", flush=True)
                 stopping.wait()
         finally:
-            _stop(started, cluster.shutdown_timeout + STOP_GRACE_S)
+            _stop(started, cluster.shutdown_timeout + cluster.drain_s + STOP_GRACE_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -15,6 +15,7 @@ Pure Python: no bindings.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -23,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import weakref
 import zlib
 from collections import deque
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmsession")
 Key = Hashable
 FOLDER_PREFIX = "llmsession-"
+FOREIGN_AGE_S = 7 * 24 * 3600.0  # another host's folder untouched this long: that host is gone
 
 
 def running(pid: int) -> bool:
@@ -62,7 +65,10 @@ def sweep(directory: Path) -> None:
     for folder in directory.glob(f"{FOLDER_PREFIX}*-*"):
         owner = folder.name.removeprefix(FOLDER_PREFIX).rpartition("-")[0]
         pid, at, host = owner.partition("@")
-        if at and host != host_name():
+        if at and host != host_name():  # (its host's to sweep, unless that host is long gone)
+            with contextlib.suppress(OSError):
+                if time.time() - folder.stat().st_mtime > FOREIGN_AGE_S:
+                    shutil.rmtree(folder, ignore_errors=True)
             continue
         if pid.isdigit() and int(pid) != os.getpid() and not running(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)

@@ -222,6 +222,8 @@ class StatelessSessions:
             return session, self._tenants.pop(session)
 
     def _keep(self, session: LocalSession, tenant: str | None, label: str | None) -> None:
+        if session in self._tenants:  # (kept already: kept once, for its latest tenant and label)
+            self._sessions.remove(session)
         self._sessions.append(session)  # busy until its stream is done
         self._tenants[session] = tenant
         if label is not None:

@@ -1,0 +1,99 @@
+"""A replica's moves among its peers on Ray: asking the replica that answered a conversation last
+to hand it over, and answering such asks (``deployment.Engine`` calls these; ``handoff`` does
+the blocking work, in threads).
+
+A conversation is asked for only by a request that continues one (a POST to a chat, completion,
+Responses or Messages endpoint, from a caller the server lets in), when this replica did not
+answer it last. The ask carries a deadline: a holder that gets it late (busy) declines rather
+than let go of a state the asker no longer waits for. The asker then restores whatever the
+shared folder has (``handoff.restore``), which is also where a replica that stopped left it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ray import serve
+
+from llmsession.cluster.handoff import Handoff
+from llmsession.cluster.keys import PIN
+
+log = logging.getLogger("llmsession.cluster")
+ASK_S = 30.0  # for the replica that answered a conversation last to save it for another
+CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+
+
+class Mover:
+    """One replica's side of moving conversations: ``name`` is its own, ``peers`` its deployment
+    and application (for a handle to the others)."""
+
+    def __init__(self, handoff: Handoff, name: str, peers: tuple[str, str]) -> None:
+        self.handoff, self.name, self.peers = handoff, name, peers
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # a conversation's arrivals, one at a time
+        self._handle: Any = None
+        handoff.spill.announce()
+
+    def wants(self, scope: Mapping[str, Any], previous: str | None, held: bool) -> bool:
+        """Whether a request should bring its conversation here first: it continues one, and
+        another replica answered it last (or none that the front knows, and this one holds none)."""
+        if scope.get("method") != "POST" or scope.get("path") not in CONVERSATION_PATHS:
+            return False
+        return previous != self.name and (previous is not None or not held)
+
+    async def arrive(self, key: str, previous: str | None) -> bool:
+        """Bring conversation ``key`` here with its state: asked of ``previous`` (the replica
+        that answered it last), then restored from the shared folder. True if it was."""
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                if previous is not None:
+                    await self._ask(key, previous)
+                try:
+                    return await asyncio.to_thread(self.handoff.restore, key)
+                except Exception as error:  # (the turn goes on without it: a longer prefill)
+                    log.warning("a conversation could not be restored here: %r", error)
+                    return False
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    async def _ask(self, key: str, previous: str) -> None:
+        """Ask ``previous`` to save ``key`` for this replica (it declines if it is not the one
+        that holds it: Ray routes a call for a replica that is gone to another)."""
+        if self._handle is None:  # (it reads the controller: not on the event loop)
+            self._handle = await asyncio.to_thread(serve.get_deployment_handle, *self.peers)
+        deadline = time.time() + ASK_S
+        pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
+        call = pinned.surrender.remote(key, previous, self.name, deadline)
+        try:
+            await asyncio.wait_for(_awaited(call), ASK_S)
+        except TimeoutError:
+            call.cancel()
+            log.info("the replica that held a conversation did not hand it on in %.0f s", ASK_S)
+        except Exception as error:  # (gone, or failed: what the folder has is restored)
+            log.info("the replica that held a conversation did not hand it on: %r", error)
+
+    async def surrender(self, key: str, replica: str, asker: str, deadline: float) -> bool:
+        """``asker`` was given conversation ``key``: save it for that one and let it go here, if
+        this is ``replica`` (the one that answered it last), the asker sees the folder, and it
+        still waits (``deadline``)."""
+        if replica != self.name or not self.handoff.spill.sees(asker):
+            return False
+        return await asyncio.to_thread(self.handoff.give, key, "handed", deadline)
+
+    def maintain(self) -> None:
+        """Announce this replica again, and remove the folder's files nobody claimed (blocking)."""
+        self.handoff.spill.announce()
+        self.handoff.spill.sweep()
+
+
+async def _awaited(call: Any) -> Any:
+    return await call
