@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmsession.cluster.keys import preferred
@@ -241,6 +242,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--busy", type=int, default=BUSY, help="our router's busy threshold")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="a PNG of each router's p99 and cached share (matplotlib)")
     args = parser.parse_args()
     BUSY = args.busy
     results = []
@@ -262,7 +264,37 @@ def main() -> int:
             )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.plot is not None:
+        plot(results, args.plot)
     return 0
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Time to first token p99 and cached share of later turns, per router and replica count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({int(r["replicas"]) for r in results})
+    routers = list(dict.fromkeys(r["router"] for r in results))
+    found = {(r["router"], int(r["replicas"])): r for r in results}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(routers)
+    for i, router in enumerate(routers):
+        xs = [c + (i - (len(routers) - 1) / 2) * width for c in range(len(counts))]
+        axes[0].bar(xs, [found[router, n]["ttft_p99_s"] for n in counts], width, label=router)
+        axes[1].bar(xs, [found[router, n]["cached_share_later_turns"] for n in counts], width, label=router)
+    for ax, label in zip(axes, ("time to first token, p99 (s)", "cached share, turns 2+"), strict=True):
+        ax.set_xticks(range(len(counts)), [f"{n} replicas" for n in counts])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_ylim(0.5, 1.0)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("simulated agent conversations, one replica removed halfway (scripts/simulate_routing.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -258,7 +258,8 @@ def test_a_turn_sent_from_a_busy_replica_takes_its_state_along(cluster: Cluster)
         text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
         handed = 'llmsession_cluster_conversations_moved_total{why="handed"'
         moved = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(handed))
-        return moved >= 1 and metric(text, "llmsession_cluster_conversations_restored_total") >= 1
+        restored = metric(text, "llmsession_cluster_conversations_restored_total")
+        return moved >= 1 and restored >= 1 and metric(text, "llmsession_cluster_routed_for_load_total") >= 1
 
     wait_for(counted, 30)
 

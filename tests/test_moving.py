@@ -302,6 +302,15 @@ def test_a_holder_past_the_askers_deadline_keeps_the_conversation(smollm2: Model
     assert KEY in smollm2.conversations() and list(here.spill.folder.glob("*.conversation")) == []
 
 
+def test_a_holder_that_saves_past_the_deadline_takes_its_file_back(smollm2: Model, tmp_path: Path) -> None:
+    """The save outlasts the asker's wait: the file is withdrawn and the conversation stays."""
+    here = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a"))
+    smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert here.give(KEY, "handed", deadline=time.time() + 0.001) is False  # (a save takes longer)
+    assert KEY in smollm2.conversations() and list(here.spill.folder.glob("*.conversation")) == []
+    assert here.moves.given["handed"] == 0
+
+
 def test_a_conversation_no_tenant_keeps_is_not_counted_restored(
     smollm2: Model, second: Model, tmp_path: Path
 ) -> None:

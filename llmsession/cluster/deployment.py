@@ -80,9 +80,11 @@ class Engine:
         board: Any,
         secret: bytes | None = None,
         drain_s: float = 10.0,
+        asks: bool = True,
     ) -> None:
         """``secret``: the cluster's (``moving.load_secret``), to move conversations through
-        ``memory.disk_cache_dir``; ``drain_s``: how long a stopping replica saves them."""
+        ``memory.disk_cache_dir``; ``drain_s``: how long a stopping replica saves them;
+        ``asks``: whether a replica asks the one that answered a conversation last for it."""
         from llmsession.api.model import Model
         from llmsession.serve.app import create_app
 
@@ -97,7 +99,8 @@ class Engine:
         self.mover: Mover | None = None
         if secret is not None and memory.disk_cache_dir is not None:
             spill = SharedSpill(memory.disk_cache_dir, secret, self.name)
-            self.mover = Mover(Handoff(self.model, spill), self.name, (context.deployment, context.app_name))
+            peers = (context.deployment, context.app_name)
+            self.mover = Mover(Handoff(self.model, spill), self.name, peers, asks)
         self.drain_s = drain_s
         self._maintained = time.monotonic()
         self._maintaining: asyncio.Future[None] | None = None
@@ -158,13 +161,19 @@ class Engine:
             return False
         return True
 
-    async def surrender(self, key: str, replica: str, asker: str, deadline: float) -> bool:
+    async def surrender(self, key: str, replica: str, asker: str, budget: float) -> bool:
         """``asker`` was given conversation ``key`` (``peers.Mover``): saved for it and let go
-        here, if this replica holds it."""
-        if self.mover is None or not await self.mover.surrender(key, replica, asker, deadline):
+        here, if this replica holds it (however the call ends: a cancelled ask does not stop it)."""
+        if self.mover is None:
             return False
-        self.held.pop(key, None)
-        return True
+        giving = asyncio.ensure_future(asyncio.to_thread(self.mover.surrender, key, replica, asker, budget))
+
+        def given(done: asyncio.Future[bool]) -> None:
+            if not done.cancelled() and done.exception() is None and done.result():
+                self.held.pop(key, None)
+
+        giving.add_done_callback(given)
+        return await asyncio.shield(giving)
 
     def _hold(self, key: str, held: bool) -> None:
         self.arrivals.add(held)
@@ -190,6 +199,7 @@ class Engine:
             if time.monotonic() - self._maintained > SWEEP_S:  # (in the background: a slow folder)
                 self._maintained = time.monotonic()
                 self._maintaining = asyncio.ensure_future(asyncio.to_thread(self.mover.maintain))
+                self._maintaining.add_done_callback(_logged)
         self.board.put.remote(self.name, text)
         return stats
 
@@ -206,6 +216,11 @@ class Engine:
                 log.info("a stopping replica saved %d conversations for the others", saved)
         finally:
             model.close()
+
+
+def _logged(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("the shared folder could not be swept: %r", done.exception())
 
 
 async def _messages(sent: asyncio.Queue[Message], task: asyncio.Future[Any]) -> AsyncIterator[Message]:

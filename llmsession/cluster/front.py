@@ -27,7 +27,7 @@ from llmsession.cluster.deployment import (
     Text,
 )
 from llmsession.cluster.keys import prompt_text, routing, session_id
-from llmsession.cluster.metrics import merged, replicas_gauge
+from llmsession.cluster.metrics import front_metrics, merged
 
 log = logging.getLogger("llmsession.cluster")
 INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
@@ -97,6 +97,10 @@ class Front:
                     return
                 continue  # (it had not begun: another replica answers)
             self._answered(key, first)
+            first = {
+                **first,
+                "headers": [(k, v) for k, v in first.get("headers", []) if k.lower() != MOVED_HEADER],
+            }
             if path == "/metrics" and first.get("status") == 200 and await self._metrics(send, first):
                 stream.cancel()  # (its own text is not needed: the board had every replica's)
                 return
@@ -128,7 +132,7 @@ class Front:
         except RayActorError:
             log.warning("the metrics board is gone: /metrics shows one replica's")
             return False
-        body = (merged(texts) + replicas_gauge(len(texts))).encode()
+        body = (merged(texts) + front_metrics(len(texts))).encode()
         headers = [(k, v) for k, v in first.get("headers", []) if k.lower() != b"content-length"]
         await send({**first, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

@@ -44,6 +44,8 @@ class Handoff:
         session, tenant = taken
         try:
             saved = self.spill.put(key, tenant, session.save)
+            if saved and deadline is not None and time.time() > deadline:  # (saved too late: the
+                saved = not self.spill.withdraw(key)  # asker stopped waiting; taken back, unless claimed)
         except Exception as error:  # (a full disk, a closed model: it stays here, as it was)
             log.warning("a conversation could not be saved for another replica: %r", error)
             saved = False

@@ -64,6 +64,28 @@ class Moves:
         return "\n".join(lines) + "\n"
 
 
+class Tally:
+    """A count the front's process keeps (its request router runs there)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def add(self) -> None:
+        self.count += 1
+
+
+SENT_AWAY = Tally()  # requests the router sent past their busy first choice (``router``)
+
+
+def front_metrics(replicas: int) -> str:
+    """The front's own series: the replicas that reported, and the requests sent away."""
+    return replicas_gauge(replicas) + (
+        "# HELP llmsession_cluster_routed_for_load_total Requests sent past a busy first choice\n"
+        "# TYPE llmsession_cluster_routed_for_load_total counter\n"
+        f"llmsession_cluster_routed_for_load_total {SENT_AWAY.count}\n"
+    )
+
+
 def replicas_gauge(replicas: int) -> str:
     return (
         "# HELP llmsession_cluster_replicas Replicas whose metrics are fresh\n"

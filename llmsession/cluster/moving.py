@@ -127,6 +127,16 @@ class SharedSpill:
         finally:
             hidden.unlink(missing_ok=True)
 
+    def withdraw(self, key: str) -> bool:
+        """Take back a file this replica saved (True), unless another claimed it first."""
+        hidden = self.folder / f".withdrawn-{self.owner}-{secrets.token_hex(8)}"
+        try:
+            os.rename(self.folder / f"{key}{SUFFIX}", hidden)
+        except FileNotFoundError:
+            return False
+        hidden.unlink(missing_ok=True)
+        return True
+
     def claim(self, key: str) -> Claimed | None:
         """The conversation's file, claimed by this replica and checked, or None (none there,
         another replica claimed it first, or it was refused)."""

@@ -2,11 +2,14 @@
 to hand it over, and answering such asks (``deployment.Engine`` calls these; ``handoff`` does
 the blocking work, in threads).
 
-A conversation is asked for only by a request that continues one (a POST to a chat, completion,
-Responses or Messages endpoint, from a caller the server lets in), when this replica did not
-answer it last. The ask carries a deadline: a holder that gets it late (busy) declines rather
-than let go of a state the asker no longer waits for. The asker then restores whatever the
-shared folder has (``handoff.restore``), which is also where a replica that stopped left it.
+A conversation is brought here only for a request that continues one (a POST to a chat,
+completion, Responses or Messages endpoint, from a caller the server lets in) and only when this
+replica does not hold it; it is asked of another replica only when that one answered it last,
+and only under our request router (Ray's would not deliver the ask to it). The ask carries a
+time budget: a holder that cannot save the conversation within it (busy) keeps it, taking back
+a file it saved too late. The asker then restores whatever the shared folder has
+(``handoff.restore``), which is also where a replica that stopped, or an ask the asker gave up
+on, left it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from llmsession.cluster.keys import PIN
 
 log = logging.getLogger("llmsession.cluster")
 ASK_S = 30.0  # for the replica that answered a conversation last to save it for another
+ASK_MARGIN_S = 5.0  # of that, left for the answer to come back
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 
@@ -31,18 +35,20 @@ class Mover:
     """One replica's side of moving conversations: ``name`` is its own, ``peers`` its deployment
     and application (for a handle to the others)."""
 
-    def __init__(self, handoff: Handoff, name: str, peers: tuple[str, str]) -> None:
-        self.handoff, self.name, self.peers = handoff, name, peers
+    def __init__(self, handoff: Handoff, name: str, peers: tuple[str, str], asks: bool = True) -> None:
+        """``asks``: whether to ask the replica that answered a conversation last for it (our
+        request router delivers such asks; Ray's do not)."""
+        self.handoff, self.name, self.peers, self.asks = handoff, name, peers, asks
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # a conversation's arrivals, one at a time
         self._handle: Any = None
         handoff.spill.announce()
 
     def wants(self, scope: Mapping[str, Any], previous: str | None, held: bool) -> bool:
-        """Whether a request should bring its conversation here first: it continues one, and
-        another replica answered it last (or none that the front knows, and this one holds none)."""
+        """Whether a request should bring its conversation here first: it continues one that
+        this replica does not hold, or that another replica answered last."""
         if scope.get("method") != "POST" or scope.get("path") not in CONVERSATION_PATHS:
             return False
-        return previous != self.name and (previous is not None or not held)
+        return not held or previous not in (None, self.name)
 
     async def arrive(self, key: str, previous: str | None) -> bool:
         """Bring conversation ``key`` here with its state: asked of ``previous`` (the replica
@@ -51,8 +57,8 @@ class Mover:
         self._locks[key] = (lock, users + 1)
         try:
             async with lock:
-                if previous is not None:
-                    await self._ask(key, previous)
+                if self.asks and previous not in (None, self.name):
+                    await self._ask(key, str(previous))
                 try:
                     return await asyncio.to_thread(self.handoff.restore, key)
                 except Exception as error:  # (the turn goes on without it: a longer prefill)
@@ -68,26 +74,32 @@ class Mover:
     async def _ask(self, key: str, previous: str) -> None:
         """Ask ``previous`` to save ``key`` for this replica (it declines if it is not the one
         that holds it: Ray routes a call for a replica that is gone to another)."""
-        if self._handle is None:  # (it reads the controller: not on the event loop)
-            self._handle = await asyncio.to_thread(serve.get_deployment_handle, *self.peers)
-        deadline = time.time() + ASK_S
-        pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
-        call = pinned.surrender.remote(key, previous, self.name, deadline)
+        call: Any = None
         try:
+            if self._handle is None:  # (it reads the controller: not on the event loop)
+                self._handle = await asyncio.to_thread(serve.get_deployment_handle, *self.peers)
+            pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
+            call = pinned.surrender.remote(key, previous, self.name, ASK_S - ASK_MARGIN_S)
             await asyncio.wait_for(_awaited(call), ASK_S)
+        except asyncio.CancelledError:  # (the client left: the holder is told, if it is not too late)
+            if call is not None:
+                call.cancel()
+            raise
         except TimeoutError:
-            call.cancel()
+            if call is not None:
+                call.cancel()
             log.info("the replica that held a conversation did not hand it on in %.0f s", ASK_S)
         except Exception as error:  # (gone, or failed: what the folder has is restored)
             log.info("the replica that held a conversation did not hand it on: %r", error)
 
-    async def surrender(self, key: str, replica: str, asker: str, deadline: float) -> bool:
+    def surrender(self, key: str, replica: str, asker: str, budget: float) -> bool:
         """``asker`` was given conversation ``key``: save it for that one and let it go here, if
-        this is ``replica`` (the one that answered it last), the asker sees the folder, and it
-        still waits (``deadline``)."""
+        this is ``replica`` (the one that answered it last), the asker sees the folder, and it is
+        done within ``budget`` seconds (blocking: run it in a thread)."""
+        deadline = time.time() + budget  # (this host's clock, from now)
         if replica != self.name or not self.handoff.spill.sees(asker):
             return False
-        return await asyncio.to_thread(self.handoff.give, key, "handed", deadline)
+        return self.handoff.give(key, "handed", deadline)
 
     def maintain(self) -> None:
         """Announce this replica again, and remove the folder's files nobody claimed (blocking)."""

@@ -19,6 +19,7 @@ from typing import Any
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from llmsession.cluster import metrics  # (a module: Ray pickles this router by value, not it)
 from llmsession.cluster.keys import parsed_session, preferred
 
 BUSY_THRESHOLD = 8  # requests in flight on the owner before a turn goes elsewhere
@@ -61,7 +62,10 @@ class ConversationRouter(ConsistentHashRouter):
             order.remove(by_name[last])
             order.insert(0, by_name[last])
         if self._in_flight(order[0]) >= self.busy_threshold:
+            first = order[0]
             order.sort(key=self._in_flight)  # (stable: the preferred order among equals)
+            if order[0] is not first and self._new(pending_request):
+                metrics.SENT_AWAY.add()
         ranks = [[replica] for replica in order]
         # The first choice alone for a while: Ray moves on to the next rank when a replica is slow
         # to answer its queue-length probe (0.1 s at first), which a replica busy with a prefill
@@ -79,6 +83,12 @@ class ConversationRouter(ConsistentHashRouter):
         while len(self._first_round) > MAX_TRACKED:
             del self._first_round[next(iter(self._first_round))]
         return now - first < STRICT_S
+
+    def _new(self, pending_request: PendingRequest | None) -> bool:
+        """Whether this is a request's first routing round (counted once, however many)."""
+        return (
+            pending_request is None or pending_request.metadata.internal_request_id not in self._first_round
+        )
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._first_round.pop(internal_request_id, None)

@@ -133,6 +133,7 @@ def application(cluster: Cluster) -> Any:
         board,
         cluster.secret,
         cluster.drain_s,
+        cluster.router == "conversation",
     )
     return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router)
 

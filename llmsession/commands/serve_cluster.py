@@ -48,9 +48,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--request-router",
         choices=sorted(ROUTERS),
-        metavar="NAME",
         help="with --replicas: how requests find replicas: conversation (ours: the replica holding "
-        "it), or Ray's power-of-two or consistent-hash, for comparison (default: conversation)",
+        "it; the default), or Ray's power-of-two, consistent-hash or prefix-affinity, for comparison "
+        "(under these a conversation moves only through a replica that stops)",
     )
     add(
         "--replica-cpus",

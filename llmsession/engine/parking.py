@@ -168,6 +168,7 @@ class ParkingLot:
                 return  # discarded or taken back before its turn: nothing to write
         written, digest = False, zlib.crc32(blob)  # here, off the exchange's path
         try:
+            path.parent.mkdir(exist_ok=True)  # (another host's sweep may have taken an idle folder)
             with path.open("wb") as file:
                 file.write(blob)
             written = True
