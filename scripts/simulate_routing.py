@@ -290,9 +290,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     axes[1].set_ylim(0.5, 1.0)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(routers), fontsize=8, frameon=False)
     fig.suptitle("simulated agent conversations, one replica removed halfway (scripts/simulate_routing.py)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
