@@ -9,9 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ import pytest
 from llmsession.cluster.keys import conversation_key, preferred, ranked, routing
 from llmsession.cluster.metrics import merged
 from llmsession.cluster.run import Cluster as RunCluster
+from llmsession.commands.bench.cluster import free_port  # (outside Ray's port ranges)
 from llmsession.serve.responses_sse import response_id
 
 KEY = "sk-cluster"
@@ -44,19 +43,6 @@ def ray_processes() -> set[int]:
         if any(name in command for name in RAY_PROCESSES):
             found.add(int(entry.name))
     return found
-
-
-def free_port() -> int:
-    """A free port outside the ranges Ray's own processes take theirs from (the ephemeral ports
-    from 32768, worker ports 10002-19999), so none of them takes it before the proxy binds it."""
-    for port in random.sample(range(20000, 30000), 200):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port")
 
 
 def wait_for(condition: Callable[[], bool], seconds: float) -> None:
