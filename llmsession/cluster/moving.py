@@ -129,10 +129,8 @@ class SharedSpill:
 
     def withdraw(self, key: str) -> bool:
         """Take back a file this replica saved (True), unless another claimed it first."""
-        hidden = self.folder / f".withdrawn-{self.owner}-{secrets.token_hex(8)}"
-        try:
-            os.rename(self.folder / f"{key}{SUFFIX}", hidden)
-        except FileNotFoundError:
+        hidden = self._grab(key, "withdrawn")
+        if hidden is None:
             return False
         hidden.unlink(missing_ok=True)
         return True
@@ -142,10 +140,8 @@ class SharedSpill:
         another replica claimed it first, or it was refused)."""
         if not KEY.fullmatch(key):
             return None
-        claimed = self.folder / f".claimed-{self.owner}-{secrets.token_hex(8)}"
-        try:
-            os.rename(self.folder / f"{key}{SUFFIX}", claimed)
-        except FileNotFoundError:
+        claimed = self._grab(key, "claimed")
+        if claimed is None:
             return None
         mine = self._private_folder() / f"{key}-{secrets.token_hex(8)}.llmsession"
         try:
@@ -159,6 +155,16 @@ class SharedSpill:
         finally:
             claimed.unlink(missing_ok=True)
         return Claimed(mine, tenant)
+
+    def _grab(self, key: str, kind: str) -> Path | None:
+        """The conversation's file, renamed to a hidden name of this replica's (one rename
+        wins), or None if it is not there (or another replica took it first)."""
+        hidden = self.folder / f".{kind}-{self.owner}-{secrets.token_hex(8)}"
+        try:
+            os.rename(self.folder / f"{key}{SUFFIX}", hidden)
+        except FileNotFoundError:
+            return None
+        return hidden
 
     def _private_folder(self) -> Path:
         if self._private is None:

@@ -98,10 +98,10 @@ class LocalSession(Session):
         against the model's memory (``config`` then says what they are)."""
         if model.closed:
             raise ModelClosedError("this model is closed")
-        resolved = resolved_config(model, config)
+        self._config = resolved_config(model, config)  # (compared on every stateless call)
         self.asked = config  # (what a stateless call that may take this session asks for)
         self.model = model
-        self.context_size, self.batch_size = cast(int, resolved.context_size), resolved.batch_size
+        self.context_size, self.batch_size = cast(int, self._config.context_size), self._config.batch_size
         self.thinking, self.swa_full, self.share_prefix = (
             config.thinking,
             config.swa_full,
@@ -188,7 +188,7 @@ class LocalSession(Session):
 
     @property
     def config(self) -> SessionConfig:
-        return dataclasses.replace(self.asked, context_size=self.context_size, batch_size=self.batch_size)
+        return self._config
 
     @property
     def settings(self) -> dict[str, Any]:

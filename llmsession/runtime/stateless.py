@@ -217,9 +217,7 @@ class StatelessSessions:
             if not labelled or not labelled[-1].idle:
                 return None
             session = labelled[-1]
-            self._sessions.remove(session)
-            del self._labels[session]
-            return session, self._tenants.pop(session)
+            return session, self._unkeep(session)
 
     def _keep(self, session: LocalSession, tenant: str | None, label: str | None) -> None:
         if session in self._tenants:  # (kept already: kept once, for its latest tenant and label)
@@ -229,6 +227,12 @@ class StatelessSessions:
         if label is not None:
             self._labels[session] = label
         self._evict()
+
+    def _unkeep(self, session: LocalSession) -> str | None:
+        """Take a kept session out of the kept ones (the lock held): its tenant."""
+        self._sessions.remove(session)
+        self._labels.pop(session, None)
+        return self._tenants.pop(session)
 
     def _kept_record(self, tenant: str | None, config: SessionConfig) -> ReplyTokens | None:
         """The replies a call kept apart may splice (its tenant's, or none of anyone's without a
@@ -269,17 +273,13 @@ class StatelessSessions:
             chosen = fitting[0]  # least recently used
         else:
             return None
-        self._sessions.remove(chosen)
-        del self._tenants[chosen]
-        self._labels.pop(chosen, None)
+        self._unkeep(chosen)
         return chosen
 
     def _forget_closed(self) -> None:
         """Sessions their callers closed (``chat_stream(...).session.close()``) are no one's."""
         for session in [s for s in self._sessions if s.closed]:
-            self._sessions.remove(session)
-            del self._tenants[session]
-            self._labels.pop(session, None)
+            self._unkeep(session)
         for session in [s for s in self._pending if s.closed]:
             del self._pending[session]
 
@@ -287,9 +287,7 @@ class StatelessSessions:
         idle = [s for s in self._sessions if s.idle]
         while len(self._sessions) > self.capacity and idle:
             oldest = idle.pop(0)
-            self._sessions.remove(oldest)
-            del self._tenants[oldest]
-            self._labels.pop(oldest, None)
+            self._unkeep(oldest)
             oldest.close()
 
     def close(self) -> None:
