@@ -56,8 +56,8 @@ def test_concurrent_streams_share_batches_and_each_equals_its_solo_run(smollm2: 
 def test_a_batch_that_mixes_up_the_rows_is_caught(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     decode_many = NativeContext.decode_many
 
-    def neighbours_rows(context: NativeContext, runs: Any, outputs: Any = None) -> list[int]:
-        rows = decode_many(context, runs, outputs)
+    def neighbours_rows(context: NativeContext, runs: Any, outputs: Any = None, **flags: Any) -> list[int]:
+        rows = decode_many(context, runs, outputs, **flags)
         return [rows[-1], *rows[:-1]]  # each run sampled from the row of the run before its own
 
     monkeypatch.setattr(NativeContext, "decode_many", neighbours_rows)

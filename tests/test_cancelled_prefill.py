@@ -82,20 +82,22 @@ def cancel_a_prefill(
     stream = session.stream(STORY * 4, GREEDY)
     seen = Cancelled(model, session, stream, model.prompt_tokens([{"role": "user", "content": STORY * 4}]))
     third, mid_batch = len(seen.prompt) // 3, where.startswith("mid-batch")
-    decode = NativeContext.decode
+    decode_many = NativeContext.decode_many  # (every decode goes through it: ``batching``)
 
-    def cancelling(context: NativeContext, tokens: Any, start: int, *, seq: int = 0, **kwargs: Any) -> None:
+    def cancelling(context: NativeContext, runs: Any, outputs: Any = None, **kwargs: Any) -> list[int]:
+        ((tokens, start, seq),) = runs  # (the session decodes alone)
         if mid_batch and seen.armed_at < 0 and start >= third:
             seen.armed_at = start
             threading.Timer(0.02, stream.cancel).start()
         try:
-            decode(context, tokens, start, seq=seq, **kwargs)
+            rows = decode_many(context, runs, outputs, **kwargs)
         except DecodeAborted:
             seen.kept_by_llama.append(context.pos_max(seq) + 1)  # before the record touches it
             raise
         if not mid_batch and seen.armed_at < 0 and start + len(tokens) >= third:
             seen.armed_at = start + len(tokens)  # (recorded once this returns)
             stream.cancel()
+        return rows
 
     def observed(seat: Seat, *args: Any, **kwargs: Any) -> tuple[int, int] | None:
         first = prefill(seat, *args, **kwargs)
@@ -113,7 +115,7 @@ def cancel_a_prefill(
         return first
 
     with monkeypatch.context() as patch:
-        patch.setattr(NativeContext, "decode", cancelling)
+        patch.setattr(NativeContext, "decode_many", cancelling)
         patch.setattr(exchange, "prefill", observed)
         snapshots: list[Any] = []
         if where.endswith("worker thread"):

@@ -15,8 +15,9 @@ import pytest
 from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import GenerationOptions, Model
-from llmsession.engine.batching import Batcher, Step
+from llmsession.engine.batching import Batcher
 from llmsession.engine.drafting import FIRST_DRAFT, MAX_DRAFT, TRIAL, Drafter, NgramIndex
+from llmsession.engine.work import Step
 
 PARAGRAPH = (
     "The lighthouse keeper climbed the narrow stairs every evening at dusk. He cleaned the great "

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llmsession import MemoryBudgetError, NativeError
+from llmsession import ContextOverflowError, MemoryBudgetError, NativeError
 from llmsession.engine import budget
 from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.engine import Engine, Lease
@@ -70,6 +70,31 @@ class FakeContext:
             raise NativeError("llama_decode failed (positions do not follow)")
         if not self._place(seq, start, tokens):
             raise NativeError("llama_decode failed (no KV slot)")
+
+    def check_run(self, tokens: Sequence[int], start: int, seq: int) -> None:
+        if start + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"position {start + len(tokens)} exceeds the context size {self.n_ctx}"
+            )
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"sequence {seq} is outside this context's 0..{self.n_seq_max - 1}")
+
+    def decode_many(
+        self, runs: Sequence[tuple[Sequence[int], int, int]], outputs: Any = None, *, abortable: bool = False
+    ) -> list[int]:
+        """Every run or none (llama.cpp takes back what it wrote of a refused batch); each run's
+        last row."""
+        assert 0 < sum(len(tokens) for tokens, _, _ in runs) <= self.n_batch
+        before = dict(self.cells)
+        try:
+            for tokens, start, seq in runs:
+                self.check_run(tokens, start, seq)
+                self.decode(tokens, start, seq=seq)
+        except BaseException:
+            self.cells = before
+            raise
+        ends = list(itertools.accumulate(len(tokens) for tokens, _, _ in runs))
+        return [end - 1 for end in ends]
 
     def seq_rm(self, p0: int, seq: int = 0) -> bool:
         for cell, (pos, _, seqs) in list(self.cells.items()):

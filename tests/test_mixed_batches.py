@@ -14,8 +14,9 @@ import pytest
 from test_reuse import batch_noise, check_against_fresh, paragraph, tolerance_for
 
 from llmsession import GenerationOptions, Model, Reply, Session
-from llmsession.engine.batching import Batcher, Step
+from llmsession.engine.batching import Batcher
 from llmsession.engine.chunking import FIRST_CHUNK, MIN_CHUNK, SLOWDOWN, ChunkSizer
+from llmsession.engine.work import Step
 from llmsession.errors import NativeError
 from llmsession.native.context import NativeContext
 
@@ -109,9 +110,9 @@ def test_a_batch_that_hands_a_sequence_another_s_chunk_is_caught(
     (its first token repeated) while the record says it holds its own."""
     decode_many = NativeContext.decode_many
 
-    def swapped(context: NativeContext, runs: Any, outputs: Any = None) -> list[int]:
+    def swapped(context: NativeContext, runs: Any, outputs: Any = None, **flags: Any) -> list[int]:
         runs = [([t[0]] * len(t) if len(t) > 1 else t, p, q) for t, p, q in runs]
-        return decode_many(context, runs, outputs)
+        return decode_many(context, runs, outputs, **flags)
 
     monkeypatch.setattr(NativeContext, "decode_many", swapped)
     answered = streams_and_a_long_prompt(smollm2, paragraph(smollm2, 8, 600))

@@ -350,11 +350,11 @@ def test_a_decode_error_discards_the_cache_and_the_next_turn_is_correct(
     real_decode = NativeContext.decode_many
     calls = {"n": 0}
 
-    def failing_decode(self: NativeContext, runs: Any, outputs: Any = None) -> list[int]:
-        calls["n"] += 1  # the generation steps' decodes
+    def failing_decode(self: NativeContext, runs: Any, outputs: Any = None, **flags: Any) -> list[int]:
+        calls["n"] += 1  # the prompt's decode, then the generation steps'
         if calls["n"] == 5:
             raise NativeError("llama_decode failed (injected)")
-        return real_decode(self, runs, outputs)
+        return real_decode(self, runs, outputs, **flags)
 
     monkeypatch.setattr(NativeContext, "decode_many", failing_decode)
     messages = copy.deepcopy(session.messages)

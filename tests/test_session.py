@@ -217,17 +217,18 @@ def test_cancel_during_a_long_prefill_stops_inside_the_batch_in_flight(
     stream = session.stream(prompt, GenerationOptions(max_tokens=8, temperature=0))
     at_cancel: list[int] = []
     checks: set[str] = set()
-    decode = NativeContext.decode
+    decode_many = NativeContext.decode_many  # (every decode goes through it: ``batching``)
 
-    def cancelled_into(self: NativeContext, tokens: Any, *args: Any, **kwargs: Any) -> None:
+    def cancelled_into(self: NativeContext, *args: Any, **kwargs: Any) -> list[int]:
         if not at_cancel and session.cached_tokens >= 300:
             at_cancel.append(session.cached_tokens)
             threading.Timer(0.02, stream.cancel).start()
-        decode(self, tokens, *args, **kwargs)
+        rows = decode_many(self, *args, **kwargs)
         installed = self._abort_installed
         checks.add("native" if installed and installed[0] == abort_check() else "python")
+        return rows
 
-    monkeypatch.setattr(NativeContext, "decode", cancelled_into)
+    monkeypatch.setattr(NativeContext, "decode_many", cancelled_into)
     snapshots: list[Any] = []
     if thread == "main":
         snapshots = list(stream)
@@ -252,14 +253,15 @@ def test_a_session_used_from_two_threads_raises_busy(smollm2: Model, monkeypatch
     session = smollm2.session()
     stream = session.stream(long_prompt(smollm2, 1500), GenerationOptions(max_tokens=4, temperature=0))
     errors: list[BaseException] = []
-    inside, tried, decode = threading.Event(), threading.Event(), NativeContext.decode
+    inside, tried, decode_many = threading.Event(), threading.Event(), NativeContext.decode_many
 
-    def held(self: NativeContext, *args: Any, **kwargs: Any) -> None:
-        decode(self, *args, **kwargs)
+    def held(self: NativeContext, *args: Any, **kwargs: Any) -> list[int]:
+        rows = decode_many(self, *args, **kwargs)
         inside.set()
         assert tried.wait(60)  # the exchange stays open until the other thread has tried
+        return rows
 
-    monkeypatch.setattr(NativeContext, "decode", held)
+    monkeypatch.setattr(NativeContext, "decode_many", held)
     worker = threading.Thread(target=list, args=(stream,))
     worker.start()
     assert inside.wait(60)

@@ -1,156 +1,48 @@
-"""Concurrent streams of one model decode their next tokens in one batch (llama-server's continuous
-batching, for threads and asyncio tasks).
+"""One scheduling loop per model: every decode of its contexts is a unit of work (``Step``) that
+goes through ``Batcher.run`` (llama-server's ``update_slots``, for threads and asyncio tasks).
 
-A stream's generation step asks for its tokens (the sampled one, and any a constraint forces) to be
-decoded into its sequence and the next token sampled from their logits. A lone stream's step is
-decoded at once on its own thread, as its prefill was: nothing is decoded that nobody asked for,
-and nothing crosses threads. When other streams of the context are stepping too, the engine's
-decode thread takes every step then waiting, decodes them in one ``llama_decode`` (each run with
-logits on its last token, or on its drafts' too: ``drafting``) and samples each from its own row;
-while it decodes, the next steps queue up, so N busy streams settle into batches of N. (One thread
-decodes the batches: with an OpenMP build of ggml, which a user may bring, each decoding thread has
-a team of its own, and a second team ran a fifth slower; the set-up builds ggml's own thread pool.)
+The units: a stream's generation step (its sampled token, any a constraint forces, and drafted
+tokens to verify: ``drafting``), a stretch of tokens to decode (a prompt's chunk, a reply's
+forced tokens, an anticipated opening), and work that decodes through llama.cpp by itself (an
+image's embeddings, an encoder's pass). A unit that finds no other stream stepping on its context
+(or whose thread holds the engine's lock) is decoded at once on its caller's thread, whole, as it
+always was: nothing is decoded that nobody asked for, nothing crosses threads, and a cancel stops
+a stretch's decode in flight. Otherwise it queues for the engine's decode thread, which takes
+every unit then waiting, decodes them in one ``llama_decode`` (each run with logits on its last
+token, or on its drafts' too) and samples each from its own row; while it decodes, the next
+steps queue up, so N busy streams settle into batches of N. (One thread decodes the batches:
+with an OpenMP build of ggml, which a user may bring, each decoding thread has a team of its own,
+and a second team ran a fifth slower; the set-up builds ggml's own thread pool.)
+
 Streams in their generation loop register (``generating``); the decode thread waits a moment
 (``GATHER_S``, or a twentieth of the last batch's time when batches are slow: each stream missing
 one would wait two) until every one of them that stepped within ``RECENT_S`` (or two batches' time)
 has queued its step, so the batches stay full although each stream does its own Python work between
 steps, and a stream whose consumer stopped reading soon stops being waited for.
 
-A prompt decoded while no other stream of its context steps goes in batches of ``batch_size`` on
-its own thread (``Feeder``). Once others step, its chunks queue here like steps: each batch takes
-every generating stream's tokens first, then as many prompt tokens as keep the step within a
-latency budget (``chunking``), so a long prompt neither stalls the streams nor waits for them.
-A batch that llama.cpp refuses is retried one sequence at a time, so one failing sequence fails
-alone.
+Each batch takes every generating stream's tokens first, then as many of the waiting stretches'
+tokens as keep the step within a latency budget (``chunking``), so a long prompt neither stalls
+the streams nor waits for them; a stretch stays queued, slice after slice, until it is whole. A
+unit that decodes by itself goes alone, between two batches, once it is the oldest waiting. A
+batch that llama.cpp refuses is retried one sequence at a time, so one failing sequence fails
+alone; a failing unit of its own fails alone.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from llmsession.engine.chunking import ChunkSizer
+from llmsession.engine.work import Gate, Step, Tracker
 from llmsession.errors import ModelClosedError, NativeError
 from llmsession.native.context import NativeContext
-from llmsession.native.sampler import TokenSampler
 
 GATHER_S = 0.002  # how long a leader waits for generating streams that have not queued yet
 GATHER_SHARE = 0.05  # or this share of the last batch's time, if longer
 RECENT_S = 0.05  # a stream that has not stepped for this long is not waited for
-
-
-class Gate:
-    """The engine's lock, and how many threads wait for it: a prefill goes first between two
-    generation batches, and background work (``anticipate``) gives way to anyone."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self._waiting = 0
-        self._counting = threading.Lock()
-
-    @property
-    def contended(self) -> bool:
-        return self._waiting > 0
-
-    def hold(self) -> Gate:
-        """The lock, counted as waited for until it is taken: ``with gate.hold():`` (a plain
-        context manager, no generator: every decode and sample takes it)."""
-        return self
-
-    def __enter__(self) -> None:
-        with self._counting:
-            self._waiting += 1
-        try:
-            self.lock.acquire()
-        except BaseException:  # interrupted (Ctrl-C) before it got the lock
-            self._uncount()
-            raise
-        try:
-            self._uncount()
-        except BaseException:  # interrupted once it had the lock: let it go
-            self.lock.release()
-            raise
-
-    def _uncount(self) -> None:
-        with self._counting:
-            self._waiting -= 1
-
-    def __exit__(self, *_exc: object) -> None:
-        self.lock.release()
-
-
-@dataclass(eq=False)
-class Tracker:
-    """A generating stream (or a prompt fed in chunks), and when its last step ended."""
-
-    prompt: bool = False
-    last: float = field(default_factory=time.perf_counter)
-
-
-class Target(Protocol):
-    """The sequence a step decodes into (``seat.Seat``): the same three calls make a lone
-    decode's room, record and sample."""
-
-    context: NativeContext
-    seq: int
-    cancelled: threading.Event
-
-    def make_room(self, n_tokens: int) -> None: ...
-
-    def decoded(self, items: Sequence[int], seconds: float) -> None: ...
-
-    def sample_row(self, row: int, sampler: TokenSampler) -> int: ...
-
-    def rewind(self, pos: int) -> bool: ...
-
-    def drop_last(self, n_items: int) -> None: ...
-
-
-@dataclass(eq=False)
-class Step:
-    """One stream's generation step, or a stretch of a prompt (``prompt``: it stays queued while
-    batch after batch decodes a slice of it, ``taken`` so far, and samples after the last), and
-    its outcome once ``finish``ed (``done`` is set for a step queued for the decode thread)."""
-
-    target: Target
-    tokens: Sequence[int]
-    pos: int
-    sampler: TokenSampler | None
-    tracker: Tracker | None = None
-    prompt: bool = False
-    taken: int = 0
-    slice_end: int = 0  # a prompt's tokens up to which the current batch decodes
-    abandoned: bool = False  # its caller was interrupted: decode no more of it
-    drafts: Sequence[int] = ()  # a generation step's proposed next tokens, verified by sampling
-    accepted: int = 0  # how many of them the samples kept
-    token: int = -1
-    error: BaseException | None = None
-    done: threading.Event | None = None
-
-    @property
-    def decoding(self) -> Sequence[int]:
-        """The tokens this step's batch decodes."""
-        if self.prompt:
-            return self.tokens[self.taken : self.slice_end]
-        return [*self.tokens, *self.drafts] if self.drafts else self.tokens
-
-    @property
-    def at(self) -> int:
-        """The position of the first of them."""
-        return self.pos + self.taken
-
-    @property
-    def whole(self) -> bool:
-        """Once decoded, nothing of the step is left to decode: its sampler samples."""
-        return not self.prompt or self.slice_end == len(self.tokens)
-
-    def finish(self) -> None:
-        if self.done is not None:
-            self.done.set()
 
 
 class Batcher:
@@ -188,10 +80,14 @@ class Batcher:
 
     def run(self, step: Step) -> int:
         """Decode ``step`` (with whatever else is waiting) and return its sampled token (-1
-        when it samples nothing)."""
-        if not step.prompt and self.alone(step.target.context, step.tracker):
-            with self.gate.hold():  # on the caller's thread, which decoded its prefill too
-                self._decode(step.target.context, [step])
+        when it samples nothing). Alone (no other stream steps on its context, or this thread
+        holds the engine's lock) it is decoded at once on the caller's thread, whole, and a
+        cancel stops its decode in flight: nothing waits, nothing crosses threads."""
+        context = step.target.context
+        if self.gate.held_here or self.alone(context, step.tracker):
+            with self.gate.hold():
+                step.slice_end = len(step.tokens)
+                self._decode(context, [step], alone=True)
             return self._outcome(step)
         with self._queue:
             if self._closed:
@@ -280,6 +176,12 @@ class Batcher:
         room = context.batch.capacity
         with self._queue:
             ours = [s for s in self._pending if s.target.context is context]
+            if ours and ours[0].native is not None:  # the oldest work decodes by itself: alone
+                native = ours[0]
+                self._pending.remove(native)
+                native.slice_end = len(native.tokens)
+                return [native]
+            ours = [s for s in ours if s.native is None]
             for step in (s for s in ours if not s.prompt):
                 if len(step.decoding) <= room or not taken:
                     taken.append(step)  # (one too long for any batch is taken alone: it errs)
@@ -289,7 +191,7 @@ class Batcher:
             if taken or any(now - t.last < recent for t in streaming):  # (a consumer reads slowly)
                 room = min(room, self.sizer.allowance(context.batch.capacity))
             for step in (s for s in ours if s.prompt):
-                if step.abandoned or step.target.cancelled.is_set():  # it stops with what it has
+                if step.stopped:  # it ends with what it has
                     self._pending.remove(step)
                     step.finish()
                 elif room > 0:
@@ -299,16 +201,24 @@ class Batcher:
             self._pending = [s for s in self._pending if s not in taken]
         return taken
 
-    def _decode(self, context: NativeContext, steps: list[Step]) -> None:
+    def _decode(self, context: NativeContext, steps: list[Step], *, alone: bool = False) -> None:
         """Decode ``steps`` in one batch and sample each; every step ends done. A batch
-        llama.cpp refuses is decoded again one step at a time (``_isolate``)."""
+        llama.cpp refuses is decoded again one step at a time (``_isolate``). ``alone``: one
+        step on its caller's thread (a cancel stops it in flight; a stretch of tokens decoded so
+        is not counted as a batch of the loop's)."""
         ready = [step for step in steps if self._ready(context, step)]
         if not ready:
             return
+        if ready[0].native is not None:  # (taken alone)
+            self._native(context, ready[0])
+            return
+        abortable = alone and ready[0].cancellable
+        if abortable:
+            context.abort = ready[0].target.cancelled
         began = time.perf_counter()
         try:
             runs = [(s.decoding, s.at, s.target.seq) for s in ready]
-            rows = context.decode_many(runs, [1 + len(s.drafts) for s in ready])
+            rows = context.decode_many(runs, [1 + len(s.drafts) for s in ready], abortable=abortable)
         except NativeError as error:
             self._isolate(context, ready, error)
             return
@@ -318,7 +228,8 @@ class Batcher:
                 step.finish()
             return
         decoded = time.perf_counter() - began
-        self._count(ready, decoded)
+        if not (alone and ready[0].prompt):
+            self._count(ready, decoded)
         ended, unfinished = time.perf_counter(), []
         for step, row in zip(ready, rows, strict=True):
             step.target.decoded(step.decoding, decoded)
@@ -359,10 +270,25 @@ class Batcher:
             step.target.drop_last(len(drafts) - step.accepted)
 
     @staticmethod
+    def _native(context: NativeContext, step: Step) -> None:
+        """Work that decodes by itself (it records what it decoded), then its sample."""
+        assert step.native is not None
+        if step.cancellable:
+            context.abort = step.target.cancelled
+        try:
+            step.native()
+            if step.sampler is not None:
+                step.token = step.target.sample_row(-1, step.sampler)
+        except BaseException as error:  # (its memory is its own: ``Seat.after_abort``)
+            step.error = error
+        step.finish()
+
+    @staticmethod
     def _ready(context: NativeContext, step: Step) -> bool:
         """Room made and the run checked for ``step``; else it ends with its own error."""
         try:
-            context.check_run(step.decoding, step.at, step.target.seq)
+            if step.native is None:  # (native work checks its own positions)
+                context.check_run(step.decoding, step.at, step.target.seq)
             step.target.make_room(len(step.decoding))
             return True
         except BaseException as error:  # this stream's budget error is its own

@@ -24,7 +24,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from llmsession.engine import sharing
-from llmsession.engine.batching import Batcher, Gate
+from llmsession.engine.batching import Batcher
 from llmsession.engine.budget import (
     Budget,
     Counters,
@@ -39,6 +39,7 @@ from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
 from llmsession.engine.residency import Move, State
 from llmsession.engine.seat import Seat
+from llmsession.engine.work import Gate
 from llmsession.errors import MemoryBudgetError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel

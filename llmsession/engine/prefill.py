@@ -65,12 +65,13 @@ def _feed(
                 stop = min([end, done + batch_size, *(p for p in stops if p > done)])
                 chunk = piece[done - start : stop - start]
                 final = last and stop == end
-                taken, token = feed(chunk, pos, sampler if final else None)
-                pos, done = pos + taken, done + taken
-                usage.decoded_prompt_tokens += taken
+                token = feed(chunk, pos, sampler if final else None)
+                pos, done = pos + len(chunk), done + len(chunk)
+                usage.decoded_prompt_tokens += len(chunk)
         except DecodeAborted as aborted:
             if aborted.cause is not None:
                 raise  # _generate restores memory to the record and raises the cause
+            usage.decoded_prompt_tokens += len(seat.items) - done  # (slices decoded before the cancel)
             seat.after_abort()
             return None
     return pos, token

@@ -1,8 +1,10 @@
 """A session's sequence for one exchange (``Seat``), and ``prefix.Memory`` over a sequence.
 
-Sessions touch memory only through a seat the engine gives them. Every call that touches the
-context takes the engine's lock (``step`` takes it inside the batcher, and ``sample_row`` and
-``make_room`` run under it), so a decode and the sampling of its logits happen under one hold.
+Sessions touch memory only through a seat the engine gives them. Every decode goes through the
+model's one loop (``batching``: ``decode``, ``step``, ``eval_image`` and ``encode`` each hand it
+a unit of work), which takes the engine's lock for it (``sample_row`` and ``make_room`` run under
+it), so a decode and the sampling of its logits happen under one hold; every other call that
+touches the context takes the lock itself.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Protocol
 
-from llmsession.engine.batching import Batcher, Step, Tracker
+from llmsession.engine.batching import Batcher
 from llmsession.engine.budget import Counters
 from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.prefix import Item, Plan
 from llmsession.engine.residency import Move
-from llmsession.native.context import NativeContext
+from llmsession.engine.work import Step, Tracker
+from llmsession.native.context import DecodeAborted, NativeContext
 from llmsession.native.projector import ImageChunk, Projector
 from llmsession.native.sampler import TokenSampler
 
@@ -81,17 +84,24 @@ class Seat:
             return plan
 
     def decode(
-        self, tokens: Sequence[int], pos: int, *, abortable: bool = False, sampler: TokenSampler | None = None
+        self,
+        tokens: Sequence[int],
+        pos: int,
+        *,
+        abortable: bool = False,
+        sampler: TokenSampler | None = None,
+        tracker: Tracker | None = None,
     ) -> int:
-        """Decode ``tokens`` from ``pos`` and record them; with a sampler, sample the next token
-        from their logits before anyone else decodes (-1 without)."""
-        with self.host.hold():
-            self.make_room(len(tokens))
-            self.context.abort = self.cancelled
-            began = time.perf_counter()
-            self.context.decode(tokens, pos, seq=self.seq, abortable=abortable)
-            self.decoded(tokens, time.perf_counter() - began)
-            return -1 if sampler is None else self._sample(sampler)
+        """Decode ``tokens`` from ``pos`` and record them, through the model's one loop
+        (``batching``: whole at once if nobody else steps, else in slices beside the streams'
+        steps); with a sampler, sample the next token from their logits before anyone else
+        decodes (-1 without). ``abortable``: a cancel stops it (DecodeAborted; what was decoded
+        stays recorded). ``tracker``: a prompt fed in chunks (``Feeder``)."""
+        step = Step(self, tokens, pos, sampler, tracker, prompt=True, cancellable=abortable)
+        token = self.host.batcher.run(step)
+        if step.taken < len(tokens):
+            raise DecodeAborted()
+        return token
 
     def feeder(self) -> Feeder:
         """How a prefill decodes its prompt's chunks (``Feeder``); close it after."""
@@ -156,28 +166,34 @@ class Seat:
 
     def encode(self, tokens: Sequence[int]) -> None:
         """Run the encoder over the prompt (an encoder-decoder model's exchange starts here)."""
-        with self.host.hold():
-            self.context.abort = self.cancelled
+
+        def encode() -> None:
             began = time.perf_counter()
             self.context.encode(tokens, abortable=True)
             self.decode_s += time.perf_counter() - began
 
+        self.host.batcher.run(Step(self, (), 0, None, prompt=True, cancellable=True, native=encode))
+
     def eval_image(
         self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
     ) -> tuple[int, int]:
-        """Decode an image chunk (its ``items``) from ``pos``; the next position, and the next
-        token sampled if a sampler is given (-1 without)."""
+        """Decode an image chunk (its ``items``) from ``pos`` (alone: its embeddings go in
+        batches of their own); the next position, and the next token sampled if a sampler is
+        given (-1 without)."""
         projector = self.host.projector
         assert projector is not None
-        with self.host.hold():
-            self.make_room(len(items))
-            self.context.abort = self.cancelled
+        after = [pos]
+
+        def evaluate() -> None:
             began = time.perf_counter()
-            pos = projector.eval_image(
+            after[0] = projector.eval_image(
                 self.context, chunk, pos, seq=self.seq, logits_last=sampler is not None
             )
             self.decoded(items, time.perf_counter() - began)
-            return pos, -1 if sampler is None else self._sample(sampler)
+
+        step = Step(self, items, pos, sampler, prompt=True, cancellable=True, native=evaluate)  # type: ignore[arg-type]
+        token = self.host.batcher.run(step)
+        return after[0], token
 
     def checkpoint_stops(self, end: int) -> list[int]:
         """Where a prefill up to position ``end`` should stop to take a checkpoint."""
@@ -202,26 +218,22 @@ class Seat:
 
 
 class Feeder:
-    """A prompt's chunks into a seat's sequence: whole on the caller's thread while no other
-    stream of the context steps (abortable by the exchange's cancel), else through the batcher,
-    beside the streams' steps, as much of each chunk as a step's budget allows (``batching``)."""
+    """A prompt's chunks into a seat's sequence (``Seat.decode``, abortable by the exchange's
+    cancel): registered with the batcher as a stream once others step, so the decode thread
+    takes its slices beside their steps as a step's budget allows (``batching``)."""
 
     def __init__(self, seat: Seat) -> None:
         self.seat = seat
         self.tracker: Tracker | None = None  # registered once a chunk went through the batcher
         self._registered = ExitStack()
 
-    def __call__(self, tokens: Sequence[int], pos: int, sampler: TokenSampler | None) -> tuple[int, int]:
-        """Decode the first of ``tokens`` from ``pos``: (how many, the token sampled after the
-        last of them if all were decoded and a sampler given, else -1)."""
+    def __call__(self, tokens: Sequence[int], pos: int, sampler: TokenSampler | None) -> int:
+        """Decode ``tokens`` from ``pos``: the token sampled after the last of them if a sampler
+        is given, else -1 (DecodeAborted if cancelled meanwhile)."""
         seat, batcher = self.seat, self.seat.host.batcher
-        if batcher.alone(seat.context, self.tracker):
-            return len(tokens), seat.decode(tokens, pos, abortable=True, sampler=sampler)
-        if self.tracker is None:
+        if self.tracker is None and not batcher.alone(seat.context):
             self.tracker = self._registered.enter_context(batcher.generating(seat.context, prompt=True))
-        step = Step(seat, tokens, pos, sampler, self.tracker, prompt=True)
-        token = batcher.run(step)
-        return step.taken, token
+        return seat.decode(tokens, pos, abortable=True, sampler=sampler, tracker=self.tracker)
 
     def close(self) -> None:
         self._registered.close()

@@ -207,20 +207,25 @@ class NativeContext(Owner):
         return np.frombuffer(ffi.buffer(pointer, 4 * n_vocab), dtype=np.float32)
 
     def decode_many(
-        self, runs: Sequence[tuple[Sequence[int], int, int]], outputs: Sequence[int] | None = None
+        self,
+        runs: Sequence[tuple[Sequence[int], int, int]],
+        outputs: Sequence[int] | None = None,
+        *,
+        abortable: bool = False,
     ) -> list[int]:
         """Decode several sequences' tokens in one batch: ``(tokens, start, seq)`` each, logits
         for each run's last token (last ``outputs[i]``); their batch indices, in order (for
-        sampling each: a run's earlier rows come right before its last)."""
+        sampling each: a run's earlier rows come right before its last). ``abortable`` as for
+        ``decode``."""
         lib, _ = bindings()
         ptr = self.ptr
-        self.set_abortable(False)
+        self.set_abortable(abortable)
         for run in runs:
             self.check_run(*run)
         indices = self.batch.fill_many(runs, outputs)
         with ACTIVITY:
             code = lib.llama_decode(ptr, self.batch.raw)
-        interrupted_by(False)
+        interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
         return indices
 

@@ -19,12 +19,12 @@ from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING
 
-from llmsession.engine.batching import Tracker
 from llmsession.engine.drafting import Drafter
 from llmsession.engine.prefill import prefill
 from llmsession.engine.prefix import starts_a_chunk
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.seat import GROWTH, Seat
+from llmsession.engine.work import Tracker
 from llmsession.errors import GrammarError, MemoryBudgetError, NativeError
 from llmsession.native.cancel import CancelFlag
 from llmsession.native.context import DecodeAborted
@@ -282,7 +282,7 @@ class Exchange:
         for i in range(0, len(batch), size):  # forced tokens may be many
             chunk, last = batch[i : i + size], i + size >= len(batch)
             if not last:
-                seat.decode(chunk, pos + i)
+                seat.decode(chunk, pos + i, tracker=tracker)  # (its own stream: not waited for)
                 continue
             drafts, began = self._drafts(drafter, chunk, pos + i), time.perf_counter()
             kept, token = seat.step(chunk, pos + i, sampler, tracker, drafts)
