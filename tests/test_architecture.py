@@ -36,6 +36,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.engine.parking",
     "llmsession.engine.budget",
     "llmsession.engine.chunking",
+    "llmsession.engine.attention",
     "llmsession.engine.drafting",
     "llmsession.engine.sessionfile",
     "llmsession.engine.checkpoints",

@@ -23,6 +23,7 @@ from llmsession.engine.prompt import Prompt
 from llmsession.errors import GrammarError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import GenerationOptions
+from llmsession.runtime.attention import probed
 from llmsession.runtime.identity import FileIdentities
 from llmsession.runtime.loading import (
     Loaded,
@@ -30,6 +31,8 @@ from llmsession.runtime.loading import (
     choose_flash_attention,
     load_native,
     memory_plan,
+    probes_attention,
+    session_positions,
 )
 from llmsession.runtime.spliced import Rendering, text_tokens
 from llmsession.runtime.thinking import markup_for
@@ -94,6 +97,15 @@ class ModelCore:
             kv_tokens=memory.kv_tokens,
             **prompts,
         )
+        if probes_attention(config.flash_attention, self.kv_type, gpu_layers):
+            try:
+                self.flash_attention = probed(
+                    loaded.native, self.path, self.threads, session_positions(loaded.memory)
+                )
+            except BaseException:
+                loaded.close()
+                raise
+            cells["flash_attention"] = self.flash_attention
         self._adopt(loaded, cells)
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing

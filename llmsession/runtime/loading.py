@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmsession.config import MemoryConfig
-from llmsession.engine.budget import CELLS_QUANTUM, MemoryPlan, uses_own_cells
+from llmsession.engine.budget import CELLS_QUANTUM, MemoryPlan, own_cells, uses_own_cells
 from llmsession.engine.sizing import Sizing, size_kv
 from llmsession.errors import NativeError, TemplateError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
@@ -24,16 +24,28 @@ log = logging.getLogger("llmsession")
 
 
 def choose_flash_attention(asked: bool | None, kv_type: str, gpu_layers: int) -> bool | None:
-    """Flash attention as asked; by default off where it is slower: on the CPU, where it costs
-    about a quarter of the prefill at depth (``llama-bench -fa 0,1 -p 29 -d 993``: 246 vs 182
-    tok/s on an AMD EPYC; 199 vs 152 for our own prefill on an Intel Xeon). A quantized V cache
-    needs it, and with layers offloaded llama.cpp chooses (AUTO). Off, a reply depends slightly
-    on where its session's cells lie in the shared cache (the kernels' sums change with the
-    placement): rounding noise, which the tests measure and tolerate as they do a batch split's.
-    ``llmsession bench kernels`` measures both. (``asked`` is checked by ``ModelConfig``.)"""
+    """Flash attention as asked; by default, on the CPU with f16 cells, off until the model's
+    probe chose (``probes_attention``): which is faster depends on the CPU and the depth
+    (``engine.attention``). A quantized V cache needs it, and with layers offloaded llama.cpp
+    chooses (AUTO). Off, a reply depends slightly on where its session's cells lie in the shared
+    cache (the kernels' sums change with the placement): rounding noise, which the tests measure
+    and tolerate as they do a batch split's. ``llmsession bench prefill`` measures both against
+    llama-bench. (``asked`` is checked by ``ModelConfig``.)"""
     if asked is None and kv_type == "f16" and gpu_layers == 0:
         return False
     return asked
+
+
+def probes_attention(asked: bool | None, kv_type: str, gpu_layers: int) -> bool:
+    """Whether flash attention is ours to choose by measuring (``runtime.attention``)."""
+    return asked is None and kv_type == "f16" and gpu_layers == 0
+
+
+def session_positions(memory: MemoryPlan) -> int:
+    """The most positions one live session holds under ``memory`` (its own cells, or the pool)."""
+    if memory.kv_layout == "per_session" and memory.max_live_sessions > 1:
+        return own_cells(memory.kv_tokens, memory.max_live_sessions)
+    return memory.kv_tokens
 
 
 def check_cells(native: NativeModel, kv_type: str = "f16", flash_attention: bool | None = None) -> None:
@@ -186,6 +198,12 @@ class Loaded:
     memory: MemoryPlan
     sizing: Sizing
     renderer: Renderer
+
+    def close(self) -> None:
+        """Free what was opened (a load that fails after ``load_native``)."""
+        if self.projector is not None:
+            self.projector.close()
+        self.native.close()
 
 
 def checked_threads(threads: int | None) -> int:

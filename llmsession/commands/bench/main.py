@@ -191,7 +191,8 @@ def generation(model: Model, n_tokens: int, exe: Path, repeats: int = 5) -> dict
     llama-bench generates at depth 0 and at our prompt's depth (its ``-d``): the same positions
     as ours (each token attends to those before it, so a deeper one costs more)."""
     options = GenerationOptions(max_tokens=n_tokens, temperature=0)
-    pp = llama_bench(exe, model.path, model.threads, "-p", "512", "-n", "0", "-r", str(repeats))
+    fa = ("-fa", flash_attn_option(model.flash_attention))  # (llama-bench's default is auto: on)
+    pp = llama_bench(exe, model.path, model.threads, "-p", "512", "-n", "0", "-r", str(repeats), *fa)
     depth = len(model.prompt_tokens([{"role": "user", "content": LONG_PROMPT}]))
     ours, lengths, tg, at_depth = [], [], list[float](), list[float]()
     for _ in range(repeats):
@@ -201,7 +202,7 @@ def generation(model: Model, n_tokens: int, exe: Path, repeats: int = 5) -> dict
         ours.append(reply.timings.generation_tokens_per_s)
         lengths.append(reply.usage.completion_tokens)
         run = llama_bench(
-            exe, model.path, model.threads, "-p", "0", "-n", str(n_tokens), "-d", f"0,{depth}", "-r", "1"
+            exe, model.path, model.threads, "-p", "0", "-n", str(n_tokens), "-d", f"0,{depth}", "-r", "1", *fa
         )
         tests = run.get("tests", [[], []])
         tg, at_depth = tg + tests[0], at_depth + tests[-1]
@@ -262,6 +263,7 @@ SCENARIOS = {  # ``llmsession bench NAME``: its module here
     "serve": "serve_bench",
     "agents": "agents",
     "cluster": "cluster",
+    "prefill": "prefill",
 }
 
 

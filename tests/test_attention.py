@@ -1,0 +1,91 @@
+"""Flash attention chosen at load from a probe of the model on this machine (``engine.attention``,
+``runtime.attention``): the choice follows the probe and the sessions' depth, the probe is
+measured once and kept, a kept file that is not a probe's is measured again, and the models'
+contexts take the choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import internals
+import pytest
+
+from llmsession import GenerationOptions, Model
+from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe
+from llmsession.runtime import attention
+
+GREEDY = GenerationOptions(max_tokens=4, temperature=0)
+
+
+def test_the_choice_is_the_cheaper_setting_at_half_the_context() -> None:
+    # Flash attention a little slower at depth 0 but growing more slowly with depth (the AVX2
+    # EPYC's shape reversed): off for short contexts, on for long ones.
+    probe = AttentionProbe(off=(1.00, 1.20), on=(1.05, 1.10))
+    assert probe.batch_s(False, 2 * PROBE_TOKENS) == pytest.approx(1.40)
+    assert probe.choose(64) is False and probe.choose(8192) is True  # (they cross at depth 85)
+    assert AttentionProbe(off=(1.0, 1.1), on=(0.8, 0.9)).choose(64) is True  # faster everywhere
+    assert AttentionProbe(off=(0.8, 0.9), on=(1.0, 1.1)).choose(32768) is False  # slower everywhere
+
+
+@pytest.mark.parametrize(
+    "data",
+    [None, [], {"off": [1, 1], "on": [1, 1]}, {"version": 1, "off": [1], "on": [1, 1]},
+     {"version": 1, "off": [1, "x"], "on": [1, 1]}, {"version": 1, "off": [0, 1], "on": [1, 1]}],
+)  # fmt: skip
+def test_what_is_not_a_probe_reads_as_none(data: Any) -> None:
+    assert AttentionProbe.from_json(data) is None
+    probe = AttentionProbe(off=(1.0, 2.0), on=(0.5, 0.75))
+    assert AttentionProbe.from_json(json.loads(json.dumps(probe.to_json()))) == probe
+
+
+def test_the_probe_is_measured_once_and_kept(
+    smollm2: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
+    native, path = internals.local(smollm2).native, smollm2.path
+    measured: list[AttentionProbe] = []
+    measure = attention.measure
+
+    def counted(*args: Any, **kwargs: Any) -> AttentionProbe:
+        measured.append(measure(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(attention, "measure", counted)
+    first = attention.probed(native, path, 2, 4096)
+    assert len(measured) == 1 and first is measured[0].choose(4096)
+    (off, on) = measured[0].off, measured[0].on
+    assert all(0 < t < 30 for t in (*off, *on))
+    assert attention.probed(native, path, 2, 4096) is first and len(measured) == 1  # kept
+    attention.probed(native, path, 1, 4096)  # another thread count is another measurement
+    assert len(measured) == 2
+    file = tmp_path / attention.PROBES_FILE
+    kept = json.loads(file.read_text())
+    assert len(kept) == 2 and all(AttentionProbe.from_json(v) for v in kept.values())
+    file.write_text("not json")  # a file that is not the probes': measured again, and rewritten
+    assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096) and len(measured) == 3
+    assert len(json.loads(file.read_text())) == 1
+
+
+def test_the_kept_probe_decides_the_models_setting(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe saying flash attention is faster turns it on, one saying slower leaves it off
+    (the variant that must fail: a choice that ignored the probe would be the same both times)."""
+    monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
+
+    def measured(probe: AttentionProbe) -> Any:
+        return lambda *_args, **_kwargs: probe
+
+    for probe, chosen in (
+        (AttentionProbe((1.0, 1.1), (0.5, 0.6)), True),
+        (AttentionProbe((0.5, 0.6), (1.0, 1.1)), False),
+    ):
+        (tmp_path / attention.PROBES_FILE).unlink(missing_ok=True)
+        monkeypatch.setattr(attention, "measure", measured(probe))
+        with Model(smollm2_path, threads=2) as model:
+            assert model.flash_attention is chosen
+            assert model.session().respond("Hello", GREEDY).text
+        with Model(smollm2_path, threads=2, flash_attention=not chosen) as model:  # (asked: no probe)
+            assert model.flash_attention is (not chosen)
