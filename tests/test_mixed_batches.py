@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import internals
@@ -29,6 +30,13 @@ def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, 
     """Two streams generating; once both have replied a few tokens, a long prompt arrives in
     a third session. Each session with its reply."""
     sessions = [model.session() for _ in range(3)]
+    replies = streams_and_an_arrival(sessions, lambda session: session.respond(prompt, ARRIVING))
+    return list(zip(sessions, replies, strict=True))
+
+
+def streams_and_an_arrival(sessions: list[Session], arrive: Callable[[Session], Any]) -> list[Any]:
+    """The first two sessions stream; once both have replied a few tokens, ``arrive`` runs on
+    the third. Their replies, and what ``arrive`` returned."""
     replies: list[Any] = [None] * 3
     started = threading.Barrier(3)
 
@@ -43,10 +51,12 @@ def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, 
     for thread in threads:
         thread.start()
     started.wait()
-    replies[2] = sessions[2].respond(prompt, ARRIVING)
-    for thread in threads:
-        thread.join()
-    return list(zip(sessions, replies, strict=True))
+    try:
+        replies[2] = arrive(sessions[2])
+    finally:
+        for thread in threads:
+            thread.join()
+    return replies
 
 
 def test_a_prompt_arriving_mid_stream_is_fed_in_chunks_and_equals_fresh(smollm2: Model) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from near_ties import assert_same_within_noise, scored
+from test_mixed_batches import streams_and_an_arrival
 from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import GenerationOptions, Image, Model, NativeError, Session
@@ -23,8 +24,6 @@ from llmsession.native.context import NativeContext
 from llmsession.native.projector import Projector
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
-STREAMING = GenerationOptions(max_tokens=40, temperature=0)
-QUESTIONS = ("Tell me a story about a lighthouse.", "Describe the sea at night.")
 
 
 @pytest.fixture(scope="module")
@@ -171,24 +170,11 @@ def streams_and_an_image(model: Model, image: Image) -> tuple[list[Session], lis
     """Two streams generating; once both have replied a few tokens, an image prompt arrives in a
     third session (its reply scored, or the error it raised)."""
     sessions = [model.session(share_prefix=False) for _ in range(3)]
-    replies: list[Any] = [None] * 3
-    started = threading.Barrier(3)
 
-    def stream(i: int) -> None:
-        chunks = sessions[i].stream(QUESTIONS[i], STREAMING)
-        for count, _ in enumerate(chunks):
-            if count == 3:
-                started.wait()
-        replies[i] = chunks.reply
+    def arrive(session: Session) -> Any:
+        try:
+            return session.respond(["Describe:", image], scored(GREEDY))
+        except NativeError as error:
+            return error
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    started.wait()
-    try:
-        replies[2] = sessions[2].respond(["Describe:", image], scored(GREEDY))
-    except NativeError as error:
-        replies[2] = error
-    for thread in threads:
-        thread.join()
-    return sessions, replies
+    return sessions, streams_and_an_arrival(sessions, arrive)
