@@ -74,8 +74,10 @@ class ModelConfig:
 
     ``mmproj_path``: the multimodal projector for images. ``threads``: decode threads (None:
     this machine's default). ``gpu_layers``: layers offloaded (None: all with ``rpc_servers``,
-    else none). ``flash_attention`` None is off on the CPU with f16 cells, llama.cpp's choice
-    otherwise. ``kv_type``: the KV cells' type; quantized cells need flash attention.
+    else none). ``flash_attention`` None is, on the CPU with f16 cells, what a probe of the
+    model on this machine found faster (measured once, kept in the cache folder:
+    ``runtime.attention``), llama.cpp's choice otherwise. ``kv_type``: the KV cells' type;
+    quantized cells need flash attention.
     ``use_jinja`` True or False insists on a renderer (None: the file's template through jinja
     when it renders, else llama.cpp's built-in ones); ``chat_template`` replaces the file's
     (jinja text, a built-in template's name, or a Path to a template file). ``anticipate``:

@@ -6,6 +6,7 @@ contexts take the choice."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from llmsession import GenerationOptions, Model
 from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe
+from llmsession.native.context import NativeContext
 from llmsession.runtime import attention
 
 GREEDY = GenerationOptions(max_tokens=4, temperature=0)
@@ -27,16 +29,24 @@ def test_the_choice_is_the_cheaper_setting_at_half_the_context() -> None:
     assert probe.choose(64) is False and probe.choose(8192) is True  # (they cross at depth 85)
     assert AttentionProbe(off=(1.0, 1.1), on=(0.8, 0.9)).choose(64) is True  # faster everywhere
     assert AttentionProbe(off=(0.8, 0.9), on=(1.0, 1.1)).choose(32768) is False  # slower everywhere
+    assert AttentionProbe(off=(1.0, 1.0), on=(0.97, 0.97)).choose(4096) is False  # within the margin
 
 
 @pytest.mark.parametrize(
     "data",
-    [None, [], {"off": [1, 1], "on": [1, 1]}, {"version": 1, "off": [1], "on": [1, 1]},
-     {"version": 1, "off": [1, "x"], "on": [1, 1]}, {"version": 1, "off": [0, 1], "on": [1, 1]}],
+    [None, [], {"off": [1, 1], "on": [1, 1]}, {"version": 1, "off": [1, 1], "on": [1, 1]},
+     {"version": True, "tokens": 128, "off": [1, 1], "on": [1, 1]},
+     {"version": 2, "tokens": 128, "off": [1], "on": [1, 1]},
+     {"version": 2, "tokens": 128, "off": [1, "2"], "on": [1, 1]},
+     {"version": 2, "tokens": 128, "off": [0, 1], "on": [1, 1]},
+     {"version": 2, "tokens": 128, "off": [10**400, 1], "on": [1, 1]},
+     {"version": 2, "tokens": 128, "off": [float("nan"), 1], "on": [1, 1]},
+     {"version": 2, "tokens": "128", "off": [1, 1], "on": [1, 1]},
+     {"version": 2, "tokens": 0, "off": [1, 1], "on": [1, 1]}],
 )  # fmt: skip
 def test_what_is_not_a_probe_reads_as_none(data: Any) -> None:
     assert AttentionProbe.from_json(data) is None
-    probe = AttentionProbe(off=(1.0, 2.0), on=(0.5, 0.75))
+    probe = AttentionProbe(off=(1.0, 2.0), on=(0.5, 0.75), tokens=64)
     assert AttentionProbe.from_json(json.loads(json.dumps(probe.to_json()))) == probe
 
 
@@ -63,9 +73,15 @@ def test_the_probe_is_measured_once_and_kept(
     file = tmp_path / attention.PROBES_FILE
     kept = json.loads(file.read_text())
     assert len(kept) == 2 and all(AttentionProbe.from_json(v) for v in kept.values())
-    file.write_text("not json")  # a file that is not the probes': measured again, and rewritten
-    assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096) and len(measured) == 3
-    assert len(json.loads(file.read_text())) == 1
+    for hostile in ("not json", "[" * 100_000 + "]" * 100_000, '{"x": ' + "9" * 5000 + "}"):
+        file.write_text(hostile)  # not the probes': measured again, and rewritten
+        assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096)
+        assert len(json.loads(file.read_text())) == 1
+    assert len(measured) == 5
+    file.unlink()
+    os.mkfifo(file)  # a pipe where the file was: not read (it would never end), measured again
+    assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096) and len(measured) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([attention.LOCK_FILE, attention.PROBES_FILE])
 
 
 def test_the_kept_probe_decides_the_models_setting(
@@ -78,14 +94,24 @@ def test_the_kept_probe_decides_the_models_setting(
     def measured(probe: AttentionProbe) -> Any:
         return lambda *_args, **_kwargs: probe
 
+    made: list[bool | None] = []
+    init = NativeContext.__init__
+
+    def recording(context: NativeContext, *args: Any, **kwargs: Any) -> None:
+        made.append(kwargs["flash_attention"])
+        init(context, *args, **kwargs)
+
+    monkeypatch.setattr(NativeContext, "__init__", recording)
     for probe, chosen in (
         (AttentionProbe((1.0, 1.1), (0.5, 0.6)), True),
         (AttentionProbe((0.5, 0.6), (1.0, 1.1)), False),
     ):
         (tmp_path / attention.PROBES_FILE).unlink(missing_ok=True)
         monkeypatch.setattr(attention, "measure", measured(probe))
+        made.clear()
         with Model(smollm2_path, threads=2) as model:
             assert model.flash_attention is chosen
             assert model.session().respond("Hello", GREEDY).text
+            assert made and set(made) == {chosen}  # the engine's contexts take it
         with Model(smollm2_path, threads=2, flash_attention=not chosen) as model:  # (asked: no probe)
             assert model.flash_attention is (not chosen)

@@ -303,7 +303,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
         "--flash-attention",
         choices=("auto", "on", "off"),
         default="auto",
-        help="auto: off on the CPU with f16 cells (faster prefill at depth), else llama.cpp's choice",
+        help="auto: on the CPU with f16 cells, what a probe of the model found faster here; else llama.cpp's",
     )
     add(
         "--draft",

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from llmsession.engine.chunking import ChunkSizer
 from llmsession.engine.work import Gate, Step, Tracker
 from llmsession.errors import ModelClosedError, NativeError
-from llmsession.native.context import NativeContext
+from llmsession.native.context import DecodeAborted, NativeContext
 
 GATHER_S = 0.002  # how long a leader waits for generating streams that have not queued yet
 GATHER_SHARE = 0.05  # or this share of the last batch's time, if longer
@@ -179,6 +179,10 @@ class Batcher:
             if ours and ours[0].native is not None:  # the oldest work decodes by itself: alone
                 native = ours[0]
                 self._pending.remove(native)
+                if native.stopped:  # (cancelled while it waited: nothing of it decoded)
+                    native.error = DecodeAborted(clean=True)
+                    native.finish()
+                    return []
                 native.slice_end = len(native.tokens)
                 return [native]
             ours = [s for s in ours if s.native is None]

@@ -53,7 +53,9 @@ def _feed(
                     return None
                 if done in stops:
                     seat.checkpoint()
-                pos, token = seat.eval_image(piece, pos, items[start:end], sampler=sampler if last else None)
+                pos, token = seat.eval_image(
+                    piece, pos, items[start:end], sampler=sampler if last else None, tracker=feed.tracker
+                )
                 done = end
                 usage.decoded_prompt_tokens += size
                 continue
@@ -72,7 +74,8 @@ def _feed(
             if aborted.cause is not None:
                 raise  # _generate restores memory to the record and raises the cause
             usage.decoded_prompt_tokens += len(seat.items) - done  # (slices decoded before the cancel)
-            seat.after_abort()
+            if not aborted.clean:  # (stopped mid-batch: memory may hold part of it)
+                seat.after_abort()
             return None
     return pos, token
 

@@ -99,8 +99,8 @@ class Seat:
         stays recorded). ``tracker``: a prompt fed in chunks (``Feeder``)."""
         step = Step(self, tokens, pos, sampler, tracker, prompt=True, cancellable=abortable)
         token = self.host.batcher.run(step)
-        if step.taken < len(tokens):
-            raise DecodeAborted()
+        if step.taken < len(tokens):  # (stopped between two slices: the record holds what was decoded)
+            raise DecodeAborted(clean=True)
         return token
 
     def feeder(self) -> Feeder:
@@ -175,11 +175,17 @@ class Seat:
         self.host.batcher.run(Step(self, (), 0, None, prompt=True, cancellable=True, native=encode))
 
     def eval_image(
-        self, chunk: ImageChunk, pos: int, items: Sequence[Item], *, sampler: TokenSampler | None
+        self,
+        chunk: ImageChunk,
+        pos: int,
+        items: Sequence[Item],
+        *,
+        sampler: TokenSampler | None,
+        tracker: Tracker | None = None,
     ) -> tuple[int, int]:
         """Decode an image chunk (its ``items``) from ``pos`` (alone: its embeddings go in
         batches of their own); the next position, and the next token sampled if a sampler is
-        given (-1 without)."""
+        given (-1 without). ``tracker``: the prompt's, fed in chunks (``Feeder``)."""
         projector = self.host.projector
         assert projector is not None
         after = [pos]
@@ -191,7 +197,7 @@ class Seat:
             )
             self.decoded(items, time.perf_counter() - began)
 
-        step = Step(self, items, pos, sampler, prompt=True, cancellable=True, native=evaluate)  # type: ignore[arg-type]
+        step = Step(self, items, pos, sampler, tracker, prompt=True, cancellable=True, native=evaluate)  # type: ignore[arg-type]
         token = self.host.batcher.run(step)
         return after[0], token
 

@@ -22,8 +22,6 @@ class Gate:
         self.lock = threading.RLock()
         self._waiting = 0
         self._counting = threading.Lock()
-        self._owner: int | None = None  # the thread holding the lock
-        self._depth = 0  # how many times it took it
 
     @property
     def contended(self) -> bool:
@@ -33,7 +31,7 @@ class Gate:
     def held_here(self) -> bool:
         """This thread holds the lock: its work cannot wait for the decode thread, which would
         wait for the lock."""
-        return self._owner == threading.get_ident()
+        return bool(self.lock._is_owned())  # type: ignore[attr-defined]  # (as threading.Condition asks it)
 
     def hold(self) -> Gate:
         """The lock, counted as waited for until it is taken: ``with gate.hold():`` (a plain
@@ -53,16 +51,12 @@ class Gate:
         except BaseException:  # interrupted once it had the lock: let it go
             self.lock.release()
             raise
-        self._owner, self._depth = threading.get_ident(), self._depth + 1
 
     def _uncount(self) -> None:
         with self._counting:
             self._waiting -= 1
 
     def __exit__(self, *_exc: object) -> None:
-        self._depth -= 1
-        if not self._depth:
-            self._owner = None
         self.lock.release()
 
 

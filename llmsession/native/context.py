@@ -343,11 +343,12 @@ def context_layout(
 
 class DecodeAborted(Exception):
     """A decode stopped early: the abort flag was set (``cause`` None), or a callback raised
-    ``cause`` (the caller re-raises it once its memory matches its record again)."""
+    ``cause`` (the caller re-raises it once its memory matches its record again). ``clean``: it
+    stopped between two batches, so memory holds just what was recorded."""
 
-    def __init__(self, cause: BaseException | None = None) -> None:
+    def __init__(self, cause: BaseException | None = None, *, clean: bool = False) -> None:
         super().__init__()
-        self.cause = cause
+        self.cause, self.clean = cause, clean
 
 
 def interrupted_by(aborted: bool) -> None:

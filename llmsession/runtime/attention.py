@@ -1,14 +1,17 @@
 """Flash attention chosen at load where the caller left it to us, on the CPU with f16 cells: from
-a probe of this model on this machine (``engine.attention``), measured once (about a second for
-SmolLM2 here) and kept in the cache folder for every later load of the same file, build, CPU and
+a probe of this model on this machine (``engine.attention``), measured once (about two seconds
+for SmolLM2 here) and kept in the cache folder for every later load of the same file, build, CPU and
 thread count."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
+import math
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -17,59 +20,74 @@ from typing import Any
 from llama_cffi import cache_root
 
 from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe, probe_key
-from llmsession.errors import NativeError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, build_commit, system_info
 
 log = logging.getLogger("llmsession")
 
 PROBES_FILE = "attention-probes.json"  # in the cache folder
+LOCK_FILE = ".attention-probes.lock"  # held while a process reads, measures and writes them
 MAX_PROBES = 256  # kept in it, the newest
+MAX_FILE_BYTES = 1 << 20
 MIN_TRAINED = 64  # a model trained on fewer positions is not probed
 
 
 def probed(native: NativeModel, path: Path, threads: int, context: int) -> bool:
     """Flash attention for sessions of ``context`` positions, from this machine's probe of the
     model (off, as before, where there is nothing to measure or it is not safe to: an
-    encoder-decoder or recurrent model, or one trained on very few positions). The probe's
+    encoder-decoder or recurrent model, or one trained on very few positions; or where the probe
+    failed). One process measures while the others wait for its result (a lock file beside the
+    probes): replicas started together measure once, on an otherwise quiet CPU. The probe's
     contexts are its own, not the engine's."""
-    if native.has_encoder or native.is_recurrent or native.n_ctx_train < MIN_TRAINED:
+    if native.has_encoder or native.is_recurrent or native.n_ctx_train < MIN_TRAINED or native.n_vocab < 2:
         return False  # (as before: no attention over a growing context to speed up, or unsafe)
-    tokens = min(PROBE_TOKENS, native.n_ctx_train // 2)
-    key = probe_key(
-        model=_identity(path), build=build_commit(), system=system_info(), cpu=_cpu(), threads=threads
-    )
-    file = cache_root() / PROBES_FILE
-    probes = _read(file)
-    probe = AttentionProbe.from_json(probes.get(key))
-    if probe is None:
-        try:
-            probe = measure(native, threads, tokens)
-        except NativeError as error:  # (a context llama.cpp would not make: as before)
-            log.debug("flash attention off for %s: the probe failed (%s)", path.name, error)
-            return False
-        _write(file, {**probes, key: probe.to_json()})
+    try:
+        probe = _kept_or_measured(native, path, threads, min(PROBE_TOKENS, native.n_ctx_train // 2))
+    except Exception as error:  # (a context llama.cpp would not make, no cache folder: as before)
+        log.debug("flash attention off for %s: the probe failed (%s)", path.name, error)
+        return False
     flash = probe.choose(min(context, native.n_ctx_train))
     log.debug("flash attention %s for %s (probe %s)", "on" if flash else "off", path.name, probe)
     return flash
 
 
+def _kept_or_measured(native: NativeModel, path: Path, threads: int, tokens: int) -> AttentionProbe:
+    key = probe_key(
+        model=_identity(path), build=build_commit(), system=system_info(), cpu=_cpu(), threads=threads
+    )
+    folder = cache_root()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+        probes = _read(folder / PROBES_FILE)
+        probe = AttentionProbe.from_json(probes.pop(key, None))
+        if probe is None or probe.tokens != tokens:
+            probe = measure(native, threads, tokens)
+        _write(folder / PROBES_FILE, {**probes, key: probe.to_json()})  # (newest last)
+    return probe
+
+
 def measure(native: NativeModel, threads: int, tokens: int = PROBE_TOKENS) -> AttentionProbe:
-    """A batch of ``tokens`` at depth 0 and one after it, with each setting, timed (after a small
-    batch that pages the weights in)."""
+    """A batch of ``tokens`` at depth 0 and one after it, with each setting, twice in turn (the
+    faster of each kept), after a small batch that pages the weights in."""
     ids = [(100 + i * 7) % native.n_vocab for i in range(2 * tokens)]
-    timings: dict[bool, tuple[float, float]] = {}
-    for flash in (False, True):
-        context = NativeContext(
-            native, n_ctx=2 * tokens, n_batch=tokens, threads=threads, flash_attention=flash
-        )
-        try:
+    contexts = {
+        flash: NativeContext(native, n_ctx=2 * tokens, n_batch=tokens, threads=threads, flash_attention=flash)
+        for flash in (False, True)
+    }
+    try:
+        best: dict[bool, list[float]] = {False: [math.inf, math.inf], True: [math.inf, math.inf]}
+        for context in contexts.values():
             context.decode(ids[:16], 0)
-            context.seq_rm(-1, 0)
-            timings[flash] = (_timed(context, ids[:tokens], 0), _timed(context, ids[tokens:], tokens))
-        finally:
+        for _ in range(2):
+            for flash, context in contexts.items():
+                context.seq_rm(-1, 0)
+                times = (_timed(context, ids[:tokens], 0), _timed(context, ids[tokens:], tokens))
+                best[flash] = [min(a, b) for a, b in zip(best[flash], times, strict=True)]
+    finally:
+        for context in contexts.values():
             context.close()
-    return AttentionProbe(off=timings[False], on=timings[True])
+    return AttentionProbe((best[False][0], best[False][1]), (best[True][0], best[True][1]), tokens)
 
 
 def _timed(context: NativeContext, ids: list[int], start: int) -> float:
@@ -92,12 +110,18 @@ def _cpu() -> str:
 
 
 def _read(file: Path) -> dict[str, Any]:
-    """The probes kept (nothing, if the file is missing or not ours)."""
+    """The probes kept (nothing, if the file is missing, not a plain file, too large or not ours)."""
     try:
-        if file.stat().st_size > 1 << 20:
-            return {}
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return {}
+            text = f.read(MAX_FILE_BYTES + 1)
+        data = json.loads(text) if len(text) <= MAX_FILE_BYTES else None
+    except Exception:  # (unreadable, not JSON, nested past the parser's depth)
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -106,7 +130,6 @@ def _write(file: Path, probes: dict[str, Any]) -> None:
     """Keep the newest ``MAX_PROBES`` probes, written whole at once (best effort)."""
     kept = dict(list(probes.items())[-MAX_PROBES:])
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=".probes-", dir=file.parent)
     except OSError as error:
         log.debug("the attention probe was not kept: %s", error)
@@ -115,7 +138,9 @@ def _write(file: Path, probes: dict[str, Any]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(kept, f)
         os.replace(name, file)
-    except OSError as error:
-        log.debug("the attention probe was not kept: %s", error)
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(name)
+        if not isinstance(error, OSError):
+            raise
+        log.debug("the attention probe was not kept: %s", error)

@@ -77,6 +77,7 @@ class Exchange:
     text: str = ""  # the reply as generated (its calls included)
     scoring: Scoring | None = None  # its tokens' scores, when ``logprobs`` are asked for
     thinking: Thinking | None = None  # its reasoning split from its content (a thinking template)
+    _tracker: Tracker | None = None  # its stream in the model's loop, while it generates
 
     @property
     def done(self) -> bool:
@@ -178,6 +179,7 @@ class Exchange:
         first_token_at = time.perf_counter()
         timings.time_to_first_token_s = first_token_at - self.began
         with self.place.engine.batcher.generating(seat.context) as tracker:
+            self._tracker = tracker  # (its own forced tokens do not wait for it: ``_keep_forced``)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
             cut, drafter = self._cut(usage, 0), self._drafter(seat)
             pending = cut or [token, *sampler.forced()]
@@ -321,7 +323,7 @@ class Exchange:
         size = self.place.batch_size
         try:
             for i in range(0, len(tokens), size):
-                seat.decode(tokens[i : i + size], pos + i)
+                seat.decode(tokens[i : i + size], pos + i, tracker=self._tracker)
         except MemoryBudgetError:
             log.debug("the reply's forced tokens were left undecoded: no room")
 

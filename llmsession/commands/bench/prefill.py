@@ -22,6 +22,7 @@ from llmsession.api.model import Model
 from llmsession.commands.argtypes import positive_int, positive_ints
 from llmsession.commands.bench.common import common_arguments, llama_bench, machine, progress, publish, table
 from llmsession.options import GenerationOptions
+from llmsession.runtime.loading import checked_threads
 
 WORDS = ("river", "bridge", "lantern", "harbour", "meadow", "orchard", "tower", "valley", "garden", "winter")
 FIRST_TOKEN = GenerationOptions(max_tokens=1, temperature=0)
@@ -88,8 +89,7 @@ def reference(exe: Path, model: Path, threads: int, depth: int, flash: bool, rep
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
-    with Model(args.model, threads=args.threads) as probe:
-        threads, model_name = probe.threads, args.model.name
+    threads, model_name = checked_threads(args.threads), args.model.name
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     results: dict[str, Any] = {"date": date, "machine": machine(threads), "model": model_name, "batch": BATCH}
     rows: list[dict[str, Any]] = []
