@@ -22,6 +22,7 @@ class Gate:
         self.lock = threading.RLock()
         self._waiting = 0
         self._counting = threading.Lock()
+        self._mine = threading.local()  # ``depth``: how many holds this thread has entered
 
     @property
     def contended(self) -> bool:
@@ -30,8 +31,10 @@ class Gate:
     @property
     def held_here(self) -> bool:
         """This thread holds the lock: its work cannot wait for the decode thread, which would
-        wait for the lock."""
-        return bool(self.lock._is_owned())  # type: ignore[attr-defined]  # (as threading.Condition asks it)
+        wait for the lock. (Counted before the lock is taken and after it is let go: a Ctrl-C
+        between the two can only make this say True without the lock, which costs nothing,
+        never False with it.)"""
+        return bool(getattr(self._mine, "depth", 0))
 
     def hold(self) -> Gate:
         """The lock, counted as waited for until it is taken: ``with gate.hold():`` (a plain
@@ -39,17 +42,21 @@ class Gate:
         return self
 
     def __enter__(self) -> None:
+        mine = self._mine
+        mine.depth = getattr(mine, "depth", 0) + 1
         with self._counting:
             self._waiting += 1
         try:
             self.lock.acquire()
         except BaseException:  # interrupted (Ctrl-C) before it got the lock
             self._uncount()
+            mine.depth -= 1
             raise
         try:
             self._uncount()
         except BaseException:  # interrupted once it had the lock: let it go
             self.lock.release()
+            mine.depth -= 1
             raise
 
     def _uncount(self) -> None:
@@ -57,7 +64,10 @@ class Gate:
             self._waiting -= 1
 
     def __exit__(self, *_exc: object) -> None:
-        self.lock.release()
+        try:
+            self.lock.release()
+        finally:
+            self._mine.depth -= 1
 
 
 @dataclass(eq=False)
