@@ -72,6 +72,15 @@ def c_string(text: str, what: str) -> bytes:
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name, as the kernel gives it ("unknown" where it gives none)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+
+
 def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
     """The cores this process may run on: its CPU affinity (a cpuset, ``taskset``), at most its
     cgroup's CPU quota (``docker --cpus``); ``os.cpu_count`` knows neither."""

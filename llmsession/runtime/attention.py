@@ -21,7 +21,7 @@ from llama_cffi import cache_root
 
 from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe, probe_key
 from llmsession.native.context import NativeContext
-from llmsession.native.llama import NativeModel, build_commit, system_info
+from llmsession.native.llama import NativeModel, build_commit, cpu_name, system_info
 
 log = logging.getLogger("llmsession")
 
@@ -53,7 +53,7 @@ def probed(native: NativeModel, path: Path, threads: int, context: int) -> bool:
 
 def _kept_or_measured(native: NativeModel, path: Path, threads: int, tokens: int) -> AttentionProbe:
     key = probe_key(
-        model=_identity(path), build=build_commit(), system=system_info(), cpu=_cpu(), threads=threads
+        model=_identity(path), build=build_commit(), system=system_info(), cpu=cpu_name(), threads=threads
     )
     folder = cache_root()
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,14 +99,6 @@ def _timed(context: NativeContext, ids: list[int], start: int) -> float:
 def _identity(path: Path) -> list[Any]:
     stat = path.stat()
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
-
-
-def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def _read(file: Path) -> dict[str, Any]:

@@ -31,9 +31,7 @@ def choose_flash_attention(asked: bool | None, kv_type: str, gpu_layers: int) ->
     cache (the kernels' sums change with the placement): rounding noise, which the tests measure
     and tolerate as they do a batch split's. ``llmsession bench prefill`` measures both against
     llama-bench. (``asked`` is checked by ``ModelConfig``.)"""
-    if asked is None and kv_type == "f16" and gpu_layers == 0:
-        return False
-    return asked
+    return False if probes_attention(asked, kv_type, gpu_layers) else asked
 
 
 def probes_attention(asked: bool | None, kv_type: str, gpu_layers: int) -> bool:

@@ -19,7 +19,7 @@ from llama_cffi import lib_dir
 from llmsession.api.model import local_model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.native.llama import build_commit
+from llmsession.native.llama import build_commit, cpu_name
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
 
@@ -48,12 +48,12 @@ def run_worker(python: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine(threads: int) -> dict[str, Any]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = "unknown"
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "llama_cpp_commit": build_commit()}
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "llama_cpp_commit": build_commit(),
+    }
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
