@@ -22,7 +22,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session_id", "session-id")
+from llmsession.serve.naming import SESSION_HEADERS
+
 BODY_KEYS = ("prompt_cache_key",)  # (a body field some clients set to their conversation)
 MAX_KEYED_BODY = 16 << 20  # bodies larger than this are routed by their headers only
 # A response's id (``serve.responses_sse.response_id``): the key it was made under, random digits,

@@ -5,7 +5,7 @@ The model keeps a few sessions for these calls. Each call tokenizes its prompt a
 kept session whose cached items share the longest prefix with it (llama-server's slot similarity,
 mlx-lm's prompt cache), gives it the call's history and answers the last message; only the rest
 is decoded. A session is reused only if at least half of its cache is such a prefix. A call that
-branches off a cached conversation (a regeneration, an edit: more than ``BRANCH`` cached items
+branches off a cached conversation (a regeneration, an edit: more than ``keeping.BRANCH`` cached items
 past the shared prefix) takes a fork of it (``seq_cp``: cells shared, or a state copied into
 cells of its own), so the original stays whole for the call that continues it. A session is
 taken out while its stream runs, so concurrent calls never share one. Past ``capacity`` the
@@ -13,9 +13,12 @@ least recently used idle session is closed; the sessions kept are parked and res
 model's engine like any other.
 
 A call may name its ``conversation`` (a session id its client sent): the session that answers
-it is labelled so, and can be taken out whole by that name (``take``: a replica handing the
-conversation on with its state) and kept again elsewhere (``adopt``). The label never chooses a
-session: the prefix does, so a label cannot reach a session whose cache the call does not share.
+it is labelled so, and the conversation's main session (the one holding the most) can be taken
+out whole by that name (``take``: a replica handing the conversation on with its state) and kept
+again elsewhere (``adopt``). The label never makes a session similar: the prefix does, so a label
+cannot reach a session whose cache the call does not share. It orders what the prefix allows
+(``keeping``): a named call prefers its own conversation's sessions and takes another's only as
+a fork, and side requests (titles, summaries) neither take nor evict a conversation's main.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,13 +38,12 @@ from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
+from llmsession.runtime.keeping import Kept, choose, evicted, mains
 from llmsession.runtime.session import LocalSession, resolved_config
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
 from llmsession.text.transcript import Transcript
 
-SIMILARITY = 0.5
-BRANCH = 16
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
 
 
@@ -165,7 +167,7 @@ class StatelessSessions:
         keep = keeps(tenant, config)
         with self._lock:
             try:
-                session = self._take(tenant, prompt.items, config) if keep else None
+                session = self._take(tenant, prompt.items, config, call.conversation) if keep else None
                 session = session or LocalSession(self.model, config)
                 if record is not None:
                     session.replies = record  # its prompts splice only its tenant's replies
@@ -209,14 +211,16 @@ class StatelessSessions:
             return list(dict.fromkeys(self._labels[s] for s in self._sessions if s in self._labels))
 
     def take(self, conversation: str) -> tuple[LocalSession, str | None] | None:
-        """The kept session that answered ``conversation`` last, and its tenant, out of the kept
-        ones (the caller owns it now); None if none is kept, or it is answering a call."""
+        """The main session of ``conversation`` (``keeping.mains``: the one of its sessions that
+        holds the most, not a side request's), and its tenant, out of the kept ones (the caller
+        owns it now); None if none is kept, or it is answering a call."""
         with self._lock:
             self._forget_closed()
-            labelled = [s for s in self._sessions if self._labels.get(s) == conversation]
-            if not labelled or not labelled[-1].idle:
+            main = [s for i, s in enumerate(self._sessions) if i in mains(self._seen(lambda s: True))]
+            labelled = [s for s in main if self._labels.get(s) == conversation]
+            if not labelled or not labelled[0].idle:
                 return None
-            session = labelled[-1]
+            session = labelled[0]
             return session, self._unkeep(session)
 
     def _keep(self, session: LocalSession, tenant: str | None, label: str | None) -> None:
@@ -254,27 +258,31 @@ class StatelessSessions:
         return record
 
     def _take(
-        self, tenant: str | None, items: Sequence[object], config: SessionConfig
+        self, tenant: str | None, items: Sequence[object], config: SessionConfig, label: str | None
     ) -> LocalSession | None:
-        """The tenant's idle kept session whose cache is mostly a prefix of ``items`` (at least
-        half of it: llama-server's similarity rule), else None (a new one) while there is room,
-        else the least recently used idle one of the tenant's. Taking a session with little in
-        common would throw away a cache another conversation is coming back to."""
+        """The kept session a call takes (``keeping.choose``: its tenant's, with its settings,
+        idle, sharing at least half its cache with ``items``; a fork where the call branches off
+        or the session is another conversation's), else None (a new one)."""
         self._forget_closed()
+        self._evict()  # (sessions a side request kept over capacity go once they are idle)
         wanted = resolved_config(self.model, config)  # (a session loaded elsewhere has its own ``asked``)
-        fitting = [s for s in self._sessions if self._tenants[s] == tenant and s.idle and s.config == wanted]
-        scored = [(common_prefix(s.lease.cache.items, items), s) for s in fitting]
-        similar = [(n, s) for n, s in scored if n > 0 and n >= SIMILARITY * len(s.lease.cache.items)]
-        if similar:
-            shared, chosen = max(similar, key=lambda pair: pair[0])
-            if len(chosen.lease.cache.items) - shared > BRANCH:
-                return chosen.fork()  # the fork's own transcript is replaced by the caller
-        elif len(self._sessions) >= self.capacity and fitting:
-            chosen = fitting[0]  # least recently used
-        else:
+        kept = self._seen(lambda s: self._tenants[s] == tenant and s.config == wanted)
+        shared = [
+            common_prefix(s.lease.cache.items, items) if seen.fitting and seen.idle else 0
+            for s, seen in zip(self._sessions, kept, strict=True)
+        ]
+        choice = choose(kept, shared, label, self.capacity)
+        if choice is None:
             return None
+        chosen = self._sessions[choice.index]
+        if choice.fork:
+            return chosen.fork()  # the fork's own transcript is replaced by the caller
         self._unkeep(chosen)
         return chosen
+
+    def _seen(self, fitting: Callable[[LocalSession], bool]) -> list[Kept]:
+        """The kept sessions as ``keeping`` sees them, least recently used first."""
+        return [Kept(self._labels.get(s), s.cached_tokens, s.idle, fitting(s)) for s in self._sessions]
 
     def _forget_closed(self) -> None:
         """Sessions their callers closed (``chat_stream(...).session.close()``) are no one's."""
@@ -284,11 +292,12 @@ class StatelessSessions:
             del self._pending[session]
 
     def _evict(self) -> None:
-        idle = [s for s in self._sessions if s.idle]
-        while len(self._sessions) > self.capacity and idle:
-            oldest = idle.pop(0)
-            self._unkeep(oldest)
-            oldest.close()
+        """Close what is kept past capacity (``keeping.evicted``: no conversation's main while
+        anything else can go)."""
+        doomed = [self._sessions[i] for i in evicted(self._seen(lambda s: True), self.capacity)]
+        for session in doomed:
+            self._unkeep(session)
+            session.close()
 
     def close(self) -> None:
         with self._lock:

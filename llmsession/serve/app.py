@@ -36,6 +36,7 @@ from llmsession.serve.errors import ApiError
 from llmsession.serve.http import Counting, declared, guarded, refuse
 from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
+from llmsession.serve.naming import named_conversation
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.responses import responses_ask, responses_request
 from llmsession.serve.responses_sse import ResponseObject, response_id
@@ -266,9 +267,12 @@ class Server:
         limit = self.admission.limit
         if asked.n > limit:
             raise ApiError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
-        named = request.headers.get(CONVERSATION_HEADER, "")  # (the front's key: a label only)
-        conversation = named if FRONT_KEY.fullmatch(named) else None
         tenant = digest(key, asked.user)
+        named = request.headers.get(CONVERSATION_HEADER, "")  # (the front's key: a label only)
+        if FRONT_KEY.fullmatch(named):
+            conversation: str | None = named
+        else:  # (a session header the client sends: ``naming``)
+            conversation = named_conversation(tenant, request.headers)
         return await Call(self.host, request, asked, Caller(tenant, conversation), door).respond()
 
     @staticmethod

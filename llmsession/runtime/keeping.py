@@ -1,0 +1,90 @@
+"""Which kept session a stateless call takes, and which ones go past capacity, when calls name
+their conversation (a session key: Claude Code's ``X-Claude-Code-Session-Id``, Codex's
+``session_id``). Pure: sessions are seen as ``Kept`` records, in least-recently-used order.
+
+A conversation's **main** session is the one of its sessions that holds the most (ties: the most
+recently used): its long transcript, not the short side requests (titles, summaries, quota
+checks) a client sends under the same key. Side requests and unnamed calls never take or evict
+a main while anything else can go:
+- a named call takes its own conversation's session that shares its prompt (a fork of it if the
+  call branches off); another conversation's only as a fork, so that one stays whole;
+- with nothing similar and no room, it reuses the least recently used idle session that is no
+  conversation's main; a main only for a call that is itself a conversation's first (no main yet);
+- past capacity, idle non-mains go first, least recently used first; while a side request's
+  session is still answering, mains wait (the count stays over capacity until it is idle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SIMILARITY = 0.5  # of a session's cache that must be the call's prefix for it to be taken
+BRANCH = 16  # cached items past the shared prefix above which a call takes a fork instead
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A kept session as the choice sees it."""
+
+    label: str | None  # the conversation it answered last, if named
+    cached: int  # items in its cache
+    idle: bool  # no stream of it running
+    fitting: bool  # the call's tenant and settings: a session the call may take
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The session a call takes (an index into the kept ones), and whether as a fork."""
+
+    index: int
+    fork: bool
+
+
+def mains(kept: Sequence[Kept]) -> set[int]:
+    """The indices of each named conversation's main session (the most cached, latest on ties)."""
+    best: dict[str, int] = {}
+    for index, session in enumerate(kept):
+        label = session.label
+        if label is not None and (label not in best or session.cached >= kept[best[label]].cached):
+            best[label] = index
+    return set(best.values())
+
+
+def choose(kept: Sequence[Kept], shared: Sequence[int], label: str | None, capacity: int) -> Choice | None:
+    """The session a call takes, given how many of its prompt's items each kept session's cache
+    shares as a prefix (``shared``); None for a new session."""
+    fitting = [i for i, s in enumerate(kept) if s.fitting and s.idle]
+    similar = [i for i in fitting if shared[i] > 0 and shared[i] >= SIMILARITY * kept[i].cached]
+    own = [i for i in similar if label is None or kept[i].label in (label, None)]
+    pool = own or similar
+    if pool:
+        index = max(pool, key=lambda i: shared[i])  # (the first, least recently used, on ties)
+        branches = kept[index].cached - shared[index] > BRANCH
+        others = label is not None and kept[index].label not in (label, None)
+        return Choice(index, fork=branches or others)
+    if len(kept) < capacity:
+        return None
+    main = mains(kept)
+    spare = [i for i in fitting if i not in main]
+    if spare:
+        return Choice(spare[0], fork=False)
+    side = label is not None and any(kept[i].label == label for i in main)
+    if fitting and not side:
+        return Choice(fitting[0], fork=False)
+    return None
+
+
+def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
+    """The indices of the sessions to close so that at most ``capacity`` stay."""
+    excess = len(kept) - capacity
+    if excess <= 0:
+        return []
+    main = mains(kept)
+    spare = [i for i, s in enumerate(kept) if s.idle and i not in main]
+    chosen = spare[:excess]
+    side_busy = any(not s.idle and i not in main for i, s in enumerate(kept))
+    if len(chosen) < excess and not side_busy:
+        held = [i for i, s in enumerate(kept) if s.idle and i in main]
+        chosen += held[: excess - len(chosen)]
+    return chosen

@@ -1,0 +1,138 @@
+"""Session keys within the engine: a conversation named by its client (``conversation=``, or a
+session header on ``llmsession serve``) keeps its main session while side requests under the
+same name (titles, summaries) come and go, even when the kept sessions are full; the same flow
+without names loses it (the variant that must fail)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+from near_ties import assert_same_within_noise, scored
+from serve_helpers import KEY, OTHER_KEY, running
+
+from llmsession import GenerationOptions, Model
+from llmsession.runtime.keeping import Kept, choose, evicted, mains
+from llmsession.serve.app import create_app
+from llmsession.serve.naming import named_conversation
+
+GREEDY = GenerationOptions(max_tokens=8, temperature=0)
+MAIN = "You are a coding assistant. " + "Follow the project's conventions and keep answers short. " * 12
+OTHER = "You are a travel guide who answers in one sentence."
+GREEDY_BODY = {"temperature": 0}  # (the SDK's own fields have no sampling settings any more)
+TITLE = "Write a five-word title for this conversation."
+
+
+def kept(label: str | None, cached: int, idle: bool = True, fitting: bool = True) -> Kept:
+    return Kept(label, cached, idle, fitting)
+
+
+def test_a_conversations_main_is_its_largest_session() -> None:
+    sessions = [kept("a", 900), kept("a", 40), kept("b", 10), kept(None, 5000), kept("b", 10)]
+    assert mains(sessions) == {0, 4}  # (ties: the most recently used)
+
+
+def test_a_side_request_takes_a_spare_session_or_a_new_one_never_a_main() -> None:
+    full = [kept("a", 900), kept("b", 800), kept(None, 50)]
+    assert choose(full, [0, 0, 0], "a", capacity=3).index == 2  # (the unnamed spare)
+    mains_only = [kept("a", 900), kept("b", 800)]
+    assert choose(mains_only, [0, 0], "a", capacity=2) is None  # a side request: a new session
+    assert choose(mains_only, [0, 0], "c", capacity=2).index == 0  # a new conversation's first
+    assert choose(mains_only, [0, 0], None, capacity=2).index == 0  # (unnamed: as before names)
+
+
+def test_a_named_call_forks_another_conversations_session_and_takes_its_own() -> None:
+    sessions = [kept("a", 100), kept("b", 100)]
+    assert choose(sessions, [100, 0], "a", capacity=8) == choose(sessions, [100, 0], None, 8)
+    assert choose(sessions, [100, 0], "a", capacity=8).fork is False
+    taken = choose(sessions, [0, 100], "a", capacity=8)
+    assert taken is not None and taken.index == 1 and taken.fork  # (b's stays whole)
+    own_first = choose(sessions, [100, 100], "b", capacity=8)
+    assert own_first is not None and own_first.index == 1 and not own_first.fork
+
+
+def test_past_capacity_spares_go_first_and_mains_wait_for_a_busy_side_request() -> None:
+    sessions = [kept("a", 900), kept("a", 30), kept("b", 800)]
+    assert evicted(sessions, 2) == [1]
+    busy_side = [kept("a", 900), kept("b", 800), kept("a", 30, idle=False)]
+    assert evicted(busy_side, 2) == []
+    assert evicted([*busy_side[:2], kept("c", 30, idle=False)], 2) == [0]  # (c's first: a main)
+
+
+def converse(model: Model, named: bool) -> tuple[Any, Any, int]:
+    """Conversation a's first turn, b's, a side request under a's name, then a's second turn:
+    that turn's reply and its first turn's prompt length, the kept sessions full at two."""
+    a: list[dict[str, Any]] = [{"role": "system", "content": MAIN}, {"role": "user", "content": "Hi."}]
+    first = model.chat(a, GREEDY, conversation="a" if named else None)
+    model.chat(
+        [{"role": "system", "content": OTHER}, {"role": "user", "content": "Rome?"}],
+        GREEDY,
+        conversation="b" if named else None,
+    )
+    model.chat([{"role": "user", "content": TITLE}], GREEDY, conversation="a" if named else None)
+    a += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And tests?"}]
+    second = model.chat(copy.deepcopy(a), scored(GREEDY), conversation="a" if named else None)
+    return a, second, first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed: loses it"])
+def test_a_side_request_does_not_take_a_named_conversations_session(
+    smollm2_path: Path, smollm2: Model, named: bool
+) -> None:
+    with Model(smollm2_path, threads=2, stateless_sessions=2) as model:
+        history, second, first_prompt = converse(model, named)
+    if named:
+        assert second.usage.reused_tokens >= first_prompt, (second.usage, first_prompt)
+        assert_same_within_noise(smollm2, second, smollm2.chat(history, scored(GREEDY)))
+    else:  # (the side request took the least recently used session: a's)
+        assert second.usage.reused_tokens < first_prompt // 2, (second.usage, first_prompt)
+
+
+def test_the_same_header_under_two_tenants_names_two_conversations() -> None:
+    header = {"x-claude-code-session-id": "0b9c"}
+    mine = named_conversation("tenant-1", header)
+    assert mine is not None and len(mine) == 32 and "0b9c" not in mine
+    assert mine == named_conversation("tenant-1", {"x-session-id": "0b9c"})
+    assert mine != named_conversation("tenant-2", header)
+    assert named_conversation("tenant-1", {"x-other": "0b9c"}) is None
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path: Path) -> Iterator[tuple[Model, str]]:
+    model = Model(smollm2_path, threads=2, stateless_sessions=3)
+    with model, running(create_app(model, api_key=[KEY, OTHER_KEY])) as url:
+        yield model, url.removesuffix("/v1")
+
+
+def client(url: str, key: str, session: str) -> anthropic.Anthropic:
+    headers = {"X-Claude-Code-Session-Id": session}
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120, default_headers=headers)
+
+
+def ask(url: str, key: str, session: str, system: str, messages: list[Any]) -> anthropic.types.Message:
+    asked = client(url, key, session)
+    body = GREEDY_BODY
+    return asked.messages.create(model="m", max_tokens=8, system=system, messages=messages, extra_body=body)
+
+
+def test_a_claude_code_session_header_keeps_its_conversation_through_side_requests(
+    served: tuple[Model, str],
+) -> None:
+    """Over HTTP: a's first turn, another tenant's under the same header and another
+    conversation's fill the three kept sessions, a title request under a's header comes, and
+    a's second turn reads its whole first turn from the cache."""
+    _, url = served
+    hi = {"role": "user", "content": "Hi."}
+    first = ask(url, KEY, "a-session", MAIN, [hi])
+    ask(url, OTHER_KEY, "a-session", OTHER, [hi])  # (the same header, another tenant)
+    ask(url, KEY, "b-session", OTHER, [hi])  # (the kept sessions are full now)
+    ask(url, KEY, "a-session", TITLE, [hi])
+    said = "".join(block.text for block in first.content if block.type == "text")
+    turn = [hi, {"role": "assistant", "content": said}, {"role": "user", "content": "And tests?"}]
+    second = ask(url, KEY, "a-session", MAIN, turn)
+    whole_first = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    assert (second.usage.cache_read_input_tokens or 0) >= whole_first, (second.usage, first.usage)
