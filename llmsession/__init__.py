@@ -22,6 +22,8 @@ from llmsession.errors import (
     MemoryBudgetError,
     ModelClosedError,
     ModelLoadError,
+    ModelNotFoundError,
+    ModelsFullError,
     NativeError,
     RequestError,
     SessionBusyError,
@@ -51,6 +53,7 @@ from llmsession.replies import (
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
+    from llmsession.api.models import ModelFile, Models, ModelStatus
     from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
     from llmsession.runtime.aio import AsyncStream
     from llmsession.runtime.choices import Choices
@@ -71,6 +74,9 @@ _LAZY = {
     "Renderer": ".text.renderer",
     "Transcript": ".text.transcript",
     "Model": ".api.model",
+    "Models": ".api.models",
+    "ModelFile": ".api.models",
+    "ModelStatus": ".api.models",
     "Session": ".runtime.face",
     "Stream": ".runtime.face",
 }
@@ -122,8 +128,13 @@ __all__ = [
     "Model",
     "ModelClosedError",
     "ModelConfig",
+    "ModelFile",
     "ModelLoadError",
+    "ModelNotFoundError",
     "ModelSettings",
+    "ModelStatus",
+    "Models",
+    "ModelsFullError",
     "NativeError",
     "Renderer",
     "Reply",

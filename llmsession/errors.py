@@ -75,3 +75,12 @@ class GrammarError(RequestError, ValueError):
 class BackendError(ModelClosedError):
     """The process running an isolated model died or stopped answering (an RPC server lost
     mid-decode, say): the model is closed; sessions' transcripts are as before the failed call."""
+
+
+class ModelNotFoundError(RequestError):
+    """No model of that name is among the ones served (``Models``)."""
+
+
+class ModelsFullError(UnavailableError):
+    """A model cannot load now: the loaded ones fill ``max_loaded`` or ``memory_limit`` and are
+    all in use, or the limit is smaller than the model itself. Nothing was unloaded."""

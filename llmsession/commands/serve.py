@@ -38,8 +38,13 @@ def serve(args: argparse.Namespace) -> int:
     if wrong is not None:
         error(wrong)
         return 2
+    from llmsession.commands.serve_models import several
+
+    if several(args) and args.replicas is not None:
+        error("--replicas serves one model: not several (--model NAME=PATH, --models-dir)")
+        return 2
     try:
-        model_path = installer.find_model(args.model)
+        model_path = None if several(args) else installer.find_model(args.model[0] if args.model else None)
     except FileNotFoundError as e:
         error(str(e))
         return 2
@@ -57,6 +62,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config, memory = cli_configs(args)
         settings = app_settings(args, VOLATILE_LINES)
+        if model_path is None:
+            from llmsession.commands.serve_models import create_models
+
+            with create_models(args, config, memory) as models:
+                app = create_app(models, **settings)
+                where = f"http://{args.host}:{args.port}/v1"
+                print(f"serving {', '.join(models.names)} at {where} (each loads when asked)", flush=True)
+                run(uvicorn, app, args)
+            return 0
         if args.replicas is not None:
             from llmsession.commands.serve_cluster import serve_replicas
 
@@ -67,18 +81,19 @@ def serve(args: argparse.Namespace) -> int:
             print(f"serving {model_path.name} at http://{args.host}:{args.port}/v1", flush=True)
             print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
             print(f"prompts: {model.renderer}", flush=True)
-            server = uvicorn.Config(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level="info",
-                timeout_graceful_shutdown=args.shutdown_timeout,
-            )
-            quiet_exit(uvicorn.Server)(server).run()
-    except (LlmSessionError, ValueError) as e:
+            run(uvicorn, app, args)
+    except (LlmSessionError, ValueError, FileNotFoundError) as e:
         error(str(e))
         return 1
     return 0
+
+
+def run(uvicorn: Any, app: Any, args: argparse.Namespace) -> None:
+    """``app`` on uvicorn until SIGTERM or Ctrl-C (streams given ``--shutdown-timeout``)."""
+    server = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout
+    )
+    quiet_exit(uvicorn.Server)(server).run()
 
 
 def app_settings(args: argparse.Namespace, default_volatile: tuple[str, ...]) -> dict[str, Any]:
@@ -220,7 +235,11 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add = parser.add_argument
     add(
-        "--model", metavar="PATH|NAME", help="GGUF file or cached model name (default: SmolLM2-135M-Instruct)"
+        "--model",
+        action="append",
+        metavar="PATH|NAME|NAME=PATH",
+        help="GGUF file or cached model name (default: SmolLM2-135M-Instruct); repeatable, or "
+        "NAME=PATH: several models, each request answered by the one its `model` names",
     )
     add("--mmproj", dest="mmproj_path", type=Path, metavar="PATH", help="multimodal projector: image input")
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -247,6 +266,17 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     add_memory_arguments(parser)
     add_prompt_arguments(parser)
+    add_http_arguments(parser)
+    from llmsession.commands.serve_cluster import add_cluster_arguments
+    from llmsession.commands.serve_models import add_models_arguments
+
+    add_models_arguments(parser)
+    add_cluster_arguments(parser)
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """What requests may hold, and how the server stops."""
+    add = parser.add_argument
     add(
         "--max-body-bytes",
         type=positive_int,
@@ -270,9 +300,6 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="S",
         help="on SIGTERM, how long streams may finish (default: %(default)s)",
     )
-    from llmsession.commands.serve_cluster import add_cluster_arguments
-
-    add_cluster_arguments(parser)
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,13 +10,14 @@ way of answering (``doors``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,7 +26,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from llmsession.api.model import Model
+from llmsession.api.models import Models
 from llmsession.config import SessionConfig
+from llmsession.errors import ModelClosedError
 from llmsession.options import INT32_MAX
 from llmsession.replies import Reply, assistant_message
 from llmsession.serve import sse
@@ -33,9 +37,11 @@ from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
 from llmsession.serve.errors import ApiError
+from llmsession.serve.hosts import ManyModels, OneModel
 from llmsession.serve.http import Counting, declared, guarded, refuse
 from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
+from llmsession.serve.metrics import Metrics
 from llmsession.serve.naming import named_conversation
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.responses import responses_ask, responses_request
@@ -45,9 +51,6 @@ from llmsession.serve.schema import ChatRequest, chat_request, completion_reques
 from llmsession.serve.store import ResponseStore
 from llmsession.serve.translation import Volatile
 from llmsession.text.tools import replaced_options
-
-if TYPE_CHECKING:
-    from llmsession.api.model import Model
 
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests reading or checking their body at once
@@ -76,26 +79,30 @@ class Server:
 
     def __init__(
         self,
-        model: Model,
+        hosts: OneModel | ManyModels,
         *,
         api_keys: Sequence[str],
-        model_name: str,
         max_body_bytes: int,
-        queue: int,
-        settings: SessionConfig,
         draft: str | None = None,
         volatile: Volatile | None = None,
     ) -> None:
-        admission = Admission(model.memory().max_live_sessions, queue)
+        self.hosts = hosts
         self.volatile = volatile or Volatile(())
         self.store = ResponseStore()
         self.draft = draft  # every request's drafted tokens (the API has no field for them)
-        self.host = Host(model, model_name, settings, admission)
-        self.model, self.model_name, self.metrics = model, model_name, self.host.metrics
+        self.metrics = hosts.metrics
+        self.model_name = hosts.names[0]  # (the one model's, or the first of several)
         self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
         self.max_body_bytes = max_body_bytes
         self.parsing = asyncio.Semaphore(PARSERS)
         self.created = int(time.time())
+
+    @property
+    def host(self) -> Host:
+        """The one model's host (a server of one model)."""
+        if not isinstance(self.hosts, OneModel):
+            raise TypeError("a server of several models has a host per loaded model")
+        return self.hosts.host
 
     @property
     def admission(self) -> Admission:
@@ -138,34 +145,30 @@ class Server:
 
     # -- routes ---------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        if self.model.closed:
+        if self.hosts.closed:
             return JSONResponse({"status": "closed"}, 503)
-        return JSONResponse({"status": "ok", "model": self.model_name})
+        several = {"models": self.hosts.names} if isinstance(self.hosts, ManyModels) else {}
+        return JSONResponse({"status": "ok", "model": self.model_name, **several})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.card()]})
+        cards = await asyncio.to_thread(self.hosts.cards)
+        return JSONResponse({"object": "list", "data": [{**c, "created": self.created} for c in cards]})
 
     async def model_card(self, request: Request) -> Response:
-        if request.path_params["name"] != self.model_name:
-            raise ApiError(f"no model {request.path_params['name']!r:.80}", "model", "model_not_found", 404)
-        return JSONResponse(self.card())
-
-    def card(self) -> dict[str, Any]:
-        images = self.model.mmproj_path is not None
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "llmsession",
-            "capabilities": {"images": images, "tools": True, "json_schema": True},
-        }
+        name = request.path_params["name"]
+        cards = await asyncio.to_thread(self.hosts.cards)
+        chosen = next((c for c in cards if c["id"] == name), None)
+        if chosen is None:
+            raise ApiError(f"no model {name!r:.80}", "model", "model_not_found", 404)
+        return JSONResponse({**chosen, "created": self.created})
 
     async def metrics_text(self, request: Request) -> Response:
         """The counters: the whole server's, whichever key asks (``README``)."""
         states: list[str] = []
-        if not self.model.closed:
-            report = await asyncio.to_thread(self.model.memory)  # (it waits for the engine's lock)
-            states = [session.state for session in report.sessions]
+        for model in self.hosts.loaded():
+            with contextlib.suppress(ModelClosedError):  # (unloaded meanwhile)
+                report = await asyncio.to_thread(model.memory)  # (it waits for the engine's lock)
+                states += [session.state for session in report.sessions]
         return PlainTextResponse(self.metrics.render(states), media_type="text/plain; version=0.0.4")
 
     async def completions(self, request: Request) -> Response:
@@ -179,14 +182,21 @@ class Server:
 
     def completion_door(self, asked: ChatRequest, *, text: bool = False) -> CompletionDoor:
         scored = asked.options.logprobs is not None
-        completion = sse.Completion(self.model_name, asked.include_usage, text=text, logprobs=scored)
+        served = self.hosts.served(asked.model)  # (an unknown model: 404 before it runs)
+        completion = sse.Completion(served, asked.include_usage, text=text, logprobs=scored)
         return CompletionDoor(completion)
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (``messages``): the same engine and tenants as a chat's."""
-        images = self.model.mmproj_path is not None
-        asked = await self.read(request, lambda body: messages_request(parse_json(body), images=images))
-        return await self.answer(request, asked, MessagesDoor(self.model_name))
+        hosts = self.hosts
+
+        def checked(body: bytes) -> ChatRequest:
+            parsed = parse_json(body)
+            named = parsed.get("model") if isinstance(parsed, dict) else None
+            return messages_request(parsed, images=hosts.images(named if isinstance(named, str) else None))
+
+        asked = await self.read(request, checked)
+        return await self.answer(request, asked, MessagesDoor(self.hosts.served(asked.model)))
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``count_tokens``: the prompt's tokens, as a message's usage adds them up
@@ -198,16 +208,20 @@ class Server:
         ):
             raise ApiError("count_tokens counts text-only transcripts here", "messages")
         options, tenant = asked.options, digest(request.state.key, asked.user)
-        config = session_settings(self.host.settings, asked)  # (as the call's)
-        async with self.parsing:  # (a few at once, off the event loop)
-            tokens = await asyncio.to_thread(
-                self.model.prompt_tokens,
-                asked.messages,
-                tools=options.tools,
-                tool_choice=options.tool_choice,
-                tenant=tenant,
-                config=config,
-            )
+        host, held = await self.hosts.held(asked.model, asked.keep_alive)
+        try:
+            config = session_settings(host.settings, asked)  # (as the call's)
+            async with self.parsing:  # (a few at once, off the event loop)
+                tokens = await asyncio.to_thread(
+                    host.model.prompt_tokens,
+                    asked.messages,
+                    tools=options.tools,
+                    tool_choice=options.tool_choice,
+                    tenant=tenant,
+                    config=config,
+                )
+        finally:
+            held.drop()
         return JSONResponse({"input_tokens": len(tokens)})
 
     async def responses(self, request: Request) -> Response:
@@ -230,7 +244,8 @@ class Server:
         asked = dataclasses.replace(asked, messages=dropped)
         named = request.headers.get(CONVERSATION_HEADER), request.headers.get(REPLICA_HEADER)
         ident = response_id(*named)  # (a cluster's front and replica name them: ``cluster``)
-        response = ResponseObject(self.model_name, ask.echo, ask.previous, ask.store, ident)
+        served = self.hosts.served(asked.model)
+        response = ResponseObject(served, ask.echo, ask.previous, ask.store, ident)
 
         def keep(body: dict[str, Any], reply: Reply) -> None:
             self.store.put(key, body, [*transcript, assistant_message(reply)])
@@ -264,16 +279,22 @@ class Server:
         key: str | None = request.state.key  # (``guarded`` asked ``authorize``)
         if self.draft is not None:  # (the exchange leaves them out where they are unsound)
             asked = dataclasses.replace(asked, options=replaced_options(asked.options, draft=self.draft))
-        limit = self.admission.limit
-        if asked.n > limit:
-            raise ApiError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
         tenant = digest(key, asked.user)
         named = request.headers.get(CONVERSATION_HEADER, "")  # (the front's key: a label only)
         if FRONT_KEY.fullmatch(named):
             conversation: str | None = named
         else:  # (a session header the client sends: ``naming``)
             conversation = named_conversation(tenant, request.headers)
-        return await Call(self.host, request, asked, Caller(tenant, conversation), door).respond()
+        host, held = await self.hosts.held(asked.model, asked.keep_alive)
+        try:
+            limit = host.admission.limit
+            if asked.n > limit:
+                raise ApiError(f"n: at most {limit} choices on this server (max_live_sessions)", "n")
+            call = Call(host, request, asked, Caller(tenant, conversation), door, held)
+        except BaseException:
+            held.drop()
+            raise
+        return await call.respond()  # (it drops its hold once it answered)
 
     @staticmethod
     def checked(body: bytes) -> ChatRequest:
@@ -303,7 +324,7 @@ def routes(server: Server) -> list[Route]:
 
 
 def create_app(
-    model: Model,
+    model: Model | Models,
     *,
     api_key: str | Sequence[str] | None = None,
     model_name: str | None = None,
@@ -314,7 +335,9 @@ def create_app(
     session: SessionConfig | None = None,
     volatile_lines: Sequence[str] = VOLATILE_LINES,
 ) -> Starlette:
-    """The server's ASGI app on ``model`` (which the caller opens and closes). ``api_key``: one
+    """The server's ASGI app on ``model`` (which the caller opens and closes): one model, which
+    answers whatever model a request names; or several (``Models``), each request answered by
+    the one its ``model`` field names (an unknown one: 404), loaded for it. ``api_key``: one
     key or several; with any, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``
     (or ``x-api-key: KEY``, as Anthropic's clients send it) and each key is a tenant of its
     own. ``queue``: requests that may wait for room before a 503.
@@ -334,16 +357,17 @@ def create_app(
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not isinstance(key, str) or not key for key in keys):
         raise ValueError("an API key must be a non-empty str")
-    name = model_name or model.path.stem
+    hosts: OneModel | ManyModels
+    if isinstance(model, Model):
+        hosts = OneModel(model, model_name or model.path.stem, settings, queue, Metrics())
+    elif isinstance(model, Models):
+        if model_name is not None:
+            raise ValueError("a server of several models names each by its Models name: no model_name")
+        hosts = ManyModels(model, settings, queue, Metrics())
+    else:
+        raise TypeError(f"model must be a Model or Models, got {type(model).__name__}")
     server = Server(
-        model,
-        api_keys=keys,
-        model_name=name,
-        max_body_bytes=max_body_bytes,
-        queue=queue,
-        settings=settings,
-        draft=draft,
-        volatile=Volatile(volatile_lines),
+        hosts, api_keys=keys, max_body_bytes=max_body_bytes, draft=draft, volatile=Volatile(volatile_lines)
     )
     app = Starlette(routes=routes(server), exception_handlers={ApiError: refuse, HTTPException: refuse})
     if cors_origins:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
@@ -97,6 +98,30 @@ class Host:
         return Choices(asked.n, forks.__getitem__, self.metrics.reply, released, forks)
 
 
+class Held:
+    """A model held for one request: once by the request, once more by each run of its choices
+    (``chat.Call``); ``release`` runs once the last is dropped. Thread-safe (runs end on their
+    decode threads)."""
+
+    def __init__(self, release: Callable[[], None] | None = None) -> None:
+        self._release = release
+        self._count = 1
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._count <= 0:
+                raise RuntimeError("a request's model was held after it was released")
+            self._count += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last and self._release is not None:
+            self._release()
+
+
 class Door(Protocol):
     """How one API answers a request that ran: its whole body, or its stream of events (which
     begins once every choice sent its first event, or after ``patience`` seconds: a stream
@@ -139,8 +164,11 @@ class Call:
     requests running then (admission counts sequences, not KV cells). The client's disconnect
     is raced against every wait."""
 
-    def __init__(self, host: Host, request: Request, asked: ChatRequest, caller: Caller, door: Door) -> None:
+    def __init__(
+        self, host: Host, request: Request, asked: ChatRequest, caller: Caller, door: Door, held: Held
+    ) -> None:
         self.host, self.request, self.asked, self.caller, self.door = host, request, asked, caller, door
+        self.held = held  # (its model, held until it answered and its last run ended)
 
     async def respond(self) -> Response:
         gone = asyncio.ensure_future(disconnected(self.request))
@@ -150,6 +178,7 @@ class Call:
             return Response(status_code=499)  # (nobody reads it)
         finally:
             gone.cancel()
+            self.held.drop()
 
     async def _respond(self, gone: asyncio.Future[None]) -> Response:
         asked, admission = self.asked, self.host.admission
@@ -173,12 +202,14 @@ class Call:
         raise AssertionError("unreachable")
 
     def _start(self, weight: int) -> Choices:
-        host = self.host
+        host, held = self.host, self.held
         host.metrics.flight(1)
+        held.hold()
 
         def released() -> None:
             host.admission.release(weight)
             host.metrics.flight(-1)
+            held.drop()
 
         try:
             return host.choices(self.asked, self.caller, released)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +57,14 @@ class ChatRequest:
     user: str | None = None
     prompt: str | None = None  # a raw completion's (``/v1/completions``): no messages then
     thinking: bool | None = None  # the template's thinking, as asked (None: the server's setting)
+    model: str | None = None  # the model it names (a server of several answers with that one)
+    keep_alive: float | None = None  # seconds its model stays loaded once idle (-1: keep)
 
 
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
     """A ``/v1/chat/completions`` body, checked (``ApiError`` for the first bad field)."""
-    _optional(body, "model", str)
+    model = _optional(body, "model", str)
+    keep_alive = _keep_alive(body.get("keep_alive"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError("messages must be a non-empty list", "messages")
@@ -81,7 +85,38 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     thinking, budget = _reasoning(body)
     if budget is not None and not chosen.constrained:  # (a budget with a constraint: not yet)
         chosen = replaced_options(chosen, reasoning_budget=budget)
-    return ChatRequest(messages, chosen, n or 1, stream, bool(include_usage), user, thinking=thinking)
+    return ChatRequest(
+        messages,
+        chosen,
+        n or 1,
+        stream,
+        bool(include_usage),
+        user,
+        thinking=thinking,
+        model=model,
+        keep_alive=keep_alive,
+    )
+
+
+DURATION = re.compile(r"(-?\d{1,9}(?:\.\d{1,6})?)(ms|s|m|h)?")
+UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _keep_alive(value: object) -> float | None:
+    """Ollama's ``keep_alive``: seconds (a number, or a string such as ``"5m"``), ``0`` to
+    unload once idle, a negative one to keep loaded; None if absent."""
+    if value is None:
+        return None
+    if isinstance(value, str) and (match := DURATION.fullmatch(value.strip())):
+        value = float(match.group(1)) * UNITS[match.group(2) or "s"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ApiError('keep_alive must be seconds (a number, or a string like "5m")', "keep_alive")
+    if value < 0:
+        return -1.0
+    return float(min(value, MAX_KEEP_ALIVE))
+
+
+MAX_KEEP_ALIVE = 10 * 365 * 86400.0
 
 
 # ``reasoning_effort`` as a budget of reasoning tokens (None: unbounded) and whether to think.

@@ -1,0 +1,140 @@
+"""``Models``' plumbing: its settings checked, a folder's models found, a model's footprint, and
+its named conversations parked to a private folder when it unloads and kept again when it
+reloads."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmsession.errors import LlmSessionError
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
+    from llmsession.engine.budget import MemoryReport
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")  # a model's name in requests and paths
+MAX_SECONDS = 10 * 365 * 86400.0
+
+
+def checked_name(name: object) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"a model's name is 1 to 128 of A-Z a-z 0-9 . _ : / -, got {name!r:.80}")
+    return name
+
+
+def checked_count(what: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{what} must be a positive int or None, got {value!r}")
+    return value
+
+
+def checked_seconds(what: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_SECONDS:
+        raise ValueError(f"{what} must be seconds from 0 to {MAX_SECONDS:.0f}, or None; got {value!r}")
+    return float(value)
+
+
+def checked_keep_alive(value: float | None) -> float | None:
+    """A use's ``keep_alive``: None (as the models say), seconds, or -1 (keep)."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, int | float) and value == -1):
+        return None if value is None else -1.0
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"keep_alive must be finite seconds, 0, or -1; got {value!r}")
+    return checked_seconds("keep_alive (or -1: keep)", value)
+
+
+def file_bytes(*paths: Path | None) -> int:
+    """The files' sizes (0 for one that cannot be read: its load will say why)."""
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size if path is not None else 0
+    return total
+
+
+def footprint(report: MemoryReport, *files: Path | None) -> int:
+    """What a loaded model holds: its files (weights, projector), its KV cells, its host cache."""
+    return file_bytes(*files) + report.kv_bytes + report.host_cache_bytes
+
+
+def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, int, bool]]) -> str:
+    parts = [
+        f"{other} ({size / 2**20:.0f} MiB, {'loading or unloading' if busy else f'{users} in use'})"
+        for other, size, users, busy in held
+    ]
+    within = f" within the memory limit of {limit / 2**20:.0f} MiB" if limit is not None else ""
+    return (
+        f"model {name!r} ({needed / 2**20:.0f} MiB) cannot load now{within}: "
+        f"held: {', '.join(parts) or 'nothing'}"
+    )
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A named conversation saved when its model unloaded."""
+
+    file: Path
+    tenant: str | None
+    conversation: str
+
+
+class Folder:
+    """A private folder (0700) for parked conversations, removed with its ``Models``."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="llmsession-models-"))
+        self.count = 0
+
+    def next_file(self) -> Path:
+        self.count += 1
+        return self.path / f"{self.count}.session"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def park(model: Model, folder: Folder) -> list[Parked]:
+    """Save the conversations ``model``'s stateless calls named, each with its state, and take
+    them out of the model (which closes next). One that cannot be saved is dropped, logged."""
+    parked: list[Parked] = []
+    for conversation in model.conversations():
+        taken = model.take_conversation(conversation)
+        if taken is None:  # (answering a call: it goes with the model)
+            continue
+        session, tenant = taken
+        file = folder.next_file()
+        try:
+            session.save(file)
+            parked.append(Parked(file, tenant, conversation))
+        except (LlmSessionError, OSError) as error:
+            log.warning("a conversation could not be parked before its model unloaded: %s", error)
+            file.unlink(missing_ok=True)
+        finally:
+            session.close()
+    return parked
+
+
+def restore(model: Model, parked: list[Parked]) -> list[Parked]:
+    """Keep the parked conversations again in a reloaded ``model``; each file is removed. What
+    cannot be restored is dropped, logged (its next turn decodes its whole prompt)."""
+    for item in parked:
+        try:
+            session = model.load_session(item.file)
+            model.keep_conversation(session, tenant=item.tenant, conversation=item.conversation)
+        except (LlmSessionError, OSError) as error:
+            log.warning("a parked conversation could not be restored: %s", error)
+        finally:
+            item.file.unlink(missing_ok=True)
+    return []

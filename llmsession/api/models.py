@@ -1,0 +1,383 @@
+"""``Models``: several model files by name, loaded on demand and unloaded when idle, under one
+memory limit: what ``llmsession serve --model NAME=PATH ...`` serves, and what a Python caller
+can hold the same way.
+
+- **On demand.** ``acquire(name)`` (or ``with models.use(name) as model:``) loads the model on
+  first use; concurrent first uses wait on the same load. A model in use is never unloaded.
+- **Bounds.** ``max_loaded`` models at once and ``memory_limit`` bytes in all: a load that would
+  pass either first unloads the least recently used idle models, else it is refused
+  (``ModelsFullError``, saying what is held) and nothing is unloaded. A model counts its files
+  until its first load, then what it measured: files, KV cells and host cache for parked states.
+- **Idle.** ``idle_unload`` seconds after its last use a model unloads; a use's ``keep_alive``
+  (Ollama's: seconds, ``0`` unload once idle, ``-1`` keep) replaces that for the model.
+- **Conversations survive an unload.** The conversations its stateless calls named
+  (``Model.conversations``) are saved with their state before the model closes and kept again
+  when it reloads, so a conversation that comes back decodes only its new turn
+  (``_parking``). Unnamed ones are dropped with the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmsession.api import _parking
+from llmsession.api.model import Model
+from llmsession.config import MemoryConfig, ModelConfig, model_configs
+from llmsession.errors import ModelClosedError, ModelNotFoundError, ModelsFullError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from llmsession.config import ModelSettings
+
+log = logging.getLogger(__name__)
+
+KEEP = -1  # a ``keep_alive`` that keeps a model loaded until it is unloaded by name or for room
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One model of a ``Models``: its GGUF file, and its projector (images) if it has one."""
+
+    path: Path
+    mmproj_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """``Models.status()``: one model, now."""
+
+    name: str
+    path: Path
+    loaded: bool
+    busy: bool  # loading or unloading now
+    users: int  # uses not yet released
+    images: bool  # whether it has a projector
+    context_size: int | None  # a new session's default context (loaded models)
+    resident_bytes: int  # what it counts against ``memory_limit`` (``Models``)
+    idle_seconds: float | None  # since its last use (loaded and unused models)
+
+
+class _Entry:
+    """A model's state, changed under ``Models._changed``."""
+
+    def __init__(self, file: ModelFile) -> None:
+        self.file = file
+        self.model: Model | None = None
+        self.busy = False  # loading or unloading: others wait
+        self.users = 0
+        self.last_used = time.monotonic()
+        self.keep_alive: float | None = None  # (None: ``Models.idle_unload``)
+        self.footprint = _parking.file_bytes(file.path, file.mmproj_path)
+        self.context_size: int | None = None  # (as its last load chose)
+        self.parked: list[_parking.Parked] = []
+
+    @property
+    def idle(self) -> bool:
+        return self.model is not None and not self.busy and self.users == 0
+
+
+class Models:
+    """Model files by name (``ModelFile`` or a path), loaded on demand (see the module).
+    ``config``, ``memory`` and keyword ``overrides`` are every model's settings, as ``Model``
+    takes them (a file's projector comes from its ``ModelFile``)."""
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelFile | str | Path],
+        *,
+        max_loaded: int | None = None,
+        memory_limit: int | None = None,
+        idle_unload: float | None = None,
+        config: ModelConfig | None = None,
+        memory: MemoryConfig | None = None,
+        **overrides: Unpack[ModelSettings],
+    ) -> None:
+        self.config, self.memory = model_configs(config, memory, dict(overrides))
+        self.max_loaded = _parking.checked_count("max_loaded", max_loaded)
+        self.memory_limit = _parking.checked_count("memory_limit", memory_limit)
+        self.idle_unload = _parking.checked_seconds("idle_unload", idle_unload)
+        files = {_parking.checked_name(name): _model_file(spec) for name, spec in models.items()}
+        if not files:
+            raise ValueError("Models needs at least one model")
+        self._entries = {name: _Entry(file) for name, file in files.items()}
+        self._changed = threading.Condition()
+        self._closed = False
+        self._folder = _parking.Folder()  # (the parked conversations' states, private)
+        self._sweeper = threading.Thread(target=self._sweep, name="llmsession-models", daemon=True)
+        self._sweeper.start()
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, **kwargs: Any) -> Models:
+        """The models of ``folder`` (``files_in``); ``kwargs`` as ``Models`` takes them."""
+        return cls(cls.files_in(folder), **kwargs)
+
+    @staticmethod
+    def files_in(folder: str | Path) -> dict[str, ModelFile]:
+        """Every ``.gguf`` in ``folder`` by its name without the suffix, each with its projector
+        when one lies beside it (``NAME.mmproj.gguf`` or ``mmproj-NAME.gguf``)."""
+        return _folder_models(Path(folder))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def file(self, name: str) -> ModelFile:
+        """The files of model ``name`` (``ModelNotFoundError`` if there is none)."""
+        return self._entry(name).file
+
+    def acquire(self, name: str, *, keep_alive: float | None = None) -> Model:
+        """Model ``name``, loaded if it is not (waiting for a load already under way), in use
+        until ``release(name)``. ``keep_alive``: seconds it stays loaded once idle from now on
+        (0: unload once idle; -1: keep). ``ModelsFullError`` if there is no room for it."""
+        keep = _parking.checked_keep_alive(keep_alive)
+        entry = self._entry(name)
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise ModelClosedError("these models were closed")
+                if entry.model is not None and not entry.busy:
+                    return self._used(entry, keep)
+                if not entry.busy:
+                    break
+                self._changed.wait()
+            doomed = self._room_for(name, entry.footprint)
+            entry.busy = True
+        try:
+            for other in doomed:
+                self._unload(other)
+            model = self._load(entry)
+        except BaseException:
+            with self._changed:
+                entry.busy = False
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            entry.busy = False
+            self._changed.notify_all()
+            if not self._closed:
+                entry.model = model
+                return self._used(entry, keep)
+        model.close()  # (the models were closed while it loaded)
+        raise ModelClosedError("these models were closed")
+
+    def release(self, name: str) -> None:
+        """One use of ``name`` is over (its idle time starts once none is left)."""
+        entry = self._entry(name)
+        with self._changed:
+            if entry.users <= 0:
+                raise RuntimeError(f"model {name!r} was released more often than acquired")
+            entry.users -= 1
+            entry.last_used = time.monotonic()
+            self._changed.notify_all()  # (the sweeper looks again)
+
+    @contextlib.contextmanager
+    def use(self, name: str, *, keep_alive: float | None = None) -> Iterator[Model]:
+        """``with models.use(name) as model:`` acquires and releases it."""
+        model = self.acquire(name, keep_alive=keep_alive)
+        try:
+            yield model
+        finally:
+            self.release(name)
+
+    def load(self, name: str) -> None:
+        """Load ``name`` now (an operator's ``POST /models/load``)."""
+        self.acquire(name)
+        self.release(name)
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name`` now, its named conversations parked; False if it is in use (or
+        loading), True once it is unloaded (or was not loaded)."""
+        entry = self._entry(name)
+        with self._changed:
+            if entry.model is None and not entry.busy:
+                return True
+            if not entry.idle:
+                return False
+            entry.busy = True
+        self._unload(entry)
+        return True
+
+    def status(self) -> list[ModelStatus]:
+        """Every model's state, in the order they were given."""
+        now = time.monotonic()
+        with self._changed:
+            return [self._status(name, entry, now) for name, entry in self._entries.items()]
+
+    def close(self) -> None:
+        """Close every loaded model (in-flight uses end with ``ModelClosedError``) and remove
+        the parked conversations; idempotent."""
+        with self._changed:
+            if self._closed:
+                return
+            self._closed = True
+            models = [e.model for e in self._entries.values() if e.model is not None]
+            for entry in self._entries.values():
+                entry.model = None
+            self._changed.notify_all()
+        self._sweeper.join(30)
+        for model in models:
+            model.close()
+        self._folder.remove()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Models:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        if entry is None:
+            raise ModelNotFoundError(f"no model named {name!r:.80} (served: {', '.join(self._entries)})")
+        return entry
+
+    def _used(self, entry: _Entry, keep: float | None) -> Model:
+        assert entry.model is not None
+        entry.users += 1
+        entry.last_used = time.monotonic()
+        if keep is not None:
+            entry.keep_alive = keep
+        return entry.model
+
+    def _room_for(self, name: str, needed: int) -> list[_Entry]:
+        """The idle models to unload (least recently used first, marked busy) so that ``name``
+        fits; ``ModelsFullError`` if no choice fits (the lock held)."""
+        held = [e for e in self._entries.values() if e.model is not None or e.busy]
+        idle = sorted((e for e in held if e.idle), key=lambda e: e.last_used)
+        doomed: list[_Entry] = []
+
+        def fits() -> bool:
+            kept = [e for e in held if e not in doomed]
+            count_ok = self.max_loaded is None or len(kept) + 1 <= self.max_loaded
+            total = sum(e.footprint for e in kept) + needed
+            return count_ok and (self.memory_limit is None or total <= self.memory_limit)
+
+        while not fits() and idle:
+            doomed.append(idle.pop(0))
+        if not fits():
+            raise ModelsFullError(_parking.full_message(name, needed, self.memory_limit, self._held()))
+        for entry in doomed:
+            entry.busy = True
+        return doomed
+
+    def _held(self) -> list[tuple[str, int, int, bool]]:
+        return [
+            (name, e.footprint, e.users, e.busy)
+            for name, e in self._entries.items()
+            if e.model is not None or e.busy
+        ]
+
+    def _load(self, entry: _Entry) -> Model:
+        file = entry.file
+        model = Model(file.path, config=self.config, memory=self.memory, mmproj_path=file.mmproj_path)
+        try:
+            report = model.memory()
+            entry.footprint = _parking.footprint(report, file.path, file.mmproj_path)
+            entry.context_size = report.context_size
+            entry.parked = _parking.restore(model, entry.parked)
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    def _unload(self, entry: _Entry) -> None:
+        """Park ``entry``'s named conversations and close its model (it is marked busy)."""
+        model = entry.model
+        try:
+            if model is not None and not model.closed:
+                entry.parked = _parking.park(model, self._folder)
+        finally:
+            if model is not None:
+                model.close()
+            with self._changed:
+                entry.model, entry.busy, entry.keep_alive = None, False, None
+                self._changed.notify_all()
+
+    def _status(self, name: str, entry: _Entry, now: float) -> ModelStatus:
+        model = entry.model
+        loaded = model is not None and not model.closed
+        return ModelStatus(
+            name=name,
+            path=entry.file.path,
+            loaded=loaded,
+            busy=entry.busy,
+            users=entry.users,
+            images=entry.file.mmproj_path is not None,
+            context_size=entry.context_size if loaded else None,
+            resident_bytes=entry.footprint,
+            idle_seconds=now - entry.last_used if loaded and entry.users == 0 else None,
+        )
+
+    def _due(self, now: float) -> tuple[list[_Entry], float | None]:
+        """The idle models past their keep-alive, and the seconds until the next one is due."""
+        due, wait = [], None
+        for entry in self._entries.values():
+            keep = self.idle_unload if entry.keep_alive is None else entry.keep_alive
+            if not entry.idle or keep is None or keep < 0:
+                continue
+            left = entry.last_used + keep - now
+            if left <= 0:
+                due.append(entry)
+            else:
+                wait = left if wait is None else min(wait, left)
+        return due, wait
+
+    def _sweep(self) -> None:
+        """The sweeper thread: unloads models idle past their keep-alive."""
+        while True:
+            with self._changed:
+                if self._closed:
+                    return
+                due, wait = self._due(time.monotonic())
+                if not due:
+                    self._changed.wait(wait)
+                    continue
+                for entry in due:
+                    entry.busy = True
+            for entry in due:
+                try:
+                    self._unload(entry)
+                except Exception:  # (logged: the sweeper must go on)
+                    log.exception("unloading an idle model failed")
+
+
+def _model_file(spec: ModelFile | str | Path) -> ModelFile:
+    if isinstance(spec, str | Path):
+        spec = ModelFile(Path(spec))
+    if not isinstance(spec, ModelFile):
+        raise TypeError(f"a model is a ModelFile or a path, got {type(spec).__name__}")
+    return spec
+
+
+def _folder_models(folder: Path) -> dict[str, ModelFile]:
+    """Every model in ``folder`` (``Models.from_folder``), by name, sorted."""
+    if not folder.is_dir():
+        raise ValueError(f"no folder {str(folder)!r:.200}")
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and p.is_file())
+    projectors = {p for p in files if p.name.startswith("mmproj") or p.name.endswith(".mmproj.gguf")}
+    found: dict[str, ModelFile] = {}
+    for path in files:
+        if path in projectors:
+            continue
+        beside = [folder / f"{path.stem}.mmproj.gguf", folder / f"mmproj-{path.stem}.gguf"]
+        mmproj = next((p for p in beside if p in projectors), None)
+        found[_parking.checked_name(path.stem)] = ModelFile(path, mmproj)
+    if not found:
+        raise ValueError(f"no .gguf model in {str(folder)!r:.200}")
+    return found

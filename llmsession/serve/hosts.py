@@ -1,0 +1,137 @@
+"""Which model answers a request: the server's one model whatever the request names (clients
+such as Claude Code and Codex name their own models), or, on a server of several
+(``llmsession.Models``), the one its ``model`` field names, loaded for it and held until its
+last stream ends (``Held``). Each loaded model has its own ``Host``: its admission (its live
+sessions) and the server's shared counters."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import TYPE_CHECKING, Any
+
+from llmsession.config import SessionConfig
+from llmsession.errors import ModelNotFoundError, ModelsFullError
+from llmsession.serve.chat import Held, Host
+from llmsession.serve.errors import ApiError
+from llmsession.serve.metrics import Metrics
+from llmsession.serve.runner import Admission
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
+    from llmsession.api.models import Models
+
+
+def not_found(name: str | None, names: list[str]) -> ApiError:
+    asked = "no model named" if name else "a model must be named: one of"
+    shown = f" {name!r:.80}; served:" if name else ""
+    return ApiError(f"{asked}{shown} {', '.join(names)}", "model", "model_not_found", 404)
+
+
+class OneModel:
+    """A server of one model, which answers whatever model a request names."""
+
+    def __init__(
+        self, model: Model, name: str, settings: SessionConfig, queue: int, metrics: Metrics
+    ) -> None:
+        admission = Admission(model.memory().max_live_sessions, queue)
+        self.host = Host(model, name, settings, admission, metrics)
+        self.names, self.metrics = [name], metrics
+
+    def images(self, name: str | None) -> bool:
+        return self.host.model.mmproj_path is not None
+
+    def served(self, name: str | None) -> str:
+        return self.host.name
+
+    async def held(self, name: str | None, keep_alive: float | None) -> tuple[Host, Held]:
+        return self.host, Held()
+
+    def cards(self) -> list[dict[str, Any]]:
+        model = self.host.model
+        return [card(self.host.name, model.mmproj_path is not None, loaded=not model.closed)]
+
+    def loaded(self) -> list[Model]:
+        return [] if self.host.model.closed else [self.host.model]
+
+    @property
+    def closed(self) -> bool:
+        return self.host.model.closed
+
+
+class ManyModels:
+    """A server of several models (``Models``): a request names one, which loads for it."""
+
+    def __init__(self, models: Models, settings: SessionConfig, queue: int, metrics: Metrics) -> None:
+        self.models, self.settings, self.queue, self.metrics = models, settings, queue, metrics
+        self.names = models.names
+        self._hosts: dict[str, Host] = {}
+        self._lock = threading.Lock()
+
+    def images(self, name: str | None) -> bool:
+        return name in self.models and self.models.file(name or "").mmproj_path is not None
+
+    def served(self, name: str | None) -> str:
+        if name is None or name not in self.models:
+            raise not_found(name, self.names)
+        return name
+
+    async def held(self, name: str | None, keep_alive: float | None) -> tuple[Host, Held]:
+        """The host of model ``name``, loaded (in a thread; concurrent first requests wait for
+        one load) and held until the request's ``Held`` is dropped."""
+        served = self.served(name)
+        acquiring = asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.models.acquire(served, keep_alive=keep_alive)
+        )
+        try:
+            model = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:  # (the client left while it loaded: let it go once loaded)
+            acquiring.add_done_callback(lambda done: self._gone(done, served))
+            raise
+        except ModelNotFoundError:
+            raise not_found(name, self.names) from None
+        except ModelsFullError as error:
+            raise ApiError(str(error), "model", "model_not_loaded", 503, "server_error", 5) from None
+        return self._host(served, model), Held(lambda: self.models.release(served))
+
+    def _gone(self, done: asyncio.Future[Model], name: str) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.models.release(name)
+
+    def _host(self, name: str, model: Model) -> Host:
+        with self._lock:
+            host = self._hosts.get(name)
+            if host is None or host.model is not model:  # (loaded again: a new model, a new host)
+                admission = Admission(model.memory().max_live_sessions, self.queue)
+                host = self._hosts[name] = Host(model, name, self.settings, admission, self.metrics)
+            return host
+
+    def cards(self) -> list[dict[str, Any]]:
+        cards = []
+        for status in self.models.status():
+            cards.append(card(status.name, status.images, status.loaded, status.busy, status.context_size))
+        return cards
+
+    def loaded(self) -> list[Model]:
+        with self._lock:
+            return [host.model for host in self._hosts.values() if not host.model.closed]
+
+    @property
+    def closed(self) -> bool:
+        return self.models.closed
+
+
+def card(
+    name: str, images: bool, loaded: bool, busy: bool = False, context: int | None = None
+) -> dict[str, Any]:
+    """A model's entry in ``/v1/models``: OpenAI's fields, and whether it is loaded (as
+    llama-server's router says it: ``status.value``)."""
+    value = "loading" if busy and not loaded else "loaded" if loaded else "unloaded"
+    return {
+        "id": name,
+        "object": "model",
+        "owned_by": "llmsession",
+        "status": {"value": value},
+        "context_size": context,
+        "capabilities": {"images": images, "tools": True, "json_schema": True},
+    }

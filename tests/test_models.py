@@ -1,0 +1,148 @@
+"""``Models``: two real chat models by name, loaded on demand and once, unloaded least recently
+used first under ``max_loaded``, when idle, or at once with ``keep_alive=0``; a named
+conversation resumes from its state after its model reloads (an unnamed one does not: the
+variant that must fail); a load with no room is refused and unloads nothing."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from near_ties import assert_same_within_noise, scored
+
+from llmsession import (
+    GenerationOptions,
+    Model,
+    ModelFile,
+    ModelNotFoundError,
+    Models,
+    ModelsFullError,
+    RequestError,
+    UnavailableError,
+)
+
+GREEDY = GenerationOptions(max_tokens=8, temperature=0)
+SYSTEM = "You are a terse assistant. " + "Answer in a few words and never apologise. " * 6
+
+
+def loaded(models: Models) -> dict[str, bool]:
+    return {status.name: status.loaded for status in models.status()}
+
+
+def within(seconds: float, condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def two(smollm2_path: Path, gemma3_path: Path, **kwargs: Any) -> Models:
+    return Models({"smol": smollm2_path, "gemma": gemma3_path}, threads=2, **kwargs)
+
+
+def test_names_are_checked_and_an_unknown_one_is_a_request_error(smollm2_path: Path) -> None:
+    with pytest.raises(ValueError, match="name"):
+        Models({"../x": smollm2_path})
+    with pytest.raises(ValueError, match="max_loaded"):
+        Models({"smol": smollm2_path}, max_loaded=0)
+    with Models({"smol": smollm2_path}) as models:
+        with pytest.raises(ModelNotFoundError, match="served: smol") as raised:
+            models.acquire("gpt-4")
+        assert isinstance(raised.value, RequestError)
+        with pytest.raises(ValueError, match="keep_alive"):
+            models.acquire("smol", keep_alive=-2)
+        assert loaded(models) == {"smol": False}
+
+
+def test_concurrent_first_uses_wait_for_one_load(smollm2_path: Path) -> None:
+    with Models({"smol": smollm2_path}, threads=2) as models:
+        got: list[Model] = []
+        threads = [threading.Thread(target=lambda: got.append(models.acquire("smol"))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(got) == 4 and all(model is got[0] for model in got)  # (one load, one model)
+        assert models.status()[0].users == 4
+        for _ in got:
+            models.release("smol")
+        with pytest.raises(RuntimeError, match="released more often"):
+            models.release("smol")
+
+
+def first_then_second(models: Models, conversation: str | None) -> tuple[list[Any], Any, int]:
+    """A conversation's first turn on smol, a turn on gemma (which unloads smol under
+    ``max_loaded=1``), then its second turn on smol: that reply and the first prompt's length."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    history.append({"role": "user", "content": "Hi."})
+    with models.use("smol") as smol:
+        first = smol.chat(history, GREEDY, tenant="t", conversation=conversation)
+    with models.use("gemma") as gemma:
+        assert loaded(models) == {"smol": False, "gemma": True}
+        gemma.chat([{"role": "user", "content": "Hello?"}], GREEDY)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    with models.use("smol") as smol:
+        assert loaded(models) == {"smol": True, "gemma": False}
+        second = smol.chat(copy.deepcopy(history), scored(GREEDY), tenant="t", conversation=conversation)
+    return history, second, first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed: starts over"])
+def test_least_recently_used_unloads_and_a_named_conversation_resumes_from_its_state(
+    smollm2_path: Path, gemma3_path: Path, smollm2: Model, named: bool
+) -> None:
+    with two(smollm2_path, gemma3_path, max_loaded=1) as models:
+        history, second, first_prompt = first_then_second(models, "c1" if named else None)
+    if named:
+        assert second.usage.reused_tokens >= first_prompt, (second.usage, first_prompt)
+        assert_same_within_noise(smollm2, second, smollm2.chat(history, scored(GREEDY)))
+    else:
+        assert second.usage.reused_tokens < first_prompt // 2, (second.usage, first_prompt)
+
+
+def test_a_load_with_no_room_is_refused_and_unloads_nothing(smollm2_path: Path, gemma3_path: Path) -> None:
+    with two(smollm2_path, gemma3_path, max_loaded=1) as models:
+        smol = models.acquire("smol")  # (in use: it cannot be unloaded)
+        with pytest.raises(ModelsFullError, match=r"smol \(\d+ MiB, 1 in use\)") as raised:
+            models.acquire("gemma")
+        assert isinstance(raised.value, UnavailableError)
+        assert loaded(models) == {"smol": True, "gemma": False}
+        assert smol.chat([{"role": "user", "content": "Hi."}], GREEDY).text
+        models.release("smol")
+        assert models.acquire("gemma") is not None  # (now smol is idle: it goes)
+        assert loaded(models) == {"smol": False, "gemma": True}
+        models.release("gemma")
+    small = two(smollm2_path, gemma3_path, memory_limit=gemma3_path.stat().st_size // 2)
+    with small, pytest.raises(ModelsFullError, match="memory limit"):
+        small.acquire("gemma")
+    assert loaded(small) == {"smol": False, "gemma": False}
+
+
+def test_idle_models_unload_after_idle_unload_or_keep_alive(smollm2_path: Path) -> None:
+    with Models({"smol": smollm2_path}, threads=2, idle_unload=0.5) as models:
+        models.load("smol")
+        assert loaded(models) == {"smol": True}
+        assert within(10, lambda: not loaded(models)["smol"])
+        with models.use("smol", keep_alive=-1):
+            pass
+        time.sleep(1.5)
+        assert loaded(models) == {"smol": True}  # (kept: keep_alive -1)
+        with models.use("smol", keep_alive=0):
+            assert loaded(models) == {"smol": True}  # (in use: never unloaded)
+        assert within(10, lambda: not loaded(models)["smol"])
+
+
+def test_a_folder_names_its_models_and_their_projectors(tmp_path: Path, smollm2_path: Path) -> None:
+    for name in ("chat.gguf", "mmproj-chat.gguf", "other.gguf", "notes.txt"):
+        (tmp_path / name).symlink_to(smollm2_path)
+    with Models.from_folder(tmp_path) as models:
+        assert models.names == ["chat", "other"]
+        assert models.file("chat") == ModelFile(tmp_path / "chat.gguf", tmp_path / "mmproj-chat.gguf")
+        assert models.file("other").mmproj_path is None

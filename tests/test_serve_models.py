@@ -1,0 +1,141 @@
+"""``llmsession serve`` with several models, over real HTTP with the official clients: each
+request answered by the model it names (an unknown one: 404 in each API's body), loaded on
+demand under ``--max-loaded-models 1``, a Claude Code conversation that resumes from its state
+after its model unloaded and reloaded, ``keep_alive: 0``, and a 503 when no room is left."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from serve_helpers import KEY, running
+
+from llmsession import Models
+from llmsession.commands.cli import parser
+from llmsession.commands.serve_models import model_files, several
+from llmsession.serve.app import create_app
+
+SYSTEM = "You are a careful assistant. " + "Answer in a few words, plainly. " * 10
+ARGMAX = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path: Path, gemma3_path: Path) -> Iterator[tuple[Models, str]]:
+    models = Models({"smol": smollm2_path, "gemma": gemma3_path}, max_loaded=1, threads=2)
+    with models, running(create_app(models, api_key=KEY)) as url:
+        yield models, url
+
+
+def chat(url: str, model: str, text: str, **extra: Any) -> Any:
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=4, temperature=0, **extra
+    )
+
+
+def states(url: str) -> dict[str, str]:
+    listed = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    return {card["id"]: card["status"]["value"] for card in listed["data"]}
+
+
+def test_each_request_is_answered_by_the_model_it_names(served: tuple[Models, str]) -> None:
+    _, url = served
+    assert states(url) == {"smol": "unloaded", "gemma": "unloaded"}
+    assert chat(url, "smol", "Hi.").model == "smol"
+    assert states(url) == {"smol": "loaded", "gemma": "unloaded"}
+    assert chat(url, "gemma", "Hi.").model == "gemma"
+    assert states(url) == {"smol": "unloaded", "gemma": "loaded"}  # (at most one loaded)
+    with pytest.raises(openai.NotFoundError, match="no model named 'gpt-4'"):
+        chat(url, "gpt-4", "Hi.")
+    client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        client.messages.create(model="claude-x", max_tokens=4, messages=[{"role": "user", "content": "Hi."}])
+    assert raised.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": raised.value.body["error"]["message"]},
+    }
+
+
+def test_concurrent_first_requests_share_one_load(served: tuple[Models, str]) -> None:
+    models, url = served
+    models.unload("smol")
+    models.unload("gemma")
+    answers: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: answers.append(chat(url, "smol", "Hi.").model)) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert answers == ["smol"] * 3
+    assert models.status()[0].users == 0  # (every request let it go)
+
+
+def test_a_claude_code_conversation_resumes_after_its_model_reloads(served: tuple[Models, str]) -> None:
+    """Its first turn on smol, a request to gemma (smol unloads, the conversation parked), its
+    second turn on smol again: read from its parked state, only the new turn decoded."""
+    _, url = served
+    headers = {"X-Claude-Code-Session-Id": "resumes"}
+    client = anthropic.Anthropic(
+        base_url=url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=120, default_headers=headers
+    )
+    said: list[Any] = [{"role": "user", "content": "Hi."}]
+    first = client.messages.create(
+        model="smol", max_tokens=6, system=SYSTEM, messages=said, extra_body=ARGMAX
+    )
+    chat(url, "gemma", "Hello?")
+    assert states(url)["smol"] == "unloaded"
+    text = "".join(block.text for block in first.content if block.type == "text")
+    said += [{"role": "assistant", "content": text}, {"role": "user", "content": "Why?"}]
+    second = client.messages.create(
+        model="smol", max_tokens=6, system=SYSTEM, messages=said, extra_body=ARGMAX
+    )
+    whole_first = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    assert (second.usage.cache_read_input_tokens or 0) >= whole_first, (second.usage, first.usage)
+
+
+def test_keep_alive_zero_unloads_once_the_request_is_done(served: tuple[Models, str]) -> None:
+    _, url = served
+    chat(url, "smol", "Hi.", extra_body={"keep_alive": 0})
+    deadline = time.monotonic() + 10
+    while states(url)["smol"] != "unloaded" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert states(url)["smol"] == "unloaded"
+    with pytest.raises(openai.BadRequestError, match="keep_alive"):
+        chat(url, "smol", "Hi.", extra_body={"keep_alive": "soon"})
+
+
+def test_a_load_with_no_room_is_a_503_and_the_server_stays_up(smollm2_path: Path, gemma3_path: Path) -> None:
+    limit = gemma3_path.stat().st_size // 2  # (less than the model itself)
+    models = Models({"smol": smollm2_path, "gemma": gemma3_path}, memory_limit=limit, threads=2)
+    with models, running(create_app(models, api_key=KEY)) as url:
+        with pytest.raises(openai.InternalServerError) as raised:
+            chat(url, "gemma", "Hi.")
+        assert raised.value.status_code == 503 and "memory limit" in raised.value.message
+        assert httpx.get(f"{url.removesuffix('/v1')}/health", timeout=10).json()["status"] == "ok"
+        assert states(url) == {"smol": "unloaded", "gemma": "unloaded"}
+
+
+def test_the_command_line_names_several_models(smollm2_path: Path, gemma3_path: Path, tmp_path: Path) -> None:
+    args = parser().parse_args(
+        ["serve", "--model", f"a={smollm2_path}", "--model", str(gemma3_path), "--max-loaded-models", "1"]
+    )
+    assert several(args) and args.max_loaded_models == 1
+    files = model_files(args)
+    assert list(files) == ["a", gemma3_path.stem] and files["a"].path == smollm2_path
+    single = parser().parse_args(["serve", "--model", str(smollm2_path)])
+    assert not several(single)
+    twice = parser().parse_args(["serve", "--model", f"a={smollm2_path}", "--model", f"a={gemma3_path}"])
+    with pytest.raises(ValueError, match="two models named 'a'"):
+        model_files(twice)
+    (tmp_path / "chat.gguf").symlink_to(smollm2_path)
+    folder = parser().parse_args(["serve", "--models-dir", str(tmp_path)])
+    assert several(folder) and list(model_files(folder)) == ["chat"]
