@@ -169,3 +169,28 @@ def test_tokenize_scenario_times_each_turn_three_ways(
     machine = {"cpu": "x", "cores": 2, "threads": 2, "llama_cpp_commit": "c"}
     bench_tokenize.report({"machine": machine, "model": "m", "turns": turns})
     assert "median whole_ms" in capsys.readouterr().out
+
+
+def test_models_scenario_resumes_named_conversations_after_each_switch_and_skips_a_missing_router(
+    smollm2_path: Path, gemma3_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmsession.commands.bench import models as bench_models
+
+    out = tmp_path / "models.json"
+    argv = ["--rounds", "2", "--rules", "4", "--max-tokens", "4", "--threads", "2", "--json", str(out)]
+    argv += ["--smol", str(smollm2_path), "--gemma", str(gemma3_path), "--llama-server", str(tmp_path / "no")]
+    assert bench_models.main(argv) == 0
+    servers = json.loads(out.read_text())["servers"]
+    assert "not found" in servers["llama-server router"]["skipped"]
+    for name, named in (("llmsession (named)", True), ("llmsession (unnamed)", False)):
+        turns = servers[name]["turns"]
+        assert [(t["model"], t["turn"]) for t in turns] == [
+            ("smol", 1),
+            ("gemma", 1),
+            ("smol", 2),
+            ("gemma", 2),
+        ]
+        for first, second in zip(turns[:2], turns[2:], strict=True):  # (each after the other model's turn)
+            resumed = second["decoded_tokens"] <= second["prompt_tokens"] - first["prompt_tokens"]
+            assert resumed == named, (name, first, second)
+    assert "named) / llmsession (unnamed)" in capsys.readouterr().out

@@ -139,3 +139,41 @@ def test_the_command_line_names_several_models(smollm2_path: Path, gemma3_path: 
     (tmp_path / "chat.gguf").symlink_to(smollm2_path)
     folder = parser().parse_args(["serve", "--models-dir", str(tmp_path)])
     assert several(folder) and list(model_files(folder)) == ["chat"]
+
+
+def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str]) -> None:
+    models, url = served
+    base, auth = url.removesuffix("/v1"), {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=base, headers=auth, timeout=120) as http:
+        assert http.post("/models/unload", json={"model": "gemma"}).json() == {
+            "model": "gemma",
+            "status": "unloaded",
+        }
+        assert http.post("/models/load", json={"model": "smol"}).json() == {
+            "model": "smol",
+            "status": "loaded",
+        }
+        listed = http.get("/api/ps").json()["models"]
+        assert [(m["name"], m["in_use"], m["expires_at"]) for m in listed] == [("smol", 0, None)]
+        assert listed[0]["size"] > smol_bytes(models) and listed[0]["context_length"] > 0
+        models.acquire("smol")  # (a request of it still running)
+        try:
+            refused = http.post("/models/unload", json={"model": "smol"})
+            assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_in_use"
+        finally:
+            models.release("smol")
+        assert http.post("/models/load", json={"model": "nope"}).status_code == 404
+        assert httpx.post(f"{base}/models/load", json={"model": "smol"}, timeout=10).status_code == 401
+    assert states(url)["smol"] == "loaded"
+
+
+def smol_bytes(models: Models) -> int:
+    return models.file("smol").path.stat().st_size
+
+
+def test_a_server_of_one_model_neither_loads_nor_unloads(smollm2_path: Path) -> None:
+    from llmsession import Model
+
+    with Model(smollm2_path, threads=1) as model, running(create_app(model)) as url:
+        refused = httpx.post(f"{url.removesuffix('/v1')}/models/unload", json={"model": "x"}, timeout=10)
+        assert refused.status_code == 400 and "one model" in refused.json()["error"]["message"]

@@ -63,6 +63,7 @@ class ModelStatus:
     context_size: int | None  # a new session's default context (loaded models)
     resident_bytes: int  # what it counts against ``memory_limit`` (``Models``)
     idle_seconds: float | None  # since its last use (loaded and unused models)
+    unloads_in: float | None  # seconds until it unloads unless used again (None: it is kept)
 
 
 class _Entry:
@@ -312,6 +313,8 @@ class Models:
     def _status(self, name: str, entry: _Entry, now: float) -> ModelStatus:
         model = entry.model
         loaded = model is not None and not model.closed
+        idle = now - entry.last_used if loaded and entry.users == 0 else None
+        keep = self.idle_unload if entry.keep_alive is None else entry.keep_alive
         return ModelStatus(
             name=name,
             path=entry.file.path,
@@ -321,7 +324,8 @@ class Models:
             images=entry.file.mmproj_path is not None,
             context_size=entry.context_size if loaded else None,
             resident_bytes=entry.footprint,
-            idle_seconds=now - entry.last_used if loaded and entry.users == 0 else None,
+            idle_seconds=idle,
+            unloads_in=None if idle is None or keep is None or keep < 0 else max(0.0, keep - idle),
         )
 
     def _due(self, now: float) -> tuple[list[_Entry], float | None]:

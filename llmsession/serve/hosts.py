@@ -28,6 +28,11 @@ def not_found(name: str | None, names: list[str]) -> ApiError:
     return ApiError(f"{asked}{shown} {', '.join(names)}", "model", "model_not_found", 404)
 
 
+def no_room(error: ModelsFullError) -> ApiError:
+    """A 503: the model cannot load now (what is held, as ``Models`` says it)."""
+    return ApiError(str(error), "model", "model_not_loaded", 503, "server_error", 5)
+
+
 class OneModel:
     """A server of one model, which answers whatever model a request names."""
 
@@ -91,8 +96,13 @@ class ManyModels:
         except ModelNotFoundError:
             raise not_found(name, self.names) from None
         except ModelsFullError as error:
-            raise ApiError(str(error), "model", "model_not_loaded", 503, "server_error", 5) from None
-        return self._host(served, model), Held(lambda: self.models.release(served))
+            raise no_room(error) from None
+        held = Held(lambda: self.models.release(served))
+        try:
+            return self._host(served, model), held
+        except BaseException:
+            held.drop()
+            raise
 
     def _gone(self, done: asyncio.Future[Model], name: str) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -102,6 +112,7 @@ class ManyModels:
         with self._lock:
             host = self._hosts.get(name)
             if host is None or host.model is not model:  # (loaded again: a new model, a new host)
+                fitting(model, name, self.settings)
                 admission = Admission(model.memory().max_live_sessions, self.queue)
                 host = self._hosts[name] = Host(model, name, self.settings, admission, self.metrics)
             return host
@@ -119,6 +130,17 @@ class ManyModels:
     @property
     def closed(self) -> bool:
         return self.models.closed
+
+
+def fitting(model: Model, name: str, settings: SessionConfig) -> None:
+    """The server's session settings checked against a model just loaded (one server's model
+    is checked at its start): a misfit is the operator's, a 500 that says what to change."""
+    try:
+        model.session(config=settings).close()
+    except ValueError as error:
+        raise ApiError(
+            f"model {name!r}: the server's settings do not fit it: {error}", None, None, 500
+        ) from None
 
 
 def card(

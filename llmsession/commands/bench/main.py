@@ -264,6 +264,7 @@ SCENARIOS = {  # ``llmsession bench NAME``: its module here
     "agents": "agents",
     "cluster": "cluster",
     "prefill": "prefill",
+    "models": "models",
 }
 
 

@@ -1,0 +1,89 @@
+"""What an operator asks of a server of several models (``hosts.ManyModels``), behind the API
+key: ``GET /api/ps`` (Ollama's: the models loaded now, what each holds and when it unloads),
+``POST /models/load`` and ``POST /models/unload`` with ``{"model": NAME}``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llmsession.errors import ModelNotFoundError, ModelsFullError
+from llmsession.serve.body import parse_json
+from llmsession.serve.errors import ApiError
+from llmsession.serve.hosts import ManyModels, no_room, not_found
+
+if TYPE_CHECKING:
+    from llmsession.api.models import ModelStatus
+    from llmsession.serve.hosts import OneModel
+
+
+class Server(Protocol):
+    """What these routes need of ``app.Server``."""
+
+    hosts: OneModel | ManyModels
+
+    async def body(self, request: Request) -> bytes: ...
+
+
+def several(server: Server) -> ManyModels:
+    if not isinstance(server.hosts, ManyModels):
+        raise ApiError("this server has one model: it neither loads nor unloads models", None, None, 400)
+    return server.hosts
+
+
+async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
+    hosts = several(server)
+    body = parse_json(await server.body(request))
+    name = body.get("model")
+    if not isinstance(name, str) or name not in hosts.models:
+        raise not_found(name if isinstance(name, str) else None, hosts.names)
+    return hosts, name
+
+
+def loaded_entry(status: ModelStatus) -> dict[str, Any]:
+    """A loaded model as Ollama's ``/api/ps`` lists it, and what llmsession knows besides."""
+    expires = None
+    if status.unloads_in is not None:
+        at = datetime.fromtimestamp(time.time() + status.unloads_in, timezone.utc)
+        expires = at.isoformat(timespec="seconds").replace("+00:00", "Z")
+    return {
+        "name": status.name,
+        "model": status.name,
+        "size": status.resident_bytes,
+        "size_vram": 0,
+        "context_length": status.context_size,
+        "expires_at": expires,
+        "in_use": status.users,
+        "images": status.images,
+    }
+
+
+async def ps(server: Server, request: Request) -> Response:
+    statuses = await asyncio.to_thread(several(server).models.status)
+    return JSONResponse({"models": [loaded_entry(s) for s in statuses if s.loaded]})
+
+
+async def load(server: Server, request: Request) -> Response:
+    hosts, name = await named(server, request)
+    try:
+        await asyncio.to_thread(hosts.models.load, name)
+    except ModelNotFoundError:
+        raise not_found(name, hosts.names) from None
+    except ModelsFullError as error:
+        raise no_room(error) from None
+    return JSONResponse({"model": name, "status": "loaded"})
+
+
+async def unload(server: Server, request: Request) -> Response:
+    hosts, name = await named(server, request)
+    if not await asyncio.to_thread(hosts.models.unload, name):
+        raise ApiError(f"model {name!r} is in use (or loading): not unloaded", "model", "model_in_use", 409)
+    return JSONResponse({"model": name, "status": "unloaded"})
+
+
+ROUTES = (("/api/ps", ps, "GET"), ("/models/load", load, "POST"), ("/models/unload", unload, "POST"))
