@@ -41,6 +41,12 @@ def test_a_side_request_takes_a_spare_session_or_a_new_one_never_a_main() -> Non
     assert choose(full, [0, 0, 0], "a", capacity=3).index == 2  # (the unnamed spare)
     mains_only = [kept("a", 900), kept("b", 800)]
     assert choose(mains_only, [0, 0], "a", capacity=2) is None  # a side request: a new session
+    elsewhere = [kept("a", 900, fitting=False), kept("b", 800)]  # (another tenant's a)
+    assert choose(elsewhere, [0, 0], "a", capacity=2).index == 1  # (not a side request here)
+
+
+def test_with_nothing_else_left_a_first_call_or_an_unnamed_one_takes_the_oldest_main() -> None:
+    mains_only = [kept("a", 900), kept("b", 800)]
     assert choose(mains_only, [0, 0], "c", capacity=2).index == 0  # a new conversation's first
     assert choose(mains_only, [0, 0], None, capacity=2).index == 0  # (unnamed: as before names)
 
@@ -61,6 +67,13 @@ def test_past_capacity_spares_go_first_and_mains_wait_for_a_busy_side_request() 
     busy_side = [kept("a", 900), kept("b", 800), kept("a", 30, idle=False)]
     assert evicted(busy_side, 2) == []
     assert evicted([*busy_side[:2], kept("c", 30, idle=False)], 2) == [0]  # (c's first: a main)
+    crowded = [kept(name, 100) for name in "abcdefg"] + [kept(None, 10, idle=False)]
+    assert evicted(crowded, 2) == [0, 1, 2, 3, 4]  # (mains wait for one busy side request only)
+
+
+def test_a_conversation_is_a_name_within_a_tenant() -> None:
+    two = [Kept("a", 900, True, True, "t1"), Kept("a", 100, True, True, "t2")]
+    assert mains(two) == {0, 1}
 
 
 def converse(model: Model, named: bool) -> tuple[Any, Any, int]:
@@ -101,38 +114,42 @@ def test_the_same_header_under_two_tenants_names_two_conversations() -> None:
     assert named_conversation("tenant-1", {"x-other": "0b9c"}) is None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def served(smollm2_path: Path) -> Iterator[tuple[Model, str]]:
     model = Model(smollm2_path, threads=2, stateless_sessions=3)
     with model, running(create_app(model, api_key=[KEY, OTHER_KEY])) as url:
         yield model, url.removesuffix("/v1")
 
 
-def client(url: str, key: str, session: str) -> anthropic.Anthropic:
-    headers = {"X-Claude-Code-Session-Id": session}
+def client(url: str, key: str, session: str | None) -> anthropic.Anthropic:
+    headers = {"X-Claude-Code-Session-Id": session} if session else {}
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120, default_headers=headers)
 
 
-def ask(url: str, key: str, session: str, system: str, messages: list[Any]) -> anthropic.types.Message:
+def ask(url: str, key: str, session: str | None, system: str, messages: list[Any]) -> anthropic.types.Message:
     asked = client(url, key, session)
     body = GREEDY_BODY
     return asked.messages.create(model="m", max_tokens=8, system=system, messages=messages, extra_body=body)
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["header", "no header: loses it"])
 def test_a_claude_code_session_header_keeps_its_conversation_through_side_requests(
-    served: tuple[Model, str],
+    served: tuple[Model, str], named: bool
 ) -> None:
     """Over HTTP: a's first turn, another tenant's under the same header and another
     conversation's fill the three kept sessions, a title request under a's header comes, and
-    a's second turn reads its whole first turn from the cache."""
+    a's second turn reads its whole first turn from the cache (without headers, the title
+    request takes a's session: the variant that must fail)."""
     _, url = served
+    a, b = ("a-session", "b-session") if named else (None, None)
     hi = {"role": "user", "content": "Hi."}
-    first = ask(url, KEY, "a-session", MAIN, [hi])
-    ask(url, OTHER_KEY, "a-session", OTHER, [hi])  # (the same header, another tenant)
-    ask(url, KEY, "b-session", OTHER, [hi])  # (the kept sessions are full now)
-    ask(url, KEY, "a-session", TITLE, [hi])
+    first = ask(url, KEY, a, MAIN, [hi])
+    ask(url, OTHER_KEY, a, OTHER, [hi])  # (the same header, another tenant)
+    ask(url, KEY, b, OTHER, [hi])  # (the kept sessions are full now)
+    ask(url, KEY, a, TITLE, [hi])
     said = "".join(block.text for block in first.content if block.type == "text")
     turn = [hi, {"role": "assistant", "content": said}, {"role": "user", "content": "And tests?"}]
-    second = ask(url, KEY, "a-session", MAIN, turn)
+    second = ask(url, KEY, a, MAIN, turn)
     whole_first = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
-    assert (second.usage.cache_read_input_tokens or 0) >= whole_first, (second.usage, first.usage)
+    kept = (second.usage.cache_read_input_tokens or 0) >= whole_first
+    assert kept == named, (second.usage, first.usage)

@@ -10,8 +10,9 @@ a main while anything else can go:
   call branches off); another conversation's only as a fork, so that one stays whole;
 - with nothing similar and no room, it reuses the least recently used idle session that is no
   conversation's main; a main only for a call that is itself a conversation's first (no main yet);
-- past capacity, idle non-mains go first, least recently used first; while a side request's
-  session is still answering, mains wait (the count stays over capacity until it is idle).
+- past capacity, idle non-mains go first, least recently used first; mains wait for as many
+  sessions as side requests are still answering in (the count stays over capacity by those
+  until they are idle and the next call is kept).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Kept:
     cached: int  # items in its cache
     idle: bool  # no stream of it running
     fitting: bool  # the call's tenant and settings: a session the call may take
+    tenant: str | None = None  # whose calls it serves (a conversation is named within its tenant)
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,15 @@ class Choice:
 
 
 def mains(kept: Sequence[Kept]) -> set[int]:
-    """The indices of each named conversation's main session (the most cached, latest on ties)."""
-    best: dict[str, int] = {}
+    """The indices of each named conversation's main session (the most cached, latest on ties),
+    a conversation being a name within a tenant."""
+    best: dict[tuple[str | None, str], int] = {}
     for index, session in enumerate(kept):
-        label = session.label
-        if label is not None and (label not in best or session.cached >= kept[best[label]].cached):
-            best[label] = index
+        if session.label is None:
+            continue
+        name = (session.tenant, session.label)
+        if name not in best or session.cached >= kept[best[name]].cached:
+            best[name] = index
     return set(best.values())
 
 
@@ -69,7 +74,7 @@ def choose(kept: Sequence[Kept], shared: Sequence[int], label: str | None, capac
     spare = [i for i in fitting if i not in main]
     if spare:
         return Choice(spare[0], fork=False)
-    side = label is not None and any(kept[i].label == label for i in main)
+    side = label is not None and any(kept[i].label == label and kept[i].fitting for i in main)
     if fitting and not side:
         return Choice(fitting[0], fork=False)
     return None
@@ -83,8 +88,6 @@ def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
     main = mains(kept)
     spare = [i for i, s in enumerate(kept) if s.idle and i not in main]
     chosen = spare[:excess]
-    side_busy = any(not s.idle and i not in main for i, s in enumerate(kept))
-    if len(chosen) < excess and not side_busy:
-        held = [i for i, s in enumerate(kept) if s.idle and i in main]
-        chosen += held[: excess - len(chosen)]
-    return chosen
+    busy_sides = sum(1 for i, s in enumerate(kept) if not s.idle and i not in main)
+    held = [i for i, s in enumerate(kept) if s.idle and i in main]  # (they wait for busy side requests)
+    return chosen + held[: max(0, excess - len(chosen) - busy_sides)]

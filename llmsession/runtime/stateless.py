@@ -264,7 +264,6 @@ class StatelessSessions:
         idle, sharing at least half its cache with ``items``; a fork where the call branches off
         or the session is another conversation's), else None (a new one)."""
         self._forget_closed()
-        self._evict()  # (sessions a side request kept over capacity go once they are idle)
         wanted = resolved_config(self.model, config)  # (a session loaded elsewhere has its own ``asked``)
         kept = self._seen(lambda s: self._tenants[s] == tenant and s.config == wanted)
         shared = [
