@@ -17,7 +17,8 @@ import pytest
 
 from llmsession import GenerationOptions, Model
 from llmsession.native.context import NativeContext
-from llmsession.native.llama import bindings, default_threads, usable_cores
+from llmsession.native.llama import bindings
+from llmsession.native.machine import default_threads, usable_cores
 from llmsession.native.sampler import Sampler
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)

@@ -75,7 +75,7 @@ def serve_replicas(
         error("`llmsession serve --replicas` needs Ray Serve: pip install 'llmsession[cluster]'")
         return 2
     from llmsession.cluster.run import Cluster, run
-    from llmsession.native.llama import usable_cores
+    from llmsession.native.machine import usable_cores
 
     if config.threads is None:  # (the machine's cores shared among the replicas)
         config = dataclasses.replace(config, threads=max(1, usable_cores() // args.replicas))

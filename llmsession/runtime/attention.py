@@ -21,7 +21,8 @@ from llama_cffi import cache_root
 
 from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe, probe_key
 from llmsession.native.context import NativeContext
-from llmsession.native.llama import NativeModel, build_commit, cpu_name, system_info
+from llmsession.native.llama import NativeModel, build_commit, system_info
+from llmsession.native.machine import cpu_name
 
 log = logging.getLogger("llmsession")
 

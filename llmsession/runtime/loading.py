@@ -15,7 +15,8 @@ from llmsession.engine.budget import CELLS_QUANTUM, MemoryPlan, own_cells, uses_
 from llmsession.engine.sizing import Sizing, size_kv
 from llmsession.errors import NativeError, TemplateError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
-from llmsession.native.llama import NativeModel, default_threads, usable_cores
+from llmsession.native.llama import NativeModel
+from llmsession.native.machine import default_threads, usable_cores
 from llmsession.native.projector import Projector
 from llmsession.native.shape import architecture, kv_bytes_per_cell
 from llmsession.text.renderer import Renderer, choose_renderer, is_jinja

@@ -36,7 +36,7 @@ from llmsession.commands.bench import agents_load
 from llmsession.commands.bench.common import machine, progress, publish, table
 from llmsession.commands.bench.serve_bench import Contender, launched, llama_server, log_tail, ours
 from llmsession.commands.bench.serve_load import http_client
-from llmsession.native.llama import default_threads
+from llmsession.native.machine import default_threads
 
 SERVE_ARGS = (
     "--kv-tokens",

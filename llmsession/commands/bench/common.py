@@ -19,7 +19,8 @@ from llama_cffi import lib_dir
 from llmsession.api.model import local_model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.native.llama import build_commit, cpu_name
+from llmsession.native.llama import build_commit
+from llmsession.native.machine import cpu_name
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
 

@@ -37,7 +37,7 @@ from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.commands.bench.common import machine, progress, publish, table
 from llmsession.commands.bench.serve_bench import Contender, free_port, launched, log_tail
 from llmsession.commands.bench.serve_load import http_client
-from llmsession.native.llama import default_threads
+from llmsession.native.machine import default_threads
 
 KEY = "sk-bench"
 MEMORY = ("--kv-tokens", "4096", "--max-live-sessions", "1", "--context-size", "4096")

@@ -54,7 +54,7 @@ from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.commands.bench.common import machine, progress, publish, table
 from llmsession.commands.bench.serve_load import drive, later_turns, warm_up
-from llmsession.native.llama import default_threads
+from llmsession.native.machine import default_threads
 
 PEERS = ("llama-server", "llama-cpp-python")
 SERVE_MEMORY = ("--kv-tokens", "16384", "--max-live-sessions", "12")
