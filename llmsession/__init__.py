@@ -53,7 +53,8 @@ from llmsession.replies import (
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
-    from llmsession.api.models import ModelFile, Models, ModelStatus
+    from llmsession.api.modelfiles import ModelFile, ModelStatus
+    from llmsession.api.models import Models
     from llmsession.engine.budget import Counters, MemoryReport, SessionMemory
     from llmsession.runtime.aio import AsyncStream
     from llmsession.runtime.choices import Choices
@@ -75,8 +76,8 @@ _LAZY = {
     "Transcript": ".text.transcript",
     "Model": ".api.model",
     "Models": ".api.models",
-    "ModelFile": ".api.models",
-    "ModelStatus": ".api.models",
+    "ModelFile": ".api.modelfiles",
+    "ModelStatus": ".api.modelfiles",
     "Session": ".runtime.face",
     "Stream": ".runtime.face",
 }

@@ -70,7 +70,7 @@ def test_concurrent_first_uses_wait_for_one_load(smollm2_path: Path) -> None:
         for thread in threads:
             thread.join(120)
         assert len(got) == 4 and all(model is got[0] for model in got)  # (one load, one model)
-        assert models.status()[0].users == 4
+        assert models.status()[0].users == 4 and models.status()[0].loads == 1
         for _ in got:
             models.release("smol")
         with pytest.raises(RuntimeError, match="released more often"):
@@ -110,7 +110,7 @@ def test_least_recently_used_unloads_and_a_named_conversation_resumes_from_its_s
 def test_a_load_with_no_room_is_refused_and_unloads_nothing(smollm2_path: Path, gemma3_path: Path) -> None:
     with two(smollm2_path, gemma3_path, max_loaded=1) as models:
         smol = models.acquire("smol")  # (in use: it cannot be unloaded)
-        with pytest.raises(ModelsFullError, match=r"smol \(\d+ MiB, 1 in use\)") as raised:
+        with pytest.raises(ModelsFullError, match=r"smol \(\d+ MiB, in use\)") as raised:
             models.acquire("gemma")
         assert isinstance(raised.value, UnavailableError)
         assert loaded(models) == {"smol": True, "gemma": False}
@@ -146,3 +146,38 @@ def test_a_folder_names_its_models_and_their_projectors(tmp_path: Path, smollm2_
         assert models.names == ["chat", "other"]
         assert models.file("chat") == ModelFile(tmp_path / "chat.gguf", tmp_path / "mmproj-chat.gguf")
         assert models.file("other").mmproj_path is None
+
+
+def test_a_model_that_closed_by_itself_loads_again(smollm2_path: Path) -> None:
+    with Models({"smol": smollm2_path}, threads=2) as models:
+        with models.use("smol") as first:
+            first.close()  # (as a worker process that died leaves it)
+        with models.use("smol") as second:
+            assert second is not first and not second.closed
+            assert second.chat([{"role": "user", "content": "Hi."}], GREEDY).text
+        assert models.status()[0].loads == 2
+
+
+def test_a_load_waits_for_an_unload_under_way_instead_of_refusing(
+    smollm2_path: Path, gemma3_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """smol unloads once idle (keep_alive 0), slowly; gemma, asked meanwhile under
+    ``max_loaded=1``, waits for the room that unload leaves."""
+    from llmsession.api import _parking
+
+    parking = threading.Event()
+    real_park = _parking.park
+
+    def slow_park(model: Model, folder: Any) -> Any:
+        parking.set()
+        time.sleep(1.0)
+        return real_park(model, folder)
+
+    monkeypatch.setattr(_parking, "park", slow_park)
+    with two(smollm2_path, gemma3_path, max_loaded=1) as models:
+        with models.use("smol", keep_alive=0):
+            pass
+        assert parking.wait(10)  # (the sweeper is unloading smol now)
+        with models.use("gemma") as gemma:
+            assert gemma.chat([{"role": "user", "content": "Hi."}], GREEDY).text
+        assert loaded(models) == {"smol": False, "gemma": True}

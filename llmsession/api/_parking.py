@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmsession.errors import LlmSessionError
-
 if TYPE_CHECKING:
     from llmsession.api.model import Model
     from llmsession.engine.budget import MemoryReport
@@ -26,9 +24,14 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")  # a model's name in re
 MAX_SECONDS = 10 * 365 * 86400.0
 
 
+def is_name(name: object) -> bool:
+    return isinstance(name, str) and NAME.fullmatch(name) is not None and ".." not in name
+
+
 def checked_name(name: object) -> str:
-    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
+    if not is_name(name):
         raise ValueError(f"a model's name is 1 to 128 of A-Z a-z 0-9 . _ : / -, got {name!r:.80}")
+    assert isinstance(name, str)
     return name
 
 
@@ -70,10 +73,8 @@ def footprint(report: MemoryReport, *files: Path | None) -> int:
 
 
 def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, int, bool]]) -> str:
-    parts = [
-        f"{other} ({size / 2**20:.0f} MiB, {'loading or unloading' if busy else f'{users} in use'})"
-        for other, size, users, busy in held
-    ]
+    states = {True: "loading or unloading", False: "in use"}
+    parts = [f"{other} ({size / 2**20:.0f} MiB, {states[busy]})" for other, size, _, busy in held]
     within = f" within the memory limit of {limit / 2**20:.0f} MiB" if limit is not None else ""
     return (
         f"model {name!r} ({needed / 2**20:.0f} MiB) cannot load now{within}: "
@@ -93,8 +94,9 @@ class Parked:
 class Folder:
     """A private folder (0700) for parked conversations, removed with its ``Models``."""
 
-    def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="llmsession-models-"))
+    def __init__(self, under: Path | None = None) -> None:
+        """In ``under`` (the disk cache folder, if there is one), else the system's temp folder."""
+        self.path = Path(tempfile.mkdtemp(prefix="llmsession-models-", dir=under))
         self.count = 0
 
     def next_file(self) -> Path:
@@ -109,8 +111,17 @@ def park(model: Model, folder: Folder) -> list[Parked]:
     """Save the conversations ``model``'s stateless calls named, each with its state, and take
     them out of the model (which closes next). One that cannot be saved is dropped, logged."""
     parked: list[Parked] = []
-    for conversation in model.conversations():
-        taken = model.take_conversation(conversation)
+    try:
+        names = model.conversations()
+    except Exception as error:  # (a model that closed by itself: nothing to park)
+        log.warning("a model's conversations could not be parked before it unloaded: %s", error)
+        return parked
+    for conversation in names:
+        try:
+            taken = model.take_conversation(conversation)
+        except Exception as error:
+            log.warning("a conversation could not be taken before its model unloaded: %s", error)
+            continue
         if taken is None:  # (answering a call: it goes with the model)
             continue
         session, tenant = taken
@@ -118,7 +129,7 @@ def park(model: Model, folder: Folder) -> list[Parked]:
         try:
             session.save(file)
             parked.append(Parked(file, tenant, conversation))
-        except (LlmSessionError, OSError) as error:
+        except Exception as error:  # (dropped, never the unload)
             log.warning("a conversation could not be parked before its model unloaded: %s", error)
             file.unlink(missing_ok=True)
         finally:
@@ -133,7 +144,7 @@ def restore(model: Model, parked: list[Parked]) -> list[Parked]:
         try:
             session = model.load_session(item.file)
             model.keep_conversation(session, tenant=item.tenant, conversation=item.conversation)
-        except (LlmSessionError, OSError) as error:
+        except Exception as error:  # (dropped, never the load)
             log.warning("a parked conversation could not be restored: %s", error)
         finally:
             item.file.unlink(missing_ok=True)

@@ -23,12 +23,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmsession.api import _parking
 from llmsession.api.model import Model
+from llmsession.api.modelfiles import ModelFile, ModelStatus, folder_models, model_file
 from llmsession.config import MemoryConfig, ModelConfig, model_configs
 from llmsession.errors import ModelClosedError, ModelNotFoundError, ModelsFullError
 
@@ -40,30 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEEP = -1  # a ``keep_alive`` that keeps a model loaded until it is unloaded by name or for room
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """One model of a ``Models``: its GGUF file, and its projector (images) if it has one."""
-
-    path: Path
-    mmproj_path: Path | None = None
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """``Models.status()``: one model, now."""
-
-    name: str
-    path: Path
-    loaded: bool
-    busy: bool  # loading or unloading now
-    users: int  # uses not yet released
-    images: bool  # whether it has a projector
-    context_size: int | None  # a new session's default context (loaded models)
-    resident_bytes: int  # what it counts against ``memory_limit`` (``Models``)
-    idle_seconds: float | None  # since its last use (loaded and unused models)
-    unloads_in: float | None  # seconds until it unloads unless used again (None: it is kept)
 
 
 class _Entry:
@@ -78,6 +54,7 @@ class _Entry:
         self.keep_alive: float | None = None  # (None: ``Models.idle_unload``)
         self.footprint = _parking.file_bytes(file.path, file.mmproj_path)
         self.context_size: int | None = None  # (as its last load chose)
+        self.loads = 0
         self.parked: list[_parking.Parked] = []
 
     @property
@@ -105,13 +82,13 @@ class Models:
         self.max_loaded = _parking.checked_count("max_loaded", max_loaded)
         self.memory_limit = _parking.checked_count("memory_limit", memory_limit)
         self.idle_unload = _parking.checked_seconds("idle_unload", idle_unload)
-        files = {_parking.checked_name(name): _model_file(spec) for name, spec in models.items()}
+        files = {_parking.checked_name(name): model_file(spec) for name, spec in models.items()}
         if not files:
             raise ValueError("Models needs at least one model")
         self._entries = {name: _Entry(file) for name, file in files.items()}
         self._changed = threading.Condition()
         self._closed = False
-        self._folder = _parking.Folder()  # (the parked conversations' states, private)
+        self._folder = _parking.Folder(self.memory.disk_cache_dir)  # (parked conversations, private)
         self._sweeper = threading.Thread(target=self._sweep, name="llmsession-models", daemon=True)
         self._sweeper.start()
 
@@ -124,7 +101,12 @@ class Models:
     def files_in(folder: str | Path) -> dict[str, ModelFile]:
         """Every ``.gguf`` in ``folder`` by its name without the suffix, each with its projector
         when one lies beside it (``NAME.mmproj.gguf`` or ``mmproj-NAME.gguf``)."""
-        return _folder_models(Path(folder))
+        return folder_models(Path(folder))
+
+    @staticmethod
+    def is_name(text: str) -> bool:
+        """Whether ``text`` may name a model: 1 to 128 of A-Z a-z 0-9 . _ : / - (no ``..``)."""
+        return _parking.is_name(text)
 
     @property
     def names(self) -> list[str]:
@@ -147,20 +129,25 @@ class Models:
             while True:
                 if self._closed:
                     raise ModelClosedError("these models were closed")
+                self._forget_closed()
                 if entry.model is not None and not entry.busy:
                     return self._used(entry, keep)
-                if not entry.busy:
+                doomed = None if entry.busy else self._room_for(name, entry.footprint)
+                if doomed is not None:
                     break
-                self._changed.wait()
-            doomed = self._room_for(name, entry.footprint)
+                self._changed.wait()  # (its load, or another's load or unload, under way)
             entry.busy = True
+        done = 0
         try:
             for other in doomed:
                 self._unload(other)
+                done += 1
             model = self._load(entry)
         except BaseException:
             with self._changed:
                 entry.busy = False
+                for other in doomed[done + 1 :]:  # (``_unload`` let go of the one that failed)
+                    other.busy = False
                 self._changed.notify_all()
             raise
         with self._changed:
@@ -256,9 +243,16 @@ class Models:
             entry.keep_alive = keep
         return entry.model
 
-    def _room_for(self, name: str, needed: int) -> list[_Entry]:
+    def _forget_closed(self) -> None:
+        """Models that closed by themselves (a worker process gone) are unloaded (the lock held)."""
+        for entry in self._entries.values():
+            if entry.model is not None and entry.model.closed and not entry.busy:
+                entry.model, entry.keep_alive = None, None
+
+    def _room_for(self, name: str, needed: int) -> list[_Entry] | None:
         """The idle models to unload (least recently used first, marked busy) so that ``name``
-        fits; ``ModelsFullError`` if no choice fits (the lock held)."""
+        fits; None to wait while another model loads or unloads; ``ModelsFullError`` if no
+        choice fits (the lock held)."""
         held = [e for e in self._entries.values() if e.model is not None or e.busy]
         idle = sorted((e for e in held if e.idle), key=lambda e: e.last_used)
         doomed: list[_Entry] = []
@@ -271,6 +265,8 @@ class Models:
 
         while not fits() and idle:
             doomed.append(idle.pop(0))
+        if not fits() and any(e.busy for e in held):
+            return None  # (an unload under way may leave room; a load, take it)
         if not fits():
             raise ModelsFullError(_parking.full_message(name, needed, self.memory_limit, self._held()))
         for entry in doomed:
@@ -291,6 +287,7 @@ class Models:
             report = model.memory()
             entry.footprint = _parking.footprint(report, file.path, file.mmproj_path)
             entry.context_size = report.context_size
+            entry.loads += 1
             entry.parked = _parking.restore(model, entry.parked)
         except BaseException:
             model.close()
@@ -326,6 +323,7 @@ class Models:
             resident_bytes=entry.footprint,
             idle_seconds=idle,
             unloads_in=None if idle is None or keep is None or keep < 0 else max(0.0, keep - idle),
+            loads=entry.loads,
         )
 
     def _due(self, now: float) -> tuple[list[_Entry], float | None]:
@@ -359,29 +357,3 @@ class Models:
                     self._unload(entry)
                 except Exception:  # (logged: the sweeper must go on)
                     log.exception("unloading an idle model failed")
-
-
-def _model_file(spec: ModelFile | str | Path) -> ModelFile:
-    if isinstance(spec, str | Path):
-        spec = ModelFile(Path(spec))
-    if not isinstance(spec, ModelFile):
-        raise TypeError(f"a model is a ModelFile or a path, got {type(spec).__name__}")
-    return spec
-
-
-def _folder_models(folder: Path) -> dict[str, ModelFile]:
-    """Every model in ``folder`` (``Models.from_folder``), by name, sorted."""
-    if not folder.is_dir():
-        raise ValueError(f"no folder {str(folder)!r:.200}")
-    files = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and p.is_file())
-    projectors = {p for p in files if p.name.startswith("mmproj") or p.name.endswith(".mmproj.gguf")}
-    found: dict[str, ModelFile] = {}
-    for path in files:
-        if path in projectors:
-            continue
-        beside = [folder / f"{path.stem}.mmproj.gguf", folder / f"mmproj-{path.stem}.gguf"]
-        mmproj = next((p for p in beside if p in projectors), None)
-        found[_parking.checked_name(path.stem)] = ModelFile(path, mmproj)
-    if not found:
-        raise ValueError(f"no .gguf model in {str(folder)!r:.200}")
-    return found

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmsession.api.models import ModelFile, Models
+from llmsession.api.modelfiles import ModelFile
+from llmsession.api.models import Models
 from llmsession.commands import installer
 from llmsession.commands.argtypes import positive_int, seconds
 from llmsession.config import MemoryConfig, ModelConfig
@@ -49,7 +50,16 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
 def several(args: argparse.Namespace) -> bool:
     """Whether the command line names several models (or one by ``NAME=PATH``)."""
     given = args.model or []
-    return args.models_dir is not None or len(given) > 1 or any("=" in value for value in given)
+    return args.models_dir is not None or len(given) > 1 or any(named(value)[0] for value in given)
+
+
+def named(value: str) -> tuple[str | None, str]:
+    """A ``--model`` value's name (``NAME=PATH``) and where the model is; a path that exists as
+    given is a path, whatever it holds."""
+    name, sep, where = value.partition("=")
+    if sep and Models.is_name(name) and not Path(value).expanduser().exists():
+        return name, where
+    return None, value
 
 
 def model_files(args: argparse.Namespace) -> dict[str, ModelFile]:
@@ -65,9 +75,11 @@ def model_files(args: argparse.Namespace) -> dict[str, ModelFile]:
     if args.models_dir is not None:
         files.update(Models.files_in(args.models_dir))
     for value in args.model or []:
-        name, _, where = value.partition("=") if "=" in value else ("", "", value)
+        given, where = named(value)
         path = installer.find_model(where)
-        name = name or path.stem
+        name = given or path.stem
+        if not Models.is_name(name):
+            raise ValueError(f"{path.name!r} needs a model name: --model NAME={where}")
         if name in files:
             raise ValueError(f"two models named {name!r}")
         files[name] = ModelFile(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from llmsession.config import SessionConfig
@@ -72,6 +73,10 @@ class ManyModels:
         self.names = models.names
         self._hosts: dict[str, Host] = {}
         self._lock = threading.Lock()
+        # One thread a model waits for its load; the other requests for it wait in the event
+        # loop (``_turns``), so loads never take the threads that parse bodies and answer.
+        self._loader = ThreadPoolExecutor(len(self.names) + 1, thread_name_prefix="llmsession-load")
+        self._turns: dict[str, asyncio.Lock] = {}
 
     def images(self, name: str | None) -> bool:
         return name in self.models and self.models.file(name or "").mmproj_path is not None
@@ -85,18 +90,20 @@ class ManyModels:
         """The host of model ``name``, loaded (in a thread; concurrent first requests wait for
         one load) and held until the request's ``Held`` is dropped."""
         served = self.served(name)
-        acquiring = asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.models.acquire(served, keep_alive=keep_alive)
-        )
-        try:
-            model = await asyncio.shield(acquiring)
-        except asyncio.CancelledError:  # (the client left while it loaded: let it go once loaded)
-            acquiring.add_done_callback(lambda done: self._gone(done, served))
-            raise
-        except ModelNotFoundError:
-            raise not_found(name, self.names) from None
-        except ModelsFullError as error:
-            raise no_room(error) from None
+        turn = self._turns.setdefault(served, asyncio.Lock())
+        async with turn:
+            acquiring = asyncio.get_running_loop().run_in_executor(
+                self._loader, lambda: self.models.acquire(served, keep_alive=keep_alive)
+            )
+            try:
+                model = await asyncio.shield(acquiring)
+            except asyncio.CancelledError:  # (the client left while it loaded: let go once loaded)
+                acquiring.add_done_callback(lambda done: self._gone(done, served))
+                raise
+            except ModelNotFoundError:
+                raise not_found(name, self.names) from None
+            except ModelsFullError as error:
+                raise no_room(error) from None
         held = Held(lambda: self.models.release(served))
         try:
             return self._host(served, model), held

@@ -18,7 +18,7 @@ from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, no_room, not_found
 
 if TYPE_CHECKING:
-    from llmsession.api.models import ModelStatus
+    from llmsession.api.modelfiles import ModelStatus
     from llmsession.serve.hosts import OneModel
 
 

@@ -1,0 +1,63 @@
+"""The files a ``Models`` serves (``ModelFile``: a GGUF and its projector), how a folder's are
+found, and what ``Models.status`` says of each (``ModelStatus``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmsession.api import _parking
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One model of a ``Models``: its GGUF file, and its projector (images) if it has one."""
+
+    path: Path
+    mmproj_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """``Models.status()``: one model, now."""
+
+    name: str
+    path: Path
+    loaded: bool
+    busy: bool  # loading or unloading now
+    users: int  # uses not yet released
+    images: bool  # whether it has a projector
+    context_size: int | None  # a new session's default context (loaded models)
+    resident_bytes: int  # what it counts against ``memory_limit`` (``Models``)
+    idle_seconds: float | None  # since its last use (loaded and unused models)
+    unloads_in: float | None  # seconds until it unloads unless used again (None: it is kept)
+    loads: int  # times it was loaded so far
+
+
+def model_file(spec: ModelFile | str | Path) -> ModelFile:
+    if isinstance(spec, str | Path):
+        spec = ModelFile(Path(spec))
+    if not isinstance(spec, ModelFile):
+        raise TypeError(f"a model is a ModelFile or a path, got {type(spec).__name__}")
+    return spec
+
+
+def folder_models(folder: Path) -> dict[str, ModelFile]:
+    """Every model in ``folder`` (``Models.from_folder``), by name, sorted."""
+    if not folder.is_dir():
+        raise ValueError(f"no folder {str(folder)!r:.200}")
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and p.is_file())
+    projectors = {p for p in files if p.name.startswith("mmproj") or p.name.endswith(".mmproj.gguf")}
+    found: dict[str, ModelFile] = {}
+    for path in files:
+        if path in projectors:
+            continue
+        beside = [folder / f"{path.stem}.mmproj.gguf", folder / f"mmproj-{path.stem}.gguf"]
+        mmproj = next((p for p in beside if p in projectors), None)
+        if not _parking.is_name(path.stem):
+            _parking.log.warning("%s is not served: its name is not a model name", path.name[:200])
+            continue
+        found[path.stem] = ModelFile(path, mmproj)
+    if not found:
+        raise ValueError(f"no .gguf model in {str(folder)!r:.200}")
+    return found
