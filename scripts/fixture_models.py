@@ -211,3 +211,86 @@ def build_t5(out: Path, src: Source) -> None:
                 tensors |= {p + f"cross_attn_{x}.weight": w(n_embd, n_embd) for x in "qkvo"}
     add_tensors(writer, tensors)
     write_gguf(writer)
+
+
+# Lowercase English words for the WordPiece fixture; anything else spells out in single characters.
+BERT_WORDS = """
+the of and to in is was for on that with as by at from it he she they we you i his her their our
+your its be are were been has have had do does did not no but or if so than then there here this
+these those what which who whom when where why how all any some each every many much more most
+other such only also very just can could will would shall should may might must one two three
+first last new old good bad great small big long short high low same different own right left
+hello world sentence word text test example model language token question answer time day year
+people man woman child life work home house city country way thing place part case point fact
+water fire air earth sun moon star sky sea tree book story name number cat dog bird fish
+quick brown fox jumps over lazy red blue green black white yellow say said make made go went get
+got see saw know knew think thought take took come came give gave find found tell told ask asked
+use used want like look run read write written learn about after before again against because
+between during into through under up down out off above below while until now today
+"""
+BERT_SUFFIXES = "s es ed ing ly er est ion tion ment ness ful less able"  # the ## continuations
+BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def bert_vocab() -> list[str]:
+    """A WordPiece vocabulary in llama.cpp's phantom-space form (``convert_hf_to_gguf.py``
+    ``BertModel.set_vocab``): a word start ``w`` is ``▁w``, a continuation ``##w`` is ``w``."""
+    chars = [*"abcdefghijklmnopqrstuvwxyz0123456789"]
+    punct = [*".,!?;:'\"()-"]
+    words = [f"▁{w}" for w in BERT_WORDS.split()]
+    pieces = [*(f"▁{c}" for c in chars + punct), *chars, *BERT_SUFFIXES.split(), *words]
+    return BERT_SPECIAL + list(dict.fromkeys(pieces))
+
+
+def build_bert(out: Path, src: Source) -> None:
+    """A 2-layer BERT embedding model (mean pooling, non-causal) with its own WordPiece vocabulary.
+
+    Names and shapes follow ``llama_model_bert::load_arch_tensors``; keys as the converter writes
+    them for ``BertModel``, less its EOS. Token embeddings dominate, so texts sharing words embed alike."""
+    n_embd, n_ff, n_layer, n_head, n_ctx, n_types = 64, 128, 2, 4, 512, 2
+    tokens = bert_vocab()
+    pad, unk, cls, sep, mask = (tokens.index(t) for t in BERT_SPECIAL)
+    rng = np.random.default_rng(SEED)
+    writer = fixture_writer(out, "bert", context_length=n_ctx, n_embd=n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    control, normal_ = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
+    writer.add_token_types([control if t in BERT_SPECIAL else normal_ for t in tokens])
+    writer.add_token_type_count(n_types)
+    writer.add_bos_token_id(cls)
+    writer.add_unk_token_id(unk)
+    writer.add_sep_token_id(sep)
+    writer.add_pad_token_id(pad)
+    writer.add_mask_token_id(mask)
+    writer.add_add_bos_token(True)
+    writer.add_add_sep_token(True)  # no EOS: llama.cpp's bert default, [SEP] ends the input
+
+    def norm_pair(prefix: str) -> dict[str, np.ndarray]:
+        return {prefix + ".weight": ones(n_embd), prefix + ".bias": np.zeros(n_embd, dtype=np.float32)}
+
+    tensors = {
+        "token_embd.weight": normal(rng, len(tokens), n_embd, scale=1.0),
+        "token_types.weight": normal(rng, n_types, n_embd, scale=0.1),
+        "position_embd.weight": normal(rng, n_ctx, n_embd, scale=0.1),
+        **norm_pair("token_embd_norm"),
+    }
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for x in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensors |= {p + x + ".weight": normal(rng, n_embd, n_embd), p + x + ".bias": normal(rng, n_embd)}
+        tensors |= norm_pair(p + "attn_output_norm") | norm_pair(p + "layer_output_norm")
+        tensors |= {
+            p + "ffn_up.weight": normal(rng, n_ff, n_embd),
+            p + "ffn_up.bias": normal(rng, n_ff),
+            p + "ffn_down.weight": normal(rng, n_embd, n_ff),
+            p + "ffn_down.bias": normal(rng, n_embd),
+        }
+    add_tensors(writer, tensors)
+    write_gguf(writer)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fixture_models import (
     SEED,
     add_tensors,
+    build_bert,
     build_lfm2,
     build_mamba,
     build_t5,
@@ -41,7 +42,8 @@ from fixture_models import (
 from llmsession.commands import paths
 
 # Bump when any fixture changes so that old caches are rebuilt.
-FIXTURE_VERSION = "5"  # 2: Gemma 4 adds BOS; 3: Mamba varied, LFM2, T5; 4: tool templates; 5: special markers
+FIXTURE_VERSION = "6"  # 2: Gemma 4 adds BOS; 3: Mamba varied, LFM2, T5; 4: tool templates; 5: special markers
+# 6: BERT embedding model
 STAMP_FILE = ".fixtures-version"
 GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
 TOOL_TEMPLATES = {  # each family's real template, for tool calling in its own format
@@ -258,6 +260,7 @@ FIXTURES: dict[str, Callable[[Path, Sources], None]] = {
     "mamba-tiny.gguf": build_mamba,
     "lfm2-tiny.gguf": build_lfm2,
     "t5-tiny.gguf": build_t5,
+    "bert-tiny.gguf": build_bert,
     "mmproj-tiny.gguf": build_mmproj,
     "smollm2-gemma4-template.gguf": build_gemma4_template,
     "smollm2-unknown-template.gguf": build_unknown_template,

@@ -41,7 +41,14 @@ def test_the_readme_has_examples_and_each_replacement_is_used() -> None:
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 10
     text = "\n".join(blocks)
-    for address in ('"model.gguf"', '"mmproj.gguf"', '"cat.png"', "10.0.0.2:50052", "127.0.0.1:8080/v1"):
+    for address in (
+        '"model.gguf"',
+        '"mmproj.gguf"',
+        '"cat.png"',
+        '"bert.gguf"',
+        "10.0.0.2:50052",
+        "127.0.0.1:8080/v1",
+    ):
         assert address in text, address
 
 
@@ -56,6 +63,7 @@ def test_the_readme_examples_run_as_they_stand(
             '"model.gguf"': repr(str(smollm2_path)),
             '"mmproj.gguf"': repr(str(fixture_path("mmproj-tiny.gguf"))),
             '"cat.png"': repr(str(fixture_path("image-red.png"))),
+            '"bert.gguf"': repr(str(fixture_path("bert-tiny.gguf"))),
             '"qwen3.jinja"': repr(str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
             "10.0.0.2:50052": first,
             "10.0.0.3:50052": second,

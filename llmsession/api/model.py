@@ -18,12 +18,14 @@ from llmsession.replies import Reply
 from llmsession.text.tools import checked_tools
 
 if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is imported)
+    import numpy as np
     from typing_extensions import Unpack
 
     from llmsession.config import KvType, ModelSettings, SessionSettings
     from llmsession.engine.budget import MemoryReport
     from llmsession.runtime.aio import AsyncStream
     from llmsession.runtime.choices import Choices
+    from llmsession.runtime.embedding import Inputs
     from llmsession.runtime.face import Session, Stream
     from llmsession.runtime.local import LocalModel
     from llmsession.text.renderer import Renderer
@@ -320,6 +322,14 @@ class Model(RawCompletions):
         begins decodes only the rest, as if this model had answered the earlier turns. The
         model owns the session from here (it may close it to keep within its bounds)."""
         self._backend.keep_conversation(session, tenant, conversation)
+
+    def embed(self, inputs: Inputs, *, normalize: bool = True) -> np.ndarray:
+        """Embeddings of ``inputs`` (a str, a list of str, a list of token ids, or a list of
+        those) from an embedding model (its GGUF names a pooling: mean, CLS or last), one
+        float32 row each, L2-normalized unless not ``normalize``; batched over sequences of a
+        context of their own. A chat model raises ``UnsupportedFeatureError``; an input longer
+        than the model's context (at most 8,192 tokens), ``ContextOverflowError``."""
+        return self._backend.embed(inputs, normalize)
 
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the

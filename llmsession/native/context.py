@@ -90,11 +90,14 @@ class NativeContext(Owner):
         flash_attention: bool | None = None,
         kv_type: str = "f16",
         own_cells: bool = False,
+        embeddings: bool = False,
     ) -> None:
         """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported).
         ``kv_type``: the cells' type for K and V (``options.KV_TYPES``). ``own_cells``: each
         sequence gets a stream of ``n_ctx / n_seq_max`` cells of its own (``kv_unified`` off), so
-        its attention runs over its own cells only; else sequences share one pool of cells."""
+        its attention runs over its own cells only; else sequences share one pool of cells.
+        ``embeddings``: each sequence's pooled embedding is kept (the pooling its GGUF names:
+        ``pooled``), not logits."""
         lib, ffi = bindings()
         # Every decode reserves one output row per sequence, and llama.cpp holds at most n_batch
         # rows (it asserts, aborting the process): a batch holds at least one token a sequence.
@@ -106,6 +109,8 @@ class NativeContext(Owner):
         params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
         params.swa_full, params.kv_unified = swa_full, n_seq_max > 1 and not own_cells
         params.no_perf = True
+        if embeddings:
+            params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
         pool = ThreadPool(threads)
         pointer = lib.llama_init_from_model(model.ptr, params)
         if pointer == ffi.NULL:
@@ -228,6 +233,24 @@ class NativeContext(Owner):
         interrupted_by(code == DECODE_ABORTED)
         check(code, "llama_decode")
         return indices
+
+    def embed_many(self, runs: Sequence[tuple[Sequence[int], int, int]], *, encoder: bool) -> None:
+        """Decode (``encoder``: encode) several sequences' whole inputs in one batch into an
+        ``embeddings`` context, every token an output (pooling reads them all)."""
+        lib, _ = bindings()
+        for run in runs:
+            self.check_run(*run)
+        self.batch.fill_many(runs, [len(tokens) for tokens, _, _ in runs])
+        with ACTIVITY:
+            code = (lib.llama_encode if encoder else lib.llama_decode)(self.ptr, self.batch.raw)
+        check(code, "llama_encode" if encoder else "llama_decode")
+
+    def pooled(self, seq: int, n_embd: int) -> np.ndarray:
+        """Sequence ``seq``'s pooled embedding from the last ``embed_many``, copied."""
+        lib, ffi = bindings()
+        pointer = not_null(lib.llama_get_embeddings_seq(self.ptr, seq), "llama_get_embeddings_seq")
+        pooled: np.ndarray = np.frombuffer(ffi.buffer(pointer, 4 * n_embd), dtype=np.float32).copy()
+        return pooled
 
     def check_run(self, tokens: Sequence[int], start: int, seq: int) -> None:
         """A run llama.cpp would refuse, refused first (ContextOverflowError, ValueError)."""

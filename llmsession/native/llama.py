@@ -16,9 +16,7 @@ native call returns; a decode it interrupted raises ``DecodeAborted`` carrying i
 
 from __future__ import annotations
 
-import math
 import operator
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,41 +65,6 @@ def c_string(text: str, what: str) -> bytes:
     if "\0" in text:
         raise ValueError(f"{what} contains a NUL character, which C strings cannot carry")
     return text.encode("utf-8")
-
-
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's model name, as the kernel gives it ("unknown" where it gives none)."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
-
-
-def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
-    """The cores this process may run on: its CPU affinity (a cpuset, ``taskset``), at most its
-    cgroup's CPU quota (``docker --cpus``); ``os.cpu_count`` knows neither."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
-
-
-def default_threads() -> int:
-    """One thread per usable core, at most 8: llama.cpp's threads spin at every graph node's
-    barrier, so one more thread than cores makes each decode wait for a descheduled one (three
-    threads on two cores took 3 s per SmolLM2 token instead of 5 ms)."""
-    return min(usable_cores(), 8)
 
 
 def raise_pending() -> None:
@@ -190,6 +153,7 @@ class NativeModel(Owner):
         self._children: weakref.WeakSet[Owner] = weakref.WeakSet()
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(self.ptr)
+        self.n_embd: int = lib.llama_model_n_embd(self.ptr)
         self.n_swa: int = lib.llama_model_n_swa(self.ptr)
         self.is_recurrent = bool(
             lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr)

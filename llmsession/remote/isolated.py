@@ -17,7 +17,9 @@ import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.engine.budget import MemoryReport
@@ -34,6 +36,9 @@ from llmsession.text.renderer import Renderer
 from llmsession.text.schemas import schema_document
 from llmsession.text.tools import Tools, tool_from
 from llmsession.text.transcript import Transcript
+
+if TYPE_CHECKING:
+    from llmsession.runtime.embedding import Inputs
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
@@ -121,6 +126,15 @@ class IsolatedModel:
     ) -> list[int]:
         transcript = Transcript(messages)  # checked as in-process, before pickling
         return list(self._model_call("call_tokens", transcript, tenant, config, tools, tool_format))
+
+    def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
+        items = (
+            inputs
+            if isinstance(inputs, str)
+            else [x if isinstance(x, str | int) else list(x) for x in inputs]
+        )
+        # (plain lists and str: what the worker's pipe carries)
+        return np.asarray(self._model_call("embed", items, normalize), dtype=np.float32)
 
     def identity(self) -> str:
         return str(self._model_call("identity"))

@@ -46,6 +46,7 @@ MODEL_CALLS = frozenset(
         "identity",
         "projector_identity",
         "memory",
+        "embed",
     }
 )
 SESSION_CALLS = frozenset({"clear_cached_context", "fork", "save", "close"})

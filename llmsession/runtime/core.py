@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from llmsession.config import MemoryConfig, ModelConfig
 from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryReport
@@ -24,6 +26,7 @@ from llmsession.errors import GrammarError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import GenerationOptions
 from llmsession.runtime.attention import probed
+from llmsession.runtime.embedding import Embedder, Inputs
 from llmsession.runtime.identity import FileIdentities
 from llmsession.runtime.loading import (
     Loaded,
@@ -126,6 +129,19 @@ class ModelCore:
         self.reasoning = markup_for(self.native, markers)  # (its tokens read once)
         self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
+        self.embedder = Embedder(self.native, self.threads, self.path.name)
+
+    def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
+        """``inputs``' embeddings (``api.Model.embed``; ``runtime.embedding``)."""
+        return self.embedder.embed(inputs, self.tokenize, normalize)
+
+    def check_chat(self) -> None:
+        """An embedding model has no language-model head: it does not chat or complete."""
+        if self.embedder.pooling is not None:
+            raise UnsupportedFeatureError(
+                f"{self.path.name} is an embedding model ({self.embedder.pooling} pooling): it "
+                "embeds text (Model.embed, /v1/embeddings), it does not chat or complete"
+            )
 
     def render(
         self,
@@ -205,6 +221,7 @@ class ModelCore:
         if not text:
             raise ValueError("a prompt must not be empty")
         refuse_nul(text, "a prompt")
+        self.check_chat()
         began = time.perf_counter()
         tokens = self.tokenize(text)
         if not tokens:  # (a model that adds no BOS, and text that tokenizes to nothing)
@@ -264,6 +281,7 @@ class ModelCore:
         """The tokenized prompt for a transcript (and the exchange's tools); images go through
         the projector. Replies are spliced from ``own``, and from every session's unless not
         ``shared``. The messages are checked unless they are a ``Transcript``."""
+        self.check_chat()
         plain = Transcript(messages).messages()
         images = list(message_images(plain))
         if images and self.projector is None:

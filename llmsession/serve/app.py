@@ -33,7 +33,7 @@ from llmsession.config import SessionConfig
 from llmsession.errors import ModelClosedError
 from llmsession.options import INT32_MAX
 from llmsession.replies import Reply, assistant_message
-from llmsession.serve import operators, sse
+from llmsession.serve import embeddings, operators, sse
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
@@ -314,11 +314,10 @@ def routes(server: Server) -> list[Route]:
         Route("/health", guarded(server.health), methods=["GET"]),  # (open: a load balancer's probe)
         Route("/metrics", guarded(server.metrics_text, keyed), methods=["GET"]),
         Route("/v1/models", guarded(server.models, keyed), methods=["GET"]),
-        Route("/api/ps", guarded(functools.partial(operators.ps, server), keyed), methods=["GET"]),
-        Route("/models/load", guarded(functools.partial(operators.load, server), keyed), methods=["POST"]),
-        Route(
-            "/models/unload", guarded(functools.partial(operators.unload, server), keyed), methods=["POST"]
-        ),
+        *[
+            Route(path, guarded(functools.partial(route, server), keyed), methods=[method])
+            for path, route, method in (*operators.ROUTES, ("/v1/embeddings", embeddings.embeddings, "POST"))
+        ],
         Route("/v1/models/{name:path}", guarded(server.model_card, keyed), methods=["GET"]),
         Route("/v1/chat/completions", guarded(server.chat, keyed), methods=["POST"]),
         Route("/v1/completions", guarded(server.completions, keyed), methods=["POST"]),

@@ -64,7 +64,7 @@ class ChatRequest:
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
     """A ``/v1/chat/completions`` body, checked (``ApiError`` for the first bad field)."""
     model = _optional(body, "model", str)
-    keep_alive = _keep_alive(body.get("keep_alive"))
+    keep_alive = keep_alive_of(body.get("keep_alive"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError("messages must be a non-empty list", "messages")
@@ -102,7 +102,7 @@ DURATION = re.compile(r"(-?\d{1,9}(?:\.\d{1,6})?)(ms|s|m|h)?")
 UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def _keep_alive(value: object) -> float | None:
+def keep_alive_of(value: object) -> float | None:
     """Ollama's ``keep_alive``: seconds (a number, or a string such as ``"5m"``), ``0`` to
     unload once idle, a negative one to keep loaded; None if absent."""
     if value is None:

@@ -1,0 +1,131 @@
+"""Embeddings (``Model.embed``, ``/v1/embeddings``) for a model whose GGUF names a pooling (mean,
+CLS, last: an embedding model; ``pooling_of``). A context of its own, made at the first call:
+each input's tokens fill a sequence of one batch (up to ``SEQUENCES`` inputs and ``n_ctx``
+tokens a batch), every token an output, and each sequence's pooled vector is read back, L2
+normalized as OpenAI's and llama-server's are. An input longer than the context is refused, not
+cut (``ContextOverflowError`` naming it). A chat model has no pooling: ``UnsupportedFeatureError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from llmsession.errors import ContextOverflowError, UnsupportedFeatureError
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel
+from llmsession.native.shape import architecture, meta
+
+POOLINGS = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_*
+SEQUENCES = 16  # inputs a batch holds
+MAX_CONTEXT = 8192  # positions an input may have, at most (the model's trained length if less)
+MAX_INPUTS = 2048  # inputs one call may have
+
+
+def pooling_of(model: NativeModel) -> str | None:
+    """How the GGUF says its sequences are pooled into one vector, or None (a chat model)."""
+    value = meta(model, f"{architecture(model)}.pooling_type")
+    return POOLINGS.get(int(value)) if value is not None and value.isdigit() else None
+
+
+Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+
+
+def is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Embedder:
+    """An embedding model's embedding context and the lock its calls take."""
+
+    def __init__(self, model: NativeModel, threads: int, name: str) -> None:
+        self.model, self.threads, self.name = model, threads, name
+        self.pooling = pooling_of(model)
+        self._context: NativeContext | None = None
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        if self.pooling is None:
+            raise UnsupportedFeatureError(
+                f"{self.name} is a chat model: its file names no pooling, so it has no embeddings "
+                "(load an embedding model: BERT-style, or one whose GGUF sets pooling_type)"
+            )
+
+    def embed(
+        self, inputs: Inputs, tokenize: Callable[[str], list[int]], normalize: bool = True
+    ) -> np.ndarray:
+        """One row a input, float32, shape (inputs, n_embd)."""
+        self.check()
+        lists = self._token_lists(inputs, tokenize)
+        with self._lock:
+            context = self._context or self._open()
+            rows = [row for group in self._groups(lists, context.n_ctx) for row in self._run(context, group)]
+        out = np.stack(rows).astype(np.float32, copy=False)
+        if normalize:
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            out /= np.where(norms > 0, norms, 1.0).astype(np.float32)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._context is not None:
+                self._context.close()
+                self._context = None
+
+    def _open(self) -> NativeContext:
+        n_ctx = min(MAX_CONTEXT, self.model.n_ctx_train or MAX_CONTEXT)
+        self._context = NativeContext(
+            self.model, n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads, n_seq_max=SEQUENCES, embeddings=True
+        )
+        return self._context
+
+    def _token_lists(self, inputs: Inputs, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
+        """The inputs as token lists, checked: texts tokenized (with the model's special tokens,
+        as llama-server does), token ids within the vocabulary, none empty."""
+        items: Sequence[object] = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(items, Sequence) or not items:
+            raise ValueError("embed takes a non-empty str, list of str, list of token ids, or list of those")
+        if len(items) > MAX_INPUTS:
+            raise ValueError(f"embed takes at most {MAX_INPUTS} inputs, got {len(items)}")
+        if all(is_token(x) for x in items):
+            items = [items]  # (one input, as token ids)
+        n_vocab = self.model.n_vocab
+        lists = []
+        for index, item in enumerate(items):
+            if isinstance(item, str):
+                if not item:
+                    raise ValueError(f"input {index} is empty")
+                tokens = tokenize(item)
+            elif isinstance(item, Sequence) and all(is_token(t) for t in item):
+                tokens = [int(t) for t in item]
+                if any(not 0 <= t < n_vocab for t in tokens):
+                    raise ValueError(f"input {index}: token ids must be in 0..{n_vocab - 1}")
+            else:
+                raise ValueError(f"input {index}: a str or a list of token ids, got {type(item).__name__}")
+            if not tokens:
+                raise ValueError(f"input {index} has no tokens")
+            lists.append(tokens)
+        return lists
+
+    @staticmethod
+    def _groups(lists: list[list[int]], n_ctx: int) -> list[list[list[int]]]:
+        """The inputs in batches of at most ``SEQUENCES`` inputs and ``n_ctx`` tokens, in order."""
+        groups: list[list[list[int]]] = [[]]
+        size = 0
+        for index, tokens in enumerate(lists):
+            if len(tokens) > n_ctx:
+                raise ContextOverflowError(f"input {index} has {len(tokens)} tokens; at most {n_ctx} fit")
+            if groups[-1] and (len(groups[-1]) == SEQUENCES or size + len(tokens) > n_ctx):
+                groups.append([])
+                size = 0
+            groups[-1].append(tokens)
+            size += len(tokens)
+        return groups
+
+    def _run(self, context: NativeContext, group: list[list[int]]) -> list[np.ndarray]:
+        context.clear()  # (a causal embedding model keeps cells; a BERT one has none)
+        encoder = self.model.has_encoder and not self.model.has_decoder
+        context.embed_many([(tokens, 0, seq) for seq, tokens in enumerate(group)], encoder=encoder)
+        return [context.pooled(seq, self.model.n_embd) for seq in range(len(group))]

@@ -1,0 +1,101 @@
+"""``POST /v1/embeddings``, as OpenAI documents it: ``input`` as a string, a list of strings, a
+list of token ids or a list of those; ``encoding_format`` ``float`` (default) or ``base64``
+(little-endian float32, as OpenAI's clients decode it); ``dimensions`` only as the model's own;
+usage in prompt tokens. Answered by ``Model.embed`` (an embedding model; a chat model: 400)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llmsession.serve.body import parse_json
+from llmsession.serve.errors import ApiError
+from llmsession.serve.schema import keep_alive_of
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
+    from llmsession.serve.operators import Server
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
+MAX_INPUT_TOKENS = 8192  # token ids an input given as ids may have
+
+
+@dataclass(frozen=True)
+class EmbeddingsAsk:
+    """A checked ``/v1/embeddings`` body."""
+
+    model: str | None
+    inputs: list[str | list[int]]
+    base64: bool
+    dimensions: int | None
+    keep_alive: float | None
+
+
+def embeddings_request(body: Mapping[str, Any]) -> EmbeddingsAsk:
+    """The body, checked (``ApiError`` naming the first bad field)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("model must be a string", "model")
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(is_id(x) for x in raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_INPUTS:
+        raise ApiError(f"input must be a string or a list of 1 to {MAX_INPUTS} inputs", "input")
+    inputs: list[str | list[int]] = []
+    for index, item in enumerate(raw):
+        if isinstance(item, str) and item:
+            inputs.append(item)
+        elif isinstance(item, list) and 0 < len(item) <= MAX_INPUT_TOKENS and all(is_id(x) for x in item):
+            inputs.append(list(item))
+        else:
+            raise ApiError(f"input[{index}] must be a non-empty string or list of token ids", "input")
+    form = body.get("encoding_format", "float")
+    if form not in ("float", "base64"):
+        raise ApiError("encoding_format must be 'float' or 'base64'", "encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not is_id(dimensions) or dimensions < 1):
+        raise ApiError("dimensions must be a positive integer", "dimensions")
+    return EmbeddingsAsk(model, inputs, form == "base64", dimensions, keep_alive_of(body.get("keep_alive")))
+
+
+def is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def embedded(model: Model, ask: EmbeddingsAsk) -> tuple[np.ndarray, int]:
+    """The inputs' embeddings and their tokens in all (texts tokenized once, here)."""
+    lists = [model.tokenize(item) if isinstance(item, str) else item for item in ask.inputs]
+    return model.embed(lists), sum(len(tokens) for tokens in lists)
+
+
+def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> dict[str, Any]:
+    if ask.dimensions is not None and ask.dimensions != vectors.shape[1]:
+        raise ApiError(
+            f"dimensions: this model's embeddings have {vectors.shape[1]}, not {ask.dimensions}", "dimensions"
+        )
+    data = []
+    for index, row in enumerate(vectors):
+        little = row.astype("<f4")
+        value: Any = base64.b64encode(little.tobytes()).decode() if ask.base64 else little.tolist()
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": name, "usage": usage}
+
+
+async def embeddings(server: Server, request: Request) -> Response:
+    body = parse_json(await server.body(request))
+    ask = await asyncio.to_thread(embeddings_request, body)
+    name = server.hosts.served(ask.model)
+    host, held = await server.hosts.held(ask.model, ask.keep_alive)
+    try:
+        vectors, tokens = await asyncio.to_thread(embedded, host.model, ask)
+    finally:
+        held.drop()
+    return JSONResponse(answer(vectors, tokens, name, ask))

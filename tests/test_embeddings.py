@@ -1,0 +1,109 @@
+"""Embeddings from an embedding model (a tiny BERT-style fixture: mean pooling read from its
+GGUF): ``Model.embed`` batched over sequences equals llama.cpp's own embedding of each text
+alone (``data/embed_reference.c``, compiled against the same libraries) within float noise, and
+so does ``/v1/embeddings`` through the official ``openai`` client, on a server of several models
+beside a chat model. A chat model asked for embeddings, or an embedding model asked to chat,
+is refused naming the reason."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from llama_cffi import include_dir, lib_dir
+from serve_helpers import KEY, running
+
+from llmsession import ContextOverflowError, Model, Models, UnsupportedFeatureError
+from llmsession.runtime.embedding import SEQUENCES
+from llmsession.serve.app import create_app
+
+TEXTS = ["hello world", "a different sentence", "the quick brown fox jumps over the lazy dog", "cat"]
+NOISE = 1e-4  # (batched with others against alone: the sums run in another order)
+
+
+@pytest.fixture(scope="module")
+def bert_path(fixture_path: Callable[[str], Path]) -> Path:
+    return fixture_path("bert-tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def bert(bert_path: Path) -> Iterator[Model]:
+    with Model(bert_path, threads=1) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, bert_path: Path) -> np.ndarray:
+    """llama.cpp's own embeddings of ``TEXTS``, one process, each text alone."""
+    exe = tmp_path_factory.mktemp("reference") / "embed_reference"
+    source = Path(__file__).parent / "data" / "embed_reference.c"
+    libs = ["-lllama", "-lggml", "-lggml-base", "-lm", f"-Wl,-rpath,{lib_dir()}"]
+    subprocess.run(
+        ["gcc", "-O1", "-o", str(exe), str(source), f"-I{include_dir()}", f"-L{lib_dir()}", *libs], check=True
+    )
+    out = subprocess.run(
+        [str(exe), str(bert_path), *TEXTS], check=True, capture_output=True, text=True
+    ).stdout
+    return np.array([[float(x) for x in line.split()] for line in out.splitlines()], dtype=np.float32)
+
+
+def test_embed_equals_llama_cpps_own_embedding_of_each_text(bert: Model, reference: np.ndarray) -> None:
+    vectors = bert.embed(TEXTS)
+    assert vectors.shape == (len(TEXTS), 64) and vectors.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert np.abs(vectors - reference).max() < NOISE
+    assert np.abs(vectors[0] - vectors[1]).max() > 0.1  # (texts that differ embed apart)
+
+
+def test_more_inputs_than_a_batch_holds_equal_each_alone(bert: Model) -> None:
+    many = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(SEQUENCES * 2 + 3)]
+    batched = bert.embed(many)
+    alone = np.stack([bert.embed(text)[0] for text in many])
+    assert batched.shape == (len(many), 64) and np.abs(batched - alone).max() < NOISE
+    assert np.array_equal(bert.embed([bert.tokenize("cat")]), bert.embed("cat"))  # (ids as text)
+    raw = bert.embed("cat", normalize=False)
+    assert np.allclose(raw / np.linalg.norm(raw), bert.embed("cat"), atol=1e-6)
+
+
+def test_bad_inputs_are_refused_before_anything_runs(bert: Model, smollm2: Model) -> None:
+    for bad in ([], [""], [[-1]], [[10**6]], [3.5], [[]]):
+        with pytest.raises(ValueError):
+            bert.embed(bad)  # type: ignore[arg-type]
+    with pytest.raises(ContextOverflowError, match="input 1 has"):
+        bert.embed(["cat", "dog " * 600])
+    with pytest.raises(UnsupportedFeatureError, match="chat model"):
+        smollm2.embed("hello")
+    with pytest.raises(UnsupportedFeatureError, match="embedding model"):
+        bert.chat([{"role": "user", "content": "Hi."}])
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path: Path, bert_path: Path) -> Iterator[str]:
+    models = Models({"smol": smollm2_path, "bert": bert_path}, threads=1)
+    with models, running(create_app(models, api_key=KEY)) as url:
+        yield url
+
+
+def test_the_embeddings_endpoint_equals_embed_and_refuses_a_chat_model(
+    served: str, bert: Model, reference: np.ndarray
+) -> None:
+    client = openai.OpenAI(base_url=served, api_key=KEY, max_retries=0, timeout=60)
+    answer = client.embeddings.create(model="bert", input=TEXTS)  # (the client asks for base64)
+    got = np.array([item.embedding for item in sorted(answer.data, key=lambda d: d.index)], dtype=np.float32)
+    assert np.abs(got - bert.embed(TEXTS)).max() == 0 and np.abs(got - reference).max() < NOISE
+    assert answer.model == "bert"
+    assert answer.usage.prompt_tokens == sum(len(bert.tokenize(t)) for t in TEXTS)
+    floats = client.embeddings.create(model="bert", input="cat", encoding_format="float")
+    assert np.allclose(floats.data[0].embedding, bert.embed("cat")[0], atol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="chat model"):
+        client.embeddings.create(model="smol", input="cat")
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.chat.completions.create(model="bert", messages=[{"role": "user", "content": "Hi."}])
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model="bert", input="cat", dimensions=8)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="cat")
