@@ -8,6 +8,8 @@ is refused naming the reason."""
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 from llama_cffi import include_dir, lib_dir
 from serve_helpers import KEY, running
 
-from llmsession import ContextOverflowError, Model, Models, UnsupportedFeatureError
+from llmsession import ContextOverflowError, Model, ModelClosedError, Models, UnsupportedFeatureError
 from llmsession.runtime.embedding import SEQUENCES
 from llmsession.serve.app import create_app
 
@@ -60,7 +62,8 @@ def test_embed_equals_llama_cpps_own_embedding_of_each_text(bert: Model, referen
 
 
 def test_more_inputs_than_a_batch_holds_equal_each_alone(bert: Model) -> None:
-    many = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(SEQUENCES * 2 + 3)]
+    long = " ".join(TEXTS[2].split() * 12)  # (about 110 tokens: five fill a batch of 512)
+    many = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(SEQUENCES * 2 + 3)] + [long, f"{long} cat"] * 4
     batched = bert.embed(many)
     alone = np.stack([bert.embed(text)[0] for text in many])
     assert batched.shape == (len(many), 64) and np.abs(batched - alone).max() < NOISE
@@ -75,6 +78,8 @@ def test_bad_inputs_are_refused_before_anything_runs(bert: Model, smollm2: Model
             bert.embed(bad)  # type: ignore[arg-type]
     with pytest.raises(ContextOverflowError, match="input 1 has"):
         bert.embed(["cat", "dog " * 600])
+    with pytest.raises(ContextOverflowError, match="input 0 has 3000 tokens"):  # (one input, as ids)
+        bert.embed([5] * 3000)
     with pytest.raises(UnsupportedFeatureError, match="chat model"):
         smollm2.embed("hello")
     with pytest.raises(UnsupportedFeatureError, match="embedding model"):
@@ -107,3 +112,28 @@ def test_the_embeddings_endpoint_equals_embed_and_refuses_a_chat_model(
         client.embeddings.create(model="bert", input="cat", dimensions=8)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="nope", input="cat")
+    ids = client.embeddings.create(model="bert", input=[bert.tokenize("cat")], encoding_format="float")
+    assert np.allclose(ids.data[0].embedding, bert.embed("cat")[0], atol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="token ids must be in"):
+        client.embeddings.create(model="bert", input=[[10**6]])
+
+
+def test_closing_the_model_while_it_embeds_waits_for_the_run(bert_path: Path) -> None:
+    model = Model(bert_path, threads=1)
+    got: list[object] = []
+
+    def embed() -> None:
+        try:
+            got.append(model.embed([[5, 6, 7] * 30] * 2000))
+        except ModelClosedError as error:  # (closed before the run began: a typed error)
+            got.append(error)
+
+    thread = threading.Thread(target=embed)
+    thread.start()
+    time.sleep(0.05)
+    model.close()  # (the embedding context goes once the run is over, not under it)
+    thread.join(60)
+    done = got[0] if len(got) == 1 else None
+    assert isinstance(done, ModelClosedError) or (isinstance(done, np.ndarray) and done.shape == (2000, 64))
+    with pytest.raises(ModelClosedError):
+        model.embed("cat")

@@ -41,8 +41,10 @@ def test_a_side_request_takes_a_spare_session_or_a_new_one_never_a_main() -> Non
     assert choose(full, [0, 0, 0], "a", capacity=3).index == 2  # (the unnamed spare)
     mains_only = [kept("a", 900), kept("b", 800)]
     assert choose(mains_only, [0, 0], "a", capacity=2) is None  # a side request: a new session
-    elsewhere = [kept("a", 900, fitting=False), kept("b", 800)]  # (another tenant's a)
-    assert choose(elsewhere, [0, 0], "a", capacity=2).index == 1  # (not a side request here)
+    elsewhere = [Kept("a", 900, True, False, "t2"), Kept("b", 800, True, True, "t1")]  # (t2's a)
+    assert choose(elsewhere, [0, 0], "a", capacity=2, tenant="t1").index == 1  # (t1's first a)
+    settings = [Kept("a", 900, True, False, "t1"), Kept("b", 800, True, True, "t1")]  # (other settings)
+    assert choose(settings, [0, 0], "a", capacity=2, tenant="t1") is None  # (still a's side request)
 
 
 def test_with_nothing_else_left_a_first_call_or_an_unnamed_one_takes_the_oldest_main() -> None:

@@ -301,11 +301,13 @@ class Models:
             if model is not None and not model.closed:
                 entry.parked = _parking.park(model, self._folder)
         finally:
-            if model is not None:
-                model.close()
-            with self._changed:
-                entry.model, entry.busy, entry.keep_alive = None, False, None
-                self._changed.notify_all()
+            try:
+                if model is not None:
+                    model.close()
+            finally:  # (whatever closing raised: never a model left busy for good)
+                with self._changed:
+                    entry.model, entry.busy, entry.keep_alive = None, False, None
+                    self._changed.notify_all()
 
     def _status(self, name: str, entry: _Entry, now: float) -> ModelStatus:
         model = entry.model

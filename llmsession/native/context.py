@@ -238,11 +238,12 @@ class NativeContext(Owner):
         """Decode (``encoder``: encode) several sequences' whole inputs in one batch into an
         ``embeddings`` context, every token an output (pooling reads them all)."""
         lib, _ = bindings()
+        ptr = self.ptr  # (raises once the context is closed)
         for run in runs:
             self.check_run(*run)
         self.batch.fill_many(runs, [len(tokens) for tokens, _, _ in runs])
         with ACTIVITY:
-            code = (lib.llama_encode if encoder else lib.llama_decode)(self.ptr, self.batch.raw)
+            code = (lib.llama_encode if encoder else lib.llama_decode)(ptr, self.batch.raw)
         check(code, "llama_encode" if encoder else "llama_decode")
 
     def pooled(self, seq: int, n_embd: int) -> np.ndarray:

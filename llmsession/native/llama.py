@@ -153,7 +153,7 @@ class NativeModel(Owner):
         self._children: weakref.WeakSet[Owner] = weakref.WeakSet()
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(self.ptr)
-        self.n_embd: int = lib.llama_model_n_embd(self.ptr)
+        self.n_embd_out: int = lib.llama_model_n_embd_out(self.ptr)  # (a pooled vector's width)
         self.n_swa: int = lib.llama_model_n_swa(self.ptr)
         self.is_recurrent = bool(
             lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr)

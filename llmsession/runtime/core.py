@@ -351,6 +351,7 @@ class ModelCore:
         for session in list(self.sessions):
             session.shut()
         anticipate.stop_all(self.engine)  # collected sessions' too
+        self.embedder.close()  # (waits for an embed under way)
         self.engine.close()
         if self.projector is not None:
             self.projector.close()

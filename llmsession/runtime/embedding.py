@@ -18,9 +18,13 @@ from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.shape import architecture, meta
 
-POOLINGS = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_*
+POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's LLAMA_POOLING_TYPE_*
 SEQUENCES = 16  # inputs a batch holds
 MAX_CONTEXT = 8192  # positions an input may have, at most (the model's trained length if less)
+MIN_BATCH = 512  # tokens a batch holds at least (the longest input: a non-causal one is one batch)
+# llama.cpp reserves a row of logits for every token of a batch (n_vocab floats) even when only
+# the pooled vectors are read: a batch holds at most this many bytes of them.
+LOGITS_BYTES = 256 << 20
 MAX_INPUTS = 2048  # inputs one call may have
 
 
@@ -47,6 +51,10 @@ class Embedder:
         self._lock = threading.Lock()
 
     def check(self) -> None:
+        if self.pooling == "rank":
+            raise UnsupportedFeatureError(
+                f"{self.name} is a reranking model: it scores pairs, it has no embeddings"
+            )
         if self.pooling is None:
             raise UnsupportedFeatureError(
                 f"{self.name} is a chat model: its file names no pooling, so it has no embeddings "
@@ -56,7 +64,7 @@ class Embedder:
     def embed(
         self, inputs: Inputs, tokenize: Callable[[str], list[int]], normalize: bool = True
     ) -> np.ndarray:
-        """One row a input, float32, shape (inputs, n_embd)."""
+        """One row an input, float32, shape (inputs, the model's embedding width)."""
         self.check()
         lists = self._token_lists(inputs, tokenize)
         with self._lock:
@@ -75,7 +83,8 @@ class Embedder:
                 self._context = None
 
     def _open(self) -> NativeContext:
-        n_ctx = min(MAX_CONTEXT, self.model.n_ctx_train or MAX_CONTEXT)
+        trained = min(MAX_CONTEXT, self.model.n_ctx_train or MAX_CONTEXT)
+        n_ctx = min(trained, max(MIN_BATCH, LOGITS_BYTES // (4 * max(1, self.model.n_vocab))))
         self._context = NativeContext(
             self.model, n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads, n_seq_max=SEQUENCES, embeddings=True
         )
@@ -87,10 +96,10 @@ class Embedder:
         items: Sequence[object] = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(items, Sequence) or not items:
             raise ValueError("embed takes a non-empty str, list of str, list of token ids, or list of those")
-        if len(items) > MAX_INPUTS:
-            raise ValueError(f"embed takes at most {MAX_INPUTS} inputs, got {len(items)}")
         if all(is_token(x) for x in items):
             items = [items]  # (one input, as token ids)
+        if len(items) > MAX_INPUTS:
+            raise ValueError(f"embed takes at most {MAX_INPUTS} inputs, got {len(items)}")
         n_vocab = self.model.n_vocab
         lists = []
         for index, item in enumerate(items):
@@ -128,4 +137,4 @@ class Embedder:
         context.clear()  # (a causal embedding model keeps cells; a BERT one has none)
         encoder = self.model.has_encoder and not self.model.has_decoder
         context.embed_many([(tokens, 0, seq) for seq, tokens in enumerate(group)], encoder=encoder)
-        return [context.pooled(seq, self.model.n_embd) for seq in range(len(group))]
+        return [context.pooled(seq, self.model.n_embd_out) for seq in range(len(group))]

@@ -56,9 +56,11 @@ def mains(kept: Sequence[Kept]) -> set[int]:
     return set(best.values())
 
 
-def choose(kept: Sequence[Kept], shared: Sequence[int], label: str | None, capacity: int) -> Choice | None:
-    """The session a call takes, given how many of its prompt's items each kept session's cache
-    shares as a prefix (``shared``); None for a new session."""
+def choose(
+    kept: Sequence[Kept], shared: Sequence[int], label: str | None, capacity: int, tenant: str | None = None
+) -> Choice | None:
+    """The session a call of ``tenant`` takes, given how many of its prompt's items each kept
+    session's cache shares as a prefix (``shared``); None for a new session."""
     fitting = [i for i, s in enumerate(kept) if s.fitting and s.idle]
     similar = [i for i in fitting if shared[i] > 0 and shared[i] >= SIMILARITY * kept[i].cached]
     own = [i for i in similar if label is None or kept[i].label in (label, None)]
@@ -74,7 +76,7 @@ def choose(kept: Sequence[Kept], shared: Sequence[int], label: str | None, capac
     spare = [i for i in fitting if i not in main]
     if spare:
         return Choice(spare[0], fork=False)
-    side = label is not None and any(kept[i].label == label and kept[i].fitting for i in main)
+    side = label is not None and any(kept[i].label == label and kept[i].tenant == tenant for i in main)
     if fitting and not side:
         return Choice(fitting[0], fork=False)
     return None

@@ -270,7 +270,7 @@ class StatelessSessions:
             common_prefix(s.lease.cache.items, items) if seen.fitting and seen.idle else 0
             for s, seen in zip(self._sessions, kept, strict=True)
         ]
-        choice = choose(kept, shared, label, self.capacity)
+        choice = choose(kept, shared, label, self.capacity, tenant)
         if choice is None:
             return None
         chosen = self._sessions[choice.index]
@@ -281,7 +281,8 @@ class StatelessSessions:
 
     def _seen(self, fitting: Callable[[LocalSession], bool]) -> list[Kept]:
         """The kept sessions as ``keeping`` sees them, least recently used first."""
-        return [Kept(self._labels.get(s), s.cached_tokens, s.idle, fitting(s)) for s in self._sessions]
+        labels, tenants = self._labels, self._tenants
+        return [Kept(labels.get(s), s.cached_tokens, s.idle, fitting(s), tenants[s]) for s in self._sessions]
 
     def _forget_closed(self) -> None:
         """Sessions their callers closed (``chat_stream(...).session.close()``) are no one's."""

@@ -96,6 +96,7 @@ class Server:
         self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
         self.max_body_bytes = max_body_bytes
         self.parsing = asyncio.Semaphore(PARSERS)
+        self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
         self.created = int(time.time())
 
     @property
@@ -363,14 +364,12 @@ def create_app(
     if any(not isinstance(key, str) or not key for key in keys):
         raise ValueError("an API key must be a non-empty str")
     hosts: OneModel | ManyModels
-    if isinstance(model, Model):
-        hosts = OneModel(model, model_name or model.path.stem, settings, queue, Metrics())
-    elif isinstance(model, Models):
+    if isinstance(model, Models):
         if model_name is not None:
             raise ValueError("a server of several models names each by its Models name: no model_name")
         hosts = ManyModels(model, settings, queue, Metrics())
-    else:
-        raise TypeError(f"model must be a Model or Models, got {type(model).__name__}")
+    else:  # (one model: a ``Model``, or what behaves as one)
+        hosts = OneModel(model, model_name or model.path.stem, settings, queue, Metrics())
     server = Server(
         hosts, api_keys=keys, max_body_bytes=max_body_bytes, draft=draft, volatile=Volatile(volatile_lines)
     )

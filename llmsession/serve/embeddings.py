@@ -72,7 +72,11 @@ def is_id(value: object) -> bool:
 def embedded(model: Model, ask: EmbeddingsAsk) -> tuple[np.ndarray, int]:
     """The inputs' embeddings and their tokens in all (texts tokenized once, here)."""
     lists = [model.tokenize(item) if isinstance(item, str) else item for item in ask.inputs]
-    return model.embed(lists), sum(len(tokens) for tokens in lists)
+    try:
+        vectors = model.embed(lists)
+    except ValueError as error:  # (checked before anything runs: a token id past the vocabulary)
+        raise ApiError(str(error), "input") from None
+    return vectors, sum(len(tokens) for tokens in lists)
 
 
 def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> dict[str, Any]:
@@ -90,12 +94,14 @@ def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> d
 
 
 async def embeddings(server: Server, request: Request) -> Response:
-    body = parse_json(await server.body(request))
-    ask = await asyncio.to_thread(embeddings_request, body)
+    async with server.parsing:  # (a few bodies at once, as a chat's)
+        body = await server.body(request)
+        ask = await asyncio.to_thread(lambda: embeddings_request(parse_json(body)))
     name = server.hosts.served(ask.model)
     host, held = await server.hosts.held(ask.model, ask.keep_alive)
     try:
-        vectors, tokens = await asyncio.to_thread(embedded, host.model, ask)
+        async with server.embedding:  # (one run at a time: the rest wait here, not in threads)
+            vectors, tokens = await asyncio.to_thread(embedded, host.model, ask)
     finally:
         held.drop()
     return JSONResponse(answer(vectors, tokens, name, ask))

@@ -91,19 +91,29 @@ class ManyModels:
         one load) and held until the request's ``Held`` is dropped."""
         served = self.served(name)
         turn = self._turns.setdefault(served, asyncio.Lock())
-        async with turn:
+        await turn.acquire()  # (the turn is given back once the loader thread is done)
+        try:
             acquiring = asyncio.get_running_loop().run_in_executor(
                 self._loader, lambda: self.models.acquire(served, keep_alive=keep_alive)
             )
-            try:
-                model = await asyncio.shield(acquiring)
-            except asyncio.CancelledError:  # (the client left while it loaded: let go once loaded)
-                acquiring.add_done_callback(lambda done: self._gone(done, served))
-                raise
-            except ModelNotFoundError:
-                raise not_found(name, self.names) from None
-            except ModelsFullError as error:
-                raise no_room(error) from None
+        except BaseException:
+            turn.release()
+            raise
+        try:
+            model = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:  # (the client left while it loaded: let go once loaded)
+            acquiring.add_done_callback(lambda done: self._gone(done, served, turn))
+            raise
+        except ModelNotFoundError:
+            turn.release()
+            raise not_found(name, self.names) from None
+        except ModelsFullError as error:
+            turn.release()
+            raise no_room(error) from None
+        except BaseException:
+            turn.release()
+            raise
+        turn.release()
         held = Held(lambda: self.models.release(served))
         try:
             return self._host(served, model), held
@@ -111,7 +121,8 @@ class ManyModels:
             held.drop()
             raise
 
-    def _gone(self, done: asyncio.Future[Model], name: str) -> None:
+    def _gone(self, done: asyncio.Future[Model], name: str, turn: asyncio.Lock) -> None:
+        turn.release()
         if not done.cancelled() and done.exception() is None:
             self.models.release(name)
 

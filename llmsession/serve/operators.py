@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmsession.errors import ModelNotFoundError, ModelsFullError
 from llmsession.serve.body import parse_json
 from llmsession.serve.errors import ApiError
-from llmsession.serve.hosts import ManyModels, no_room, not_found
+from llmsession.serve.hosts import ManyModels, not_found
 
 if TYPE_CHECKING:
     from llmsession.api.modelfiles import ModelStatus
@@ -26,6 +25,8 @@ class Server(Protocol):
     """What these routes need of ``app.Server``."""
 
     hosts: OneModel | ManyModels
+    parsing: asyncio.Semaphore  # bodies read and checked at once
+    embedding: asyncio.Semaphore  # embedding runs at once
 
     async def body(self, request: Request) -> bytes: ...
 
@@ -70,12 +71,8 @@ async def ps(server: Server, request: Request) -> Response:
 
 async def load(server: Server, request: Request) -> Response:
     hosts, name = await named(server, request)
-    try:
-        await asyncio.to_thread(hosts.models.load, name)
-    except ModelNotFoundError:
-        raise not_found(name, hosts.names) from None
-    except ModelsFullError as error:
-        raise no_room(error) from None
+    _, held = await hosts.held(name, None)  # (its loader thread, as a request's)
+    held.drop()
     return JSONResponse({"model": name, "status": "loaded"})
 
 

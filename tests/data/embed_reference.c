@@ -16,7 +16,7 @@ int main(int argc, char ** argv) {
     struct llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) { fprintf(stderr, "cannot load %s\n", argv[1]); return 1; }
     const struct llama_vocab * vocab = llama_model_get_vocab(model);
-    const int n_embd = llama_model_n_embd(model);
+    const int n_embd = llama_model_n_embd_out(model); /* (a pooled vector's width) */
     for (int a = 2; a < argc; a++) {
         struct llama_context_params cp = llama_context_default_params();
         cp.n_ctx = cp.n_batch = cp.n_ubatch = 512;
