@@ -31,7 +31,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from serve_helpers import KEY, WEATHER, Served, metric, running
 
-from llmsession import Model
+from llmsession import Model, Models
 from llmsession.serve.app import create_app
 from llmsession.serve.page import FILES, STATIC
 
@@ -549,6 +549,32 @@ def test_an_image_goes_to_a_server_with_a_projector(
         text_only = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
     assert int(stats["prompt"]) > text_only, (stats, text_only)  # the images were in the prompt
     page.shot("image-reply")
+
+
+@pytest.fixture(scope="module")
+def models_served(smollm2_path: Path, gemma3_path: Path) -> Iterator[tuple[Models, str]]:
+    models = Models({"smol": smollm2_path, "gemma": gemma3_path}, max_loaded=1, threads=2)
+    with models, running(create_app(models)) as url:
+        yield models, url
+
+
+def test_a_server_of_several_models_gets_a_picker_and_the_picked_one_loads(
+    driver: WebDriver, models_served: tuple[Models, str], shots: Path
+) -> None:
+    models, url = models_served
+    page = Page(driver, url.removesuffix("v1"), shots)
+    page.new_chat(max_tokens=4)
+    options = [(o.get_attribute("value"), o.text) for o in page.by("#model-picker option")]
+    assert options == [("smol", "smol (unloaded)"), ("gemma", "gemma (unloaded)")]
+    assert page.one("#model-picker").is_displayed() and not page.by("#attach")
+    page.js("const p = document.getElementById('model-picker'); p.value = 'gemma';"
+            "p.dispatchEvent(new Event('change'));")  # fmt: skip
+    page.send("Hi.")
+    assert page.js("return document.body.dataset.loaded") == "gemma"  # (it showed the load)
+    wait_for(lambda: page.one("#model-picker option[value=gemma]").text == "gemma (loaded)", "the new state")
+    assert page.one("#model-name").text == "model: gemma" and page.reply_text()
+    assert [s.name for s in models.status() if s.loaded] == ["gemma"]
+    page.shot("model-picker")
 
 
 def test_the_readme_screenshot_is_small() -> None:

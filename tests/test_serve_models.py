@@ -177,3 +177,17 @@ def test_a_server_of_one_model_neither_loads_nor_unloads(smollm2_path: Path) -> 
     with Model(smollm2_path, threads=1) as model, running(create_app(model)) as url:
         refused = httpx.post(f"{url.removesuffix('/v1')}/models/unload", json={"model": "x"}, timeout=10)
         assert refused.status_code == 400 and "one model" in refused.json()["error"]["message"]
+
+
+def test_the_models_command_lists_a_servers_models_and_what_it_holds(
+    served: tuple[Models, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmsession.commands.cli import main
+
+    models, url = served
+    models.load("smol")
+    assert main(["models", "--url", url, "--api-key", KEY]) == 0
+    printed = capsys.readouterr().out
+    assert "smol" in printed and "gemma" in printed and "loaded: smol" in printed, printed
+    assert main(["models", "--url", url, "--api-key", "wrong"]) == 1
+    assert "401" in capsys.readouterr().err

@@ -48,8 +48,13 @@ def find_model(name: str | None) -> Path:
     )
 
 
-def models(_args: argparse.Namespace) -> int:
-    """The models in the cache, with their sizes."""
+def models(args: argparse.Namespace) -> int:
+    """The models in the cache, with their sizes; with ``--url``, a running server's."""
+    url = getattr(args, "url", None)  # (``doctor`` lists the cache's through here too)
+    if url is not None:
+        from llmsession.commands.served_models import served
+
+        return served(url, args.api_key)
     found = paths.cached_models()
     print(f"models in {paths.models_dir()}:" + ("" if found else f" none (run `{SETUP_COMMAND}`)"))
     for model in found:
@@ -64,4 +69,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--prefix", type=directory, metavar="DIR", help="cache root (as $LLMSESSION_CACHE)"
     )
     setup_parser.add_argument("--force", action="store_true", help="rebuild llama.cpp even if it is built")
-    commands.add_parser("models", help="list the models in the cache")
+    models_parser = commands.add_parser("models", help="list the models in the cache, or a server's")
+    models_parser.add_argument(
+        "--url", metavar="URL", help="a running `llmsession serve`: its models and what it holds"
+    )
+    models_parser.add_argument("--api-key", metavar="KEY", help="the server's API key")

@@ -36,8 +36,9 @@ async function errorText(response) {
   return "HTTP " + response.status;
 }
 
-// The card of the model the server serves (the first of /v1/models).
-export async function modelCard(key) {
+// The cards of the models the server serves (/v1/models): one, or several it loads on demand
+// (each with its status: loaded, unloaded, loading).
+export async function modelCards(key) {
   let response;
   try {
     response = await fetch("v1/models", { headers: headers(key) });
@@ -46,7 +47,7 @@ export async function modelCard(key) {
   }
   if (!response.ok) throw new HttpError(response.status, await errorText(response));
   const body = await response.json();
-  return body.data[0];
+  return body.data;
 }
 
 // -- a chat completion ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@
 // The page's <body> says data-ready (connected), data-busy (a reply streams) and data-ended
 // (replies ended since the page loaded), for tests and tools.
 
-import { HttpError, Unreachable, buildRequest, complete, modelCard } from "./api.js";
+import { HttpError, Unreachable, buildRequest, complete, modelCards } from "./api.js";
 import { $, showBanner } from "./dom.js";
 import * as store from "./store.js";
 import * as view from "./view.js";
@@ -27,9 +27,9 @@ function load() {
 
 // -- the connection ------------------------------------------------------------------------------
 async function connect() {
-  let card;
+  let cards;
   try {
-    card = await modelCard(store.apiKey());
+    cards = await modelCards(store.apiKey());
   } catch (error) {
     if (error instanceof Unreachable) showBanner("Cannot reach the server: " + error.message);
     else if (error instanceof HttpError && error.status === 401) {
@@ -40,8 +40,19 @@ async function connect() {
     else throw error;
     return;
   }
-  store.setModel(card);
-  view.showConnected(card);
+  const chosen = store.connectedModel();
+  const card = cards.find((c) => chosen && c.id === chosen.id) || cards[0];
+  store.setModel(card, cards);
+  view.showConnected(card, cards);
+}
+
+// Another model picked: requests go to it from now on (the server loads it for the first).
+function pick(id) {
+  const cards = store.modelCards();
+  const card = cards.find((c) => c.id === id);
+  if (!card) return;
+  store.setModel(card, cards);
+  view.showConnected(card, cards);
 }
 
 function askKey(error) {
@@ -68,6 +79,8 @@ async function respond(conv) {
   save();
   view.render();
   const started = performance.now();
+  const loading = card.status && card.status.value !== "loaded"; // (its first request loads it)
+  if (loading) view.showLoading(card);
   let first = null;
   let usage = null;
   let finish = null;
@@ -97,6 +110,7 @@ async function respond(conv) {
   document.body.dataset.ended = String(store.endReply(reply, { finish, error: failed, stats }));
   save();
   view.render();
+  if (loading || store.modelCards().length > 1) connect(); // (what is loaded now)
 }
 
 function stop() {
@@ -225,6 +239,7 @@ function bind() {
     field.addEventListener("input", readSettings);
     field.addEventListener("change", readSettings);
   }
+  $("model-picker").addEventListener("change", (event) => pick(event.target.value));
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
     const key = $("key-input").value.trim();

@@ -18,7 +18,8 @@ export const CHOICES = ["auto", "required", "none"];
 
 let conversations = [];
 let currentId = null;
-let model = null; // the card of /v1/models once connected
+let model = null; // the card of /v1/models once connected: the model requests go to
+let cards = []; // every model the server serves
 let busy = null; // {controller, conv, reply} while a reply streams
 let attachments = []; // data: URLs of images to send with the next message
 let editing = null; // the index of the user message being edited
@@ -29,6 +30,7 @@ export const allConversations = () => conversations;
 export const current = () => find(currentId);
 export const isCurrent = (conv) => conv.id === currentId;
 export const connectedModel = () => model;
+export const modelCards = () => cards;
 export const streaming = () => busy;
 export const pendingImages = () => attachments;
 export const editedIndex = () => editing;
@@ -282,8 +284,9 @@ export function stats(started, first, last, usage, finish, pieces) {
 }
 
 // -- the connection and the composer -------------------------------------------------------------
-export function setModel(card) {
+export function setModel(card, all) {
   model = card;
+  cards = card ? all || [card] : [];
 }
 
 export function attach(url) {

@@ -260,16 +260,33 @@ export function updateComposer() {
   document.body.dataset.busy = busy ? "1" : "0";
 }
 
-export function showConnected(card) {
+export function showConnected(card, cards) {
   $("key-form").hidden = true;
   showBanner("");
-  const images = Boolean(card.capabilities && card.capabilities.images);
+  const takes = (c) => Boolean(c.capabilities && c.capabilities.images);
+  const images = takes(card);
   const attach = $("attach");
-  if (attach && images) attach.hidden = false;
+  if (attach && cards.some(takes)) attach.hidden = !images;
   else if (attach) attach.remove(); // absent, not just hidden: the server takes no images
   $("model-name").textContent = "model: " + card.id + (images ? " (images)" : "");
+  const picker = $("model-picker");
+  const several = cards.length > 1;
+  picker.hidden = !several;
+  if (several) {
+    const state = (c) => (c.status && c.status.value ? " (" + c.status.value + ")" : "");
+    picker.replaceChildren(...cards.map((c) => el("option", { value: c.id, text: c.id + state(c) })));
+    picker.value = card.id;
+  }
+  document.body.dataset.loading = "0";
   document.body.dataset.ready = "1";
   updateComposer();
+}
+
+// The picked model is loading for this request (the server loads it on demand).
+export function showLoading(card) {
+  $("model-name").textContent = "loading " + card.id + "…";
+  document.body.dataset.loading = "1";
+  document.body.dataset.loaded = card.id; // (the last model the page saw load)
 }
 
 export function showKeyForm(error) {
