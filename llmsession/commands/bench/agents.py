@@ -5,7 +5,9 @@ The Claude-Code-shaped conversation on ``/v1/messages`` and the Codex-shaped one
 transcript resent each turn, Claude Code's billing line new each request) on each server, one
 server at a time, same model, same threads: per turn, the time to the first token and the prompt
 tokens decoded against what the turn adds. Target (issue 41): turns 2-10 mean time to first token
-at most half llama-server's.
+at most half llama-server's. ``claude-code+titles`` is the same conversation with a title request
+under its session id before each turn (as Claude Code sends them): a side request must not cost
+the conversation its cache.
 
 * llmsession: ``serve --threads T`` and ``SERVE_ARGS`` (one conversation's context of 8,192);
 * llama-server (``scripts/fetch_llama.py --bench`` builds it from the same sources): ``-t T``
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import shlex
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,12 @@ SERVE_ARGS = (
     "sk-bench",
 )
 LLAMA_SERVER_ARGS = ("-c", "8192", "-np", "1", "--jinja", "--cache-prompt", "--api-key", "sk-bench")
-SHAPES = {"claude-code": agents_load.claude_code, "codex": agents_load.codex}
+Drive = Callable[[httpx.Client, str, int, int, str], list[agents_load.Turn]]
+SHAPES: dict[str, Drive] = {
+    "claude-code": agents_load.claude_code,
+    "claude-code+titles": functools.partial(agents_load.claude_code, titles=True),  # (side requests)
+    "codex": agents_load.codex,
+}
 TARGET = 0.5  # ours over llama-server's turns-2+ mean TTFT, at most
 
 

@@ -118,10 +118,33 @@ def forced(turn: int) -> bool:
     return turn % 3 == 1  # (turns 2, 5, 8: a call, answered in the turn after)
 
 
+TITLE_SYSTEM = "Write a 5-10 word title for the conversation below. Answer with the title only."
+
+
+def title_request(client: httpx.Client, url: str, headers: dict[str, str], question: str) -> None:
+    """A side request as Claude Code sends them between turns, under the conversation's session
+    id: a title for it, on a system prompt of its own (nothing in common with the main one)."""
+    body = {
+        "model": "agent",
+        "max_tokens": 12,
+        "system": [billing_block(), {"type": "text", "text": TITLE_SYSTEM}],
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+    }
+    client.post(f"{url}/v1/messages", json=body, headers=headers).raise_for_status()
+
+
 def claude_code(
-    client: httpx.Client, url: str, turns: int, max_tokens: int, key: str, system_tokens: int = 4000
+    client: httpx.Client,
+    url: str,
+    turns: int,
+    max_tokens: int,
+    key: str,
+    system_tokens: int = 4000,
+    titles: bool = False,
 ) -> list[Turn]:
-    """The Claude-Code-shaped conversation on ``url`` (a server's base)."""
+    """The Claude-Code-shaped conversation on ``url`` (a server's base); ``titles``: a title
+    request under its session id before every turn after the first (not timed)."""
     system, tools = system_prompt(system_tokens), tool_schemas()
     said: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # tool results for the next user turn
@@ -145,23 +168,10 @@ def claude_code(
         if forced(turn):
             body["tool_choice"] = {"type": "tool", "name": TOOL_NAMES[turn % len(TOOL_NAMES)]}
         headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "X-Claude-Code-Session-Id": "bench"}
-        began, first = time.perf_counter(), None
-        blocks: list[dict[str, Any]] = []
-        usage: dict[str, Any] = {}
-        with client.stream("POST", f"{url}/v1/messages", json=body, headers=headers) as response:
-            response.raise_for_status()
-            for name, data in sse(response):
-                if name == "message_start":
-                    usage |= data["message"].get("usage") or {}
-                elif name == "content_block_start":
-                    blocks.append(dict(data["content_block"]))
-                elif name == "content_block_delta":
-                    first = first or time.perf_counter()
-                    _grow(blocks[-1], data["delta"])
-                elif name == "message_delta":
-                    usage |= {k: v for k, v in (data.get("usage") or {}).items() if v is not None}
-                elif name == "error":
-                    raise RuntimeError(f"turn {turn + 1}: {data}")
+        if titles and turn:
+            title_request(client, url, headers, QUESTIONS[turn % len(QUESTIONS)])
+        began = time.perf_counter()
+        blocks, usage, first = _messages_turn(client, f"{url}/v1/messages", body, headers, turn)
         total = time.perf_counter() - began
         finished = [_finished(b) for b in blocks if b.get("type") != "text" or b.get("text")]
         content = [b for b in finished if b is not None]
@@ -178,6 +188,30 @@ def claude_code(
         ]
         out.append(_turn(turn, began, first, total, usage, len(calls), out, resent))
     return out
+
+
+def _messages_turn(
+    client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str], turn: int
+) -> tuple[list[dict[str, Any]], dict[str, Any], float | None]:
+    """One streamed Messages turn: its blocks as they grew, its usage, when its first delta came."""
+    first = None
+    blocks: list[dict[str, Any]] = []
+    usage: dict[str, Any] = {}
+    with client.stream("POST", url, json=body, headers=headers) as response:
+        response.raise_for_status()
+        for name, data in sse(response):
+            if name == "message_start":
+                usage |= data["message"].get("usage") or {}
+            elif name == "content_block_start":
+                blocks.append(dict(data["content_block"]))
+            elif name == "content_block_delta":
+                first = first or time.perf_counter()
+                _grow(blocks[-1], data["delta"])
+            elif name == "message_delta":
+                usage |= {k: v for k, v in (data.get("usage") or {}).items() if v is not None}
+            elif name == "error":
+                raise RuntimeError(f"turn {turn + 1}: {data}")
+    return blocks, usage, first
 
 
 def codex(
