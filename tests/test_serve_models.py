@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,12 @@ ARGMAX = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_path: Path, gemma3_path: Path) -> Iterator[tuple[Models, str]]:
-    models = Models({"smol": smollm2_path, "gemma": gemma3_path}, max_loaded=1, threads=2)
+def served(
+    smollm2_path: Path, gemma3_path: Path, fixture_path: Callable[[str], Path]
+) -> Iterator[tuple[Models, str]]:
+    """Two chat models and an embedding model, one loaded at a time."""
+    files = {"smol": smollm2_path, "gemma": gemma3_path, "bert": fixture_path("bert-tiny.gguf")}
+    models = Models(files, max_loaded=1, threads=2)
     with models, running(create_app(models, api_key=KEY)) as url:
         yield models, url
 
@@ -40,6 +44,11 @@ def chat(url: str, model: str, text: str, **extra: Any) -> Any:
     )
 
 
+def abilities(url: str) -> dict[str, dict[str, Any]]:
+    listed = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    return {card["id"]: card["capabilities"] for card in listed["data"]}
+
+
 def states(url: str) -> dict[str, str]:
     listed = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
     return {card["id"]: card["status"]["value"] for card in listed["data"]}
@@ -47,11 +56,11 @@ def states(url: str) -> dict[str, str]:
 
 def test_each_request_is_answered_by_the_model_it_names(served: tuple[Models, str]) -> None:
     _, url = served
-    assert states(url) == {"smol": "unloaded", "gemma": "unloaded"}
+    assert states(url) == {"smol": "unloaded", "gemma": "unloaded", "bert": "unloaded"}
     assert chat(url, "smol", "Hi.").model == "smol"
-    assert states(url) == {"smol": "loaded", "gemma": "unloaded"}
+    assert states(url) == {"smol": "loaded", "gemma": "unloaded", "bert": "unloaded"}
     assert chat(url, "gemma", "Hi.").model == "gemma"
-    assert states(url) == {"smol": "unloaded", "gemma": "loaded"}  # (at most one loaded)
+    assert states(url) == {"smol": "unloaded", "gemma": "loaded", "bert": "unloaded"}  # (one at a time)
     with pytest.raises(openai.NotFoundError, match="no model named 'gpt-4'"):
         chat(url, "gpt-4", "Hi.")
     client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=KEY, max_retries=0)
@@ -191,3 +200,23 @@ def test_the_models_command_lists_a_servers_models_and_what_it_holds(
     assert "smol" in printed and "gemma" in printed and "loaded: smol" in printed, printed
     assert main(["models", "--url", url, "--api-key", "wrong"]) == 1
     assert "401" in capsys.readouterr().err
+
+
+def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tuple[Models, str]) -> None:
+    _, url = served
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+    answer = client.embeddings.create(model="bert", input=["hello world", "cat"], encoding_format="float")
+    assert [len(item.embedding) for item in answer.data] == [64, 64] and answer.model == "bert"
+    capabilities = abilities(url)
+    assert capabilities["bert"]["embeddings"] is True and capabilities["bert"]["chat"] is False
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        chat(url, "bert", "Hi.")
+    with pytest.raises(openai.BadRequestError, match="chat model"):
+        client.embeddings.create(model="smol", input="cat")
+    capabilities = {
+        c["id"]: c["capabilities"]
+        for c in httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()[
+            "data"
+        ]
+    }
+    assert capabilities["smol"]["chat"] is True and capabilities["smol"]["embeddings"] is False

@@ -33,6 +33,7 @@ class Backend(Protocol):
     anticipate: bool
     template: str | None
     media_marker: str
+    pooling: str | None
 
     @property
     def closed(self) -> bool: ...

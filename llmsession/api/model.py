@@ -91,6 +91,7 @@ class Model(RawCompletions):
     anticipate: Setting[bool] = Setting()
     template: Setting[str | None] = Setting()  # the template in use (None: chatml)
     media_marker: Setting[str] = Setting()  # where an image's embeddings go in a rendered prompt
+    pooling: Setting[str | None] = Setting()  # an embedding model's (mean, cls, last; rank: a reranker)
 
     def __init__(
         self,

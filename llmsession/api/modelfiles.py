@@ -32,6 +32,7 @@ class ModelStatus:
     idle_seconds: float | None  # since its last use (loaded and unused models)
     unloads_in: float | None  # seconds until it unloads unless used again (None: it is kept)
     loads: int  # times it was loaded so far
+    kind: str | None  # "chat" or "embedding" (a pooling in its GGUF), once it has loaded; else None
 
 
 def model_file(spec: ModelFile | str | Path) -> ModelFile:

@@ -55,6 +55,7 @@ class _Entry:
         self.footprint = _parking.file_bytes(file.path, file.mmproj_path)
         self.context_size: int | None = None  # (as its last load chose)
         self.loads = 0
+        self.pooling: str | None = None  # (as its last load read it: an embedding model's)
         self.parked: list[_parking.Parked] = []
 
     @property
@@ -287,6 +288,7 @@ class Models:
             report = model.memory()
             entry.footprint = _parking.footprint(report, file.path, file.mmproj_path)
             entry.context_size = report.context_size
+            entry.pooling = model.pooling
             entry.loads += 1
             entry.parked = _parking.restore(model, entry.parked)
         except BaseException:
@@ -326,6 +328,7 @@ class Models:
             idle_seconds=idle,
             unloads_in=None if idle is None or keep is None or keep < 0 else max(0.0, keep - idle),
             loads=entry.loads,
+            kind=None if entry.loads == 0 else "chat" if entry.pooling is None else "embedding",
         )
 
     def _due(self, now: float) -> tuple[list[_Entry], float | None]:

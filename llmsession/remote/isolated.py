@@ -80,6 +80,7 @@ class IsolatedModel:
         self.anticipate: bool = info["anticipate"]
         self.template: str | None = info["template"]
         self.renderer: Renderer = info["renderer"]
+        self.pooling: str | None = info["pooling"]
         self.media_marker: str = info["media_marker"]
         self._closed = False
 

@@ -177,6 +177,7 @@ class Worker:
             "template",
             "renderer",
             "media_marker",
+            "pooling",
         )
         return {name: getattr(model, name) for name in names}
 

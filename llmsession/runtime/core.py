@@ -130,6 +130,7 @@ class ModelCore:
         self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
         self.embedder = Embedder(self.native, self.threads, self.path.name)
+        self.pooling = self.embedder.pooling  # (None: a chat model)
 
     def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
         """``inputs``' embeddings (``api.Model.embed``; ``runtime.embedding``)."""

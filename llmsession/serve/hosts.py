@@ -55,7 +55,8 @@ class OneModel:
 
     def cards(self) -> list[dict[str, Any]]:
         model = self.host.model
-        return [card(self.host.name, model.mmproj_path is not None, loaded=not model.closed)]
+        kind = "chat" if model.pooling is None else "embedding"
+        return [card(self.host.name, model.mmproj_path is not None, loaded=not model.closed, kind=kind)]
 
     def loaded(self) -> list[Model]:
         return [] if self.host.model.closed else [self.host.model]
@@ -138,7 +139,9 @@ class ManyModels:
     def cards(self) -> list[dict[str, Any]]:
         cards = []
         for status in self.models.status():
-            cards.append(card(status.name, status.images, status.loaded, status.busy, status.context_size))
+            cards.append(
+                card(status.name, status.images, status.loaded, status.busy, status.context_size, status.kind)
+            )
         return cards
 
     def loaded(self) -> list[Model]:
@@ -162,16 +165,26 @@ def fitting(model: Model, name: str, settings: SessionConfig) -> None:
 
 
 def card(
-    name: str, images: bool, loaded: bool, busy: bool = False, context: int | None = None
+    name: str,
+    images: bool,
+    loaded: bool,
+    busy: bool = False,
+    context: int | None = None,
+    kind: str | None = "chat",
 ) -> dict[str, Any]:
-    """A model's entry in ``/v1/models``: OpenAI's fields, and whether it is loaded (as
-    llama-server's router says it: ``status.value``)."""
+    """A model's entry in ``/v1/models``: OpenAI's fields, whether it is loaded (as llama-server's
+    router says it: ``status.value``), and what it does (``kind``: chat or embedding; None
+    until it has loaded: its file says it)."""
     value = "loading" if busy and not loaded else "loaded" if loaded else "unloaded"
+    chat = None if kind is None else kind == "chat"
+    capabilities = {"chat": chat, "embeddings": None if kind is None else not chat, "images": images}
+    if chat is not False:
+        capabilities |= {"tools": True, "json_schema": True}
     return {
         "id": name,
         "object": "model",
         "owned_by": "llmsession",
         "status": {"value": value},
         "context_size": context,
-        "capabilities": {"images": images, "tools": True, "json_schema": True},
+        "capabilities": capabilities,
     }
