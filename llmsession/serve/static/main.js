@@ -40,6 +40,8 @@ async function connect() {
     else throw error;
     return;
   }
+  const chats = cards.filter((c) => !c.capabilities || c.capabilities.chat !== false); // (no embedders)
+  if (chats.length) cards = chats;
   const chosen = store.connectedModel();
   const card = cards.find((c) => chosen && c.id === chosen.id) || cards[0];
   store.setModel(card, cards);
