@@ -198,6 +198,8 @@ def test_the_models_command_lists_a_servers_models_and_what_it_holds(
     assert main(["models", "--url", url, "--api-key", KEY]) == 0
     printed = capsys.readouterr().out
     assert "smol" in printed and "gemma" in printed and "loaded: smol" in printed, printed
+    assert main(["models", "--url", f"{url}/models", "--api-key", KEY]) == 0  # (the listing's own address)
+    assert "loaded: smol" in capsys.readouterr().out
     assert main(["models", "--url", url, "--api-key", "wrong"]) == 1
     assert "401" in capsys.readouterr().err
 
@@ -220,3 +222,24 @@ def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tu
         ]
     }
     assert capabilities["smol"]["chat"] is True and capabilities["smol"]["embeddings"] is False
+
+
+def test_a_card_says_what_its_model_does_once_it_is_known() -> None:
+    from llmsession.api.modelfiles import kind_of
+    from llmsession.serve.hosts import card
+
+    assert [kind_of(p) for p in (None, "mean", "cls", "last", "rank")] == [
+        "chat",
+        *["embedding"] * 3,
+        "reranker",
+    ]
+    said = {
+        kind: card("m", False, True, kind=kind)["capabilities"]
+        for kind in ("chat", "embedding", "reranker", None)
+    }
+    assert [(said[k]["chat"], said[k]["embeddings"]) for k in said] == [
+        (True, False),
+        (False, True),
+        (False, False),
+        (None, None),
+    ]

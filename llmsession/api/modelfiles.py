@@ -32,7 +32,7 @@ class ModelStatus:
     idle_seconds: float | None  # since its last use (loaded and unused models)
     unloads_in: float | None  # seconds until it unloads unless used again (None: it is kept)
     loads: int  # times it was loaded so far
-    kind: str | None  # "chat" or "embedding" (a pooling in its GGUF), once it has loaded; else None
+    kind: str | None = None  # "chat", "embedding" or "reranker" (its GGUF's pooling), once loaded
 
 
 def model_file(spec: ModelFile | str | Path) -> ModelFile:
@@ -62,3 +62,8 @@ def folder_models(folder: Path) -> dict[str, ModelFile]:
     if not found:
         raise ValueError(f"no .gguf model in {str(folder)!r:.200}")
     return found
+
+
+def kind_of(pooling: str | None) -> str:
+    """What a model does, by the pooling its GGUF names (``Model.pooling``)."""
+    return "chat" if pooling is None else "reranker" if pooling == "rank" else "embedding"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmsession.api import _parking
 from llmsession.api.model import Model
-from llmsession.api.modelfiles import ModelFile, ModelStatus, folder_models, model_file
+from llmsession.api.modelfiles import ModelFile, ModelStatus, folder_models, kind_of, model_file
 from llmsession.config import MemoryConfig, ModelConfig, model_configs
 from llmsession.errors import ModelClosedError, ModelNotFoundError, ModelsFullError
 
@@ -328,7 +328,7 @@ class Models:
             idle_seconds=idle,
             unloads_in=None if idle is None or keep is None or keep < 0 else max(0.0, keep - idle),
             loads=entry.loads,
-            kind=None if entry.loads == 0 else "chat" if entry.pooling is None else "embedding",
+            kind=None if entry.loads == 0 else kind_of(entry.pooling),
         )
 
     def _due(self, now: float) -> tuple[list[_Entry], float | None]:

@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from llmsession.api.modelfiles import kind_of
 from llmsession.config import SessionConfig
 from llmsession.errors import ModelNotFoundError, ModelsFullError
 from llmsession.serve.chat import Held, Host
@@ -55,7 +56,7 @@ class OneModel:
 
     def cards(self) -> list[dict[str, Any]]:
         model = self.host.model
-        kind = "chat" if model.pooling is None else "embedding"
+        kind = kind_of(getattr(model, "pooling", None))  # (what behaves as a model may not say)
         return [card(self.host.name, model.mmproj_path is not None, loaded=not model.closed, kind=kind)]
 
     def loaded(self) -> list[Model]:
@@ -177,7 +178,8 @@ def card(
     until it has loaded: its file says it)."""
     value = "loading" if busy and not loaded else "loaded" if loaded else "unloaded"
     chat = None if kind is None else kind == "chat"
-    capabilities = {"chat": chat, "embeddings": None if kind is None else not chat, "images": images}
+    embeds = None if kind is None else kind == "embedding"
+    capabilities = {"chat": chat, "embeddings": embeds, "images": images}
     if chat is not False:
         capabilities |= {"tools": True, "json_schema": True}
     return {

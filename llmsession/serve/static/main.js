@@ -40,12 +40,32 @@ async function connect() {
     else throw error;
     return;
   }
-  const chats = cards.filter((c) => !c.capabilities || c.capabilities.chat !== false); // (no embedders)
-  if (chats.length) cards = chats;
-  const chosen = store.connectedModel();
-  const card = cards.find((c) => chosen && c.id === chosen.id) || cards[0];
-  store.setModel(card, cards);
-  view.showConnected(card, cards);
+  const [card, chats] = chosen(cards);
+  store.setModel(card, chats);
+  view.showConnected(card, chats);
+}
+
+// The models that chat (embedding models say they do not once loaded), and the one picked.
+function chosen(cards) {
+  const chats = cards.filter((c) => !c.capabilities || c.capabilities.chat !== false);
+  const kept = chats.length ? chats : cards;
+  const picked = store.connectedModel();
+  return [kept.find((c) => picked && c.id === picked.id) || kept[0], kept];
+}
+
+// After a reply on a server of several models: the picker's states as the server has them now
+// (the banner, the key form and a load under way are left as they are).
+async function refreshModels() {
+  if (!store.connectedModel()) return;
+  let cards;
+  try {
+    cards = await modelCards(store.apiKey());
+  } catch (_) {
+    return; // (the next request says what is wrong)
+  }
+  const [card, chats] = chosen(cards);
+  store.setModel(card, chats);
+  if (!store.streaming()) view.showPicker(card, chats);
 }
 
 // Another model picked: requests go to it from now on (the server loads it for the first).
@@ -54,6 +74,10 @@ function pick(id) {
   const card = cards.find((c) => c.id === id);
   if (!card) return;
   store.setModel(card, cards);
+  if (!(card.capabilities && card.capabilities.images)) {
+    store.takeAttachments(); // (images for a model that takes none would be refused)
+    view.renderAttachments();
+  }
   view.showConnected(card, cards);
 }
 
@@ -112,7 +136,8 @@ async function respond(conv) {
   document.body.dataset.ended = String(store.endReply(reply, { finish, error: failed, stats }));
   save();
   view.render();
-  if (loading || store.modelCards().length > 1) connect(); // (what is loaded now)
+  if (loading) view.showPicker(card, store.modelCards()); // (its load is over)
+  if (store.modelCards().length > 1) refreshModels(); // (what is loaded now)
 }
 
 function stop() {

@@ -268,6 +268,14 @@ export function showConnected(card, cards) {
   const attach = $("attach");
   if (attach && cards.some(takes)) attach.hidden = !images;
   else if (attach) attach.remove(); // absent, not just hidden: the server takes no images
+  showPicker(card, cards);
+  document.body.dataset.ready = "1";
+  updateComposer();
+}
+
+// The picked model's name, and the picker of a server of several models with their states.
+export function showPicker(card, cards) {
+  const images = Boolean(card.capabilities && card.capabilities.images);
   $("model-name").textContent = "model: " + card.id + (images ? " (images)" : "");
   const picker = $("model-picker");
   const several = cards.length > 1;
@@ -278,8 +286,6 @@ export function showConnected(card, cards) {
     picker.value = card.id;
   }
   document.body.dataset.loading = "0";
-  document.body.dataset.ready = "1";
-  updateComposer();
 }
 
 // The picked model is loading for this request (the server loads it on demand).
