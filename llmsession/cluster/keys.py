@@ -16,13 +16,12 @@ gives each key one owner, and a change of the set moves only the keys the change
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmsession.serve.naming import SESSION_HEADERS
+from llmsession.serve.naming import digest, named_conversation
 
 BODY_KEYS = ("prompt_cache_key",)  # (a body field some clients set to their conversation)
 MAX_KEYED_BODY = 16 << 20  # bodies larger than this are routed by their headers only
@@ -52,18 +51,10 @@ def parsed_session(session: str) -> tuple[str, str | None, str | None]:
 OPENING_CHARS = 4096  # of the system prompt and the first user message, enough to tell them apart
 
 
-def _digest(*parts: str) -> str:
-    hashed = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        data = part.encode("utf-8", "surrogatepass")
-        hashed.update(len(data).to_bytes(8, "little") + data)
-    return hashed.hexdigest()
-
-
 def tenant_of(headers: Mapping[str, str]) -> str:
     """Whose request this is: its API key (Bearer or ``x-api-key``), as a digest."""
     credential = headers.get("authorization", "") or headers.get("x-api-key", "")
-    return _digest("tenant", credential)
+    return digest("tenant", credential)
 
 
 def routing(path: str, headers: Mapping[str, str], body: bytes) -> tuple[str, str | None]:
@@ -88,15 +79,14 @@ def conversation_key(path: str, headers: Mapping[str, str], body: bytes) -> str:
 
 def _key(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) -> str:
     tenant = tenant_of(headers)
-    for name in SESSION_HEADERS:
-        value = headers.get(name)
-        if value:
-            return _digest(tenant, "header", value[:512])
+    named = named_conversation(tenant, headers)  # (a session header: as a server alone names it)
+    if named is not None:
+        return named
     for name in BODY_KEYS:
         value = parsed.get(name)
         if isinstance(value, str) and value:
-            return _digest(tenant, "body", value[:512])
-    return _digest(tenant, "opening", path, *_opening(parsed))
+            return digest(tenant, "body", value[:512])
+    return digest(tenant, "opening", path, *_opening(parsed))
 
 
 def _parsed(body: bytes) -> Mapping[str, Any]:
@@ -166,7 +156,7 @@ def _text(value: object) -> str:
 
 def ranked(key: str, replicas: Sequence[str]) -> list[str]:
     """``replicas`` (stable names) in the order ``key`` prefers them: its owner first."""
-    return sorted(replicas, key=lambda name: _digest(key, name), reverse=True)
+    return sorted(replicas, key=lambda name: digest(key, name), reverse=True)
 
 
 def preferred(key: str, replicas: Sequence[str], holders: Sequence[str]) -> list[str]:

@@ -15,14 +15,19 @@ SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session_id", "se
 MAX_NAME = 512  # characters of a header's value that name the conversation
 
 
+def digest(*parts: str) -> str:
+    """32 hex digits naming ``parts`` (each length-prefixed: no two lists of parts collide)."""
+    hashed = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        hashed.update(len(data).to_bytes(8, "little") + data)
+    return hashed.hexdigest()
+
+
 def named_conversation(tenant: str, headers: Mapping[str, str]) -> str | None:
     """The conversation a request's session header names (32 hex digits), or None."""
     for header in SESSION_HEADERS:
         value = headers.get(header)
         if value:
-            hashed = hashlib.blake2b(digest_size=16)
-            for part in (tenant, "header", value[:MAX_NAME]):
-                data = part.encode("utf-8", "surrogatepass")
-                hashed.update(len(data).to_bytes(8, "little") + data)
-            return hashed.hexdigest()
+            return digest(tenant, "header", value[:MAX_NAME])
     return None
