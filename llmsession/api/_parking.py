@@ -72,9 +72,10 @@ def footprint(report: MemoryReport, *files: Path | None) -> int:
     return file_bytes(*files) + report.kv_bytes + report.host_cache_bytes
 
 
-def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, int, bool]]) -> str:
+def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, bool]]) -> str:
+    """Why ``name`` cannot load: the models held (name, bytes, whether loading or unloading)."""
     states = {True: "loading or unloading", False: "in use"}
-    parts = [f"{other} ({size / 2**20:.0f} MiB, {states[busy]})" for other, size, _, busy in held]
+    parts = [f"{other} ({size / 2**20:.0f} MiB, {states[busy]})" for other, size, busy in held]
     within = f" within the memory limit of {limit / 2**20:.0f} MiB" if limit is not None else ""
     return (
         f"model {name!r} ({needed / 2**20:.0f} MiB) cannot load now{within}: "

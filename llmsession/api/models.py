@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KEEP = -1  # a ``keep_alive`` that keeps a model loaded until it is unloaded by name or for room
-
 
 class _Entry:
     """A model's state, changed under ``Models._changed``."""
@@ -254,7 +252,7 @@ class Models:
         """The idle models to unload (least recently used first, marked busy) so that ``name``
         fits; None to wait while another model loads or unloads; ``ModelsFullError`` if no
         choice fits (the lock held)."""
-        held = [e for e in self._entries.values() if e.model is not None or e.busy]
+        held = [e for _, e in self._holding()]
         idle = sorted((e for e in held if e.idle), key=lambda e: e.last_used)
         doomed: list[_Entry] = []
 
@@ -269,17 +267,19 @@ class Models:
         if not fits() and any(e.busy for e in held):
             return None  # (an unload under way may leave room; a load, take it)
         if not fits():
-            raise ModelsFullError(_parking.full_message(name, needed, self.memory_limit, self._held()))
+            held_now = [(other, e.footprint, e.busy) for other, e in self._holding()]
+            raise ModelsFullError(_parking.full_message(name, needed, self.memory_limit, held_now))
         for entry in doomed:
             entry.busy = True
         return doomed
 
-    def _held(self) -> list[tuple[str, int, int, bool]]:
-        return [
-            (name, e.footprint, e.users, e.busy)
-            for name, e in self._entries.items()
-            if e.model is not None or e.busy
-        ]
+    def _holding(self) -> list[tuple[str, _Entry]]:
+        """The models that hold memory: loaded, loading or unloading (the lock held)."""
+        return [(name, e) for name, e in self._entries.items() if e.model is not None or e.busy]
+
+    def _keep(self, entry: _Entry) -> float | None:
+        """How long ``entry`` stays loaded once idle (None or negative: kept)."""
+        return self.idle_unload if entry.keep_alive is None else entry.keep_alive
 
     def _load(self, entry: _Entry) -> Model:
         file = entry.file
@@ -315,7 +315,7 @@ class Models:
         model = entry.model
         loaded = model is not None and not model.closed
         idle = now - entry.last_used if loaded and entry.users == 0 else None
-        keep = self.idle_unload if entry.keep_alive is None else entry.keep_alive
+        keep = self._keep(entry)
         return ModelStatus(
             name=name,
             path=entry.file.path,
@@ -335,7 +335,7 @@ class Models:
         """The idle models past their keep-alive, and the seconds until the next one is due."""
         due, wait = [], None
         for entry in self._entries.values():
-            keep = self.idle_unload if entry.keep_alive is None else entry.keep_alive
+            keep = self._keep(entry)
             if not entry.idle or keep is None or keep < 0:
                 continue
             left = entry.last_used + keep - now
