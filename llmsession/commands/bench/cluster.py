@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from llama_cffi import lib_dir
 
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.commands.bench.common import machine, progress, publish, table
+from llmsession.commands.bench.common import machine, progress, publish, reference_env, table
 from llmsession.commands.bench.serve_bench import log_tail, server_table
 from llmsession.commands.bench.serve_load import drive, later_turns, warm_up
 
@@ -148,8 +147,7 @@ def smg(args: argparse.Namespace) -> Stack:
         "warn",
     ]
     processes.append(Process(command, port, lambda url: _healthy_workers(url) == args.replicas))
-    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
-    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    env = reference_env()  # (llmsession's libraries)
     missing = None
     if not exe.is_file():
         missing = f"{exe} not found: run python scripts/fetch_llama.py --bench"

@@ -100,14 +100,19 @@ def flash_attn_option(flash_attention: bool | None) -> str:
     return {None: "auto", True: "on", False: "off"}[flash_attention]
 
 
+def reference_env() -> dict[str, str]:
+    """The environment a llama.cpp tool runs in: its rpath is its own folder, so the libraries
+    llmsession loads (``LLMSESSION_LIB_DIR`` included) come first on its library path."""
+    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    return os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+
+
 def reference(exe: Path, model_path: Path, threads: int, *options: str) -> dict[str, str]:
     """Run one of llama.cpp's own benchmarks (llama-bench, llama-batched-bench) on llmsession's
     very libraries (``LLMSESSION_LIB_DIR`` included): its output and command, or an error."""
     if not exe.exists():
         return {"error": f"{exe.name} not found at {exe}: run python scripts/fetch_llama.py --bench"}
-    # Its rpath is its own folder: make it load the libraries llmsession loads.
-    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
-    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    env = reference_env()
     cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:

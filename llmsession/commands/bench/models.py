@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -30,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from llama_cffi import lib_dir
 
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.commands.bench.common import machine, progress, publish, table
+from llmsession.commands.bench.common import machine, progress, publish, reference_env, table
 from llmsession.commands.bench.serve_bench import Contender, free_port, launched, log_tail
 from llmsession.commands.bench.serve_load import http_client
 from llmsession.native.machine import default_threads
@@ -120,8 +118,7 @@ def contenders(args: argparse.Namespace, folder: Path) -> Iterator[tuple[str, Co
     port, exe = free_port(), args.llama_server
     command = [str(exe), "--models-dir", str(folder), "--models-max", "1", "--port", str(port)]
     command += ["-t", str(args.threads), *LLAMA_SERVER_ARGS]
-    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
-    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    env = reference_env()  # (llmsession's libraries)
     missing = None if exe.is_file() else f"{exe} not found: run python scripts/fetch_llama.py --bench"
     yield "llama-server router", Contender("llama-server", command, port, env=env, missing=missing), False
 

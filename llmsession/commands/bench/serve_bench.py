@@ -52,7 +52,7 @@ from llama_cffi import lib_dir
 
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.commands.bench.common import machine, progress, publish, table
+from llmsession.commands.bench.common import machine, progress, publish, reference_env, table
 from llmsession.commands.bench.serve_load import drive, later_turns, warm_up
 from llmsession.native.machine import default_threads
 
@@ -96,9 +96,7 @@ def llama_server(args: argparse.Namespace) -> Contender:
     command = [str(exe), "-m", str(args.model), "--port", str(port), "-t", str(args.threads)]
     given = args.llama_server_args
     command += shlex.split(given) if given is not None else list(LLAMA_SERVER_ARGS)
-    # Its rpath is its own folder: make it load the libraries llmsession loads.
-    search = [str(lib_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
-    env = os.environ | {"LD_LIBRARY_PATH": os.pathsep.join(search)}
+    env = reference_env()  # (llmsession's libraries)
     missing = None if exe.is_file() else f"{exe} not found: run python scripts/fetch_llama.py --bench"
     return Contender("llama-server", command, port, env=env, missing=missing)
 
