@@ -93,29 +93,25 @@ class ManyModels:
         one load) and held until the request's ``Held`` is dropped."""
         served = self.served(name)
         turn = self._turns.setdefault(served, asyncio.Lock())
-        await turn.acquire()  # (the turn is given back once the loader thread is done)
+        await turn.acquire()
+        later = False  # (a cancelled wait gives the turn back once the loader thread is done)
         try:
             acquiring = asyncio.get_running_loop().run_in_executor(
                 self._loader, lambda: self.models.acquire(served, keep_alive=keep_alive)
             )
-        except BaseException:
-            turn.release()
-            raise
-        try:
-            model = await asyncio.shield(acquiring)
-        except asyncio.CancelledError:  # (the client left while it loaded: let go once loaded)
-            acquiring.add_done_callback(lambda done: self._gone(done, served, turn))
-            raise
+            try:
+                model = await asyncio.shield(acquiring)
+            except asyncio.CancelledError:  # (the client left while it loaded: let go once loaded)
+                acquiring.add_done_callback(lambda done: self._gone(done, served, turn))
+                later = True
+                raise
         except ModelNotFoundError:
-            turn.release()
             raise not_found(name, self.names) from None
         except ModelsFullError as error:
-            turn.release()
             raise no_room(error) from None
-        except BaseException:
-            turn.release()
-            raise
-        turn.release()
+        finally:
+            if not later:
+                turn.release()
         held = Held(lambda: self.models.release(served))
         try:
             return self._host(served, model), held
