@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,11 +16,11 @@ import openai
 import uvicorn
 from tool_helpers import WEATHER
 
-from llmsession import Model
-from llmsession.serve.app import Server
+from llmsession import Model, Models
+from llmsession.serve.app import Server, create_app
 
 KEY, OTHER_KEY = "sk-alpha", "sk-beta"
-__all__ = ["KEY", "OTHER_KEY", "WEATHER", "Served", "metric", "running"]
+__all__ = ["KEY", "OTHER_KEY", "WEATHER", "Served", "metric", "running", "three_models"]
 
 
 @dataclass
@@ -75,3 +76,12 @@ def running(app: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextlib.contextmanager
+def three_models(smol: Path, gemma: Path, bert: Path, **app: Any) -> Iterator[tuple[Models, str]]:
+    """Two chat models and an embedding model behind one server (``create_app(**app)``), one
+    loaded at a time: the models, and the server's base URL."""
+    models = Models({"smol": smol, "gemma": gemma, "bert": bert}, max_loaded=1, threads=2)
+    with models, running(create_app(models, **app)) as url:
+        yield models, url

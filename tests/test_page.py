@@ -29,7 +29,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
-from serve_helpers import KEY, WEATHER, Served, metric, running
+from serve_helpers import KEY, WEATHER, Served, metric, running, three_models
 
 from llmsession import Model, Models
 from llmsession.serve.app import create_app
@@ -555,10 +555,8 @@ def test_an_image_goes_to_a_server_with_a_projector(
 def models_served(
     smollm2_path: Path, gemma3_path: Path, fixture_path: Callable[[str], Path]
 ) -> Iterator[tuple[Models, str]]:
-    files = {"smol": smollm2_path, "gemma": gemma3_path, "bert": fixture_path("bert-tiny.gguf")}
-    models = Models(files, max_loaded=1, threads=2)
-    with models, running(create_app(models)) as url:
-        yield models, url
+    with three_models(smollm2_path, gemma3_path, fixture_path("bert-tiny.gguf")) as served:
+        yield served
 
 
 def test_a_server_of_several_models_gets_a_picker_and_the_picked_one_loads(

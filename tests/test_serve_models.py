@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serve_helpers import KEY, running
+from serve_helpers import KEY, running, three_models
 
 from llmsession import Models
 from llmsession.commands.cli import parser
@@ -30,11 +30,8 @@ ARGMAX = {"temperature": 0}
 def served(
     smollm2_path: Path, gemma3_path: Path, fixture_path: Callable[[str], Path]
 ) -> Iterator[tuple[Models, str]]:
-    """Two chat models and an embedding model, one loaded at a time."""
-    files = {"smol": smollm2_path, "gemma": gemma3_path, "bert": fixture_path("bert-tiny.gguf")}
-    models = Models(files, max_loaded=1, threads=2)
-    with models, running(create_app(models, api_key=KEY)) as url:
-        yield models, url
+    with three_models(smollm2_path, gemma3_path, fixture_path("bert-tiny.gguf"), api_key=KEY) as served:
+        yield served
 
 
 def chat(url: str, model: str, text: str, **extra: Any) -> Any:
