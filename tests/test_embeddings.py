@@ -61,6 +61,14 @@ def test_embed_equals_llama_cpps_own_embedding_of_each_text(bert: Model, referen
     assert np.abs(vectors[0] - vectors[1]).max() > 0.1  # (texts that differ embed apart)
 
 
+def test_an_embedding_model_holds_its_context_from_load_and_no_chat_cells(bert_path: Path) -> None:
+    with Model(bert_path, threads=1) as model:
+        at_load = model.memory()
+        assert at_load.kv_bytes == 0 and at_load.buffer_bytes > 0, at_load
+        model.embed(TEXTS)
+        assert model.memory().buffer_bytes == at_load.buffer_bytes  # (nothing made later)
+
+
 def test_more_inputs_than_a_batch_holds_equal_each_alone(bert: Model) -> None:
     long = " ".join(TEXTS[2].split() * 12)  # (about 110 tokens: five fill a batch of 512)
     many = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(SEQUENCES * 2 + 3)] + [long, f"{long} cat"] * 4

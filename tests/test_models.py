@@ -25,6 +25,7 @@ from llmsession import (
     RequestError,
     UnavailableError,
 )
+from llmsession.native.llama import compute_buffer_bytes
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 SYSTEM = "You are a terse assistant. " + "Answer in a few words and never apologise. " * 6
@@ -123,6 +124,57 @@ def test_a_load_with_no_room_is_refused_and_unloads_nothing(smollm2_path: Path, 
     with small, pytest.raises(ModelsFullError, match="memory limit"):
         small.acquire("gemma")
     assert loaded(small) == {"smol": False, "gemma": False}
+
+
+def test_buffers_are_read_from_what_llama_cpp_reports_allocating() -> None:
+    lines = [
+        "llama_context:        CPU  output buffer size =     0.75 MiB",
+        "sched_reserve:        CPU compute buffer size =    98.01 MiB",
+        "sched_reserve:   CPU_Mapped compute buffer size =     2.50 MiB",
+        "clip_ctx: CPU compute buffer size =     1.00 MiB (image)",
+        "llama_kv_cache:        CPU KV buffer size =    22.50 MiB",
+    ]
+    assert compute_buffer_bytes(lines) == round(98.01 * 2**20) + round(2.5 * 2**20) + 2**20
+    assert compute_buffer_bytes(["a compute buffer size of 5 MiB"]) == 0
+
+
+SMOL_VOCAB = 49_152  # SmolLM2's vocabulary: llama.cpp's compute buffer holds a batch's logits
+
+
+def test_a_model_counts_llama_cpps_buffers_against_the_limit(smollm2_path: Path) -> None:
+    """What llama.cpp allocates beside weights and cells (compute and output buffers) counts:
+    a batch's logits alone are ``batch_size x vocabulary`` floats, so they grow with the batch;
+    a limit that holds all but half of the buffers refuses the model's reload."""
+    sizes = {}
+    for batch in (64, 256):
+        with Models({"smol": smollm2_path}, threads=2, batch_size=batch, kv_tokens=1024) as models:
+            with models.use("smol") as model:
+                report = model.memory()
+            status = models.status()[0]
+            files = smollm2_path.stat().st_size
+            assert (
+                status.resident_bytes
+                == files + report.kv_bytes + report.buffer_bytes + report.host_cache_bytes
+            )
+            assert report.buffer_bytes >= batch * SMOL_VOCAB * 4, (batch, report.buffer_bytes)
+            sizes[batch] = report.buffer_bytes, status.resident_bytes
+    assert sizes[256][0] - sizes[64][0] >= (256 - 64) * SMOL_VOCAB * 4
+    buffers, resident = sizes[64]
+    limit = resident - buffers // 2
+    with Models(
+        {"smol": smollm2_path}, threads=2, batch_size=64, kv_tokens=1024, memory_limit=limit
+    ) as models:
+        models.load("smol")  # (before its first load it counts its file only)
+        assert models.unload("smol")
+        with pytest.raises(ModelsFullError, match="memory limit"):
+            models.load("smol")
+    with Models(
+        {"smol": smollm2_path}, threads=2, batch_size=64, kv_tokens=1024, memory_limit=resident
+    ) as models:
+        models.load("smol")
+        assert models.unload("smol")
+        models.load("smol")  # (it fits exactly)
+        assert loaded(models) == {"smol": True}
 
 
 def test_idle_models_unload_after_idle_unload_or_keep_alive(smollm2_path: Path) -> None:

@@ -114,6 +114,23 @@ def take_pending_error() -> BaseException | None:
     return error
 
 
+_captured = threading.local()
+
+
+@contextmanager
+def captured_logs() -> Iterator[list[str]]:
+    """The whole native log lines this thread writes inside the block, whatever their level
+    and the logger's (what llama.cpp reports only in its log, such as the buffers it
+    allocated)."""
+    lines: list[str] = []
+    outer = getattr(_captured, "lines", None)
+    _captured.lines = lines
+    try:
+        yield lines
+    finally:
+        _captured.lines = outer
+
+
 def _route_logs(lib: _Lib) -> Any:
     """Forward native log lines to Python logging; continuation pieces join the line before (per
     thread: llama.cpp may log from several threads at once)."""
@@ -126,11 +143,15 @@ def _route_logs(lib: _Lib) -> Any:
         level = (
             logging.DEBUG if getattr(_pending, "aborting", False) else getattr(line, "level", logging.DEBUG)
         )
-        if not log.isEnabledFor(level):
+        capture: list[str] | None = getattr(_captured, "lines", None)
+        if capture is None and not log.isEnabledFor(level):
             return
         line.text = getattr(line, "text", "") + ffi.string(text).decode("utf-8", "replace")
         if line.text.endswith("\n"):
-            log.log(level, "%s", line.text.rstrip())
+            if capture is not None:
+                capture.append(line.text.rstrip())
+            if log.isEnabledFor(level):
+                log.log(level, "%s", line.text.rstrip())
             line.text = ""
 
     lib.llama_log_set(on_log, ffi.NULL)

@@ -68,8 +68,9 @@ def file_bytes(*paths: Path | None) -> int:
 
 
 def footprint(report: MemoryReport, *files: Path | None) -> int:
-    """What a loaded model holds: its files (weights, projector), its KV cells, its host cache."""
-    return file_bytes(*files) + report.kv_bytes + report.host_cache_bytes
+    """What a loaded model holds: its files (weights, projector), its KV cells, llama.cpp's
+    compute and output buffers, its host cache."""
+    return file_bytes(*files) + report.kv_bytes + report.buffer_bytes + report.host_cache_bytes
 
 
 def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, bool]]) -> str:

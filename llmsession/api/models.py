@@ -7,7 +7,8 @@ can hold the same way.
 - **Bounds.** ``max_loaded`` models at once and ``memory_limit`` bytes in all: a load that would
   pass either first unloads the least recently used idle models, else it is refused
   (``ModelsFullError``, saying what is held) and nothing is unloaded. A model counts its files
-  until its first load, then what it measured: files, KV cells and host cache for parked states.
+  until its first load, then what it measured: files, KV cells, llama.cpp's
+  buffers and host cache for parked states.
 - **Idle.** ``idle_unload`` seconds after its last use a model unloads; a use's ``keep_alive``
   (Ollama's: seconds, ``0`` unload once idle, ``-1`` keep) replaces that for the model.
 - **Conversations survive an unload.** The conversations its stateless calls named

@@ -100,13 +100,16 @@ class MemoryReport:
     kv_bytes: int = 0  # about what the live sessions' KV cells take (allocated at load)
     kv_sizing: str = ""  # how kv_tokens was chosen
     renderer: str = ""  # how prompts are rendered (``text.renderer.Renderer``)
+    # llama.cpp's compute and output buffers of its contexts and projector (as it reported them)
+    buffer_bytes: int = 0
 
     def __str__(self) -> str:
         c = self.counters
         return (
             f"memory: {self.live_sessions}/{self.max_live_sessions} sessions live holding "
             f"{self.live_tokens}/{self.kv_tokens} KV cells ({self.kv_bytes / MIB:.0f} MiB; "
-            f"{self.kv_sizing}); parked {self.parked_bytes / MIB:.1f}"
+            f"{self.kv_sizing}), buffers {self.buffer_bytes / MIB:.0f} MiB; "
+            f"parked {self.parked_bytes / MIB:.1f}"
             f"/{self.host_cache_bytes / MIB:.0f} MiB in RAM, {self.disk_entries} on disk "
             f"({self.disk_bytes / MIB:.1f} MiB), checkpoints {self.checkpoint_bytes / MIB:.1f} MiB "
             f"| parks {c.parks}, restores {c.restores}, "

@@ -34,6 +34,7 @@ from llmsession.engine.budget import (
     own_cells,
     uses_own_cells,
 )
+from llmsession.engine.drafting import MAX_DRAFT
 from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
@@ -70,7 +71,9 @@ class Engine:
         semantics); by default a ``NativeContext`` of ``native`` with cells of ``kv_type``."""
         self.native, self.projector, self.threads, self.config = native, projector, threads, config
         self.flash_attention = flash_attention
-        self.make_context = make_context or functools.partial(NativeContext, native, kv_type=kv_type)
+        self.make_context = make_context or functools.partial(
+            NativeContext, native, kv_type=kv_type, outputs_per_seq=1 + MAX_DRAFT
+        )
         self.gate = Gate()  # the lock, and who waits for it
         self.hold = self.gate.hold  # every taker counts as waiting: background work gives way to it
         self.batcher = Batcher(self.gate)  # its decode thread holds the gate, not the engine

@@ -3,7 +3,6 @@ state. Part of the native layer (see ``native``): every call's return code is ch
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -20,36 +19,17 @@ from llmsession.native.llama import (
     Owner,
     bindings,
     check,
+    compute_buffer_bytes,
     not_null,
     raise_pending,
 )
+from llmsession.native.threadpool import POOLED, ThreadPool
 from llmsession.options import KV_TYPES
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
-POLL = 1  # how long a thread pool's workers spin for the next graph before they sleep (a few ms)
-
-
-class ThreadPool:
-    """Owns the ggml thread pool a context decodes with. Without one, the CPU backend starts and
-    joins its worker threads for every graph it computes, which cost 3-4 % of a generated token
-    here (llama-bench and llama-server keep one too). Its workers spin ``POLL`` for the next graph
-    (a stream's next token comes within a millisecond), then sleep. A forked child has none of
-    its threads: there the context decodes without it (``_forget_pools``) and it is never freed."""
-
-    def __init__(self, threads: int) -> None:
-        lib, ffi = bindings()
-        params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(threads))
-        params.poll = POLL
-        self.ptr = not_null(lib.ggml_threadpool_new(params), "creating a ggml thread pool")
-        self.pid = os.getpid()
-
-    def free(self) -> None:
-        if self.ptr is not None and self.pid == os.getpid():
-            bindings()[0].ggml_threadpool_free(self.ptr)
-        self.ptr = None
 
 
 def _free_context(lib: Any, ptr: Any, pool: ThreadPool, _model: NativeModel) -> None:
@@ -58,17 +38,13 @@ def _free_context(lib: Any, ptr: Any, pool: ThreadPool, _model: NativeModel) -> 
     pool.free()
 
 
-_POOLED: weakref.WeakSet[NativeContext] = weakref.WeakSet()  # the contexts with a thread pool
+def _made(lib: Any, model: NativeModel, params: Any) -> tuple[Any, int]:
+    """A new llama context (or NULL), and the compute buffers llama.cpp reported making for it."""
+    from llama_cffi import captured_logs
 
-
-def _forget_pools() -> None:
-    """In a forked child: the pools' worker threads are the parent's, so decode without them."""
-    for context in list(_POOLED):
-        if not context.closed:
-            bindings()[0].llama_detach_threadpool(context.ptr)
-
-
-os.register_at_fork(after_in_child=_forget_pools)
+    with captured_logs() as lines:
+        pointer = lib.llama_init_from_model(model.ptr, params)
+    return pointer, compute_buffer_bytes(lines)
 
 
 class NativeContext(Owner):
@@ -91,13 +67,15 @@ class NativeContext(Owner):
         kv_type: str = "f16",
         own_cells: bool = False,
         embeddings: bool = False,
+        outputs_per_seq: int | None = None,
     ) -> None:
         """``flash_attention`` None leaves llama.cpp's choice (AUTO: on wherever supported).
         ``kv_type``: the cells' type for K and V (``options.KV_TYPES``). ``own_cells``: each
         sequence gets a stream of ``n_ctx / n_seq_max`` cells of its own (``kv_unified`` off), so
         its attention runs over its own cells only; else sequences share one pool of cells.
         ``embeddings``: each sequence's pooled embedding is kept (the pooling its GGUF names:
-        ``pooled``), not logits."""
+        ``pooled``), not logits. ``outputs_per_seq``: the most rows of logits a decode asks of
+        one sequence (None: every token's), which its output buffer grows to (``buffers``)."""
         lib, ffi = bindings()
         # Every decode reserves one output row per sequence, and llama.cpp holds at most n_batch
         # rows (it asserts, aborting the process): a batch holds at least one token a sequence.
@@ -112,7 +90,7 @@ class NativeContext(Owner):
         if embeddings:
             params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
         pool = ThreadPool(threads)
-        pointer = lib.llama_init_from_model(model.ptr, params)
+        pointer, compute = _made(lib, model, params)
         if pointer == ffi.NULL:
             pool.free()
         else:
@@ -120,8 +98,12 @@ class NativeContext(Owner):
         raise_pending()
         self._ptr = not_null(pointer, "creating a llama context")
         lib.llama_attach_threadpool(self._ptr, pool.ptr, pool.ptr)
-        _POOLED.add(self)
+        POOLED.add(self)
         model.adopt(self)
+        # Its output buffer grows (never shrinks) to the rows a decode asks for, at most a batch.
+        rows = n_batch if outputs_per_seq is None else min(n_batch, n_seq_max * outputs_per_seq)
+        row = model.n_vocab + (model.n_embd_out if embeddings else 0)
+        self.buffers = compute + rows * row * 4
         self._memory = lib.llama_get_memory(self.ptr)
         self.own_cells = own_cells and n_seq_max > 1
         whole = lib.llama_n_ctx_seq(self.ptr) if self.own_cells else lib.llama_n_ctx(self.ptr)

@@ -17,8 +17,9 @@ native call returns; a decode it interrupted raises ``DecodeAborted`` carrying i
 from __future__ import annotations
 
 import operator
+import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,9 @@ class Owner:
 
     _free: weakref.finalize[Any, Any]
     _ptr: Any = None
+    # The host memory llama.cpp allocated for this object beyond weights and KV cells (a context's
+    # compute and output buffers, a projector's compute buffer), in bytes (``buffer_bytes``).
+    buffers: int = 0
 
     @property
     def ptr(self) -> Any:
@@ -100,6 +104,16 @@ class Owner:
     def close(self) -> None:
         if self._ptr is not None:
             self._free()
+
+
+_COMPUTE_BUFFER = re.compile(r"compute buffer size = +([0-9.]+) MiB")
+
+
+def compute_buffer_bytes(lines: Iterable[str]) -> int:
+    """The bytes of the compute buffers llama.cpp (or libmtmd) reported allocating in ``lines``
+    (``captured_logs``): it says them nowhere else, one line a backend, in MiB to two places."""
+    found = (_COMPUTE_BUFFER.search(line) for line in lines)
+    return sum(round(float(match.group(1)) * 2**20) for match in found if match)
 
 
 def rpc_devices(endpoints: Sequence[str]) -> list[Any]:
@@ -172,6 +186,10 @@ class NativeModel(Owner):
     def adopt(self, child: Owner) -> None:
         """Register a context or projector made from this model, to be closed before it."""
         self._children.add(child)
+
+    def held_buffers(self) -> int:
+        """The bytes its open contexts and projector hold in buffers (``Owner.buffers``)."""
+        return sum(child.buffers for child in list(self._children) if not child.closed)
 
     def close(self) -> None:
         for child in list(self._children):

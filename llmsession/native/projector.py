@@ -24,6 +24,7 @@ from llmsession.native.llama import (
     c_string,
     check,
     check_gguf_file,
+    compute_buffer_bytes,
     not_null,
     raise_pending,
 )
@@ -73,12 +74,16 @@ class Projector(Owner):
         check_gguf_file(path, "projector")
         params = lib.mtmd_context_params_default()
         params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
-        pointer = lib.mtmd_init_from_file(c_string(str(path), "projector path"), model.ptr, params)
+        from llama_cffi import captured_logs
+
+        with captured_logs() as lines:
+            pointer = lib.mtmd_init_from_file(c_string(str(path), "projector path"), model.ptr, params)
         if pointer != ffi.NULL:
             self._free = weakref.finalize(self, _free_projector, lib, pointer, model)
         raise_pending()
         self._ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
         model.adopt(self)
+        self.buffers = compute_buffer_bytes(lines)
         self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
         self.vision = bool(lib.mtmd_support_vision(self.ptr))
         self.lock = threading.Lock()

@@ -123,14 +123,16 @@ class ModelCore:
         self.native, self.projector, self.sizing = loaded.native, loaded.projector, loaded.sizing
         self.renderer = loaded.renderer
         self.engine = Engine(self.native, self.projector, self.threads, loaded.memory, **cells)
-        self.engine.warm()
+        self.embedder = Embedder(self.native, self.threads, self.path.name)
+        self.pooling = self.embedder.pooling  # (None: a chat model)
+        # An embedding model's context is made now; a chat model's shared one in the background.
+        self._warming = self.engine.warm() if self.pooling is None else None
+        self.embedder.open()
         self.use_jinja, self.template = self.renderer.jinja, self.renderer.template
         markers = markers_for(self.template, gemma4=is_gemma4_template(self.template))
         self.reasoning = markup_for(self.native, markers)  # (its tokens read once)
         self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
-        self.embedder = Embedder(self.native, self.threads, self.path.name)
-        self.pooling = self.embedder.pooling  # (None: a chat model)
 
     def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
         """``inputs``' embeddings (``api.Model.embed``; ``runtime.embedding``)."""
@@ -336,14 +338,17 @@ class ModelCore:
     def memory(self) -> MemoryReport:
         """Where every session's state is (live, parked, disk, cold), the budget's use, and the
         counts of parks, restores and drops so far; how the KV cells were sized and what they
-        take; how prompts are rendered."""
+        take, and llama.cpp's buffers; how prompts are rendered."""
+        if self._warming is not None:
+            self._warming.join()  # (what the shared context holds, once it is made)
         report = self.engine.memory()
         return dataclasses.replace(
             report,
-            kv_bytes=self.sizing.kv_bytes,
+            kv_bytes=self.sizing.kv_bytes if self.pooling is None else 0,  # (no chat, no cells)
             kv_sizing=self.sizing.note,
             context_size=self.sizing.context_size,
             renderer=str(self.renderer),
+            buffer_bytes=self.native.held_buffers(),
         )
 
     def close(self) -> None:

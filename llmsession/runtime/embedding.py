@@ -68,7 +68,7 @@ class Embedder:
         self.check()
         lists = self._token_lists(inputs, tokenize)
         with self._lock:
-            context = self._context or self._open()
+            context = self._context or self._made()
             rows = [row for group in self._groups(lists, context.n_ctx) for row in self._run(context, group)]
         out = np.stack(rows).astype(np.float32, copy=False)
         if normalize:
@@ -82,7 +82,16 @@ class Embedder:
                 self._context.close()
                 self._context = None
 
-    def _open(self) -> NativeContext:
+    def open(self) -> None:
+        """Make its embedding context now (at load: what the model holds shows from the start);
+        a chat or reranking model has none."""
+        if self.pooling in (None, "rank"):
+            return
+        with self._lock:
+            if self._context is None:
+                self._made()
+
+    def _made(self) -> NativeContext:
         trained = min(MAX_CONTEXT, self.model.n_ctx_train or MAX_CONTEXT)
         n_ctx = min(trained, max(MIN_BATCH, LOGITS_BYTES // (4 * max(1, self.model.n_vocab))))
         self._context = NativeContext(
