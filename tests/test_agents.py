@@ -50,6 +50,19 @@ def test_every_resent_turn_decodes_only_what_it_adds(model: Model, shape: str) -
         assert turn.decoded_tokens <= turn.new_tokens + 1, (shape, turn)
 
 
+@pytest.mark.parametrize("shape", ["claude_code", "codex"])
+def test_a_replayed_conversation_decodes_only_what_the_script_adds(model: Model, shape: str) -> None:
+    """``bench agents``' replayed shapes send the script's replies back (a call on turn 2,
+    answered on turn 3), the same to every server: each later turn decodes what it adds."""
+    drive = getattr(agents_load, shape)
+    with served(model) as url, httpx.Client(timeout=300) as client:
+        turns = drive(client, url, 3, 8, KEY, system_tokens=400, replay=True)
+    assert [t.replaced for t in turns] == [True] * 3
+    for turn in turns[1:]:
+        assert turn.new_tokens is not None and turn.new_tokens > 8, turn  # (a reply and a question)
+        assert turn.decoded_tokens <= turn.new_tokens + 1, (shape, turn)
+
+
 def test_a_server_that_keeps_the_billing_line_decodes_everything_again(model: Model) -> None:
     with served(model, ()) as url, httpx.Client(timeout=300) as client:
         turns = agents_load.claude_code(client, url, 2, 8, KEY, system_tokens=400)

@@ -7,7 +7,11 @@ server at a time, same model, same threads: per turn, the time to the first toke
 tokens decoded against what the turn adds. Target (issue 41): turns 2-10 mean time to first token
 at most half llama-server's. ``claude-code+titles`` is the same conversation with a title request
 under its session id before each turn (as Claude Code sends them): a side request must not cost
-the conversation its cache.
+the conversation its cache. The ``/replayed`` shapes send the script's replies back instead of
+the server's (``agents_load.scripted``), so that both servers are sent the same prompts (left to
+their own replies, they call tools differently and their turns add different tokens);
+``3x claude-code/replayed`` runs three such conversations at once, a turn of each in turn, on a
+server that keeps one live.
 
 * llmsession: ``serve --threads T`` and ``SERVE_ARGS`` (one conversation's context of 8,192);
 * llama-server (``scripts/fetch_llama.py --bench`` builds it from the same sources): ``-t T``
@@ -36,7 +40,7 @@ import httpx
 
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
-from llmsession.commands.bench import agents_load
+from llmsession.commands.bench import agents_load, agents_wire
 from llmsession.commands.bench.common import machine, progress, publish, table
 from llmsession.commands.bench.serve_bench import Contender, launched, llama_server, log_tail, ours
 from llmsession.commands.bench.serve_load import http_client
@@ -53,11 +57,16 @@ SERVE_ARGS = (
     "sk-bench",
 )
 LLAMA_SERVER_ARGS = ("-c", "8192", "-np", "1", "--jinja", "--cache-prompt", "--api-key", "sk-bench")
-Drive = Callable[[httpx.Client, str, int, int, str], list[agents_load.Turn]]
+Drive = Callable[[httpx.Client, str, int, int, str], list[agents_wire.Turn]]
 SHAPES: dict[str, Drive] = {
     "claude-code": agents_load.claude_code,
     "claude-code+titles": functools.partial(agents_load.claude_code, titles=True),  # (side requests)
     "codex": agents_load.codex,
+    # The same conversations with the script's replies sent back: every server the same prompts.
+    "claude-code/replayed": functools.partial(agents_load.claude_code, replay=True),
+    "codex/replayed": functools.partial(agents_load.codex, replay=True),
+    # Three Claude-Code-shaped conversations at once (one system prompt), a turn of each in turn.
+    "3x claude-code/replayed": functools.partial(agents_load.claude_code, replay=True, conversations=3),
 }
 TARGET = 0.5  # ours over llama-server's turns-2+ mean TTFT, at most
 
@@ -72,7 +81,7 @@ def measure(contender: Contender, args: argparse.Namespace, logs: Path) -> dict[
         with launched(contender, log) as url, http_client() as client:
             for shape, drive in SHAPES.items():
                 try:
-                    out[shape] = agents_load.summary(
+                    out[shape] = agents_wire.summary(
                         drive(client, url, args.turns, args.max_tokens, "sk-bench")
                     )
                 except (RuntimeError, httpx.HTTPError, ValueError, KeyError) as error:

@@ -9,7 +9,9 @@ and its test).
   flat function tools, the whole item list resent every turn (the replies' output items, a
   ``function_call_output`` per call).
 
-Every third turn forces a tool call (the tiny model calls few otherwise). Each turn reports its
+Every third turn forces a tool call (the tiny model calls few otherwise). A replayed
+conversation sends the script's replies back (``scripted``), not the server's, so that every
+server is sent the same prompts. Each turn reports its
 time to the first token (a text, thinking or arguments delta), its whole time, the prompt tokens
 the server reports decoding and reusing, and its reply's tokens; ``new`` is what the turn adds to
 the last one's prompt and reply, the most a cache-perfect server has to decode.
@@ -17,14 +19,16 @@ the last one's prompt and reply, the most a cache-perfect server has to decode.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
+
+from llmsession.commands.bench import agents_wire
 
 TOOL_NAMES = ("read_file", "write_file", "edit_file", "bash", "grep", "glob", "web_fetch", "todo_write")
 QUESTIONS = (
@@ -89,33 +93,16 @@ def billing_block() -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-@dataclass
-class Turn:
-    turn: int
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int  # as the server reports them: decoded + reused
-    decoded_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    new_tokens: int | None  # what this turn adds to the last one's prompt and reply (None: the
-    tool_calls: int  # first, or one after a reply not sent back as it came: a call cut short)
-    resent: bool = True  # this reply is sent back as it came
-
-
-def sse(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
-    """A streamed response's events, as (name, data)."""
-    name = ""
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: ") and line[6:].strip() != "[DONE]":
-            data = json.loads(line[6:])
-            yield name or data.get("type", ""), data
-
-
 def forced(turn: int) -> bool:
     return turn % 3 == 1  # (turns 2, 5, 8: a call, answered in the turn after)
+
+
+def scripted(turn: int) -> tuple[str, str] | tuple[None, str]:
+    """What a replayed transcript says the agent answered at ``turn``: a call (its tool and
+    path) on a forced turn, else a short text (``None`` and the text)."""
+    if forced(turn):
+        return TOOL_NAMES[turn % len(TOOL_NAMES)], f"src/module_{turn + 1}.py"
+    return None, f"Done with step {turn + 1}: the change is in place and its tests pass."
 
 
 TITLE_SYSTEM = "Write a 5-10 word title for the conversation below. Answer with the title only."
@@ -142,20 +129,41 @@ def claude_code(
     key: str,
     system_tokens: int = 4000,
     titles: bool = False,
-) -> list[Turn]:
+    replay: bool = False,
+    conversations: int = 1,
+) -> list[agents_wire.Turn]:
     """The Claude-Code-shaped conversation on ``url`` (a server's base); ``titles``: a title
-    request under its session id before every turn after the first (not timed)."""
+    request under its session id before every turn after the first (not timed); ``replay``: the
+    replies go back as the script says (``scripted``), not as they came, so that every server
+    is sent the same prompts; ``conversations``: that many at once (each its own session id
+    and questions, one system prompt), a turn of each in turn, their turns in the order they came."""
+    runs = [
+        _conversation(client, url, max_tokens, key, system_tokens, titles, replay, number)
+        for number in range(conversations)
+    ]
+    return [next(run) for _ in range(turns) for run in runs]
+
+
+def _conversation(
+    client: httpx.Client,
+    url: str,
+    max_tokens: int,
+    key: str,
+    system_tokens: int,
+    titles: bool,
+    replay: bool,
+    number: int,
+) -> Iterator[agents_wire.Turn]:
+    """Conversation ``number``'s turns, one a ``next``."""
     system, tools = system_prompt(system_tokens), tool_schemas()
     said: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # tool results for the next user turn
-    out: list[Turn] = []
-    for turn in range(turns):
-        said.append(
-            {
-                "role": "user",
-                "content": [*pending, {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}],
-            }
-        )
+    out: list[agents_wire.Turn] = []
+    session = "bench" if number == 0 else f"bench-{number}"
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "X-Claude-Code-Session-Id": session}
+    for turn in itertools.count():
+        question = QUESTIONS[(turn + number) % len(QUESTIONS)]
+        said.append({"role": "user", "content": [*pending, {"type": "text", "text": question}]})
         body: dict[str, Any] = {
             "model": "agent",
             "max_tokens": max_tokens,
@@ -167,57 +175,57 @@ def claude_code(
         }
         if forced(turn):
             body["tool_choice"] = {"type": "tool", "name": TOOL_NAMES[turn % len(TOOL_NAMES)]}
-        headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "X-Claude-Code-Session-Id": "bench"}
         if titles and turn:
-            title_request(client, url, headers, QUESTIONS[turn % len(QUESTIONS)])
+            title_request(client, url, headers, question)
         began = time.perf_counter()
-        blocks, usage, first = _messages_turn(client, f"{url}/v1/messages", body, headers, turn)
+        blocks, usage, first = agents_wire.messages_turn(client, f"{url}/v1/messages", body, headers, turn)
         total = time.perf_counter() - began
-        finished = [_finished(b) for b in blocks if b.get("type") != "text" or b.get("text")]
+        finished = [agents_wire.finished(b) for b in blocks if b.get("type") != "text" or b.get("text")]
         content = [b for b in finished if b is not None]
         resent = bool(content) and len(content) == len(finished)
+        made = sum(b["type"] == "tool_use" for b in content)
+        if replay:
+            content, resent = _scripted_blocks(turn), False
         said.append({"role": "assistant", "content": content or [{"type": "text", "text": "(no answer)"}]})
-        calls = [b for b in content if b["type"] == "tool_use"]
         pending = [
             {
                 "type": "tool_result",
                 "tool_use_id": c["id"],
                 "content": f"(contents of {c['input'].get('path', '?')})",
             }
-            for c in calls
+            for c in content
+            if c["type"] == "tool_use"
         ]
-        out.append(_turn(turn, began, first, total, usage, len(calls), out, resent))
-    return out
+        out.append(agents_wire.turn_of(turn, began, first, total, usage, made, out, resent, replay))
+        yield out[-1]
 
 
-def _messages_turn(
-    client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str], turn: int
-) -> tuple[list[dict[str, Any]], dict[str, Any], float | None]:
-    """One streamed Messages turn: its blocks as they grew, its usage, when its first delta came."""
-    first = None
-    blocks: list[dict[str, Any]] = []
-    usage: dict[str, Any] = {}
-    with client.stream("POST", url, json=body, headers=headers) as response:
-        response.raise_for_status()
-        for name, data in sse(response):
-            if name == "message_start":
-                usage |= data["message"].get("usage") or {}
-            elif name == "content_block_start":
-                blocks.append(dict(data["content_block"]))
-            elif name == "content_block_delta":
-                first = first or time.perf_counter()
-                _grow(blocks[-1], data["delta"])
-            elif name == "message_delta":
-                usage |= {k: v for k, v in (data.get("usage") or {}).items() if v is not None}
-            elif name == "error":
-                raise RuntimeError(f"turn {turn + 1}: {data}")
-    return blocks, usage, first
+def _scripted_blocks(turn: int) -> list[dict[str, Any]]:
+    tool, said = scripted(turn)
+    if tool is None:
+        return [{"type": "text", "text": said}]
+    return [{"type": "tool_use", "id": f"toolu_bench{turn + 1:02d}", "name": tool, "input": {"path": said}}]
+
+
+def _scripted_items(turn: int) -> list[dict[str, Any]]:
+    tool, said = scripted(turn)
+    if tool is None:
+        return [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": said}]}]
+    call = {"type": "function_call", "call_id": f"call_bench{turn + 1:02d}", "name": tool}
+    return [call | {"arguments": json.dumps({"path": said})}]
 
 
 def codex(
-    client: httpx.Client, url: str, turns: int, max_tokens: int, key: str, system_tokens: int = 4000
-) -> list[Turn]:
-    """The Codex-shaped conversation on ``url``: Responses, ``store: false``, the items resent."""
+    client: httpx.Client,
+    url: str,
+    turns: int,
+    max_tokens: int,
+    key: str,
+    system_tokens: int = 4000,
+    replay: bool = False,
+) -> list[agents_wire.Turn]:
+    """The Codex-shaped conversation on ``url``: Responses, ``store: false``, the items resent
+    (``replay``: the script's, as ``claude_code``)."""
     instructions = system_prompt(system_tokens)
     tools = [
         {
@@ -229,7 +237,7 @@ def codex(
         for t in tool_schemas()
     ]
     items: list[dict[str, Any]] = []
-    out: list[Turn] = []
+    out: list[agents_wire.Turn] = []
     for turn in range(turns):
         text = {"type": "input_text", "text": QUESTIONS[turn % len(QUESTIONS)]}
         items.append({"type": "message", "role": "user", "content": [text]})
@@ -246,128 +254,16 @@ def codex(
         if forced(turn):
             body["tool_choice"] = {"type": "function", "name": TOOL_NAMES[turn % len(TOOL_NAMES)]}
         began = time.perf_counter()
-        first, final = _responses_turn(client, url, body, key, turn)
+        first, final = agents_wire.responses_turn(client, url, body, key, turn)
         total = time.perf_counter() - began
-        output = [_input_item(item) for item in final.get("output") or []]
-        items += [item for item in output if item is not None]
-        calls = [item for item in output if item is not None and item["type"] == "function_call"]
+        came = [agents_wire.input_item(item) for item in final.get("output") or []]
+        output = _scripted_items(turn) if replay else [item for item in came if item is not None]
+        made = sum(item is not None and item["type"] == "function_call" for item in came)
+        calls = [item for item in output if item["type"] == "function_call"]
+        items += output
         items += [
             {"type": "function_call_output", "call_id": c["call_id"], "output": "(done)"} for c in calls
         ]
-        out.append(_turn(turn, began, first, total, _anthropic_usage(final), len(calls), out))
+        usage = agents_wire.anthropic_usage(final)
+        out.append(agents_wire.turn_of(turn, began, first, total, usage, made, out, not replay, replay))
     return out
-
-
-FIRST_EVENTS = (
-    "response.output_text.delta",
-    "response.function_call_arguments.delta",
-    "response.reasoning_text.delta",
-)
-
-
-def _responses_turn(
-    client: httpx.Client, url: str, body: dict[str, Any], key: str, turn: int
-) -> tuple[float | None, dict[str, Any]]:
-    """One streamed response: when its first token came, and the response its last event holds."""
-    first, final = None, None
-    headers = {"Authorization": f"Bearer {key}"}
-    with client.stream("POST", f"{url}/v1/responses", json=body, headers=headers) as response:
-        response.raise_for_status()
-        for name, data in sse(response):
-            if name in FIRST_EVENTS:
-                first = first or time.perf_counter()
-            elif name in ("response.completed", "response.incomplete"):
-                final = data["response"]
-            elif name in ("response.failed", "error"):
-                raise RuntimeError(f"turn {turn + 1}: {data}")
-    if final is None:
-        raise RuntimeError(f"turn {turn + 1}: the stream ended without its response")
-    return first, final
-
-
-def _anthropic_usage(response: dict[str, Any]) -> dict[str, Any]:
-    """A response's usage in Anthropic's terms (decoded, reused, output)."""
-    used = response.get("usage") or {}
-    cached = (used.get("input_tokens_details") or {}).get("cached_tokens", 0)
-    decoded = used.get("input_tokens", 0) - cached
-    return {
-        "input_tokens": decoded,
-        "cache_read_input_tokens": cached,
-        "output_tokens": used.get("output_tokens", 0),
-    }
-
-
-def _grow(block: dict[str, Any], delta: dict[str, Any]) -> None:
-    kind = delta.get("type")
-    if kind == "text_delta":
-        block["text"] = block.get("text", "") + delta["text"]
-    elif kind == "input_json_delta":
-        block["partial"] = block.get("partial", "") + delta["partial_json"]
-    elif kind == "thinking_delta":
-        block["thinking"] = block.get("thinking", "") + delta["thinking"]
-
-
-def _finished(block: dict[str, Any]) -> dict[str, Any] | None:
-    """A streamed block as the client sends it back (a call cut off by ``max_tokens``: none)."""
-    if block.get("type") == "tool_use":
-        partial = block.pop("partial", "")
-        try:
-            block["input"] = json.loads(partial) if partial else {}
-        except ValueError:
-            return None
-    return block
-
-
-def _input_item(item: dict[str, Any]) -> dict[str, Any] | None:
-    """A response's output item as Codex sends it back (reasoning without text: dropped)."""
-    if item.get("type") == "message":
-        texts = [p.get("text", "") for p in item.get("content") or [] if p.get("type") == "output_text"]
-        return {
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": "".join(texts)}],
-        }
-    if item.get("type") == "function_call":
-        return {k: item[k] for k in ("type", "call_id", "name", "arguments")}
-    return None
-
-
-def _turn(
-    turn: int,
-    began: float,
-    first: float | None,
-    total: float,
-    usage: dict[str, Any],
-    calls: int,
-    before: list[Turn],
-    resent: bool = True,
-) -> Turn:
-    decoded, cached = int(usage.get("input_tokens") or 0), int(usage.get("cache_read_input_tokens") or 0)
-    prompt = decoded + cached
-    last = before[-1] if before else None
-    new = None if last is None or not last.resent else prompt - (last.prompt_tokens + last.output_tokens)
-    ttft = (first or began + total) - began
-    return Turn(
-        turn + 1,
-        ttft,
-        total,
-        prompt,
-        decoded,
-        cached,
-        int(usage.get("output_tokens") or 0),
-        new,
-        calls,
-        resent,
-    )
-
-
-def summary(turns: list[Turn]) -> dict[str, Any]:
-    """Every turn, and turns 2 and after: mean time to first token, decoded and new tokens."""
-    later = turns[1:]
-    return {
-        "turns": [asdict(t) for t in turns],
-        "later_ttft_mean_s": sum(t.ttft_s for t in later) / len(later) if later else None,
-        "later_decoded": sum(t.decoded_tokens for t in later),
-        "later_new": sum(t.new_tokens or 0 for t in later),
-        "tool_calls": sum(t.tool_calls for t in turns),
-    }
