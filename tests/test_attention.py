@@ -14,39 +14,46 @@ import internals
 import pytest
 
 from llmsession import GenerationOptions, Model
-from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe
+from llmsession.engine.attention import BATCH, STEPS, AttentionProbe
 from llmsession.native.context import NativeContext
 from llmsession.runtime import attention
 
 GREEDY = GenerationOptions(max_tokens=4, temperature=0)
 
 
-def test_the_choice_is_the_cheaper_setting_at_half_the_context() -> None:
-    # Flash attention a little slower at depth 0 but growing more slowly with depth (the AVX2
-    # EPYC's shape reversed): off for short contexts, on for long ones.
-    probe = AttentionProbe(off=(1.00, 1.20), on=(1.05, 1.10))
-    assert probe.batch_s(False, 2 * PROBE_TOKENS) == pytest.approx(1.40)
-    assert probe.choose(64) is False and probe.choose(8192) is True  # (they cross at depth 85)
-    assert AttentionProbe(off=(1.0, 1.1), on=(0.8, 0.9)).choose(64) is True  # faster everywhere
-    assert AttentionProbe(off=(0.8, 0.9), on=(1.0, 1.1)).choose(32768) is False  # slower everywhere
-    assert AttentionProbe(off=(1.0, 1.0), on=(0.97, 0.97)).choose(4096) is False  # within the margin
+def test_the_choice_is_the_cheaper_turn_at_half_the_context() -> None:
+    # A turn is a batch and STEPS steps. Flash attention a little slower at depth 0 but growing
+    # more slowly with depth: off for short contexts, on for long ones.
+    probe = AttentionProbe(off=(1.00, 1.20, 0.010, 0.012), on=(1.05, 1.10, 0.011, 0.011), depth=128)
+    assert probe.turn_s(False, 256) == pytest.approx(1.40 + STEPS * 0.014)
+    assert probe.choose(64) is False and probe.choose(8192) is True
+    assert AttentionProbe(off=(1.0, 1.1, 0.1, 0.1), on=(0.8, 0.9, 0.08, 0.08)).choose(64) is True  # faster
+    assert AttentionProbe(off=(0.8, 0.9, 0.1, 0.1), on=(1.0, 1.1, 0.1, 0.1)).choose(32768) is False
+    assert (
+        AttentionProbe(off=(1.0, 1.0, 0.1, 0.1), on=(0.97, 0.97, 0.097, 0.097)).choose(4096) is False
+    )  # margin
+    # What the AVX-512 EPYC measured: flash attention's batches cheaper at depth 0, but growing
+    # three times as fast with the depth: off for any session past a few hundred positions.
+    measured = AttentionProbe(off=(0.0800, 0.0851, 0.0067, 0.0073), on=(0.0737, 0.1000, 0.0060, 0.0073))
+    assert measured.choose(8192) is False and measured.choose(2048) is False
 
 
 @pytest.mark.parametrize(
     "data",
-    [None, [], {"off": [1, 1], "on": [1, 1]}, {"version": 1, "off": [1, 1], "on": [1, 1]},
-     {"version": True, "tokens": 128, "off": [1, 1], "on": [1, 1]},
-     {"version": 2, "tokens": 128, "off": [1], "on": [1, 1]},
-     {"version": 2, "tokens": 128, "off": [1, "2"], "on": [1, 1]},
-     {"version": 2, "tokens": 128, "off": [0, 1], "on": [1, 1]},
-     {"version": 2, "tokens": 128, "off": [10**400, 1], "on": [1, 1]},
-     {"version": 2, "tokens": 128, "off": [float("nan"), 1], "on": [1, 1]},
-     {"version": 2, "tokens": "128", "off": [1, 1], "on": [1, 1]},
-     {"version": 2, "tokens": 0, "off": [1, 1], "on": [1, 1]}],
+    [None, [], {"off": [1, 1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 2, "tokens": 128, "off": [1, 1], "on": [1, 1]},
+     {"version": True, "depth": 128, "off": [1, 1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": 128, "off": [1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": 128, "off": [1, "2", 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": 128, "off": [0, 1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": 128, "off": [10**400, 1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": 128, "off": [float("nan"), 1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": "128", "off": [1, 1, 1, 1], "on": [1, 1, 1, 1]},
+     {"version": 3, "depth": 0, "off": [1, 1, 1, 1], "on": [1, 1, 1, 1]}],
 )  # fmt: skip
 def test_what_is_not_a_probe_reads_as_none(data: Any) -> None:
     assert AttentionProbe.from_json(data) is None
-    probe = AttentionProbe(off=(1.0, 2.0), on=(0.5, 0.75), tokens=64)
+    probe = AttentionProbe(off=(1.0, 2.0, 0.1, 0.2), on=(0.5, 0.75, 0.1, 0.1), depth=64)
     assert AttentionProbe.from_json(json.loads(json.dumps(probe.to_json()))) == probe
 
 
@@ -54,6 +61,8 @@ def test_the_probe_is_measured_once_and_kept(
     smollm2: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(attention, "PROBE_DEPTH", 2 * BATCH)  # (what is kept, not how well: short)
+    monkeypatch.setattr(attention, "REPEATS", 1)
     native, path = internals.local(smollm2).native, smollm2.path
     measured: list[AttentionProbe] = []
     measure = attention.measure
@@ -66,7 +75,7 @@ def test_the_probe_is_measured_once_and_kept(
     first = attention.probed(native, path, 2, 4096)
     assert len(measured) == 1 and first is measured[0].choose(4096)
     (off, on) = measured[0].off, measured[0].on
-    assert all(0 < t < 30 for t in (*off, *on))
+    assert all(0 < t < 30 for t in (*off, *on)) and measured[0].depth == 2 * BATCH
     assert attention.probed(native, path, 2, 4096) is first and len(measured) == 1  # kept
     attention.probed(native, path, 1, 4096)  # another thread count is another measurement
     assert len(measured) == 2
@@ -103,8 +112,8 @@ def test_the_kept_probe_decides_the_models_setting(
 
     monkeypatch.setattr(NativeContext, "__init__", recording)
     for probe, chosen in (
-        (AttentionProbe((1.0, 1.1), (0.5, 0.6)), True),
-        (AttentionProbe((0.5, 0.6), (1.0, 1.1)), False),
+        (AttentionProbe((1.0, 1.1, 0.1, 0.1), (0.5, 0.6, 0.05, 0.05)), True),
+        (AttentionProbe((0.5, 0.6, 0.05, 0.05), (1.0, 1.1, 0.1, 0.1)), False),
     ):
         (tmp_path / attention.PROBES_FILE).unlink(missing_ok=True)
         monkeypatch.setattr(attention, "measure", measured(probe))

@@ -1,5 +1,5 @@
 """Flash attention chosen at load where the caller left it to us, on the CPU with f16 cells: from
-a probe of this model on this machine (``engine.attention``), measured once (about two seconds
+a probe of this model on this machine (``engine.attention``), measured once (about 4.5 seconds
 for SmolLM2 here) and kept in the cache folder for every later load of the same file, build, CPU and
 thread count."""
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from llama_cffi import cache_root
 
-from llmsession.engine.attention import PROBE_TOKENS, AttentionProbe, probe_key
+from llmsession.engine.attention import BATCH, PROBE_DEPTH, AttentionProbe, probe_key
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, build_commit, system_info
 from llmsession.native.machine import cpu_name
@@ -30,7 +30,9 @@ PROBES_FILE = "attention-probes.json"  # in the cache folder
 LOCK_FILE = ".attention-probes.lock"  # held while a process reads, measures and writes them
 MAX_PROBES = 256  # kept in it, the newest
 MAX_FILE_BYTES = 1 << 20
-MIN_TRAINED = 64  # a model trained on fewer positions is not probed
+MIN_TRAINED = 4 * BATCH  # a model trained on fewer positions is not probed
+FILL = 512  # the batch the probe fills a context to its depth with
+REPEATS = 5  # times each is timed, with each setting in turn (the fastest kept)
 
 
 def probed(native: NativeModel, path: Path, threads: int, context: int) -> bool:
@@ -43,7 +45,7 @@ def probed(native: NativeModel, path: Path, threads: int, context: int) -> bool:
     if native.has_encoder or native.is_recurrent or native.n_ctx_train < MIN_TRAINED or native.n_vocab < 2:
         return False  # (as before: no attention over a growing context to speed up, or unsafe)
     try:
-        probe = _kept_or_measured(native, path, threads, min(PROBE_TOKENS, native.n_ctx_train // 2))
+        probe = _kept_or_measured(native, path, threads, min(PROBE_DEPTH, native.n_ctx_train // 2))
     except Exception as error:  # (a context llama.cpp would not make, no cache folder: as before)
         log.debug("flash attention off for %s: the probe failed (%s)", path.name, error)
         return False
@@ -52,7 +54,7 @@ def probed(native: NativeModel, path: Path, threads: int, context: int) -> bool:
     return flash
 
 
-def _kept_or_measured(native: NativeModel, path: Path, threads: int, tokens: int) -> AttentionProbe:
+def _kept_or_measured(native: NativeModel, path: Path, threads: int, depth: int) -> AttentionProbe:
     key = probe_key(
         model=_identity(path), build=build_commit(), system=system_info(), cpu=cpu_name(), threads=threads
     )
@@ -62,33 +64,45 @@ def _kept_or_measured(native: NativeModel, path: Path, threads: int, tokens: int
         fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
         probes = _read(folder / PROBES_FILE)
         probe = AttentionProbe.from_json(probes.pop(key, None))
-        if probe is None or probe.tokens != tokens:
-            probe = measure(native, threads, tokens)
+        if probe is None or probe.depth != depth:
+            probe = measure(native, threads, depth)
         _write(folder / PROBES_FILE, {**probes, key: probe.to_json()})  # (newest last)
     return probe
 
 
-def measure(native: NativeModel, threads: int, tokens: int = PROBE_TOKENS) -> AttentionProbe:
-    """A batch of ``tokens`` at depth 0 and one after it, with each setting, twice in turn (the
-    faster of each kept), after a small batch that pages the weights in."""
-    ids = [(100 + i * 7) % native.n_vocab for i in range(2 * tokens)]
+def measure(native: NativeModel, threads: int, depth: int = PROBE_DEPTH) -> AttentionProbe:
+    """With each setting: a ``BATCH``-token batch and one generated token at depth 0, then past a
+    fill to ``depth`` the same there; three times in turn (the fastest kept), after a small batch
+    that pages the weights in."""
+    ids = [(100 + i * 7) % native.n_vocab for i in range(depth + BATCH + 1)]
+    fill = min(FILL, depth)
     contexts = {
-        flash: NativeContext(native, n_ctx=2 * tokens, n_batch=tokens, threads=threads, flash_attention=flash)
+        flash: NativeContext(
+            native, n_ctx=depth + BATCH + 1, n_batch=max(fill, BATCH), threads=threads, flash_attention=flash
+        )
         for flash in (False, True)
     }
+    best = {flash: [math.inf] * 4 for flash in contexts}
     try:
-        best: dict[bool, list[float]] = {False: [math.inf, math.inf], True: [math.inf, math.inf]}
         for context in contexts.values():
             context.decode(ids[:16], 0)
-        for _ in range(2):
-            for flash, context in contexts.items():
-                context.seq_rm(-1, 0)
-                times = (_timed(context, ids[:tokens], 0), _timed(context, ids[tokens:], tokens))
-                best[flash] = [min(a, b) for a, b in zip(best[flash], times, strict=True)]
+        for at, (deep, batch) in enumerate(((0, ids[:BATCH]), (depth, ids[depth : depth + BATCH]))):
+            if deep:
+                for context in contexts.values():
+                    context.seq_rm(-1)
+                    for start in range(0, depth, fill):
+                        context.decode(ids[start : min(depth, start + fill)], start)
+            for _ in range(REPEATS):
+                for flash, context in contexts.items():
+                    context.seq_rm(deep)
+                    best[flash][at] = min(best[flash][at], _timed(context, batch, deep))
+                    step = _timed(context, ids[deep + BATCH : deep + BATCH + 1], deep + BATCH)
+                    best[flash][2 + at] = min(best[flash][2 + at], step)
     finally:
         for context in contexts.values():
             context.close()
-    return AttentionProbe((best[False][0], best[False][1]), (best[True][0], best[True][1]), tokens)
+    off, on = best[False], best[True]
+    return AttentionProbe((off[0], off[1], off[2], off[3]), (on[0], on[1], on[2], on[3]), depth)
 
 
 def _timed(context: NativeContext, ids: list[int], start: int) -> float:
