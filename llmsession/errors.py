@@ -30,7 +30,12 @@ class ModelLoadError(LlmSessionError):
 
 
 class ContextOverflowError(RequestError):
-    """The prompt does not fit the session's context; nothing was decoded."""
+    """The prompt does not fit the session's context; nothing was decoded. ``tokens`` and
+    ``limit``, where known: the prompt's tokens, and the most a prompt of the session may have."""
+
+    def __init__(self, *args: object, tokens: int | None = None, limit: int | None = None) -> None:
+        super().__init__(*args)
+        self.tokens, self.limit = tokens, limit
 
 
 class TemplateError(RequestError):

@@ -249,6 +249,34 @@ def test_keys_errors_and_tenants(served: Served) -> None:
     assert other.usage.cache_read_input_tokens == 0
 
 
+def test_an_over_long_prompt_is_refused_in_anthropics_words(served: Served) -> None:
+    """``prompt is too long: N tokens > M maximum``, what Claude Code reads to compact the
+    conversation and send it again; N is what ``count_tokens`` says, M one less than the context."""
+    said = [{"role": "user", "content": "Summarize this. " + "lorem ipsum dolor " * 3000}]
+    counted = client(served).messages.count_tokens(model="m", messages=said).input_tokens
+    limit = served.model.session().context_size - 1
+    assert counted > limit
+    expected = f"prompt is too long: {counted} tokens > {limit} maximum"
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client(served).messages.create(model="m", max_tokens=2, messages=said)
+    assert refused.value.body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": expected},
+    }
+    with (
+        pytest.raises(anthropic.APIError, match=expected),
+        client(served).messages.stream(model="m", max_tokens=2, messages=said) as stream,
+    ):
+        stream.get_final_message()
+    chat = httpx.post(
+        f"{served.url}/chat/completions",
+        json={"model": "m", "max_tokens": 2, "messages": said},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:

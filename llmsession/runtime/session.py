@@ -245,7 +245,9 @@ class LocalSession(Session):
             raise ContextOverflowError(
                 f"the prompt has {prompt.n_positions} tokens; the context holds {self.context_size} "
                 "(one more is needed to reply): a larger context_size, within what kv_tokens gives "
-                "a live session, holds it"
+                "a live session, holds it",
+                tokens=prompt.n_positions,
+                limit=self.context_size - 1,
             )
         model = self.model
         place = Place(model.engine, model.native, self.lease, self.context_size, self.batch_size, self.carry)

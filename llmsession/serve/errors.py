@@ -35,6 +35,7 @@ class ApiError(Exception):
     status: int = 400
     kind: str = "invalid_request_error"
     retry_after: int | None = None  # seconds, for a 503
+    sizes: tuple[int, int] | None = None  # an over-long prompt's tokens, and the most it may have
 
     def __post_init__(self) -> None:
         if len(self.message) > MAX_MESSAGE:
@@ -71,9 +72,11 @@ def from_library(error: BaseException) -> ApiError | None:
         return busy("its memory is in use by other requests")
     if isinstance(error, UnavailableError):
         return busy("the model is busy")
+    if isinstance(error, ContextOverflowError):
+        sizes = None if error.tokens is None or error.limit is None else (error.tokens, error.limit)
+        return ApiError(str(error), None, "context_length_exceeded", sizes=sizes)
     if isinstance(error, RequestError):
-        code = "context_length_exceeded" if isinstance(error, ContextOverflowError) else None
-        return ApiError(str(error), None, code)
+        return ApiError(str(error))
     return None
 
 
