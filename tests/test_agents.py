@@ -57,10 +57,22 @@ def test_a_replayed_conversation_decodes_only_what_the_script_adds(model: Model,
     drive = getattr(agents_load, shape)
     with served(model) as url, httpx.Client(timeout=300) as client:
         turns = drive(client, url, 3, 8, KEY, system_tokens=400, replay=True)
-    assert [t.replaced for t in turns] == [True] * 3
     for turn in turns[1:]:
         assert turn.new_tokens is not None and turn.new_tokens > 8, turn  # (a reply and a question)
         assert turn.decoded_tokens <= turn.new_tokens + 1, (shape, turn)
+
+
+def test_three_conversations_at_once_each_decode_only_what_they_add(model: Model) -> None:
+    """``bench agents``' ``3x`` shape on a server that keeps one conversation live: a turn of
+    each in turn, each under its own session id, each later turn decoding only what it adds."""
+    with served(model) as url, httpx.Client(timeout=300) as client:
+        turns = agents_load.claude_code(
+            client, url, 2, 8, KEY, system_tokens=400, replay=True, conversations=3
+        )
+    assert [(t.conversation, t.turn) for t in turns] == [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)]
+    for turn in turns[3:]:
+        assert turn.new_tokens is not None and turn.new_tokens > 8, turn
+        assert turn.decoded_tokens <= turn.new_tokens + 1, turn
 
 
 def test_a_server_that_keeps_the_billing_line_decodes_everything_again(model: Model) -> None:

@@ -122,6 +122,12 @@ def ratios(servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
+def _turn_label(turn: dict[str, Any], turns: list[dict[str, Any]]) -> str:
+    """A turn's number, with its conversation's letter where there are several (2a, 2b, ...)."""
+    several = any(t.get("conversation") for t in turns)
+    return f"{turn['turn']}{chr(ord('a') + turn.get('conversation', 0)) if several else ''}"
+
+
 def report(results: dict[str, Any]) -> None:
     m = results["machine"]
     print(f"\n{results['date']}: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, llama.cpp", end="")
@@ -139,7 +145,7 @@ def report(results: dict[str, Any]) -> None:
                 continue
             header = ["turn", "TTFT ms", "total ms", "prompt", "decoded", "new", "reused", "calls"]
             rows = [
-                [str(t["turn"]), f"{t['ttft_s'] * 1e3:.0f}", f"{t['total_s'] * 1e3:.0f}",
+                [_turn_label(t, found["turns"]), f"{t['ttft_s'] * 1e3:.0f}", f"{t['total_s'] * 1e3:.0f}",
                  str(t["prompt_tokens"]), str(t["decoded_tokens"]),
                  "-" if t["new_tokens"] is None else str(t["new_tokens"]),
                  str(t["cached_tokens"]), str(t["tool_calls"])]

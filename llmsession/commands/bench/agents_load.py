@@ -19,6 +19,7 @@ the last one's prompt and reply, the most a cache-perfect server has to decode.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import secrets
@@ -138,7 +139,7 @@ def claude_code(
     is sent the same prompts; ``conversations``: that many at once (each its own session id
     and questions, one system prompt), a turn of each in turn, their turns in the order they came."""
     runs = [
-        _conversation(client, url, max_tokens, key, system_tokens, titles, replay, number)
+        _conversation(client, url, max_tokens, key, system_tokens, titles, replay, number, conversations)
         for number in range(conversations)
     ]
     return [next(run) for _ in range(turns) for run in runs]
@@ -153,13 +154,14 @@ def _conversation(
     titles: bool,
     replay: bool,
     number: int,
+    of: int,
 ) -> Iterator[agents_wire.Turn]:
-    """Conversation ``number``'s turns, one a ``next``."""
+    """Conversation ``number``'s turns (of ``of`` at once), one a ``next``."""
     system, tools = system_prompt(system_tokens), tool_schemas()
     said: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # tool results for the next user turn
     out: list[agents_wire.Turn] = []
-    session = "bench" if number == 0 else f"bench-{number}"
+    session = "bench" if of == 1 else f"bench-{number + 1}-of-{of}"
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "X-Claude-Code-Session-Id": session}
     for turn in itertools.count():
         question = QUESTIONS[(turn + number) % len(QUESTIONS)]
@@ -196,7 +198,8 @@ def _conversation(
             for c in content
             if c["type"] == "tool_use"
         ]
-        out.append(agents_wire.turn_of(turn, began, first, total, usage, made, out, resent, replay))
+        measured = agents_wire.turn_of(turn, began, first, total, usage, made, out, resent, replay)
+        out.append(dataclasses.replace(measured, conversation=number))
         yield out[-1]
 
 

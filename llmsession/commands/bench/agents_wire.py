@@ -28,6 +28,7 @@ class Turn:
     tool_calls: int  # the calls the server made
     resent: bool = True  # this reply is sent back as it came
     replaced: bool = False  # this reply goes back as the script's (a replayed conversation)
+    conversation: int = 0  # which of several at once
 
 
 def sse(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
