@@ -16,6 +16,7 @@ import pytest
 from llmsession import GenerationOptions, Model
 from llmsession.engine.attention import BATCH, STEPS, AttentionProbe
 from llmsession.native.context import NativeContext
+from llmsession.native.shape import attention_scores_bytes
 from llmsession.runtime import attention
 
 GREEDY = GenerationOptions(max_tokens=4, temperature=0)
@@ -33,7 +34,7 @@ def test_the_choice_is_the_cheaper_turn_at_half_the_context() -> None:
         AttentionProbe(off=(1.0, 1.0, 0.1, 0.1), on=(0.97, 0.97, 0.097, 0.097)).choose(4096) is False
     )  # margin
     # What the AVX-512 EPYC measured: flash attention's batches cheaper at depth 0, but growing
-    # three times as fast with the depth: off for any session past a few hundred positions.
+    # five times as fast with the depth: off for any session past a few hundred positions.
     measured = AttentionProbe(off=(0.0800, 0.0851, 0.0067, 0.0073), on=(0.0737, 0.1000, 0.0060, 0.0073))
     assert measured.choose(8192) is False and measured.choose(2048) is False
 
@@ -87,6 +88,16 @@ def test_the_probe_is_measured_once_and_kept(
         assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096)
         assert len(json.loads(file.read_text())) == 1
     assert len(measured) == 5
+
+    def never(*_args: Any, **_kwargs: Any) -> AttentionProbe:
+        raise AssertionError("more threads than cores measure nothing useful")
+
+    monkeypatch.setattr(attention, "measure", never)  # (off, and nothing measured)
+    assert attention.probed(native, path, attention.usable_cores() + 1, 4096) is False
+    # a batch's scores past MAX_SCORES_BYTES without it: on, unmeasured (SmolLM2 has 9 heads)
+    assert attention_scores_bytes(native, 8192, 512) == 8192 * 512 * 9 * 4 < attention.MAX_SCORES_BYTES
+    assert attention.probed(native, path, 2, 8192, batch=4096) is True
+    monkeypatch.setattr(attention, "measure", counted)
     file.unlink()
     os.mkfifo(file)  # a pipe where the file was: not read (it would never end), measured again
     assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096) and len(measured) == 6

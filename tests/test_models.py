@@ -25,7 +25,8 @@ from llmsession import (
     RequestError,
     UnavailableError,
 )
-from llmsession.native.llama import compute_buffer_bytes
+from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel, reported_bytes
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 SYSTEM = "You are a terse assistant. " + "Answer in a few words and never apologise. " * 6
@@ -127,24 +128,53 @@ def test_a_load_with_no_room_is_refused_and_unloads_nothing(smollm2_path: Path, 
 
 
 def test_buffers_are_read_from_what_llama_cpp_reports_allocating() -> None:
+    mib = 2**20
     lines = [
         "llama_context:        CPU  output buffer size =     0.75 MiB",
+        "llama_kv_cache:        CPU KV buffer size =    22.50 MiB",
+        "llama_kv_cache:        CPU KV buffer size =     1.50 MiB",  # (a sliding window's own cache)
         "sched_reserve:        CPU compute buffer size =    98.01 MiB",
         "sched_reserve:   CPU_Mapped compute buffer size =     2.50 MiB",
-        "clip_ctx: CPU compute buffer size =     1.00 MiB (image)",
-        "llama_kv_cache:        CPU KV buffer size =    22.50 MiB",
+        "clip_ctx: CPU compute buffer size =     3.00 MiB",
+        "clip_ctx: CPU compute buffer size =     1.00 MiB",  # (reserved again: as it last said)
     ]
-    assert compute_buffer_bytes(lines) == round(98.01 * 2**20) + round(2.5 * 2**20) + 2**20
-    assert compute_buffer_bytes(["a compute buffer size of 5 MiB"]) == 0
+    assert reported_bytes(lines) == round(98.01 * mib) + round(2.5 * mib) + mib
+    assert reported_bytes(lines, cells=True) == reported_bytes(lines) + 24 * mib
+    assert reported_bytes(["a compute buffer size of 5 MiB"]) == 0
 
 
 SMOL_VOCAB = 49_152  # SmolLM2's vocabulary: llama.cpp's compute buffer holds a batch's logits
 
 
+def test_a_context_reserving_fewer_rows_holds_less_and_refuses_a_batch_asking_more(
+    smollm2_path: Path,
+) -> None:
+    """A chat context reserves logits for the rows its decodes ask (``outputs_per_seq``), not for
+    a whole batch; a batch asking for more is refused before llama.cpp, which would abort."""
+    native = NativeModel(smollm2_path)
+    try:
+        whole = NativeContext(native, n_ctx=512, n_batch=256, threads=2, n_seq_max=2)
+        few = NativeContext(native, n_ctx=512, n_batch=256, threads=2, n_seq_max=2, outputs_per_seq=2)
+        rows = (256 - 4) * SMOL_VOCAB * 4  # (the logits of the rows not reserved)
+        assert whole.reported - few.reported >= rows // 2  # (the compute buffer: 42 MiB of 47)
+        assert whole.buffers - few.buffers >= rows + rows // 2  # (and the output buffer's bound)
+        runs = [(list(range(100, 140)), 0, 0), (list(range(200, 210)), 0, 1)]
+        assert few.decode_many(runs, [2, 2]) == [39, 49]
+        for seq in (0, 1):
+            few.seq_rm(-1, seq)
+        with pytest.raises(ValueError, match="at most 4 rows"):
+            few.decode_many(runs, [3, 2])
+        with pytest.raises(ValueError, match="at most 4 rows"):
+            few.decode(list(range(100, 110)), 0, outputs=True)
+        assert whole.decode_many(runs, [40, 10]) == [39, 49]  # (a whole batch's rows: reserved)
+    finally:
+        native.close()
+
+
 def test_a_model_counts_llama_cpps_buffers_against_the_limit(smollm2_path: Path) -> None:
-    """What llama.cpp allocates beside weights and cells (compute and output buffers) counts:
-    a batch's logits alone are ``batch_size x vocabulary`` floats, so they grow with the batch;
-    a limit that holds all but half of the buffers refuses the model's reload."""
+    """What llama.cpp allocates beside weights and cells (compute and output buffers) counts: the
+    output buffer holds 8 rows of logits a session (4 sessions), the compute buffer grows with the
+    batch; a limit that holds all but half of the buffers refuses the model's reload."""
     sizes = {}
     for batch in (64, 256):
         with Models({"smol": smollm2_path}, threads=2, batch_size=batch, kv_tokens=1024) as models:
@@ -156,9 +186,10 @@ def test_a_model_counts_llama_cpps_buffers_against_the_limit(smollm2_path: Path)
                 status.resident_bytes
                 == files + report.kv_bytes + report.buffer_bytes + report.host_cache_bytes
             )
-            assert report.buffer_bytes >= batch * SMOL_VOCAB * 4, (batch, report.buffer_bytes)
+            reported = report.buffer_bytes - 4 * 8 * SMOL_VOCAB * 4  # (the output buffers' bound)
+            assert reported > 2**20, (batch, report.buffer_bytes)
             sizes[batch] = report.buffer_bytes, status.resident_bytes
-    assert sizes[256][0] - sizes[64][0] >= (256 - 64) * SMOL_VOCAB * 4
+    assert sizes[256][0] > sizes[64][0]  # (a batch's activations)
     buffers, resident = sizes[64]
     limit = resident - buffers // 2
     with Models(

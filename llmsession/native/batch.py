@@ -14,8 +14,11 @@ class Batch:
     slices, not numpy views: right after a decode the caches are cold, and there each numpy
     call cost 5-15 µs (a one-token fill took 30-40 µs of a SmolLM2 token's 5 ms)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_outputs: int | None = None) -> None:
+        """``max_outputs``: the most rows of logits a fill may ask for (llama.cpp aborts the
+        process past its context's ``n_outputs_max``); None: every token's."""
         lib, _ = bindings()
+        self.max_outputs = capacity if max_outputs is None else max_outputs
         self.raw = lib.llama_batch_init(capacity, 0, 1)
         self._free = weakref.finalize(self, lib.llama_batch_free, self.raw)
         self.capacity = capacity
@@ -26,6 +29,8 @@ class Batch:
     def fill(self, tokens: Sequence[int], start: int, seq: int = 0, *, outputs: bool = False) -> None:
         """Tokens of sequence ``seq`` at consecutive positions from ``start``; logits only for
         the last one (for every one with ``outputs``: an encoder's batch)."""
+        if outputs and len(tokens) > self.max_outputs:
+            raise ValueError(f"a batch asks for at most {self.max_outputs} rows of logits, not {len(tokens)}")
         self.fill_many([(tokens, start, seq)])
         if outputs:
             self.raw.logits[0 : len(tokens)] = b"\x01" * len(tokens)
@@ -41,6 +46,9 @@ class Batch:
         wanted = [1] * len(runs) if outputs is None else outputs
         if sum(len(tokens) for tokens, _, _ in runs) > self.capacity or not runs or len(wanted) != len(runs):
             raise ValueError(f"a batch holds 1 to {self.capacity} tokens, with outputs for each run")
+        rows = sum(max(1, min(want, len(tokens))) for (tokens, _, _), want in zip(runs, wanted, strict=True))
+        if rows > self.max_outputs:
+            raise ValueError(f"a batch asks for at most {self.max_outputs} rows of logits, not {rows}")
         raw.logits[0 : self._filled] = bytes(self._filled)
         for which in sorted(range(len(runs)), key=lambda i: runs[i][2]):
             (tokens, start, seq), rows = runs[which], wanted[which]

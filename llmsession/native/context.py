@@ -19,9 +19,9 @@ from llmsession.native.llama import (
     Owner,
     bindings,
     check,
-    compute_buffer_bytes,
     not_null,
     raise_pending,
+    reported_bytes,
 )
 from llmsession.native.threadpool import POOLED, ThreadPool
 from llmsession.options import KV_TYPES
@@ -38,13 +38,22 @@ def _free_context(lib: Any, ptr: Any, pool: ThreadPool, _model: NativeModel) -> 
     pool.free()
 
 
-def _made(lib: Any, model: NativeModel, params: Any) -> tuple[Any, int]:
-    """A new llama context (or NULL), and the compute buffers llama.cpp reported making for it."""
+def _params(lib: Any, n_ctx: int, n_batch: int, threads: int, n_seq_max: int, rows: int) -> Any:
+    params = lib.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_outputs_max = n_ctx, n_batch, n_batch, rows
+    params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
+    params.no_perf = True
+    return params
+
+
+def _made(lib: Any, model: NativeModel, params: Any, *, cells: bool) -> tuple[Any, int]:
+    """A new llama context (or NULL), and the compute buffers llama.cpp reported making for it
+    (``cells``: and its KV cells)."""
     from llama_cffi import captured_logs
 
     with captured_logs() as lines:
         pointer = lib.llama_init_from_model(model.ptr, params)
-    return pointer, compute_buffer_bytes(lines)
+    return pointer, reported_bytes(lines, cells=cells)
 
 
 class NativeContext(Owner):
@@ -75,22 +84,23 @@ class NativeContext(Owner):
         its attention runs over its own cells only; else sequences share one pool of cells.
         ``embeddings``: each sequence's pooled embedding is kept (the pooling its GGUF names:
         ``pooled``), not logits. ``outputs_per_seq``: the most rows of logits a decode asks of
-        one sequence (None: every token's), which its output buffer grows to (``buffers``)."""
+        one sequence (None: every token's); llama.cpp reserves its compute and output buffers
+        for that many (``buffers``), and a batch asking for more is refused (ValueError)."""
         lib, ffi = bindings()
         # Every decode reserves one output row per sequence, and llama.cpp holds at most n_batch
         # rows (it asserts, aborting the process): a batch holds at least one token a sequence.
         n_batch = max(n_batch, n_seq_max)
-        params = lib.llama_context_default_params()
+        # (an encoder-decoder model's contexts reserve a batch of outputs whatever is asked)
+        whole_batch = outputs_per_seq is None or model.has_encoder
+        rows = n_batch if whole_batch else min(n_batch, n_seq_max * (outputs_per_seq or 1))
+        params = _params(lib, n_ctx, n_batch, threads, n_seq_max, rows)
         params.flash_attn_type = flash_attn_type(flash_attention)
         params.type_k = params.type_v = kv_ggml_type(kv_type)
-        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
-        params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
         params.swa_full, params.kv_unified = swa_full, n_seq_max > 1 and not own_cells
-        params.no_perf = True
         if embeddings:
             params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
         pool = ThreadPool(threads)
-        pointer, compute = _made(lib, model, params)
+        pointer, reported = _made(lib, model, params, cells=embeddings)
         if pointer == ffi.NULL:
             pool.free()
         else:
@@ -100,16 +110,16 @@ class NativeContext(Owner):
         lib.llama_attach_threadpool(self._ptr, pool.ptr, pool.ptr)
         POOLED.add(self)
         model.adopt(self)
-        # Its output buffer grows (never shrinks) to the rows a decode asks for, at most a batch.
-        rows = n_batch if outputs_per_seq is None else min(n_batch, n_seq_max * outputs_per_seq)
-        row = model.n_vocab + (model.n_embd_out if embeddings else 0)
-        self.buffers = compute + rows * row * 4
+        # What llama.cpp reported making (its compute buffers; an embedding context's cells too),
+        # and its output buffer, which grows (never shrinks) to the rows a decode asks for.
+        row = model.n_vocab + (model.n_embd_out if embeddings or model.has_encoder else 0)
+        self.reported, self.buffers = reported, reported + rows * row * 4
         self._memory = lib.llama_get_memory(self.ptr)
         self.own_cells = own_cells and n_seq_max > 1
         whole = lib.llama_n_ctx_seq(self.ptr) if self.own_cells else lib.llama_n_ctx(self.ptr)
         self.n_ctx: int = min(n_ctx // n_seq_max if self.own_cells else n_ctx, whole)  # a sequence's
         self.n_batch, self.n_seq_max = n_batch, n_seq_max
-        self.batch = Batch(n_batch)
+        self.batch = Batch(n_batch, rows)
         self._flag = AbortFlag()
         self._abort_cb = abort_callback(self._flag)
         self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 import re
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -106,14 +107,23 @@ class Owner:
             self._free()
 
 
-_COMPUTE_BUFFER = re.compile(r"compute buffer size = +([0-9.]+) MiB")
+_BUFFER = re.compile(r"(.*?) +(compute|KV) buffer size = +([0-9.]+) MiB")
 
 
-def compute_buffer_bytes(lines: Iterable[str]) -> int:
+def reported_bytes(lines: Iterable[str], *, cells: bool = False) -> int:
     """The bytes of the compute buffers llama.cpp (or libmtmd) reported allocating in ``lines``
-    (``captured_logs``): it says them nowhere else, one line a backend, in MiB to two places."""
-    found = (_COMPUTE_BUFFER.search(line) for line in lines)
-    return sum(round(float(match.group(1)) * 2**20) for match in found if match)
+    (``captured_logs``), and with ``cells`` its KV buffers: it says them nowhere else, one line a
+    backend, in MiB to two places (a backend's compute buffer reserved twice counts once, as it
+    last said; KV buffers add up: a sliding-window model has two caches)."""
+    compute: dict[str, int] = {}  # (by who said it and of which backend: "sched_reserve: CPU")
+    kv = 0
+    for match in filter(None, (_BUFFER.search(line) for line in lines)):
+        who, kind, mib = match.groups()
+        if kind == "compute":
+            compute[" ".join(who.split())] = round(float(mib) * 2**20)
+        elif cells:
+            kv += round(float(mib) * 2**20)
+    return sum(compute.values()) + kv
 
 
 def rpc_devices(endpoints: Sequence[str]) -> list[Any]:
@@ -165,6 +175,7 @@ class NativeModel(Owner):
         self._ptr = not_null(pointer, f"loading model {path}", ModelLoadError)
         self._vocab = lib.llama_model_get_vocab(self.ptr)
         self._children: weakref.WeakSet[Owner] = weakref.WeakSet()
+        self._adopting = threading.Lock()  # (contexts are made on several threads)
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(self.ptr)
         self.n_embd_out: int = lib.llama_model_n_embd_out(self.ptr)  # (a pooled vector's width)
@@ -185,14 +196,19 @@ class NativeModel(Owner):
 
     def adopt(self, child: Owner) -> None:
         """Register a context or projector made from this model, to be closed before it."""
-        self._children.add(child)
+        with self._adopting:
+            self._children.add(child)
 
     def held_buffers(self) -> int:
         """The bytes its open contexts and projector hold in buffers (``Owner.buffers``)."""
-        return sum(child.buffers for child in list(self._children) if not child.closed)
+        with self._adopting:
+            children = list(self._children)
+        return sum(child.buffers for child in children if not child.closed)
 
     def close(self) -> None:
-        for child in list(self._children):
+        with self._adopting:
+            children = list(self._children)
+        for child in children:
             child.close()
         super().close()
 

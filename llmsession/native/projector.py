@@ -24,9 +24,9 @@ from llmsession.native.llama import (
     c_string,
     check,
     check_gguf_file,
-    compute_buffer_bytes,
     not_null,
     raise_pending,
+    reported_bytes,
 )
 from llmsession.text.images import Image
 
@@ -83,7 +83,7 @@ class Projector(Owner):
         raise_pending()
         self._ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
         model.adopt(self)
-        self.buffers = compute_buffer_bytes(lines)
+        self.buffers = reported_bytes(lines)
         self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
         self.vision = bool(lib.mtmd_support_vision(self.ptr))
         self.lock = threading.Lock()

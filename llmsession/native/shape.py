@@ -28,6 +28,12 @@ def _int_meta(model: NativeModel, key: str) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
+def attention_scores_bytes(model: NativeModel, positions: int, batch: int) -> int:
+    """What llama.cpp's compute buffer holds of a batch's attention scores without flash
+    attention: ``positions x batch`` floats for each head (one layer at a time)."""
+    return positions * batch * max(1, int(bindings()[0].llama_model_n_head(model.ptr))) * 4
+
+
 def kv_bytes_per_cell(model: NativeModel, kv_type: str = "f16") -> int:
     """About what one position of one sequence takes in KV cells of ``kv_type``: every layer's
     keys and values for its KV heads (the first layer's count of them, as llama.cpp reports;

@@ -22,7 +22,8 @@ from llama_cffi import cache_root
 from llmsession.engine.attention import BATCH, PROBE_DEPTH, AttentionProbe, probe_key
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, build_commit, system_info
-from llmsession.native.machine import cpu_name
+from llmsession.native.machine import cpu_name, usable_cores
+from llmsession.native.shape import attention_scores_bytes
 
 log = logging.getLogger("llmsession")
 
@@ -31,19 +32,33 @@ LOCK_FILE = ".attention-probes.lock"  # held while a process reads, measures and
 MAX_PROBES = 256  # kept in it, the newest
 MAX_FILE_BYTES = 1 << 20
 MIN_TRAINED = 4 * BATCH  # a model trained on fewer positions is not probed
+MAX_SCORES_BYTES = 1 << 30  # a batch's attention scores without flash attention, at most
 FILL = 512  # the batch the probe fills a context to its depth with
 REPEATS = 5  # times each is timed, with each setting in turn (the fastest kept)
 
 
-def probed(native: NativeModel, path: Path, threads: int, context: int) -> bool:
+def probed(native: NativeModel, path: Path, threads: int, context: int, batch: int = 512) -> bool:
     """Flash attention for sessions of ``context`` positions, from this machine's probe of the
     model (off, as before, where there is nothing to measure or it is not safe to: an
     encoder-decoder or recurrent model, or one trained on very few positions; or where the probe
     failed). One process measures while the others wait for its result (a lock file beside the
     probes): replicas started together measure once, on an otherwise quiet CPU. The probe's
-    contexts are its own, not the engine's."""
+    contexts are its own, not the engine's. More threads than usable cores are not measured
+    (every decode would wait for a descheduled thread: a minute's probe of nothing useful). Where
+    a batch's attention scores would take more than ``MAX_SCORES_BYTES`` without flash attention
+    (many heads, a long context: a 32-head model at 32,768 positions and a batch of 512 takes
+    2 GiB), it is on, whatever its speed."""
     if native.has_encoder or native.is_recurrent or native.n_ctx_train < MIN_TRAINED or native.n_vocab < 2:
         return False  # (as before: no attention over a growing context to speed up, or unsafe)
+    scores = attention_scores_bytes(native, min(context, native.n_ctx_train), batch)
+    if scores > MAX_SCORES_BYTES:
+        log.debug(
+            "flash attention on for %s: without it a batch's scores take %d MiB", path.name, scores >> 20
+        )
+        return True
+    if threads > usable_cores():  # (every decode waits for a descheduled thread: it measures that)
+        log.debug("flash attention off for %s: %d threads on %d cores", path.name, threads, usable_cores())
+        return False
     try:
         probe = _kept_or_measured(native, path, threads, min(PROBE_DEPTH, native.n_ctx_train // 2))
     except Exception as error:  # (a context llama.cpp would not make, no cache folder: as before)
@@ -72,13 +87,18 @@ def _kept_or_measured(native: NativeModel, path: Path, threads: int, depth: int)
 
 def measure(native: NativeModel, threads: int, depth: int = PROBE_DEPTH) -> AttentionProbe:
     """With each setting: a ``BATCH``-token batch and one generated token at depth 0, then past a
-    fill to ``depth`` the same there; three times in turn (the fastest kept), after a small batch
-    that pages the weights in."""
+    fill to ``depth`` the same there; ``REPEATS`` times in turn (the fastest kept), after a small
+    batch that pages the weights in."""
     ids = [(100 + i * 7) % native.n_vocab for i in range(depth + BATCH + 1)]
     fill = min(FILL, depth)
     contexts = {
         flash: NativeContext(
-            native, n_ctx=depth + BATCH + 1, n_batch=max(fill, BATCH), threads=threads, flash_attention=flash
+            native,
+            n_ctx=depth + BATCH + 1,
+            n_batch=max(fill, BATCH),
+            threads=threads,
+            flash_attention=flash,
+            outputs_per_seq=1,  # (no batch's logits reserved: one row a decode)
         )
         for flash in (False, True)
     }

@@ -102,14 +102,17 @@ class ModelCore:
         )
         if probes_attention(config.flash_attention, self.kv_type, gpu_layers):
             try:
-                self.flash_attention = probed(
-                    loaded.native, self.path, self.threads, session_positions(loaded.memory)
-                )
+                positions, batch = session_positions(loaded.memory), loaded.memory.batch_size
+                self.flash_attention = probed(loaded.native, self.path, self.threads, positions, batch)
             except BaseException:
                 loaded.close()
                 raise
             cells["flash_attention"] = self.flash_attention
-        self._adopt(loaded, cells)
+        try:
+            self._adopt(loaded, cells)
+        except BaseException:  # (an embedding model's context is made here, and may fail)
+            loaded.close()
+            raise
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
         self._identities = FileIdentities()
@@ -344,7 +347,8 @@ class ModelCore:
         report = self.engine.memory()
         return dataclasses.replace(
             report,
-            kv_bytes=self.sizing.kv_bytes if self.pooling is None else 0,  # (no chat, no cells)
+            # (an embedding model has no chat cells: its embedding context's count among buffers)
+            kv_bytes=self.sizing.kv_bytes if self.pooling is None else 0,
             kv_sizing=self.sizing.note,
             context_size=self.sizing.context_size,
             renderer=str(self.renderer),

@@ -1,5 +1,5 @@
 """Embeddings (``Model.embed``, ``/v1/embeddings``) for a model whose GGUF names a pooling (mean,
-CLS, last: an embedding model; ``pooling_of``). A context of its own, made at the first call:
+CLS, last: an embedding model; ``pooling_of``). A context of its own, made at load (``open``):
 each input's tokens fill a sequence of one batch (up to ``SEQUENCES`` inputs and ``n_ctx``
 tokens a batch), every token an output, and each sequence's pooled vector is read back, L2
 normalized as OpenAI's and llama-server's are. An input longer than the context is refused, not
