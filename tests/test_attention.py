@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from llmsession import GenerationOptions, Model
 from llmsession.engine.attention import BATCH, STEPS, AttentionProbe
 from llmsession.native.context import NativeContext
+from llmsession.native.llama import NativeModel
 from llmsession.native.shape import attention_scores_bytes
 from llmsession.runtime import attention
 
@@ -59,7 +61,10 @@ def test_what_is_not_a_probe_reads_as_none(data: Any) -> None:
 
 
 def test_the_probe_is_measured_once_and_kept(
-    smollm2: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: Model,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fixture_path: Callable[[str], Path],
 ) -> None:
     monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(attention, "PROBE_DEPTH", 2 * BATCH)  # (what is kept, not how well: short)
@@ -97,6 +102,11 @@ def test_the_probe_is_measured_once_and_kept(
     # a batch's scores past MAX_SCORES_BYTES without it: on, unmeasured (SmolLM2 has 9 heads)
     assert attention_scores_bytes(native, 8192, 512) == 8192 * 512 * 9 * 4 < attention.MAX_SCORES_BYTES
     assert attention.probed(native, path, 2, 8192, batch=4096) is True
+    bert = NativeModel(fixture_path("bert-tiny.gguf"))  # (an embedding model: nothing to speed up)
+    try:
+        assert attention.probed(bert, fixture_path("bert-tiny.gguf"), 1, 512) is False
+    finally:
+        bert.close()
     monkeypatch.setattr(attention, "measure", counted)
     file.unlink()
     os.mkfifo(file)  # a pipe where the file was: not read (it would never end), measured again

@@ -8,6 +8,8 @@ is refused naming the reason."""
 from __future__ import annotations
 
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +70,25 @@ def test_an_embedding_model_holds_its_context_from_load_and_no_chat_cells(bert_p
         assert at_load.kv_bytes == 0 and internals.reported_buffers(model) > 0, at_load
         model.embed(TEXTS)
         assert model.memory().buffer_bytes == at_load.buffer_bytes  # (nothing made later)
+
+
+def test_a_model_without_cells_gets_a_batch_of_rows_whatever_is_asked(bert_path: Path) -> None:
+    """A BERT-style model decodes through its encoder, every token an output: a context asked to
+    reserve fewer rows (a chat context's, the flash-attention probe's) reserves a batch of them
+    instead of letting llama.cpp abort the process (in a child: an abort would end the tests)."""
+    code = f"""
+        from llmsession.native.llama import NativeModel
+        from llmsession.native.context import NativeContext
+        native = NativeModel({str(bert_path)!r})
+        context = NativeContext(native, n_ctx=300, n_batch=32, threads=1, outputs_per_seq=1)
+        context.decode(list(range(100, 116)), 0)
+        assert context.batch.max_outputs == 32
+        print("decoded")
+    """
+    ran = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0 and "decoded" in ran.stdout, ran.stderr[-2000:]
 
 
 def test_more_inputs_than_a_batch_holds_equal_each_alone(bert: Model) -> None:

@@ -135,10 +135,10 @@ def test_buffers_are_read_from_what_llama_cpp_reports_allocating() -> None:
         "llama_kv_cache:        CPU KV buffer size =     1.50 MiB",  # (a sliding window's own cache)
         "sched_reserve:        CPU compute buffer size =    98.01 MiB",
         "sched_reserve:   CPU_Mapped compute buffer size =     2.50 MiB",
-        "clip_ctx: CPU compute buffer size =     3.00 MiB",
-        "clip_ctx: CPU compute buffer size =     1.00 MiB",  # (reserved again: as it last said)
+        "reserve_compute_meta: CPU compute buffer size =     3.00 MiB",  # (a projector's vision
+        "reserve_compute_meta: CPU compute buffer size =     1.00 MiB",  # and audio encoders)
     ]
-    assert reported_bytes(lines) == round(98.01 * mib) + round(2.5 * mib) + mib
+    assert reported_bytes(lines) == round(98.01 * mib) + round(2.5 * mib) + 4 * mib
     assert reported_bytes(lines, cells=True) == reported_bytes(lines) + 24 * mib
     assert reported_bytes(["a compute buffer size of 5 MiB"]) == 0
 

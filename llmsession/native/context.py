@@ -46,14 +46,21 @@ def _params(lib: Any, n_ctx: int, n_batch: int, threads: int, n_seq_max: int, ro
     return params
 
 
-def _made(lib: Any, model: NativeModel, params: Any, *, cells: bool) -> tuple[Any, int]:
-    """A new llama context (or NULL), and the compute buffers llama.cpp reported making for it
-    (``cells``: and its KV cells)."""
+def _made(lib: Any, ffi: Any, model: NativeModel, params: Any, *, cells: bool) -> tuple[Any, int, int]:
+    """A new llama context (or NULL), the compute buffers llama.cpp reported making for it
+    (``cells``: and its KV cells), and the rows of logits it reserves. A model without cells
+    (BERT's kind) decodes through its encoder, every token an output: llama.cpp would abort
+    past fewer rows, so such a context is made again reserving a batch of them."""
     from llama_cffi import captured_logs
 
-    with captured_logs() as lines:
-        pointer = lib.llama_init_from_model(model.ptr, params)
-    return pointer, reported_bytes(lines, cells=cells)
+    while True:
+        with captured_logs() as lines:
+            pointer = lib.llama_init_from_model(model.ptr, params)
+        whole = params.n_outputs_max >= params.n_batch
+        if pointer == ffi.NULL or whole or lib.llama_get_memory(pointer) != ffi.NULL:
+            return pointer, reported_bytes(lines, cells=cells), int(params.n_outputs_max)
+        lib.llama_free(pointer)
+        params.n_outputs_max = params.n_batch
 
 
 class NativeContext(Owner):
@@ -100,7 +107,7 @@ class NativeContext(Owner):
         if embeddings:
             params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
         pool = ThreadPool(threads)
-        pointer, reported = _made(lib, model, params, cells=embeddings)
+        pointer, reported, rows = _made(lib, ffi, model, params, cells=embeddings)
         if pointer == ffi.NULL:
             pool.free()
         else:

@@ -113,17 +113,14 @@ _BUFFER = re.compile(r"(.*?) +(compute|KV) buffer size = +([0-9.]+) MiB")
 def reported_bytes(lines: Iterable[str], *, cells: bool = False) -> int:
     """The bytes of the compute buffers llama.cpp (or libmtmd) reported allocating in ``lines``
     (``captured_logs``), and with ``cells`` its KV buffers: it says them nowhere else, one line a
-    backend, in MiB to two places (a backend's compute buffer reserved twice counts once, as it
-    last said; KV buffers add up: a sliding-window model has two caches)."""
-    compute: dict[str, int] = {}  # (by who said it and of which backend: "sched_reserve: CPU")
-    kv = 0
+    buffer, in MiB to two places. Every line counts (a projector's vision and audio encoders say
+    the same words of two buffers; a reserve made again counts twice, erring on the safe side)."""
+    total = 0
     for match in filter(None, (_BUFFER.search(line) for line in lines)):
-        who, kind, mib = match.groups()
-        if kind == "compute":
-            compute[" ".join(who.split())] = round(float(mib) * 2**20)
-        elif cells:
-            kv += round(float(mib) * 2**20)
-    return sum(compute.values()) + kv
+        _who, kind, mib = match.groups()
+        if kind == "compute" or cells:
+            total += round(float(mib) * 2**20)
+    return total
 
 
 def rpc_devices(endpoints: Sequence[str]) -> list[Any]:

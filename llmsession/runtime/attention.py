@@ -24,6 +24,7 @@ from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, build_commit, system_info
 from llmsession.native.machine import cpu_name, usable_cores
 from llmsession.native.shape import attention_scores_bytes
+from llmsession.runtime.embedding import pooling_of
 
 log = logging.getLogger("llmsession")
 
@@ -50,6 +51,8 @@ def probed(native: NativeModel, path: Path, threads: int, context: int, batch: i
     2 GiB), it is on, whatever its speed."""
     if native.has_encoder or native.is_recurrent or native.n_ctx_train < MIN_TRAINED or native.n_vocab < 2:
         return False  # (as before: no attention over a growing context to speed up, or unsafe)
+    if pooling_of(native) is not None:
+        return False  # (an embedding or reranking model: no conversation grows in it either)
     scores = attention_scores_bytes(native, min(context, native.n_ctx_train), batch)
     if scores > MAX_SCORES_BYTES:
         log.debug(
