@@ -38,6 +38,7 @@ from llmsession.native.context import DecodeAborted, NativeContext
 
 QUESTION = "Summarize it in one line."
 BATCH = 128  # the session's prefill batch: smaller than the context's (512), as a session may ask
+ROWS = 32  # logits at every position are read this many at a time: what the engine's context reserves
 STORY = (
     "On the northern cliff above the harbour stood a lighthouse that had guided ships for two "
     "hundred years. Its first keeper, Elias Marrow, carried oil up a hundred and twelve steps every "
@@ -131,10 +132,12 @@ def cancel_a_prefill(
 def rows_after(
     context: NativeContext, seq: int, start: int, tokens: Sequence[int], n_vocab: int
 ) -> np.ndarray:
-    """The logits at each of ``tokens`` decoded from ``start`` in batches of ``BATCH``."""
+    """The logits at each of ``tokens`` decoded from ``start`` in batches of ``ROWS`` (the rows of
+    logits the engine's shared context reserves: 8 for each of its 4 sequences)."""
+    assert context.batch.max_outputs >= ROWS
     rows = []
-    for at in range(0, len(tokens), BATCH):
-        chunk = tokens[at : at + BATCH]
+    for at in range(0, len(tokens), ROWS):
+        chunk = tokens[at : at + ROWS]
         context.decode(chunk, start + at, seq=seq, outputs=True)
         rows += [context.last_logits(n_vocab, row).copy() for row in range(len(chunk))]
     return np.stack(rows)
