@@ -159,7 +159,5 @@ def logits_after(session: Session, tokens: list[int]) -> np.ndarray:
 def reported_buffers(model: Model) -> int:
     """What llama.cpp itself reported making for a model's open contexts and projector (their
     compute buffers; an embedding context's cells), without the output buffers' bound."""
-    native = local(model).native
-    with native._adopting:
-        children = list(native._children)
+    children = local(model).native.children()
     return sum(getattr(child, "reported", child.buffers) for child in children if not child.closed)

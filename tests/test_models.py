@@ -26,7 +26,8 @@ from llmsession import (
     UnavailableError,
 )
 from llmsession.native.context import NativeContext
-from llmsession.native.llama import NativeModel, reported_bytes
+from llmsession.native.llama import NativeModel
+from llmsession.native.reports import reported_bytes
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 SYSTEM = "You are a terse assistant. " + "Answer in a few words and never apologise. " * 6

@@ -21,8 +21,8 @@ from llmsession.native.llama import (
     check,
     not_null,
     raise_pending,
-    reported_bytes,
 )
+from llmsession.native.reports import made_reporting
 from llmsession.native.threadpool import POOLED, ThreadPool
 from llmsession.options import KV_TYPES
 
@@ -51,14 +51,11 @@ def _made(lib: Any, ffi: Any, model: NativeModel, params: Any, *, cells: bool) -
     (``cells``: and its KV cells), and the rows of logits it reserves. A model without cells
     (BERT's kind) decodes through its encoder, every token an output: llama.cpp would abort
     past fewer rows, so such a context is made again reserving a batch of them."""
-    from llama_cffi import captured_logs
-
     while True:
-        with captured_logs() as lines:
-            pointer = lib.llama_init_from_model(model.ptr, params)
+        pointer, reported = made_reporting(lambda: lib.llama_init_from_model(model.ptr, params), cells=cells)
         whole = params.n_outputs_max >= params.n_batch
         if pointer == ffi.NULL or whole or lib.llama_get_memory(pointer) != ffi.NULL:
-            return pointer, reported_bytes(lines, cells=cells), int(params.n_outputs_max)
+            return pointer, reported, int(params.n_outputs_max)
         lib.llama_free(pointer)
         params.n_outputs_max = params.n_batch
 

@@ -17,10 +17,9 @@ native call returns; a decode it interrupted raises ``DecodeAborted`` carrying i
 from __future__ import annotations
 
 import operator
-import re
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,22 +106,6 @@ class Owner:
             self._free()
 
 
-_BUFFER = re.compile(r"(.*?) +(compute|KV) buffer size = +([0-9.]+) MiB")
-
-
-def reported_bytes(lines: Iterable[str], *, cells: bool = False) -> int:
-    """The bytes of the compute buffers llama.cpp (or libmtmd) reported allocating in ``lines``
-    (``captured_logs``), and with ``cells`` its KV buffers: it says them nowhere else, one line a
-    buffer, in MiB to two places. Every line counts (a projector's vision and audio encoders say
-    the same words of two buffers; a reserve made again counts twice, erring on the safe side)."""
-    total = 0
-    for match in filter(None, (_BUFFER.search(line) for line in lines)):
-        _who, kind, mib = match.groups()
-        if kind == "compute" or cells:
-            total += round(float(mib) * 2**20)
-    return total
-
-
 def rpc_devices(endpoints: Sequence[str]) -> list[Any]:
     """The devices the RPC servers at ``endpoints`` offer, in order."""
     lib, _ = bindings()
@@ -196,16 +179,17 @@ class NativeModel(Owner):
         with self._adopting:
             self._children.add(child)
 
+    def children(self) -> list[Owner]:
+        """The contexts and projector made from it and not yet collected (closed ones too)."""
+        with self._adopting:
+            return list(self._children)
+
     def held_buffers(self) -> int:
         """The bytes its open contexts and projector hold in buffers (``Owner.buffers``)."""
-        with self._adopting:
-            children = list(self._children)
-        return sum(child.buffers for child in children if not child.closed)
+        return sum(child.buffers for child in self.children() if not child.closed)
 
     def close(self) -> None:
-        with self._adopting:
-            children = list(self._children)
-        for child in children:
+        for child in self.children():
             child.close()
         super().close()
 

@@ -26,8 +26,8 @@ from llmsession.native.llama import (
     check_gguf_file,
     not_null,
     raise_pending,
-    reported_bytes,
 )
+from llmsession.native.reports import made_reporting
 from llmsession.text.images import Image
 
 
@@ -74,16 +74,14 @@ class Projector(Owner):
         check_gguf_file(path, "projector")
         params = lib.mtmd_context_params_default()
         params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
-        from llama_cffi import captured_logs
-
-        with captured_logs() as lines:
-            pointer = lib.mtmd_init_from_file(c_string(str(path), "projector path"), model.ptr, params)
+        file = c_string(str(path), "projector path")
+        pointer, reported = made_reporting(lambda: lib.mtmd_init_from_file(file, model.ptr, params))
         if pointer != ffi.NULL:
             self._free = weakref.finalize(self, _free_projector, lib, pointer, model)
         raise_pending()
         self._ptr = not_null(pointer, f"loading projector {path} for this model", ModelLoadError)
         model.adopt(self)
-        self.buffers = reported_bytes(lines)
+        self.buffers = reported
         self.marker = str(ffi.string(lib.mtmd_default_marker()).decode())
         self.vision = bool(lib.mtmd_support_vision(self.ptr))
         self.lock = threading.Lock()
