@@ -5,22 +5,31 @@
 and beside 7 sequences of 1,000 tokens: one pool of cells (``kv_unified``) against cells of
 their own per sequence (llama.cpp's streams), flash attention off and on. (2) Three streams'
 batched step with 8 sequences of 500 tokens live, in sequences that follow each other or not
-(llama.cpp computes together only consecutive streams).
+(llama.cpp computes together only consecutive streams). (3) Through the engine: four sessions
+live with a story of about 200 tokens each, and the first, third and fourth go on together (64
+tokens each, greedy, three threads), with ``engine.placement`` moving them into consecutive
+sequences or not; rounds alternate so both see the same machine.
 
-python scripts/bench_kv_layout.py [--json PATH]
+python scripts/bench_kv_layout.py [--json PATH] [--only engine]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llmsession import GenerationOptions, Model, Session
 from llmsession.commands import paths
+from llmsession.engine import placement
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 
@@ -81,12 +90,71 @@ def batched_steps(model: NativeModel, own: bool) -> dict[str, float]:
         context.close()
 
 
+STORIES = ("a lighthouse", "a river town", "an old bridge", "a winter market")
+OPENING = GenerationOptions(max_tokens=160, temperature=0)
+TURN = GenerationOptions(max_tokens=64, temperature=0)  # each such turn runs to its length
+
+
+def together(sessions: list[Session]) -> float:
+    """The first, third and fourth sessions go on at once; their generated tokens a second."""
+    replies: list[int] = []
+    start = threading.Barrier(3)
+
+    def one(session: Session) -> None:
+        start.wait()
+        replies.append(session.respond("Go on with the story, at length.", TURN).usage.completion_tokens)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in (sessions[0], sessions[2], sessions[3])]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(replies) / (time.perf_counter() - began)
+
+
+def engine_rounds(rounds: int = 6) -> dict[str, dict[str, object]]:
+    """Tokens a second of three sessions going on together among four live (about 200 tokens
+    each), placed or not, the two kinds of round alternating."""
+    rates: dict[str, list[float]] = {"placed": [], "unplaced": []}
+    stay = mock.patch.object(
+        placement,
+        "choose",
+        lambda current, free, *_: placement.Placement(min(free) if current is None else current),
+    )
+    with Model(paths.default_model_path(), threads=2, anticipate=False) as model:
+        for turn in range(rounds):
+            name = ("placed", "unplaced")[turn % 2]
+            sessions = [model.session() for _ in STORIES]
+            for session, story in zip(sessions, STORIES, strict=True):  # live in sequences 0 to 3
+                session.respond(f"Write a long story about {story}, with many characters.", OPENING)
+            with stay if name == "unplaced" else contextlib.nullcontext():
+                rates[name].append(together(sessions))
+            for session in sessions:
+                session.close()
+    return {
+        name: {"tokens_per_s": values, "median": statistics.median(values)} for name, values in rates.items()
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", choices=["engine"], help="run only part (3)")
     args = parser.parse_args()
-    model = NativeModel(paths.default_model_path())
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    results["engine"] = rounds = engine_rounds()
+    for name, row in rounds.items():
+        print(
+            f"three of four live sessions going on together, {name}: "
+            + ", ".join(f"{r:.1f}" for r in row["tokens_per_s"])
+            + f" tok/s (median {row['median']:.1f})"
+        )  # type: ignore[index]
+    if args.only:
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return 0
+    model = NativeModel(paths.default_model_path())
     for flash in (False, True):
         for own in (False, True):
             for others in (0, 7):

@@ -15,7 +15,8 @@ import pytest
 from test_reuse import check_against_fresh, short_prompt_noise, tolerance_for
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, Reply, Session
-from llmsession.engine.engine import Engine, Lease, SharedContext
+from llmsession.engine.lease import Lease, SharedContext
+from llmsession.engine.moves import Mover
 
 REPLY = GenerationOptions(max_tokens=4, temperature=0)
 TOPICS = ("rivers", "bridges", "lanterns", "harbours", "meadows", "orchards", "towers", "valleys")
@@ -80,16 +81,16 @@ def test_a_restore_with_damaged_values_is_caught(
 ) -> None:
     """The teeth: restored states whose positions are right but whose last values are not pass
     the position check; the differential must see it."""
-    real_restore = Engine._restore
+    real_restore = Mover.restore
 
-    def damaged(self: Engine, pool: SharedContext, lease: Lease, seq: int, blob: bytes | None) -> None:
+    def damaged(self: Mover, pool: SharedContext, lease: Lease, seq: int, blob: bytes | None) -> None:
         real_restore(self, pool, lease, seq, blob)
         held = len(lease.cache.items)
         if held > 4:  # the last 4 positions hold other tokens' keys and values
             pool.context.seq_rm(held - 4, seq)
             pool.context.decode([1, 2, 3, 4], held - 4, seq=seq)
 
-    monkeypatch.setattr(Engine, "_restore", damaged)
+    monkeypatch.setattr(Mover, "restore", damaged)
     with Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=1) as model:
         problems, _ = round_robin(model, control, n=2, turns=2)
         assert model.memory().counters.restores > 0

@@ -69,6 +69,7 @@ class Counters:
     disk_writes: int = 0
     drops: int = 0  # states lost: evicted unparkable, or past every budget
     failed_restores: int = 0
+    moves: int = 0  # live sessions moved to join the sequences in exchanges (``placement``)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,6 @@ class MemoryReport:
             f"/{self.host_cache_bytes / MIB:.0f} MiB in RAM, {self.disk_entries} on disk "
             f"({self.disk_bytes / MIB:.1f} MiB), checkpoints {self.checkpoint_bytes / MIB:.1f} MiB "
             f"| parks {c.parks}, restores {c.restores}, "
-            f"disk writes {c.disk_writes}, drops {c.drops}, failed restores {c.failed_restores}"
-            + (f"\nprompts: {self.renderer}" if self.renderer else "")
+            f"disk writes {c.disk_writes}, drops {c.drops}, failed restores {c.failed_restores}, "
+            f"moves {c.moves}" + (f"\nprompts: {self.renderer}" if self.renderer else "")
         )

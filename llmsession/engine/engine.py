@@ -36,6 +36,7 @@ from llmsession.engine.budget import (
 )
 from llmsession.engine.drafting import MAX_DRAFT
 from llmsession.engine.lease import Lease, SharedContext
+from llmsession.engine.moves import Mover
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
 from llmsession.engine.residency import Move, State
@@ -80,6 +81,7 @@ class Engine:
         weakref.finalize(self, self.batcher.close)
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
+        self.moves = Mover(self.lot, self.counters)  # carries out the ledger's steps
         self._shared_contexts: dict[tuple[bool, int], SharedContext] = {}
         self._keys = itertools.count()
         self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
@@ -200,7 +202,7 @@ class Engine:
             seq = home.residency.entry(lease.key).seq
             if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
                 if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
-                    self._restore(home, lease, seq, self.lot.take(lease.key))
+                    self.moves.restore(home, lease, seq, self.lot.take(lease.key))
                 elif home.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
                     lease.cache.reset()
             self.counters.exchanges += exchange
@@ -327,53 +329,9 @@ class Engine:
                 home.close()
             self.lot.close()
 
-    # -- applying the ledger's steps -------------------------------------------------------------
+    # -- the ledger's steps (``moves``) ---------------------------------------------------------
     def apply(self, home: SharedContext, steps: list[Move]) -> None:
-        """Carry out the ledger's moves on ``home``'s context and the parking lot."""
-        for step in steps:
-            lease = home.leases[step.key]  # type: ignore[index]
-            if step.action == "park":
-                blob = home.context.state_get(step.seq)
-                home.context.seq_rm(-1, step.seq)
-                self.lot.park(lease.key, blob)
-                self.counters.parks += 1
-                log.debug(
-                    "parked session %d: %d positions, %d bytes",
-                    lease.key,
-                    len(lease.cache.items),
-                    memoryview(blob).nbytes,
-                )
-            elif step.action == "evict" and self.lot.disk_dir and lease.cache.items and lease.parkable:
-                self.lot.park(lease.key, home.context.state_get(step.seq))  # too big for RAM
-                home.context.seq_rm(-1, step.seq)
-                self.apply(home, [Move("release", lease.key, -1)])
-            elif step.action == "evict":
-                home.context.seq_rm(-1, step.seq)
-                if lease.cache.items:
-                    self.counters.drops += 1
-                    log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
-                lease.cache.reset()
-            elif step.action == "release":
-                if self.lot.spill(lease.key):
-                    self.counters.disk_writes += 1
-                    log.debug("moved session %d's parked state to disk", lease.key)
-                else:
-                    self.counters.drops += 1
-                    log.debug("forgot session %d's parked state (cold)", lease.key)
-                    lease.cache.reset()
-            else:
-                self._restore(home, lease, step.seq, self.lot.take(lease.key))
-
-    def _restore(self, home: SharedContext, lease: Lease, seq: int, blob: Buffer | None) -> None:
-        context, held = home.context, len(lease.cache.items)
-        if blob is not None and context.state_set(blob, seq) and context.pos_max(seq) == held - 1:
-            self.counters.restores += 1
-            log.debug("restored session %d: %d positions", lease.key, held)
-            return
-        context.seq_rm(-1, seq)
-        lease.cache.reset()
-        self.counters.failed_restores += 1
-        log.info("session %d's parked state did not restore: it starts cold", lease.key)
+        self.moves.apply(home, steps)
 
     def _reap(self) -> None:
         while self._dead:

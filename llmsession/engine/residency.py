@@ -3,8 +3,9 @@ host RAM, or nowhere (cold: the transcript only, so the next exchange prefills f
 
 All live sessions share one llama context: a live session holds one of its sequences and as many
 KV cells as positions it keeps, of one pool, or of its sequence's own (``Budget.own_cells``). The
-lowest free sequence goes first: llama.cpp batches sequences of their own cells together only
-where their numbers follow each other. When an exchange needs a sequence or cells that are not free, the
+lowest free sequence goes first; with cells of their own, a session starting an exchange goes
+where it joins the sequences in exchanges (``placement``: llama.cpp batches those together only
+where their numbers follow each other). When an exchange needs a sequence or cells that are not free, the
 least recently used idle session is evicted: parked (its sequence state copied to host RAM) when
 its kind allows it and the host budget can hold it, dropping the oldest parked states to make
 room, else dropped cold. A session in an exchange is never evicted.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, NamedTuple
 
+from llmsession.engine import placement
 from llmsession.engine.budget import Budget, BudgetError
 
 Key = Hashable
@@ -37,11 +39,14 @@ class Move(NamedTuple):
     RAM and frees the sequence; ``evict`` frees a live sequence whose state does not go to RAM
     (the engine writes it to its disk tier if it has one, else the session goes cold);
     ``release`` lets a parked state leave RAM (to the disk tier, else cold); ``restore`` loads a
-    parked state into ``seq``."""
+    parked state into ``seq``; ``swap`` moves ``key``'s state from ``seq`` to ``to`` and, if
+    ``other`` is given, ``other``'s from ``to`` to ``seq`` (``placement``)."""
 
-    action: Literal["park", "evict", "release", "restore"]
+    action: Literal["park", "evict", "release", "restore", "swap"]
     key: Key
     seq: int
+    to: int = -1
+    other: Key | None = None
 
 
 @dataclass
@@ -126,7 +131,8 @@ class Residency:
     def acquire(self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True) -> list[Move]:
         """Make ``key`` live holding ``cells`` cells and mark it busy; the steps evict what must
         go and, for a parked session, restore it (last). Cold sessions come back empty.
-        ``touch``: this counts as a use (background work does not make a session recent)."""
+        ``touch``: this counts as a use (background work does not make a session recent, nor
+        moves another to place it)."""
         entry = self._entries[key]
         if cells > self.budget.kv_cells:
             raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
@@ -135,13 +141,11 @@ class Residency:
             self._clock += 1
             entry.stamp = self._clock
         entry.busy, entry.parkable = True, parkable
+        steps += self._place(key, entry, joining=touch)
         if entry.state is not State.LIVE:
             if entry.state is State.PARKED:
                 entry.parked_bytes = 0
-                entry.seq = heapq.heappop(self._free_seqs)
                 steps.append(Move("restore", key, entry.seq))
-            else:
-                entry.seq = heapq.heappop(self._free_seqs)
             entry.state = State.LIVE
         entry.cells = cells
         return steps
@@ -184,6 +188,40 @@ class Residency:
         pool = self.budget.kv_cells if not self.budget.own_cells else None
         while (needs_seq and not self._free_seqs) or (pool and self.live_cells - held + cells > pool):
             steps += self._evict(victims.pop(0)[1], key)
+        return steps
+
+    def _place(self, key: Key, entry: Entry, *, joining: bool) -> list[Move]:
+        """Give ``key`` (now busy) its sequence: ``joining``, where it joins the sequences in
+        exchanges, where each has cells of its own (``placement``); else the lowest free one
+        (or its own)."""
+        live = entry.state is State.LIVE
+        if not (joining and self.budget.own_cells) or (live and not entry.parkable):
+            if not live:
+                entry.seq = heapq.heappop(self._free_seqs)
+            return []
+        others = [(k, e) for k, e in self._entries.items() if k != key and e.state is State.LIVE]
+        busy = {e.seq for _, e in others if e.busy}
+        idle = {e.seq: k for k, e in others if not e.busy and e.parkable}
+        current = entry.seq if live else None
+        place = placement.choose(
+            current, self._free_seqs, idle, busy, lambda k: self._park_bytes(key if k is None else k)
+        )
+        steps = []
+        if place.evicts is not None:  # trade places with an idle session (or send it to a free one)
+            other = self._entries[place.evicts]
+            other.seq = entry.seq if live else heapq.heappop(self._free_seqs)
+            steps.append(
+                Move("swap", key, entry.seq, place.seq, place.evicts)
+                if live
+                else Move("swap", place.evicts, place.seq, other.seq)
+            )
+        elif place.seq != current:
+            self._free_seqs.remove(place.seq)
+            heapq.heapify(self._free_seqs)
+            if live:
+                steps.append(Move("swap", key, entry.seq, place.seq))
+                heapq.heappush(self._free_seqs, entry.seq)
+        entry.seq = place.seq
         return steps
 
     def _evict(self, key: Key, requester: Key) -> list[Move]:

@@ -1,0 +1,103 @@
+"""Carrying out the residency ledger's steps (``residency.Move``) on a shared context and the
+parking lot: parks, evictions (to the disk tier where there is one), releases, restores, and the
+moves that place a session beside those in exchanges (``placement``). Every state loaded is
+checked against the session's record; one that does not hold what the record says leaves the
+session cold, never wrong."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from llmsession.engine.budget import Counters
+from llmsession.engine.lease import Lease, SharedContext
+from llmsession.engine.parking import ParkingLot
+from llmsession.engine.residency import Move
+from llmsession.native.context import NativeContext
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger("llmsession")
+
+
+class Mover:
+    """Applies the ledger's steps for one engine, counting what happened in its ``counters``."""
+
+    def __init__(self, lot: ParkingLot, counters: Counters) -> None:
+        self.lot, self.counters = lot, counters
+
+    def apply(self, home: SharedContext, steps: list[Move]) -> None:
+        """Carry out the ledger's moves on ``home``'s context and the parking lot."""
+        for step in steps:
+            lease = home.leases[step.key]  # type: ignore[index]
+            if step.action == "park":
+                blob = home.context.state_get(step.seq)
+                home.context.seq_rm(-1, step.seq)
+                self.lot.park(lease.key, blob)
+                self.counters.parks += 1
+                log.debug(
+                    "parked session %d: %d positions, %d bytes",
+                    lease.key,
+                    len(lease.cache.items),
+                    memoryview(blob).nbytes,
+                )
+            elif step.action == "evict" and self.lot.disk_dir and lease.cache.items and lease.parkable:
+                self.lot.park(lease.key, home.context.state_get(step.seq))  # too big for RAM
+                home.context.seq_rm(-1, step.seq)
+                self.apply(home, [Move("release", lease.key, -1)])
+            elif step.action == "evict":
+                home.context.seq_rm(-1, step.seq)
+                if lease.cache.items:
+                    self.counters.drops += 1
+                    log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
+                lease.cache.reset()
+            elif step.action == "release":
+                if self.lot.spill(lease.key):
+                    self.counters.disk_writes += 1
+                    log.debug("moved session %d's parked state to disk", lease.key)
+                else:
+                    self.counters.drops += 1
+                    log.debug("forgot session %d's parked state (cold)", lease.key)
+                    lease.cache.reset()
+            elif step.action == "swap":
+                self._swap(home, step)
+            else:
+                self.restore(home, lease, step.seq, self.lot.take(lease.key))
+
+    def _swap(self, home: SharedContext, step: Move) -> None:
+        """Move a live session's state to another sequence, trading places with the session
+        there if any (``placement``): each state goes through host memory."""
+        context = home.context
+        movers = [(home.leases[step.key], step.seq, step.to)]  # type: ignore[index]
+        if step.other is not None:
+            movers.append((home.leases[step.other], step.to, step.seq))  # type: ignore[index]
+        blobs = [context.state_get(old) if lease.cache.items else None for lease, old, _ in movers]
+        for _, old, _ in movers:
+            context.seq_rm(-1, old)
+        for (lease, _, new), blob in zip(movers, blobs, strict=True):
+            if blob is not None and not self._load(context, lease, new, blob):
+                log.info("session %d's state did not move: it starts cold", lease.key)
+        self.counters.moves += 1
+
+    def restore(self, home: SharedContext, lease: Lease, seq: int, blob: Buffer | None) -> None:
+        """Load ``lease``'s parked state (None: lost) into ``seq``, else leave it cold."""
+        if blob is not None and self._load(home.context, lease, seq, blob):
+            self.counters.restores += 1
+            log.debug("restored session %d: %d positions", lease.key, len(lease.cache.items))
+            return
+        if blob is None:
+            home.context.seq_rm(-1, seq)
+            lease.cache.reset()
+        self.counters.failed_restores += 1
+        log.info("session %d's parked state did not restore: it starts cold", lease.key)
+
+    @staticmethod
+    def _load(context: NativeContext, lease: Lease, seq: int, blob: Buffer) -> bool:
+        """Load ``lease``'s state into ``seq``; if it does not hold what the record says, the
+        sequence is emptied and the session goes cold (False)."""
+        if context.state_set(blob, seq) and context.pos_max(seq) == len(lease.cache.items) - 1:
+            return True
+        context.seq_rm(-1, seq)
+        lease.cache.reset()
+        return False
