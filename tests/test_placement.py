@@ -14,10 +14,11 @@ import internals
 import pytest
 from test_reuse import batch_noise, check_against_fresh, short_prompt_noise, tolerance_for
 
-from llmsession import GenerationOptions, Model, Reply, Session
+from llmsession import GenerationOptions, Model, NativeError, Reply, Session
 from llmsession.engine.lease import SharedContext
 from llmsession.engine.moves import Mover
 from llmsession.engine.residency import Move
+from llmsession.native.context import NativeContext
 
 FIRST = GenerationOptions(max_tokens=12, temperature=0)
 GREEDY = GenerationOptions(max_tokens=20, temperature=0)
@@ -110,3 +111,37 @@ def test_a_move_that_hands_a_session_anothers_state_is_caught(
     tolerance = tolerance_for(batch_noise(smollm2))  # (same file and settings, measured once)
     moved = [(s, r) for s, r in answered if s is not sessions[0]]
     assert all(check_against_fresh(s, r, tolerance, final=False, at_least=1) != [] for s, r in moved)
+
+
+def test_a_move_that_fails_halfway_leaves_both_sessions_cold_never_wrong(
+    model: Model, smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state read that fails in the middle of a trade of places (the ledger already has both
+    moved): neither session keeps cells that may be the other's; each answers its next turn from
+    nothing, as a fresh decode does, and the stream beside them goes on."""
+    sessions = four_live(model)
+    first = sessions[0].stream("Write a long story about it.", GREEDY)
+    next(first)
+    real, reads = NativeContext.state_get, []
+
+    def failing(context: NativeContext, seq: int = 0, **flags: Any) -> Any:
+        reads.append(seq)
+        if len(reads) == 2:
+            raise NativeError("llama_state_seq_get_data failed (injected)")
+        return real(context, seq, **flags)
+
+    monkeypatch.setattr(NativeContext, "state_get", failing)
+    with pytest.raises(NativeError, match="injected"):
+        next(sessions[2].stream("Write a long story about it.", GREEDY))
+    monkeypatch.undo()
+    assert reads == [2, 1], "the third session's state, then the idle second's"
+    for _ in first:
+        pass
+    assert (
+        check_against_fresh(sessions[0], first.reply, tolerance_for(batch_noise(smollm2)), final=False) == []
+    )
+    for session in (sessions[1], sessions[2]):
+        assert internals.record(session) == ()
+        reply = session.respond("Write a long story about it.", GREEDY)
+        assert reply.usage.reused_tokens == reply.usage.shared_tokens, "its own cells were read"
+        assert check_against_fresh(session, reply, tolerance_for(short_prompt_noise(smollm2))) == []

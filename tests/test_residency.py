@@ -85,13 +85,12 @@ class ResidencyMachine(RuleBasedStateMachine):
         kept = self.held[key] if state is not State.COLD else []
         target = len(kept) + grow
         try:
-            steps = self.residency.acquire(key, target, parkable=parkable)
+            steps = self.residency.acquire(key, target, parkable=parkable, place=True)
         except BudgetError:
             assert target > self.budget.kv_cells or self.busy
             self.residency.release(key, len(self.where(key) or []), parkable=parkable)
             return
-        for step in steps:
-            self.context.apply(step)
+        self.carry_out(steps)
         assert {k: self.residency.entry(k).seq for k in self.busy} == self.busy, "a busy session moved"
         seq = self.residency.entry(key).seq
         memory = self.context.seqs[seq]
@@ -147,13 +146,12 @@ class ResidencyMachine(RuleBasedStateMachine):
         kept = self.held[key] if entry.state is not State.COLD else []
         was = entry.seq if entry.state is State.LIVE else None
         try:
-            steps = self.residency.acquire(key, len(kept) + grow, parkable=parkable)
+            steps = self.residency.acquire(key, len(kept) + grow, parkable=parkable, place=True)
         except BudgetError:
             assert len(kept) + grow > self.budget.kv_cells or self.busy
             self.residency.release(key, len(self.where(key) or []), parkable=parkable)
             return
-        for step in steps:
-            self.context.apply(step)
+        self.carry_out(steps)
         assert {k: self.residency.entry(k).seq for k in self.busy} == self.busy, "a busy session moved"
         seq = self.residency.entry(key).seq
         if self.budget.own_cells and self.busy and (was is None or parkable):
@@ -167,6 +165,12 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.held[key] = memory
         memory += [f"{key}:begun:{i}" for i in range(grow)]
         self.busy[key] = seq
+
+    def carry_out(self, steps: list[Move]) -> None:
+        for step in steps:
+            if step.action == "swap":  # a state past its sliding window restores wrong: never copied
+                assert step.key not in self.unparkable and step.other not in self.unparkable, step
+            self.context.apply(step)
 
     def fixed(self, key: int) -> set[int]:
         """The sequences of idle live sessions that may not move (their states may not be copied)."""
@@ -288,12 +292,43 @@ def test_residency_moves_a_live_session_next_to_those_in_exchanges() -> None:
         residency.acquire(key, 4)
     for key in "abcd":  # a, b, c, d live in 0, 1, 2, 3
         residency.release(key, 4)
-    assert residency.acquire("a", 5) == [], "alone, it stays"
-    assert residency.acquire("c", 5) == [Move("swap", "c", 2, 1, "b")]
-    assert residency.acquire("d", 5) == [Move("swap", "d", 3, 2, "b")]
+    assert residency.acquire("a", 5, place=True) == [], "alone, it stays"
+    assert residency.acquire("c", 5, place=True) == [Move("swap", "c", 2, 1, "b")]
+    assert residency.acquire("d", 5, place=True) == [Move("swap", "d", 3, 2, "b")]
     assert [residency.entry(k).seq for k in "abcd"] == [0, 3, 1, 2]
     residency.release("a", 5)
-    assert residency.acquire("b", 5) == [], "in 3, it is beside d in 2 already"
+    assert residency.acquire("b", 5, place=True) == [], "in 3, it is beside d in 2 already"
+
+
+def four_in_order(unparkable: str = "") -> Residency:
+    """Sessions a, b, c, d live in sequences 0 to 3 of a budget with cells of their own, idle."""
+    residency = Residency(
+        Budget(kv_cells=16, max_live=4, host_bytes=1000, own_cells=True), park_bytes=lambda k: 40
+    )
+    for key in "abcd":
+        residency.add(key)
+        residency.acquire(key, 4)
+    for key in "abcd":
+        residency.release(key, 4, parkable=key not in unparkable)
+    return residency
+
+
+def test_a_state_past_its_window_is_never_moved_nor_moves_another() -> None:
+    residency = four_in_order(unparkable="b")
+    residency.acquire("a", 5, place=True)
+    assert residency.acquire("c", 5, place=True) == [], "b in 1 may not give up its sequence"
+    residency = four_in_order()
+    residency.acquire("a", 5, place=True)
+    assert residency.acquire("c", 5, parkable=False, place=True) == [], "c may not be copied"
+    assert residency.entry("c").seq == 2
+
+
+def test_only_an_exchange_that_generates_moves_anyone() -> None:
+    residency = four_in_order()
+    residency.acquire("a", 5, place=True)
+    assert residency.acquire("c", 5) == [], "a save, a load or a fork reads its state where it is"
+    residency.release("c", 5)
+    assert residency.acquire("c", 5, touch=False) == [], "nor does background work"
 
 
 def test_shared_cells_never_move_a_session() -> None:
@@ -303,7 +338,7 @@ def test_shared_cells_never_move_a_session() -> None:
         residency.acquire(key, 4)
     for key in "abcd":
         residency.release(key, 4)
-    residency.acquire("a", 5)
-    residency.acquire("c", 5)
-    assert residency.acquire("d", 5) == []
+    residency.acquire("a", 5, place=True)
+    residency.acquire("c", 5, place=True)
+    assert residency.acquire("d", 5, place=True) == []
     assert residency.entry("d").seq == 3

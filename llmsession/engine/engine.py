@@ -182,12 +182,20 @@ class Engine:
 
     @contextmanager
     def seat(
-        self, lease: Lease, cells: int, cancelled: _threading.Event, *, exchange: bool = True
+        self,
+        lease: Lease,
+        cells: int,
+        cancelled: _threading.Event,
+        *,
+        exchange: bool = True,
+        joins: bool = False,
     ) -> Iterator[Seat]:
         """A sequence holding ``lease``'s state (restored if parked) with room for ``cells``
         cells, for one exchange; the session is busy (never evicted) until the block ends. Not
         for an exchange (background work): only a session that is not parked and fits without
-        evicting anyone, else ``MemoryBudgetError``; it is neither counted nor made recent."""
+        evicting anyone, else ``MemoryBudgetError``; it is neither counted nor made recent.
+        ``joins``: an exchange that generates, placed beside the others in exchanges
+        (``placement``; saving, loading and forking a state move nobody)."""
         home = lease.shared_context
         with self.hold():
             self._reap()
@@ -197,14 +205,20 @@ class Engine:
             if not exchange and not home.residency.fits(lease.key, cells):
                 raise MemoryBudgetError("background work evicts no one")
             # (a BudgetError is the MemoryBudgetError callers see)
-            steps = home.residency.acquire(lease.key, cells, parkable=lease.parkable, touch=exchange)
-            self.apply(home, steps)
-            seq = home.residency.entry(lease.key).seq
-            if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
-                if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
-                    self.moves.restore(home, lease, seq, self.lot.take(lease.key))
-                elif home.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
-                    lease.cache.reset()
+            steps = home.residency.acquire(
+                lease.key, cells, parkable=lease.parkable, touch=exchange, place=joins
+            )
+            try:
+                self.apply(home, steps)
+                seq = home.residency.entry(lease.key).seq
+                if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
+                    if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
+                        self.moves.restore(home, lease, seq, self.lot.take(lease.key))
+                    elif home.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
+                        lease.cache.reset()
+            except BaseException:  # (not left busy: it may be evicted again)
+                home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
+                raise
             self.counters.exchanges += exchange
         seat = Seat(self, lease, home.context, seq, cancelled)
         try:

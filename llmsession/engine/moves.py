@@ -72,12 +72,19 @@ class Mover:
         movers = [(home.leases[step.key], step.seq, step.to)]  # type: ignore[index]
         if step.other is not None:
             movers.append((home.leases[step.other], step.to, step.seq))  # type: ignore[index]
-        blobs = [context.state_get(old) if lease.cache.items else None for lease, old, _ in movers]
-        for _, old, _ in movers:
-            context.seq_rm(-1, old)
-        for (lease, _, new), blob in zip(movers, blobs, strict=True):
-            if blob is not None and not self._load(context, lease, new, blob):
-                log.info("session %d's state did not move: it starts cold", lease.key)
+        try:
+            blobs = [context.state_get(old) if lease.cache.items else None for lease, old, _ in movers]
+            for _, old, _ in movers:
+                context.seq_rm(-1, old)
+            for (lease, _, new), blob in zip(movers, blobs, strict=True):
+                if blob is not None and not self._load(context, lease, new, blob):
+                    log.info("session %d's state did not move: it starts cold", lease.key)
+        except BaseException:  # the ledger has them moved: neither may keep what it held, anywhere
+            for lease, old, new in movers:
+                context.seq_rm(-1, old)
+                context.seq_rm(-1, new)
+                lease.cache.reset()
+            raise
         self.counters.moves += 1
 
     def restore(self, home: SharedContext, lease: Lease, seq: int, blob: Buffer | None) -> None:

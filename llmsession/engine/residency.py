@@ -128,11 +128,15 @@ class Residency:
         entry.state, entry.parked_bytes = State.COLD, 0
         return steps
 
-    def acquire(self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True) -> list[Move]:
+    def acquire(
+        self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True, place: bool = False
+    ) -> list[Move]:
         """Make ``key`` live holding ``cells`` cells and mark it busy; the steps evict what must
         go and, for a parked session, restore it (last). Cold sessions come back empty.
-        ``touch``: this counts as a use (background work does not make a session recent, nor
-        moves another to place it)."""
+        ``touch``: this counts as a use (background work does not make a session recent).
+        ``place``: an exchange that generates, put where it joins the sequences in exchanges
+        (``placement``), moving idle sessions if need be; else the lowest free sequence (or
+        its own)."""
         entry = self._entries[key]
         if cells > self.budget.kv_cells:
             raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
@@ -141,7 +145,7 @@ class Residency:
             self._clock += 1
             entry.stamp = self._clock
         entry.busy, entry.parkable = True, parkable
-        steps += self._place(key, entry, joining=touch)
+        steps += self._place(key, entry, joining=place)
         if entry.state is not State.LIVE:
             if entry.state is State.PARKED:
                 entry.parked_bytes = 0

@@ -146,7 +146,7 @@ class Exchange:
             return engine.single_use(place.lease, place.context_size, self.cancelled)
         held = max(len(place.lease.cache.items), len(self.prompt.items))
         cells = min(place.context_size, held + min(self.options.max_tokens, GROWTH))
-        return engine.seat(place.lease, cells, self.cancelled)
+        return engine.seat(place.lease, cells, self.cancelled, joins=True)
 
     def _plan_and_prefill(
         self, seat: Seat, sampler: TokenSampler, usage: Usage, timings: Timings, started: float
