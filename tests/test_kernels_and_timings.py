@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from llmsession import GenerationOptions, Model
+from llmsession.native import machine
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import bindings
 from llmsession.native.machine import default_threads, usable_cores
@@ -127,12 +128,28 @@ def test_a_context_keeps_one_thread_pool_for_its_decodes(smollm2: Model) -> None
     assert threads_now() == before
 
 
-def test_threads_default_to_the_usable_cores_and_more_are_warned_of(
+def test_a_context_asked_for_more_threads_than_cores_decodes_with_the_cores(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every native context is cut to the cores the process may use, whoever asked (a
+    benchmark, a test, the library): one core, so no pool workers to spin for."""
+    monkeypatch.setattr(machine, "usable_cores", lambda: 1)
+    before = threads_now()
+    context = NativeContext(internals.local(smollm2).native, n_ctx=256, n_batch=32, threads=2)
+    try:
+        assert threads_now() == before
+        context.decode([10, 11], 0)
+    finally:
+        context.close()
+
+
+def test_threads_default_to_the_usable_cores_and_more_are_warned_of_and_cut(
     smollm2_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """More threads than cores make every decode wait at each barrier for a descheduled thread
     (three on two cores: 3 s a SmolLM2 token instead of 5 ms): the default takes the cores the
-    process may use (its affinity, its cgroup's quota), and a larger choice is warned of."""
+    process may use (its affinity, its cgroup's quota), and a larger choice is warned of and
+    cut to them."""
     quota = tmp_path / "cpu.max"
     affinity = len(os.sched_getaffinity(0))
     for text, cores in (
@@ -145,10 +162,12 @@ def test_threads_default_to_the_usable_cores_and_more_are_warned_of(
     assert usable_cores(tmp_path / "absent") == affinity
     assert default_threads() == min(usable_cores(), 8)
     with caplog.at_level(logging.WARNING, logger="llmsession"):
-        Model(smollm2_path, threads=usable_cores() + 1).close()
+        with Model(smollm2_path, threads=usable_cores() + 1) as model:
+            assert model.threads == usable_cores()
         assert "more than the" in caplog.text
         caplog.clear()
-        Model(smollm2_path, threads=usable_cores()).close()
+        with Model(smollm2_path, threads=usable_cores()) as model:
+            assert model.threads == usable_cores()
         assert "more than the" not in caplog.text
 
 

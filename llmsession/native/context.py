@@ -22,6 +22,7 @@ from llmsession.native.llama import (
     not_null,
     raise_pending,
 )
+from llmsession.native.machine import within_cores
 from llmsession.native.reports import made_reporting
 from llmsession.native.threadpool import POOLED, ThreadPool
 from llmsession.options import KV_TYPES
@@ -39,6 +40,7 @@ def _free_context(lib: Any, ptr: Any, pool: ThreadPool, _model: NativeModel) -> 
 
 
 def _params(lib: Any, n_ctx: int, n_batch: int, threads: int, n_seq_max: int, rows: int) -> Any:
+    threads = within_cores(threads)  # (more would spin at every barrier for a descheduled one)
     params = lib.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch, params.n_outputs_max = n_ctx, n_batch, n_batch, rows
     params.n_seq_max, params.n_threads, params.n_threads_batch = n_seq_max, threads, threads
@@ -103,7 +105,7 @@ class NativeContext(Owner):
         params.swa_full, params.kv_unified = swa_full, n_seq_max > 1 and not own_cells
         if embeddings:
             params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
-        pool = ThreadPool(threads)
+        pool = ThreadPool(params.n_threads)
         pointer, reported, rows = _made(lib, ffi, model, params, cells=embeddings)
         if pointer == ffi.NULL:
             pool.free()

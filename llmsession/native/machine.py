@@ -40,3 +40,9 @@ def default_threads() -> int:
     barrier, so one more thread than cores makes each decode wait for a descheduled one (three
     threads on two cores took 3 s per SmolLM2 token instead of 5 ms)."""
     return min(usable_cores(), 8)
+
+
+def within_cores(threads: int) -> int:
+    """``threads`` cut to the cores this process may use: every native object decodes with at
+    most that many (``runtime.loading.checked_threads`` warns a caller who asked for more)."""
+    return max(1, min(threads, usable_cores()))

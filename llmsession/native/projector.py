@@ -27,6 +27,7 @@ from llmsession.native.llama import (
     not_null,
     raise_pending,
 )
+from llmsession.native.machine import within_cores
 from llmsession.native.reports import made_reporting
 from llmsession.text.images import Image
 
@@ -73,7 +74,7 @@ class Projector(Owner):
         path = Path(path)
         check_gguf_file(path, "projector")
         params = lib.mtmd_context_params_default()
-        params.use_gpu, params.n_threads, params.print_timings = use_gpu, threads, False
+        params.use_gpu, params.n_threads, params.print_timings = use_gpu, within_cores(threads), False
         file = c_string(str(path), "projector path")
         pointer, reported = made_reporting(lambda: lib.mtmd_init_from_file(file, model.ptr, params))
         if pointer != ffi.NULL:

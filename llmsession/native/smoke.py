@@ -7,6 +7,7 @@ Prints the build's commit on the last line.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -18,7 +19,8 @@ def decode_a_few_tokens(lib: Any, ffi: Any, model_path: str) -> None:
     model = lib.llama_model_load_from_file(model_path.encode(), params)
     assert model != ffi.NULL, "model failed to load"
     cparams = lib.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_threads, cparams.n_threads_batch = 256, 64, 2, 2
+    threads = min(2, len(os.sched_getaffinity(0)))  # (never more threads than cores: they spin)
+    cparams.n_ctx, cparams.n_batch, cparams.n_threads, cparams.n_threads_batch = 256, 64, threads, threads
     ctx = lib.llama_init_from_model(model, cparams)
     assert ctx != ffi.NULL, "context failed to initialise"
     vocab = lib.llama_model_get_vocab(model)

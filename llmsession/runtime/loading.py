@@ -206,17 +206,20 @@ class Loaded:
 
 
 def checked_threads(threads: int | None) -> int:
-    """The decode threads: the caller's (checked by ``ModelConfig``; warned about if more than
-    this process may use), or a default for this machine."""
+    """The decode threads: the caller's (checked by ``ModelConfig``), at most the cores this
+    process may use (more is warned of and cut), or a default for this machine."""
     if threads is None:
         return default_threads()
     if threads > (cores := usable_cores()):
         log.warning(
             "threads=%d is more than the %d cores this process may use: llama.cpp's threads wait "
-            "for each other at every graph node, so each decode may run hundreds of times slower",
+            "for each other at every graph node, so each decode would run hundreds of times "
+            "slower; using %d",
             threads,
             cores,
+            cores,
         )
+        return cores
     return threads
 
 

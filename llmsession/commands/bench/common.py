@@ -20,7 +20,7 @@ from llmsession.api.model import local_model
 from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.native.llama import build_commit
-from llmsession.native.machine import cpu_name
+from llmsession.native.machine import cpu_name, within_cores
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
 
@@ -113,7 +113,7 @@ def reference(exe: Path, model_path: Path, threads: int, *options: str) -> dict[
     if not exe.exists():
         return {"error": f"{exe.name} not found at {exe}: run python scripts/fetch_llama.py --bench"}
     env = reference_env()
-    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), *options]
+    cmd = [str(exe), "-m", str(model_path), "-t", str(within_cores(threads)), *options]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return {"error": f"{exe.name} failed ({out.returncode}): {out.stderr.strip()[-500:]}"}

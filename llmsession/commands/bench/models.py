@@ -35,7 +35,7 @@ from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.commands.bench.common import machine, progress, publish, reference_env, table
 from llmsession.commands.bench.serve_bench import Contender, free_port, launched, log_tail
 from llmsession.commands.bench.serve_load import http_client
-from llmsession.native.machine import default_threads
+from llmsession.native.machine import default_threads, within_cores
 
 KEY = "sk-bench"
 MEMORY = ("--kv-tokens", "4096", "--max-live-sessions", "1", "--context-size", "4096")
@@ -117,7 +117,7 @@ def contenders(args: argparse.Namespace, folder: Path) -> Iterator[tuple[str, Co
         return
     port, exe = free_port(), args.llama_server
     command = [str(exe), "--models-dir", str(folder), "--models-max", "1", "--port", str(port)]
-    command += ["-t", str(args.threads), *LLAMA_SERVER_ARGS]
+    command += ["-t", str(within_cores(args.threads)), *LLAMA_SERVER_ARGS]
     env = reference_env()  # (llmsession's libraries)
     missing = None if exe.is_file() else f"{exe} not found: run python scripts/fetch_llama.py --bench"
     yield "llama-server router", Contender("llama-server", command, port, env=env, missing=missing), False

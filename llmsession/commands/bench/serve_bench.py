@@ -54,7 +54,7 @@ from llmsession.commands import paths
 from llmsession.commands.argtypes import output_file, positive_int
 from llmsession.commands.bench.common import machine, progress, publish, reference_env, table
 from llmsession.commands.bench.serve_load import drive, later_turns, warm_up
-from llmsession.native.machine import default_threads
+from llmsession.native.machine import default_threads, within_cores
 
 PEERS = ("llama-server", "llama-cpp-python")
 SERVE_MEMORY = ("--kv-tokens", "16384", "--max-live-sessions", "12")
@@ -93,7 +93,7 @@ def ours(args: argparse.Namespace) -> Contender:
 
 def llama_server(args: argparse.Namespace) -> Contender:
     port, exe = free_port(), args.llama_server
-    command = [str(exe), "-m", str(args.model), "--port", str(port), "-t", str(args.threads)]
+    command = [str(exe), "-m", str(args.model), "--port", str(port), "-t", str(within_cores(args.threads))]
     given = args.llama_server_args
     command += shlex.split(given) if given is not None else list(LLAMA_SERVER_ARGS)
     env = reference_env()  # (llmsession's libraries)
@@ -102,7 +102,7 @@ def llama_server(args: argparse.Namespace) -> Contender:
 
 
 def llama_cpp_server(args: argparse.Namespace) -> Contender:
-    port, threads = free_port(), str(args.threads)
+    port, threads = free_port(), str(within_cores(args.threads))
     command = [args.peer_python, "-m", "llama_cpp.server", "--model", str(args.model), "--port", str(port)]
     command += ["--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "4096"]
     command += ["--flash_attn", "false", "--logits_all", "false", "--interrupt_requests", "false"]
