@@ -10,7 +10,7 @@ live with a story of about 200 tokens each, and the first, third and fourth go o
 tokens each, greedy, three threads), with ``engine.placement`` moving them into consecutive
 sequences or not; rounds alternate so both see the same machine.
 
-python scripts/bench_kv_layout.py [--json PATH] [--only engine]
+python scripts/bench_kv_layout.py [--json PATH] [--only others|steps|engine]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def batched_steps(model: NativeModel, own: bool) -> dict[str, float]:
         for seq in range(8):
             fill(context, seq, 500)
         result = {}
-        for seqs in ([0, 1, 2], [0, 2, 4], [0]):
+        for seqs in ([0, 1, 2], [0, 2, 3], [0, 2, 4], [0]):
             began = time.perf_counter()
             for step in range(30):
                 context.decode_many([([1234], 500 + step, seq) for seq in seqs])
@@ -140,35 +140,32 @@ def engine_rounds(rounds: int = 6) -> dict[str, dict[str, object]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--only", choices=["engine"], help="run only part (3)")
+    parser.add_argument("--only", choices=["others", "steps", "engine"], help="run only part (1), (2) or (3)")
     args = parser.parse_args()
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    results["engine"] = rounds = engine_rounds()
-    for name, row in rounds.items():
-        print(
-            f"three of four live sessions going on together, {name}: "
-            + ", ".join(f"{r:.1f}" for r in row["tokens_per_s"])
-            + f" tok/s (median {row['median']:.1f})"
-        )  # type: ignore[index]
-    if args.only:
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
-        return 0
     model = NativeModel(paths.default_model_path())
-    for flash in (False, True):
+    for flash in (False, True) if args.only in (None, "others") else ():
         for own in (False, True):
             for others in (0, 7):
                 name = f"{'own' if own else 'pool'}, {others} others, flash {'on' if flash else 'off'}"
                 results[name] = row = beside_others(model, own, flash, others)
                 prefill, rate = row["prefill_ms"], row["tokens_per_s"]
                 print(f"{name:32s} prefill {prefill:7.0f} ms  generation {rate:5.1f} tok/s")
-    for own in (False, True):
+    for own in (False, True) if args.only in (None, "steps") else ():
         results[f"steps, {'own' if own else 'pool'}"] = steps = batched_steps(model, own)
         for seqs, ms in steps.items():
             print(f"{'own' if own else 'pool'} cells, a step of sequences {seqs}: {ms:.1f} ms")
+    model.close()
+    if args.only in (None, "engine"):
+        results["engine"] = rounds = engine_rounds()
+        for name, row in rounds.items():
+            rates = ", ".join(f"{r:.1f}" for r in row["tokens_per_s"])  # type: ignore[attr-defined]
+            median = row["median"]
+            print(
+                f"three of four live sessions going on together, {name}: {rates} tok/s (median {median:.1f})"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    model.close()
     return 0
 
 
