@@ -5,7 +5,6 @@ to a schema."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import threading
@@ -14,7 +13,7 @@ from typing import Any
 
 import internals
 import numpy as np
-from test_reuse import batch_rows, fresh_logits, fresh_steps, paragraph, tolerance_for
+from test_reuse import batch_rows, fresh_logits, fresh_steps, measured_once, paragraph, tolerance_for
 
 from llmsession import GenerationOptions, Model, Reply, Session
 
@@ -27,7 +26,7 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
     return row - (peak + np.log(np.exp(row - peak).sum()))
 
 
-@functools.cache
+@measured_once(layout=True)
 def score_noise(model: Model) -> float:
     """The largest difference in the likeliest 20 tokens' log-probabilities between decodes of
     one prompt cut into batches differently (its last tokens decoded one at a time among them),

@@ -8,7 +8,7 @@ import itertools
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import internals
 import numpy as np
@@ -27,6 +27,7 @@ from llmsession.engine.prefix import PrefixCache, common_prefix
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import bindings
 
+T = TypeVar("T")
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 QUESTIONS = (
     "Tell me about the history of Paris in detail.",
@@ -83,7 +84,30 @@ def placement_noise(model: Model, n_tokens: int) -> float:
         context.close()
 
 
-@functools.cache
+def measured_once(*, layout: bool = False) -> Callable[[Callable[[Model], T]], Callable[[Model], T]]:
+    """Cache a measurement by what it depends on, not by the Model object: the model's file,
+    flash attention and how its prompts render (the fresh contexts are the measurement's own),
+    and with ``layout`` its cells' layout; models loaded alike in different tests share one."""
+
+    def decorate(measure: Callable[[Model], T]) -> Callable[[Model], T]:
+        kept: dict[tuple[object, ...], T] = {}
+
+        @functools.wraps(measure)
+        def measured(model: Model) -> T:
+            key: tuple[object, ...] = (str(Path(model.path).resolve()), model.flash_attention)
+            key += (model.template, model.use_jinja)
+            if layout:
+                key += (internals.local(model).engine.own_cells(True),)
+            if key not in kept:
+                kept[key] = measure(model)
+            return kept[key]
+
+        return measured
+
+    return decorate
+
+
+@measured_once()
 def short_prompt_noise(model: Model) -> float:
     """What a fresh decode of a prompt may differ by from a cached one: its batch splits, and
     where its cells lie, counted half: ``tolerance_for`` doubles the noise (a cached decode
@@ -92,7 +116,7 @@ def short_prompt_noise(model: Model) -> float:
     return split_noise(model, 300) + placement_noise(model, 300) / 2
 
 
-@functools.cache
+@measured_once(layout=True)
 def batch_noise(model: Model) -> float:
     """The largest final-logit difference between a prompt's last token decoded alone and in one
     batch with three other sequences' steps (concurrent streams are decoded that way), added to
@@ -101,7 +125,7 @@ def batch_noise(model: Model) -> float:
     return short_prompt_noise(model) + float(np.abs(alone - together).max())
 
 
-@functools.cache
+@measured_once(layout=True)
 def batch_rows(model: Model) -> tuple[np.ndarray, np.ndarray]:
     """A prompt's final logits, its last token decoded alone and batched with three others', in
     the model's layout (with cells of their own, each sequence N_CTX)."""
