@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmsession.errors import ModelLoadError
+from llmsession.native.machine import within_cores
 
 # The pinned ggml-rpc.h / ggml-rpc.cpp (protocol 7.0.0).
 PROTO_MAJOR = 7
@@ -147,7 +148,7 @@ def server_command(port: int, host: str = "127.0.0.1", threads: int | None = Non
     if not binary.exists():
         raise FileNotFoundError(f"{binary} not found: run `llmsession setup` to build it")
     command = [str(binary), "-H", host, "-p", str(port)]
-    return command + (["-t", str(threads)] if threads else [])
+    return command + (["-t", str(within_cores(threads))] if threads else [])  # (it runs here)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
