@@ -89,21 +89,22 @@ class Mover:
 
     def restore(self, home: SharedContext, lease: Lease, seq: int, blob: Buffer | None) -> None:
         """Load ``lease``'s parked state (None: lost) into ``seq``, else leave it cold."""
-        if blob is not None and self._load(home.context, lease, seq, blob):
+        if self._load(home.context, lease, seq, blob):
             self.counters.restores += 1
             log.debug("restored session %d: %d positions", lease.key, len(lease.cache.items))
             return
-        if blob is None:
-            home.context.seq_rm(-1, seq)
-            lease.cache.reset()
         self.counters.failed_restores += 1
         log.info("session %d's parked state did not restore: it starts cold", lease.key)
 
     @staticmethod
-    def _load(context: NativeContext, lease: Lease, seq: int, blob: Buffer) -> bool:
-        """Load ``lease``'s state into ``seq``; if it does not hold what the record says, the
-        sequence is emptied and the session goes cold (False)."""
-        if context.state_set(blob, seq) and context.pos_max(seq) == len(lease.cache.items) - 1:
+    def _load(context: NativeContext, lease: Lease, seq: int, blob: Buffer | None) -> bool:
+        """Load ``lease``'s state into ``seq``; if there is none (None) or it does not hold what
+        the record says, the sequence is emptied and the session goes cold (False)."""
+        if (
+            blob is not None
+            and context.state_set(blob, seq)
+            and context.pos_max(seq) == len(lease.cache.items) - 1
+        ):
             return True
         context.seq_rm(-1, seq)
         lease.cache.reset()

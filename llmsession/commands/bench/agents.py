@@ -44,7 +44,7 @@ from llmsession.commands.bench import agents_load, agents_wire
 from llmsession.commands.bench.common import machine, progress, publish, table
 from llmsession.commands.bench.serve_bench import Contender, launched, llama_server, log_tail, ours
 from llmsession.commands.bench.serve_load import http_client
-from llmsession.native.machine import default_threads, within_cores
+from llmsession.native.machine import default_threads
 
 SERVE_ARGS = (
     "--kv-tokens",
@@ -94,11 +94,7 @@ def measure(contender: Contender, args: argparse.Namespace, logs: Path) -> dict[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    results: dict[str, Any] = {
-        "date": date,
-        "machine": machine(within_cores(args.threads)),
-        "model": args.model.name,
-    }
+    results: dict[str, Any] = {"date": date, "machine": machine(args.threads), "model": args.model.name}
     results |= {"turns": args.turns, "max_tokens": args.max_tokens, "servers": {}}
     args.serve_args = shlex.join(SERVE_ARGS) if args.serve_args is None else args.serve_args
     args.llama_server_args = (

@@ -49,10 +49,12 @@ def run_worker(python: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine(threads: int) -> dict[str, Any]:
+    """The machine a benchmark ran on, with the threads every side decoded with (``threads`` cut
+    to the usable cores, as the library and the references cut them)."""
     return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
-        "threads": threads,
+        "threads": within_cores(threads),
         "llama_cpp_commit": build_commit(),
     }
 

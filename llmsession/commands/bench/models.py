@@ -126,11 +126,7 @@ def contenders(args: argparse.Namespace, folder: Path) -> Iterator[tuple[str, Co
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    results: dict[str, Any] = {
-        "date": date,
-        "machine": machine(within_cores(args.threads)),
-        "rounds": args.rounds,
-    }
+    results: dict[str, Any] = {"date": date, "machine": machine(args.threads), "rounds": args.rounds}
     results |= {"models": {"smol": args.smol.name, "gemma": args.gemma.name}, "servers": {}}
     with tempfile.TemporaryDirectory(prefix="llmsession-bench-models-") as work:
         folder = Path(work) / "models"

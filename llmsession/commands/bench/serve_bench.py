@@ -201,11 +201,7 @@ def ratios(servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    results: dict[str, Any] = {
-        "date": date,
-        "machine": machine(within_cores(args.threads)),
-        "model": args.model.name,
-    }
+    results: dict[str, Any] = {"date": date, "machine": machine(args.threads), "model": args.model.name}
     results |= {key: getattr(args, key) for key in ("conversations", "turns", "clients", "max_tokens")}
     makers = {"llmsession": ours, "llama-server": llama_server, "llama-cpp-python": llama_cpp_server}
     results["servers"] = {}
