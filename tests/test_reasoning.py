@@ -6,16 +6,22 @@ every split of its input."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 import anthropic
+import internals
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from serve_helpers import KEY, Served, running
 
-from llmsession import GenerationOptions, Model, UnsupportedFeatureError
+from llmsession import GenerationOptions, GrammarError, Model
+from llmsession.native.sampler import Sampler
 from llmsession.serve.app import create_app
 from llmsession.text.reasoning import GEMMA4, THINK, Markers, Splitter, markers_for, opened
 
@@ -123,20 +129,80 @@ def test_a_budget_closes_the_reasoning_at_its_tokens(r1: Model) -> None:
     assert free.usage.reasoning_tokens == free.usage.completion_tokens and free.text == ""
     closed = r1.session().respond("Why?", GenerationOptions(max_tokens=6, temperature=0))  # (off: closed)
     assert closed.reasoning == "" and closed.usage.reasoning_tokens == 0
-    with pytest.raises(UnsupportedFeatureError, match="reasoning budget"):
-        r1.session(thinking=True).respond("Hi", GenerationOptions(reasoning_budget=4, regex="[a-z]+"))
 
 
-def test_raw_completions_and_constrained_replies_are_all_content(r1: Model) -> None:
-    """A raw completion continues text as it is, whatever markers it holds; a constraint holds a
-    reply from its first token, so a block the generation prompt opened is not its reasoning."""
+def test_raw_completions_and_replies_without_a_block_are_all_content(r1: Model) -> None:
+    """A raw completion continues text as it is, whatever markers it holds; with thinking off the
+    template closes the block, and a constraint holds the reply from its first token."""
     raw = r1.complete("<｜User｜>Hi<｜Assistant｜><think>\n", GenerationOptions(max_tokens=6))
     assert raw.reasoning == "" and raw.usage.reasoning_tokens == 0 and raw.text
-    city = {"city": {"type": "string", "maxLength": 12}}
-    schema = {"type": "object", "properties": city, "required": ["city"], "additionalProperties": False}
-    options = GenerationOptions(json_schema=schema, max_tokens=40, temperature=0)
-    held = r1.session(thinking=True).respond("Name a city.", options)
+    options = GenerationOptions(json_schema=CITY, max_tokens=40, temperature=0)
+    held = r1.session().respond("Name a city.", options)
     assert held.reasoning == "" and held.text.startswith("{") and isinstance(held.parsed, dict)
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_constraint_begins_where_the_prompted_block_closes(r1: Model) -> None:
+    """DeepSeek-R1 thinking: the block its generation prompt opened is reasoning, free of the
+    schema or the tools; the constraint holds what follows it, and a budget forces the close."""
+    for budget in (0, 8):
+        options = GenerationOptions(json_schema=CITY, reasoning_budget=budget, max_tokens=60, temperature=0)
+        stream = r1.session(thinking=True).stream("Name a city.", options)
+        deltas = [(s.reasoning_delta, s.delta) for s in stream]
+        reply = stream.reply
+        assert reply is not None and reply.finish_reason == "complete", reply
+        assert reply.usage.reasoning_tokens == budget and (reply.reasoning == "") == (budget == 0)
+        assert isinstance(reply.parsed, dict)
+        assert reply.text == json.dumps(reply.parsed, separators=(",", ":"))
+        assert "".join(r for r, _ in deltas) == reply.reasoning
+        assert "".join(c for _, c in deltas) == reply.text
+    called = r1.session(thinking=True).respond(
+        "The weather in Paris?",
+        GenerationOptions(
+            tools=(WEATHER,), tool_choice="required", reasoning_budget=4, max_tokens=60, temperature=0
+        ),
+    )
+    assert called.usage.reasoning_tokens == 4 and called.reasoning, called
+    assert [c.name for c in called.tool_calls] == ["weather"] and called.finish_reason == "tool_calls"
+    assert "city" in json.loads(called.tool_calls[0].arguments)
+    # with no budget the tiny model reasons to its length: nothing is parsed, nothing leaks out
+    unbounded = r1.session(thinking=True).respond(
+        "Name a city.", GenerationOptions(json_schema=CITY, max_tokens=20, temperature=0)
+    )
+    assert unbounded.finish_reason == "length" and unbounded.parsed is None and unbounded.text == ""
+    assert unbounded.usage.reasoning_tokens == unbounded.usage.completion_tokens == 20
+
+
+def test_a_budget_closes_a_block_the_constraint_holds_where_it_may(qwen3: Model) -> None:
+    """Qwen3 opens its own block, here because the regex makes it: the closing marker the budget
+    forces must pass the regex, so it comes at the first token the regex allows it (three
+    words), never inside a word; the rest is still the regex's."""
+    replies = {}
+    for budget in (None, 0, 5):
+        options = GenerationOptions(regex=PATTERN, reasoning_budget=budget, max_tokens=80, temperature=0)
+        reply = qwen3.session("You are helpful.", thinking=True).respond("Name a city.", options)
+        assert reply.finish_reason == "complete", reply
+        assert re.fullmatch(PATTERN, f"<think>\n{reply.reasoning}\n</think>\n\n{reply.text}"), reply
+        replies[budget] = reply
+    free, at_once, five = replies[None], replies[0], replies[5]
+    assert len(at_once.reasoning.split()) == 3 < len(free.reasoning.split())  # (the regex's least)
+    assert free.reasoning.startswith(at_once.reasoning)  # (greedy: the same words, cut)
+    assert at_once.usage.reasoning_tokens < five.usage.reasoning_tokens < free.usage.reasoning_tokens
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +283,54 @@ def test_the_apis_carry_the_reasoning(served: Served) -> None:
     ]
     resent = claude.messages.create(model="m", max_tokens=4, messages=again, thinking={"type": "disabled"})
     assert resent.usage.input_tokens > 0
+    # Claude Code always sends tools: its budget holds with them (the calls follow the thinking)
+    tool = WEATHER["function"]
+    declared = {"name": tool["name"], "description": tool["description"], "input_schema": tool["parameters"]}
+    acting = claude.messages.create(
+        model="m",
+        max_tokens=80,
+        messages=[{"role": "user", "content": "The weather in Paris?"}],
+        tools=[declared],
+        tool_choice={"type": "any"},
+        thinking={"type": "enabled", "budget_tokens": 4},
+        extra_body={"temperature": 0},
+    )
+    kinds = [b.type for b in acting.content]
+    assert kinds[0] == "thinking" and "tool_use" in kinds and acting.stop_reason == "tool_use", acting
+    thought_tokens = served.model.tokenize(acting.content[0].thinking, add_special=False)
+    assert 0 < len(thought_tokens) <= 4 + 1  # (its text tokenized again: within a token of the budget)
+
+
+def test_a_waiting_constraint_lets_no_reply_end_and_then_catches_up(r1: Model) -> None:
+    """The sampler under a constraint that has not begun, on a real context's logits: the end of
+    generation is masked (the unmasked variant picks it); content written before the
+    constraint began is fed to its matcher, and content it does not allow is a GrammarError."""
+    session = r1.session()
+    session.respond("Hi", GenerationOptions(max_tokens=1, temperature=0))
+    internals.settle_others(internals.settled(session))
+    context = internals.live_context(session)
+    core = internals.local(r1)
+    assert context is not None
+    greedy = GenerationOptions(temperature=0)
+    optional = core.constraint(replace(greedy, regex="(ab)?"))  # (complete at once: it may end)
+    assert optional is not None
+    logits = context.last_logits(core.native.n_vocab)  # (llama.cpp's buffer: samplers mask it)
+    logits[list(optional.ends)] = 1e9  # (the end, by far)
+    decoded, picks = logits.copy(), {}
+    for waiting in (True, False):
+        logits[:] = decoded
+        chain = Sampler.from_options(greedy, n_vocab=core.native.n_vocab, last_n=0)
+        with closing(optional.sampler(chain, core.native.n_vocab, lambda w=waiting: w)) as sampler:
+            picks[waiting] = sampler.sample(context)
+    assert core.native.is_eog(picks[False]) and not core.native.is_eog(picks[True])
+
+    exact = core.constraint(replace(greedy, regex='\\{"a": 1\\}'))
+    assert exact is not None
+    chain = Sampler.from_options(greedy, n_vocab=core.native.n_vocab, last_n=0)
+    with closing(exact.sampler(chain, core.native.n_vocab, lambda: False)) as sampler:
+        sampler.catch_up(core.native.tokenize('{"', add_special=False, parse_special=False))
+        rest = sampler.forced()  # (only one text is left: the matcher forces it)
+        assert core.native.detokenize(rest, special=False).startswith('a": 1}')
+    refusing = exact.sampler(chain, core.native.n_vocab, lambda: False)
+    with closing(refusing) as sampler, pytest.raises(GrammarError, match="after its reasoning"):
+        sampler.catch_up(core.native.tokenize("x", add_special=False, parse_special=False))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ class Constraint:
     schema_class: type | None = None  # a pydantic model: replies are parsed into it
     json: bool = False
     validator: Any = None  # the whole JSON schema, where the mask leaves keywords to it
+    ends: tuple[int, ...] = ()  # every end-of-generation token (none while a constraint waits)
 
     @classmethod
     def compile(cls, options: GenerationOptions, tokenizer: llguidance.LLTokenizer) -> Constraint:
@@ -95,7 +97,12 @@ class Constraint:
             log.info("%s: %s", kind, warning)
         validator = None if whole is None else after_reply_validator(whole, warnings)
         return cls(
-            matcher, tokenizer.eos_token, schema_class, json=kind == "json_schema", validator=validator
+            matcher,
+            tokenizer.eos_token,
+            schema_class,
+            json=kind == "json_schema",
+            validator=validator,
+            ends=tuple(tokenizer.eos_tokens),
         )
 
     @classmethod
@@ -109,10 +116,13 @@ class Constraint:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{kind}: {matcher.get_error()}")
-        return cls(matcher, tokenizer.eos_token)
+        return cls(matcher, tokenizer.eos_token, ends=tuple(tokenizer.eos_tokens))
 
-    def sampler(self, chain: Sampler, n_vocab: int) -> GuidedSampler:
-        return GuidedSampler(chain, self.matcher.deep_copy(), n_vocab, end=self.end)
+    def sampler(self, chain: Sampler, n_vocab: int, waits: Callable[[], bool] | None = None) -> GuidedSampler:
+        """A reply's sampler under this constraint (``GuidedSampler`` says what ``waits`` does)."""
+        return GuidedSampler(
+            chain, self.matcher.deep_copy(), n_vocab, end=self.end, ends=self.ends, waits=waits
+        )
 
     def parse(self, text: str) -> Any:
         """A complete JSON reply as an object (a ``schema_class`` instance when there is one);
@@ -132,11 +142,27 @@ class Constraint:
 
 
 class GuidedSampler:
-    """A sampler chain held to a constraint: masks the logits, samples, advances the matcher."""
+    """A sampler chain held to a constraint: masks the logits, samples, advances the matcher.
 
-    def __init__(self, chain: Sampler, matcher: llguidance.LLMatcher, n_vocab: int, *, end: int) -> None:
+    While ``waits()`` says so (a reasoning block the prompt opened is still open), the constraint
+    has not begun: tokens are sampled without its mask and not fed to its matcher, except that
+    the reply may not end (``ends`` masked) before its constraint had its say."""
+
+    def __init__(
+        self,
+        chain: Sampler,
+        matcher: llguidance.LLMatcher,
+        n_vocab: int,
+        *,
+        end: int,
+        ends: Sequence[int] = (),
+        waits: Callable[[], bool] | None = None,
+    ) -> None:
         self.chain, self.matcher, self.n_vocab, self.end = chain, matcher, n_vocab, end
         self.mask = np.full((n_vocab + 31) // 32, -1, dtype=np.int32)
+        self.ends = np.array(sorted({end, *ends}), dtype=np.int64)
+        self.waits = waits
+        self._last: int | None = None  # the last sampled token, while the matcher holds it
 
     @property
     def complete(self) -> bool:
@@ -160,20 +186,57 @@ class GuidedSampler:
         logits[allowed == 0] = -np.inf
 
     def sample(self, context: NativeContext, index: int = -1) -> int:
-        self.restrict(context.last_logits(self.n_vocab, index))
+        logits = context.last_logits(self.n_vocab, index)
+        if self.waiting:
+            logits[self.ends] = -np.inf
+            self._last = None
+            return self.chain.sample(context, index)
+        self.restrict(logits)
         token = self.chain.sample(context, index)
         if not self.matcher.consume_token(token):
             self._check()
+        self._last = token
         return token
+
+    @property
+    def waiting(self) -> bool:
+        return self.waits is not None and self.waits()
+
+    def give_way(self, tokens: Sequence[int]) -> bool:
+        """The last sampled token is dropped for ``tokens`` (the marker a reasoning budget forces):
+        False, and nothing changed, if the constraint does not allow them in its place."""
+        if self._last is not None:
+            self.matcher.rollback(1)
+            if self.matcher.validate_tokens(list(tokens)) < len(tokens):
+                self.matcher.consume_token(self._last)  # (as it was)
+                return False
+            if not self.matcher.consume_tokens(list(tokens)):
+                self._check()
+            self._last = None
+        for token in tokens:
+            self.chain.accept(token)
+        return True
+
+    def catch_up(self, tokens: Sequence[int]) -> None:
+        """The constraint begins with ``tokens``: content the reply wrote in the token that
+        closed its reasoning, before the matcher saw any (GrammarError if it does not allow them)."""
+        if self.matcher.validate_tokens(list(tokens)) < len(tokens):
+            raise GrammarError("the reply's content after its reasoning does not match its constraint")
+        if not self.matcher.consume_tokens(list(tokens)):
+            self._check()
 
     def forced(self) -> list[int]:
         """The tokens the constraint allows next and no other: decoded with the sampled one. Once
-        it is complete and allows nothing more, the end of generation."""
+        it is complete and allows nothing more, the end of generation. None while it waits."""
+        if self.waiting:
+            return []
         if self.matcher.is_stopped():
             return [self.end]
         tokens = self.matcher.compute_ff_tokens()
         if tokens and not self.matcher.consume_tokens(tokens):
             self._check()
+        if tokens:
+            self._last = None  # (the sampled token is no longer the matcher's last)
         for token in tokens:
             self.chain.accept(token)
         return tokens

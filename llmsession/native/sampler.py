@@ -24,6 +24,8 @@ class TokenSampler(Protocol):
     def sample(self, context: NativeContext, index: int = -1) -> int: ...
     def forced(self) -> list[int]: ...
     def accept(self, token: int) -> None: ...
+    def give_way(self, tokens: Sequence[int]) -> bool: ...
+    def catch_up(self, tokens: Sequence[int]) -> None: ...
     def close(self) -> None: ...
     @property
     def complete(self) -> bool: ...
@@ -84,6 +86,15 @@ class Sampler:
         """Tokens that must follow the last sample (a constraint may force some): none here."""
         return []
 
+    def give_way(self, tokens: Sequence[int]) -> bool:
+        """The last sample is dropped for ``tokens`` (a forced marker): the penalties see them."""
+        for token in tokens:
+            self.accept(token)
+        return True
+
+    def catch_up(self, tokens: Sequence[int]) -> None:
+        """Tokens a constraint must see before it begins: there is none."""
+
     @property
     def complete(self) -> bool:
         """Whether a constraint is satisfied (there is none)."""
@@ -118,6 +129,12 @@ class ScoringSampler:
 
     def accept(self, token: int) -> None:
         self.inner.accept(token)
+
+    def give_way(self, tokens: Sequence[int]) -> bool:
+        return self.inner.give_way(tokens)
+
+    def catch_up(self, tokens: Sequence[int]) -> None:
+        self.inner.catch_up(tokens)
 
     def close(self) -> None:
         self.inner.close()

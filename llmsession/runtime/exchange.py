@@ -181,7 +181,7 @@ class Exchange:
         with self.place.engine.batcher.generating(seat.context) as tracker:
             self._tracker = tracker  # (its own forced tokens do not wait for it: ``_keep_forced``)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
-            cut, drafter = self._cut(usage, 0), self._drafter(seat)
+            cut, drafter = self._cut(usage, 0, sampler), self._drafter(seat)
             pending = cut or [token, *sampler.forced()]
             held = 0  # how many of ``pending`` memory holds already (drafts the last step kept)
             while pending:
@@ -192,7 +192,7 @@ class Exchange:
                 if ended:
                     break
                 pos, kept, token = self._decode_step(seat, batch, pos + held, sampler, tracker, drafter)
-                cut = self._cut(usage, len(kept))  # (the sampled token gives way to the marker)
+                cut = self._cut(usage, len(kept), sampler)  # (the sampled token gives way to the marker)
                 pending, held = [*kept, *(cut or [token, *sampler.forced()])], len(kept)
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
@@ -239,6 +239,9 @@ class Exchange:
             text = detokenizer.push(piece)
             if self.thinking is not None:
                 text = self.thinking.split(text, usage, counted=not self.thinking.forced(index))
+                if self.thinking.after_close and self.constraint is not None:  # (before it began)
+                    written = self.thinking.after_close
+                    sampler.catch_up(native.tokenize(written, add_special=False, parse_special=False))
             if self.scoring is not None and (text or self.thinking is None):  # (reasoning: no scores)
                 self.scoring.note(token, piece, text, sampled=index == 0)  # (then what it forced)
             delta = stops.push(text)
@@ -266,8 +269,8 @@ class Exchange:
             return True
         return False
 
-    def _cut(self, usage: Usage, at: int) -> list[int]:
-        return [] if self.thinking is None else self.thinking.cut(usage, at)
+    def _cut(self, usage: Usage, at: int, sampler: TokenSampler) -> list[int]:
+        return [] if self.thinking is None else self.thinking.cut(usage, at, sampler.give_way)
 
     def _decode_step(
         self,
@@ -330,7 +333,10 @@ class Exchange:
     def _sampler(self) -> TokenSampler:
         """The exchange's sampler chain (``scoring.sampler_for``); its scores kept if asked for."""
         native, context_size = self.place.native, self.place.context_size
-        sampler, self.scoring = sampler_for(self.options, native, context_size, self.prompt, self.constraint)
+        waits = self.thinking.waits if self.thinking is not None else None
+        sampler, self.scoring = sampler_for(
+            self.options, native, context_size, self.prompt, self.constraint, waits
+        )
         return sampler
 
     # -- the end ----------------------------------------------------------------------------------
@@ -343,10 +349,10 @@ class Exchange:
         if self.calling is not None:
             text, calls, finish, error = self.calling.conclude(text, finish)
         elif self.constraint is not None and finish == "complete":
-            try:  # (what the constraint held: its reasoning too, if it thought)
-                parsed = self.constraint.parse(
-                    text if self.thinking is None else self.thinking.preamble + text
-                )
+            try:  # (what the constraint held: the block too, if the reply opened it)
+                thinking = self.thinking
+                block = thinking.preamble if thinking is not None and not thinking.prompted else ""
+                parsed = self.constraint.parse(block + text)
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")
         logprobs = None if self.scoring is None else self.scoring.reply(text)

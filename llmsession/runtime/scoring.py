@@ -3,6 +3,7 @@ with the text they belong to (``text.logprobs`` lines them up)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -50,9 +51,11 @@ def sampler_for(
     context_size: int,
     prompt: Prompt,
     constraint: Constraint | None,
+    waits: Callable[[], bool] | None = None,
 ) -> tuple[TokenSampler, Scoring | None]:
     """An exchange's sampler chain, its penalty window primed with the prompt's tokens, held to
-    its constraint if it has one; and its scoring, if ``logprobs`` are asked for."""
+    its constraint if it has one (which has not begun while ``waits()``: ``GuidedSampler``);
+    and its scoring, if ``logprobs`` are asked for."""
     n_vocab = native.n_vocab
     # -1 is "the whole context"; llama.cpp sizes a ring buffer by it, so never more than that
     window = options.repeat_last_n
@@ -61,7 +64,7 @@ def sampler_for(
     if options.penalized and last_n > 0:
         for token in prompt.tokens()[-last_n:]:
             sampler.accept(token)
-    held: TokenSampler = sampler if constraint is None else constraint.sampler(sampler, n_vocab)
+    held: TokenSampler = sampler if constraint is None else constraint.sampler(sampler, n_vocab, waits)
     if options.logprobs is None:
         return held, None
     scorer = ScoringSampler(held, n_vocab, options.logprobs)

@@ -25,7 +25,7 @@ from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
-from llmsession.errors import ContextOverflowError, ModelClosedError, UnsupportedFeatureError
+from llmsession.errors import ContextOverflowError, ModelClosedError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply, assistant_message
 from llmsession.runtime import persistence
@@ -259,13 +259,6 @@ class LocalSession(Session):
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         constraint = model.constraint(options, tools, ids)
         reasoning = thinking(model.native, model.reasoning, prompt, options.reasoning_budget)
-        if constraint is not None and reasoning is not None and reasoning.splitter.inside:
-            reasoning = None  # (the constraint holds the reply from its first token: all content)
-        if options.reasoning_budget is not None and constraint is not None and model.reasoning:
-            raise UnsupportedFeatureError(
-                "a reasoning budget with a schema, a grammar or tools is not supported: the closing "
-                "marker it forces would have to pass the constraint"
-            )
         record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)
 
         def finished(exchange: Exchange, reply: Reply) -> None:

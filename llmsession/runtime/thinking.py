@@ -1,11 +1,16 @@
 """An exchange's reasoning stage, between its detokenizer and its stop strings: each token's
 text split into reasoning and content (``text.reasoning.Splitter``), the reasoning gathered for
 the next snapshot and the reply, the block's tokens counted, and, at ``reasoning_budget``, the
-tokens that close the block handed to the exchange to force in place of the next sampled one."""
+tokens that close the block handed to the exchange to force in place of the next sampled one.
+
+Under a constraint (a schema, a grammar, tools): a block the generation prompt opened is the
+reply's reasoning, and the constraint begins where it closes (``waits``); a block the reply
+opens itself is one its constraint let it write, so the constraint holds it too, and a budget
+closes it at the first token where the constraint allows the closing marker."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llmsession.engine.prompt import Prompt
@@ -32,6 +37,12 @@ class Thinking:
         self.pending = ""  # not yet in a snapshot
         self._closed = False  # closed at the budget (once)
         self.forced_from: int | None = None  # where the closing tokens start among the pending ones
+        self.prompted = splitter.inside  # the generation prompt opened the block
+        self.after_close = ""  # content the token that closed a prompted block went on with
+
+    def waits(self) -> bool:
+        """A constraint has not begun: the block the prompt opened is still open."""
+        return self.prompted and self.splitter.inside
 
     @property
     def preamble(self) -> str:
@@ -41,11 +52,12 @@ class Thinking:
         """A token's text less the reasoning it holds, counted as a reasoning token if the model
         generated it in the block (``counted``: not a closing marker the budget forced)."""
         splitter = self.splitter
-        was_started, was_done = splitter.started, splitter.done
+        was_started, was_done, was_waiting = splitter.started, splitter.done, self.waits()
         thought, content = splitter.push(text)
         if counted and was_started and not was_done:  # (not the token that opened the block)
             usage.reasoning_tokens += 1
         self._think(thought)
+        self.after_close = content if was_waiting else ""
         return content
 
     def flush(self) -> str:
@@ -59,13 +71,14 @@ class Thinking:
         taken, self.pending = self.pending, ""
         return taken
 
-    def cut(self, usage: Usage, at: int) -> list[int]:
-        """The tokens that close the block once it has had its budget (once; ``at``: where they
-        will start among the pending tokens), else none."""
+    def cut(self, usage: Usage, at: int, allowed: Callable[[Sequence[int]], bool]) -> list[int]:
+        """The tokens that close the block once it has had its budget and ``allowed`` takes them
+        in place of the sampled token (once; ``at``: where they will start among the pending
+        tokens), else none."""
         self.forced_from = None
         if self.budget is None or not self.splitter.inside or self._closed:
             return []
-        if usage.reasoning_tokens < self.budget:
+        if usage.reasoning_tokens < self.budget or not allowed(self.closing):
             return []
         self._closed, self.forced_from = True, at
         return list(self.closing)

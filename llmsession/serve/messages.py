@@ -47,7 +47,7 @@ def messages_request(body: Mapping[str, Any], *, counting: bool = False, images:
     if top_k is not None:
         asked = dataclasses.replace(asked, options=replaced_options(asked.options, top_k=top_k))
     thinking, budget = _thinking(body.get("thinking"))
-    if budget is not None and not asked.options.constrained:  # (a budget with a constraint: not yet)
+    if budget is not None:
         asked = dataclasses.replace(asked, options=replaced_options(asked.options, reasoning_budget=budget))
     return dataclasses.replace(asked, thinking=thinking)
 

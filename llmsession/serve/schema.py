@@ -83,7 +83,7 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
         raise ApiError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
     chosen = options(body, default_max_tokens, _chat_logprobs(body))
     thinking, budget = _reasoning(body)
-    if budget is not None and not chosen.constrained:  # (a budget with a constraint: not yet)
+    if budget is not None:
         chosen = replaced_options(chosen, reasoning_budget=budget)
     return ChatRequest(
         messages,
