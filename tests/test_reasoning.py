@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import internals
@@ -24,6 +25,7 @@ from llmsession import GenerationOptions, GrammarError, Model
 from llmsession.native.sampler import Sampler
 from llmsession.serve.app import create_app
 from llmsession.text.reasoning import GEMMA4, THINK, Markers, Splitter, markers_for, opened
+from llmsession.text.tools import options_tools
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
@@ -334,3 +336,45 @@ def test_a_waiting_constraint_lets_no_reply_end_and_then_catches_up(r1: Model) -
     refusing = exact.sampler(chain, core.native.n_vocab, lambda: False)
     with closing(refusing) as sampler, pytest.raises(GrammarError, match="after its reasoning"):
         sampler.catch_up(core.native.tokenize("x", add_special=False, parse_special=False))
+
+
+def test_a_tool_grammar_lets_a_real_vocabularys_model_reason_before_it_calls(fixture_path: Any) -> None:
+    """Qwen3's vocabulary holds ``<think>`` and ``</think>`` as one special token each, which
+    free text never spells: without the markers in the tools' grammar (the variant) a reply
+    under tools could never open its block. With them it may reason, then write text or call
+    ("auto"), or only call ("required"), and a budget's closing marker passes the grammar."""
+    with Model(fixture_path("smollm2-qwen3-special.gguf"), threads=2) as model:
+        core = internals.local(model)
+        markup = core.reasoning
+        assert markup is not None and markup.grammar_markers == THINK
+        ends = [t for t in range(core.native.n_vocab) if core.native.is_eog(t)][:1]
+
+        def taken(choice: str, text: str, thought: Markers | None, closing: bool = False) -> bool:
+            options = GenerationOptions(tools=(WEATHER,), tool_choice=choice)
+            ids = [f"call_{k}" for k in range(8)]
+            constraint = core.constraint(options, options_tools(options), ids, thought)
+            assert constraint is not None
+            tokens = [*model.tokenize(text, add_special=False), *(() if closing else ends)]
+            if closing:
+                tokens += markup.closing
+            return bool(constraint.matcher.deep_copy().validate_tokens(tokens) == len(tokens))
+
+        call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        for choice in ("auto", "required"):
+            assert taken(choice, call, THINK) and taken(choice, call, None)
+            assert taken(choice, f"<think>\nrain, maybe\n</think>\n\n{call}", THINK)
+            assert not taken(choice, f"<think>\nrain, maybe\n</think>\n\n{call}", None)
+            assert taken(choice, "<think>\nrain", THINK, closing=True)  # (a budget's close)
+        assert taken("auto", "<think>\nrain\n</think>\n\nIt rains.", THINK)
+        assert not taken("required", "<think>\nrain\n</think>\n\nIt rains.", THINK)
+        # on the session's path the tiny model opens its block; the budget closes it, then it calls
+        cities = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+        weather = {"type": "function", "function": {**WEATHER["function"], "parameters": cities}}
+        options = GenerationOptions(
+            tools=(weather,), tool_choice="required", reasoning_budget=5, max_tokens=60, temperature=0
+        )
+        reply = model.session(thinking=True).respond("The weather in Paris?", options)
+        assert reply.usage.reasoning_tokens == 5 and reply.reasoning, reply
+        assert [c.name for c in reply.tool_calls] == ["weather"] and reply.finish_reason == "tool_calls"
+        plain = model.session().respond("The weather in Paris?", options)  # (thinking off: no block)
+        assert plain.reasoning == "" and plain.usage.reasoning_tokens == 0 and plain.tool_calls

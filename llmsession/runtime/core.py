@@ -42,7 +42,7 @@ from llmsession.runtime.thinking import markup_for
 from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
 from llmsession.text.images import message_images
-from llmsession.text.reasoning import markers_for
+from llmsession.text.reasoning import Markers, markers_for
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import render_checked
 from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect
@@ -310,11 +310,16 @@ class ModelCore:
         return Prompt(chunks.pieces, chunks, rendered - began, time.perf_counter() - rendered)
 
     def constraint(
-        self, options: GenerationOptions, tools: Tools | None = None, ids: Sequence[str] = ()
+        self,
+        options: GenerationOptions,
+        tools: Tools | None = None,
+        ids: Sequence[str] = (),
+        thought: Markers | None = None,
     ) -> Constraint | None:
         """The options' constraint compiled for this model (GrammarError if it cannot be used),
-        or the tool calls' (written with ``ids`` where the format carries them); the matcher's
-        tokenizer is built on first use, once."""
+        or the tool calls' (written with ``ids`` where the format carries them; after a block
+        of reasoning if ``thought`` gives its markers); the matcher's tokenizer is built on
+        first use, once."""
         if not options.constrained:
             return None
         from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)
@@ -325,7 +330,10 @@ class ModelCore:
         if tools is not None and tools.mode != "none":
             fmt = self.tool_format(options.tool_format)
             try:
-                lark = grammar(fmt, tools, ids, self.special_markers(fmt))
+                specials = dict(self.special_markers(fmt))
+                if thought is not None and self.reasoning is not None:
+                    specials |= self.reasoning.special
+                lark = grammar(fmt, tools, ids, specials, thought)
             except RecursionError:
                 raise GrammarError("tools: a schema is nested too deep") from None
             return Constraint.from_lark(lark, self._guidance)

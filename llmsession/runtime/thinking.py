@@ -10,7 +10,7 @@ closes it at the first token where the constraint allows the closing marker."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llmsession.engine.prompt import Prompt
@@ -106,18 +106,27 @@ class Markup:
     markers: Markers
     closing: tuple[int, ...]
     spelled: frozenset[int]
+    special: Mapping[str, int]  # the markers that are one special token each (as real vocabularies hold them)
+
+    @property
+    def grammar_markers(self) -> Markers | None:
+        """The markers a tool grammar lets a reply open its reasoning with: only special ones,
+        which free text cannot spell (text markers are free text already)."""
+        markers = self.markers
+        return markers if {markers.open, markers.close} <= self.special.keys() else None
 
 
 def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
     if markers is None:
         return None
     closing = native.tokenize(f"\n{markers.close}\n\n", add_special=False, parse_special=True)
-    spelled = frozenset(
-        ids[0]
+    single = {
+        marker: ids[0]
         for marker in (markers.open, markers.close)
         if len(ids := native.tokenize(marker, add_special=False, parse_special=True)) == 1
-    )
-    return Markup(markers, tuple(closing), spelled)
+    }
+    special = {marker: token for marker, token in single.items() if native.is_special(token)}
+    return Markup(markers, tuple(closing), frozenset(single.values()), special)
 
 
 def thinking(

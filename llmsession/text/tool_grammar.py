@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from llmsession.text.gemma4_calls import BodyGrammar
+from llmsession.text.reasoning import Markers
 from llmsession.text.tool_formats import ToolFormat
 from llmsession.text.tools import Tool, Tools
 
@@ -51,13 +52,19 @@ def _arguments(tool: Tool) -> str:
 
 
 def grammar(
-    fmt: ToolFormat, tools: Tools, ids: Sequence[str] = (), specials: Mapping[str, int] | None = None
+    fmt: ToolFormat,
+    tools: Tools,
+    ids: Sequence[str] = (),
+    specials: Mapping[str, int] | None = None,
+    thought: Markers | None = None,
 ) -> str:
     """A Lark grammar for llguidance: the whole reply is calls ("required", "named"), or free
     text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
     so text costs no constraint until it appears). A format whose calls carry ids writes
     ``ids`` in order, one per call (so a stream names each call before its arguments).
     ``specials`` are the format's markers the vocabulary holds as special tokens, and their ids.
+    ``thought``: reasoning markers the reply may open with, each one special token (in
+    ``specials``: free text never spells them), so a thinking model reasons before it calls.
 
     How many calls: one where the family takes one, without ``parallel``, and for a named
     ``tool_choice`` (OpenAI's makes exactly one call of that function); else up to one per id.
@@ -87,19 +94,33 @@ def grammar(
         lines.append(f"call_{k}: {say(opening)} ({names}) {ident} {say(fmt.tail)}")
     chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)  # c0 (c1 (c2)?)?
     lines.append(f"calls: {chain} {say(fmt.close)}")
-    return "\n".join(lines + _start(fmt, tools.mode, specials)) + "\n"
+    return "\n".join(lines + _thought(thought, specials) + _reply(fmt, tools.mode, specials)) + "\n"
 
 
-def _start(fmt: ToolFormat, mode: str, specials: Mapping[str, int]) -> list[str]:
+def _thought(thought: Markers | None, specials: Mapping[str, int]) -> list[str]:
+    """The reasoning block a reply may open with, and the blank line after it; its text is
+    anything but a special token, so the closing marker (one) ends it."""
+    if thought is None:
+        return ["start: reply"]
+    assert thought.open in specials and thought.close in specials, "markers of one special token each"
+    return [
+        "start: (thought GAP)? reply",
+        f"thought: {spelled(thought.open, specials)} THOUGHT {spelled(thought.close, specials)}",
+        r"THOUGHT: /(.|\n)*/",
+        r"GAP: /[ \t\r\n]{0,4}/",  # (bounded: a small model may write whitespace forever)
+    ]
+
+
+def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int]) -> list[str]:
     """The reply's shape around its calls. A special-token trigger ends free text by itself
     (it is no text), so "auto" needs no lazy lexeme then."""
     trigger = spelled(fmt.trigger, specials)
     if mode != "auto":
-        return [f"start: {trigger} calls"]
+        return [f"reply: {trigger} calls"]
     if fmt.trigger in specials:
         shape = f"TEXT | {trigger} calls" if fmt.anchored else f"TEXT ({trigger} calls)?"
-        return [f"start: {shape}", r"TEXT: /(.|\n)*/"]
+        return [f"reply: {shape}", r"TEXT: /(.|\n)*/"]
     if fmt.anchored:  # text that does not open as the calls do, or calls
         text = "TEXT: /([^" + "\\" + fmt.trigger[0] + "](.|\\n)*)?/"  # (its first character escaped)
-        return [f"start: TEXT | {trigger} calls", text]
-    return ["start: TEXT | trigger calls", r"TEXT: /(.|\n)*/", f"trigger[lazy]: TEXT {trigger}"]
+        return [f"reply: TEXT | {trigger} calls", text]
+    return ["reply: TEXT | trigger calls", r"TEXT: /(.|\n)*/", f"trigger[lazy]: TEXT {trigger}"]
