@@ -373,8 +373,14 @@ def test_a_tool_grammar_lets_a_real_vocabularys_model_reason_before_it_calls(fix
         options = GenerationOptions(
             tools=(weather,), tool_choice="required", reasoning_budget=5, max_tokens=60, temperature=0
         )
-        reply = model.session(thinking=True).respond("The weather in Paris?", options)
+        session = model.session(thinking=True)
+        reply = session.respond("The weather in Paris?", options)
         assert reply.usage.reasoning_tokens == 5 and reply.reasoning, reply
         assert [c.name for c in reply.tool_calls] == ["weather"] and reply.finish_reason == "tool_calls"
+        # the result sent back: the template keeps this turn's reasoning, and its tokens are reused
+        result = {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": '{"temp": 21}'}
+        after = session.respond(result, replace(options, tool_choice="auto", max_tokens=4))
+        block = model.tokenize(f"<think>\n{reply.reasoning}\n</think>\n\n", add_special=False)
+        assert after.usage.reused_tokens >= reply.usage.prompt_tokens + len(block), after.usage
         plain = model.session().respond("The weather in Paris?", options)  # (thinking off: no block)
         assert plain.reasoning == "" and plain.usage.reasoning_tokens == 0 and plain.tool_calls
