@@ -235,6 +235,7 @@ class Server:
             body = await self.body(request)
             ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
             history: list[dict[str, Any]] = []
+            stored = None
             if ask.previous is not None:
                 stored = self.store.get(ask.previous, key)
                 if stored is None:
@@ -250,7 +251,7 @@ class Server:
         response = ResponseObject(served, ask.echo, ask.previous, ask.store, ident)
 
         def keep(body: dict[str, Any], reply: Reply) -> None:
-            self.store.put(key, body, [*transcript, assistant_message(reply)])
+            self.store.put(key, body, [*transcript, assistant_message(reply)], after=stored)
 
         return await self.answer(request, asked, ResponsesDoor(response, keep if ask.store else None))
 
