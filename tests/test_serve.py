@@ -33,6 +33,7 @@ from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
+from llmsession.serve import doors
 from llmsession.serve.app import PARSERS, create_app
 
 BODY_LIMIT = 1 << 20
@@ -66,6 +67,7 @@ class Faulty:
     go: threading.Event = field(default_factory=threading.Event)
     holding: int = 0
     budget: int = 1
+    late: float = 0.0  # how long a LATEBUDGET request's prompt takes before it finds the budget full
     streams: list[Any] = field(default_factory=list)
     cancelled_at: dict[int, int] = field(default_factory=dict)
 
@@ -78,6 +80,7 @@ class Faulty:
             self.holding += 1
             assert self.go.wait(60)
         if "BUDGET" in text and self.budget > 0:
+            time.sleep(self.late if "LATEBUDGET" in text else 0)
             self.budget -= 1
             raise MemoryBudgetError("sessions 3 and 7 hold 8100 of 8192 KV cells")
         if "BUG" in text:
@@ -673,6 +676,44 @@ def test_a_full_memory_budget_is_retried_behind_the_running_requests(served: Ser
     held.join(60)
     retried.join(60)
     assert results["held"].status_code == 200 == results["retried"].status_code
+
+
+def test_a_stream_that_finds_the_budget_full_after_it_began_runs_again_in_it(
+    served: Served, faulty: Faulty, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow prompt's Messages stream opens (``message_start``, pings) before its first token;
+    a full memory budget found after that is retried once behind the running requests, within
+    the same stream: the client reads a whole message, not an error event."""
+    monkeypatch.setattr(doors, "PING_SECONDS", 0.1)  # (the door's patience: the stream opens sooner)
+    faulty.late = 0.6
+    admission, results, events = served.server.admission, dict[str, Any](), list[str]()
+    held = post_in_thread(served, results, "held", messages=said("HOLD: a haiku"), user="holder")
+    wait_for(lambda: faulty.holding == 1)
+
+    def stream() -> None:
+        body = {"model": "m", "max_tokens": 4, "stream": True, "messages": said("LATEBUDGET: a poem")}
+        with served.http(served.key) as http, http.stream("POST", "/v1/messages", json=body) as response:
+            results["status"] = response.status_code
+            events.extend(
+                line.split(":", 1)[1].strip() for line in response.iter_lines() if line.startswith("event:")
+            )
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_for(lambda: admission.waiting == 1)  # (it began, found the budget full, and waits behind)
+    assert faulty.budget == 0 and results.get("status") == 200
+    faulty.go.set()
+    held.join(60)
+    reader.join(60)
+    assert events[0] == "message_start" and "error" not in events and events[-1] == "message_stop", events
+    assert admission.used == 0 and admission.waiting == 0
+    # with nothing running to wait behind, the stream ends with the overload it found
+    faulty.budget = 1
+    body = {"model": "m", "max_tokens": 4, "stream": True, "messages": said("LATEBUDGET: a poem")}
+    with served.http(served.key) as http, http.stream("POST", "/v1/messages", json=body) as response:
+        text = "".join(response.iter_text())
+    assert "event: error" in text and "overloaded_error" in text and "message_stop" not in text, text
+    assert admission.used == 0 and admission.waiting == 0 and faulty.budget == 0
 
 
 @contextlib.contextmanager

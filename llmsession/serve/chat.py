@@ -28,7 +28,7 @@ from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError,
 from llmsession.replies import Reply, Usage
 from llmsession.serve.errors import ApiError, from_library, internal
 from llmsession.serve.metrics import Metrics
-from llmsession.serve.runner import Admission, Choices, Event
+from llmsession.serve.runner import Admission, Choices, Event, Relay
 from llmsession.serve.schema import ChatRequest
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Door(Protocol):
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]: ...
 
-    def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]: ...
+    def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]: ...
 
 
 def session_settings(settings: SessionConfig, asked: ChatRequest) -> SessionConfig:
@@ -193,7 +193,7 @@ class Call:
                 raise
             failed = next((e.error for e in first if e.error is not None), None)
             if failed is None:
-                return self._answer(choices, first)
+                return self._answer(choices, first, retried=retry)
             choices.cancel()
             if retry or not isinstance(failed, MemoryBudgetError):
                 raise explain(failed)
@@ -217,13 +217,24 @@ class Call:
             released()
             raise
 
-    def _answer(self, choices: Choices, first: list[Event]) -> Response:
-        """The whole reply, or a stream of it from the first events on."""
+    def _answer(self, choices: Choices, first: list[Event], *, retried: bool) -> Response:
+        """The whole reply, or a stream of it from the first events on (one begun before any,
+        past the door's patience, may still find the memory budget full: ``Relay``)."""
         if not self.asked.stream:
             replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
             prompt = choices.forks.prompt if choices.forks is not None else None
             return JSONResponse(self.door.whole([e.reply for e in replies if e.reply is not None], prompt))
-        return EventStream(self.door.stream(choices, first), choices.cancel)
+        flow: Choices | Relay = choices
+        if not first and not retried:
+            flow = Relay(choices, self._again, self.held.hold, self.held.drop)
+        return EventStream(self.door.stream(flow, first), flow.cancel)
+
+    async def _again(self) -> Choices:
+        """The request's choices once more, behind the requests running now (its stream has
+        begun: its client's going away cancels this through the stream's ``cancel``)."""
+        log.info("a stream found the memory budget full before its first token; it waits for a running one")
+        weight = await self.host.admission.acquire(self.asked.n, behind=True)
+        return self._start(weight)
 
 
 async def until(

@@ -17,7 +17,7 @@ from llmsession.serve import sse
 from llmsession.serve.chat import explain
 from llmsession.serve.messages_sse import AnthropicMessage, Blocks
 from llmsession.serve.responses_sse import KEEP_ALIVE, Items, ResponseObject
-from llmsession.serve.runner import Choices, Event
+from llmsession.serve.runner import Choices, Event, Relay
 
 PING_SECONDS = 5.0  # a Messages stream's keep-alive while its prompt decodes
 
@@ -33,7 +33,7 @@ class CompletionDoor:
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return dataclasses.replace(self.completion, prompt=prompt).body(replies)
 
-    async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
+    async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         """Every choice's role, then its pieces as they come, its finish, the usage if asked,
         ``[DONE]``."""
         prompt = choices.forks.prompt if choices.forks is not None else None
@@ -75,7 +75,7 @@ class MessagesDoor:
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return self.message.body(replies[0])
 
-    async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
+    async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         message, blocks = self.message, Blocks()
         try:
             yield message.start(prompt_usage(first))
@@ -98,7 +98,7 @@ class MessagesDoor:
             choices.cancel()
 
 
-async def waited(choices: Choices, first: list[Event]) -> AsyncIterator[Event | None]:
+async def waited(choices: Choices | Relay, first: list[Event]) -> AsyncIterator[Event | None]:
     """The first events, then each event as it comes, and None each ``PING_SECONDS`` none does
     (the stream's moment to keep its client waiting)."""
     for event in first:
@@ -141,7 +141,7 @@ class ResponsesDoor:
             self.keep(body, replies[0])
         return body
 
-    async def stream(self, choices: Choices, first: list[Event]) -> AsyncIterator[bytes]:
+    async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         response, items = self.response, Items()
         try:
             for opening in response.opening():

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
-from llmsession import AsyncStream
+from llmsession import AsyncStream, MemoryBudgetError
 from llmsession.replies import Reply, Snapshot, Usage
 from llmsession.serve.errors import busy
 
@@ -123,6 +123,60 @@ class Choices:
     def cancel(self) -> None:
         for run in self.runs:  # (the forks' prefill stops once every choice is cancelled)
             run.cancel()
+
+
+class Relay:
+    """A stream's choices that found the memory budget full after the stream began (a slow
+    prompt's stream opens before its first token) and before anything reached its client: run
+    once more, within the same stream, on ``again()``'s choices (which wait behind the requests
+    running then); an error ``again()`` raises ends the stream as the failure would have. The
+    request's model is held (``hold``, ``drop``) while it may still run again. The doors read it
+    as they read ``Choices``: ``queue``, ``cancel()``."""
+
+    def __init__(
+        self,
+        choices: Choices,
+        again: Callable[[], Awaitable[Choices]],
+        hold: Callable[[], None],
+        drop: Callable[[], None],
+    ) -> None:
+        self.n, self.forks = choices.n, choices.forks
+        self.queue = asyncio.Queue[Event]()
+        self.retried = False
+        self._choices, self._again, self._drop = choices, again, drop
+        hold()
+        self._holding = True
+        self._pump = asyncio.ensure_future(self._forward())
+
+    def cancel(self) -> None:
+        """Idempotent: the choices running now stop, and no others start."""
+        self._pump.cancel()
+        self._choices.cancel()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._drop()
+
+    async def _forward(self) -> None:
+        choices = self._choices
+        while True:
+            event = await choices.queue.get()
+            if self._holding and isinstance(event.error, MemoryBudgetError):
+                self.retried = True
+                choices.cancel()
+                await choices.finished.wait()  # (its own runs give their room back first)
+                try:
+                    choices = self._choices = await self._again()
+                except Exception as error:  # (a 503: nobody runs to wait behind)
+                    self.queue.put_nowait(Event(event.index, error=error))
+                    return
+                finally:
+                    self._let_go()  # (the new choices hold the model themselves)
+                continue
+            self._let_go()  # (something reached the stream: no running again)
+            self.queue.put_nowait(event)
 
 
 class Admission:
