@@ -19,6 +19,7 @@ import internals
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from scripted import scripted
 from serve_helpers import KEY, Served, running
 
 from llmsession import GenerationOptions, GrammarError, Model
@@ -349,8 +350,10 @@ def test_a_tool_grammar_lets_a_real_vocabularys_model_reason_before_it_calls(fix
         assert markup is not None and markup.grammar_markers == THINK
         ends = [t for t in range(core.native.n_vocab) if core.native.is_eog(t)][:1]
 
-        def taken(choice: str, text: str, thought: Markers | None, closing: bool = False) -> bool:
-            options = GenerationOptions(tools=(WEATHER,), tool_choice=choice)
+        def taken(
+            choice: str, text: str, thought: Markers | None, closing: bool = False, fmt: str | None = None
+        ) -> bool:
+            options = GenerationOptions(tools=(WEATHER,), tool_choice=choice, tool_format=fmt)
             ids = [f"call_{k}" for k in range(8)]
             constraint = core.constraint(options, options_tools(options), ids, thought)
             assert constraint is not None
@@ -367,6 +370,13 @@ def test_a_tool_grammar_lets_a_real_vocabularys_model_reason_before_it_calls(fix
             assert taken(choice, "<think>\nrain", THINK, closing=True)  # (a budget's close)
         assert taken("auto", "<think>\nrain\n</think>\n\nIt rains.", THINK)
         assert not taken("required", "<think>\nrain\n</think>\n\nIt rains.", THINK)
+        # an anchored format's calls after the block are the grammar's: its text may not begin
+        # with the blank line (the content is split from it without: the calls would be read)
+        generic = '{"tool_calls": [{"name": "%s", "arguments": {"city": "Paris"}}]}'
+        for name, ok in (("weather", True), ("bogus", False)):
+            text = f"<think>\nrain\n</think>\n\n{generic % name}"
+            assert taken("auto", text, THINK, fmt="generic") is ok, name
+        assert taken("auto", "<think>\nrain\n</think>\n\nIt rains.", THINK, fmt="generic")
         # on the session's path the tiny model opens its block; the budget closes it, then it calls
         cities = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
         weather = {"type": "function", "function": {**WEATHER["function"], "parameters": cities}}
@@ -384,3 +394,37 @@ def test_a_tool_grammar_lets_a_real_vocabularys_model_reason_before_it_calls(fix
         assert after.usage.reused_tokens >= reply.usage.prompt_tokens + len(block), after.usage
         plain = model.session().respond("The weather in Paris?", options)  # (thinking off: no block)
         assert plain.reasoning == "" and plain.usage.reasoning_tokens == 0 and plain.tool_calls
+
+
+def test_after_a_prompted_block_the_constraint_holds_what_the_content_is(
+    r1: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scripted replies after DeepSeek-R1's block, through the real masks: an anchored format's
+    call after the blank line is checked by the grammar (a bogus one is never written, and a
+    right one is a call); a regex sees the content as the reply keeps it (its leading blank line
+    too); content written in the token that closed the block is fed to the matcher first."""
+    tools = GenerationOptions(tools=(WEATHER,), tool_format="generic", max_tokens=60, temperature=0)
+    bogus = 'I will call it.</think>\n\n{"tool_calls": [{"name": "bogus", "arguments": {}}]}'
+    with scripted(monkeypatch, r1, bogus) as played:
+        reply = r1.session(thinking=True).respond("The weather in Paris?", tools)  # (no GrammarError)
+    assert played.refused or played.off_script, "the mask let a bogus call through"
+    assert all(call.name == "weather" for call in reply.tool_calls)
+    right = 'I will call it.</think>\n\n{"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}'
+    with scripted(monkeypatch, r1, right) as played:
+        reply = r1.session(thinking=True).respond("The weather in Paris?", tools)
+    assert not played.refused and reply.reasoning == "I will call it.", played
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("weather", {"city": "Paris"})]
+
+    spaced = GenerationOptions(regex="\n\nAnswer: [a-z]+", max_tokens=30, temperature=0)
+    with scripted(monkeypatch, r1, "ok</think>\n\nAnswer: paris") as played:
+        reply = r1.session(thinking=True).respond("Capital of France?", spaced)
+    assert not played.refused and reply.finish_reason == "complete", (played, reply)
+    assert reply.reasoning == "ok" and reply.text == "\n\nAnswer: paris"  # (what the regex held)
+
+    quoted = GenerationOptions(regex='"[a-z]+"', max_tokens=30, temperature=0)
+    closing = 'Hmm ok.</think>"paris"'
+    pieces = [r1.detokenize([t]) for t in r1.tokenize(closing, add_special=False)]
+    assert any(p.startswith(">") and len(p) > 1 for p in pieces), pieces  # (the close goes on)
+    with scripted(monkeypatch, r1, closing) as played:
+        reply = r1.session(thinking=True).respond("Capital of France?", quoted)
+    assert not played.refused and (reply.text, reply.finish_reason) == ('"paris"', "complete"), played

@@ -173,7 +173,7 @@ class GuidedSampler:
     @property
     def finished(self) -> bool:
         """The constraint allows nothing more: a reply cut here is whole, not cut short."""
-        return bool(self.matcher.is_stopped())
+        return not self.waiting and bool(self.matcher.is_stopped())
 
     def accept(self, token: int) -> None:
         self.chain.accept(token)

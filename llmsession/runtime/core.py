@@ -315,11 +315,13 @@ class ModelCore:
         tools: Tools | None = None,
         ids: Sequence[str] = (),
         thought: Markers | None = None,
+        *,
+        after_block: bool = False,
     ) -> Constraint | None:
         """The options' constraint compiled for this model (GrammarError if it cannot be used),
         or the tool calls' (written with ``ids`` where the format carries them; after a block
-        of reasoning if ``thought`` gives its markers); the matcher's tokenizer is built on
-        first use, once."""
+        of reasoning the reply may open if ``thought`` gives its markers, or after the one its
+        prompt opened, ``after_block``); the matcher's tokenizer is built on first use, once."""
         if not options.constrained:
             return None
         from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)
@@ -333,7 +335,7 @@ class ModelCore:
                 specials = dict(self.special_markers(fmt))
                 if thought is not None and self.reasoning is not None:
                     specials |= self.reasoning.special
-                lark = grammar(fmt, tools, ids, specials, thought)
+                lark = grammar(fmt, tools, ids, specials, thought, after_block=after_block)
             except RecursionError:
                 raise GrammarError("tools: a schema is nested too deep") from None
             return Constraint.from_lark(lark, self._guidance)

@@ -257,10 +257,12 @@ class LocalSession(Session):
             fmt = model.tool_format(options.tool_format)
             calling = Calling(tools, fmt, CallIds(fmt), frozenset(model.special_markers(fmt).values()))
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
-        reasoning = thinking(model.native, model.reasoning, prompt, options.reasoning_budget)
+        held = options.constrained and calling is None
+        reasoning = thinking(model.native, model.reasoning, prompt, options.reasoning_budget, held)
         markup, opens = model.reasoning, reasoning is not None and not reasoning.prompted and self.thinking
         thought = markup.grammar_markers if markup and opens else None  # (it may reason, then call)
-        constraint = model.constraint(options, tools, ids, thought)
+        after = reasoning is not None and reasoning.prompted  # (the calls' grammar begins after it)
+        constraint = model.constraint(options, tools, ids, thought, after_block=after)
         record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)
 
         def finished(exchange: Exchange, reply: Reply) -> None:

@@ -104,7 +104,8 @@ class Markup:
     needed to split)."""
 
     markers: Markers
-    closing: tuple[int, ...]
+    closing: tuple[int, ...]  # the closing marker between newlines, as templates write it
+    bare: tuple[int, ...]  # the marker after a newline alone (a constraint decides what follows)
     spelled: frozenset[int]
     special: Mapping[str, int]  # the markers that are one special token each (as real vocabularies hold them)
 
@@ -120,22 +121,28 @@ def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
     if markers is None:
         return None
     closing = native.tokenize(f"\n{markers.close}\n\n", add_special=False, parse_special=True)
+    bare = native.tokenize(f"\n{markers.close}", add_special=False, parse_special=True)
     single = {
         marker: ids[0]
         for marker in (markers.open, markers.close)
         if len(ids := native.tokenize(marker, add_special=False, parse_special=True)) == 1
     }
     special = {marker: token for marker, token in single.items() if native.is_special(token)}
-    return Markup(markers, tuple(closing), frozenset(single.values()), special)
+    return Markup(markers, tuple(closing), tuple(bare), frozenset(single.values()), special)
 
 
 def thinking(
-    native: NativeModel, markup: Markup | None, prompt: Prompt, budget: int | None
+    native: NativeModel, markup: Markup | None, prompt: Prompt, budget: int | None, held: bool = False
 ) -> Thinking | None:
     """The reasoning stage of a reply to ``prompt`` on a template with reasoning ``markup``
-    (None without): inside the block from the start if the generation prompt opened it."""
+    (None without): inside the block from the start if the generation prompt opened it.
+    ``held``: a constraint other than tools holds the reply; after a block the prompt opened, the
+    content keeps its leading whitespace, which that constraint saw, and a budget closes the
+    block without the blank line templates put after it (the constraint decides what follows)."""
     if markup is None or prompt.raw:  # (a raw completion is text continued as it is)
         return None
     tail = native.detokenize(prompt.tokens()[-PROMPT_TAIL:], special=True)
-    splitter = Splitter(markup.markers, inside=opened(tail, markup.markers))
-    return Thinking(splitter, markup.closing, budget, markup.spelled)
+    inside = opened(tail, markup.markers)
+    splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
+    closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
+    return Thinking(splitter, closing, budget, markup.spelled)

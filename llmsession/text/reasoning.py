@@ -51,8 +51,10 @@ def opened(prompt_tail: str, markers: Markers) -> bool:
 class Splitter:
     """A reply's text split into reasoning and content as it streams (the module says how)."""
 
-    def __init__(self, markers: Markers, inside: bool = False) -> None:
-        self.markers = markers
+    def __init__(self, markers: Markers, inside: bool = False, keep_spaces: bool = False) -> None:
+        """``keep_spaces``: the whitespace that begins the content after a block stays in it (a
+        constraint that begins there holds it: the content is what it held)."""
+        self.markers, self.keep_spaces = markers, keep_spaces
         self.inside = inside  # in the reasoning block now
         self.started = inside  # a block was opened (content may not open another)
         self.done = False  # the block closed (or content began): the rest is content
@@ -120,7 +122,7 @@ class Splitter:
         if at >= 0:
             piece = self._reasoning(self._held[:at])
             self._held, self._spaces = self._held[at + len(close) :], ""
-            self.inside, self.done, self._strip = False, True, True
+            self.inside, self.done, self._strip = False, True, not self.keep_spaces
             return piece, bool(self._held)
         keep = _partial(self._held, close)
         piece = self._reasoning(self._held[: len(self._held) - keep])

@@ -57,6 +57,8 @@ def grammar(
     ids: Sequence[str] = (),
     specials: Mapping[str, int] | None = None,
     thought: Markers | None = None,
+    *,
+    after_block: bool = False,
 ) -> str:
     """A Lark grammar for llguidance: the whole reply is calls ("required", "named"), or free
     text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
@@ -64,7 +66,11 @@ def grammar(
     ``ids`` in order, one per call (so a stream names each call before its arguments).
     ``specials`` are the format's markers the vocabulary holds as special tokens, and their ids.
     ``thought``: reasoning markers the reply may open with, each one special token (in
-    ``specials``: free text never spells them), so a thinking model reasons before it calls.
+    ``specials``: free text never spells them), so a thinking model reasons before it calls;
+    ``after_block``: the grammar begins after a block the prompt opened. After a block, the
+    blank line that follows it is no part of the reply (the reply's content is split from it
+    without its leading whitespace), so an anchored format's text may not begin with whitespace:
+    its calls are read only where they begin the content.
 
     How many calls: one where the family takes one, without ``parallel``, and for a named
     ``tool_choice`` (OpenAI's makes exactly one call of that function); else up to one per id.
@@ -94,33 +100,44 @@ def grammar(
         lines.append(f"call_{k}: {say(opening)} ({names}) {ident} {say(fmt.tail)}")
     chain = "call_0" + "".join(f" (call_{k}" for k in range(1, limit)) + ")?" * (limit - 1)  # c0 (c1 (c2)?)?
     lines.append(f"calls: {chain} {say(fmt.close)}")
-    return "\n".join(lines + _thought(thought, specials) + _reply(fmt, tools.mode, specials)) + "\n"
+    after = thought is not None or after_block
+    return (
+        "\n".join(lines + _start(thought, after_block, specials) + _reply(fmt, tools.mode, specials, after))
+        + "\n"
+    )
 
 
-def _thought(thought: Markers | None, specials: Mapping[str, int]) -> list[str]:
-    """The reasoning block a reply may open with, and the blank line after it; its text is
-    anything but a special token, so the closing marker (one) ends it."""
+GAP = r"GAP: /[ \t\r\n]{0,4}/"  # the blank line after a block (bounded: a small model may loop on it)
+
+
+def _start(thought: Markers | None, after_block: bool, specials: Mapping[str, int]) -> list[str]:
+    """What comes before the reply: nothing, the blank line after the block the prompt opened,
+    or a block the reply may open (its text is anything but a special token, so the closing
+    marker, one, ends it) and the blank line after it."""
     if thought is None:
-        return ["start: reply"]
+        return ["start: GAP reply", GAP] if after_block else ["start: reply"]
     assert thought.open in specials and thought.close in specials, "markers of one special token each"
     return [
         "start: (thought GAP)? reply",
         f"thought: {spelled(thought.open, specials)} THOUGHT {spelled(thought.close, specials)}",
         r"THOUGHT: /(.|\n)*/",
-        r"GAP: /[ \t\r\n]{0,4}/",  # (bounded: a small model may write whitespace forever)
+        GAP,
     ]
 
 
-def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int]) -> list[str]:
+def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block: bool) -> list[str]:
     """The reply's shape around its calls. A special-token trigger ends free text by itself
-    (it is no text), so "auto" needs no lazy lexeme then."""
+    (it is no text), so "auto" needs no lazy lexeme then. An anchored format's text may not
+    begin as its calls do, nor, after a block, with whitespace (unless its trigger is a special
+    token, which text never holds)."""
     trigger = spelled(fmt.trigger, specials)
     if mode != "auto":
         return [f"reply: {trigger} calls"]
-    if fmt.trigger in specials:
+    if fmt.trigger in specials:  # (text never holds the trigger: whitespace may begin it)
         shape = f"TEXT | {trigger} calls" if fmt.anchored else f"TEXT ({trigger} calls)?"
         return [f"reply: {shape}", r"TEXT: /(.|\n)*/"]
     if fmt.anchored:  # text that does not open as the calls do, or calls
-        text = "TEXT: /([^" + "\\" + fmt.trigger[0] + "](.|\\n)*)?/"  # (its first character escaped)
+        shunned = "\\" + fmt.trigger[0] + (" \\t\\r\\n" if after_block else "")
+        text = "TEXT: /([^" + shunned + "](.|\\n)*)?/"  # (its first character escaped)
         return [f"reply: TEXT | {trigger} calls", text]
     return ["reply: TEXT | trigger calls", r"TEXT: /(.|\n)*/", f"trigger[lazy]: TEXT {trigger}"]
