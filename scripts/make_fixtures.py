@@ -47,6 +47,7 @@ FIXTURE_VERSION = "6"  # 2: Gemma 4 adds BOS; 3: Mamba varied, LFM2, T5; 4: tool
 STAMP_FILE = ".fixtures-version"
 GEMMA4_TEMPLATE = "models/templates/google-gemma-4-31B-it.jinja"
 QWEN3_TEMPLATE = "models/templates/Qwen-Qwen3-0.6B.jinja"
+GPT_OSS_TEMPLATE = "models/templates/openai-gpt-oss-120b.jinja"
 TOOL_TEMPLATES = {  # each family's real template, for tool calling in its own format
     "smollm2-qwen25-template.gguf": "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja",
     "smollm2-llama31-template.gguf": "models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
@@ -64,6 +65,13 @@ SPECIAL_MARKERS = {  # the family's markers as the real vocabulary holds them: o
             ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
             USER_DEFINED,
         ),
+    ),
+    "smollm2-gpt-oss-special.gguf": (  # gpt-oss's: llama.cpp prints four of them (user-defined)
+        GPT_OSS_TEMPLATE,
+        {
+            **dict.fromkeys(["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"], USER_DEFINED),
+            **dict.fromkeys(["<|end|>", "<|return|>", "<|call|>"], CONTROL),
+        },
     ),
     "smollm2-mistral-special.gguf": (  # Mistral's markers are control tokens
         TOOL_TEMPLATES["smollm2-mistral-template.gguf"],
@@ -312,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
     src = Sources(paths.default_model_path(), args.llama_src)
     try:
-        needed = [GEMMA4_TEMPLATE, QWEN3_TEMPLATE, *TOOL_TEMPLATES.values()]
+        needed = [GEMMA4_TEMPLATE, QWEN3_TEMPLATE, GPT_OSS_TEMPLATE, *TOOL_TEMPLATES.values()]
         missing = [n for n in needed if not (args.llama_src / n).is_file()]
         if any(n.startswith("smollm2-") for n in todo) and missing:
             raise FixtureError(

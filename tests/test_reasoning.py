@@ -25,7 +25,7 @@ from serve_helpers import KEY, Served, running
 from llmsession import GenerationOptions, GrammarError, Model
 from llmsession.native.sampler import Sampler
 from llmsession.serve.app import create_app
-from llmsession.text.reasoning import GEMMA4, THINK, Markers, Splitter, markers_for, opened
+from llmsession.text.reasoning import GEMMA4, HARMONY, THINK, Markers, Splitter, markers_for, opened
 from llmsession.text.tools import options_tools
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -68,6 +68,16 @@ CASES = [
     ("<|channel>thought\nhmm<channel|>Hi", GEMMA4, False, ("hmm", "Hi")),
     ("<b>bold", THINK, False, ("", "<b>bold")),
     ("  ", THINK, False, ("", "  ")),
+    (f"{HARMONY.open}hmm, a greeting{HARMONY.forced}Hi!", HARMONY, False, ("hmm, a greeting", "Hi!")),
+    ("<|channel|>final<|message|>Hi!", HARMONY, False, ("", "Hi!")),
+    (f"{HARMONY.open}cut short", HARMONY, False, ("cut short", "")),
+    (
+        "<|start|>assistant<|channel|>commentary<|message|>x",
+        HARMONY,
+        False,
+        ("", "<|start|>assistant<|channel|>commentary<|message|>x"),
+    ),
+    ("<|chan", HARMONY, False, ("", "<|chan")),
 ]
 
 
@@ -85,6 +95,7 @@ def test_markers_are_read_from_the_template() -> None:
     assert markers_for(QWEN3) == THINK and markers_for(R1) == THINK
     assert markers_for("{{ messages }}") is None and markers_for(None) is None
     assert markers_for(None, gemma4=True) == GEMMA4
+    assert markers_for((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")) == HARMONY
     assert opened("<|im_start|>assistant\n<think>\n", THINK)
     assert not opened("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
     assert not opened("<|im_start|>assistant\n", THINK)
@@ -428,3 +439,40 @@ def test_after_a_prompted_block_the_constraint_holds_what_the_content_is(
     with scripted(monkeypatch, r1, closing) as played:
         reply = r1.session(thinking=True).respond("Capital of France?", quoted)
     assert not played.refused and (reply.text, reply.finish_reason) == ('"paris"', "complete"), played
+
+
+def test_gpt_oss_analysis_is_the_reasoning_and_its_final_channel_the_content(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's channels on its real template and vocabulary layout (``<|end|>`` a control
+    token that ends no generation, the others printed): scripted replies, through the real
+    exchange, give the analysis as the reasoning and the final channel's text, without its
+    header, as the content; a budget forces the close and the final header; the reasoning sent
+    back is the template's ``thinking``."""
+    with Model(fixture_path("smollm2-gpt-oss-special.gguf"), threads=2) as model:
+        assert internals.local(model).reasoning is not None
+        said = f"{HARMONY.open}The user greets me.{HARMONY.forced}Hello there!"
+        for script, reasoning in (
+            (said, "The user greets me."),
+            ("<|channel|>final<|message|>Hello there!", ""),
+        ):
+            with scripted(monkeypatch, model, script) as played:
+                stream = model.session().stream("Hi", GenerationOptions(max_tokens=40))
+                deltas = [(s.reasoning_delta, s.delta) for s in stream]
+            reply = stream.reply
+            assert reply is not None and not played.refused and not played.script, played
+            assert (reply.reasoning, reply.text, reply.finish_reason) == (reasoning, "Hello there!", "stop")
+            assert "".join(r for r, _ in deltas) == reasoning and "".join(c for _, c in deltas) == reply.text
+        with scripted(monkeypatch, model, f"{HARMONY.open}one two three four five six") as played:
+            cut = model.session().respond("Hi", GenerationOptions(max_tokens=24, reasoning_budget=2))
+        assert cut.usage.reasoning_tokens == 2 and cut.reasoning and "<|" not in cut.text, cut
+        assert cut.text.strip() and cut.text.split()[0] in ("three", "four"), cut.text  # (after the close)
+        # the template renders a reply's ``thinking`` only as the last turn of a transcript
+        # rendered for training (no generation prompt): the reasoning is passed there
+        turns = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "A greeting."},
+        ]
+        rendered = internals.local(model).render(turns, add_generation_prompt=False)
+        text = str(rendered)
+        assert f"{HARMONY.open}A greeting.<|end|><|start|>assistant{HARMONY.headers[1]}Hello!" in text, text

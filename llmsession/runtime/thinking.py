@@ -120,8 +120,8 @@ class Markup:
 def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
     if markers is None:
         return None
-    closing = native.tokenize(f"\n{markers.close}\n\n", add_special=False, parse_special=True)
-    bare = native.tokenize(f"\n{markers.close}", add_special=False, parse_special=True)
+    closing = native.tokenize(markers.closing, add_special=False, parse_special=True)
+    bare = native.tokenize(markers.bare, add_special=False, parse_special=True)
     single = {
         marker: ids[0]
         for marker in (markers.open, markers.close)

@@ -2,7 +2,10 @@
 
 Templates of thinking models mark a reply's reasoning: Qwen3 and DeepSeek-R1 between
 ``<think>`` and ``</think>`` (DeepSeek-R1's generation prompt opens the block itself, so its
-reply begins inside it), Gemma 4 in a thought channel, ``<|channel>thought`` to ``<channel|>``.
+reply begins inside it), Gemma 4 in a thought channel, ``<|channel>thought`` to ``<channel|>``,
+gpt-oss in its analysis channel, ``<|channel|>analysis<|message|>`` to ``<|end|>``, its answer
+then in the final channel, whose header (``<|start|>assistant<|channel|>final<|message|>``) is
+not content.
 ``markers_for`` reads which from the renderer's template; ``opened`` says whether a prompt's
 generation prompt leaves the block open. ``Splitter`` takes the reply's text as it is
 generated and hands back, for each push, the reasoning and the content it released: a block
@@ -20,22 +23,44 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Markers:
-    """The text that opens and closes a reply's reasoning, and what a block begins with that
-    is the channel's name rather than reasoning (Gemma 4's ``thought``)."""
+    """The text that opens and closes a reply's reasoning, what a block begins with that is
+    the channel's name rather than reasoning (Gemma 4's ``thought``), the headers that may
+    begin the content and are not its text (gpt-oss's final channel's), and what a budget
+    writes to close a block (``forced``; else the closing marker between newlines)."""
 
     open: str
     close: str
     label: str = ""
+    headers: tuple[str, ...] = ()
+    forced: str = ""
+
+    @property
+    def closing(self) -> str:
+        return self.forced or f"\n{self.close}\n\n"
+
+    @property
+    def bare(self) -> str:
+        """The closing without the blank line after it (a constraint decides what follows)."""
+        return self.forced or f"\n{self.close}"
 
 
 THINK = Markers("<think>", "</think>")
 GEMMA4 = Markers("<|channel>", "<channel|>", "thought")
+_FINAL = "<|channel|>final<|message|>"
+HARMONY = Markers(
+    "<|channel|>analysis<|message|>",
+    "<|end|>",
+    headers=(f"<|start|>assistant{_FINAL}", _FINAL),
+    forced=f"<|end|><|start|>assistant{_FINAL}",
+)
 
 
 def markers_for(template: str | None, gemma4: bool = False) -> Markers | None:
     """The reasoning markers a chat template writes, or None for a template without any."""
     if gemma4:
         return GEMMA4
+    if template is not None and HARMONY.open in template and _FINAL in template:
+        return HARMONY
     if template is not None and THINK.open in template and THINK.close in template:
         return THINK
     return None
@@ -58,6 +83,7 @@ class Splitter:
         self.inside = inside  # in the reasoning block now
         self.started = inside  # a block was opened (content may not open another)
         self.done = False  # the block closed (or content began): the rest is content
+        self._header = bool(markers.headers)  # a header may still begin the content
         self._held = ""  # text not yet known to be reasoning, content or a marker
         self._spaces = ""  # reasoning's whitespace, held until more reasoning follows it
         self._leading = inside  # drop the whitespace that starts the reasoning
@@ -73,6 +99,8 @@ class Splitter:
         reasoning, content = [], []
         while self._held:
             if self.done:
+                if self._header and not self._headed():
+                    break
                 content.append(self._content(self._held))
                 self._held = ""
             elif self.inside:
@@ -106,6 +134,17 @@ class Splitter:
             self.done = True  # (content from here on)
             return True
         return False
+
+    def _headed(self) -> bool:
+        """The content's header dropped, or known absent; False while the text may become one."""
+        for header in self.markers.headers:
+            if self._held.startswith(header):
+                self._held, self._header = self._held[len(header) :], False
+                return True
+        if any(header.startswith(self._held) for header in self.markers.headers):
+            return False
+        self._header = False
+        return True
 
     def _reasoning_step(self) -> tuple[str, bool]:
         """Reasoning up to the closing marker (then content), or as much as cannot be its start;

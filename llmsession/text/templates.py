@@ -66,6 +66,8 @@ def _hf_message(message: Message, media_marker: str | None = None) -> dict[str, 
     if not isinstance(content, str | None):
         content = [_hf_part(part, media_marker) for part in content]
     out = {**message, "content": content}
+    if message.get("reasoning_content") and "thinking" not in message:
+        out["thinking"] = message["reasoning_content"]  # (gpt-oss's templates read it there)
     out.pop("tool_calls", None)  # (None or [] would read as calls to some templates)
     if message.get("tool_calls"):
         out["tool_calls"] = [_hf_call(call) for call in message["tool_calls"]]
