@@ -81,7 +81,7 @@ CASES = [
 ]
 
 
-@given(st.sampled_from(CASES), st.lists(st.integers(0, 40), max_size=12))
+@given(st.sampled_from(CASES), st.lists(st.integers(0, 90), max_size=12))
 def test_every_split_of_a_reply_gives_the_same_reasoning_and_content(
     case: tuple[str, Markers, bool, tuple[str, str]], cuts: list[int]
 ) -> None:
@@ -420,6 +420,10 @@ def test_after_a_prompted_block_the_constraint_holds_what_the_content_is(
         reply = r1.session(thinking=True).respond("The weather in Paris?", tools)  # (no GrammarError)
     assert played.refused or played.off_script, "the mask let a bogus call through"
     assert all(call.name == "weather" for call in reply.tool_calls)
+    for blank in ("\x0c", "\xa0"):  # (other whitespace: text, which the content keeps, so not calls)
+        with scripted(monkeypatch, r1, bogus.replace("\n\n", blank)) as played:
+            reply = r1.session(thinking=True).respond("The weather in Paris?", tools)
+        assert not reply.tool_calls and reply.text.startswith(blank), (played, reply)
     right = 'I will call it.</think>\n\n{"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}'
     with scripted(monkeypatch, r1, right) as played:
         reply = r1.session(thinking=True).respond("The weather in Paris?", tools)

@@ -35,14 +35,32 @@ def test_a_flooding_key_evicts_its_own_and_a_lone_key_uses_it_all() -> None:
     assert len(lone) == 10 and lone.held("a")[0] == 10  # (the whole count: nobody else needs it)
 
 
-def test_the_response_just_kept_stays_even_when_its_key_holds_the_most() -> None:
+def test_a_response_that_would_make_its_key_the_largest_evicts_nobody_smaller() -> None:
     store = ResponseStore(count=100, size=5_000)
     for i in range(4):
         store.put("b", body(f"b{i}", "y" * 800), said("b"))  # (about 3,400 bytes)
-    assert store.put("a", body("big", "x" * 3_000), said("a"))
-    assert store.get("big", "a") is not None and store.used <= 5_000
-    assert store.held("b")[0] < 4  # (b gave way: a's only response is the one just kept)
+    assert store.put("a", body("big", "x" * 1_700), said("a"))  # (b holds the most: b gives way)
+    assert store.get("big", "a") is not None and store.used <= 5_000 and store.held("b")[0] < 4
+    kept_b = store.held("b")
+    assert not store.put("a", body("bigger", "x" * 4_000), said("a"))  # (a would hold the most)
+    assert store.held("b") == kept_b and store.get("bigger", "a") is None
+    assert store.get("big", "a") is None  # (a's own older response went first, as it should)
     assert not store.put("a", body("huge", "x" * 6_000), said("a"))  # (over the whole bound)
+
+
+def test_a_chain_of_continuations_never_evicts_a_smaller_key() -> None:
+    """Each continuation is sized with its predecessor: a key growing one response toward the
+    whole bound gives way itself."""
+    store = ResponseStore(count=1_000, size=100_000)
+    for i in range(50):
+        store.put("a", body(f"a{i}", "x" * 1_000), said("a"))
+    transcript: list[dict[str, Any]] = []
+    previous = None
+    for turn in range(12):
+        transcript = [*transcript, *said("y" * 9_000)]
+        store.put("b", body(f"b{turn}"), transcript, after=previous)
+        previous = store.get(f"b{turn}", "b") or previous
+    assert store.held("a")[0] == 50 and store.used <= 100_000
 
 
 def test_another_keys_ids_are_unknown() -> None:
@@ -90,5 +108,5 @@ def test_the_bounds_and_the_counts_hold_and_smaller_keys_are_spared(
         assert store.used == sum(size for _, size in held) and len(store) == sum(c for c, _ in held)
         mine = store.held(owner)
         for other, (count, size) in before.items():  # a key that lost one held at least as much
-            if other != owner and store.held(other)[0] < count and mine[0] > 1:
-                assert size >= mine[1] or count >= mine[0], (other, before, owner, mine)
+            if other != owner and store.held(other)[0] < count:
+                assert kept and (size >= mine[1] or count >= mine[0]), (other, before, owner, mine)

@@ -6,10 +6,12 @@ continued, never retrieved). Bounded by count and by bytes (the response's body 
 transcript, as JSON); one larger than the byte bound is not kept. Past a bound, the key holding
 the most (bytes, or responses when only the count is over) forgets its least recently used
 first: a key that floods the store evicts its own responses, never a smaller key's, and a lone
-key may use it all. A continuation's transcript is sized as its predecessor's size and its new
-part's, so a long chain is never serialized whole on the event loop. The engine state behind a
-response is not here: a continuation resends the transcript to the stateless sessions, whose
-kept session still holds it (or its parked state), so only the new input is decoded.
+key may use it all. A response that would make its key the largest with nothing else of its own
+left to forget is not kept (``put`` is False) rather than evict a smaller key's. A
+continuation's transcript is sized as its predecessor's size and its new part's, so a long
+chain is never serialized whole on the event loop. The engine state behind a response is not
+here: a continuation resends the transcript to the stateless sessions, whose kept session
+still holds it (or its parked state), so only the new input is decoded.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ def json_size(value: object) -> int:
 
 
 class ResponseStore:
-    """Responses by id, least recently used first. Used on the event loop's thread only."""
+    """Responses by id, each key's least recently used first. Used on the event loop's thread
+    only."""
 
     def __init__(self, count: int = MAX_RESPONSES, size: int = MAX_BYTES) -> None:
         self.count, self.size = count, size
         self.used = 0
-        self._kept: OrderedDict[str, Stored] = OrderedDict()
-        self._held: dict[str | None, list[int]] = {}  # each key's [responses, bytes]
+        self._kept: dict[str, Stored] = {}
+        self._lru: dict[str | None, OrderedDict[str, None]] = {}  # each key's ids, oldest first
+        self._bytes: dict[str | None, int] = {}
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -55,28 +59,33 @@ class ResponseStore:
         transcript: list[dict[str, Any]],
         after: Stored | None = None,
     ) -> bool:
-        """Keep a response (False: larger than the whole bound, not kept). ``after``: the stored
+        """Keep a response (False: not kept, the module says when). ``after``: the stored
         response it continues, whose transcript begins this one's (only the rest is sized)."""
         base = 0 if after is None else len(after.transcript)
         rest = transcript[base:]
         spent = (after.transcript_size if after is not None else 0) + json_size(rest)
         size = json_size(body) + spent
+        ident = body["id"]
         if size > self.size:
             return False
-        self._drop(body["id"])
-        self._kept[body["id"]] = Stored(owner, body, transcript, size, spent)
-        held = self._held.setdefault(owner, [0, 0])
-        held[0], held[1] = held[0] + 1, held[1] + size
+        self._drop(ident)
+        self._kept[ident] = Stored(owner, body, transcript, size, spent)
+        self._lru.setdefault(owner, OrderedDict())[ident] = None
+        self._bytes[owner] = self._bytes.get(owner, 0) + size
         self.used += size
         while len(self._kept) > self.count or self.used > self.size:
-            self._drop(self._victim(but=body["id"]))
+            victim = self._victim(ident, owner)
+            if victim is None:
+                self._drop(ident)
+                return False
+            self._drop(victim)
         return True
 
     def get(self, ident: str, owner: str | None) -> Stored | None:
         stored = self._kept.get(ident)
         if stored is None or stored.owner != owner:
             return None
-        self._kept.move_to_end(ident)
+        self._lru[owner].move_to_end(ident)
         return stored
 
     def delete(self, ident: str, owner: str | None) -> bool:
@@ -87,24 +96,26 @@ class ResponseStore:
 
     def held(self, owner: str | None) -> tuple[int, int]:
         """How many responses ``owner`` keeps here, and their bytes."""
-        count, size = self._held.get(owner, (0, 0))
-        return count, size
+        return len(self._lru.get(owner, ())), self._bytes.get(owner, 0)
 
-    def _victim(self, but: str) -> str:
-        """The least recently used response of the key holding the most, ``but`` the one just
-        kept (a key whose only response it is holds the most: the next key gives way)."""
-        by = 1 if self.used > self.size else 0  # (bytes when they are over, else responses)
-        for owner in sorted(self._held, key=lambda owner: self._held[owner][by], reverse=True):
-            for ident, stored in self._kept.items():
-                if stored.owner == owner and ident != but:
-                    return ident
-        raise AssertionError("over a bound with only the response just kept")
+    def _victim(self, but: str, putter: str | None) -> str | None:
+        """The least recently used response of the key holding the most (on a tie, not the
+        ``putter``'s), never ``but`` (the one just kept): None if that key holds nothing else
+        (then it is the one to give way)."""
+        over = self.used > self.size  # (bytes when they are over, else responses)
+
+        def held(owner: str | None) -> tuple[int, bool]:
+            return (self._bytes[owner] if over else len(self._lru[owner])), owner != putter
+
+        largest = max(self._lru, key=held)
+        return next((ident for ident in self._lru[largest] if ident != but), None)
 
     def _drop(self, ident: str) -> None:
         stored = self._kept.pop(ident, None)
         if stored is not None:
             self.used -= stored.size
-            held = self._held[stored.owner]
-            held[0], held[1] = held[0] - 1, held[1] - stored.size
-            if not held[0]:
-                del self._held[stored.owner]
+            owner = stored.owner
+            del self._lru[owner][ident]
+            self._bytes[owner] -= stored.size
+            if not self._lru[owner]:
+                del self._lru[owner], self._bytes[owner]

@@ -44,6 +44,8 @@ class Markers:
         return self.forced or f"\n{self.close}"
 
 
+BLANK = " \t\r\n"  # the whitespace dropped at the start of the content after a block
+
 THINK = Markers("<think>", "</think>")
 GEMMA4 = Markers("<|channel>", "<channel|>", "thought")
 _FINAL = "<|channel|>final<|message|>"
@@ -180,7 +182,7 @@ class Splitter:
 
     def _content(self, text: str) -> str:
         if self._strip:
-            text = text.lstrip()
+            text = text.lstrip(BLANK)  # (only these: a grammar bars them, no more, before calls)
             self._strip = not text
         self._content_chars += len(text)
         return text

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from llmsession.text.gemma4_calls import BodyGrammar
-from llmsession.text.reasoning import Markers
+from llmsession.text.reasoning import BLANK, Markers
 from llmsession.text.tool_formats import ToolFormat
 from llmsession.text.tools import Tool, Tools
 
@@ -107,7 +107,8 @@ def grammar(
     )
 
 
-GAP = r"GAP: /[ \t\r\n]{0,4}/"  # the blank line after a block (bounded: a small model may loop on it)
+_BLANK = "".join(json.dumps(c)[1:-1] for c in BLANK)  # (as a regex class's members)
+GAP = f"GAP: /[{_BLANK}]{{0,4}}/"  # the blank line after a block (bounded: a small model may loop on it)
 
 
 def _start(thought: Markers | None, after_block: bool, specials: Mapping[str, int]) -> list[str]:
@@ -137,7 +138,7 @@ def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block:
         shape = f"TEXT | {trigger} calls" if fmt.anchored else f"TEXT ({trigger} calls)?"
         return [f"reply: {shape}", r"TEXT: /(.|\n)*/"]
     if fmt.anchored:  # text that does not open as the calls do, or calls
-        shunned = "\\" + fmt.trigger[0] + (" \\t\\r\\n" if after_block else "")
+        shunned = "\\" + fmt.trigger[0] + (_BLANK if after_block else "")
         text = "TEXT: /([^" + shunned + "](.|\\n)*)?/"  # (its first character escaped)
         return [f"reply: TEXT | {trigger} calls", text]
     return ["reply: TEXT | trigger calls", r"TEXT: /(.|\n)*/", f"trigger[lazy]: TEXT {trigger}"]
