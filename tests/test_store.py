@@ -44,8 +44,20 @@ def test_a_response_that_would_make_its_key_the_largest_evicts_nobody_smaller() 
     kept_b = store.held("b")
     assert not store.put("a", body("bigger", "x" * 4_000), said("a"))  # (a would hold the most)
     assert store.held("b") == kept_b and store.get("bigger", "a") is None
-    assert store.get("big", "a") is None  # (a's own older response went first, as it should)
+    assert store.get("big", "a") is not None  # (a refused response changes nothing)
     assert not store.put("a", body("huge", "x" * 6_000), said("a"))  # (over the whole bound)
+
+
+def test_a_refused_response_evicts_nothing_on_its_way() -> None:
+    """The smaller key gives way first, then the putter's key would be the largest with only
+    the new response: refused, and the smaller key keeps everything it had."""
+    store = ResponseStore(count=100, size=5_000)
+    for i in range(4):
+        store.put("b", body(f"b{i}", "y" * 800), said("b"))  # (about 3,440 bytes)
+    before = store.held("b")
+    assert not store.put("a", body("big", "x" * 3_000), said("a"))
+    assert store.held("b") == before and store.held("a") == (0, 0)
+    assert all(store.get(f"b{i}", "b") is not None for i in range(4))
 
 
 def test_a_chain_of_continuations_never_evicts_a_smaller_key() -> None:

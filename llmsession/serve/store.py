@@ -73,11 +73,11 @@ class ResponseStore:
         self._lru.setdefault(owner, OrderedDict())[ident] = None
         self._bytes[owner] = self._bytes.get(owner, 0) + size
         self.used += size
-        while len(self._kept) > self.count or self.used > self.size:
-            victim = self._victim(ident, owner)
-            if victim is None:
-                self._drop(ident)
-                return False
+        victims = self._victims(ident, owner)
+        if victims is None:
+            self._drop(ident)
+            return False
+        for victim in victims:
             self._drop(victim)
         return True
 
@@ -98,17 +98,27 @@ class ResponseStore:
         """How many responses ``owner`` keeps here, and their bytes."""
         return len(self._lru.get(owner, ())), self._bytes.get(owner, 0)
 
-    def _victim(self, but: str, putter: str | None) -> str | None:
-        """The least recently used response of the key holding the most (on a tie, not the
-        ``putter``'s), never ``but`` (the one just kept): None if that key holds nothing else
-        (then it is the one to give way)."""
-        over = self.used > self.size  # (bytes when they are over, else responses)
-
-        def held(owner: str | None) -> tuple[int, bool]:
-            return (self._bytes[owner] if over else len(self._lru[owner])), owner != putter
-
-        largest = max(self._lru, key=held)
-        return next((ident for ident in self._lru[largest] if ident != but), None)
+    def _victims(self, but: str, putter: str | None) -> list[str] | None:
+        """What goes to bring the store within its bounds, planned before anything goes: each
+        time the least recently used response of the key holding the most (on a tie, not the
+        ``putter``'s), never ``but`` (the one just kept). None if that key would hold nothing
+        else: then the one just kept gives way, and nothing else goes."""
+        count, used = len(self._kept), self.used
+        counts = {owner: len(ids) for owner, ids in self._lru.items()}
+        sizes = dict(self._bytes)
+        oldest = {owner: iter(ids) for owner, ids in self._lru.items()}
+        victims: list[str] = []
+        while count > self.count or used > self.size:
+            by = sizes if used > self.size else counts  # (bytes when they are over, else responses)
+            largest = max((o for o in counts if counts[o]), key=lambda o: (by[o], o != putter))
+            victim = next((ident for ident in oldest[largest] if ident != but), None)
+            if victim is None:
+                return None
+            victims.append(victim)
+            size = self._kept[victim].size
+            count, used = count - 1, used - size
+            counts[largest], sizes[largest] = counts[largest] - 1, sizes[largest] - size
+        return victims
 
     def _drop(self, ident: str) -> None:
         stored = self._kept.pop(ident, None)
