@@ -142,7 +142,6 @@ class Relay:
     ) -> None:
         self.n, self.forks = choices.n, choices.forks
         self.queue = asyncio.Queue[Event]()
-        self.retried = False
         self._choices, self._again, self._drop = choices, again, drop
         hold()
         self._holding = True
@@ -164,7 +163,6 @@ class Relay:
         while True:
             event = await choices.queue.get()
             if self._holding and isinstance(event.error, MemoryBudgetError):
-                self.retried = True
                 choices.cancel()
                 await choices.finished.wait()  # (its own runs give their room back first)
                 try:
