@@ -210,16 +210,16 @@ def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
 def test_why_a_window_past_its_size_is_never_restored(gemma3: Model, words: int) -> None:
     """The rule's teeth: a Gemma 3 state restored into a fresh context gives the same next
     logits as the original below its 512-token window, and, with flash attention (which a user
-    may turn on), different ones past it. Without it this restore is exact, yet a session past
-    its window, saved and loaded, answered unlike a fresh decode beyond the noise (tried): such
-    states go cold either way."""
+    may turn on), different ones past it. Without it this restore is exact on AVX-512 (past the
+    window too; on an AVX2 EPYC 0.25 apart at 709 tokens and exact at 909), yet a session past its
+    window, saved and loaded, answered unlike a fresh decode beyond the noise (tried): such states
+    go cold either way."""
     tokens = gemma3.prompt_tokens([{"role": "user", "content": "word " * words}])
     position = len(tokens)
     assert (position <= internals.local(gemma3).native.n_swa) == (words == 200), position
     flash, plain = (restore_difference(gemma3, tokens, flash_attention) for flash_attention in (True, False))
-    assert plain == 0.0
     if words == 200:
-        assert flash == 0.0
+        assert flash == 0.0 and plain == 0.0
     else:
         assert flash > 0.3, f"past the window the restored state should be wrong: {flash}"
 
