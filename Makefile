@@ -30,7 +30,12 @@ lint: $(INSTALLED)
 test: setup lint
 	$(PY) scripts/gen_bindings.py --check
 	$(PY) scripts/fetch_browser.py
-	$(PY) -m pytest -q --no-skips --durations=30
+	@# Two runs, both always: the tests that decode with two threads most of their time alone on
+	@# both cores, then the rest on two workers with a core each (tests/conftest.py, `parallel`).
+	status=0; \
+	$(PY) -m pytest -q --no-skips --durations=30 -m "not parallel" || status=$$?; \
+	$(PY) -m pytest -q --no-skips --durations=15 -m parallel -n 2 --dist loadfile || status=$$?; \
+	exit $$status
 
 bench: setup
 	$(PY) scripts/fetch_llama.py --bench

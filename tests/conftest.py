@@ -2,15 +2,18 @@
 
 Tiers: ``native`` tests need the llama.cpp libraries, the models and the fixtures (a test is
 native when it uses a model fixture or lives in a file of ``NATIVE_FILES``); ``pty`` tests drive
-a terminal; ``slow`` ones take tens of seconds. ``pytest -m "not native"`` runs the pure tiers
-without any native library. A native test whose libraries or models are missing is skipped with
-the command that sets them up, and ``--no-skips`` (what ``make test`` passes) fails a run that
-skipped anything, so CI cannot pass by skipping.
+a terminal; ``slow`` ones take tens of seconds; ``parallel`` ones (``PARALLEL_FILES``) are what
+``make test`` runs on two pytest-xdist workers, a core each, after the rest have run alone on
+both cores. ``pytest -m "not native"`` runs the pure tiers without any native library. A native
+test whose libraries or models are missing is skipped with the command that sets them up, and
+``--no-skips`` (what ``make test`` passes) fails a run that skipped anything, so CI cannot pass
+by skipping.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +37,32 @@ NATIVE_FILES = {
     "test_wheel",
 }  # they load the libraries or run llmsession in a subprocess without a model fixture
 SLOW_FILES = {"test_fuzz", "test_wheel"}
+PARALLEL_FILES = {  # their tests mostly wait (servers, Ray, subprocesses, a browser) or run Python:
+    # measured on a 2-core AVX2 EPYC, together at most 1.4 CPU-seconds a second, 790 s in a row
+    # and 474 s on two workers with a core each; the rest decode with two threads for most of
+    # their time and ran 1.5 times slower that way, so they run alone on both cores
+    *("test_architecture", "test_bindings", "test_checked_once", "test_cli", "test_cluster"),
+    *("test_cluster_moves", "test_complete", "test_detokenize", "test_embeddings", "test_engine"),
+    *("test_gemma4", "test_gemma4_calls", "test_gemma4_tools", "test_import", "test_isolated"),
+    *("test_kv_type", "test_lifetimes", "test_message_shapes", "test_messages_api", "test_models"),
+    *("test_near_ties", "test_page", "test_parking", "test_prefix", "test_renderer"),
+    *("test_residency", "test_responses_api", "test_rpc", "test_serve", "test_serve_models"),
+    *("test_serve_schema", "test_settings_sweep", "test_stops", "test_store", "test_templates"),
+    *("test_tool_repeats", "test_typed_settings", "test_wheel"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker (``make test`` runs the ``parallel`` tier on two) decodes on a core
+    of its own: llama.cpp's threads spin at every graph node's barrier, so two workers of two
+    threads each on two cores took over ten minutes for what one did in under three. Pinned, the
+    library cuts every model's threads to that core (``usable_cores``), as do the servers and
+    commands the tests start (they inherit the pin); it is set before the tests start a thread."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is not None and workers > 1 and len(cores) > 1:
+        os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,6 +79,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.pty)
         if module in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        if module in PARALLEL_FILES:
+            item.add_marker(pytest.mark.parallel)
 
 
 def missing_native() -> list[Path]:
