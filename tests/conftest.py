@@ -57,12 +57,19 @@ def pytest_configure(config: pytest.Config) -> None:
     of its own: llama.cpp's threads spin at every graph node's barrier, so two workers of two
     threads each on two cores took over ten minutes for what one did in under three. Pinned, the
     library cuts every model's threads to that core (``usable_cores``), as do the servers and
-    commands the tests start (they inherit the pin); it is set before the tests start a thread."""
+    commands the tests start (they inherit the pin). Every thread of the worker is pinned (an
+    IO thread of xdist's, numpy's), before the tests start one. With more cores, each worker
+    takes its share of them."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     cores = sorted(os.sched_getaffinity(0))
-    if worker is not None and workers > 1 and len(cores) > 1:
-        os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
+    if worker is None or workers < 2 or len(cores) < 2:
+        return
+    index = int(worker.removeprefix("gw"))  # (a restarted worker is gw2, gw3, ...)
+    share = set(cores[index % workers :: workers]) if workers <= len(cores) else {cores[index % len(cores)]}
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
+            os.sched_setaffinity(int(thread), share)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +80,24 @@ class Cluster:
 @contextlib.contextmanager
 def running(path: Path, folder: Path, *options: str) -> Iterator[Cluster]:
     """``serve --replicas`` with two one-thread replicas (and ``options``), until SIGTERM."""
+    with alone_with_ray():
+        yield from _running(path, folder, *options)
+
+
+@contextlib.contextmanager
+def alone_with_ray() -> Iterator[None]:
+    """This machine's Ray to one test cluster at a time: the checks count every Ray process here
+    (``ray_processes``), so a cluster in the other pytest-xdist worker (``make test`` runs this
+    file and ``test_cluster_moves.py`` on two), or in another run, waits for this one to stop."""
+    with open(Path(tempfile.gettempdir()) / "llmsession-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _running(path: Path, folder: Path, *options: str) -> Iterator[Cluster]:
     before = ray_processes()
     port = free_port()
     command = [sys.executable, "-m", "llmsession", "serve", "--replicas", "2", "--threads", "1"]

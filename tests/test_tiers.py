@@ -47,7 +47,8 @@ def test_the_tiers_split_the_suite_and_a_parallel_worker_has_a_core_of_its_own(t
     a lone process keeps every core (this test is not of that tier: it has every core)."""
     probe = tmp_path / "test_probe.py"
     probe.write_text("import os\n\n\ndef test_one_core():\n    assert len(os.sched_getaffinity(0)) == 1\n")
-    env = os.environ | {"PYTHONPATH": str(REPO / "tests")}
+    path = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = os.environ | {"PYTHONPATH": path}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", str(probe)]
     lone, pinned = (
         subprocess.run([*command, *more], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
