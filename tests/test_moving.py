@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,12 @@ def opening() -> list[dict[str, Any]]:
 
 def next_turn(messages: list[dict[str, Any]], reply: str, question: str) -> list[dict[str, Any]]:
     return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(autouse=True)
+def own_temp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claimed copies go to the system's temporary folder: here, one of each test's own."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("temp")))
 
 
 @pytest.fixture
@@ -74,11 +81,17 @@ def test_a_claimed_file_is_checked_and_loaded_from_a_private_copy(tmp_path: Path
     """Out of reach of anyone who can write the shared folder between the check and the load."""
     spill = SharedSpill(tmp_path, SECRET, "a")
     assert spill.put(KEY, "alice", fake_session(b"state"))
-    claimer = SharedSpill(tmp_path, SECRET, "b")  # (its private folder lives as long as it does)
+    claimer = SharedSpill(tmp_path, SECRET, "b")
     claimed = claimer.claim(KEY)
     assert claimed is not None and spill.folder not in claimed.path.parents
-    assert claimed.path.parent.stat().st_mode & 0o077 == 0  # (a folder only this user enters)
+    assert claimed.path.stat().st_mode & 0o077 == 0  # (a file only this user reads or writes)
     assert not [p for p in spill.folder.iterdir() if not p.name.startswith(".replica-")]
+    claimed.path.unlink()  # (the caller's, once loaded: nothing else of the claim is left)
+    assert not list(Path(tempfile.gettempdir()).glob(f"llmsession-claimed-{KEY}-*"))
+    assert spill.put(KEY, "alice", fake_session(b"state"))
+    (spill.folder / f"{KEY}.conversation").write_bytes(b"not sealed")
+    assert claimer.claim(KEY) is None and claimer.refused == 1  # (refused: its copy removed too)
+    assert not list(Path(tempfile.gettempdir()).glob(f"llmsession-claimed-{KEY}-*"))
 
 
 def test_a_replica_gives_only_to_one_that_sees_the_folder(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ checksum. The file is written under a hidden name and renamed to ``<key>.convers
 whole, so it is never read half written; a newer one replaces an older one at once.
 
 A replica given a conversation it does not hold claims its file by renaming it to a hidden name
-of its own (one rename wins; the others find nothing) and copies it into a private folder, out
+of its own (one rename wins; the others find nothing) and copies it into a private file, out
 of reach of anyone who can write the shared one; there it checks the seal (a file someone else
 wrote or changed, or one renamed to another conversation, is refused), cuts the seal off and
 hands the session file to ``Model.load_session``, which checks every byte against the sealed
@@ -34,7 +34,6 @@ import shutil
 import struct
 import tempfile
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +93,6 @@ class SharedSpill:
         self.secret = secret
         self.owner = _name(owner)
         self.refused = 0
-        self._private: Path | None = None  # (claimed files are copied here: this process's own)
 
     def announce(self) -> None:
         """Say that this replica sees the folder (again: an announcement ages out as hidden
@@ -143,9 +141,11 @@ class SharedSpill:
         claimed = self._grab(key, "claimed")
         if claimed is None:
             return None
-        mine = self._private_folder() / f"{key}-{secrets.token_hex(8)}.llmsession"
+        fd, name = tempfile.mkstemp(prefix=f"llmsession-claimed-{key}-", suffix=".llmsession")
+        mine = Path(name)  # (0600, made here: what is checked and loaded is this copy, no one else's)
         try:
-            shutil.copyfile(claimed, mine)  # (what is checked and loaded is this copy, no one else's)
+            with os.fdopen(fd, "wb") as out, claimed.open("rb") as source:
+                shutil.copyfileobj(source, out)
             tenant = self._unsealed(key, mine)
         except (OSError, ValueError) as error:
             mine.unlink(missing_ok=True)
@@ -165,12 +165,6 @@ class SharedSpill:
         except FileNotFoundError:
             return None
         return hidden
-
-    def _private_folder(self) -> Path:
-        if self._private is None:
-            self._private = Path(tempfile.mkdtemp(prefix="llmsession-claims-"))
-            weakref.finalize(self, shutil.rmtree, self._private, True)
-        return self._private
 
     def _unsealed(self, key: str, path: Path) -> str | None:
         """The tenant a claimed file was sealed for, its seal checked and cut off (ValueError if
