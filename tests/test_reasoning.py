@@ -75,7 +75,7 @@ CASES = [
         "<|start|>assistant<|channel|>commentary<|message|>x",
         HARMONY,
         False,
-        ("", "<|start|>assistant<|channel|>commentary<|message|>x"),
+        ("", "<|channel|>commentary<|message|>x"),  # (a new message's header is no content)
     ),
     ("<|chan", HARMONY, False, ("", "<|chan")),
 ]

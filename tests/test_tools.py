@@ -29,6 +29,7 @@ FAMILIES = {  # fixture, the format its template writes
     "smollm2-mistral-special.gguf": "mistral",  # real vocabularies hold them
     "smollm2-gemma4-template.gguf": "gemma4",
     "smollm2-gemma4-special.gguf": "gemma4",
+    "smollm2-gpt-oss-special.gguf": "harmony",  # (its markers as gpt-oss's vocabulary holds them)
 }
 
 

@@ -4,6 +4,7 @@ samplers scripted or steered by the test (a trigger forced by the test, not by l
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 import internals
@@ -48,6 +49,7 @@ def hf_render(model: Model, messages: list[dict[str, Any]], tools: list[Any]) ->
         raise jinja2.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # (transformers' too)
     hf = []
     for m in messages:
         m = dict(m)

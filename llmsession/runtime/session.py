@@ -259,7 +259,9 @@ class LocalSession(Session):
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         held = options.constrained and calling is None
         reasoning = thinking(model.native, model.reasoning, prompt, options.reasoning_budget, held)
-        markup, opens = model.reasoning, reasoning is not None and not reasoning.prompted and self.thinking
+        markup = model.reasoning
+        thinks = markup is not None and (self.thinking or markup.markers.always)
+        opens = reasoning is not None and not reasoning.prompted and thinks
         thought = markup.grammar_markers if markup and opens else None  # (it may reason, then call)
         after = reasoning is not None and reasoning.prompted  # (the calls' grammar begins after it)
         constraint = model.constraint(options, tools, ids, thought, after_block=after)

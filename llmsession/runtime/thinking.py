@@ -30,8 +30,10 @@ class Thinking:
         closing: Sequence[int],
         budget: int | None,
         spelled: frozenset[int] = frozenset(),
+        resumed: Sequence[int] = (),
     ) -> None:
         self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
+        self.resumed = tuple(resumed)  # closes it where the closing is not allowed (calls follow)
         self.spelled = spelled  # the markers' special tokens: their text is needed to split
         self.reasoning = ""  # the reply's, so far
         self.pending = ""  # not yet in a snapshot
@@ -74,14 +76,18 @@ class Thinking:
     def cut(self, usage: Usage, at: int, allowed: Callable[[Sequence[int]], bool]) -> list[int]:
         """The tokens that close the block once it has had its budget and ``allowed`` takes them
         in place of the sampled token (once; ``at``: where they will start among the pending
-        tokens), else none."""
+        tokens), else none. Where a grammar takes only calls after the block, ``resumed`` closes
+        it (gpt-oss's marker and new header, without the final channel's)."""
         self.forced_from = None
         if self.budget is None or not self.splitter.inside or self._closed:
             return []
-        if usage.reasoning_tokens < self.budget or not allowed(self.closing):
+        if usage.reasoning_tokens < self.budget:
             return []
-        self._closed, self.forced_from = True, at
-        return list(self.closing)
+        for closing in (self.closing, self.resumed):
+            if closing and allowed(closing):
+                self._closed, self.forced_from = True, at
+                return list(closing)
+        return []
 
     @property
     def budgeting(self) -> bool:
@@ -107,14 +113,16 @@ class Markup:
     closing: tuple[int, ...]  # the closing marker between newlines, as templates write it
     bare: tuple[int, ...]  # the marker after a newline alone (a constraint decides what follows)
     spelled: frozenset[int]
-    special: Mapping[str, int]  # the markers that are one special token each (as real vocabularies hold them)
+    special: Mapping[str, int]  # the markers' special tokens, by spelling (as real vocabularies hold them)
+    resumed: tuple[int, ...] = ()  # the marker and a new message's header (gpt-oss: calls may follow)
 
     @property
     def grammar_markers(self) -> Markers | None:
-        """The markers a tool grammar lets a reply open its reasoning with: only special ones,
-        which free text cannot spell (text markers are free text already)."""
+        """The markers a tool grammar lets a reply open its reasoning with: only ones that begin
+        with a special token, which free text cannot spell (text markers are free text already)."""
         markers = self.markers
-        return markers if {markers.open, markers.close} <= self.special.keys() else None
+        begins = [any(marker.startswith(s) for s in self.special) for marker in (markers.open, markers.close)]
+        return markers if all(begins) else None
 
 
 def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
@@ -127,8 +135,17 @@ def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
         for marker in (markers.open, markers.close)
         if len(ids := native.tokenize(marker, add_special=False, parse_special=True)) == 1
     }
-    special = {marker: token for marker, token in single.items() if native.is_special(token)}
-    return Markup(markers, tuple(closing), tuple(bare), frozenset(single.values()), special)
+    special = {  # (each special token the markers hold, by its spelling: gpt-oss's are several)
+        native.detokenize([token], special=True): token
+        for marker in (markers.open, markers.close, markers.resume)
+        if marker
+        for token in native.tokenize(marker, add_special=False, parse_special=True)
+        if native.is_special(token)
+    }
+    spelled = frozenset(single.values()) | frozenset(special.values())
+    resumed = markers.close + markers.resume if markers.resume else ""
+    resumed_ids = native.tokenize(resumed, add_special=False, parse_special=True) if resumed else []
+    return Markup(markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids))
 
 
 def thinking(
@@ -145,4 +162,4 @@ def thinking(
     inside = opened(tail, markup.markers)
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
-    return Thinking(splitter, closing, budget, markup.spelled)
+    return Thinking(splitter, closing, budget, markup.spelled, markup.resumed)

@@ -25,14 +25,19 @@ from dataclasses import dataclass
 class Markers:
     """The text that opens and closes a reply's reasoning, what a block begins with that is
     the channel's name rather than reasoning (Gemma 4's ``thought``), the headers that may
-    begin the content and are not its text (gpt-oss's final channel's), and what a budget
-    writes to close a block (``forced``; else the closing marker between newlines)."""
+    begin the content and are not its text (gpt-oss's final channel's), what a budget
+    writes to close a block (``forced``; else the closing marker between newlines), and what
+    follows the closing marker before the content or the calls (``resume``: gpt-oss begins a
+    new message, ``<|start|>assistant``; else a blank line). ``always``: the template has no
+    thinking switch, every reply may reason (gpt-oss's analysis channel)."""
 
     open: str
     close: str
     label: str = ""
     headers: tuple[str, ...] = ()
     forced: str = ""
+    resume: str = ""
+    always: bool = False
 
     @property
     def closing(self) -> str:
@@ -52,8 +57,10 @@ _FINAL = "<|channel|>final<|message|>"
 HARMONY = Markers(
     "<|channel|>analysis<|message|>",
     "<|end|>",
-    headers=(f"<|start|>assistant{_FINAL}", _FINAL),
+    headers=(f"<|start|>assistant{_FINAL}", _FINAL, "<|start|>assistant"),  # (a call's header follows)
     forced=f"<|end|><|start|>assistant{_FINAL}",
+    resume="<|start|>assistant",
+    always=True,
 )
 
 
@@ -138,13 +145,15 @@ class Splitter:
         return False
 
     def _headed(self) -> bool:
-        """The content's header dropped, or known absent; False while the text may become one."""
-        for header in self.markers.headers:
-            if self._held.startswith(header):
-                self._held, self._header = self._held[len(header) :], False
-                return True
-        if any(header.startswith(self._held) for header in self.markers.headers):
+        """The content's header dropped (the longest the text begins with), or known absent;
+        False while the text may still become one, or a longer one."""
+        held, headers = self._held, self.markers.headers
+        if any(len(header) > len(held) and header.startswith(held) for header in headers):
             return False
+        for header in sorted(headers, key=len, reverse=True):
+            if held.startswith(header):
+                self._held, self._header = held[len(header) :], False
+                return True
         self._header = False
         return True
 

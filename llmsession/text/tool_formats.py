@@ -7,7 +7,9 @@ Detected from the chat template: Hermes / Qwen (``<tool_call>{json}</tool_call>`
 (``<|tool_call>call:name{key:value}<tool_call|>``, ``gemma4_calls``; the template writes a reply's
 text after its calls, so only a reply that is all calls keeps its tokens), and a generic JSON
 format (``{"tool_calls": [...]}``) for templates that know no tools, described to the model in the
-system message (as llama-server's "generic" handler does).
+system message (as llama-server's "generic" handler does); gpt-oss's harmony format
+(``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>``, one call
+a reply; the other spelling its models write is read as this one, ``harmony``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from llmsession.errors import TemplateError
 from llmsession.replies import ToolCallDelta
 from llmsession.text.gemma4_calls import body_from_json, read_body
 from llmsession.text.gemma4_tools import QUOTE
+from llmsession.text.harmony import START, TEMPLATE_HEADER, Headers, canonical
 from llmsession.text.messages import flatten_content, is_image_part
 from llmsession.text.tools import ToolCall, Tools
 
@@ -47,9 +50,11 @@ class ToolFormat:
     before: str = ""
     single: bool = False  # the family takes one call per reply
     ids: bool = False  # each call carries its id (``, "id": "..."`` before ``tail``)
-    anchored: bool = False  # calls only open the reply (their trigger is plain JSON, as prose may be)
+    anchored: bool = False  # calls only open the reply (their trigger is plain text, as prose may be)
     markers: tuple[str, ...] = ()  # what a vocabulary may hold as special tokens
     syntax: str = "json"  # how arguments are written: JSON, or "gemma4" (``gemma4_calls``)
+    harmony: bool = False  # call headers in either of gpt-oss's spellings (``harmony``)
+    text_header: str = ""  # what opens a reply's text where it makes no call (gpt-oss's final channel)
 
     def call_text(self, call: ToolCall) -> str:
         ident = f', "id": "{call.id}"' if self.ids else ""
@@ -93,13 +98,20 @@ GEMMA4 = ToolFormat(
     separator="", close="", syntax="gemma4",  # (the model ends with <|tool_response>, an end of generation)
     markers=("<|tool_call>", "<tool_call|>", QUOTE),
 )  # fmt: skip
-FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GEMMA4, GENERIC)}
+HARMONY = ToolFormat(
+    "harmony", trigger=" to=functions.", open="", head=" to=functions.", mid=TEMPLATE_HEADER, tail="",
+    separator="", close="", single=True, anchored=True, harmony=True,  # (<|call|> ends generation)
+    markers=("<|start|>", "<|channel|>", "<|message|>"), text_header="<|channel|>final<|message|>",
+)  # fmt: skip
+FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GEMMA4, HARMONY, GENERIC)}
 
 
 def detect(template: str | None) -> ToolFormat:
     """The family's format from its chat template's markers; generic when it knows none."""
     if template is None:
         return GENERIC
+    if f"{START} to=" in template and "<|call|>" in template:
+        return HARMONY
     if "<|tool_call>call:" in template:
         return GEMMA4
     if "<tool_call>" in template and '"arguments": ' in template and "<function=" not in template:
@@ -115,6 +127,7 @@ def detect(template: str | None) -> ToolFormat:
 def parse(text: str, fmt: ToolFormat, tools: Tools, ids: CallIds) -> tuple[str, list[ToolCall]]:
     """A reply split into its text and its calls (named by ``ids`` where the format writes
     none); ValueError if what follows the trigger is not calls of declared tools."""
+    text = canonical(text) if fmt.harmony else text
     at = text.find(fmt.trigger)
     if at < 0 or tools.mode == "none" or (fmt.anchored and at > 0):
         return text, []
@@ -198,15 +211,22 @@ class CallStream:
         self.plain = False  # the reply did not open with the calls of a format whose calls must
         self.arguments: list[int] = []  # per call announced: how much of its arguments went out
         self.cut = -1  # where a repeated call's separator begins: the reply's calls end there
+        self.headers = Headers() if fmt.harmony else None  # (gpt-oss's, in the template's spelling)
+        self.written = ""  # the reply as written, where headers are rewritten in ``raw``
 
     def push(self, delta: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
         """The text and the call pieces ``delta`` completes (none once the calls are ``cut``)."""
         if self.cut >= 0:
             return "", ()
-        self.raw += delta
+        if self.headers is not None and not self.plain:
+            self.written += delta
+            self.raw += self.headers.push(delta)
+        else:
+            self.raw += delta
         trigger = self.fmt.trigger
         if self.fmt.anchored and not self.plain and not self.raw.startswith(trigger[: len(self.raw)]):
             self.plain = True  # calls open the reply or not at all
+            self.raw = self.written if self.headers is not None else self.raw  # (text as written)
         if self.plain:
             return self._text(len(self.raw)), ()
         if self.calls_at < 0:
@@ -225,6 +245,12 @@ class CallStream:
 
     def flush(self) -> str:
         """The text held back, at the end of a reply that made no call."""
+        if self.headers is not None and not self.plain and self.calls_at < 0:
+            self.raw += self.headers.flush()  # (a call cut short, or text as written)
+            if self.raw.startswith(self.fmt.trigger):
+                self.calls_at = 0
+            else:
+                self.plain, self.raw = True, self.written
         return self._text(len(self.raw)) if self.calls_at < 0 or self.plain else ""
 
     def _text(self, upto: int) -> str:

@@ -65,8 +65,8 @@ def grammar(
     so text costs no constraint until it appears). A format whose calls carry ids writes
     ``ids`` in order, one per call (so a stream names each call before its arguments).
     ``specials`` are the format's markers the vocabulary holds as special tokens, and their ids.
-    ``thought``: reasoning markers the reply may open with, each one special token (in
-    ``specials``: free text never spells them), so a thinking model reasons before it calls;
+    ``thought``: reasoning markers the reply may open with, each beginning with a special token
+    (in ``specials``: free text never spells them), so a thinking model reasons before it calls;
     ``after_block``: the grammar begins after a block the prompt opened. After a block, the
     blank line that follows it is no part of the reply (the reply's content is split from it
     without its leading whitespace), so an anchored format's text may not begin with whitespace:
@@ -117,13 +117,20 @@ def _start(thought: Markers | None, after_block: bool, specials: Mapping[str, in
     marker, one, ends it) and the blank line after it."""
     if thought is None:
         return ["start: GAP reply", GAP] if after_block else ["start: reply"]
-    assert thought.open in specials and thought.close in specials, "markers of one special token each"
-    return [
-        "start: (thought GAP)? reply",
-        f"thought: {spelled(thought.open, specials)} THOUGHT {spelled(thought.close, specials)}",
-        r"THOUGHT: /(.|\n)*/",
-        GAP,
-    ]
+    assert _special_first(thought.open, specials) and _special_first(thought.close, specials), (
+        "markers that begin with a special token"
+    )
+    block = f"thought: {spelled(thought.open, specials)} THOUGHT {spelled(thought.close, specials)}"
+    text = r"THOUGHT: /(.|\n)*/"
+    if thought.resume:  # (gpt-oss: a new message's header, no blank line)
+        return ["start: thought? reply", f"{block} {spelled(thought.resume, specials)}", text]
+    return ["start: (thought GAP)? reply", block, text, GAP]
+
+
+def _special_first(marker: str, specials: Mapping[str, int]) -> bool:
+    """Whether ``marker`` begins with a special token: free text cannot spell it (so a block's
+    text ends at its closing marker)."""
+    return any(marker.startswith(special) for special in specials)
 
 
 def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block: bool) -> list[str]:
@@ -134,6 +141,8 @@ def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block:
     trigger = spelled(fmt.trigger, specials)
     if mode != "auto":
         return [f"reply: {trigger} calls"]
+    if fmt.text_header:  # (gpt-oss: text is a message of the final channel, calls are another)
+        return [f"reply: {spelled(fmt.text_header, specials)} TEXT | {trigger} calls", r"TEXT: /(.|\n)*/"]
     if fmt.trigger in specials:  # (text never holds the trigger: whitespace may begin it)
         shape = f"TEXT | {trigger} calls" if fmt.anchored else f"TEXT ({trigger} calls)?"
         return [f"reply: {shape}", r"TEXT: /(.|\n)*/"]

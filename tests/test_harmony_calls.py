@@ -1,0 +1,234 @@
+"""gpt-oss's tool calls (the harmony format) on its real template and vocabulary layout: both
+spellings of a call's header are read, whole and streamed; a grammar lets the reply reason in
+the analysis channel, then call in the template's spelling or answer in the final channel; a
+budget closes the reasoning where only a call may follow; the result turn decodes only what it
+adds. The variant that must fail: the other spelling, under the grammar, is refused by its mask."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import internals
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scripted import scripted
+from serve_helpers import KEY, running
+from tool_helpers import TIME, WEATHER
+
+from llmsession import GenerationOptions, Model
+from llmsession.replies import ToolCall
+from llmsession.serve.app import create_app
+from llmsession.text.harmony import Headers, canonical
+from llmsession.text.reasoning import HARMONY as CHANNELS
+from llmsession.text.reasoning import Splitter
+from llmsession.text.tool_formats import HARMONY, CallIds, CallStream, detect, parse
+from llmsession.text.tools import checked_tools
+
+TEMPLATE_SPELLING = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+MODEL_SPELLINGS = [  # what gpt-oss models write, as llama-server's parser takes them (the content
+    # reaches the reader without the <|start|>assistant that opens the message)
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+    ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}',
+    ' to=functions.get_weather<|channel|>analysis json<|message|>{"city": "Paris"}',
+    '<|channel|>analysis to=functions.get_weather<|message|>{"city": "Paris"}',
+]
+TOOLS = checked_tools([WEATHER, TIME])
+ASK = "What's the weather in Paris?"
+
+
+def test_the_real_template_is_detected(fixture_path: Any) -> None:
+    with Model(fixture_path("smollm2-gpt-oss-special.gguf"), threads=1, use_jinja=True) as model:
+        assert detect(model.template) is HARMONY
+        assert internals.local(model).tool_format() is HARMONY
+    assert detect("<|im_start|>{{ tools }}<tool_call>") is not HARMONY
+
+
+@pytest.mark.parametrize("reply", [TEMPLATE_SPELLING, *MODEL_SPELLINGS])
+def test_every_spelling_reads_as_the_call(reply: str) -> None:
+    assert TOOLS is not None
+    text, calls = parse(reply, HARMONY, TOOLS, CallIds(HARMONY))
+    assert text == "" and [(c.name, c.parsed) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_text_that_names_no_recipient_is_text() -> None:
+    assert TOOLS is not None
+    for said in (
+        "Send it to=functions. as text",
+        "<|channel|>commentary<|message|>A preamble.",
+        "a <| b",
+        "Checking." + MODEL_SPELLINGS[0],
+    ):
+        stream = CallStream(HARMONY, CallIds(HARMONY))
+        out, pieces = stream.push(said)
+        assert out + stream.flush() == said and not pieces
+    with pytest.raises(ValueError, match="not a tool"):  # (a recipient it may not call)
+        parse(
+            ' to=functions.rm_rf<|channel|>commentary json<|message|>{"path": "/"}',
+            HARMONY,
+            TOOLS,
+            CallIds(HARMONY),
+        )
+
+
+def test_after_the_analysis_channel_either_spelling_is_the_call() -> None:
+    """The reasoning stage drops the new message's header after the analysis channel; what is
+    left is read as a call, in either spelling."""
+    assert TOOLS is not None
+    for spelling in (TEMPLATE_SPELLING, *MODEL_SPELLINGS):
+        splitter = Splitter(CHANNELS)
+        reasoning, content = splitter.push(f"{CHANNELS.open}Look it up.<|end|><|start|>assistant{spelling}")
+        more_reasoning, more_content = splitter.flush()
+        assert reasoning + more_reasoning == "Look it up."
+        text, (call,) = parse(content + more_content, HARMONY, TOOLS, CallIds(HARMONY))
+        assert text == "" and call.parsed == {"city": "Paris"}
+
+
+@given(st.sampled_from([TEMPLATE_SPELLING, *MODEL_SPELLINGS]), st.data())
+def test_streamed_headers_equal_the_whole_reply_read_at_once(reply: str, data: st.DataObject) -> None:
+    text = reply  # (calls open the content: text before them is text, below)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    headers, stream, ids = Headers(), CallStream(HARMONY, CallIds(HARMONY)), CallIds(HARMONY)
+    rewritten, said, pieces = "", "", []
+    for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        rewritten += headers.push(text[start:end])
+        out, got = stream.push(text[start:end])
+        said, pieces = said + out, pieces + list(got)
+    rewritten += headers.flush()
+    said += stream.flush()
+    assert rewritten == canonical(text)
+    assert TOOLS is not None
+    whole_text, (call,) = parse(text, HARMONY, TOOLS, ids)
+    assert said == whole_text and pieces[0].name == call.name == "get_weather"
+    assert "".join(p.arguments for p in pieces) == call.arguments
+
+
+# -- on the model: gpt-oss's template and markers, through the real exchange and its grammar --------
+@pytest.fixture(scope="module")
+def model(fixture_path: Any) -> Iterator[Model]:
+    path: Path = fixture_path("smollm2-gpt-oss-special.gguf")
+    with Model(path, threads=2, use_jinja=True, anticipate=False) as loaded:
+        yield loaded
+
+
+def options(choice: str, budget: int | None = None) -> GenerationOptions:
+    return GenerationOptions(
+        max_tokens=64,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        reasoning_budget=budget,
+    )
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_it_reasons_then_calls_and_the_result_turn_decodes_only_what_it_adds(
+    model: Model, choice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said = f"{CHANNELS.open}The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}"
+    session = model.session()
+    with scripted(monkeypatch, model, said) as played:
+        stream = session.stream(ASK, options(choice))
+        snapshots = list(stream)
+    reply = stream.reply
+    assert reply is not None and not played.refused, played
+    assert (reply.reasoning, reply.text, reply.finish_reason) == (
+        "The user wants the weather.",
+        "",
+        "tool_calls",
+    )
+    (call,) = reply.tool_calls
+    assert (call.name, call.parsed) == ("get_weather", {"city": "Paris"})
+    assert "".join(s.reasoning_delta for s in snapshots) == reply.reasoning
+    assert "".join(p.arguments for s in snapshots for p in s.tool_calls) == call.arguments
+    assert not "".join(s.delta for s in snapshots)  # (no header leaks into the text)
+    first = session.cached_tokens
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}
+    after = session.respond(result, GenerationOptions(max_tokens=4, temperature=0, tools=[WEATHER, TIME]))
+    assert after.usage.decoded_prompt_tokens <= after.usage.prompt_tokens - first + 1, (after.usage, first)
+    assert after.text == "" or "to=" not in after.text, after  # (a call cut short is no text)
+    rendered = str(internals.local(model).render(session.messages[:-1], tools=TOOLS))  # (up to the result)
+    said_again = (
+        f"{CHANNELS.open}The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}<|call|>"
+    )
+    assert said_again in rendered
+
+
+def test_auto_answers_in_the_final_channel(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    with scripted(
+        monkeypatch, model, f"{CHANNELS.open}No tool.<|end|><|start|>assistant{CHANNELS.headers[1]}Hi!"
+    ) as p:
+        reply = model.session().respond("Say hi.", options("auto"))
+    assert not p.refused and (reply.reasoning, reply.text, reply.tool_calls) == ("No tool.", "Hi!", ()), (
+        p,
+        reply,
+    )
+
+
+def test_the_grammar_holds_the_templates_spelling(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variant that must fail: the channel-header spelling, read when free, cannot be
+    written under the grammar: after ``<|channel|>`` it forces the analysis channel (a budget
+    of 2 then closes it, and the reply calls as the template writes it)."""
+    with scripted(monkeypatch, model, MODEL_SPELLINGS[0]) as played:
+        reply = model.session().respond(ASK, options("required", budget=2))
+    forced = model.tokenize("analysis<|message|>", add_special=False)
+    assert played.off_script[: len(forced)] == forced, played  # (not "commentary to=...")
+    assert reply.finish_reason == "tool_calls" and reply.usage.reasoning_tokens == 2, reply
+    assert reply.tool_calls[0].name in ("get_weather", "get_time")
+
+
+def test_a_budget_closes_the_reasoning_where_only_a_call_may_follow(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with scripted(monkeypatch, model, f"{CHANNELS.open}one two three four five six seven") as played:
+        reply = model.session().respond(ASK, options("required", budget=2))
+    assert reply.usage.reasoning_tokens == 2 and reply.reasoning, reply
+    assert reply.finish_reason == "tool_calls" and len(reply.tool_calls) == 1, (played, reply)
+    assert json.loads(reply.tool_calls[0].arguments) == reply.tool_calls[0].parsed
+
+
+def test_a_template_call_written_by_the_template_reads_back() -> None:
+    """What the template renders for a call (``reply_text``) is what ``parse`` reads."""
+    assert TOOLS is not None
+    ids = CallIds(HARMONY)
+    made = ToolCall(ids(0), "get_time", '{"zone": "UTC"}')
+    assert parse(HARMONY.reply_text("", [made]), HARMONY, TOOLS, ids) == ("", [made])
+
+
+def test_codex_shaped_turns_through_responses_decode_only_what_they_add(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over real HTTP with the official client, as Codex sends them (``store: false``, the
+    whole exchange resent as items): the reasoning and the call come back as items, and the
+    resent turn, its reasoning and call rendered by the template, is read from the cache."""
+    tool = {"type": "function", **WEATHER["function"], "strict": False}
+    said = f"{CHANNELS.open}The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}"
+    with running(create_app(model, api_key=KEY)) as url:
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+        asked: dict[str, Any] = {"model": "m", "tools": [tool], "temperature": 0, "store": False}
+        with scripted(monkeypatch, model, said) as played:
+            first = client.responses.create(
+                **asked, input=ASK, tool_choice="required", parallel_tool_calls=False, max_output_tokens=64
+            )
+        assert not played.refused and [item.type for item in first.output] == ["reasoning", "function_call"]
+        thought, call = first.output
+        assert thought.type == "reasoning" and thought.content is not None
+        assert thought.content[0].text == "The user wants the weather."
+        assert call.type == "function_call" and (call.name, json.loads(call.arguments)) == (
+            "get_weather",
+            {"city": "Paris"},
+        )
+        items = [
+            {"role": "user", "content": ASK},
+            *[item.model_dump(exclude_none=True) for item in first.output],
+        ]
+        items.append({"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"})
+        second = client.responses.create(**asked, input=items, max_output_tokens=4)
+    assert first.usage is not None and second.usage is not None
+    seen = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= seen - 1, (first.usage, second.usage)
