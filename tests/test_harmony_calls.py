@@ -23,7 +23,7 @@ from tool_helpers import TIME, WEATHER
 from llmsession import GenerationOptions, Model
 from llmsession.replies import ToolCall
 from llmsession.serve.app import create_app
-from llmsession.text.harmony import Headers, canonical
+from llmsession.text.harmony import Opening, canonical
 from llmsession.text.reasoning import HARMONY as CHANNELS
 from llmsession.text.reasoning import Splitter
 from llmsession.text.tool_formats import HARMONY, CallIds, CallStream, detect, parse
@@ -55,24 +55,30 @@ def test_every_spelling_reads_as_the_call(reply: str) -> None:
     assert text == "" and [(c.name, c.parsed) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
-def test_text_that_names_no_recipient_is_text() -> None:
+PLAIN = [  # replies that make no call: each is its text as written, whole and streamed
+    "Send it to=functions. as text",
+    "<|channel|>commentary<|message|>A preamble.",
+    "a <| b",
+    "Checking." + MODEL_SPELLINGS[0],  # (quoting the model's spelling: no call, and not rewritten)
+]
+
+
+def test_a_recipient_it_may_not_call_is_refused() -> None:
     assert TOOLS is not None
-    for said in (
-        "Send it to=functions. as text",
-        "<|channel|>commentary<|message|>A preamble.",
-        "a <| b",
-        "Checking." + MODEL_SPELLINGS[0],
-    ):
-        stream = CallStream(HARMONY, CallIds(HARMONY))
-        out, pieces = stream.push(said)
-        assert out + stream.flush() == said and not pieces
-    with pytest.raises(ValueError, match="not a tool"):  # (a recipient it may not call)
+    with pytest.raises(ValueError, match="not a tool"):
         parse(
             ' to=functions.rm_rf<|channel|>commentary json<|message|>{"path": "/"}',
             HARMONY,
             TOOLS,
             CallIds(HARMONY),
         )
+
+
+def test_a_call_cut_short_is_no_text() -> None:
+    for cut in (" to=functions.get_wea", TEMPLATE_SPELLING[:-5]):
+        stream = CallStream(HARMONY, CallIds(HARMONY))
+        out, _ = stream.push(cut)
+        assert out + stream.flush() == "", cut
 
 
 def test_after_the_analysis_channel_either_spelling_is_the_call() -> None:
@@ -88,23 +94,35 @@ def test_after_the_analysis_channel_either_spelling_is_the_call() -> None:
         assert text == "" and call.parsed == {"city": "Paris"}
 
 
-@given(st.sampled_from([TEMPLATE_SPELLING, *MODEL_SPELLINGS]), st.data())
-def test_streamed_headers_equal_the_whole_reply_read_at_once(reply: str, data: st.DataObject) -> None:
-    text = reply  # (calls open the content: text before them is text, below)
+ARGUMENTS = ['{"city": "Paris"}', '{"city": "a <|> b"}', '{"city": "x to=functions.y<|message|>"}']
+
+
+@given(st.sampled_from([TEMPLATE_SPELLING, *MODEL_SPELLINGS, *PLAIN]), st.sampled_from(ARGUMENTS), st.data())
+def test_streamed_replies_equal_the_whole_reply_read_at_once(
+    reply: str, arguments: str, data: st.DataObject
+) -> None:
+    """Streamed in any pieces, a reply's text and its call's arguments are what it reads as
+    whole; only the header it opens with is rewritten, never its arguments or text."""
+    assert TOOLS is not None
+    text = reply.replace('{"city": "Paris"}', arguments)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
-    headers, stream, ids = Headers(), CallStream(HARMONY, CallIds(HARMONY)), CallIds(HARMONY)
+    opening, stream = Opening(), CallStream(HARMONY, CallIds(HARMONY))
     rewritten, said, pieces = "", "", []
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
-        rewritten += headers.push(text[start:end])
+        rewritten += opening.push(text[start:end])
         out, got = stream.push(text[start:end])
         said, pieces = said + out, pieces + list(got)
-    rewritten += headers.flush()
+    rewritten += opening.flush()
     said += stream.flush()
     assert rewritten == canonical(text)
-    assert TOOLS is not None
-    whole_text, (call,) = parse(text, HARMONY, TOOLS, ids)
-    assert said == whole_text and pieces[0].name == call.name == "get_weather"
-    assert "".join(p.arguments for p in pieces) == call.arguments
+    whole_text, calls = parse(text, HARMONY, TOOLS, CallIds(HARMONY))
+    assert said == whole_text
+    if reply in PLAIN:
+        assert (whole_text, calls, pieces) == (text, [], [])
+    else:
+        (call,) = calls
+        assert whole_text == "" and call.name == "get_weather" and call.arguments == arguments
+        assert pieces[0].name == "get_weather" and "".join(p.arguments for p in pieces) == arguments
 
 
 # -- on the model: gpt-oss's template and markers, through the real exchange and its grammar --------
@@ -151,7 +169,6 @@ def test_it_reasons_then_calls_and_the_result_turn_decodes_only_what_it_adds(
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}
     after = session.respond(result, GenerationOptions(max_tokens=4, temperature=0, tools=[WEATHER, TIME]))
     assert after.usage.decoded_prompt_tokens <= after.usage.prompt_tokens - first + 1, (after.usage, first)
-    assert after.text == "" or "to=" not in after.text, after  # (a call cut short is no text)
     rendered = str(internals.local(model).render(session.messages[:-1], tools=TOOLS))  # (up to the result)
     said_again = (
         f"{CHANNELS.open}The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}<|call|>"
@@ -190,6 +207,20 @@ def test_a_budget_closes_the_reasoning_where_only_a_call_may_follow(
     assert reply.usage.reasoning_tokens == 2 and reply.reasoning, reply
     assert reply.finish_reason == "tool_calls" and len(reply.tool_calls) == 1, (played, reply)
     assert json.loads(reply.tool_calls[0].arguments) == reply.tool_calls[0].parsed
+
+
+def test_in_auto_a_budget_leaves_the_call_open(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget closes the analysis channel with a new message's header only, so the reply may
+    still call (with the final channel's header forced too, it could only answer)."""
+    said = f"{CHANNELS.open}one two<|end|>{TEMPLATE_SPELLING}"  # (<|end|>: replaced by the close)
+    with scripted(monkeypatch, model, said) as played:
+        reply = model.session().respond(ASK, options("auto", budget=2))
+    assert not played.off_script and not played.refused, played
+    assert (reply.reasoning, reply.usage.reasoning_tokens, reply.finish_reason) == (
+        "one two",
+        2,
+        "tool_calls",
+    )
 
 
 def test_a_template_call_written_by_the_template_reads_back() -> None:

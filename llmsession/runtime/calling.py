@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from llmsession.errors import GrammarError
 from llmsession.replies import FinishReason, Snapshot, ToolCall
+from llmsession.text.harmony import canonical
 from llmsession.text.schemas import checked_schema, violation
 from llmsession.text.tool_formats import CallIds, CallStream, ToolFormat, parse
 from llmsession.text.tools import Tools
@@ -53,6 +54,7 @@ class Calling:
         (``length``, ``cancelled``) makes no call: its text is what streamed as text (a call it
         began is dropped, markup and all, as its stream showed). A reply ``ended`` at a repeated
         call is its calls before it, whatever stopped its generation."""
+        raw = canonical(raw) if self.fmt.harmony else raw  # (as the stream read it: ``cut`` is in it)
         if self.ended:
             raw, finish = raw[: self.stream.cut] + self.fmt.close, "complete"
         if finish not in ("complete", "stop"):

@@ -258,7 +258,8 @@ class LocalSession(Session):
             calling = Calling(tools, fmt, CallIds(fmt), frozenset(model.special_markers(fmt).values()))
         ids = [calling.ids(k) for k in range(MAX_CALLS)] if calling is not None else []
         held = options.constrained and calling is None
-        reasoning = thinking(model.native, model.reasoning, prompt, options.reasoning_budget, held)
+        budget = options.reasoning_budget
+        reasoning = thinking(model.native, model.reasoning, prompt, budget, held, calling is not None)
         markup = model.reasoning
         thinks = markup is not None and (self.thinking or markup.markers.always)
         opens = reasoning is not None and not reasoning.prompted and thinks

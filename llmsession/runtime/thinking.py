@@ -31,9 +31,11 @@ class Thinking:
         budget: int | None,
         spelled: frozenset[int] = frozenset(),
         resumed: Sequence[int] = (),
+        calls: bool = False,
     ) -> None:
         self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
-        self.resumed = tuple(resumed)  # closes it where the closing is not allowed (calls follow)
+        closings = (tuple(resumed), self.closing) if calls else (self.closing, tuple(resumed))
+        self.closings = tuple(c for c in closings if c)  # (the first its constraint allows)
         self.spelled = spelled  # the markers' special tokens: their text is needed to split
         self.reasoning = ""  # the reply's, so far
         self.pending = ""  # not yet in a snapshot
@@ -76,15 +78,16 @@ class Thinking:
     def cut(self, usage: Usage, at: int, allowed: Callable[[Sequence[int]], bool]) -> list[int]:
         """The tokens that close the block once it has had its budget and ``allowed`` takes them
         in place of the sampled token (once; ``at``: where they will start among the pending
-        tokens), else none. Where a grammar takes only calls after the block, ``resumed`` closes
-        it (gpt-oss's marker and new header, without the final channel's)."""
+        tokens), else none. ``resumed`` (gpt-oss's marker and a new message's header, without
+        the final channel's) comes first in a reply that may call, so a call may still follow;
+        elsewhere it closes the block only where its constraint takes nothing else."""
         self.forced_from = None
         if self.budget is None or not self.splitter.inside or self._closed:
             return []
         if usage.reasoning_tokens < self.budget:
             return []
-        for closing in (self.closing, self.resumed):
-            if closing and allowed(closing):
+        for closing in self.closings:
+            if allowed(closing):
                 self._closed, self.forced_from = True, at
                 return list(closing)
         return []
@@ -149,17 +152,23 @@ def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
 
 
 def thinking(
-    native: NativeModel, markup: Markup | None, prompt: Prompt, budget: int | None, held: bool = False
+    native: NativeModel,
+    markup: Markup | None,
+    prompt: Prompt,
+    budget: int | None,
+    held: bool = False,
+    calls: bool = False,
 ) -> Thinking | None:
     """The reasoning stage of a reply to ``prompt`` on a template with reasoning ``markup``
     (None without): inside the block from the start if the generation prompt opened it.
     ``held``: a constraint other than tools holds the reply; after a block the prompt opened, the
     content keeps its leading whitespace, which that constraint saw, and a budget closes the
-    block without the blank line templates put after it (the constraint decides what follows)."""
+    block without the blank line templates put after it (the constraint decides what follows).
+    ``calls``: the reply may make tool calls."""
     if markup is None or prompt.raw:  # (a raw completion is text continued as it is)
         return None
     tail = native.detokenize(prompt.tokens()[-PROMPT_TAIL:], special=True)
     inside = opened(tail, markup.markers)
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
-    return Thinking(splitter, closing, budget, markup.spelled, markup.resumed)
+    return Thinking(splitter, closing, budget, markup.spelled, markup.resumed, calls)

@@ -26,7 +26,7 @@ from llmsession.errors import TemplateError
 from llmsession.replies import ToolCallDelta
 from llmsession.text.gemma4_calls import body_from_json, read_body
 from llmsession.text.gemma4_tools import QUOTE
-from llmsession.text.harmony import START, TEMPLATE_HEADER, Headers, canonical
+from llmsession.text.harmony import START, TEMPLATE_HEADER, Opening, canonical
 from llmsession.text.messages import flatten_content, is_image_part
 from llmsession.text.tools import ToolCall, Tools
 
@@ -211,22 +211,16 @@ class CallStream:
         self.plain = False  # the reply did not open with the calls of a format whose calls must
         self.arguments: list[int] = []  # per call announced: how much of its arguments went out
         self.cut = -1  # where a repeated call's separator begins: the reply's calls end there
-        self.headers = Headers() if fmt.harmony else None  # (gpt-oss's, in the template's spelling)
-        self.written = ""  # the reply as written, where headers are rewritten in ``raw``
+        self.opening = Opening() if fmt.harmony else None  # (gpt-oss's header, as its template spells it)
 
     def push(self, delta: str) -> tuple[str, tuple[ToolCallDelta, ...]]:
         """The text and the call pieces ``delta`` completes (none once the calls are ``cut``)."""
         if self.cut >= 0:
             return "", ()
-        if self.headers is not None and not self.plain:
-            self.written += delta
-            self.raw += self.headers.push(delta)
-        else:
-            self.raw += delta
+        self.raw += delta if self.opening is None else self.opening.push(delta)
         trigger = self.fmt.trigger
         if self.fmt.anchored and not self.plain and not self.raw.startswith(trigger[: len(self.raw)]):
             self.plain = True  # calls open the reply or not at all
-            self.raw = self.written if self.headers is not None else self.raw  # (text as written)
         if self.plain:
             return self._text(len(self.raw)), ()
         if self.calls_at < 0:
@@ -245,12 +239,10 @@ class CallStream:
 
     def flush(self) -> str:
         """The text held back, at the end of a reply that made no call."""
-        if self.headers is not None and not self.plain and self.calls_at < 0:
-            self.raw += self.headers.flush()  # (a call cut short, or text as written)
-            if self.raw.startswith(self.fmt.trigger):
-                self.calls_at = 0
-            else:
-                self.plain, self.raw = True, self.written
+        if self.opening is not None:
+            self.raw += self.opening.flush()
+            if not self.plain and self.calls_at < 0 and self.raw.startswith(self.fmt.trigger):
+                self.calls_at = 0  # (a call cut short: none of it is text)
         return self._text(len(self.raw)) if self.calls_at < 0 or self.plain else ""
 
     def _text(self, upto: int) -> str:
