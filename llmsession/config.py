@@ -26,6 +26,9 @@ MAX_STATELESS_SESSIONS = 1 << 16
 MiB = 1 << 20
 
 
+EFFORTS = ("low", "medium", "high")  # a thinking template's reasoning efforts (``SessionConfig.thinking``)
+
+
 def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
     if not (isinstance(value, bool) or (optional and value is None)):
         allowed = "True, False or None" if optional else "a bool"
@@ -185,7 +188,9 @@ class SessionConfig:
     ``system``: the system prompt a new session starts with (``chat`` takes it in its
     messages). ``context_size`` bounds the positions the session uses, prompt and reply (None:
     the model's default context, or what a live session holds if less). ``batch_size``: its
-    prefill batch (at most the model's). ``thinking``: the template's thinking mode.
+    prefill batch (at most the model's). ``thinking``: the template's thinking mode, True or
+    False, or on with a reasoning effort, ``"low"``, ``"medium"`` or ``"high"`` (the template's
+    ``reasoning_effort``: gpt-oss's system message says it; other templates read none).
     ``swa_full``: a sliding-window model keeps its full cache (False: the small window cache,
     one live session). ``share_prefix``: it may start from another live session's prefix, and
     others from its (False keeps it apart both ways).
@@ -194,7 +199,7 @@ class SessionConfig:
     system: str | None = None
     context_size: int | None = None
     batch_size: int = 512
-    thinking: bool = False
+    thinking: bool | str = False
     swa_full: bool = True
     share_prefix: bool = True
 
@@ -204,7 +209,9 @@ class SessionConfig:
         if self.context_size is not None:
             check_int("context_size", self.context_size, 16, MAX_POSITIONS)
         check_int("batch_size", self.batch_size, 1, MAX_POSITIONS)
-        for name in ("thinking", "swa_full", "share_prefix"):
+        if not (isinstance(self.thinking, bool) or self.thinking in EFFORTS):
+            raise TypeError(f"thinking must be a bool or one of {list(EFFORTS)}, got {self.thinking!r:.40}")
+        for name in ("swa_full", "share_prefix"):
             _check_bool(name, getattr(self, name))
 
 
@@ -215,7 +222,7 @@ class SessionSettings(TypedDict, total=False):
 
     context_size: int | None
     batch_size: int
-    thinking: bool
+    thinking: bool | str
     swa_full: bool
     share_prefix: bool
 

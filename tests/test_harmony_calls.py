@@ -2,10 +2,12 @@
 spellings of a call's header are read, whole and streamed; a grammar lets the reply reason in
 the analysis channel, then call in the template's spelling or answer in the final channel; a
 budget closes the reasoning where only a call may follow; the result turn decodes only what it
-adds. The variant that must fail: the other spelling, under the grammar, is refused by its mask."""
+adds. A JSON schema's answer follows the reasoning, in the final channel. The variants that
+must fail: the other spelling, and an answer without its header, are refused by the mask."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,6 +223,99 @@ def test_in_auto_a_budget_leaves_the_call_open(model: Model, monkeypatch: pytest
         2,
         "tool_calls",
     )
+
+
+def test_analysis_messages_one_after_another_are_the_reasoning_and_the_next_turn_renders(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss may write several analysis messages before its answer: all are the reasoning
+    (in the content, its template refuses them: the next turn could not be rendered)."""
+    said = f"{CHANNELS.open}First.<|end|><|start|>assistant{CHANNELS.open}Second.<|end|>"
+    said += f"<|start|>assistant{CHANNELS.headers[1]}Hi!"
+    session = model.session()
+    with scripted(monkeypatch, model, said) as played:
+        reply = session.respond("Say hi.", GenerationOptions(max_tokens=40))
+    assert not played.refused and (reply.reasoning, reply.text) == ("First.\nSecond.", "Hi!"), reply
+    again = session.respond("Again.", GenerationOptions(max_tokens=2, temperature=0))
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+ANSWER = '{"city":"Paris"}'  # (compact: as the mask writes JSON)
+
+
+@pytest.mark.parametrize("thought", ["", f"{CHANNELS.open}The user wants a city.<|end|><|start|>assistant"])
+def test_a_schemas_answer_is_the_final_channel_after_the_reasoning(
+    model: Model, thought: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a JSON schema a reply may reason first, then answers in its final channel, as
+    the template renders it back: the next turn decodes only what it adds."""
+    session = model.session()
+    with scripted(monkeypatch, model, f"{thought}{CHANNELS.headers[1]}{ANSWER}") as played:
+        reply = session.respond(
+            "Name a city.", GenerationOptions(max_tokens=48, temperature=0, json_schema=CITY)
+        )
+    assert not played.refused and not played.off_script, played
+    assert (reply.text, reply.parsed, reply.finish_reason) == (ANSWER, {"city": "Paris"}, "complete"), reply
+    assert reply.reasoning == ("The user wants a city." if thought else "")
+    first = session.cached_tokens
+    again = session.respond("Another.", GenerationOptions(max_tokens=2, temperature=0))
+    if thought:  # (the template drops an earlier turn's analysis: the reply is decoded again)
+        assert again.usage.reused_tokens >= reply.usage.prompt_tokens, (again.usage, reply.usage)
+    else:
+        assert again.usage.decoded_prompt_tokens <= again.usage.prompt_tokens - first + 1, (
+            again.usage,
+            first,
+        )
+
+
+def test_a_schemas_answer_without_its_header_is_refused(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant that must fail: JSON at once, without the final channel's header, is not
+    what the template renders back; the mask refuses it."""
+    with scripted(monkeypatch, model, ANSWER) as played:
+        reply = model.session().respond("Name a city.", GenerationOptions(max_tokens=48, json_schema=CITY))
+    assert played.refused, played
+    assert reply.finish_reason != "complete" or isinstance(reply.parsed, dict), reply
+
+
+def test_a_budget_ends_the_reasoning_before_a_schemas_answer(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with scripted(monkeypatch, model, f"{CHANNELS.open}one two three four five six seven") as played:
+        options = GenerationOptions(max_tokens=48, temperature=0, json_schema=CITY, reasoning_budget=2)
+        reply = model.session().respond("Name a city.", options)
+    assert reply.usage.reasoning_tokens == 2 and reply.finish_reason == "complete", (played, reply)
+    assert isinstance(reply.parsed, dict) and isinstance(reply.parsed["city"], str), reply
+
+
+def test_a_reasoning_effort_reaches_the_templates_system_message(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's effort is its system message's ``Reasoning:`` line: a session's ``thinking``
+    effort, and the APIs' ``reasoning_effort`` / ``reasoning.effort``, reach its template (a
+    budget of reasoning tokens comes with them, as before)."""
+    local, ask = internals.local(model), [{"role": "user", "content": "Hi"}]
+    assert "Reasoning: medium" in local.render(ask, thinking=True)  # (the template's default)
+    assert "Reasoning: low" in local.render(ask, thinking="low")
+    from llmsession.text import templates
+
+    asked: list[object] = []
+    render = templates.render_jinja
+
+    def spied(*args: Any, **variables: Any) -> str:
+        asked.append(variables.get("reasoning_effort"))
+        return render(*args, **variables)
+
+    monkeypatch.setattr(templates, "render_jinja", spied)
+    with running(create_app(model, api_key=KEY)) as url:
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+        for effort in ("minimal", "high", "none"):
+            client.chat.completions.create(model="m", messages=ask, max_tokens=1, reasoning_effort=effort)  # type: ignore[arg-type]
+        client.responses.create(model="m", input="Hi", max_output_tokens=16, reasoning={"effort": "low"})
+    said = [effort for effort, _ in itertools.groupby(asked)]  # (a request may render more than once)
+    assert said == ["low", "high", None, "low"], asked
 
 
 def test_a_template_call_written_by_the_template_reads_back() -> None:

@@ -78,6 +78,18 @@ CASES = [
         ("", "<|channel|>commentary<|message|>x"),  # (a new message's header is no content)
     ),
     ("<|chan", HARMONY, False, ("", "<|chan")),
+    (  # gpt-oss's analysis messages one after another: all reasoning
+        f"{HARMONY.open}A <|end|><|start|>assistant{HARMONY.open} B{HARMONY.forced}Hi",
+        HARMONY,
+        False,
+        ("A\nB", "Hi"),
+    ),
+    (
+        f"{HARMONY.open}A<|end|><|start|>assistant<|channel|>analysi",
+        HARMONY,
+        False,
+        ("A", "<|channel|>analysi"),
+    ),
 ]
 
 

@@ -69,17 +69,31 @@ class Constraint:
     json: bool = False
     validator: Any = None  # the whole JSON schema, where the mask leaves keywords to it
     ends: tuple[int, ...] = ()  # every end-of-generation token (none while a constraint waits)
+    opened: bool = False  # it holds the reply's reasoning and its answer's header too (``compile``)
 
     @classmethod
-    def compile(cls, options: GenerationOptions, tokenizer: llguidance.LLTokenizer) -> Constraint:
-        """Raise GrammarError (naming what is wrong) for a constraint that cannot be used."""
+    def compile(
+        cls,
+        options: GenerationOptions,
+        tokenizer: llguidance.LLTokenizer,
+        opening: Callable[[str], str] | None = None,
+    ) -> Constraint:
+        """Raise GrammarError (naming what is wrong) for a constraint that cannot be used.
+        ``opening``: for a JSON schema, the Lark grammar of a reply that reasons, then answers
+        with the item it is given (gpt-oss's channels, ``tool_grammar.answered``)."""
         schema_class, kind, whole = None, "grammar", None
         try:
             if options.json_schema is not None:
                 kind = "json_schema"
                 schema_class, document = schema_document(options.json_schema)
                 whole = checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=COMPILE)  # type: ignore[arg-type]
+                if opening is not None:
+                    layout = {**COMPILE, **(document.get("x-guidance") or {})}
+                    grammar = llguidance.grammar_from(
+                        "lark", opening("%json " + json.dumps({**document, "x-guidance": layout}))
+                    )
+                else:
+                    grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=COMPILE)  # type: ignore[arg-type]
             elif options.regex is not None:
                 kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
             else:
@@ -103,6 +117,7 @@ class Constraint:
             json=kind == "json_schema",
             validator=validator,
             ends=tuple(tokenizer.eos_tokens),
+            opened=opening is not None and kind == "json_schema",
         )
 
     @classmethod

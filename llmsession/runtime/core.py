@@ -46,7 +46,7 @@ from llmsession.text.reasoning import Markers, markers_for
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import render_checked
 from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect
-from llmsession.text.tool_grammar import grammar
+from llmsession.text.tool_grammar import answered, grammar
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
@@ -154,7 +154,7 @@ class ModelCore:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
-        thinking: bool = False,
+        thinking: bool | str = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> str:
@@ -170,7 +170,7 @@ class ModelCore:
         plain: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
-        thinking: bool = False,
+        thinking: bool | str = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> str:
@@ -248,7 +248,7 @@ class ModelCore:
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
-        thinking: bool = False,
+        thinking: bool | str = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
         own: ReplyTokens | None = None,
@@ -278,7 +278,7 @@ class ModelCore:
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
-        thinking: bool = False,
+        thinking: bool | str = False,
         own: ReplyTokens | None = None,
         shared: bool = True,
         tools: Tools | None = None,
@@ -321,7 +321,9 @@ class ModelCore:
         """The options' constraint compiled for this model (GrammarError if it cannot be used),
         or the tool calls' (written with ``ids`` where the format carries them; after a block
         of reasoning the reply may open if ``thought`` gives its markers, or after the one its
-        prompt opened, ``after_block``); the matcher's tokenizer is built on first use, once."""
+        prompt opened, ``after_block``). Where ``thought``'s answer opens with a header of its
+        own (gpt-oss), a JSON schema's answer follows it, after the reasoning the reply may
+        open. The matcher's tokenizer is built on first use, once."""
         if not options.constrained:
             return None
         from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)
@@ -339,6 +341,9 @@ class ModelCore:
             except RecursionError:
                 raise GrammarError("tools: a schema is nested too deep") from None
             return Constraint.from_lark(lark, self._guidance)
+        if thought is not None and thought.answer and self.reasoning is not None:  # (gpt-oss)
+            specials = dict(self.reasoning.special)
+            return Constraint.compile(options, self._guidance, lambda body: answered(body, thought, specials))
         return Constraint.compile(options, self._guidance)
 
     def identity(self) -> str:

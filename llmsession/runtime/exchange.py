@@ -351,7 +351,8 @@ class Exchange:
         elif self.constraint is not None and finish == "complete":
             try:  # (what the constraint held: the block too, if the reply opened it)
                 thinking = self.thinking
-                block = thinking.preamble if thinking is not None and not thinking.prompted else ""
+                opened = thinking is not None and not thinking.prompted and not self.constraint.opened
+                block = thinking.preamble if opened and thinking is not None else ""
                 parsed = self.constraint.parse(block + text)
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")

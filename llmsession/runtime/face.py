@@ -73,7 +73,7 @@ class Session(ABC):
     messages: list[Message]
     context_size: int
     batch_size: int
-    thinking: bool
+    thinking: bool | str
     swa_full: bool
     share_prefix: bool
 

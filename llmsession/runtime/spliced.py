@@ -30,7 +30,7 @@ class Renders(Protocol):
         plain: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
-        thinking: bool = False,
+        thinking: bool | str = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> str: ...
@@ -40,7 +40,7 @@ class Renders(Protocol):
 class Rendering:
     """How a transcript was rendered: with thinking, these tools, in this tool format."""
 
-    thinking: bool = False
+    thinking: bool | str = False
     tools: Tools | None = None
     tool_format: str | None = None
 

@@ -56,7 +56,9 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     prompt: str | None = None  # a raw completion's (``/v1/completions``): no messages then
-    thinking: bool | None = None  # the template's thinking, as asked (None: the server's setting)
+    thinking: bool | str | None = (
+        None  # the template's thinking, or its effort, as asked (None: the server's)
+    )
     model: str | None = None  # the model it names (a server of several answers with that one)
     keep_alive: float | None = None  # seconds its model stays loaded once idle (-1: keep)
 
@@ -119,7 +121,9 @@ def keep_alive_of(value: object) -> float | None:
 MAX_KEEP_ALIVE = 10 * 365 * 86400.0
 
 
-# ``reasoning_effort`` as a budget of reasoning tokens (None: unbounded) and whether to think.
+# ``reasoning_effort`` as the template's effort (``SessionConfig.thinking``: gpt-oss's are low,
+# medium and high) and as a budget of reasoning tokens (None: unbounded).
+TEMPLATE_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 EFFORTS: dict[str, int | None] = {
     "none": 0,
     "minimal": 256,
@@ -130,10 +134,10 @@ EFFORTS: dict[str, int | None] = {
 }
 
 
-def _reasoning(body: Mapping[str, Any]) -> tuple[bool | None, int | None]:
-    """Whether the request asks its template to think (``reasoning_effort``, or
-    ``chat_template_kwargs.enable_thinking`` as llama-server and vLLM take it), and the budget
-    its effort gives."""
+def _reasoning(body: Mapping[str, Any]) -> tuple[bool | str | None, int | None]:
+    """Whether the request asks its template to think, and with which effort (``reasoning_effort``,
+    which llama-server also hands the template; ``chat_template_kwargs.enable_thinking`` as
+    llama-server and vLLM take it), and the budget its effort gives."""
     effort = _optional(body, "reasoning_effort", str)
     if effort is not None and effort not in EFFORTS:
         raise ApiError(
@@ -143,7 +147,9 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[bool | None, int | None]:
     enabled = _optional(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
     if effort is None:
         return enabled, None
-    return (effort != "none" if enabled is None else enabled), EFFORTS[effort]
+    if effort == "none" or enabled is False:
+        return bool(enabled), EFFORTS[effort]  # (enable_thinking true with no effort: a budget of 0)
+    return TEMPLATE_EFFORTS[effort], EFFORTS[effort]
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:

@@ -121,7 +121,7 @@ def _refuse_old_tools(
 
 
 def _system_turn(
-    system: Message | None, tools: Sequence[Mapping[str, Any]] | None, thinking: bool, media_marker: str
+    system: Message | None, tools: Sequence[Mapping[str, Any]] | None, thinking: bool | str, media_marker: str
 ) -> str:
     text = f"{TURN_START}system\n" + (THINK if thinking else "")
     if system is not None:
@@ -136,7 +136,7 @@ def render_gemma4(
     *,
     template: str,
     add_generation_prompt: bool = True,
-    thinking: bool = False,
+    thinking: bool | str = False,
     media_marker: str = IMAGE_TOKEN,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
@@ -162,7 +162,7 @@ def gemma4_prompt(
     *,
     template: str,
     add_generation_prompt: bool = True,
-    thinking: bool = False,
+    thinking: bool | str = False,
     media_marker: str = IMAGE_TOKEN,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:

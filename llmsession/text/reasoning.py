@@ -10,10 +10,12 @@ not content.
 generation prompt leaves the block open. ``Splitter`` takes the reply's text as it is
 generated and hands back, for each push, the reasoning and the content it released: a block
 is reasoning only at the start of a reply (text before it, or a second one, is content, as
-llama-server parses it); the whitespace around the reasoning and at the start of the content
-after it is dropped (a newline after the opening marker, the blank line after the closing
-one). What may still become a marker is held back until it is known, so the pieces streamed
-join up to exactly the reasoning and the content of the whole reply.
+llama-server parses it), but for gpt-oss's analysis messages one after another, which are all
+reasoning (joined by a newline; its template refuses them in the content); the whitespace
+around the reasoning and at the start of the content after it is dropped (a newline after the
+opening marker, the blank line after the closing one). What may still become a marker is held
+back until it is known, so the pieces streamed join up to exactly the reasoning and the content
+of the whole reply.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ class Markers:
     writes to close a block (``forced``; else the closing marker between newlines), and what
     follows the closing marker before the content or the calls (``resume``: gpt-oss begins a
     new message, ``<|start|>assistant``; else a blank line). ``always``: the template has no
-    thinking switch, every reply may reason (gpt-oss's analysis channel)."""
+    thinking switch, every reply may reason (gpt-oss's analysis channel). ``answer``: the
+    header a constrained answer opens with, its own or after the block (gpt-oss's final
+    channel's; elsewhere the answer follows the blank line after the block)."""
 
     open: str
     close: str
@@ -38,6 +42,7 @@ class Markers:
     forced: str = ""
     resume: str = ""
     always: bool = False
+    answer: str = ""
 
     @property
     def closing(self) -> str:
@@ -61,6 +66,7 @@ HARMONY = Markers(
     forced=f"<|end|><|start|>assistant{_FINAL}",
     resume="<|start|>assistant",
     always=True,
+    answer=_FINAL,
 )
 
 
@@ -100,6 +106,7 @@ class Splitter:
         self._strip = False  # drop the whitespace that starts the content after a block
         self._raw: list[str] = []  # every text pushed
         self._content_chars = 0  # how much of it came out as content (its end)
+        self._again = False  # a new message began (``resume``): it may be another block (gpt-oss)
 
     def push(self, text: str) -> tuple[str, str]:
         """``text``'s (reasoning, content), as far as it is known now."""
@@ -110,6 +117,10 @@ class Splitter:
             if self.done:
                 if self._header and not self._headed():
                     break
+                if self._again and not self._another():
+                    break
+                if self.inside:
+                    continue
                 content.append(self._content(self._held))
                 self._held = ""
             elif self.inside:
@@ -153,8 +164,24 @@ class Splitter:
         for header in sorted(headers, key=len, reverse=True):
             if held.startswith(header):
                 self._held, self._header = held[len(header) :], False
+                self._again = header == self.markers.resume  # (a new message: its channel follows)
                 return True
         self._header = False
+        return True
+
+    def _another(self) -> bool:
+        """After a new message's header: another block (gpt-oss writes analysis messages one
+        after another, all of them reasoning, as llama-server reads them) entered, or known
+        not to be one; False while the text may still become its opening marker."""
+        opening = self.markers.open
+        if self._held.startswith(opening):
+            self._held = self._held[len(opening) :]
+            self.inside, self.done, self._header, self._leading = True, False, True, True
+            self._spaces, self._again = "\n", False  # (the blocks' reasoning joined by a newline)
+            return True
+        if opening.startswith(self._held):
+            return False
+        self._again = False
         return True
 
     def _reasoning_step(self) -> tuple[str, bool]:

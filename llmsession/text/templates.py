@@ -104,7 +104,7 @@ def render_prompt(
     template: str | None,
     native: NativeApply,
     add_generation_prompt: bool = True,
-    thinking: bool = False,
+    thinking: bool | str = False,
     use_jinja: bool = False,
     bos_token: str = "",
     eos_token: str = "",
@@ -149,7 +149,7 @@ def render_checked(
     template: str | None,
     native: NativeApply,
     add_generation_prompt: bool = True,
-    thinking: bool = False,
+    thinking: bool | str = False,
     use_jinja: bool = False,
     bos_token: str = "",
     eos_token: str = "",
@@ -175,12 +175,13 @@ def render_checked(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
-            enable_thinking=thinking,
+            enable_thinking=bool(thinking),
             tools=tools.specs() if native_tools and tools is not None else None,  # ("none" too: same prefix)
+            **({"reasoning_effort": thinking} if isinstance(thinking, str) else {}),
         )
 
     specs = tools.specs() if native_tools and tools is not None else None
-    how = (add_generation_prompt, thinking, media_marker)
+    how = (add_generation_prompt, bool(thinking), media_marker)  # (built-in templates take no effort)
     return _without_jinja(messages, template, native, how, native_tools, specs)
 
 

@@ -107,6 +107,25 @@ def grammar(
     )
 
 
+def answered(body: str, thought: Markers, specials: Mapping[str, int]) -> str:
+    """A Lark grammar for a constrained answer (``body``, a Lark item such as ``%json {...}``)
+    that a reply may reason before, where an answer opens with a header of its own (gpt-oss:
+    its analysis channel, then its final channel's header, then the answer)."""
+    assert thought.answer, "markers whose answer opens with a header"
+    header = spelled(thought.answer, specials)
+    return (
+        "\n".join(
+            [
+                "%llguidance {}",
+                *_start(thought, False, specials),
+                f"reply: {header} answer",
+                f"answer: {body}",
+            ]
+        )
+        + "\n"
+    )
+
+
 _BLANK = "".join(json.dumps(c)[1:-1] for c in BLANK)  # (as a regex class's members)
 GAP = f"GAP: /[{_BLANK}]{{0,4}}/"  # the blank line after a block (bounded: a small model may loop on it)
 
