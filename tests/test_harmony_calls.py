@@ -318,6 +318,27 @@ def test_a_reasoning_effort_reaches_the_templates_system_message(
     assert said == ["low", "high", None, "low"], asked
 
 
+def test_an_effort_its_template_does_not_read_shares_the_kept_sessions(
+    model: Model, fixture_path: Any
+) -> None:
+    """Calls that differ only in an effort the template reads nothing from (Qwen3's) render
+    the same prompt: the second continues the first's kept session. The variant that must
+    differ: gpt-oss's system message says the effort, so its prompt differs there."""
+    history = [{"role": "user", "content": "Tell me a long story about a cat. " * 8}]
+    greedy = GenerationOptions(max_tokens=2, temperature=0)
+    with Model(fixture_path("smollm2-qwen3-special.gguf"), threads=2, use_jinja=True) as qwen3:
+        for chat in (qwen3, model):
+            first = chat.chat(history, greedy, tenant="t", share_prefix=False, thinking="low")
+            more = [
+                *history,
+                {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "More."},
+            ]
+            second = chat.chat(more, greedy, tenant="t", share_prefix=False, thinking="high")
+            shared = second.usage.reused_tokens >= first.usage.prompt_tokens
+            assert shared == (chat is qwen3), (chat.template is not None, first.usage, second.usage)
+
+
 def test_a_template_call_written_by_the_template_reads_back() -> None:
     """What the template renders for a call (``reply_text``) is what ``parse`` reads."""
     assert TOOLS is not None

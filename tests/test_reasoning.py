@@ -88,8 +88,17 @@ CASES = [
         f"{HARMONY.open}A<|end|><|start|>assistant<|channel|>analysi",
         HARMONY,
         False,
-        ("A", "<|channel|>analysi"),
+        ("A", ""),
+    ),  # (markup cut)
+    (f"{HARMONY.open}A<|end|><|start|>assistant<|channel|>fin", HARMONY, False, ("A", "")),
+    (f"{HARMONY.open}A<|end|><|start|>assistant", HARMONY, False, ("A", "")),
+    (
+        f"{HARMONY.open} <|end|><|start|>assistant{HARMONY.open}B{HARMONY.forced}Hi",
+        HARMONY,
+        False,
+        ("B", "Hi"),
     ),
+    (f"<|start|>assistant{HARMONY.open}X", HARMONY, False, ("X", "")),
 ]
 
 

@@ -88,7 +88,8 @@ class Constraint:
                 schema_class, document = schema_document(options.json_schema)
                 whole = checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
                 if opening is not None:
-                    layout = {**COMPILE, **(document.get("x-guidance") or {})}
+                    given = document.get("x-guidance")
+                    layout = {**COMPILE, **given} if isinstance(given, dict) else COMPILE
                     grammar = llguidance.grammar_from(
                         "lark", opening("%json " + json.dumps({**document, "x-guidance": layout}))
                     )

@@ -37,6 +37,7 @@ from llmsession.runtime.place import Carry, Place
 from llmsession.runtime.stream import Guard, LocalStream
 from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens
+from llmsession.text.templates import reads_effort
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import Tools, options_tools
 from llmsession.text.transcript import Transcript
@@ -74,7 +75,9 @@ def too_many(config: MemoryPlan, most: int) -> str:
 def resolved_config(model: ModelCore, config: SessionConfig) -> SessionConfig:
     """``config`` as a session of ``model`` has it: its context and batch resolved against the
     model's memory (a ``context_size`` of None is the model's default, or what a live session may
-    hold if less); ValueError if the context is larger than a live session may hold."""
+    hold if less), a reasoning effort its template does not read as plain thinking (so calls
+    that differ only there share kept sessions); ValueError if the context is larger than a
+    live session may hold."""
     memory = model.engine.config
     most = model.engine.session_cells(config.swa_full)
     context_size = config.context_size
@@ -83,7 +86,10 @@ def resolved_config(model: ModelCore, config: SessionConfig) -> SessionConfig:
     if context_size > most:
         raise ValueError(f"context_size: {context_size} positions exceed {too_many(memory, most)}")
     batch_size = min(config.batch_size, context_size, memory.batch_size)
-    return dataclasses.replace(config, context_size=context_size, batch_size=batch_size)
+    thinking = config.thinking  # (an effort its template reads no effort from is thinking: the same prompt)
+    if isinstance(thinking, str) and not (model.use_jinja and reads_effort(model.template)):
+        thinking = True
+    return dataclasses.replace(config, context_size=context_size, batch_size=batch_size, thinking=thinking)
 
 
 class LocalSession(Session):

@@ -107,6 +107,7 @@ class Splitter:
         self._raw: list[str] = []  # every text pushed
         self._content_chars = 0  # how much of it came out as content (its end)
         self._again = False  # a new message began (``resume``): it may be another block (gpt-oss)
+        self._reasoned = False  # some reasoning came out (a later block's is joined to it)
 
     def push(self, text: str) -> tuple[str, str]:
         """``text``'s (reasoning, content), as far as it is known now."""
@@ -134,10 +135,15 @@ class Splitter:
 
     def flush(self) -> tuple[str, str]:
         """The end of the reply: what was held back, where it belongs (an unclosed block's
-        text is reasoning; a marker cut off is text)."""
+        text is reasoning; a marker cut off is text, but for a new message's header after a
+        block, or the block it may open, cut short: markup, neither)."""
         held, self._held = self._held, ""
         if self.inside:
             return self._reasoning(held), ""
+        if self.done and self._header and any(h.startswith(held) for h in self.markers.headers):
+            return "", ""
+        if self._again and self.markers.open.startswith(held):
+            return "", ""
         return "", self._content(held)
 
     # -- the states -------------------------------------------------------------------------------
@@ -177,7 +183,7 @@ class Splitter:
         if self._held.startswith(opening):
             self._held = self._held[len(opening) :]
             self.inside, self.done, self._header, self._leading = True, False, True, True
-            self._spaces, self._again = "\n", False  # (the blocks' reasoning joined by a newline)
+            self._spaces, self._again = "\n" if self._reasoned else "", False  # (joined by a newline)
             return True
         if opening.startswith(self._held):
             return False
@@ -214,6 +220,7 @@ class Splitter:
         text = self._spaces + text
         body = text.rstrip()
         self._spaces = text[len(body) :]
+        self._reasoned = self._reasoned or bool(body)
         return body
 
     def _content(self, text: str) -> str:

@@ -45,6 +45,11 @@ def template_family(template: str | None) -> str:
     return "unknown"
 
 
+def reads_effort(template: str | None) -> bool:
+    """Whether a template reads a ``reasoning_effort`` (gpt-oss's writes it in its system message)."""
+    return template is not None and "reasoning_effort" in template
+
+
 def _hf_part(part: object, media_marker: str | None) -> object:
     """A part as Hugging Face templates expect it: dicts as they are, a str as a text dict, an
     image as ``{"type": "image"}`` (so jinja never sees an ``llmsession.Image``), or, given a
