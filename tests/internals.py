@@ -39,6 +39,13 @@ def settled(session: Session) -> Session:
     return session
 
 
+def without_look_ahead(session: Session) -> Session:
+    """The session, decoding nothing ahead after its replies (an anticipatory prefill would go
+    through the batcher beside what a test counts there)."""
+    session.looks_ahead = False  # type: ignore[attr-defined]
+    return session
+
+
 def settle_others(session: Session) -> None:
     """Every other session of ``session``'s model settled: no anticipatory prefill of theirs
     left to decode into the shared context after what comes next (the context's logits are its

@@ -29,7 +29,7 @@ QUESTIONS = ("Tell me a story about a lighthouse.", "Describe the sea at night."
 def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, Reply]]:
     """Two streams generating; once both have replied a few tokens, a long prompt arrives in
     a third session. Each session with its reply."""
-    sessions = [model.session() for _ in range(3)]
+    sessions = [internals.without_look_ahead(model.session()) for _ in range(3)]  # (counted: prompts only)
     replies = streams_and_an_arrival(sessions, lambda session: session.respond(prompt, ARRIVING))
     return list(zip(sessions, replies, strict=True))
 
@@ -79,7 +79,7 @@ def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2:
     """Cancelled while its slices ride beside two streams, a prompt stops at the slice being
     decoded; the session's next turn answers as a fresh decode does."""
     batcher, prompt = internals.local(smollm2).engine.batcher, paragraph(smollm2, 9, 600)
-    sessions = [smollm2.session() for _ in range(3)]
+    sessions = [internals.without_look_ahead(smollm2.session()) for _ in range(3)]  # (as above)
     streaming = threading.Event()
 
     def stream(i: int) -> None:
