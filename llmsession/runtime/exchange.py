@@ -351,8 +351,9 @@ class Exchange:
         elif self.constraint is not None and finish == "complete":
             try:  # (what the constraint held: the block too, if the reply opened it)
                 thinking = self.thinking
-                opened = thinking is not None and not thinking.prompted and not self.constraint.opened
-                block = thinking.preamble if opened and thinking is not None else ""
+                block = ""
+                if thinking is not None and not (thinking.prompted or self.constraint.opened):
+                    block = thinking.preamble
                 parsed = self.constraint.parse(block + text)
             except ValueError as problem:
                 error = GrammarError(f"the reply does not match its schema: {problem}")

@@ -17,6 +17,7 @@ from llmsession.engine.prompt import Prompt
 from llmsession.native.llama import NativeModel
 from llmsession.replies import Usage
 from llmsession.text.reasoning import Markers, Splitter, opened
+from llmsession.text.tool_grammar import begins_special
 
 PROMPT_TAIL = 16  # tokens of a prompt read for an open reasoning block (its generation prompt)
 
@@ -124,8 +125,9 @@ class Markup:
         """The markers a tool grammar lets a reply open its reasoning with: only ones that begin
         with a special token, which free text cannot spell (text markers are free text already)."""
         markers = self.markers
-        begins = [any(marker.startswith(s) for s in self.special) for marker in (markers.open, markers.close)]
-        return markers if all(begins) else None
+        if begins_special(markers.open, self.special) and begins_special(markers.close, self.special):
+            return markers
+        return None
 
 
 def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import re
 
-START = "<|start|>assistant"
+START = "<|start|>assistant"  # a new message of the assistant's
 MESSAGE = "<|message|>"
+FINAL = "<|channel|>final" + MESSAGE  # the answer's channel
+TO = " to=functions."  # a call's recipient, before the tool's name
 TEMPLATE_HEADER = "<|channel|>commentary json" + MESSAGE  # what follows the tool's name
 _CHANNEL = r"(?:<\|channel\|>(?:commentary|analysis))"
 RECIPIENT = re.compile(
     rf"{_CHANNEL}? ?to=functions\.(?P<name>[^\s<]{{1,128}})"
     rf" ?{_CHANNEL}? ?(?:<\|constrain\|>)?[A-Za-z0-9_-]{{0,32}}{re.escape(MESSAGE)}"
 )
-OPENINGS = ("<|channel|>", " to=functions.", "to=functions.")  # what a call's header begins with
+OPENINGS = ("<|channel|>", TO, TO.lstrip())  # what a call's header begins with
 MAX_HEADER = 320  # characters: longer than any header RECIPIENT matches
 
 
@@ -37,7 +39,7 @@ def canonical(text: str) -> str:
 
 
 def _template_spelling(match: re.Match[str]) -> str:
-    return f" to=functions.{match['name']}{TEMPLATE_HEADER}"
+    return f"{TO}{match['name']}{TEMPLATE_HEADER}"
 
 
 class Opening:

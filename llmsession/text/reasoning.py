@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmsession.text.harmony import FINAL, START
+
 
 @dataclass(frozen=True)
 class Markers:
@@ -58,15 +60,14 @@ BLANK = " \t\r\n"  # the whitespace dropped at the start of the content after a 
 
 THINK = Markers("<think>", "</think>")
 GEMMA4 = Markers("<|channel>", "<channel|>", "thought")
-_FINAL = "<|channel|>final<|message|>"
 HARMONY = Markers(
     "<|channel|>analysis<|message|>",
     "<|end|>",
-    headers=(f"<|start|>assistant{_FINAL}", _FINAL, "<|start|>assistant"),  # (a call's header follows)
-    forced=f"<|end|><|start|>assistant{_FINAL}",
-    resume="<|start|>assistant",
+    headers=(f"{START}{FINAL}", FINAL, START),  # (a call's header follows the last)
+    forced=f"<|end|>{START}{FINAL}",
+    resume=START,
     always=True,
-    answer=_FINAL,
+    answer=FINAL,
 )
 
 
@@ -74,7 +75,7 @@ def markers_for(template: str | None, gemma4: bool = False) -> Markers | None:
     """The reasoning markers a chat template writes, or None for a template without any."""
     if gemma4:
         return GEMMA4
-    if template is not None and HARMONY.open in template and _FINAL in template:
+    if template is not None and HARMONY.open in template and FINAL in template:
         return HARMONY
     if template is not None and THINK.open in template and THINK.close in template:
         return THINK

@@ -26,7 +26,7 @@ from llmsession.errors import TemplateError
 from llmsession.replies import ToolCallDelta
 from llmsession.text.gemma4_calls import body_from_json, read_body
 from llmsession.text.gemma4_tools import QUOTE
-from llmsession.text.harmony import START, TEMPLATE_HEADER, Opening, canonical
+from llmsession.text.harmony import FINAL, START, TEMPLATE_HEADER, TO, Opening, canonical
 from llmsession.text.messages import flatten_content, is_image_part
 from llmsession.text.tools import ToolCall, Tools
 
@@ -99,9 +99,9 @@ GEMMA4 = ToolFormat(
     markers=("<|tool_call>", "<tool_call|>", QUOTE),
 )  # fmt: skip
 HARMONY = ToolFormat(
-    "harmony", trigger=" to=functions.", open="", head=" to=functions.", mid=TEMPLATE_HEADER, tail="",
+    "harmony", trigger=TO, open="", head=TO, mid=TEMPLATE_HEADER, tail="",
     separator="", close="", single=True, anchored=True, harmony=True,  # (<|call|> ends generation)
-    markers=("<|start|>", "<|channel|>", "<|message|>"), text_header="<|channel|>final<|message|>",
+    markers=("<|start|>", "<|channel|>", "<|message|>"), text_header=FINAL,
 )  # fmt: skip
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GEMMA4, HARMONY, GENERIC)}
 

@@ -136,7 +136,7 @@ def _start(thought: Markers | None, after_block: bool, specials: Mapping[str, in
     marker, one, ends it) and the blank line after it."""
     if thought is None:
         return ["start: GAP reply", GAP] if after_block else ["start: reply"]
-    assert _special_first(thought.open, specials) and _special_first(thought.close, specials), (
+    assert begins_special(thought.open, specials) and begins_special(thought.close, specials), (
         "markers that begin with a special token"
     )
     block = f"thought: {spelled(thought.open, specials)} THOUGHT {spelled(thought.close, specials)}"
@@ -146,7 +146,7 @@ def _start(thought: Markers | None, after_block: bool, specials: Mapping[str, in
     return ["start: (thought GAP)? reply", block, text, GAP]
 
 
-def _special_first(marker: str, specials: Mapping[str, int]) -> bool:
+def begins_special(marker: str, specials: Mapping[str, int]) -> bool:
     """Whether ``marker`` begins with a special token: free text cannot spell it (so a block's
     text ends at its closing marker)."""
     return any(marker.startswith(special) for special in specials)
