@@ -2,8 +2,9 @@
 spellings of a call's header are read, whole and streamed; a grammar lets the reply reason in
 the analysis channel, then call in the template's spelling or answer in the final channel; a
 budget closes the reasoning where only a call may follow; the result turn decodes only what it
-adds. A JSON schema's answer follows the reasoning, in the final channel. The variants that
-must fail: the other spelling, and an answer without its header, are refused by the mask."""
+adds. A JSON schema's, a regex's or a grammar's answer follows the reasoning, in the final
+channel. The variants that must fail: the other spelling, and an answer without its header, are
+refused by the mask."""
 
 from __future__ import annotations
 
@@ -278,6 +279,44 @@ def test_a_schemas_answer_without_its_header_is_refused(
         reply = model.session().respond("Name a city.", GenerationOptions(max_tokens=48, json_schema=CITY))
     assert played.refused, played
     assert reply.finish_reason != "complete" or isinstance(reply.parsed, dict), reply
+
+
+ANSWERED_BY = {  # a regex and a grammar (GBNF, as llama.cpp spells them) that "42" matches
+    "regex": GenerationOptions(max_tokens=24, temperature=0, regex="[0-9]{1,3}"),
+    "grammar": GenerationOptions(max_tokens=24, temperature=0, grammar="root ::= [0-9] [0-9]? [0-9]?"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ANSWERED_BY))
+@pytest.mark.parametrize("thought", ["", f"{CHANNELS.open}A number.<|end|><|start|>assistant"])
+def test_a_regexs_or_a_grammars_answer_is_the_final_channel_too(
+    model: Model, kind: str, thought: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a schema's: the reply may reason, then answers in its final channel under the regex
+    or grammar, which the next turn reads from the cache."""
+    session = model.session()
+    with scripted(monkeypatch, model, f"{thought}{CHANNELS.headers[1]}42") as played:
+        reply = session.respond("Pick a number.", ANSWERED_BY[kind])
+    assert not played.refused and not played.off_script, played
+    assert (reply.text, reply.finish_reason) == ("42", "complete"), reply
+    assert reply.reasoning == ("A number." if thought else "")
+    first = session.cached_tokens
+    again = session.respond("Another.", GenerationOptions(max_tokens=2, temperature=0))
+    if thought:  # (the template drops an earlier turn's analysis: the reply is decoded again)
+        assert again.usage.reused_tokens >= reply.usage.prompt_tokens, (again.usage, reply.usage)
+    else:
+        added = again.usage.prompt_tokens - first
+        assert again.usage.decoded_prompt_tokens <= added + 1, (again.usage, first)
+
+
+@pytest.mark.parametrize("kind", sorted(ANSWERED_BY))
+def test_a_regexs_or_a_grammars_answer_without_its_header_is_refused(
+    model: Model, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant that must fail: the answer at once, without its header."""
+    with scripted(monkeypatch, model, "42") as played:
+        model.session().respond("Pick a number.", ANSWERED_BY[kind])
+    assert played.refused, played
 
 
 def test_a_budget_ends_the_reasoning_before_a_schemas_answer(

@@ -79,8 +79,9 @@ class Constraint:
         opening: Callable[[str], str] | None = None,
     ) -> Constraint:
         """Raise GrammarError (naming what is wrong) for a constraint that cannot be used.
-        ``opening``: for a JSON schema, the Lark grammar of a reply that reasons, then answers
-        with the item it is given (gpt-oss's channels, ``tool_grammar.answered``)."""
+        ``opening``: the Lark grammar of a reply that reasons, then answers with the item it is
+        given (gpt-oss's channels, ``tool_grammar.answered``): the schema, regex or grammar then
+        holds the answer, not the reply's first token."""
         schema_class, kind, whole = None, "grammar", None
         try:
             if options.json_schema is not None:
@@ -95,11 +96,14 @@ class Constraint:
                     )
                 else:
                     grammar = llguidance.LLMatcher.grammar_from_json_schema(document, defaults=COMPILE)  # type: ignore[arg-type]
-            elif options.regex is not None:
-                kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
             else:
-                assert options.grammar is not None
-                grammar = llguidance.grammar_from("grammar", options.grammar)
+                if options.regex is not None:
+                    kind, grammar = "regex", llguidance.LLMatcher.grammar_from_regex(options.regex)
+                else:
+                    assert options.grammar is not None
+                    grammar = llguidance.grammar_from("grammar", options.grammar)
+                if opening is not None:
+                    grammar = _nested(grammar, opening)
         except (ValueError, TypeError, RecursionError) as error:  # bad GBNF, an unusable schema
             if isinstance(error, GrammarError):
                 raise
@@ -118,7 +122,7 @@ class Constraint:
             json=kind == "json_schema",
             validator=validator,
             ends=tuple(tokenizer.eos_tokens),
-            opened=opening is not None and kind == "json_schema",
+            opened=opening is not None,
         )
 
     @classmethod
@@ -155,6 +159,16 @@ class Constraint:
         if self.schema_class is not None:
             return self.schema_class.model_validate_json(text)  # type: ignore[attr-defined]
         return value
+
+
+def _nested(grammar: str, opening: Callable[[str], str]) -> str:
+    """A regex's or a grammar's llguidance grammar (``grammar``: JSON of a grammar list, or Lark
+    text) as the answer ``opening`` wraps: nested by name, its rules kept apart from the
+    wrapper's."""
+    listed = grammar.lstrip().startswith("{")
+    nested = json.loads(grammar)["grammars"][0] if listed else {"lark_grammar": grammar}
+    nested = {**nested, "name": "answer_body"}
+    return json.dumps({"grammars": [{"lark_grammar": opening("@answer_body")}, nested]})
 
 
 class GuidedSampler:
@@ -243,11 +257,12 @@ class GuidedSampler:
 
     def forced(self) -> list[int]:
         """The tokens the constraint allows next and no other: decoded with the sampled one. Once
-        it is complete and allows nothing more, the end of generation. None while it waits."""
+        it is complete and allows nothing more, the end of generation (nothing after a sampled
+        end: the reply is over). None while it waits."""
         if self.waiting:
             return []
         if self.matcher.is_stopped():
-            return [self.end]
+            return [] if self._last is not None and self._last in self.ends else [self.end]
         tokens = self.matcher.compute_ff_tokens()
         if tokens and not self.matcher.consume_tokens(tokens):
             self._check()
