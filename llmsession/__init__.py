@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmsession.config import (
     CheckpointConfig,
+    Effort,
     KvLayout,
     KvType,
     MemoryConfig,
@@ -111,6 +112,7 @@ __all__ = [
     "ContentPart",
     "ContextOverflowError",
     "Counters",
+    "Effort",
     "FinishReason",
     "GenerationOptions",
     "GrammarError",

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, get_args
 
 from llmsession.options import INT32_MAX, KV_LAYOUTS, KV_TYPES, MAX_POSITIONS, check_int
 
@@ -26,7 +26,10 @@ MAX_STATELESS_SESSIONS = 1 << 16
 MiB = 1 << 20
 
 
-EFFORTS = ("low", "medium", "high")  # a thinking template's reasoning efforts (``SessionConfig.thinking``)
+Effort = Literal[
+    "low", "medium", "high"
+]  # a thinking template's reasoning effort (``SessionConfig.thinking``)
+EFFORTS: tuple[Effort, ...] = get_args(Effort)
 
 
 def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
@@ -199,7 +202,7 @@ class SessionConfig:
     system: str | None = None
     context_size: int | None = None
     batch_size: int = 512
-    thinking: bool | str = False
+    thinking: bool | Effort = False
     swa_full: bool = True
     share_prefix: bool = True
 
@@ -222,7 +225,7 @@ class SessionSettings(TypedDict, total=False):
 
     context_size: int | None
     batch_size: int
-    thinking: bool | str
+    thinking: bool | Effort
     swa_full: bool
     share_prefix: bool
 

@@ -50,7 +50,7 @@ def use(path: str) -> Reply:
     with Model(
         path, config=config, memory=memory, threads=1, kv_type="f16", kv_layout="per_session"
     ) as model:
-        session: Session = model.session("Hi.", config=chat, context_size=512, thinking=False)
+        session: Session = model.session("Hi.", config=chat, context_size=512, thinking="low")
         session.respond("Hello", GenerationOptions(max_tokens=4))
         threads: int = model.threads
         kv = model.kv_type
@@ -64,7 +64,20 @@ MISSPELLED = {
     "a memory setting": ('kv_layout="per_session"', 'kv_layuot="per_session"'),
     "a session setting": ("context_size=512,", "context=512,"),
     "a literal": ('kv_type="f16"', 'kv_type="f32"'),
+    "an effort": ('thinking="low"', 'thinking="lo"'),
 }
+USE = SCRIPT[SCRIPT.index("def use(") :]  # (every misspelling is in it)
+
+
+def misspelled_script() -> tuple[str, dict[str, range]]:
+    """The script and a copy of ``use`` per misspelling, and the lines each copy holds."""
+    source, lines = SCRIPT, {}
+    for what, (right, wrong) in MISSPELLED.items():
+        assert right in USE, what
+        first = source.count("\n") + 3  # (after the blank lines, the copy's ``def``)
+        source += "\n\n" + USE.replace("def use(", f"def use_{len(lines)}(", 1).replace(right, wrong, 1)
+        lines[what] = range(first, source.count("\n") + 1)
+    return source, lines
 
 
 def mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
@@ -106,10 +119,12 @@ def test_every_setting_is_in_the_script() -> None:
 def test_mypy_strict_passes_the_script_and_fails_a_misspelled_setting(tmp_path: Path) -> None:
     clean = mypy(tmp_path, SCRIPT)
     assert clean.returncode == 0, clean.stdout + clean.stderr
-    for what, (right, wrong) in MISSPELLED.items():
-        assert right in SCRIPT, what
-        result = mypy(tmp_path, SCRIPT.replace(right, wrong, 1))
-        assert result.returncode == 1 and "error:" in result.stdout, (what, result.stdout)
+    source, lines = misspelled_script()  # (one run: each misspelling in a copy of its own)
+    result = mypy(tmp_path, source)
+    assert result.returncode == 1, result.stdout
+    found = [int(line.split(":")[1]) for line in result.stdout.splitlines() if ": error:" in line]
+    for what, held in lines.items():
+        assert any(line in held for line in found), (what, result.stdout)
 
 
 def test_a_misspelled_setting_is_a_type_error_at_run_time_too() -> None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llmsession.config import Effort
 from llmsession.errors import TemplateError
 from llmsession.options import (
     INT32_MAX,
@@ -56,7 +57,7 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     prompt: str | None = None  # a raw completion's (``/v1/completions``): no messages then
-    thinking: bool | str | None = (
+    thinking: bool | Effort | None = (
         None  # the template's thinking, or its effort, as asked (None: the server's)
     )
     model: str | None = None  # the model it names (a server of several answers with that one)
@@ -123,7 +124,13 @@ MAX_KEEP_ALIVE = 10 * 365 * 86400.0
 
 # ``reasoning_effort`` as the template's effort (``SessionConfig.thinking``: gpt-oss's are low,
 # medium and high) and as a budget of reasoning tokens (None: unbounded).
-TEMPLATE_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+TEMPLATE_EFFORTS: dict[str, Effort] = {
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+}
 EFFORTS: dict[str, int | None] = {
     "none": 0,
     "minimal": 256,
@@ -134,7 +141,7 @@ EFFORTS: dict[str, int | None] = {
 }
 
 
-def _reasoning(body: Mapping[str, Any]) -> tuple[bool | str | None, int | None]:
+def _reasoning(body: Mapping[str, Any]) -> tuple[bool | Effort | None, int | None]:
     """Whether the request asks its template to think, and with which effort (``reasoning_effort``,
     which llama-server also hands the template; ``chat_template_kwargs.enable_thinking`` as
     llama-server and vLLM take it), and the budget its effort gives."""
