@@ -226,12 +226,18 @@ def test_in_auto_a_budget_leaves_the_call_open(model: Model, monkeypatch: pytest
     )
 
 
+PREAMBLE = "<|channel|>commentary<|message|>"  # (gpt-oss's note before a call, no recipient)
+
+
+@pytest.mark.parametrize("first", [CHANNELS.open, PREAMBLE])
+@pytest.mark.parametrize("second", [CHANNELS.open, PREAMBLE])
 def test_analysis_messages_one_after_another_are_the_reasoning_and_the_next_turn_renders(
-    model: Model, monkeypatch: pytest.MonkeyPatch
+    model: Model, first: str, second: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """gpt-oss may write several analysis messages before its answer: all are the reasoning
-    (in the content, its template refuses them: the next turn could not be rendered)."""
-    said = f"{CHANNELS.open}First.<|end|><|start|>assistant{CHANNELS.open}Second.<|end|>"
+    """gpt-oss may write several analysis messages, or a commentary preamble, before its
+    answer: all are the reasoning (in the content, its template refuses the channel tags: the
+    next turn could not be rendered)."""
+    said = f"{first}First.<|end|><|start|>assistant{second}Second.<|end|>"
     said += f"<|start|>assistant{CHANNELS.headers[1]}Hi!"
     session = model.session()
     with scripted(monkeypatch, model, said) as played:

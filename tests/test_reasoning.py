@@ -71,12 +71,31 @@ CASES = [
     (f"{HARMONY.open}hmm, a greeting{HARMONY.forced}Hi!", HARMONY, False, ("hmm, a greeting", "Hi!")),
     ("<|channel|>final<|message|>Hi!", HARMONY, False, ("", "Hi!")),
     (f"{HARMONY.open}cut short", HARMONY, False, ("cut short", "")),
-    (
+    (  # (a new message's header is no content; a commentary preamble is reasoning, as analysis)
         "<|start|>assistant<|channel|>commentary<|message|>x",
         HARMONY,
         False,
-        ("", "<|channel|>commentary<|message|>x"),  # (a new message's header is no content)
+        ("x", ""),
     ),
+    (
+        "<|channel|>commentary<|message|>I will look.<|end|><|start|>assistant<|channel|>final<|message|>Hi",
+        HARMONY,
+        False,
+        ("I will look.", "Hi"),
+    ),
+    (
+        f"{HARMONY.open}A<|end|><|start|>assistant<|channel|>commentary<|message|>B{HARMONY.forced}Hi",
+        HARMONY,
+        False,
+        ("A\nB", "Hi"),
+    ),
+    (  # (a call's header in the channel: no preamble, the call's to read)
+        "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}",
+        HARMONY,
+        False,
+        ("", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"),
+    ),
+    (f"{HARMONY.open}A<|end|><|start|>assistant<|channel|>comment", HARMONY, False, ("A", "")),
     ("<|chan", HARMONY, False, ("", "<|chan")),
     (  # gpt-oss's analysis messages one after another: all reasoning
         f"{HARMONY.open}A <|end|><|start|>assistant{HARMONY.open} B{HARMONY.forced}Hi",

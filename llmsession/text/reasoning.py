@@ -11,7 +11,8 @@ generation prompt leaves the block open. ``Splitter`` takes the reply's text as 
 generated and hands back, for each push, the reasoning and the content it released: a block
 is reasoning only at the start of a reply (text before it, or a second one, is content, as
 llama-server parses it), but for gpt-oss's analysis messages one after another, which are all
-reasoning (joined by a newline; its template refuses them in the content); the whitespace
+reasoning (joined by a newline; its template refuses them in the content), as is a commentary
+preamble among them; the whitespace
 around the reasoning and at the start of the content after it is dropped (a newline after the
 opening marker, the blank line after the closing one). What may still become a marker is held
 back until it is known, so the pieces streamed join up to exactly the reasoning and the content
@@ -35,7 +36,10 @@ class Markers:
     new message, ``<|start|>assistant``; else a blank line). ``always``: the template has no
     thinking switch, every reply may reason (gpt-oss's analysis channel). ``answer``: the
     header a constrained answer opens with, its own or after the block (gpt-oss's final
-    channel's; elsewhere the answer follows the blank line after the block)."""
+    channel's; elsewhere the answer follows the blank line after the block). ``others``: other
+    openings of a block, closed by the same marker, whose text is reasoning too (gpt-oss's
+    commentary preamble, its note before a call: its template has no place for it in the
+    content, which may not hold channel tags)."""
 
     open: str
     close: str
@@ -45,6 +49,11 @@ class Markers:
     resume: str = ""
     always: bool = False
     answer: str = ""
+    others: tuple[str, ...] = ()
+
+    @property
+    def openings(self) -> tuple[str, ...]:
+        return (self.open, *self.others)
 
     @property
     def closing(self) -> str:
@@ -68,6 +77,7 @@ HARMONY = Markers(
     resume=START,
     always=True,
     answer=FINAL,
+    others=("<|channel|>commentary<|message|>",),
 )
 
 
@@ -143,7 +153,7 @@ class Splitter:
             return self._reasoning(held), ""
         if self.done and self._header and any(h.startswith(held) for h in self.markers.headers):
             return "", ""
-        if self._again and self.markers.open.startswith(held):
+        if self._again and any(opening.startswith(held) for opening in self.markers.openings):
             return "", ""
         return "", self._content(held)
 
@@ -151,13 +161,14 @@ class Splitter:
     def _opening(self) -> bool:
         """Before anything: a reply that opens with the marker (after whitespace) reasons, any
         other is content. False while the text may still become the marker."""
-        stripped = self._held.lstrip()
-        if stripped.startswith(self.markers.open):
-            self._held = stripped[len(self.markers.open) :]
-            self.inside = self.started = self._leading = True
-            self._label = bool(self.markers.label)
-            return True
-        if stripped and not self.markers.open.startswith(stripped):
+        stripped, openings = self._held.lstrip(), self.markers.openings
+        for opening in openings:
+            if stripped.startswith(opening):
+                self._held = stripped[len(opening) :]
+                self.inside = self.started = self._leading = True
+                self._label = bool(self.markers.label)
+                return True
+        if stripped and not any(opening.startswith(stripped) for opening in openings):
             self.done = True  # (content from here on)
             return True
         return False
@@ -178,15 +189,16 @@ class Splitter:
 
     def _another(self) -> bool:
         """After a new message's header: another block (gpt-oss writes analysis messages one
-        after another, all of them reasoning, as llama-server reads them) entered, or known
-        not to be one; False while the text may still become its opening marker."""
-        opening = self.markers.open
-        if self._held.startswith(opening):
-            self._held = self._held[len(opening) :]
-            self.inside, self.done, self._header, self._leading = True, False, True, True
-            self._spaces, self._again = "\n" if self._reasoned else "", False  # (joined by a newline)
-            return True
-        if opening.startswith(self._held):
+        after another, all of them reasoning, as llama-server reads them; a commentary preamble
+        too) entered, or known not to be one; False while the text may still become an
+        opening marker."""
+        for opening in self.markers.openings:
+            if self._held.startswith(opening):
+                self._held = self._held[len(opening) :]
+                self.inside, self.done, self._header, self._leading = True, False, True, True
+                self._spaces, self._again = "\n" if self._reasoned else "", False  # (joined by a newline)
+                return True
+        if any(opening.startswith(self._held) for opening in self.markers.openings):
             return False
         self._again = False
         return True
