@@ -151,6 +151,9 @@ def server_command(port: int, host: str = "127.0.0.1", threads: int | None = Non
     return command + (["-t", str(within_cores(threads))] if threads else [])  # (it runs here)
 
 
+START_TRIES = 3  # (``local_servers``: a server whose port was taken starts again elsewhere)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -160,25 +163,43 @@ def free_port(host: str = "127.0.0.1") -> int:
 @contextmanager
 def local_servers(n: int, threads: int | None = None) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """``n`` RPC servers on this machine's loopback (tests, benchmarks): their endpoints and
-    processes, each answering the preflight before this yields; all killed on exit."""
+    processes, each answering the preflight before this yields; all killed on exit. A free
+    port may be taken before its server binds it (another process picked it too): a server
+    that exits so is started again on another port, and one counts as up only if it is still
+    running once its port answers (else the answer was another's)."""
     started: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(slot: int | None = None) -> None:
+        port = free_port()
+        process = subprocess.Popen(
+            server_command(port, threads=threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        if slot is None:
+            started.append((f"127.0.0.1:{port}", process))
+        else:
+            started[slot] = (f"127.0.0.1:{port}", process)
+
     try:
         for _ in range(n):
-            port = free_port()
-            process = subprocess.Popen(
-                server_command(port, threads=threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-            started.append((f"127.0.0.1:{port}", process))
-        for endpoint, _ in started:
-            deadline = time.monotonic() + 30
+            start()
+        for slot in range(n):
+            deadline, starts = time.monotonic() + 30, 1
             while True:
+                endpoint, process = started[slot]
                 try:
                     preflight(parse_endpoint(endpoint), 1.0)
-                    break
+                    if process.poll() is None:
+                        break
                 except ModelLoadError:
                     if time.monotonic() > deadline:
                         raise
-                    time.sleep(0.05)
+                if process.poll() is not None and starts < START_TRIES:  # (its port was taken)
+                    process.wait()
+                    start(slot)
+                    starts += 1
+                elif process.poll() is not None:
+                    raise ModelLoadError(f"the RPC server on {endpoint} exited ({process.returncode})")
+                time.sleep(0.05)
         yield started
     finally:
         for _, process in started:
