@@ -6,11 +6,13 @@ What maps where: ``instructions`` is the system message (a previous response's i
 over, as OpenAI has it); ``input`` is a string (one user message) or items: ``message`` (roles
 user, assistant, system, developer; ``input_text`` / ``output_text`` parts, ``input_image`` as a
 base64 ``data:`` URL only), ``function_call`` (consecutive calls are one assistant message's
-``tool_calls``), ``function_call_output`` (a ``tool`` message); ``reasoning`` items sent back are
-dropped (no template here renders them). ``tools`` are flat function tools; ``text.format`` is a
-``response_format``; ``max_output_tokens`` is ``max_tokens``; ``stop`` and ``seed`` are taken
+``tool_calls``), ``function_call_output`` (a ``tool`` message); a ``reasoning`` item sent back
+is the reasoning of the assistant turn after it (its ``reasoning_text`` parts, else its summary;
+an encrypted one alone is dropped), which the template renders or drops as it does. ``tools``
+are flat function tools; ``text.format`` is a ``response_format``; ``max_output_tokens`` is
+``max_tokens``; ``reasoning.effort`` is ``reasoning_effort``; ``stop`` and ``seed`` are taken
 when a client sends them. Fields the engine has no use for (``include``, ``truncation``,
-``reasoning``, ``service_tier``, ...) are accepted and ignored, as unknown ones.
+``reasoning.summary``, ``service_tier``, ...) are accepted and ignored, as unknown ones.
 """
 
 from __future__ import annotations
