@@ -247,6 +247,45 @@ def test_analysis_messages_one_after_another_are_the_reasoning_and_the_next_turn
     assert again.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
+MALFORMED = {  # what a model may write that the template would refuse to render back as it is
+    "a second final message after the first's end": (
+        f"{CHANNELS.open}A<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.<|end|>"
+        f"<|start|>assistant{CHANNELS.headers[1]}Hi again.",
+        ("A", "Hi."),
+    ),
+    "the final channel without closing the analysis": (
+        f"{CHANNELS.open}A{CHANNELS.headers[1]}Hi.",
+        ("A", "Hi."),
+    ),
+    "a new message's final header without closing it": (
+        f"{CHANNELS.open}A<|start|>assistant{CHANNELS.headers[1]}Hi.",
+        ("A", "Hi."),
+    ),
+    "the analysis opened again inside it": (
+        f"{CHANNELS.open}A{CHANNELS.open}B<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.",
+        ("A\nB", "Hi."),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_channel_tags_out_of_place_stay_out_of_the_transcript(
+    model: Model, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final message's end ends the reply (llama.cpp does not count ``<|end|>`` as an end of
+    generation: it closes the analysis too); a final header inside the analysis closes it; an
+    analysis header inside it is markup. Otherwise the tags reach the content or the reasoning,
+    and the template refuses every later turn."""
+    said, (reasoning, text) = MALFORMED[case]
+    session = model.session()
+    with scripted(monkeypatch, model, said) as played:
+        reply = session.respond("Say hi.", GenerationOptions(max_tokens=60))
+    assert not played.refused and (reply.reasoning, reply.text) == (reasoning, text), reply
+    assert (reply.finish_reason, reply.stop_sequence) == ("stop", None), reply  # (its own end)
+    again = session.respond("Again.", GenerationOptions(max_tokens=2, temperature=0))
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 ANSWER = '{"city":"Paris"}'  # (compact: as the mask writes JSON)
 

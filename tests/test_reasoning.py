@@ -96,6 +96,11 @@ CASES = [
         ("", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"),
     ),
     (f"{HARMONY.open}A<|end|><|start|>assistant<|channel|>comment", HARMONY, False, ("A", "")),
+    (f"{HARMONY.open}A<|channel|>final<|message|>Hi", HARMONY, False, ("A", "Hi")),  # (a break)
+    (f"{HARMONY.open}A<|start|>assistant<|channel|>final<|message|>Hi", HARMONY, False, ("A", "Hi")),
+    (f"{HARMONY.open}A {HARMONY.open}B<|end|>", HARMONY, False, ("A\nB", "")),  # (opened again)
+    (f"{HARMONY.open}A<|channel|>fin", HARMONY, False, ("A<|channel|>fin", "")),
+    ("<think>A<think>B</think>Hi", THINK, False, ("A<think>B", "Hi")),  # (nested only where marked)
     ("<|chan", HARMONY, False, ("", "<|chan")),
     (  # gpt-oss's analysis messages one after another: all reasoning
         f"{HARMONY.open}A <|end|><|start|>assistant{HARMONY.open} B{HARMONY.forced}Hi",

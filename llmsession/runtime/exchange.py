@@ -228,7 +228,8 @@ class Exchange:
         (``finish`` says why)."""
         native, options = self.place.native, self.options
         for index, token in enumerate(pending):
-            if self.cancelled.is_set() or native.is_eog(token):
+            ended = native.is_eog(token) or (self.thinking is not None and self.thinking.ends(token))
+            if self.cancelled.is_set() or ended:
                 self.finish = (
                     "cancelled" if self.cancelled.is_set() else "complete" if sampler.complete else "stop"
                 )

@@ -33,8 +33,10 @@ class Thinking:
         spelled: frozenset[int] = frozenset(),
         resumed: Sequence[int] = (),
         calls: bool = False,
+        message_end: int | None = None,
     ) -> None:
         self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
+        self.message_end = message_end  # the closing marker's token, where it may end the reply
         closings = (tuple(resumed), self.closing) if calls else (self.closing, tuple(resumed))
         self.closings = tuple(c for c in closings if c)  # (the first its constraint allows)
         self.spelled = spelled  # the markers' special tokens: their text is needed to split
@@ -44,6 +46,12 @@ class Thinking:
         self.forced_from: int | None = None  # where the closing tokens start among the pending ones
         self.prompted = splitter.inside  # the generation prompt opened the block
         self.after_close = ""  # content the token that closed a prompted block went on with
+
+    def ends(self, token: int) -> bool:
+        """``token`` ends the reply: the closing marker after the content began, where it closes
+        the answer's message (gpt-oss's final channel: llama.cpp does not count it as an end of
+        generation, since it closes the analysis too)."""
+        return token == self.message_end and self.splitter.answering
 
     def waits(self) -> bool:
         """A constraint has not begun: the block the prompt opened is still open."""
@@ -119,6 +127,7 @@ class Markup:
     spelled: frozenset[int]
     special: Mapping[str, int]  # the markers' special tokens, by spelling (as real vocabularies hold them)
     resumed: tuple[int, ...] = ()  # the marker and a new message's header (gpt-oss: calls may follow)
+    message_end: int | None = None  # the closing marker's token, if it ends the answer too (gpt-oss)
 
     @property
     def grammar_markers(self) -> Markers | None:
@@ -150,7 +159,8 @@ def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
     spelled = frozenset(single.values()) | frozenset(special.values())
     resumed = markers.close + markers.resume if markers.resume else ""
     resumed_ids = native.tokenize(resumed, add_special=False, parse_special=True) if resumed else []
-    return Markup(markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids))
+    message_end = special.get(markers.close) if markers.nested else None
+    return Markup(markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids), message_end)
 
 
 def thinking(
@@ -173,4 +183,4 @@ def thinking(
     inside = opened(tail, markup.markers)
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
-    return Thinking(splitter, closing, budget, markup.spelled, markup.resumed, calls)
+    return Thinking(splitter, closing, budget, markup.spelled, markup.resumed, calls, markup.message_end)

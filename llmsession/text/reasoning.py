@@ -39,7 +39,11 @@ class Markers:
     channel's; elsewhere the answer follows the blank line after the block). ``others``: other
     openings of a block, closed by the same marker, whose text is reasoning too (gpt-oss's
     commentary preamble, its note before a call: its template has no place for it in the
-    content, which may not hold channel tags)."""
+    content, which may not hold channel tags). ``breaks``: headers that end a block and begin
+    the content at once (gpt-oss's final channel's, written without the closing marker before
+    it). ``nested``: an opening marker inside a block is markup, and the reasoning goes on
+    (gpt-oss's template refuses channel tags in the reasoning too); a closing marker after the
+    content began ends the reply (its final message)."""
 
     open: str
     close: str
@@ -50,6 +54,8 @@ class Markers:
     always: bool = False
     answer: str = ""
     others: tuple[str, ...] = ()
+    breaks: tuple[str, ...] = ()
+    nested: bool = False
 
     @property
     def openings(self) -> tuple[str, ...]:
@@ -78,6 +84,8 @@ HARMONY = Markers(
     always=True,
     answer=FINAL,
     others=("<|channel|>commentary<|message|>",),
+    breaks=(f"{START}{FINAL}", FINAL),
+    nested=True,
 )
 
 
@@ -213,14 +221,21 @@ class Splitter:
             if self._held.startswith(label):
                 self._held = self._held[len(label) :]
             self._label = False
-        close = self.markers.close
-        at = self._held.find(close)
-        if at >= 0:
+        markers = self.markers
+        inner = (markers.close, *markers.breaks, *(markers.openings if markers.nested else ()))
+        found = [(at, -len(m), m) for m in inner if (at := self._held.find(m)) >= 0]
+        if found:
+            at, _, marker = min(found)  # (the first; of two there, the longer)
             piece = self._reasoning(self._held[:at])
-            self._held, self._spaces = self._held[at + len(close) :], ""
+            self._held = self._held[at + len(marker) :]
+            if marker != markers.close and marker not in markers.breaks:  # (opened again: markup)
+                self._spaces, self._leading = "\n" if self._reasoned else "", True
+                return piece, bool(self._held)
+            self._spaces = ""
             self.inside, self.done, self._strip = False, True, not self.keep_spaces
+            self._header = self._header and marker == markers.close  # (a break is the header)
             return piece, bool(self._held)
-        keep = _partial(self._held, close)
+        keep = max(_partial(self._held, marker) for marker in inner)
         piece = self._reasoning(self._held[: len(self._held) - keep])
         self._held = self._held[len(self._held) - keep :]
         return piece, False
@@ -242,6 +257,12 @@ class Splitter:
             self._strip = not text
         self._content_chars += len(text)
         return text
+
+    @property
+    def answering(self) -> bool:
+        """The content has begun (its header, if any, read): with ``nested`` markers, a closing
+        marker now ends the reply."""
+        return self.done and not self.inside and not self._header and not self._again
 
     @property
     def preamble(self) -> str:
