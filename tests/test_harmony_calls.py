@@ -41,6 +41,8 @@ MODEL_SPELLINGS = [  # what gpt-oss models write, as llama-server's parser takes
     '<|channel|>analysis to=functions.get_weather<|message|>{"city": "Paris"}',
 ]
 TOOLS = checked_tools([WEATHER, TIME])
+ARGUMENTS = TEMPLATE_SPELLING[TEMPLATE_SPELLING.index("{") :]
+SPLIT_OTHERWISE = [TEMPLATE_SPELLING.removesuffix(ARGUMENTS), *ARGUMENTS]  # (a character a token)
 ASK = "What's the weather in Paris?"
 
 
@@ -177,6 +179,29 @@ def test_it_reasons_then_calls_and_the_result_turn_decodes_only_what_it_adds(
         f"{CHANNELS.open}The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}<|call|>"
     )
     assert said_again in rendered
+
+
+def test_the_same_call_made_twice_is_read_from_the_cache(model: Model) -> None:
+    """An agent repeats a call (``ls`` again) and resends the whole transcript: both calls are
+    the replies' own tokens in the next prompt, which decodes only what it adds (the calls'
+    text is found twice in the prompt: once for each; the template takes no stand-ins for a
+    call whose result follows). The grammar forced the call's header in tokens of its own, not
+    as the tokenizer would split it: tokenized afresh, the prompt would part from the cache at
+    the first call."""
+    said: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    added, before = [], 0
+    for _ in range(3):
+        options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER, TIME], tool_choice=forced)
+        reply = model.chat(said, options, tenant="repeats")
+        assert len(reply.tool_calls) == 1, reply
+        added.append((reply.usage.decoded_prompt_tokens, reply.usage.prompt_tokens - before))
+        before = reply.usage.prompt_tokens + reply.usage.completion_tokens
+        (call,) = reply.tool_calls
+        said.append({"role": "assistant", "content": "", "tool_calls": [call.message_part()]})
+        said.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'})
+    assert len({c["tool_calls"][0]["function"]["arguments"] for c in said[1::2]}) == 1, said  # (the same)
+    assert all(decoded <= new + 1 for decoded, new in added[1:]), added
 
 
 def test_auto_answers_in_the_final_channel(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import internals
 
 from llmsession import GenerationOptions, Model, Session
-from llmsession.text.splice import ReplyTokens, marker, splice, stretches
+from llmsession.text.splice import ReplyTokens, found_in_order, marker, splice, stretches
 
 
 def test_stretches_find_each_stand_in_once_in_order() -> None:
@@ -38,11 +38,28 @@ def test_the_lru_holds_at_most_its_token_budget() -> None:
     for text in ("a", "b", "c"):
         cache.remember(text, [1, 2, 3, 4])
     assert cache.get("a") is None and cache.get("b") == cache.get("c") == (1, 2, 3, 4)
-    cache.remember("b", [5])  # (replaced: its old tokens leave the count)
-    cache.remember("d", [6, 7, 8, 9])
-    assert cache.get("c") == (1, 2, 3, 4) and cache.get("b") == (5,) and cache.get("d") == (6, 7, 8, 9)
+    cache.remember("b", [5])  # (said again: both splits kept, and counted)
+    assert cache.get("b") == (5,) and cache.get("b", 1) == cache.get("b", 9) == (1, 2, 3, 4)
+    cache.remember("d", [6, 7, 8, 9])  # (13 tokens: the least recently used text goes)
+    assert cache.get("c") is None and cache.get("b") == (5,) and cache.get("d") == (6, 7, 8, 9)
     cache.remember("huge", list(range(11)))  # more than the whole budget: not kept
     assert cache.get("huge") is None and cache.copy().get("d") == (6, 7, 8, 9)
+
+
+def test_a_text_said_again_keeps_its_last_splits() -> None:
+    cache = ReplyTokens()
+    for n in range(ReplyTokens.VARIANTS + 2):
+        cache.remember("ls", [n])
+    kept = [cache.get("ls", back) for back in range(ReplyTokens.VARIANTS + 1)]
+    assert kept == [(5,), (4,), (3,), (2,), (2,)]  # (latest first; past the kept, the earliest)
+
+
+def test_replies_are_found_in_order_once_each_or_as_often_as_said() -> None:
+    assert found_in_order("xAyBz", ["A", "B"]) == ["x", "y", "z"]
+    assert found_in_order("xAyAz", ["A", "A"]) == ["x", "y", "z"]  # (a call made twice)
+    assert found_in_order("A said, xAy", ["A"]) is None  # (a user quoting a reply: not spliced)
+    assert found_in_order("xAyAzA", ["A", "A"]) is None
+    assert found_in_order("xBy", ["A"]) is None
 
 
 def test_a_user_who_typed_the_reply_keeps_the_canonical_split(smollm2: Model) -> None:

@@ -4,6 +4,7 @@ conversation's prompt match the cells its replies left, token for token."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,13 +59,20 @@ def text_tokens(
     ``own`` replies first (another session may have said the same words otherwise), and only
     those unless ``shared``: how a prompt splits would tell what others were told."""
 
-    def recorded(content: str) -> tuple[int, ...] | None:
-        mine = own.get(content) if own is not None else None
-        return mine or (model.replies.get(content) if shared else None)
+    def recorded(content: str, back: int) -> tuple[int, ...] | None:
+        mine = own.get(content, back) if own is not None else None
+        return mine or (model.replies.get(content, back) if shared else None)
 
     fmt = model.tool_format(how.tool_format)
     said = [said_text(m, fmt) for m in messages]
-    known = {i: tokens for i, s in enumerate(said) if s is not None and (tokens := recorded(s)) is not None}
+    later, seen = [0] * len(said), Counter[str | None]()  # (a text said again: each its own split)
+    for i in reversed(range(len(said))):
+        later[i], seen[said[i]] = seen[said[i]], seen[said[i]] + 1
+    known = {
+        i: tokens
+        for i, s in enumerate(said)
+        if s is not None and (tokens := recorded(s, later[i])) is not None
+    }
     if not known:
         return model.tokenizer.prompt(text, shared)
     around = _around(model, messages, known, text, how)

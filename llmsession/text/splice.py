@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 
 class ReplyTokens:
     """Tokens by their text, the least recently used forgotten: the latest replies as they were
     generated (and the model's prompt stretches as tokenized), at most ``capacity`` texts and
-    ``max_held`` tokens in all (a pasted document's stretch is large)."""
+    ``max_held`` tokens in all (a pasted document's stretch is large). A text generated again
+    keeps its last ``VARIANTS`` splits, latest last (an agent's call made twice may be split
+    otherwise the second time: each occurrence in a prompt is its own, ``get``'s ``back``)."""
+
+    VARIANTS = 4
 
     def __init__(self, capacity: int = 1024, max_held: int | None = None) -> None:
         self.capacity, self.max_held = capacity, max_held
-        self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._tokens: OrderedDict[str, tuple[tuple[int, ...], ...]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
@@ -34,12 +38,13 @@ class ReplyTokens:
         if not text or not tokens or (self.max_held is not None and len(tokens) > self.max_held):
             return  # (a text larger than the whole budget would only push out every other)
         with self._lock:
-            self._held -= len(self._tokens.pop(text, ()))
-            self._tokens[text] = tuple(tokens)
-            self._held += len(tokens)
+            before = self._tokens.pop(text, ())
+            kept = (*before, tuple(tokens))[-self.VARIANTS :]
+            self._tokens[text] = kept
+            self._held += sum(map(len, kept)) - sum(map(len, before))
             budget = self.max_held if self.max_held is not None else self._held
             while self._tokens and (len(self._tokens) > self.capacity or self._held > budget):
-                self._held -= len(self._tokens.popitem(last=False)[1])
+                self._held -= sum(map(len, self._tokens.popitem(last=False)[1]))
 
     def copy(self) -> ReplyTokens:
         twin = ReplyTokens(self.capacity, self.max_held)
@@ -47,12 +52,15 @@ class ReplyTokens:
             twin._tokens, twin._held = OrderedDict(self._tokens), self._held
         return twin
 
-    def get(self, text: str) -> tuple[int, ...] | None:
+    def get(self, text: str, back: int = 0) -> tuple[int, ...] | None:
+        """The tokens ``text`` was generated with last (``back``: that many times before the
+        last, else the earliest kept)."""
         with self._lock:
-            tokens = self._tokens.get(text)
-            if tokens is not None:
-                self._tokens.move_to_end(text)
-            return tokens
+            kept = self._tokens.get(text)
+            if kept is None:
+                return None
+            self._tokens.move_to_end(text)
+            return kept[max(0, len(kept) - 1 - back)]
 
 
 def marker(index: int) -> str:
@@ -70,11 +78,12 @@ def stretches(marked: str, indices: Sequence[int]) -> list[str] | None:
 
 def found_in_order(text: str, contents: Sequence[str]) -> list[str] | None:
     """The text around each of ``contents``, found in ``text`` in order; None unless each is
-    there exactly once (a user's words that quote a reply keep the tokenizer's split). For
-    replies whose markup no other text writes (calls)."""
-    around, cursor = [], 0
+    there as many times as it is among them (a user's words that quote a reply keep the
+    tokenizer's split; an agent's call made twice is two of them). For replies whose markup no
+    other text writes (calls)."""
+    around, cursor, times = [], 0, Counter(contents)
     for content in contents:
-        at = text.find(content, cursor) if content and text.count(content) == 1 else -1
+        at = text.find(content, cursor) if content and text.count(content) == times[content] else -1
         if at < 0:
             return None
         around.append(text[cursor:at])
