@@ -48,15 +48,11 @@ class Played:
 
 
 @contextmanager
-def scripted(monkeypatch: pytest.MonkeyPatch, model: Model, text: str | list[str]) -> Iterator[Played]:
-    """Replies sampled in the block play ``text``'s tokens, then an end of turn (a list: each
-    piece tokenized apart, as a model may split its text otherwise than the tokenizer)."""
+def scripted(monkeypatch: pytest.MonkeyPatch, model: Model, text: str) -> Iterator[Played]:
+    """Replies sampled in the block play ``text``'s tokens, then an end of turn."""
     native = internals.local(model).native
     end = next(t for t in range(native.n_vocab) if native.is_eog(t))
-    pieces = [text] if isinstance(text, str) else text
-    played = Played(
-        [*(t for piece in pieces for t in model.tokenize(piece, add_special=False)), end], native.n_vocab
-    )
+    played = Played([*model.tokenize(text, add_special=False), end], native.n_vocab)
     made = Sampler.from_options
 
     class Scripted(Sampler):

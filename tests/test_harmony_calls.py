@@ -41,8 +41,6 @@ MODEL_SPELLINGS = [  # what gpt-oss models write, as llama-server's parser takes
     '<|channel|>analysis to=functions.get_weather<|message|>{"city": "Paris"}',
 ]
 TOOLS = checked_tools([WEATHER, TIME])
-ARGUMENTS = TEMPLATE_SPELLING[TEMPLATE_SPELLING.index("{") :]
-SPLIT_OTHERWISE = [TEMPLATE_SPELLING.removesuffix(ARGUMENTS), *ARGUMENTS]  # (a character a token)
 ASK = "What's the weather in Paris?"
 
 
