@@ -530,3 +530,18 @@ def test_gpt_oss_analysis_is_the_reasoning_and_its_final_channel_the_content(
         rendered = internals.local(model).render(turns, add_generation_prompt=False)
         text = str(rendered)
         assert f"{HARMONY.open}A greeting.<|end|><|start|>assistant{HARMONY.headers[1]}Hello!" in text, text
+
+
+def test_a_budget_counts_gemma4s_reasoning_not_its_channels_name(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4's block opens with its channel's name (``thought``), then the reasoning: a budget
+    of N closes it at N tokens of the block after the name (its newline one of them, as after
+    Qwen3's ``<think>``)."""
+    said = f"{GEMMA4.open}{GEMMA4.label}\none two three four five{GEMMA4.close}Done."
+    with Model(fixture_path("smollm2-gemma4-special.gguf"), threads=2, anticipate=False) as model:
+        for budget, reasoning in [(2, "one"), (3, "one two")]:
+            with scripted(monkeypatch, model, said):
+                options = GenerationOptions(max_tokens=30, temperature=0, reasoning_budget=budget)
+                reply = model.session(thinking=True).respond("Hi", options)
+            assert (reply.reasoning, reply.usage.reasoning_tokens) == (reasoning, budget), reply

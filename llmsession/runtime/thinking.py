@@ -63,12 +63,14 @@ class Thinking:
 
     def split(self, text: str, usage: Usage, *, counted: bool = True) -> str:
         """A token's text less the reasoning it holds, counted as a reasoning token if the model
-        generated it in the block (``counted``: not a closing marker the budget forced)."""
+        generated it in the block (``counted``: not a closing marker the budget forced; nor the
+        channel's name, Gemma 4's ``thought``, unless the token holds reasoning too)."""
         splitter = self.splitter
         was_started, was_done, was_waiting = splitter.started, splitter.done, self.waits()
+        was_label = splitter.labelling
         thought, content = splitter.push(text)
-        if counted and was_started and not was_done:  # (not the token that opened the block)
-            usage.reasoning_tokens += 1
+        if counted and was_started and not was_done and not (was_label and not thought):
+            usage.reasoning_tokens += 1  # (not the token that opened the block)
         self._think(thought)
         self.after_close = content if was_waiting else ""
         return content

@@ -259,6 +259,11 @@ class Splitter:
         return text
 
     @property
+    def labelling(self) -> bool:
+        """The block's channel name (``Markers.label``) is still to be read."""
+        return self._label
+
+    @property
     def answering(self) -> bool:
         """The content has begun (its header, if any, read): with ``nested`` markers, a closing
         marker now ends the reply."""
