@@ -545,3 +545,27 @@ def test_a_budget_counts_gemma4s_reasoning_not_its_channels_name(
                 options = GenerationOptions(max_tokens=30, temperature=0, reasoning_budget=budget)
                 reply = model.session(thinking=True).respond("Hi", options)
             assert (reply.reasoning, reply.usage.reasoning_tokens) == (reasoning, budget), reply
+
+
+@pytest.mark.parametrize(
+    "said, options",
+    [
+        ("So the answer.</think>. Paris", GenerationOptions(max_tokens=30, regex=" ?[A-Z][a-z]+")),
+        ('Ok.</think>, {"a":1}', GenerationOptions(max_tokens=30, json_schema={"type": "object"})),
+    ],
+)
+def test_a_close_whose_token_goes_on_with_refused_text_gives_way_to_the_marker(
+    r1: Model, said: str, options: GenerationOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text marker's last piece may carry more (SmolLM2 splits ``</think>.`` as ``</``,
+    ``think``, ``>.``): where the constraint refuses what it carries, the marker alone is decoded
+    in its place and the constraint begins at the content's start. Before, the reply ended in a
+    GrammarError it could not have avoided."""
+    pieces = [r1.detokenize([t]) for t in r1.tokenize(said, add_special=False)]
+    assert any(p.startswith(">") and len(p) > 1 for p in pieces), pieces  # (the marker ends in a token)
+    session = r1.session(thinking=True)
+    with scripted(monkeypatch, r1, said):
+        reply = session.respond("Capital of France?", replace(options, temperature=0))
+    assert reply.finish_reason == "complete" and reply.reasoning == said.split("</think>")[0], reply
+    assert "</think>" in internals.local(r1).native.detokenize(list(internals.record(session)), special=True)
+    assert session.respond("Again?", GenerationOptions(max_tokens=2, temperature=0)).text is not None

@@ -255,6 +255,10 @@ class GuidedSampler:
         if not self.matcher.consume_tokens(list(tokens)):
             self._check()
 
+    def takes(self, tokens: Sequence[int]) -> bool:
+        """Whether the constraint would take ``tokens`` next (nothing changes)."""
+        return bool(self.matcher.validate_tokens(list(tokens)) == len(tokens))
+
     def forced(self) -> list[int]:
         """The tokens the constraint allows next and no other: decoded with the sampled one. Once
         it is complete and allows nothing more, the end of generation (nothing after a sampled

@@ -26,6 +26,7 @@ class TokenSampler(Protocol):
     def accept(self, token: int) -> None: ...
     def give_way(self, tokens: Sequence[int]) -> bool: ...
     def catch_up(self, tokens: Sequence[int]) -> None: ...
+    def takes(self, tokens: Sequence[int]) -> bool: ...
     def close(self) -> None: ...
     @property
     def complete(self) -> bool: ...
@@ -95,6 +96,10 @@ class Sampler:
     def catch_up(self, tokens: Sequence[int]) -> None:
         """Tokens a constraint must see before it begins: there is none."""
 
+    def takes(self, tokens: Sequence[int]) -> bool:
+        """Whether a constraint would take ``tokens`` next: there is none to refuse them."""
+        return True
+
     @property
     def complete(self) -> bool:
         """Whether a constraint is satisfied (there is none)."""
@@ -135,6 +140,9 @@ class ScoringSampler:
 
     def catch_up(self, tokens: Sequence[int]) -> None:
         self.inner.catch_up(tokens)
+
+    def takes(self, tokens: Sequence[int]) -> bool:
+        return self.inner.takes(tokens)
 
     def close(self) -> None:
         self.inner.close()

@@ -181,7 +181,7 @@ class Exchange:
         with self.place.engine.batcher.generating(seat.context) as tracker:
             self._tracker = tracker  # (its own forced tokens do not wait for it: ``_keep_forced``)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
-            cut, drafter = self._cut(usage, 0, sampler), self._drafter(seat)
+            cut, drafter = self._cut(usage, 0, sampler, token), self._drafter(seat)
             pending = cut or [token, *sampler.forced()]
             held = 0  # how many of ``pending`` memory holds already (drafts the last step kept)
             while pending:
@@ -192,7 +192,7 @@ class Exchange:
                 if ended:
                     break
                 pos, kept, token = self._decode_step(seat, batch, pos + held, sampler, tracker, drafter)
-                cut = self._cut(usage, len(kept), sampler)  # (the sampled token gives way to the marker)
+                cut = self._cut(usage, len(kept), sampler, token)  # (the sampled token gives way)
                 pending, held = [*kept, *(cut or [token, *sampler.forced()])], len(kept)
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
@@ -270,8 +270,8 @@ class Exchange:
             return True
         return False
 
-    def _cut(self, usage: Usage, at: int, sampler: TokenSampler) -> list[int]:
-        return [] if self.thinking is None else self.thinking.cut(usage, at, sampler.give_way)
+    def _cut(self, usage: Usage, at: int, sampler: TokenSampler, token: int) -> list[int]:
+        return [] if self.thinking is None else self.thinking.instead(usage, at, token, sampler)
 
     def _decode_step(
         self,

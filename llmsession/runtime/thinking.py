@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from llmsession.engine.prompt import Prompt
 from llmsession.native.llama import NativeModel
+from llmsession.native.sampler import TokenSampler
 from llmsession.replies import Usage
 from llmsession.text.reasoning import Markers, Splitter, opened
 from llmsession.text.tool_grammar import begins_special
@@ -34,9 +36,11 @@ class Thinking:
         resumed: Sequence[int] = (),
         calls: bool = False,
         message_end: int | None = None,
+        native: NativeModel | None = None,
     ) -> None:
         self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
         self.message_end = message_end  # the closing marker's token, where it may end the reply
+        self.native = native  # (its tokens' text: ``trim``)
         closings = (tuple(resumed), self.closing) if calls else (self.closing, tuple(resumed))
         self.closings = tuple(c for c in closings if c)  # (the first its constraint allows)
         self.spelled = spelled  # the markers' special tokens: their text is needed to split
@@ -102,6 +106,27 @@ class Thinking:
                 self._closed, self.forced_from = True, at
                 return list(closing)
         return []
+
+    def instead(self, usage: Usage, at: int, token: int, sampler: TokenSampler) -> list[int]:
+        """The tokens that go in place of the sampled ``token`` (``cut``, ``trim``), or none."""
+        return self.cut(usage, at, sampler.give_way) or self.trim(token, sampler)
+
+    def trim(self, token: int, sampler: TokenSampler) -> list[int]:
+        """In place of a sampled ``token`` that closes the block the prompt opened and goes on
+        with content its constraint refuses (a text marker's last piece with a stop after it,
+        ``>.`` for ``</think>``): the tokens of its text up to the marker's end, so the
+        constraint begins where the content does (taken, else the reply would end in a
+        GrammarError). None otherwise."""
+        native = self.native
+        if token < 0 or native is None or not self.waits():
+            return []
+        text = native.piece(token, special=token in self.spelled).decode("utf-8", "ignore")
+        tail = self.splitter.closing_tail(text)
+        tokenize = partial(native.tokenize, add_special=False, parse_special=False)
+        if not tail or sampler.takes(tokenize(tail)):
+            return []
+        kept = tokenize(text[: len(text) - len(tail)])
+        return kept if sampler.give_way(kept) else []
 
     @property
     def budgeting(self) -> bool:
@@ -185,4 +210,5 @@ def thinking(
     inside = opened(tail, markup.markers)
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
-    return Thinking(splitter, closing, budget, markup.spelled, markup.resumed, calls, markup.message_end)
+    spelled, resumed, end = markup.spelled, markup.resumed, markup.message_end
+    return Thinking(splitter, closing, budget, spelled, resumed, calls, end, native)

@@ -258,6 +258,13 @@ class Splitter:
         self._content_chars += len(text)
         return text
 
+    def closing_tail(self, text: str) -> str | None:
+        """What ``text`` goes on with after the closing marker of the open block (None: it does
+        not close it). Nothing changes."""
+        probe, close = self._held + text, self.markers.close
+        at = probe.find(close) if self.inside else -1
+        return None if at < 0 else probe[at + len(close) :]
+
     @property
     def labelling(self) -> bool:
         """The block's channel name (``Markers.label``) is still to be read."""
