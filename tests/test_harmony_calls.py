@@ -377,6 +377,19 @@ def test_a_regexs_or_a_grammars_answer_is_the_final_channel_too(
         assert again.usage.decoded_prompt_tokens <= added + 1, (again.usage, first)
 
 
+def test_the_answer_after_the_reasoning_keeps_the_whitespace_its_constraint_held(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The constraint holds the answer after the reply's own analysis: its text is what the
+    constraint held, leading space and all, as without the analysis (else it would no longer
+    match its own constraint, nor the cache)."""
+    options = GenerationOptions(max_tokens=24, temperature=0, regex=" [0-9]{1,3}")
+    for thought in ["", f"{CHANNELS.open}A number.<|end|><|start|>assistant"]:
+        with scripted(monkeypatch, model, f"{thought}{CHANNELS.headers[1]} 42") as played:
+            reply = model.session().respond("Pick a number.", options)
+        assert not played.refused and (reply.text, reply.finish_reason) == (" 42", "complete"), reply
+
+
 @pytest.mark.parametrize("kind", sorted(ANSWERED_BY))
 def test_a_regexs_or_a_grammars_answer_without_its_header_is_refused(
     model: Model, kind: str, monkeypatch: pytest.MonkeyPatch

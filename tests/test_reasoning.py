@@ -101,6 +101,15 @@ CASES = [
     (f"{HARMONY.open}A {HARMONY.open}B<|end|>", HARMONY, False, ("A\nB", "")),  # (opened again)
     (f"{HARMONY.open}A<|channel|>fin", HARMONY, False, ("A<|channel|>fin", "")),
     ("<think>A<think>B</think>Hi", THINK, False, ("A<think>B", "Hi")),  # (nested only where marked)
+    (f"{HARMONY.open}A<|start|>assistant{HARMONY.open}B<|end|>", HARMONY, False, ("A\nB", "")),
+    (  # (a new block after a close, its new message's header left out)
+        f"{HARMONY.open}A<|end|><|channel|>commentary<|message|>I look.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hi",
+        HARMONY,
+        False,
+        ("A\nI look.", "Hi"),
+    ),
+    (f"{HARMONY.open}A<|end|><|channel|>analysis<|message|>B", HARMONY, False, ("A\nB", "")),
     ("<|chan", HARMONY, False, ("", "<|chan")),
     (  # gpt-oss's analysis messages one after another: all reasoning
         f"{HARMONY.open}A <|end|><|start|>assistant{HARMONY.open} B{HARMONY.forced}Hi",

@@ -5,7 +5,6 @@ process (a server missing, killed or stopped) is a typed error in ours (``rpc_fa
 from __future__ import annotations
 
 import copy
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -151,14 +150,14 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(
 ) -> None:
     """``local_servers`` hands out a free port that another process may bind first (parallel
     test workers do): that server exits, and it starts again elsewhere, never counting another
-    process's answer on the port as its own."""
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = iter([taken.getsockname()[1]])
-    free = rpc.free_port
-    monkeypatch.setattr(rpc, "free_port", lambda: next(ports, None) or free())
-    with taken, servers(1, threads=1) as started:
-        ((endpoint, process),) = started
-        assert endpoint != f"127.0.0.1:{taken.getsockname()[1]}" and process.poll() is None
-        rpc.preflight(rpc.parse_endpoint(endpoint), 5.0)
+    server's answer on the port as its own (here another RPC server's, which answers at once)."""
+    with servers(1, threads=1) as ((other, squatter),):
+        taken = rpc.parse_endpoint(other).port
+        ports = iter([taken])
+        free = rpc.free_port
+        monkeypatch.setattr(rpc, "free_port", lambda: next(ports, None) or free())
+        with servers(1, threads=1) as ((endpoint, process),):
+            port = rpc.parse_endpoint(endpoint).port
+            assert port != taken and process.poll() is None and rpc.listens(process.pid, port)
+            assert not rpc.listens(process.pid, taken) and rpc.listens(squatter.pid, taken)
+            rpc.preflight(rpc.parse_endpoint(endpoint), 5.0)

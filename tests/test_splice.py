@@ -54,6 +54,17 @@ def test_a_text_said_again_keeps_its_last_splits() -> None:
     assert kept == [(5,), (4,), (3,), (2,), (2,)]  # (latest first; past the kept, the earliest)
 
 
+def test_a_text_said_again_keeps_its_own_latest_split_within_the_budget() -> None:
+    cache = ReplyTokens(capacity=10, max_held=10)
+    cache.remember("a", [1, 2])
+    cache.remember("b", [1] * 6)
+    cache.remember("b", [2] * 6)  # (12 held: a goes, then b's older split)
+    assert cache.get("b") == cache.get("b", 1) == (2,) * 6 and cache.get("a") is None
+    for _ in range(3):
+        cache.remember("c", [7])  # (the same split again: kept once)
+    assert cache.get("c", 1) == (7,) and cache.get("b") == (2,) * 6
+
+
 def test_replies_are_found_in_order_once_each_or_as_often_as_said() -> None:
     assert found_in_order("xAyBz", ["A", "B"]) == ["x", "y", "z"]
     assert found_in_order("xAyAz", ["A", "A"]) == ["x", "y", "z"]  # (a call made twice)

@@ -10,13 +10,14 @@ not load the native libraries.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,26 @@ def server_command(port: int, host: str = "127.0.0.1", threads: int | None = Non
 START_TRIES = 3  # (``local_servers``: a server whose port was taken starts again elsewhere)
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (read from Linux's
+    ``/proc``; where it cannot be read, taken on trust)."""
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+            for line in table.read_text().splitlines()[1:] if table.exists() else ():
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # (0A: LISTEN)
+                    inodes.add(f"socket:[{fields[9]}]")
+    except (OSError, IndexError, ValueError):
+        return True
+    for fd in fds:
+        with suppress(OSError):
+            if os.readlink(fd) in inodes:
+                return True
+    return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -165,8 +186,8 @@ def local_servers(n: int, threads: int | None = None) -> Iterator[list[tuple[str
     """``n`` RPC servers on this machine's loopback (tests, benchmarks): their endpoints and
     processes, each answering the preflight before this yields; all killed on exit. A free
     port may be taken before its server binds it (another process picked it too): a server
-    that exits so is started again on another port, and one counts as up only if it is still
-    running once its port answers (else the answer was another's)."""
+    that exits so is started again on another port, and one counts as up only once it is the
+    one listening on its port (another's answer there is not its own)."""
     started: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def start(slot: int | None = None) -> None:
@@ -186,19 +207,16 @@ def local_servers(n: int, threads: int | None = None) -> Iterator[list[tuple[str
             deadline, starts = time.monotonic() + 30, 1
             while True:
                 endpoint, process = started[slot]
-                try:
+                with suppress(ModelLoadError):
                     preflight(parse_endpoint(endpoint), 1.0)
-                    if process.poll() is None:
+                    if process.poll() is None and listens(process.pid, parse_endpoint(endpoint).port):
                         break
-                except ModelLoadError:
-                    if time.monotonic() > deadline:
-                        raise
                 if process.poll() is not None and starts < START_TRIES:  # (its port was taken)
                     process.wait()
                     start(slot)
                     starts += 1
-                elif process.poll() is not None:
-                    raise ModelLoadError(f"the RPC server on {endpoint} exited ({process.returncode})")
+                elif process.poll() is not None or time.monotonic() > deadline:
+                    raise ModelLoadError(f"the RPC server on {endpoint} did not come up ({process.poll()})")
                 time.sleep(0.05)
         yield started
     finally:

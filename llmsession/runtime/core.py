@@ -322,8 +322,8 @@ class ModelCore:
         or the tool calls' (written with ``ids`` where the format carries them; after a block
         of reasoning the reply may open if ``thought`` gives its markers, or after the one its
         prompt opened, ``after_block``). Where ``thought``'s answer opens with a header of its
-        own (gpt-oss), a JSON schema's answer follows it, after the reasoning the reply may
-        open. The matcher's tokenizer is built on first use, once."""
+        own (gpt-oss), a JSON schema's, a regex's or a grammar's answer follows it, after the
+        reasoning the reply may open. The matcher's tokenizer is built on first use, once."""
         if not options.constrained:
             return None
         from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)

@@ -272,6 +272,8 @@ class LocalSession(Session):
         thought = markup.grammar_markers if markup and opens else None  # (it may reason, then call)
         after = reasoning is not None and reasoning.prompted  # (the calls' grammar begins after it)
         constraint = model.constraint(options, tools, ids, thought, after_block=after)
+        if reasoning is not None and constraint is not None and constraint.opened:
+            reasoning.splitter.keep_spaces = True  # (it holds the answer after the reply's block)
         record = weakref.WeakMethod(self._record)  # (the exchange never keeps its session alive)
 
         def finished(exchange: Exchange, reply: Reply) -> None:

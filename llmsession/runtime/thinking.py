@@ -37,10 +37,12 @@ class Thinking:
         calls: bool = False,
         message_end: int | None = None,
         native: NativeModel | None = None,
+        held: bool = False,
     ) -> None:
         self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
         self.message_end = message_end  # the closing marker's token, where it may end the reply
         self.native = native  # (its tokens' text: ``trim``)
+        self.held = held  # a constraint holds the reply (tools' too): ``trim`` looks
         closings = (tuple(resumed), self.closing) if calls else (self.closing, tuple(resumed))
         self.closings = tuple(c for c in closings if c)  # (the first its constraint allows)
         self.spelled = spelled  # the markers' special tokens: their text is needed to split
@@ -116,9 +118,9 @@ class Thinking:
         with content its constraint refuses (a text marker's last piece with a stop after it,
         ``>.`` for ``</think>``): the tokens of its text up to the marker's end, so the
         constraint begins where the content does (taken, else the reply would end in a
-        GrammarError). None otherwise."""
+        GrammarError). Nothing otherwise."""
         native = self.native
-        if token < 0 or native is None or not self.waits():
+        if token < 0 or native is None or not self.held or not self.waits():
             return []
         text = native.piece(token, special=token in self.spelled).decode("utf-8", "ignore")
         tail = self.splitter.closing_tail(text)
@@ -211,4 +213,4 @@ def thinking(
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
     spelled, resumed, end = markup.spelled, markup.resumed, markup.message_end
-    return Thinking(splitter, closing, budget, spelled, resumed, calls, end, native)
+    return Thinking(splitter, closing, budget, spelled, resumed, calls, end, native, held or calls)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llmsession.config import EFFORTS as LEVELS
 from llmsession.config import Effort
 from llmsession.errors import TemplateError
 from llmsession.options import (
@@ -124,13 +125,7 @@ MAX_KEEP_ALIVE = 10 * 365 * 86400.0
 
 # ``reasoning_effort`` as the template's effort (``SessionConfig.thinking``: gpt-oss's are low,
 # medium and high) and as a budget of reasoning tokens (None: unbounded).
-TEMPLATE_EFFORTS: dict[str, Effort] = {
-    "minimal": "low",
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "xhigh": "high",
-}
+TEMPLATE_EFFORTS: dict[str, Effort] = {"minimal": "low", **{e: e for e in LEVELS}, "xhigh": "high"}
 EFFORTS: dict[str, int | None] = {
     "none": 0,
     "minimal": 256,

@@ -185,7 +185,8 @@ class Splitter:
         """The content's header dropped (the longest the text begins with), or known absent;
         False while the text may still become one, or a longer one."""
         held, headers = self._held, self.markers.headers
-        if any(len(header) > len(held) and header.startswith(held) for header in headers):
+        openings = self.markers.openings if self.markers.nested else ()
+        if any(len(marker) > len(held) and marker.startswith(held) for marker in (*headers, *openings)):
             return False
         for header in sorted(headers, key=len, reverse=True):
             if held.startswith(header):
@@ -193,6 +194,7 @@ class Splitter:
                 self._again = header == self.markers.resume  # (a new message: its channel follows)
                 return True
         self._header = False
+        self._again = any(held.startswith(opening) for opening in openings)  # (its header left out)
         return True
 
     def _another(self) -> bool:
@@ -222,7 +224,8 @@ class Splitter:
                 self._held = self._held[len(label) :]
             self._label = False
         markers = self.markers
-        inner = (markers.close, *markers.breaks, *(markers.openings if markers.nested else ()))
+        nested = [f"{markers.resume}{o}" for o in markers.openings] + list(markers.openings)
+        inner = (markers.close, *markers.breaks, *(nested if markers.nested else ()))
         found = [(at, -len(m), m) for m in inner if (at := self._held.find(m)) >= 0]
         if found:
             at, _, marker = min(found)  # (the first; of two there, the longer)

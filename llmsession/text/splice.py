@@ -39,12 +39,15 @@ class ReplyTokens:
             return  # (a text larger than the whole budget would only push out every other)
         with self._lock:
             before = self._tokens.pop(text, ())
-            kept = (*before, tuple(tokens))[-self.VARIANTS :]
-            self._tokens[text] = kept
+            split = tuple(tokens)
+            kept = before if before[-1:] == (split,) else (*before, split)[-self.VARIANTS :]
             self._held += sum(map(len, kept)) - sum(map(len, before))
             budget = self.max_held if self.max_held is not None else self._held
-            while self._tokens and (len(self._tokens) > self.capacity or self._held > budget):
-                self._held -= sum(map(len, self._tokens.popitem(last=False)[1]))
+            while self._tokens and (len(self._tokens) >= self.capacity or self._held > budget):
+                self._held -= sum(map(len, self._tokens.popitem(last=False)[1]))  # (others first)
+            while self._held > budget:  # (then its own older splits: the latest fits alone)
+                self._held, kept = self._held - len(kept[0]), kept[1:]
+            self._tokens[text] = kept
 
     def copy(self) -> ReplyTokens:
         twin = ReplyTokens(self.capacity, self.max_held)
