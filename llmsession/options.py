@@ -170,8 +170,8 @@ def _require(name: str, value: object, ok: bool) -> None:
 
 
 def checked_options(options: GenerationOptions | None) -> GenerationOptions:
-    """A caller's options (defaults for None): a ``GenerationOptions``, which was validated
-    when it was made (it is frozen: every copy, ``dataclasses.replace`` too, is made anew)."""
+    """A caller's options (defaults for None): a ``GenerationOptions``, validated again here (a
+    few comparisons): it was when it was made, but a frozen dataclass can still be forced."""
     if options is None:
         return GenerationOptions()
     if not isinstance(options, GenerationOptions):
@@ -179,4 +179,5 @@ def checked_options(options: GenerationOptions | None) -> GenerationOptions:
             f"options must be a GenerationOptions, got {type(options).__name__} "
             "(write GenerationOptions(**values) for a dict)"
         )
+    options.validate()
     return options

@@ -88,12 +88,11 @@ def own_replies(session: Session) -> ReplyTokens:
 def splice_record(session: Session) -> ReplyTokens:
     """Every reply a session's prompts may splice, in one record a fresh session kept apart can
     be given to tokenize its transcript alike: its own first, then (if it shares) the model's."""
-    merged = ReplyTokens(capacity=1 << 20)
-    if session.share_prefix:
-        for text, tokens in list(session.model.replies._tokens.items()):
+    merged, own = ReplyTokens(capacity=1 << 20), dict(session.replies.items())
+    shared = session.model.replies.items() if session.share_prefix else []
+    for text, splits in [*((t, s) for t, s in shared if t not in own), *own.items()]:
+        for tokens in splits:  # (a text its own holds: only its own splits, as the prompt reads them)
             merged.remember(text, tokens)
-    for text, tokens in list(session.replies._tokens.items()):
-        merged.remember(text, tokens)
     return merged
 
 

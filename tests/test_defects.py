@@ -368,6 +368,15 @@ def test_bad_transcripts_and_options_are_typed_errors_before_decoding(smollm2: M
     assert session.messages == [] and session.cached_tokens == 0
     with pytest.raises(ValueError, match="stop"):
         GenerationOptions(stop=5)  # type: ignore[arg-type]
+    for name, bad in [("max_tokens", -1), ("top_k", 2**31), ("stop", ("",))]:  # (found by the fuzzer)
+        forced = GenerationOptions(max_tokens=3)
+        object.__setattr__(forced, name, bad)  # (frozen, yet forced: refused before anything runs)
+        for call in (session.respond, session.stream):
+            with pytest.raises(ValueError, match=f"GenerationOptions.{name}"):
+                call("Hi", forced)
+        with pytest.raises(ValueError, match=f"GenerationOptions.{name}"):
+            smollm2.chat([{"role": "user", "content": "Hi"}], forced)
+    assert session.messages == [] and session.cached_tokens == 0
 
 
 # Found by feeding PIL random bodies behind each format's magic: DDS raised NotImplementedError,

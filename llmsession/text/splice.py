@@ -55,6 +55,11 @@ class ReplyTokens:
             twin._tokens, twin._held = OrderedDict(self._tokens), self._held
         return twin
 
+    def items(self) -> list[tuple[str, tuple[tuple[int, ...], ...]]]:
+        """Every text and its kept splits (earliest first), least recently used first."""
+        with self._lock:
+            return list(self._tokens.items())
+
     def get(self, text: str, back: int = 0) -> tuple[int, ...] | None:
         """The tokens ``text`` was generated with last (``back``: that many times before the
         last, else the earliest kept)."""
