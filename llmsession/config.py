@@ -26,9 +26,8 @@ MAX_STATELESS_SESSIONS = 1 << 16
 MiB = 1 << 20
 
 
-Effort = Literal[
-    "low", "medium", "high"
-]  # a thinking template's reasoning effort (``SessionConfig.thinking``)
+# a thinking template's reasoning effort (``SessionConfig.thinking``)
+Effort = Literal["low", "medium", "high"]
 EFFORTS: tuple[Effort, ...] = get_args(Effort)
 
 

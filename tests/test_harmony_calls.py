@@ -23,7 +23,7 @@ from scripted import scripted
 from serve_helpers import KEY, running
 from tool_helpers import TIME, WEATHER
 
-from llmsession import GenerationOptions, Model
+from llmsession import GenerationOptions, Model, Reply, Session
 from llmsession.replies import ToolCall
 from llmsession.serve.app import create_app
 from llmsession.text.harmony import Opening, canonical
@@ -327,15 +327,19 @@ def test_a_schemas_answer_is_the_final_channel_after_the_reasoning(
     assert not played.refused and not played.off_script, played
     assert (reply.text, reply.parsed, reply.finish_reason) == (ANSWER, {"city": "Paris"}, "complete"), reply
     assert reply.reasoning == ("The user wants a city." if thought else "")
+    next_turn_reads_the_reply(session, reply, reasoned=bool(thought))
+
+
+def next_turn_reads_the_reply(session: Session, reply: Reply, *, reasoned: bool) -> None:
+    """The next turn decodes only what it adds, but where the reply reasoned: the template
+    drops an earlier turn's analysis, so the reply is decoded again (its prompt still read)."""
     first = session.cached_tokens
     again = session.respond("Another.", GenerationOptions(max_tokens=2, temperature=0))
-    if thought:  # (the template drops an earlier turn's analysis: the reply is decoded again)
+    if reasoned:
         assert again.usage.reused_tokens >= reply.usage.prompt_tokens, (again.usage, reply.usage)
     else:
-        assert again.usage.decoded_prompt_tokens <= again.usage.prompt_tokens - first + 1, (
-            again.usage,
-            first,
-        )
+        added = again.usage.prompt_tokens - first
+        assert again.usage.decoded_prompt_tokens <= added + 1, (again.usage, first)
 
 
 def test_a_schemas_answer_without_its_header_is_refused(
@@ -368,13 +372,7 @@ def test_a_regexs_or_a_grammars_answer_is_the_final_channel_too(
     assert not played.refused and not played.off_script, played
     assert (reply.text, reply.finish_reason) == ("42", "complete"), reply
     assert reply.reasoning == ("A number." if thought else "")
-    first = session.cached_tokens
-    again = session.respond("Another.", GenerationOptions(max_tokens=2, temperature=0))
-    if thought:  # (the template drops an earlier turn's analysis: the reply is decoded again)
-        assert again.usage.reused_tokens >= reply.usage.prompt_tokens, (again.usage, reply.usage)
-    else:
-        added = again.usage.prompt_tokens - first
-        assert again.usage.decoded_prompt_tokens <= added + 1, (again.usage, first)
+    next_turn_reads_the_reply(session, reply, reasoned=bool(thought))
 
 
 def test_the_answer_after_the_reasoning_keeps_the_whitespace_its_constraint_held(

@@ -250,7 +250,7 @@ class GuidedSampler:
     def catch_up(self, tokens: Sequence[int]) -> None:
         """The constraint begins with ``tokens``: content the reply wrote in the token that
         closed its reasoning, before the matcher saw any (GrammarError if it does not allow them)."""
-        if self.matcher.validate_tokens(list(tokens)) < len(tokens):
+        if not self.takes(tokens):
             raise GrammarError("the reply's content after its reasoning does not match its constraint")
         if not self.matcher.consume_tokens(list(tokens)):
             self._check()

@@ -22,6 +22,7 @@ of the whole reply.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from llmsession.text.harmony import FINAL, START
 
@@ -57,9 +58,16 @@ class Markers:
     breaks: tuple[str, ...] = ()
     nested: bool = False
 
-    @property
+    @cached_property
     def openings(self) -> tuple[str, ...]:
         return (self.open, *self.others)
+
+    @cached_property
+    def inner(self) -> tuple[str, ...]:
+        """What ends or goes on with a block from inside it: the closing marker, the breaks, and
+        with ``nested`` markers an opening (a new message's header before it too), markup."""
+        nested = (*(f"{self.resume}{o}" for o in self.openings), *self.openings) if self.nested else ()
+        return (self.close, *self.breaks, *nested)
 
     @property
     def closing(self) -> str:
@@ -224,8 +232,7 @@ class Splitter:
                 self._held = self._held[len(label) :]
             self._label = False
         markers = self.markers
-        nested = [f"{markers.resume}{o}" for o in markers.openings] + list(markers.openings)
-        inner = (markers.close, *markers.breaks, *(nested if markers.nested else ()))
+        inner = markers.inner
         found = [(at, -len(m), m) for m in inner if (at := self._held.find(m)) >= 0]
         if found:
             at, _, marker = min(found)  # (the first; of two there, the longer)
