@@ -300,7 +300,9 @@ def test_the_apis_carry_the_reasoning(served: Served) -> None:
     )
     pieces = [c.choices[0].delta for c in stream if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in pieces) == reasoning
-    off = client.chat.completions.create(model="m", messages=said, max_tokens=8, reasoning_effort="none")
+    off = client.chat.completions.create(  # (greedy: sampled, the model may open a block unasked)
+        model="m", messages=said, max_tokens=8, reasoning_effort="none", temperature=0
+    )
     assert getattr(off.choices[0].message, "reasoning_content", None) is None  # (closed by the template)
     thinking_on = client.chat.completions.create(
         model="m",
