@@ -213,6 +213,38 @@ def test_auto_answers_in_the_final_channel(model: Model, monkeypatch: pytest.Mon
     )
 
 
+def none(budget: int | None = None) -> GenerationOptions:
+    return GenerationOptions(
+        max_tokens=24, temperature=0, tools=[WEATHER, TIME], tool_choice="none", reasoning_budget=budget
+    )
+
+
+@pytest.mark.parametrize("thought", ["", f"{CHANNELS.open}Hm.<|end|><|start|>assistant"])
+def test_under_tool_choice_none_a_call_is_refused_and_the_reply_answers_as_text(
+    model: Model, thought: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tool_choice`` "none": the reply may reason, then answers in its final channel; a call
+    (a message of its own here) is refused by the mask. The variant that must fail: free, the
+    call's channel tags reached the text. The next turn renders it back."""
+    session = model.session()
+    with scripted(monkeypatch, model, f"{thought}{TEMPLATE_SPELLING}<|call|>") as played:
+        reply = session.respond(ASK, none())
+    assert (played.refused or played.off_script) and not reply.tool_calls, (played, reply)  # (or forced)
+    assert "<|" not in reply.text + reply.reasoning and "to=functions" not in reply.text, reply
+    assert reply.finish_reason in ("stop", "length"), reply  # (a plain reply's end, not "complete")
+    after = session.respond("Thanks.", GenerationOptions(max_tokens=2, temperature=0, tools=[WEATHER, TIME]))
+    assert after.usage.reused_tokens >= reply.usage.prompt_tokens, (after.usage, reply.usage)
+
+
+def test_under_tool_choice_none_a_budget_closes_the_reasoning_before_the_answer(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with scripted(monkeypatch, model, f"{CHANNELS.open}one two three four five six seven") as played:
+        reply = model.session().respond(ASK, none(budget=2))
+    assert (reply.reasoning, reply.usage.reasoning_tokens) == ("one two", 2), (played, reply)
+    assert "<|" not in reply.text and not reply.tool_calls, reply
+
+
 def test_the_grammar_holds_the_templates_spelling(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """The variant that must fail: the channel-header spelling, read when free, cannot be
     written under the grammar: after ``<|channel|>`` it forces the analysis channel (a budget

@@ -70,6 +70,7 @@ class Constraint:
     validator: Any = None  # the whole JSON schema, where the mask leaves keywords to it
     ends: tuple[int, ...] = ()  # every end-of-generation token (none while a constraint waits)
     opened: bool = False  # it holds the reply's reasoning and its answer's header too (``compile``)
+    plain: bool = False  # it holds where the text goes, not what it says: its end is a plain stop
 
     @classmethod
     def compile(
@@ -126,9 +127,12 @@ class Constraint:
         )
 
     @classmethod
-    def from_lark(cls, lark: str, tokenizer: llguidance.LLTokenizer, kind: str = "tools") -> Constraint:
-        """A constraint from a Lark grammar this library wrote (tool calls): GrammarError if
-        llguidance refuses it (a tool's schema it cannot take, say)."""
+    def from_lark(
+        cls, lark: str, tokenizer: llguidance.LLTokenizer, kind: str = "tools", *, plain: bool = False
+    ) -> Constraint:
+        """A constraint from a Lark grammar this library wrote (tool calls; ``plain``: where a
+        reply's free text goes): GrammarError if llguidance refuses it (a tool's schema it
+        cannot take, say)."""
         try:
             grammar = llguidance.grammar_from("lark", lark)
         except (ValueError, TypeError, RecursionError) as error:
@@ -136,12 +140,18 @@ class Constraint:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{kind}: {matcher.get_error()}")
-        return cls(matcher, tokenizer.eos_token, ends=tuple(tokenizer.eos_tokens))
+        return cls(matcher, tokenizer.eos_token, ends=tuple(tokenizer.eos_tokens), plain=plain)
 
     def sampler(self, chain: Sampler, n_vocab: int, waits: Callable[[], bool] | None = None) -> GuidedSampler:
         """A reply's sampler under this constraint (``GuidedSampler`` says what ``waits`` does)."""
         return GuidedSampler(
-            chain, self.matcher.deep_copy(), n_vocab, end=self.end, ends=self.ends, waits=waits
+            chain,
+            self.matcher.deep_copy(),
+            n_vocab,
+            end=self.end,
+            ends=self.ends,
+            waits=waits,
+            plain=self.plain,
         )
 
     def parse(self, text: str) -> Any:
@@ -187,8 +197,10 @@ class GuidedSampler:
         end: int,
         ends: Sequence[int] = (),
         waits: Callable[[], bool] | None = None,
+        plain: bool = False,
     ) -> None:
         self.chain, self.matcher, self.n_vocab, self.end = chain, matcher, n_vocab, end
+        self.plain = plain  # (never ``complete``: a reply ends as a plain one does)
         self.mask = np.full((n_vocab + 31) // 32, -1, dtype=np.int32)
         self.ends = np.array(sorted({end, *ends}), dtype=np.int64)
         self.waits = waits
@@ -197,8 +209,8 @@ class GuidedSampler:
     @property
     def complete(self) -> bool:
         """The reply so far satisfies the constraint (it may still allow more: ``12`` of an
-        integer)."""
-        return bool(self.matcher.is_accepting())
+        integer); never, where the constraint holds no more than where plain text goes."""
+        return not self.plain and bool(self.matcher.is_accepting())
 
     @property
     def finished(self) -> bool:

@@ -46,7 +46,7 @@ from llmsession.text.reasoning import Markers, markers_for
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import render_checked
 from llmsession.text.tool_formats import FORMATS, GEMMA4, GENERIC, ToolFormat, detect
-from llmsession.text.tool_grammar import answered, grammar
+from llmsession.text.tool_grammar import ANY_TEXT, answered, grammar
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
@@ -323,8 +323,11 @@ class ModelCore:
         of reasoning the reply may open if ``thought`` gives its markers, or after the one its
         prompt opened, ``after_block``). Where ``thought``'s answer opens with a header of its
         own (gpt-oss), a JSON schema's, a regex's or a grammar's answer follows it, after the
-        reasoning the reply may open. The matcher's tokenizer is built on first use, once."""
-        if not options.constrained:
+        reasoning the reply may open. Under tools it may not call (``tool_choice`` "none") such a
+        reply answers in its final channel, as text: a call is a message of its own there, whose
+        channel tags are no text. The matcher's tokenizer is built on first use, once."""
+        uncalled = tools is not None and tools.mode == "none" and thought is not None and bool(thought.answer)
+        if not options.constrained and not uncalled:
             return None
         from llmsession.native.constraints import Constraint, tokenizer  # (llguidance: loaded when needed)
 
@@ -343,6 +346,10 @@ class ModelCore:
             return Constraint.from_lark(lark, self._guidance)
         if thought is not None and thought.answer and self.reasoning is not None:  # (gpt-oss)
             specials = dict(self.reasoning.special)
+            if not options.constrained:  # (tool_choice "none": text in the final channel)
+                return Constraint.from_lark(
+                    answered(ANY_TEXT, thought, specials), self._guidance, "text", plain=True
+                )
             return Constraint.compile(options, self._guidance, lambda body: answered(body, thought, specials))
         return Constraint.compile(options, self._guidance)
 

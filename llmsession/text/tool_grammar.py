@@ -107,6 +107,9 @@ def grammar(
     )
 
 
+ANY_TEXT = r"/(.|\n)*/"  # (a Lark item: any text, no special token)
+
+
 def answered(body: str, thought: Markers, specials: Mapping[str, int]) -> str:
     """A Lark grammar for a constrained answer (``body``, a Lark item such as ``%json {...}``)
     that a reply may reason before, where an answer opens with a header of its own (gpt-oss:
