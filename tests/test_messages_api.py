@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -332,10 +333,24 @@ def test_volatile_lines_remove_only_the_billing_header() -> None:
         {"type": "text", "text": ""},
         {"type": "text", "text": "Hi"},
     ]
+    inside = {"role": "system", "content": f"Quote: {header}"}  # (not where a line begins: kept)
+    assert volatile.dropped(Transcript([inside])) == [inside]
     unchanged = Transcript([system, user])
     assert Volatile(()).dropped(unchanged) is unchanged and volatile.dropped(Transcript([user])) == [user]
     with pytest.raises(TypeError):
         Volatile("x-anthropic")
+
+
+def test_volatile_lines_take_linear_time_on_hostile_text() -> None:
+    """A system prompt of headers with no hash on one line, then on many: the default pattern
+    scans each line's start once, at most 1,024 characters (it scanned to the text's end from
+    every header: 256 KiB took about 17 s, a megabyte minutes, holding a parser all along)."""
+    volatile = Volatile(VOLATILE_LINES)
+    for glue in ("", "\n", "a" * 1000 + "\n"):
+        text = ("x-anthropic-billing-header:" + glue) * (256 * 1024 // (27 + len(glue)))
+        began = time.perf_counter()
+        assert volatile.dropped(Transcript([{"role": "system", "content": text}]))[0]["content"] == text
+        assert time.perf_counter() - began < 2.0, glue[:2]
 
 
 def test_the_command_names_its_volatile_lines(capsys: pytest.CaptureFixture[str]) -> None:

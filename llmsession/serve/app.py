@@ -60,8 +60,10 @@ FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
 # Text of a system prompt that changes every request and carries nothing for the model: removed
 # before rendering, so a resent conversation is read from the cache (``create_app``). Claude
-# Code's billing line, up to its per-request hash (``cch=<hex>;``) and the line break after it.
-VOLATILE_LINES = (r"x-anthropic-billing-header:[^\n]*?cch=[0-9a-fA-F]*;[ \t]*\n?",)
+# Code's billing line, up to its per-request hash (``cch=<hex>;``) and the line break after it,
+# where a line begins with it, its hash within 1,024 characters: a pattern is matched against
+# hostile text, so its work must stay linear (unbounded, a megabyte of headers took minutes).
+VOLATILE_LINES = (r"(?m)^x-anthropic-billing-header:[^\n]{0,1024}?cch=[0-9a-fA-F]*;[ \t]*\n?",)
 
 
 def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
