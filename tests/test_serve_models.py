@@ -169,6 +169,8 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
         finally:
             models.release("smol")
         assert http.post("/models/load", json={"model": "nope"}).status_code == 404
+        padded = b'{"model": "smol", "pad": [' + b",".join([b"1"] * (40 << 10)) + b"]}"  # (80 KiB)
+        assert http.post("/models/unload", content=padded).status_code == 413  # (parsed: seconds at 8 MiB)
         assert httpx.post(f"{base}/models/load", json={"model": "smol"}, timeout=10).status_code == 401
     assert states(url)["smol"] == "loaded"
 

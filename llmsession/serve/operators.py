@@ -37,9 +37,20 @@ def several(server: Server) -> ManyModels:
     return server.hosts
 
 
+MAX_OPERATOR_BODY = 64 << 10  # {"model": NAME} and little else
+
+
 async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
+    """The models and the name an operator's body asks for, read as a chat's body is (a few at
+    once, parsed off the event loop: JSON of megabytes takes seconds) and bounded far tighter."""
     hosts = several(server)
-    body = parse_json(await server.body(request))
+    async with server.parsing:
+        raw = await server.body(request)
+        if len(raw) > MAX_OPERATOR_BODY:
+            raise ApiError(
+                f"the request body is over the limit of {MAX_OPERATOR_BODY} bytes", None, None, 413
+            )
+        body = await asyncio.to_thread(parse_json, raw)
     name = body.get("model")
     if not isinstance(name, str) or name not in hosts.models:
         raise not_found(name if isinstance(name, str) else None, hosts.names)
