@@ -18,7 +18,8 @@ import pytest
 from near_ties import assert_same_within_noise, scored
 
 from llmsession import GenerationOptions, Image, Model, SessionFileError
-from llmsession.engine.sessionfile import read
+from llmsession.engine.sessionfile import read, write
+from llmsession.runtime.persistence import IMAGE_KEY
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +192,24 @@ def test_damaged_files_are_typed_errors_never_handed_to_llama_cpp(smollm2_path: 
     assert result.stdout.strip() == "ok"
     with pytest.raises(SessionFileError, match="cannot read"):
         read(tmp_path / "missing.llmsession")
+
+
+def test_fields_of_a_resigned_file_of_any_json_type_are_typed_errors(smollm2: Model, tmp_path: Path) -> None:
+    """A file rewritten and its checksums made again (anyone can): a cells' type or an image's
+    name that is a list is a ``SessionFileError`` or a note, never a TypeError from inside."""
+    path = tmp_path / "chat.llmsession"
+    session = smollm2.session()
+    session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+    session.save(path)
+    saved = read(path)
+    saved.compat["context"] = {**saved.compat["context"], "type_k": [1]}
+    write(path, saved)
+    reply = smollm2.load_session(path).respond("Go on", GenerationOptions(max_tokens=2, temperature=0))
+    assert "ggml type [1]" in reply.usage.cache_note and reply.usage.restored_tokens == 0, reply.usage
+    saved.messages[0] = {"role": "user", "content": [{"type": "image", IMAGE_KEY: ["x"]}]}
+    write(path, saved)
+    with pytest.raises(SessionFileError, match="not a digest"):
+        smollm2.load_session(path)
 
 
 def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:

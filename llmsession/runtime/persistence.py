@@ -133,9 +133,13 @@ def _cell_types(saved: object, now: object) -> str:
     if was is None or was == new:
         return ""
     names: dict[object, str] = {kv_ggml_type(name): name for name in KV_TYPES}
+
+    def named(kind: object) -> str:  # (what a file says may be anything JSON holds)
+        return names.get(kind, f"ggml type {kind}") if isinstance(kind, int) else f"ggml type {kind!r:.40}"
+
     return (
-        f"its KV cells are {names.get(was, f'ggml type {was}')} and this model's are "
-        f"{names.get(new, f'ggml type {new}')} (kv_type): a state reloads only into cells of its type"
+        f"its KV cells are {named(was)} and this model's are {named(new)} (kv_type): a state "
+        "reloads only into cells of its type"
     )
 
 
@@ -185,6 +189,8 @@ def _decode_part(part: Any, saved: SavedSession) -> Any:
     if not (isinstance(part, dict) and IMAGE_KEY in part):
         return part
     digest = part[IMAGE_KEY]
+    if not isinstance(digest, str):
+        raise SessionFileError(f"a saved image's name is not a digest: {digest!r:.40}")
     blob, size = saved.blobs.get(f"image:{digest}"), saved.images.get(digest)
     if blob is None or size is None or memoryview(blob).nbytes != size[0] * size[1] * 3:
         raise SessionFileError(f"the saved image {digest!r:.40} is missing or has the wrong size")
