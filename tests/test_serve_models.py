@@ -17,11 +17,12 @@ import openai
 import pytest
 from serve_helpers import KEY, running, three_models
 
-from llmsession import Models
+from llmsession import Models, SessionConfig
 from llmsession.commands.cli import parser
 from llmsession.commands.serve_models import model_files, several
 from llmsession.serve.app import create_app
 
+CONTEXT = SessionConfig(context_size=2048)  # (the server's: smaller than the models' own)
 SYSTEM = "You are a careful assistant. " + "Answer in a few words, plainly. " * 10
 ARGMAX = {"temperature": 0}
 
@@ -30,7 +31,9 @@ ARGMAX = {"temperature": 0}
 def served(
     smollm2_path: Path, gemma3_path: Path, fixture_path: Callable[[str], Path]
 ) -> Iterator[tuple[Models, str]]:
-    with three_models(smollm2_path, gemma3_path, fixture_path("bert-tiny.gguf"), api_key=KEY) as served:
+    with three_models(
+        smollm2_path, gemma3_path, fixture_path("bert-tiny.gguf"), api_key=KEY, session=CONTEXT
+    ) as served:
         yield served
 
 
@@ -161,7 +164,9 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
         }
         listed = http.get("/api/ps").json()["models"]
         assert [(m["name"], m["in_use"], m["expires_at"]) for m in listed] == [("smol", 0, None)]
-        assert listed[0]["size"] > smol_bytes(models) and listed[0]["context_length"] > 0
+        assert listed[0]["size"] > smol_bytes(models) and listed[0]["context_length"] == CONTEXT.context_size
+        card = http.get("/v1/models/smol").json()  # (what a request gets: not the model's own 8,192)
+        assert card["context_size"] == CONTEXT.context_size, card
         models.acquire("smol")  # (a request of it still running)
         try:
             refused = http.post("/models/unload", json={"model": "smol"})

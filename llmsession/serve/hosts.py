@@ -21,6 +21,7 @@ from llmsession.serve.runner import Admission
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
+    from llmsession.api.modelfiles import ModelStatus
     from llmsession.api.models import Models
 
 
@@ -136,10 +137,14 @@ class ManyModels:
     def cards(self) -> list[dict[str, Any]]:
         cards = []
         for status in self.models.status():
-            cards.append(
-                card(status.name, status.images, status.loaded, status.busy, status.context_size, status.kind)
-            )
+            context = self.context_size(status)
+            cards.append(card(status.name, status.images, status.loaded, status.busy, context, status.kind))
         return cards
+
+    def context_size(self, status: ModelStatus) -> int | None:
+        """The context a request of this model gets: the server's setting where it has one, else
+        the model's own (None until it first loaded)."""
+        return self.settings.context_size or status.context_size
 
     def loaded(self) -> list[Model]:
         with self._lock:

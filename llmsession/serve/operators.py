@@ -57,7 +57,7 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     return hosts, name
 
 
-def loaded_entry(status: ModelStatus) -> dict[str, Any]:
+def loaded_entry(status: ModelStatus, context: int | None) -> dict[str, Any]:
     """A loaded model as Ollama's ``/api/ps`` lists it, and what llmsession knows besides."""
     expires = None
     if status.unloads_in is not None:
@@ -68,7 +68,7 @@ def loaded_entry(status: ModelStatus) -> dict[str, Any]:
         "model": status.name,
         "size": status.resident_bytes,
         "size_vram": 0,
-        "context_length": status.context_size,
+        "context_length": context,
         "expires_at": expires,
         "in_use": status.users,
         "images": status.images,
@@ -76,8 +76,9 @@ def loaded_entry(status: ModelStatus) -> dict[str, Any]:
 
 
 async def ps(server: Server, request: Request) -> Response:
-    statuses = await asyncio.to_thread(several(server).models.status)
-    return JSONResponse({"models": [loaded_entry(s) for s in statuses if s.loaded]})
+    hosts = several(server)
+    statuses = await asyncio.to_thread(hosts.models.status)
+    return JSONResponse({"models": [loaded_entry(s, hosts.context_size(s)) for s in statuses if s.loaded]})
 
 
 async def load(server: Server, request: Request) -> Response:
