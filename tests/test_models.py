@@ -6,6 +6,8 @@ variant that must fail); a load with no room is refused and unloads nothing."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -265,3 +267,34 @@ def test_a_load_waits_for_an_unload_under_way_instead_of_refusing(
         with models.use("gemma") as gemma:
             assert gemma.chat([{"role": "user", "content": "Hi."}], GREEDY).text
         assert loaded(models) == {"smol": False, "gemma": True}
+
+
+def test_parked_conversations_leave_with_their_process_however_it_ends(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """The folder a ``Models`` parks conversations in (they hold what was said) is removed at
+    the interpreter's exit if the models were never closed, and, if its process was killed, by
+    the next ``Models`` of this host that parks in the same place. The variant that must fail:
+    a folder of a process still running is kept."""
+    code = (
+        "import os, sys\n"
+        "from llmsession import Models\n"
+        f"models = Models({{'smol': {str(smollm2_path)!r}}}, disk_cache_dir={str(tmp_path)!r})\n"
+        "print(os.getpid(), flush=True)\n"
+        "if sys.argv[1] == 'kill':\n"
+        "    os.kill(os.getpid(), 9)\n"
+    )
+    ended = subprocess.run([sys.executable, "-c", code, "exit"], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 0, ended.stderr
+    assert not list(tmp_path.iterdir())  # (never closed: removed at exit)
+    killed = subprocess.run([sys.executable, "-c", code, "kill"], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(f"llmsession-{int(killed.stdout)}@")
+    with Models({"smol": smollm2_path}, disk_cache_dir=tmp_path) as models:
+        assert not left.exists()
+        (mine,) = tmp_path.iterdir()  # (this process's own, running: kept by the next one)
+        with Models({"smol": smollm2_path}, disk_cache_dir=tmp_path):
+            assert mine.exists()
+        assert models.names == ["smol"]
+    assert not list(tmp_path.iterdir())

@@ -7,12 +7,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from llmsession.engine import parking
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -94,19 +98,27 @@ class Parked:
 
 
 class Folder:
-    """A private folder (0700) for parked conversations, removed with its ``Models``."""
+    """A private folder (0700) for parked conversations (they hold what was said), removed with
+    its ``Models`` or at the interpreter's exit; named as the parking lot's folders are
+    (``llmsession-<pid>@<host>-*``), so the next process of this host that makes one in the same
+    place removes it if its own process was killed."""
 
     def __init__(self, under: Path | None = None) -> None:
-        """In ``under`` (the disk cache folder, if there is one), else the system's temp folder."""
-        self.path = Path(tempfile.mkdtemp(prefix="llmsession-models-", dir=under))
+        """In ``under`` (the disk cache folder, made if missing), else the system's temp folder."""
+        place = Path(under) if under is not None else Path(tempfile.gettempdir())
+        place.mkdir(parents=True, exist_ok=True)
+        parking.sweep(place)
+        prefix = f"{parking.FOLDER_PREFIX}{os.getpid()}@{parking.host_name()}-"
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=place))
         self.count = 0
+        self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)
 
     def next_file(self) -> Path:
         self.count += 1
         return self.path / f"{self.count}.session"
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        self._remove()
 
 
 def park(model: Model, folder: Folder) -> list[Parked]:
