@@ -80,6 +80,41 @@ def test_cancelling_the_task_cancels_within_one_token(smollm2: Model) -> None:
     assert session.respond("Still there?", GREEDY).usage.reused_tokens > 0
 
 
+@pytest.mark.parametrize("how", ["arespond", "aclose"])
+def test_a_task_cancelled_twice_ends_once_its_session_is_free(smollm2: Model, how: str) -> None:
+    """``asyncio.timeout`` in a cancelled ``TaskGroup`` cancels a task twice: the second cancel
+    must not end the task while the step in flight still holds the session (the next call
+    raised SessionBusyError)."""
+    session = smollm2.session()
+    long = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 70
+
+    async def finish_by_closing() -> None:
+        stream = session.astream(long, GREEDY)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    async def main() -> None:
+        began = asyncio.Event()
+        work = session.arespond(long, GREEDY) if how == "arespond" else finish_by_closing()
+
+        async def run() -> None:
+            began.set()
+            await work
+
+        task = asyncio.create_task(run())
+        await began.wait()
+        await asyncio.sleep(0.3 if how == "arespond" else 0.05)  # (the prompt decoding)
+        for _ in range(2):
+            task.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert session.respond("Hi", GenerationOptions(max_tokens=1, temperature=0)).finish_reason == "length"
+
+
 def test_closed_before_its_first_step_it_never_starts(smollm2: Model) -> None:
     session = smollm2.session()
 

@@ -17,8 +17,8 @@ import asyncio
 import contextvars
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from llmsession.replies import Reply, Snapshot
 
@@ -155,7 +155,7 @@ class AsyncStream:
             item = await pump.queue.get()
         except asyncio.CancelledError:
             pump.cancel()
-            await asyncio.shield(self._finished())  # the step in flight ends first
+            await _through_cancels(self._finished())  # the step in flight ends first
             raise
         if item is _END or isinstance(item, _Failed):
             pump.queue.put_nowait(_END)  # (a later call ends too)
@@ -172,7 +172,7 @@ class AsyncStream:
     async def aclose(self) -> None:
         """Cancel and finish the reply (what was generated is kept)."""
         self._pump.cancel()
-        await self._finished()
+        await _through_cancels(self._finished())
 
     async def _finished(self) -> None:
         if self._started and self._pump.ended is not None:
@@ -183,6 +183,21 @@ class AsyncStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _through_cancels(finishing: Coroutine[Any, Any, None]) -> None:
+    """Await ``finishing`` to its end however often the awaiting task is cancelled meanwhile
+    (``asyncio.timeout`` inside a cancelled ``TaskGroup`` cancels twice): the session is free
+    once this returns; the first cancel is raised again by the caller, a later one here."""
+    task = asyncio.ensure_future(finishing)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def adrain(stream: AsyncStream) -> Reply:
