@@ -124,6 +124,36 @@ def test_a_context_after_its_model_closed_raises(smollm2_path: Path) -> None:
     assert result.stdout.strip() == "ok"
 
 
+def test_the_interpreter_exits_cleanly_while_a_daemon_thread_decodes(smollm2_path: Path) -> None:
+    """The main thread ends while a daemon thread's reply (a caller's thread, or ``astream``'s
+    pump) is decoding its prompt: the model still open is closed at exit before its native
+    objects are freed, so that step ends first. They were freed under the decode (SIGSEGV)."""
+    code = f"""
+    import asyncio, sys, threading, time
+    from llmsession import GenerationOptions, Model
+    m = Model({str(smollm2_path)!r}, threads=1, anticipate=False)
+    long = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 150
+    options = GenerationOptions(max_tokens=8, temperature=0)
+    if sys.argv[1] == "thread":
+        threading.Thread(target=m.session().respond, args=(long, options), daemon=True).start()
+    else:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(m.session().astream(long, options).__anext__())
+        loop.run_until_complete(asyncio.sleep(0.01))
+    time.sleep(float(sys.argv[2]))
+    print("exits", flush=True)
+    """
+    for how, delay in (("thread", "0.3"), ("thread", "1.0"), ("astream", "0.5")):
+        ended = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), how, delay],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert (ended.returncode, ended.stdout) == (0, "exits\n"), (how, delay, ended.stderr[-1500:])
+
+
 def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: Model) -> None:
     prompt = "Say: 🦙🦙🦙 🐍🐍🐍"
     system = "Repeat the user's message exactly."  # (a reply of emoji, each several tokens)

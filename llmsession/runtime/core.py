@@ -25,6 +25,7 @@ from llmsession.engine.prompt import Prompt
 from llmsession.errors import GrammarError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import GenerationOptions
+from llmsession.runtime import exiting
 from llmsession.runtime.attention import probed
 from llmsession.runtime.embedding import Embedder, Inputs
 from llmsession.runtime.identity import FileIdentities
@@ -136,6 +137,7 @@ class ModelCore:
         self.reasoning = markup_for(self.native, markers)  # (its tokens read once)
         self.tokenizer = PromptTokenizer(self.native, self.template)
         self.media_marker = self.projector.marker if self.projector else DEFAULT_MEDIA_MARKER
+        exiting.track(self)  # (closed at exit if still open: ``exiting``)
 
     def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
         """``inputs``' embeddings (``api.Model.embed``; ``runtime.embedding``)."""

@@ -1,0 +1,35 @@
+"""At the interpreter's exit, every model still open is closed before ``weakref.finalize``'s exit
+hook frees the native objects: a stream decoding in a daemon thread (``astream``'s pump, or a
+thread of the caller's) is cancelled and ends its step first (``ModelCore.close``), instead of
+decoding into a context freed under it (a segfault), and no finalizer abandons a generator that
+thread is running. atexit runs the newest hook first; this one is registered when the first
+model has loaded, after the native finalizers registered theirs."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from typing import Protocol
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_open: weakref.WeakSet[Closable] = weakref.WeakSet()
+_hook: list[object] = []
+
+
+def track(model: Closable) -> None:
+    """Close ``model`` at exit if it is still open then (once loaded: its finalizers exist)."""
+    _open.add(model)
+    if not _hook:
+        _hook.append(atexit.register(close_all))
+
+
+def close_all() -> None:
+    """Close every tracked model (the exit hook): each waits for its streams' steps in flight."""
+    for model in list(_open):
+        with contextlib.suppress(Exception):
+            model.close()
