@@ -275,6 +275,43 @@ def test_a_session_used_from_two_threads_raises_busy(smollm2: Model, monkeypatch
     assert errors, "a second thread must get SessionBusyError"
 
 
+def test_a_stream_dropped_in_one_thread_is_finished_before_another_threads_call(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream dropped mid-reply is finished by its finalizer in the thread that dropped it,
+    outside the session's guard; a call from another thread meanwhile waits for that to end
+    (the reply recorded) instead of starting without it (a prompt missing that turn, and the
+    transcript out of order). The finishing is slowed here to make the race certain."""
+    import llmsession.runtime.exchange as exchange
+
+    unhold = exchange._unhold
+
+    def slow_unhold(seat: Any, n_items: int) -> None:
+        if threading.current_thread().name == "dropper":
+            threading.Event().wait(0.5)
+        unhold(seat, n_items)
+
+    monkeypatch.setattr(exchange, "_unhold", slow_unhold)
+    session = smollm2.session("Be brief.")
+    options = GenerationOptions(max_tokens=4, temperature=0)
+    dropped = threading.Event()
+
+    def drop() -> None:
+        stream = session.stream("hi", options)
+        next(stream)
+        dropped.set()
+        del stream  # (finished here, by its finalizer)
+
+    dropper = threading.Thread(target=drop, name="dropper")
+    dropper.start()
+    assert dropped.wait(60)
+    threading.Event().wait(0.1)
+    reply = session.respond("yo", options)
+    dropper.join()
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hi", "yo"], session.messages
+    assert session.messages[-1]["content"] == reply.text
+
+
 def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
     """Each reply equals a lone session's within the measured noise (their cells lie elsewhere,
     and the two threads' steps may be decoded in one batch)."""

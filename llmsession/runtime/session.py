@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -124,6 +125,7 @@ class LocalSession(Session):
         self.looks_ahead = True  # decode the next prompt's opening after a reply (stateless: no)
         self._guard = Guard()  # one thread at a time; none once closed
         self._latest: Exchange | None = None  # the latest stream's exchange
+        self._ended = threading.Event()  # its stream's finishing has ended (``LocalStream.ended``)
         self._abandon: Callable[[], object] | None = None  # finishes it, once (not holding its stream)
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: anticipate.Ahead | None = None  # the next prompt's opening, decoding now
@@ -162,7 +164,7 @@ class LocalSession(Session):
                 prompt.close()
                 raise
             stream = LocalStream(self, exchange, self._guard)
-            self._latest, self._abandon = exchange, stream.abandon
+            self._latest, self._abandon, self._ended = exchange, stream.abandon, stream.ended
             return stream
 
     def clear_cached_context(self) -> None:
@@ -305,7 +307,8 @@ class LocalSession(Session):
         assert self._abandon is not None
         abandon, self._abandon, self._superseded = self._abandon, None, True
         try:
-            abandon()
+            abandon()  # (or, dropped in another thread, it finishes there: waited for)
+            self._ended.wait()
         finally:
             self._superseded = False
 

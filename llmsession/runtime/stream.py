@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Generator
 
 from llmsession.errors import ModelClosedError, SessionBusyError
 from llmsession.replies import Reply, Snapshot
@@ -40,8 +41,11 @@ class LocalStream(Stream):
         self.exchange = exchange
         self._guard = guard
         self._steps = exchange.run()
-        # Runs once: on close(), when the session moves on, or when the stream is dropped.
-        self.abandon = weakref.finalize(self, exchange.abandon, self._steps)
+        # Runs once: on close(), when the session moves on, or when the stream is dropped (then
+        # in the thread that dropped it, without the guard: ``ended`` tells the next call when
+        # it has finished, the reply recorded, so that call never starts before).
+        self.ended = threading.Event()
+        self.abandon = weakref.finalize(self, _finish, exchange, self._steps, self.ended)
 
     @property
     def reply(self) -> Reply | None:
@@ -67,5 +71,12 @@ class LocalStream(Stream):
         self.cancel()
         if self.exchange.done:
             return  # finished, or ended by its model's close()
-        with self._guard:
+        with self._guard.lock:  # (a step in flight in another thread ends first: it was cancelled)
             self.abandon()
+
+
+def _finish(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: threading.Event) -> None:
+    try:
+        exchange.abandon(steps)
+    finally:
+        ended.set()
