@@ -203,6 +203,22 @@ def test_wrong_content_types_are_refused_naming_the_message(role: str, content: 
         assert type(error) is TemplateError and f"message {index}" in str(error), (name, error)
 
 
+@pytest.mark.parametrize("where", ["content", "part", "reasoning_content"])
+def test_a_lone_surrogate_is_refused_naming_the_message(where: str) -> None:
+    """Text UTF-8 cannot encode could not be tokenized (a UnicodeEncodeError from inside)."""
+    messages = copy.deepcopy(ROUND)
+    index = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    bad = "fine \ud800 then"
+    if where == "part":
+        messages[index]["content"] = [{"type": "text", "text": bad}]
+    else:
+        messages[index][where] = bad
+    with pytest.raises(TemplateError, match=f"message {index}.*surrogate"):
+        check_messages(messages)
+    messages[index][where if where != "part" else "content"] = "fine \u00e9 then"  # (not ASCII: fine)
+    check_messages(messages)
+
+
 def test_a_tool_result_is_text_in_the_generic_format() -> None:
     parts = with_content(ROUND, 3, [{"type": "text", "text": '{"temp": 21}'}])
     how = RENDERERS["builtin, tools"]

@@ -9,6 +9,7 @@ collections, which is taken for an image (``llmsession.Image``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -51,6 +52,7 @@ def check_messages(
         for key in TEXT_FIELDS:
             if not isinstance(message.get(key, ""), str | None):
                 raise TemplateError(f"{where}: {key} must be a str, got {type(message[key]).__name__}")
+            _check_text(f"{where}: {key}", message.get(key) or "")
         answered = message.get("tool_call_id")
         if role == "tool" and (not isinstance(answered, str) or (answers and answered not in made)):
             raise TemplateError(f"{where}: tool_call_id {answered!r:.40} answers no earlier call")
@@ -61,8 +63,20 @@ TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content")
 NOT_IMAGES = (bool, int, float, complex, list, tuple, set, frozenset)  # (nor None)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(where: str, text: str) -> None:
+    """Text UTF-8 can encode: a lone surrogate (``"\\ud800"``) could not be tokenized."""
+    if not text.isascii() and _SURROGATE.search(text) is not None:
+        raise TemplateError(f"{where}: the text holds a lone surrogate, which UTF-8 cannot encode")
+
+
 def _check_content(where: str, content: object, *, may_be_none: bool) -> None:
-    if isinstance(content, str) or (content is None and may_be_none):
+    if isinstance(content, str):
+        _check_text(where, content)
+        return
+    if content is None and may_be_none:
         return
     if not isinstance(content, list | tuple):
         raise TemplateError(
@@ -79,6 +93,7 @@ def _check_content(where: str, content: object, *, may_be_none: bool) -> None:
                 )
             if not isinstance(part.get("text"), str):
                 raise TemplateError(f"{where}, part {j}: a text part needs a str 'text'")
+            _check_text(f"{where}, part {j}", part["text"])
         elif part is None or isinstance(part, NOT_IMAGES):
             raise TemplateError(
                 f"{where}, part {j}: a part is a str, a text or image dict, or an image, "
