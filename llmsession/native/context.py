@@ -3,6 +3,7 @@ state. Part of the native layer (see ``native``): every call's return code is ch
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Sequence
@@ -24,12 +25,14 @@ from llmsession.native.llama import (
 )
 from llmsession.native.machine import within_cores
 from llmsession.native.reports import made_reporting
+from llmsession.native.stateblob import StateLayout, layout, learned, refusal
 from llmsession.native.threadpool import POOLED, ThreadPool
 from llmsession.options import KV_TYPES
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+log = logging.getLogger("llmsession")
 DECODE_ABORTED = 2  # llama_decode's return code when the abort callback stopped it
 
 
@@ -121,14 +124,21 @@ class NativeContext(Owner):
         row = model.n_vocab + (model.n_embd_out if embeddings or model.has_encoder else 0)
         self.reported, self.buffers = reported, reported + rows * row * 4
         self._memory = lib.llama_get_memory(self.ptr)
-        self.own_cells = own_cells and n_seq_max > 1
+        self.own_cells, self.n_seq_max = own_cells and n_seq_max > 1, n_seq_max
         whole = lib.llama_n_ctx_seq(self.ptr) if self.own_cells else lib.llama_n_ctx(self.ptr)
         self.n_ctx: int = min(n_ctx // n_seq_max if self.own_cells else n_ctx, whole)  # a sequence's
-        self.n_batch, self.n_seq_max = n_batch, n_seq_max
-        self.batch = Batch(n_batch, rows)
+        self.state_layout = self._expected_state(model, whole, params.type_k)
+        self.n_batch, self.batch = n_batch, Batch(n_batch, rows)
         self._flag = AbortFlag()
         self._abort_cb = abort_callback(self._flag)
         self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)
+
+    def _expected_state(self, model: NativeModel, cells: int, kv_type: int) -> StateLayout | None:
+        """What a sequence's state holds (``stateblob``): the model's parts, each recurrent part's
+        rows as an empty state has them (sequence 0's: every sequence is empty now)."""
+        streams, memory = self.n_seq_max if self.own_cells else 1, self._memory != bindings()[1].NULL
+        expected = layout(model.memory_shape(), cells=cells, streams=streams, kv_type=kv_type, memory=memory)
+        return expected and learned(expected, self.state_get(0))
 
     @property
     def abort(self) -> threading.Event:
@@ -313,15 +323,21 @@ class NativeContext(Owner):
         return blob
 
     def state_set(self, blob: Buffer, seq: int = 0, *, partial: bool = False) -> bool:
-        """Load a state this build wrote for the same model and layout into ``seq`` (never
-        anything else: llama.cpp's loaders abort on malformed input); False if llama.cpp
-        refused it (then ``seq`` is empty)."""
+        """Load a state this build wrote for the same model and layout into ``seq``; False (``seq``
+        empty) if ``stateblob`` refused it first (llama.cpp's loaders abort on some malformed
+        input) or llama.cpp did; a memory ``stateblob`` cannot read (an architecture of its own
+        kind) loads unchecked. Callers check the positions restored against their record."""
         lib, ffi = bindings()
         self.check_seq(seq)
-        with ffi.from_buffer("uint8_t[]", blob) as source:
-            size = len(source)
-            if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:
-                return True
+        expected = self.state_layout.partial() if partial and self.state_layout else self.state_layout
+        why = refusal(blob, expected) if expected else None
+        if why is not None:
+            log.info("a saved sequence state was not loaded: %s", why)
+        else:
+            with ffi.from_buffer("uint8_t[]", blob) as source:
+                size = len(source)
+                if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:
+                    return True
         lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return False
 

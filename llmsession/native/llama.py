@@ -28,6 +28,7 @@ from llmsession.errors import (
     ModelLoadError,
     NativeError,
 )
+from llmsession.native.stateblob import Shape
 
 GGUF_MAGIC = b"GGUF"
 
@@ -168,6 +169,18 @@ class NativeModel(Owner):
         start = int(lib.llama_model_decoder_start_token(self.ptr))  # -1: BOS, as llama.cpp's tools do
         self.decoder_start: int = start if start >= 0 else int(lib.llama_vocab_bos(self._vocab))
         self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
+
+    def memory_shape(self) -> Shape:
+        """What its memory's saved states depend on (``stateblob.layout``): its architecture,
+        layers, window, kinds of memory, MLA (no V cache) and M-RoPE (cells with 2D positions)."""
+        lib, ffi = bindings()
+        ptr, buf = self.ptr, ffi.new("char[256]")
+        found = lib.llama_model_meta_val_str(ptr, b"general.architecture", buf, 256) >= 0
+        arch = ffi.string(buf).decode("utf-8", "replace") if found else ""
+        mla = lib.llama_model_meta_val_str(ptr, f"{arch}.attention.key_length_mla".encode(), buf, 256) >= 0
+        mrope = lib.llama_model_rope_type(ptr) in (lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE)
+        kinds = bool(lib.llama_model_is_recurrent(ptr)), bool(lib.llama_model_is_hybrid(ptr))
+        return Shape(arch, int(lib.llama_model_n_layer(ptr)), self.n_swa, *kinds, mla=mla, mrope=mrope)
 
     @property
     def vocab(self) -> Any:

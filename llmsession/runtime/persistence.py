@@ -102,7 +102,7 @@ def restore(
     reason = _mismatch(saved, compat(model, swa_full), context_size, model.native.n_vocab)
     try:
         if not reason and not model.engine.adopt(lease, saved.blobs["state"], saved.record):
-            reason = "llama.cpp did not accept the saved state"
+            reason = "the saved state is not one this build writes for this model"
     except MemoryBudgetError as error:  # other sessions' exchanges hold all the live memory
         reason = f"no live memory was free to load it: {error}"
     restored = 0 if reason else len(saved.record)
