@@ -64,18 +64,18 @@ class SlowInit:
         time.sleep(0.4)  # the context is still being made when the main thread ends
         return lib.llama_init_from_model(model, params)
 
-real_free = native._free_model
-def watched_free(l, ptr):
+real_free = native.free_model
+def watched_free(l, ptr, uses):
     warming = any(t.name == "llmsession-warm" and t.is_alive() for t in threading.enumerate())
     freed_while_warming.append(warming)
     if warming:
         sys.stderr.write("the model was freed while its context was being made\\n")
         sys.stderr.flush()
         native.os._exit(3)
-    real_free(l, ptr)
+    real_free(l, ptr, uses)
 
 native._loaded = (SlowInit(), ffi)
-native._free_model = watched_free
+native.free_model = watched_free
 m = Model(sys.argv[1], threads=1)
 try:
     m.detokenize([10**6])

@@ -164,6 +164,8 @@ class Model(RawCompletions):
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
         return self._backend.tokenize(text, add_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:

@@ -28,6 +28,7 @@ from llmsession.errors import (
     ModelLoadError,
     NativeError,
 )
+from llmsession.native.inuse import InUse, free_model, holding
 from llmsession.native.stateblob import Shape
 
 GGUF_MAGIC = b"GGUF"
@@ -76,10 +77,6 @@ def raise_pending() -> None:
     error = take_pending_error()
     if error is not None:
         raise error
-
-
-def _free_model(lib: Any, ptr: Any) -> None:
-    lib.llama_model_free(ptr)
 
 
 class Owner:
@@ -134,6 +131,10 @@ def device_names(endpoints: Sequence[str]) -> list[str]:
     ]
 
 
+@holding(  # (the methods using the model or its vocabulary: ``close`` waits for them)
+    "memory_shape chat_template token_text bos eos tokenize_bytes vocabulary piece cuts_in_segments"
+    " special_tokens is_special detokenize is_eog apply_template"
+)
 class NativeModel(Owner):
     """Owns a ``llama_model``; ``close()`` closes its contexts and projector first."""
 
@@ -143,6 +144,7 @@ class NativeModel(Owner):
         path = Path(path)
         check_gguf_file(path)  # the caller's mistake first, whether or not the libraries load
         lib, ffi = bindings()
+        self.uses = InUse()  # (``in_use``: the calls under way, which ``close`` waits for)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
         devices = rpc_devices(rpc_servers)
@@ -151,7 +153,7 @@ class NativeModel(Owner):
             params.devices = listed
         pointer = lib.llama_model_load_from_file(c_string(str(path), "model path"), params)
         if pointer != ffi.NULL:
-            self._free = weakref.finalize(self, _free_model, lib, pointer)
+            self._free = weakref.finalize(self, free_model, lib, pointer, self.uses)
         raise_pending()  # Ctrl-C while loading: the finalizer above frees what was loaded
         self._ptr = not_null(pointer, f"loading model {path}", ModelLoadError)
         self._vocab = lib.llama_model_get_vocab(self.ptr)
@@ -202,6 +204,7 @@ class NativeModel(Owner):
         return sum(child.buffers for child in self.children() if not child.closed)
 
     def close(self) -> None:
+        self.uses.close()  # (new calls refused, those under way waited for: ``inuse``)
         for child in self.children():
             child.close()
         super().close()

@@ -381,15 +381,18 @@ class ModelCore:
 
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free the shared
-        memory, then the projector and the model. Any later use raises ModelClosedError."""
+        memory, then the projector and the model, each once the calls using it outside sessions
+        are done (a prompt's images tokenized, a text tokenized or rendered: ``native.in_use``).
+        Any later use raises ModelClosedError."""
         for session in list(self.sessions):
             session.shut()
         anticipate.stop_all(self.engine)  # collected sessions' too
         self.embedder.close()  # (waits for an embed under way)
         self.engine.close()
         if self.projector is not None:
-            self.projector.close()
-        self.native.close()
+            with self.projector.lock:  # (a stateless prompt's images may be tokenizing)
+                self.projector.close()
+        self.native.close()  # (waits for the calls under way; refuses new ones)
 
     @property
     def closed(self) -> bool:
