@@ -82,20 +82,24 @@ class Engine:
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
         self.moves = Mover(self.lot, self.counters)  # carries out the ledger's steps
-        self._shared_contexts: dict[tuple[bool, int], SharedContext] = {}
+        self._shared_contexts: dict[bool, SharedContext] = {}  # by swa_full: one a layout
         self._keys = itertools.count()
         self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
         self._closed = False
 
     def lease(self, *, swa_full: bool, batch_size: int, shares: bool = True) -> Lease:
-        """A new session's place. Sessions share one context per layout. The small sliding-window
-        cache (``swa_full=False``, a memory saver) holds the window plus one batch per sequence:
-        its sessions take turns in a context of their batch size, one live at a time (a unified
-        small-window cache let a deep rewind's logits drift past the split-noise tolerance)."""
+        """A new session's place. Sessions share one context per layout, made with the model's
+        batch size; a session's own ``batch_size`` (at most that) only cuts its prompts. The small
+        sliding-window cache (``swa_full=False``, a memory saver) holds the window plus one batch
+        per sequence: its sessions take turns in a context of their own, one live at a time (a
+        unified small-window cache let a deep rewind's logits drift past the split-noise
+        tolerance), freed when the last of them goes (``release``)."""
+        if not 0 < batch_size <= self.config.batch_size:
+            raise ValueError(f"batch_size {batch_size}: 1 to the model's {self.config.batch_size}")
         n_swa = max(0, self.native.n_swa)
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
         with self.hold():
-            home = self._shared_context(swa_full, batch_size)
+            home = self._shared_context(swa_full)
             recurrent = self.config.checkpoints if self.native.is_recurrent else None
             window = 0 if swa_full else n_swa
             lease = Lease(home, next(self._keys), n_swa, window, checkpoints=recurrent, shares=shares)
@@ -108,16 +112,18 @@ class Engine:
         """Whether a thread waits for the lock (background work gives way to it)."""
         return self.gate.contended
 
-    def _shared_context(self, swa_full: bool, batch_size: int) -> SharedContext:
-        layout = (True, self.config.batch_size) if swa_full else (False, batch_size)
-        if layout not in self._shared_contexts:
+    def _shared_context(self, swa_full: bool) -> SharedContext:
+        """The layout's shared context, made with the model's batch size whatever its sessions'
+        (keyed by a session's, every ``context_size`` under 512 made another context of
+        ``kv_tokens`` cells, kept until the model closed)."""
+        if swa_full not in self._shared_contexts:
             live = self.config.max_live_sessions if swa_full else 1
             c = self.config
             own, cells = self.own_cells(swa_full), self.session_cells(swa_full)
             make = functools.partial(
                 self.make_context,
                 n_ctx=cells * live if own else cells,
-                n_batch=layout[1],
+                n_batch=c.batch_size,
                 threads=self.threads,
                 swa_full=swa_full,
                 n_seq_max=live,
@@ -125,8 +131,9 @@ class Engine:
                 own_cells=own,
             )
             budget = Budget(cells, max_live=live, host_bytes=c.host_cache_bytes, own_cells=own)
-            self._shared_contexts[layout] = SharedContext(make, budget, swa_full=swa_full, n_batch=layout[1])
-        return self._shared_contexts[layout]
+            home = SharedContext(make, budget, swa_full=swa_full, n_batch=c.batch_size)
+            self._shared_contexts[swa_full] = home
+        return self._shared_contexts[swa_full]
 
     def own_cells(self, swa_full: bool) -> bool:
         """Whether live sessions of this layout have cells of their own (``uses_own_cells``; a
@@ -153,7 +160,7 @@ class Engine:
         if self.native.has_encoder:
             return None  # its exchanges take contexts of their own
         with self.hold():
-            home = self._shared_context(True, self.config.batch_size)
+            home = self._shared_context(True)
 
         def make() -> None:
             with self.hold():
@@ -178,6 +185,14 @@ class Engine:
         """Forget a session's state wherever it is: the session goes cold."""
         with self.hold():
             self._free(lease, lease.shared_context.residency.cool(lease.key))
+            lease.cache.reset()
+
+    def release(self, lease: Lease) -> None:
+        """Its session was closed: forget its state and the session itself, as a collected one
+        is (``bury``), at once."""
+        with self.hold():
+            if not self._closed:
+                self._forget(lease)
             lease.cache.reset()
 
     @contextmanager
@@ -349,11 +364,20 @@ class Engine:
 
     def _reap(self) -> None:
         while self._dead:
-            lease = self._dead.pop()
-            home = lease.shared_context
-            if lease.key in home.leases:
-                self._free(lease, home.residency.remove(lease.key))
-                del home.leases[lease.key]
+            self._forget(self._dead.pop())
+
+    def _forget(self, lease: Lease) -> None:
+        """A session that went (closed or collected) no longer counts; the small sliding-window
+        layout's context goes with its last session (made again for the next), so that what it
+        holds is held only while a session may use it. The default layout's stays (warm)."""
+        home = lease.shared_context
+        if lease.key not in home.leases:
+            return
+        self._free(lease, home.residency.remove(lease.key))
+        del home.leases[lease.key]
+        if not home.leases and not home.swa_full and self._shared_contexts.get(False) is home:
+            del self._shared_contexts[False]
+            home.close()
 
     def _free(self, lease: Lease, steps: list[Move]) -> None:
         """Let a session's state go on purpose (closed or collected): not an eviction. Its

@@ -192,7 +192,7 @@ class LocalSession(Session):
             return
         self.shut(model_closing=False)
         if not self.model.closed:
-            self.model.engine.discard(self.lease)
+            self.model.engine.release(self.lease)  # (its state, and a small window's context)
 
     @property
     def config(self) -> SessionConfig:
