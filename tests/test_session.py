@@ -312,6 +312,48 @@ def test_a_stream_dropped_in_one_thread_is_finished_before_another_threads_call(
     assert session.messages[-1]["content"] == reply.text
 
 
+def test_a_kept_session_whose_dropped_stream_is_finishing_is_not_taken(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stateless variant: while a dropped ``chat_stream``'s finishing runs in the thread
+    that dropped it, its kept session is not idle, so another thread's call does not take it
+    (it set the session's history, then the finishing appended the old turn to it). The
+    finishing is slowed where the reply is recorded: the exchange is done, the transcript not."""
+    from llmsession.runtime.core import ModelCore
+
+    remember = ModelCore.remember_reply
+
+    def slow_remember(self: ModelCore, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "dropper":
+            threading.Event().wait(0.5)
+        return remember(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelCore, "remember_reply", slow_remember)
+    options = GenerationOptions(max_tokens=4, temperature=0)
+    said = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    dropped = threading.Event()
+
+    def drop() -> None:
+        stream = smollm2.chat_stream(said, options, tenant="dropping", conversation="c")
+        next(stream)
+        dropped.set()
+        del stream
+
+    dropper = threading.Thread(target=drop, name="dropper")
+    dropper.start()
+    assert dropped.wait(60)
+    threading.Event().wait(0.1)
+    reply = smollm2.chat(said, options, tenant="dropping", conversation="c")
+    dropper.join()
+    taken = smollm2.take_conversation("c")
+    assert taken is not None
+    session, _ = taken
+    try:
+        assert [m["content"] for m in session.messages] == ["Be brief.", "hi", reply.text], session.messages
+    finally:
+        session.close()
+
+
 def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
     """Each reply equals a lone session's within the measured noise (their cells lie elsewhere,
     and the two threads' steps may be decoded in one batch)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -35,7 +34,7 @@ from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
-from llmsession.runtime.stream import Guard, LocalStream
+from llmsession.runtime.stream import Finishing, Guard, LocalStream
 from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import reads_effort
@@ -125,7 +124,7 @@ class LocalSession(Session):
         self.looks_ahead = True  # decode the next prompt's opening after a reply (stateless: no)
         self._guard = Guard()  # one thread at a time; none once closed
         self._latest: Exchange | None = None  # the latest stream's exchange
-        self._ended = threading.Event()  # its stream's finishing has ended (``LocalStream.ended``)
+        self._ended = Finishing()  # its stream's finishing (``LocalStream.ended``)
         self._abandon: Callable[[], object] | None = None  # finishes it, once (not holding its stream)
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: anticipate.Ahead | None = None  # the next prompt's opening, decoding now
@@ -214,7 +213,8 @@ class LocalSession(Session):
         it records the reply and decodes the next prompt's opening ahead)."""
         latest = self._latest
         done = latest is None or latest.done  # (read first: once done, only a new call takes the guard)
-        return done and not self._guard.closed and not self._guard.lock.locked()
+        finishing = self._ended.under_way  # (a stream dropped in another thread: finishing there)
+        return done and not finishing and not self._guard.closed and not self._guard.lock.locked()
 
     @property
     def closed(self) -> bool:

@@ -44,7 +44,7 @@ class LocalStream(Stream):
         # Runs once: on close(), when the session moves on, or when the stream is dropped (then
         # in the thread that dropped it, without the guard: ``ended`` tells the next call when
         # it has finished, the reply recorded, so that call never starts before).
-        self.ended = threading.Event()
+        self.ended = Finishing()
         self.abandon = weakref.finalize(self, _finish, exchange, self._steps, self.ended)
 
     @property
@@ -71,11 +71,32 @@ class LocalStream(Stream):
         self.cancel()
         if self.exchange.done:
             return  # finished, or ended by its model's close()
-        with self._guard.lock:  # (a step in flight in another thread ends first: it was cancelled)
+        # A step in flight in another thread ends first (it was cancelled); bounded, in case this
+        # thread is the one holding the guard (a collected object's close, say): busy, as before.
+        if not self._guard.lock.acquire(timeout=CLOSE_WAIT_S):
+            raise SessionBusyError("this session is generating in another thread")
+        try:
             self.abandon()
+        finally:
+            self._guard.lock.release()
 
 
-def _finish(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: threading.Event) -> None:
+CLOSE_WAIT_S = 10.0
+
+
+class Finishing(threading.Event):
+    """Set once a stream's finishing (``LocalStream.abandon``) has ended; ``began`` once it has
+    started, in whichever thread: a session is not idle in between."""
+
+    began = False
+
+    @property
+    def under_way(self) -> bool:
+        return self.began and not self.is_set()
+
+
+def _finish(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing) -> None:
+    ended.began = True
     try:
         exchange.abandon(steps)
     finally:
