@@ -219,6 +219,23 @@ def test_a_lone_surrogate_is_refused_naming_the_message(where: str) -> None:
     check_messages(messages)
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"city": "\\ud800"}', {"city": "\ud800"}, {"\udfff": 1}],  # (escaped: the templates parse it)
+)
+def test_a_lone_surrogate_in_a_call_or_a_tool_is_refused(arguments: Any) -> None:
+    messages = copy.deepcopy(ROUND)
+    messages[2]["tool_calls"] = [{**CALL, "function": {"name": "get_weather", "arguments": arguments}}]
+    with pytest.raises(TemplateError, match=r"message 2.*surrogate"):
+        check_messages(messages)
+    paired = '{"city": "\\ud83d\\ude00"}'  # (an escaped pair is one character: fine)
+    messages[2]["tool_calls"] = [{**CALL, "function": {"name": "get_weather", "arguments": paired}}]
+    check_messages(messages)
+    bad_tool = {"type": "function", "function": {"name": "f", "description": "a\ud800"}}
+    with pytest.raises(ValueError, match="surrogate"):
+        checked_tools([bad_tool])
+
+
 def test_a_tool_result_is_text_in_the_generic_format() -> None:
     parts = with_content(ROUND, 3, [{"type": "text", "text": '{"temp": 21}'}])
     how = RENDERERS["builtin, tools"]

@@ -68,8 +68,30 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _check_text(where: str, text: str) -> None:
     """Text UTF-8 can encode: a lone surrogate (``"\\ud800"``) could not be tokenized."""
-    if not text.isascii() and _SURROGATE.search(text) is not None:
+    if lone_surrogate(text):
         raise TemplateError(f"{where}: the text holds a lone surrogate, which UTF-8 cannot encode")
+
+
+def lone_surrogate(value: object) -> bool:
+    """Whether JSON-like ``value`` holds a str with a lone surrogate, which UTF-8 cannot encode
+    (JSON text's own ``\\ud800`` escapes count once it is parsed: templates parse it)."""
+    if isinstance(value, str):
+        return not value.isascii() and _SURROGATE.search(value) is not None
+    if isinstance(value, Mapping):
+        return any(lone_surrogate(key) or lone_surrogate(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return any(lone_surrogate(item) for item in value)
+    return False
+
+
+def _parsed_if_escaped(text: str) -> object:
+    """JSON text as the templates read it, where it may escape a surrogate (else itself)."""
+    if "\\u" not in text:
+        return text
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
 
 
 def _check_content(where: str, content: object, *, may_be_none: bool) -> None:
@@ -117,6 +139,16 @@ def _checked_calls(where: str, message: Message) -> set[str]:
         ident = call.get("id")
         if not isinstance(ident, str):
             raise TemplateError(f"{where}: a tool call's id must be a str, got {ident!r:.40}")
+        said = (
+            function["name"],
+            ident,
+            _parsed_if_escaped(arguments) if isinstance(arguments, str) else arguments,
+        )
+        try:
+            if lone_surrogate(said):
+                raise TemplateError(f"{where}: a tool call holds a lone surrogate, which UTF-8 cannot encode")
+        except RecursionError:
+            raise TemplateError(f"{where}: a tool call's arguments are nested too deep") from None
         ids.add(ident)
     return ids
 
