@@ -30,6 +30,12 @@ def track(model: Closable) -> None:
 
 def close_all() -> None:
     """Close every tracked model (the exit hook): each waits for its streams' steps in flight."""
-    for model in list(_open):
+    for _ in range(3):  # (a model another thread adds meanwhile changes the set: read again)
+        with contextlib.suppress(RuntimeError):
+            models = list(_open)
+            break
+    else:
+        return
+    for model in models:
         with contextlib.suppress(Exception):
             model.close()

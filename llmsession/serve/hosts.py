@@ -142,8 +142,11 @@ class ManyModels:
         return cards
 
     def context_size(self, status: ModelStatus) -> int | None:
-        """The context a request of this model gets: the server's setting where it has one, else
-        the model's own (None until it first loaded)."""
+        """The context a request of this model gets: the server's setting where it has one (not
+        an embedding model's: its inputs take the model's own), else the model's own (None until
+        it first loaded)."""
+        if status.kind == "embedding":
+            return status.context_size
         return self.settings.context_size or status.context_size
 
     def loaded(self) -> list[Model]:

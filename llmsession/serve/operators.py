@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from llmsession.serve.body import parse_json
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, not_found
+from llmsession.serve.http import declared
 
 if TYPE_CHECKING:
     from llmsession.api.modelfiles import ModelStatus
@@ -44,6 +45,8 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     """The models and the name an operator's body asks for, read as a chat's body is (a few at
     once, parsed off the event loop: JSON of megabytes takes seconds) and bounded far tighter."""
     hosts = several(server)
+    if declared(request) > MAX_OPERATOR_BODY:  # (refused before it is read)
+        raise ApiError(f"the request body is over the limit of {MAX_OPERATOR_BODY} bytes", None, None, 413)
     async with server.parsing:
         raw = await server.body(request)
         if len(raw) > MAX_OPERATOR_BODY:
