@@ -269,12 +269,13 @@ def _kv_data(reader: _Reader, part: Part, layout: StateLayout, count: int) -> No
 
 
 def _rows(reader: _Reader, part: Part, count: int, what: str) -> int:
-    """A layer's type, row size and ``count`` rows (a recurrent layer's may be empty: LFM2's
-    short convolutions have no S state); the row size."""
+    """A layer's type, row size and ``count`` rows; the row size. A row may be empty: LFM2's
+    short convolutions have no S state, and a layer without attention (DeciLM's) writes K and V
+    rows of 0 bytes (llama.cpp's reader checks each size against its own)."""
     kind, row = reader.field("i", what), reader.field("Q", what)
     if kind != part.ggml_type or kind not in TYPES:
         raise _Refused(f"a layer's {what} is of ggml type {kind}, not {part.ggml_type}")
-    if not (0 if what == RECURRENT else 1) <= row <= MAX_ROW or row % TYPES[kind][1]:
+    if not 0 <= row <= MAX_ROW or row % TYPES[kind][1]:
         raise _Refused(f"a layer's {what} rows are {row} bytes, not a size of ggml type {kind}")
     reader.skip(row * count, f"a layer's {what}")
     return row
@@ -283,7 +284,9 @@ def _rows(reader: _Reader, part: Part, count: int, what: str) -> int:
 def _columns(reader: _Reader, part: Part, count: int, what: str) -> int:
     """A transposed V layer: type, element size, embedding size and its columns of ``count``."""
     kind, size, n_embd = reader.field("i", what), reader.field("I", what), reader.field("I", what)
-    if kind != part.ggml_type or TYPES.get(kind) != (1, size) or not 0 < n_embd <= MAX_ROW:
+    if (
+        kind != part.ggml_type or TYPES.get(kind) != (1, size) or not 0 <= n_embd <= MAX_ROW
+    ):  # (0: no attention)
         raise _Refused(f"a transposed {what} layer is of type {kind}, {size}-byte elements, {n_embd} wide")
     reader.skip(n_embd * count * size, f"a layer's {what}")
     return n_embd
