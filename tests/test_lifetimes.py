@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import internals
+import pytest
 
 from llmsession import GenerationOptions, Model
 
@@ -152,6 +153,18 @@ def test_the_interpreter_exits_cleanly_while_a_daemon_thread_decodes(smollm2_pat
             cwd=REPO,
         )
         assert (ended.returncode, ended.stdout) == (0, "exits\n"), (how, delay, ended.stderr[-1500:])
+
+
+def test_no_context_is_made_for_a_model_closing(gemma3_path: Path) -> None:
+    """Between its engine's close and the model's free (``close`` waits for calls under way
+    there), a new session of the small sliding-window layout made a context of its own from
+    a model about to be freed; it is refused."""
+    from llmsession import ModelClosedError
+
+    with Model(gemma3_path, threads=1) as model:
+        internals.local(model).engine.close()  # (what close() does before it frees the model)
+        with pytest.raises(ModelClosedError):
+            model.session(swa_full=False).respond("Hi", GenerationOptions(max_tokens=1))
 
 
 def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: Model) -> None:

@@ -42,7 +42,7 @@ from llmsession.engine.prefix import Item
 from llmsession.engine.residency import Move, State
 from llmsession.engine.seat import Seat
 from llmsession.engine.work import Gate
-from llmsession.errors import MemoryBudgetError
+from llmsession.errors import MemoryBudgetError, ModelClosedError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.projector import Projector
@@ -116,6 +116,8 @@ class Engine:
         """The layout's shared context, made with the model's batch size whatever its sessions'
         (keyed by a session's, every ``context_size`` under 512 made another context of
         ``kv_tokens`` cells, kept until the model closed)."""
+        if self._closed:  # (no context is made for a model closing: it is freed next)
+            raise ModelClosedError("the model is closed")
         if swa_full not in self._shared_contexts:
             live = self.config.max_live_sessions if swa_full else 1
             c = self.config
@@ -213,6 +215,8 @@ class Engine:
         (``placement``; saving, loading and forking a state move nobody)."""
         home = lease.shared_context
         with self.hold():
+            if self._closed:
+                raise ModelClosedError("the model is closed")
             self._reap()
             if cells > home.budget.kv_cells:
                 most = home.budget.kv_cells
