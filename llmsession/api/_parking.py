@@ -7,11 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import re
-import shutil
 import tempfile
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,11 +104,8 @@ class Folder:
         """In ``under`` (the disk cache folder, made if missing), else the system's temp folder."""
         place = Path(under) if under is not None else Path(tempfile.gettempdir())
         place.mkdir(parents=True, exist_ok=True)
-        parking.sweep(place)
-        prefix = f"{parking.FOLDER_PREFIX}{os.getpid()}@{parking.host_name()}-"
-        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=place))
+        self.path, self._remove = parking.own_folder(place, self)
         self.count = 0
-        self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)
 
     def next_file(self) -> Path:
         self.count += 1

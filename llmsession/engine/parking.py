@@ -74,6 +74,17 @@ def sweep(directory: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def own_folder(directory: Path, owner: object) -> tuple[Path, Callable[[], object]]:
+    """A new private folder (0700) in ``directory``, named for this process and host
+    (``llmsession-<pid>@<host>-*``) after sweeping the folders of this host's ended processes,
+    and what removes it: called by its owner's close, else when ``owner`` is collected or at the
+    interpreter's exit. The next process of this host sweeps it if this one is killed."""
+    sweep(directory)
+    prefix = f"{FOLDER_PREFIX}{os.getpid()}@{host_name()}-"
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
+    return folder, weakref.finalize(owner, shutil.rmtree, folder, True)
+
+
 class ParkingLot:
     """Parked states by session key: in RAM, or in files of a private folder under ``disk_dir``.
 
@@ -153,10 +164,7 @@ class ParkingLot:
     def _private_folder(self) -> Path:
         if self._folder is None:
             assert self.disk_dir is not None
-            sweep(self.disk_dir)
-            prefix = f"{FOLDER_PREFIX}{os.getpid()}@{host_name()}-"
-            self._folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self.disk_dir))
-            self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)
+            self._folder, self._remove_folder = own_folder(self.disk_dir, self)
         return self._folder
 
     def _current(self, key: Key, blob: Buffer) -> bool:
