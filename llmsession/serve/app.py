@@ -127,19 +127,19 @@ class Server:
             raise ApiError("invalid or missing API key", None, "invalid_api_key", 401)
         return self.keys[matched.index(True)].hex()
 
-    async def body(self, request: Request) -> bytes:
-        """The request body, refused (413) past the size limit before it is all read."""
-        too_big = ApiError(
-            f"the request body is over the limit of {self.max_body_bytes} bytes", None, None, 413
-        )
-        if declared(request) > self.max_body_bytes:
+    async def body(self, request: Request, limit: int | None = None) -> bytes:
+        """The request body, refused (413) past the size limit (or ``limit``, if tighter) before
+        it is all read: by its ``Content-Length`` first."""
+        limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
+        too_big = ApiError(f"the request body is over the limit of {limit} bytes", None, None, 413)
+        if declared(request) > limit:
             raise too_big
         chunks, size = [], 0
         request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
         try:
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > self.max_body_bytes:
+                if size > limit:
                     raise too_big
                 chunks.append(chunk)
         except ClientDisconnect:

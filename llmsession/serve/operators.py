@@ -15,7 +15,6 @@ from starlette.responses import JSONResponse, Response
 from llmsession.serve.body import parse_json
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, not_found
-from llmsession.serve.http import declared
 
 if TYPE_CHECKING:
     from llmsession.api.modelfiles import ModelStatus
@@ -29,7 +28,7 @@ class Server(Protocol):
     parsing: asyncio.Semaphore  # bodies read and checked at once
     embedding: asyncio.Semaphore  # embedding runs at once
 
-    async def body(self, request: Request) -> bytes: ...
+    async def body(self, request: Request, limit: int | None = None) -> bytes: ...
 
 
 def several(server: Server) -> ManyModels:
@@ -45,14 +44,8 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     """The models and the name an operator's body asks for, read as a chat's body is (a few at
     once, parsed off the event loop: JSON of megabytes takes seconds) and bounded far tighter."""
     hosts = several(server)
-    if declared(request) > MAX_OPERATOR_BODY:  # (refused before it is read)
-        raise ApiError(f"the request body is over the limit of {MAX_OPERATOR_BODY} bytes", None, None, 413)
     async with server.parsing:
-        raw = await server.body(request)
-        if len(raw) > MAX_OPERATOR_BODY:
-            raise ApiError(
-                f"the request body is over the limit of {MAX_OPERATOR_BODY} bytes", None, None, 413
-            )
+        raw = await server.body(request, MAX_OPERATOR_BODY)
         body = await asyncio.to_thread(parse_json, raw)
     name = body.get("model")
     if not isinstance(name, str) or name not in hosts.models:
