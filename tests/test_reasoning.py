@@ -261,6 +261,30 @@ def test_a_constraint_begins_where_the_prompted_block_closes(r1: Model) -> None:
     assert unbounded.usage.reasoning_tokens == unbounded.usage.completion_tokens == 20
 
 
+def test_drafts_never_carry_a_reply_into_its_block_past_a_budget(
+    qwen3: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply that copies its prompt, opening its own block (Qwen3), drafts from the prompt:
+    under a budget, a drafted step stops at the token that opens the block (the budget counts
+    each of its tokens and closes it at a sampled one), so the reply is cut where it is without
+    drafts. A step's drafts went past the opening: ``red`` was reasoning under a budget of 1."""
+    words = "red green blue yellow pink orange purple white black brown grey gold"
+    script = f" <think>\n{words}\n</think>\n\nDone."
+    for budget in (1, 2, 3):
+        replies = []
+        for draft in (None, "prompt_lookup"):
+            with scripted(monkeypatch, qwen3, script) as played:
+                options = GenerationOptions(
+                    reasoning_budget=budget, max_tokens=30, temperature=0, draft=draft
+                )
+                reply = qwen3.session(thinking=True).respond(f"Repeat after me: {script}", options)
+            assert not played.refused and not played.off_script, played
+            assert reply.usage.reasoning_tokens == budget, (draft, reply.usage)
+            replies.append((reply.reasoning, reply.text))
+        assert reply.usage.accepted_drafts > 4, reply.usage  # (drafted: the first steps copy the prompt)
+        assert replies[1] == replies[0], budget
+
+
 def test_a_budget_closes_a_block_the_constraint_holds_where_it_may(qwen3: Model) -> None:
     """Qwen3 opens its own block, here because the regex makes it: the closing marker the budget
     forces must pass the regex, so it comes at the first token the regex allows it (three

@@ -298,8 +298,8 @@ class Exchange:
 
     def _drafts(self, drafter: Drafter | None, chunk: list[int], pos: int) -> list[int]:
         """Tokens to draft after ``chunk``, within the reply's, the context's and a batch's room."""
-        if drafter is None or (self.thinking is not None and self.thinking.budgeting):
-            return []  # (a budget counts each token of the block: no drafts while it is open)
+        if drafter is None:
+            return []
         done = len(self.tokens)  # (the reply's tokens so far, ``chunk`` included)
         room = min(
             self.options.max_tokens - done - 1,
@@ -308,7 +308,8 @@ class Exchange:
         )
         drafts = drafter.propose(chunk, room)
         native = self.place.native  # (the reply would end there: nothing after it pays)
-        return next((drafts[:i] for i, token in enumerate(drafts) if native.is_eog(token)), drafts)
+        drafts = next((drafts[:i] for i, token in enumerate(drafts) if native.is_eog(token)), drafts)
+        return drafts if self.thinking is None else self.thinking.draftable(drafts)  # (a budget)
 
     def _drafter(self, seat: Seat) -> Drafter | None:
         """Drafts for this exchange, if asked and sound here: not under a constraint or with

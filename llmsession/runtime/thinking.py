@@ -130,10 +130,20 @@ class Thinking:
         kept = tokenize(text[: len(text) - len(tail)])
         return kept if sampler.give_way(kept) else []
 
-    @property
-    def budgeting(self) -> bool:
-        """A budget is counting: the block is open and has not been closed at it."""
-        return self.budget is not None and self.splitter.inside and not self._closed
+    def draftable(self, drafts: list[int]) -> list[int]:
+        """The drafts a step may verify. Under a budget, none inside the block and none past the
+        token that opens one: the budget counts each token of a block and closes it in place of
+        a sampled one, so a reply with drafts is cut where it is without them."""
+        if self.budget is None or self._closed or not drafts:
+            return drafts
+        if self.splitter.inside or self.native is None:
+            return []
+        twin, native = self.splitter.copy(), self.native
+        for i, token in enumerate(drafts):
+            twin.push(native.piece(token, special=token in self.spelled).decode("utf-8", "ignore"))
+            if twin.inside:
+                return drafts[: i + 1]
+        return drafts
 
     def forced(self, index: int) -> bool:
         """Whether the pending token at ``index`` is one the budget forced."""

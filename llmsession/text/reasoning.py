@@ -21,6 +21,7 @@ of the whole reply.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -159,6 +160,12 @@ class Splitter:
             elif not self._opening():
                 break
         return "".join(reasoning), "".join(content)
+
+    def copy(self) -> Splitter:
+        """A twin in this state: text pushed to it leaves this one as it is."""
+        twin = copy.copy(self)
+        twin._raw = list(self._raw)
+        return twin
 
     def flush(self) -> tuple[str, str]:
         """The end of the reply: what was held back, where it belongs (an unclosed block's
