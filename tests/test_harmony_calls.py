@@ -267,6 +267,23 @@ def test_a_budget_closes_the_reasoning_where_only_a_call_may_follow(
     assert json.loads(reply.tool_calls[0].arguments) == reply.tool_calls[0].parsed
 
 
+def test_the_reasoning_a_budget_cut_short_does_not_go_on_in_the_answer(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget forces the final channel's header in place of the model's next token; a model
+    that goes on to open another analysis message there ends its reply (the tags in the
+    content made the template refuse every later turn)."""
+    said = f"{CHANNELS.open}one two<|end|><|start|>assistant{CHANNELS.open}three four five<|end|>"
+    session = model.session()
+    with scripted(monkeypatch, model, said) as played:
+        reply = session.respond(ASK, GenerationOptions(max_tokens=40, reasoning_budget=2))
+    assert not played.refused, played
+    assert (reply.reasoning, reply.text, reply.finish_reason) == ("one two", "", "stop"), reply
+    assert reply.usage.reasoning_tokens == 2, reply.usage
+    again = session.respond("Again.", GenerationOptions(max_tokens=2, temperature=0))
+    assert again.usage.reused_tokens > reply.usage.prompt_tokens, again.usage
+
+
 def test_in_auto_a_budget_leaves_the_call_open(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget closes the analysis channel with a new message's header only, so the reply may
     still call (with the final channel's header forced too, it could only answer)."""
@@ -320,6 +337,14 @@ MALFORMED = {  # what a model may write that the template would refuse to render
         f"{CHANNELS.open}A{CHANNELS.open}B<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.",
         ("A\nB", "Hi."),
     ),
+    "a new message begun inside the final one": (
+        f"{CHANNELS.open}A<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.<|start|>assistant{CHANNELS.open}B",
+        ("A", "Hi."),
+    ),
+    "a channel tag inside the final message": (
+        f"{CHANNELS.open}A<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.{CHANNELS.open}B",
+        ("A", "Hi."),
+    ),
 }
 
 
@@ -328,7 +353,8 @@ def test_channel_tags_out_of_place_stay_out_of_the_transcript(
     model: Model, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The final message's end ends the reply (llama.cpp does not count ``<|end|>`` as an end of
-    generation: it closes the analysis too); a final header inside the analysis closes it; an
+    generation: it closes the analysis too), as does any other tag of the markup inside it (a
+    new message's header, a channel's); a final header inside the analysis closes it; an
     analysis header inside it is markup. Otherwise the tags reach the content or the reasoning,
     and the template refuses every later turn."""
     said, (reasoning, text) = MALFORMED[case]

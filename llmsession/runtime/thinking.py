@@ -35,12 +35,12 @@ class Thinking:
         spelled: frozenset[int] = frozenset(),
         resumed: Sequence[int] = (),
         calls: bool = False,
-        message_end: int | None = None,
+        message_ends: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
         native: NativeModel | None = None,
         held: bool = False,
     ) -> None:
         self.splitter, self.closing, self.budget = splitter, tuple(closing), budget
-        self.message_end = message_end  # the closing marker's token, where it may end the reply
+        self.message_ends = message_ends  # the markup's tokens that end the answer (``Markup``)
         self.native = native  # (its tokens' text: ``trim``)
         self.held = held  # a constraint holds the reply (tools' too): ``trim`` looks
         closings = (tuple(resumed), self.closing) if calls else (self.closing, tuple(resumed))
@@ -54,10 +54,14 @@ class Thinking:
         self.after_close = ""  # content the token that closed a prompted block went on with
 
     def ends(self, token: int) -> bool:
-        """``token`` ends the reply: the closing marker after the content began, where it closes
+        """``token`` ends the reply: after the content began, the closing marker, which closes
         the answer's message (gpt-oss's final channel: llama.cpp does not count it as an end of
-        generation, since it closes the analysis too)."""
-        return token == self.message_end and self.splitter.answering
+        generation, since it closes the analysis too), or a new message's header; after the
+        answer's own header, any tag of the markup (a call may hold channel tags, an answer
+        not). The content cannot hold them: gpt-oss's template refuses channel tags there, and
+        every later turn would fail."""
+        splitter, (always, in_answer) = self.splitter, self.message_ends
+        return splitter.answering and (token in always or (splitter.final and token in in_answer))
 
     def waits(self) -> bool:
         """A constraint has not begun: the block the prompt opened is still open."""
@@ -166,7 +170,9 @@ class Markup:
     spelled: frozenset[int]
     special: Mapping[str, int]  # the markers' special tokens, by spelling (as real vocabularies hold them)
     resumed: tuple[int, ...] = ()  # the marker and a new message's header (gpt-oss: calls may follow)
-    message_end: int | None = None  # the closing marker's token, if it ends the answer too (gpt-oss)
+    # gpt-oss's: what ends the answer once it began (the closing marker and a new message's
+    # header) and what ends it under its own header too (every tag of the markup)
+    message_ends: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 
     @property
     def grammar_markers(self) -> Markers | None:
@@ -198,8 +204,12 @@ def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
     spelled = frozenset(single.values()) | frozenset(special.values())
     resumed = markers.close + markers.resume if markers.resume else ""
     resumed_ids = native.tokenize(resumed, add_special=False, parse_special=True) if resumed else []
-    message_end = special.get(markers.close) if markers.nested else None
-    return Markup(markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids), message_end)
+    nested = special if markers.nested else {}
+    always = frozenset(  # (the closing marker's tag and a new message's: ``<|end|>``, ``<|start|>``)
+        t for s, t in nested.items() if markers.close.startswith(s) or markers.resume.startswith(s)
+    )
+    ends = (always, frozenset(nested.values()))
+    return Markup(markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids), ends)
 
 
 def thinking(
@@ -222,5 +232,5 @@ def thinking(
     inside = opened(tail, markup.markers)
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
-    spelled, resumed, end = markup.spelled, markup.resumed, markup.message_end
-    return Thinking(splitter, closing, budget, spelled, resumed, calls, end, native, held or calls)
+    spelled, resumed, ends = markup.spelled, markup.resumed, markup.message_ends
+    return Thinking(splitter, closing, budget, spelled, resumed, calls, ends, native, held or calls)

@@ -44,8 +44,9 @@ class Markers:
     content, which may not hold channel tags). ``breaks``: headers that end a block and begin
     the content at once (gpt-oss's final channel's, written without the closing marker before
     it). ``nested``: an opening marker inside a block is markup, and the reasoning goes on
-    (gpt-oss's template refuses channel tags in the reasoning too); a closing marker after the
-    content began ends the reply (its final message)."""
+    (gpt-oss's template refuses channel tags in the reasoning too); after the content began, a
+    closing marker or a new message's header ends the reply (its final message), as does any
+    other of the markup's tags once it began under the answer's header (``Splitter.final``)."""
 
     open: str
     close: str
@@ -136,6 +137,7 @@ class Splitter:
         self._content_chars = 0  # how much of it came out as content (its end)
         self._again = False  # a new message began (``resume``): it may be another block (gpt-oss)
         self._reasoned = False  # some reasoning came out (a later block's is joined to it)
+        self.final = False  # the content began under the answer's own header (gpt-oss's final channel)
 
     def push(self, text: str) -> tuple[str, str]:
         """``text``'s (reasoning, content), as far as it is known now."""
@@ -207,6 +209,7 @@ class Splitter:
             if held.startswith(header):
                 self._held, self._header = held[len(header) :], False
                 self._again = header == self.markers.resume  # (a new message: its channel follows)
+                self.final = bool(self.markers.answer) and header.endswith(self.markers.answer)
                 return True
         self._header = False
         self._again = any(held.startswith(opening) for opening in openings)  # (its header left out)
@@ -290,7 +293,7 @@ class Splitter:
     @property
     def answering(self) -> bool:
         """The content has begun (its header, if any, read): with ``nested`` markers, a closing
-        marker now ends the reply."""
+        marker now ends the reply (``Markers``)."""
         return self.done and not self.inside and not self._header and not self._again
 
     @property
