@@ -124,6 +124,19 @@ def test_a_reply_ending_inside_kept_drafts_leaves_memory_as_a_plain_one(
     )
 
 
+def test_a_stream_closed_mid_reply_says_what_it_drafted(smollm2: Model) -> None:
+    """The drafted and accepted counts are the reply's as it goes: a stream closed after a few
+    deltas said none (they were copied once the reply ended)."""
+    stream = smollm2.session(share_prefix=False).stream(COPY, drafted(max_tokens=60))
+    for count, _ in enumerate(stream, 1):
+        if count == 12:
+            break
+    stream.close()
+    usage = stream.reply.usage if stream.reply is not None else None
+    assert usage is not None and usage.completion_tokens < 60, usage
+    assert usage.accepted_drafts > 0 and usage.drafted_tokens >= usage.accepted_drafts, usage
+
+
 class ScriptedTarget:
     """A sequence whose rows sample as scripted (pure logic: the acceptance rule alone)."""
 

@@ -284,6 +284,30 @@ def test_the_reasoning_a_budget_cut_short_does_not_go_on_in_the_answer(
     assert again.usage.reused_tokens > reply.usage.prompt_tokens, again.usage
 
 
+def test_drafts_never_carry_a_later_analysis_past_a_budget(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first analysis closes itself at the budget (its end is counted); the second opens in
+    a drafted step (its header drafted from the first's): the step stops before the opening,
+    so the budget closes the second block at once, as without drafts (with them, ``three``
+    went into the reasoning, and the next turn read another prompt)."""
+    said = f"{CHANNELS.open}one two<|end|><|start|>assistant{CHANNELS.open}three four five six<|end|>"
+    said += f"<|start|>assistant{CHANNELS.headers[1]}Done red green blue."
+    seen = []
+    for draft in (None, "prompt_lookup"):
+        session = internals.without_look_ahead(model.session())
+        with scripted(monkeypatch, model, said) as played:
+            options = GenerationOptions(reasoning_budget=3, max_tokens=40, temperature=0, draft=draft)
+            reply = session.respond("Hi", options)
+        assert not played.refused, played
+        again = session.respond("Again.", GenerationOptions(max_tokens=2, temperature=0))
+        seen.append(
+            (reply.reasoning, reply.text, reply.usage.reasoning_tokens, again.usage.decoded_prompt_tokens)
+        )
+    assert reply.usage.accepted_drafts > 0, reply.usage
+    assert seen[1] == seen[0] and seen[0][:3] == ("one two", "four five six", 3), seen
+
+
 def test_in_auto_a_budget_leaves_the_call_open(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget closes the analysis channel with a new message's header only, so the reply may
     still call (with the final channel's header forced too, it could only answer)."""

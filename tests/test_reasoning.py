@@ -265,12 +265,14 @@ def test_drafts_never_carry_a_reply_into_its_block_past_a_budget(
     qwen3: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reply that copies its prompt, opening its own block (Qwen3), drafts from the prompt:
-    under a budget, a drafted step stops at the token that opens the block (the budget counts
+    under a budget, a drafted step stops before the token that opens the block (the budget counts
     each of its tokens and closes it at a sampled one), so the reply is cut where it is without
-    drafts. A step's drafts went past the opening: ``red`` was reasoning under a budget of 1."""
+    drafts. A step's drafts went past the opening: ``red`` was reasoning under a budget of 1;
+    and a step whose drafts ended with the opening let one token in under a budget of 0 (what
+    ``reasoning_effort: "none"`` asks for)."""
     words = "red green blue yellow pink orange purple white black brown grey gold"
     script = f" <think>\n{words}\n</think>\n\nDone."
-    for budget in (1, 2, 3):
+    for budget in (0, 1, 2, 3):
         replies = []
         for draft in (None, "prompt_lookup"):
             with scripted(monkeypatch, qwen3, script) as played:

@@ -15,6 +15,10 @@ but for the split noise between a batched and a one-token decode on some CPUs).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmsession.replies import Usage
 
 LONGEST, SHORTEST = 4, 2  # the n-gram lengths matched, longest first
 HISTORY = 4096  # the transcript's last tokens indexed (a lookup begins with the reply's second step)
@@ -60,8 +64,11 @@ class Drafter:
     more than one: 1.6x for 2, 4.3x for 8 on the 2-core AMD EPYC here), kept as a running
     average; below 1 after ``TRIAL`` drafted steps, drafting stops for the exchange."""
 
-    def __init__(self, history: Sequence[int]) -> None:
+    def __init__(self, history: Sequence[int], usage: Usage | None = None) -> None:
+        """``usage``: the reply's, whose drafted and accepted counts it keeps as it goes (a reply
+        closed mid-way says them too)."""
         self._history: Sequence[int] | None = history[-HISTORY:]
+        self.usage = usage
         self.index = NgramIndex()
         self.length = FIRST_DRAFT
         self.plain_s: float | None = None  # a step without drafts, running average
@@ -91,6 +98,8 @@ class Drafter:
         self.length = min(MAX_DRAFT, 2 * self.length) if full else max(FIRST_DRAFT, len(accepted) + 1)
         self.steps, self.proposed = self.steps + 1, self.proposed + drafted
         self.accepted += len(accepted)
+        if self.usage is not None:
+            self.usage.drafted_tokens, self.usage.accepted_drafts = self.proposed, self.accepted
         if self.plain_s is not None:
             produced = (1 + len(accepted)) / max(seconds / self.plain_s, 1e-3)
             self.yield_ = _average(self.yield_, produced)

@@ -181,7 +181,7 @@ class Exchange:
         with self.place.engine.batcher.generating(seat.context) as tracker:
             self._tracker = tracker  # (its own forced tokens do not wait for it: ``_keep_forced``)
             detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
-            cut, drafter = self._cut(usage, 0, sampler, token), self._drafter(seat)
+            cut, drafter = self._cut(usage, 0, sampler, token), self._drafter(seat, usage)
             pending = cut or [token, *sampler.forced()]
             held = 0  # how many of ``pending`` memory holds already (drafts the last step kept)
             while pending:
@@ -196,8 +196,6 @@ class Exchange:
                 pending, held = [*kept, *(cut or [token, *sampler.forced()])], len(kept)
                 timings.generation_s = time.perf_counter() - first_token_at
                 timings._tokens = usage.completion_tokens
-            if drafter is not None:
-                usage.drafted_tokens, usage.accepted_drafts = drafter.proposed, drafter.accepted
             # The detokenizer may still hold the first bytes of a character the reply was cut
             # inside of (max_tokens, cancel): they stay in the token record, not in the text.
             if self.thinking is not None and not stops.stopped:
@@ -311,7 +309,7 @@ class Exchange:
         drafts = next((drafts[:i] for i, token in enumerate(drafts) if native.is_eog(token)), drafts)
         return drafts if self.thinking is None else self.thinking.draftable(drafts)  # (a budget)
 
-    def _drafter(self, seat: Seat) -> Drafter | None:
+    def _drafter(self, seat: Seat, usage: Usage) -> Drafter | None:
         """Drafts for this exchange, if asked and sound here: not under a constraint or with
         scores (their samplers see one row at a time), nor on recurrent states (a rejected draft
         cannot leave them), encoder-decoder models or prompts with images."""
@@ -320,7 +318,7 @@ class Exchange:
             return None
         if native.is_recurrent or native.has_encoder or seat.single_use or self.prompt.images:
             return None
-        return Drafter(self.prompt.tokens())
+        return Drafter(self.prompt.tokens(), usage)
 
     def _keep_forced(self, seat: Seat, tokens: list[int], pos: int) -> None:
         """Decode the tokens of a reply that ended inside a forced run, all but its last, so the

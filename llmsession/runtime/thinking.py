@@ -135,9 +135,10 @@ class Thinking:
         return kept if sampler.give_way(kept) else []
 
     def draftable(self, drafts: list[int]) -> list[int]:
-        """The drafts a step may verify. Under a budget, none inside the block and none past the
-        token that opens one: the budget counts each token of a block and closes it in place of
-        a sampled one, so a reply with drafts is cut where it is without them."""
+        """The drafts a step may verify. Under a budget, none inside the block and none from the
+        token that opens one on: the budget counts each token of a block and closes it in place
+        of a sampled one, which it reads before the step's drafts (a block opened by the last of
+        them let one more token in), so a reply with drafts is cut where it is without them."""
         if self.budget is None or self._closed or not drafts:
             return drafts
         if self.splitter.inside or self.native is None:
@@ -146,7 +147,7 @@ class Thinking:
         for i, token in enumerate(drafts):
             twin.push(native.piece(token, special=token in self.spelled).decode("utf-8", "ignore"))
             if twin.inside:
-                return drafts[: i + 1]
+                return drafts[:i]
         return drafts
 
     def forced(self, index: int) -> bool:
