@@ -365,6 +365,10 @@ MALFORMED = {  # what a model may write that the template would refuse to render
         f"{CHANNELS.open}A<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.<|start|>assistant{CHANNELS.open}B",
         ("A", "Hi."),
     ),
+    "a channel tag after a final header that closed the analysis": (
+        f"{CHANNELS.open}A{CHANNELS.headers[1]}Hi.{CHANNELS.open}B",
+        ("A", "Hi."),
+    ),
     "a channel tag inside the final message": (
         f"{CHANNELS.open}A<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.{CHANNELS.open}B",
         ("A", "Hi."),

@@ -5,6 +5,7 @@ after its model unloaded and reloaded, ``keep_alive: 0``, and a 503 when no room
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,11 +17,15 @@ import httpx
 import openai
 import pytest
 from serve_helpers import KEY, running, three_models
+from starlette.requests import Request
 
 from llmsession import Models, SessionConfig
 from llmsession.commands.cli import parser
 from llmsession.commands.serve_models import model_files, several
-from llmsession.serve.app import create_app
+from llmsession.serve import operators
+from llmsession.serve.app import Server, create_app
+from llmsession.serve.errors import ApiError
+from llmsession.serve.hosts import ManyModels
 
 CONTEXT = SessionConfig(context_size=2048)  # (the server's: smaller than the models' own)
 SYSTEM = "You are a careful assistant. " + "Answer in a few words, plainly. " * 10
@@ -178,6 +183,39 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
         assert http.post("/models/unload", content=padded).status_code == 413  # (parsed: seconds at 8 MiB)
         assert httpx.post(f"{base}/models/load", json={"model": "smol"}, timeout=10).status_code == 401
     assert states(url)["smol"] == "loaded"
+
+
+def test_an_operators_body_declared_too_large_is_refused_without_waiting_for_a_parser() -> None:
+    """Pure logic of the route (the server's parts it reads, the real ``Server.body``): with
+    every parser slot held by slow uploads, a body whose ``Content-Length`` is over the bound
+    is a 413 at once, not after the uploads."""
+
+    class Parts:
+        hosts = ManyModels.__new__(ManyModels)  # (only its type is read before the body)
+        parsing, embedding, max_body_bytes = asyncio.Semaphore(1), asyncio.Semaphore(1), 8 << 20
+        body = Server.body
+
+    async def refused() -> int:
+        parts = Parts()
+        await parts.parsing.acquire()  # (a slow upload)
+        headers = [(b"content-length", str(10 << 20).encode())]
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/models/load",
+            "headers": headers,
+            "query_string": b"",
+        }
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(3600)
+            return {}
+
+        with pytest.raises(ApiError) as raised:
+            await asyncio.wait_for(operators.named(parts, Request(scope, receive)), 2)
+        return raised.value.status
+
+    assert asyncio.run(refused()) == 413
 
 
 def smol_bytes(models: Models) -> int:

@@ -139,11 +139,17 @@ class Thinking:
         token that opens one on: the budget counts each token of a block and closes it in place
         of a sampled one, which it reads before the step's drafts (a block opened by the last of
         them let one more token in), so a reply with drafts is cut where it is without them."""
-        if self.budget is None or self._closed or not drafts:
+        splitter = self.splitter  # (its content may open no other block but gpt-oss's)
+        if (
+            self.budget is None
+            or self._closed
+            or not drafts
+            or (splitter.done and not splitter.markers.nested)
+        ):
             return drafts
-        if self.splitter.inside or self.native is None:
+        if splitter.inside or self.native is None:
             return []
-        twin, native = self.splitter.copy(), self.native
+        twin, native = splitter.copy(), self.native
         for i, token in enumerate(drafts):
             twin.push(native.piece(token, special=token in self.spelled).decode("utf-8", "ignore"))
             if twin.inside:

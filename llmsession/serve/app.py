@@ -37,7 +37,7 @@ from llmsession.serve import embeddings, operators, sse
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
-from llmsession.serve.errors import ApiError
+from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.hosts import ManyModels, OneModel
 from llmsession.serve.http import Counting, declared, guarded, refuse
 from llmsession.serve.messages import messages_request
@@ -131,7 +131,7 @@ class Server:
         """The request body, refused (413) past the size limit (or ``limit``, if tighter) before
         it is all read: by its ``Content-Length`` first."""
         limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
-        too_big = ApiError(f"the request body is over the limit of {limit} bytes", None, None, 413)
+        too_big = too_large(limit)
         if declared(request) > limit:
             raise too_big
         chunks, size = [], 0

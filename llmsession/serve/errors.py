@@ -52,6 +52,11 @@ class ApiError(Exception):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
+def too_large(limit: int) -> ApiError:
+    """A 413 for a body over ``limit`` bytes."""
+    return ApiError(f"the request body is over the limit of {limit} bytes", None, None, 413)
+
+
 def busy(reason: str) -> ApiError:
     """A 503 the client may retry in a second."""
     message = f"the server is busy: {reason}; retry later"

@@ -13,8 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llmsession.serve.body import parse_json
-from llmsession.serve.errors import ApiError
+from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.hosts import ManyModels, not_found
+from llmsession.serve.http import declared
 
 if TYPE_CHECKING:
     from llmsession.api.modelfiles import ModelStatus
@@ -44,6 +45,8 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     """The models and the name an operator's body asks for, read as a chat's body is (a few at
     once, parsed off the event loop: JSON of megabytes takes seconds) and bounded far tighter."""
     hosts = several(server)
+    if declared(request) > MAX_OPERATOR_BODY:  # (refused at once, not after a parser slot)
+        raise too_large(MAX_OPERATOR_BODY)
     async with server.parsing:
         raw = await server.body(request, MAX_OPERATOR_BODY)
         body = await asyncio.to_thread(parse_json, raw)

@@ -254,6 +254,7 @@ class Splitter:
             self._spaces = ""
             self.inside, self.done, self._strip = False, True, not self.keep_spaces
             self._header = self._header and marker == markers.close  # (a break is the header)
+            self.final = marker in markers.breaks and bool(markers.answer) and marker.endswith(markers.answer)
             return piece, bool(self._held)
         keep = max(_partial(self._held, marker) for marker in inner)
         piece = self._reasoning(self._held[: len(self._held) - keep])
