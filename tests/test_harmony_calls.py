@@ -369,6 +369,7 @@ MALFORMED = {  # what a model may write that the template would refuse to render
         f"{CHANNELS.open}A{CHANNELS.headers[1]}Hi.{CHANNELS.open}B",
         ("A", "Hi."),
     ),
+    "a channel tag in content without a header": (f"Hi.{CHANNELS.open}B", ("", "Hi.")),
     "a channel tag inside the final message": (
         f"{CHANNELS.open}A<|end|><|start|>assistant{CHANNELS.headers[1]}Hi.{CHANNELS.open}B",
         ("A", "Hi."),

@@ -43,6 +43,7 @@ class Thinking:
         self.message_ends = message_ends  # the markup's tokens that end the answer (``Markup``)
         self.native = native  # (its tokens' text: ``trim``)
         self.held = held  # a constraint holds the reply (tools' too): ``trim`` looks
+        self.calls = calls  # the reply may call (a call holds channel tags)
         closings = (tuple(resumed), self.closing) if calls else (self.closing, tuple(resumed))
         self.closings = tuple(c for c in closings if c)  # (the first its constraint allows)
         self.spelled = spelled  # the markers' special tokens: their text is needed to split
@@ -57,11 +58,12 @@ class Thinking:
         """``token`` ends the reply: after the content began, the closing marker, which closes
         the answer's message (gpt-oss's final channel: llama.cpp does not count it as an end of
         generation, since it closes the analysis too), or a new message's header; after the
-        answer's own header, any tag of the markup (a call may hold channel tags, an answer
-        not). The content cannot hold them: gpt-oss's template refuses channel tags there, and
-        every later turn would fail."""
+        answer's own header, or in a reply that may not call, any tag of the markup (a call may
+        hold channel tags, an answer not). The content cannot hold them: gpt-oss's template
+        refuses channel tags there, and every later turn would fail."""
         splitter, (always, in_answer) = self.splitter, self.message_ends
-        return splitter.answering and (token in always or (splitter.final and token in in_answer))
+        tagged = token in in_answer and (splitter.final or not self.calls)
+        return splitter.answering and (token in always or tagged)
 
     def waits(self) -> bool:
         """A constraint has not begun: the block the prompt opened is still open."""
