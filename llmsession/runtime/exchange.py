@@ -295,7 +295,8 @@ class Exchange:
         return pos + len(batch), kept, token
 
     def _drafts(self, drafter: Drafter | None, chunk: list[int], pos: int) -> list[int]:
-        """Tokens to draft after ``chunk``, within the reply's, the context's and a batch's room."""
+        """Tokens to draft after ``chunk``, within the reply's, the context's and a batch's room,
+        none past an end of generation nor into a block under a budget (``Thinking.draftable``)."""
         if drafter is None:
             return []
         done = len(self.tokens)  # (the reply's tokens so far, ``chunk`` included)
