@@ -57,13 +57,12 @@ class Thinking:
     def ends(self, token: int) -> bool:
         """``token`` ends the reply: after the content began, the closing marker, which closes
         the answer's message (gpt-oss's final channel: llama.cpp does not count it as an end of
-        generation, since it closes the analysis too), or a new message's header; after the
-        answer's own header, or in a reply that may not call, any tag of the markup (a call may
-        hold channel tags, an answer not). The content cannot hold them: gpt-oss's template
-        refuses channel tags there, and every later turn would fail."""
-        splitter, (always, in_answer) = self.splitter, self.message_ends
-        tagged = token in in_answer and (splitter.final or not self.calls)
-        return splitter.answering and (token in always or tagged)
+        generation, since it closes the analysis too), or a new message's header; in a reply
+        that may not call, any tag of the markup (a call holds channel tags; where it may
+        follow, the tools grammar keeps them out of an answer). The content cannot hold them:
+        gpt-oss's template refuses channel tags there, and every later turn would fail."""
+        always, tags = self.message_ends
+        return self.splitter.answering and (token in always or (token in tags and not self.calls))
 
     def waits(self) -> bool:
         """A constraint has not begun: the block the prompt opened is still open."""
@@ -180,7 +179,7 @@ class Markup:
     special: Mapping[str, int]  # the markers' special tokens, by spelling (as real vocabularies hold them)
     resumed: tuple[int, ...] = ()  # the marker and a new message's header (gpt-oss: calls may follow)
     # gpt-oss's: what ends the answer once it began (the closing marker and a new message's
-    # header) and what ends it under its own header too (every tag of the markup)
+    # header) and what ends it too in a reply that may not call (every tag of the markup)
     message_ends: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 
     @property

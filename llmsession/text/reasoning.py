@@ -45,8 +45,8 @@ class Markers:
     the content at once (gpt-oss's final channel's, written without the closing marker before
     it). ``nested``: an opening marker inside a block is markup, and the reasoning goes on
     (gpt-oss's template refuses channel tags in the reasoning too); after the content began, a
-    closing marker or a new message's header ends the reply (its final message), as does any
-    other of the markup's tags once it began under the answer's header (``Splitter.final``)."""
+    closing marker or a new message's header ends the reply (its final message), as does, in a
+    reply that may not call, any other of the markup's tags (``runtime.thinking``)."""
 
     open: str
     close: str
@@ -137,7 +137,6 @@ class Splitter:
         self._content_chars = 0  # how much of it came out as content (its end)
         self._again = False  # a new message began (``resume``): it may be another block (gpt-oss)
         self._reasoned = False  # some reasoning came out (a later block's is joined to it)
-        self.final = False  # the content began under the answer's own header (gpt-oss's final channel)
 
     def push(self, text: str) -> tuple[str, str]:
         """``text``'s (reasoning, content), as far as it is known now."""
@@ -209,7 +208,6 @@ class Splitter:
             if held.startswith(header):
                 self._held, self._header = held[len(header) :], False
                 self._again = header == self.markers.resume  # (a new message: its channel follows)
-                self.final = bool(self.markers.answer) and header.endswith(self.markers.answer)
                 return True
         self._header = False
         self._again = any(held.startswith(opening) for opening in openings)  # (its header left out)
@@ -254,7 +252,6 @@ class Splitter:
             self._spaces = ""
             self.inside, self.done, self._strip = False, True, not self.keep_spaces
             self._header = self._header and marker == markers.close  # (a break is the header)
-            self.final = marker in markers.breaks and bool(markers.answer) and marker.endswith(markers.answer)
             return piece, bool(self._held)
         keep = max(_partial(self._held, marker) for marker in inner)
         piece = self._reasoning(self._held[: len(self._held) - keep])
