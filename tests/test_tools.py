@@ -3,6 +3,7 @@ back and streamed as OpenAI streams them, and a tool turn keeps the session's pr
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -146,14 +147,18 @@ def test_text_that_only_looks_like_a_call_is_text() -> None:
 
 
 # -- grammars (the tokenizer of a real model) -------------------------------------------------------
+@functools.cache
+def llg_tokenizer(model: Model) -> Any:
+    """llguidance's tokenizer for ``model``, built once (about 0.3 s each)."""
+    from llmsession.native.constraints import tokenizer
+
+    return tokenizer(internals.local(model).native)
+
+
 def matcher_accepts(model: Model, lark: str, text: str) -> bool:
     import llguidance
 
-    from llmsession.native.constraints import tokenizer
-
-    matcher = llguidance.LLMatcher(
-        tokenizer(internals.local(model).native), llguidance.grammar_from("lark", lark), log_level=0
-    )
+    matcher = llguidance.LLMatcher(llg_tokenizer(model), llguidance.grammar_from("lark", lark), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     taken = matcher.consume_tokens(model.tokenize(text, add_special=False))
     return bool(taken) and not matcher.is_error() and bool(matcher.is_accepting())  # the whole reply
