@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import pytest
 from near_ties import assert_same_within_noise, scored
 from serve_helpers import KEY, OTHER_KEY, running
@@ -155,3 +156,26 @@ def test_a_claude_code_session_header_keeps_its_conversation_through_side_reques
     whole_first = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
     kept = (second.usage.cache_read_input_tokens or 0) >= whole_first
     assert kept == named, (second.usage, first.usage)
+
+
+def test_a_plain_server_takes_no_conversation_key_from_a_client(served: tuple[Model, str]) -> None:
+    """Only a cluster's front names a request's conversation by ``x-llmsession-conversation``
+    (it drops the client's own): a server no front stands before ignores the header, so two
+    tenants sending one key name no shared label, and a response id does not carry it."""
+    model, url = served
+    forged = {"x-llmsession-conversation": "0" * 32, "x-llmsession-replica": "replica-x"}
+    hi = [{"role": "user", "content": "Hi."}]
+    for key in (KEY, OTHER_KEY):
+        asked = anthropic.Anthropic(
+            base_url=url, api_key=key, max_retries=0, timeout=120, default_headers=forged
+        )
+        asked.messages.create(model="m", max_tokens=4, system=MAIN, messages=hi, extra_body=GREEDY_BODY)  # type: ignore[arg-type]
+    assert "0" * 32 not in model.conversations()
+    body = {"model": "m", "input": "Hi.", "max_output_tokens": 4, "temperature": 0}
+    response = httpx.post(
+        f"{url}/v1/responses", json=body, headers={**forged, "Authorization": f"Bearer {KEY}"}, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    ident = response.json()["id"]
+    assert "0" * 32 not in ident and "replica-x" not in ident, ident
+    assert "0" * 32 not in model.conversations()

@@ -92,6 +92,7 @@ class Engine:
         self.name = context.replica_id.unique_id
         self.model = Model(Path(path), config=config, memory=memory)
         self.app = create_app(self.model, **app_settings)
+        self.app.state.server.fronted = True  # (the front names each request's conversation)
         self.board = board
         self.held: OrderedDict[str, None] = OrderedDict()
         self.arrivals = Arrivals()

@@ -100,6 +100,15 @@ class Server:
         self.parsing = asyncio.Semaphore(PARSERS)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
         self.created = int(time.time())
+        self.fronted = False  # a cluster's replica: the front names each request's conversation
+
+    def front_named(self, request: Request) -> tuple[str | None, str | None]:
+        """The conversation key and replica name a cluster's front and replica gave a request
+        (``cluster``), or Nones: on a server no front stands before, a client's headers name
+        nothing (a key sent as it is would be one label across tenants)."""
+        if not self.fronted:
+            return None, None
+        return request.headers.get(CONVERSATION_HEADER), request.headers.get(REPLICA_HEADER)
 
     @property
     def host(self) -> Host:
@@ -247,8 +256,7 @@ class Server:
             transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
             dropped = await asyncio.to_thread(self.volatile.dropped, asked.messages)
         asked = dataclasses.replace(asked, messages=dropped)
-        named = request.headers.get(CONVERSATION_HEADER), request.headers.get(REPLICA_HEADER)
-        ident = response_id(*named)  # (a cluster's front and replica name them: ``cluster``)
+        ident = response_id(*self.front_named(request))
         served = self.hosts.served(asked.model)
         response = ResponseObject(served, ask.echo, ask.previous, ask.store, ident)
 
@@ -285,7 +293,7 @@ class Server:
         if self.draft is not None:  # (the exchange leaves them out where they are unsound)
             asked = dataclasses.replace(asked, options=replaced_options(asked.options, draft=self.draft))
         tenant = digest(key, asked.user)
-        named = request.headers.get(CONVERSATION_HEADER, "")  # (the front's key: a label only)
+        named = self.front_named(request)[0] or ""  # (the front's key: a label only)
         if FRONT_KEY.fullmatch(named):
             conversation: str | None = named
         else:  # (a session header the client sends: ``naming``)
