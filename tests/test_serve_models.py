@@ -185,17 +185,21 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
     assert states(url)["smol"] == "loaded"
 
 
-def test_an_operators_body_declared_too_large_is_refused_without_waiting_for_a_parser() -> None:
+@pytest.mark.parametrize(("max_body", "bound"), [(8 << 20, 64 << 10), (1000, 1000)])
+def test_an_operators_body_declared_too_large_is_refused_without_waiting_for_a_parser(
+    max_body: int, bound: int
+) -> None:
     """Pure logic of the route (the server's parts it reads, the real ``Server.body``): with
     every parser slot held by slow uploads, a body whose ``Content-Length`` is over the bound
-    is a 413 at once, not after the uploads."""
+    (the operators' 64 KiB, or the server's limit if tighter) is a 413 at once, not after the
+    uploads, and says that bound."""
 
     class Parts:
         hosts = ManyModels.__new__(ManyModels)  # (only its type is read before the body)
-        parsing, embedding, max_body_bytes = asyncio.Semaphore(1), asyncio.Semaphore(1), 8 << 20
+        parsing, embedding, max_body_bytes = asyncio.Semaphore(1), asyncio.Semaphore(1), max_body
         body = Server.body
 
-    async def refused() -> int:
+    async def refused() -> tuple[int, str]:
         parts = Parts()
         await parts.parsing.acquire()  # (a slow upload)
         headers = [(b"content-length", str(10 << 20).encode())]
@@ -213,9 +217,10 @@ def test_an_operators_body_declared_too_large_is_refused_without_waiting_for_a_p
 
         with pytest.raises(ApiError) as raised:
             await asyncio.wait_for(operators.named(parts, Request(scope, receive)), 2)
-        return raised.value.status
+        return raised.value.status, str(raised.value)
 
-    assert asyncio.run(refused()) == 413
+    status, message = asyncio.run(refused())
+    assert status == 413 and f"limit of {bound} bytes" in message, message
 
 
 def smol_bytes(models: Models) -> int:

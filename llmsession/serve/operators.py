@@ -45,8 +45,9 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     """The models and the name an operator's body asks for, read as a chat's body is (a few at
     once, parsed off the event loop: JSON of megabytes takes seconds) and bounded far tighter."""
     hosts = several(server)
-    if declared(request) > MAX_OPERATOR_BODY:  # (refused at once, not after a parser slot)
-        raise too_large(MAX_OPERATOR_BODY)
+    limit = min(MAX_OPERATOR_BODY, server.max_body_bytes)  # (the bound ``Server.body`` keeps)
+    if declared(request) > limit:  # (refused at once, not after a parser slot)
+        raise too_large(limit)
     async with server.parsing:
         raw = await server.body(request, MAX_OPERATOR_BODY)
         body = await asyncio.to_thread(parse_json, raw)
