@@ -584,3 +584,38 @@ def test_codex_shaped_turns_through_responses_decode_only_what_they_add(
     assert first.usage is not None and second.usage is not None
     seen = first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= seen - 1, (first.usage, second.usage)
+
+
+OPENED = (Path(__file__).parent / "data" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+OPENED = OPENED.replace(
+    "{%- if add_generation_prompt -%}\n<|start|>assistant",
+    "{%- if add_generation_prompt -%}\n<|start|>assistant<|channel|>analysis<|message|>",
+)
+
+
+@pytest.fixture(scope="module")
+def opened(fixture_path: Any) -> Iterator[Model]:
+    path: Path = fixture_path("smollm2-gpt-oss-special.gguf")
+    with Model(path, threads=2, chat_template=OPENED, anticipate=False) as loaded:
+        yield loaded
+
+
+@pytest.mark.parametrize("budget", [None, 0, 2])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_prompt_that_opens_the_analysis_still_calls_after_a_break(
+    opened: Model, choice: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template whose prompt opens the analysis: the reply reasons, closes it with a new
+    message's header as the template writes it (or a budget forces that), and calls. The
+    header is no answer's text, and the call's channel tags end no answer: a reply that may
+    call keeps them (the tools grammar keeps them out of an answer)."""
+    assert OPENED.count("<|start|>assistant<|channel|>analysis<|message|>") >= 2  # (the edit took)
+    said = f"The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}"
+    session = opened.session()
+    with scripted(monkeypatch, opened, said) as played:
+        reply = session.respond(ASK, options(choice, budget))
+    reasoned = {None: "The user wants the weather.", 0: "", 2: "The user"}[budget]
+    assert (reply.reasoning, reply.text, reply.finish_reason) == (reasoned, "", "tool_calls"), reply
+    assert budget is not None or not played.refused, played  # (the template's own spelling)
+    (call,) = reply.tool_calls
+    assert call.name == "get_weather" and call.parsed is not None and call.parsed["city"] == "Paris"

@@ -342,7 +342,8 @@ class ModelCore:
                 specials = dict(self.special_markers(fmt))
                 if thought is not None and self.reasoning is not None:
                     specials |= self.reasoning.special
-                lark = grammar(fmt, tools, ids, specials, thought, after_block=after_block)
+                resume = self.reasoning.markers.resume if after_block and self.reasoning is not None else ""
+                lark = grammar(fmt, tools, ids, specials, thought, after_block=after_block, resume=resume)
             except RecursionError:
                 raise GrammarError("tools: a schema is nested too deep") from None
             return Constraint.from_lark(lark, self._guidance)

@@ -59,6 +59,7 @@ def grammar(
     thought: Markers | None = None,
     *,
     after_block: bool = False,
+    resume: str = "",
 ) -> str:
     """A Lark grammar for llguidance: the whole reply is calls ("required", "named"), or free
     text until ``fmt.trigger`` and calls from there on ("auto": the trigger is a lazy lexeme,
@@ -70,7 +71,8 @@ def grammar(
     ``after_block``: the grammar begins after a block the prompt opened. After a block, the
     blank line that follows it is no part of the reply (the reply's content is split from it
     without its leading whitespace), so an anchored format's text may not begin with whitespace:
-    its calls are read only where they begin the content.
+    its calls are read only where they begin the content. ``resume``: what follows the block
+    the prompt opened instead (gpt-oss: a new message's header, its calls or answer after it).
 
     How many calls: one where the family takes one, without ``parallel``, and for a named
     ``tool_choice`` (OpenAI's makes exactly one call of that function); else up to one per id.
@@ -102,7 +104,9 @@ def grammar(
     lines.append(f"calls: {chain} {say(fmt.close)}")
     after = thought is not None or after_block
     return (
-        "\n".join(lines + _start(thought, after_block, specials) + _reply(fmt, tools.mode, specials, after))
+        "\n".join(
+            lines + _start(thought, after_block, specials, resume) + _reply(fmt, tools.mode, specials, after)
+        )
         + "\n"
     )
 
@@ -133,11 +137,17 @@ _BLANK = "".join(json.dumps(c)[1:-1] for c in BLANK)  # (as a regex class's memb
 GAP = f"GAP: /[{_BLANK}]{{0,4}}/"  # the blank line after a block (bounded: a small model may loop on it)
 
 
-def _start(thought: Markers | None, after_block: bool, specials: Mapping[str, int]) -> list[str]:
-    """What comes before the reply: nothing, the blank line after the block the prompt opened,
-    or a block the reply may open (its text is anything but a special token, so the closing
-    marker, one, ends it) and the blank line after it."""
+def _start(
+    thought: Markers | None, after_block: bool, specials: Mapping[str, int], resume: str = ""
+) -> list[str]:
+    """What comes before the reply: nothing, the blank line after the block the prompt opened
+    (or the new message's header, ``resume``, that follows it, unless a budget forced it with
+    the closing marker while the constraint waited), or a block the reply may open
+    (its text is anything but a special token, so the closing marker, one, ends it) and the
+    blank line after it."""
     if thought is None:
+        if after_block and resume:
+            return [f"start: ({spelled(resume, specials)})? reply"]  # (a budget forced it, unread)
         return ["start: GAP reply", GAP] if after_block else ["start: reply"]
     assert begins_special(thought.open, specials) and begins_special(thought.close, specials), (
         "markers that begin with a special token"
