@@ -84,6 +84,15 @@ def lone_surrogate(value: object) -> bool:
     return False
 
 
+def unencodable(value: object) -> str | None:
+    """What makes JSON-like ``value`` unfit for a prompt, or None: a lone surrogate
+    (``lone_surrogate``), or nesting too deep to walk."""
+    try:
+        return "a lone surrogate, which UTF-8 cannot encode" if lone_surrogate(value) else None
+    except RecursionError:
+        return "nesting too deep"
+
+
 def _parsed_if_escaped(text: str) -> object:
     """JSON text as the templates read it, where it may escape a surrogate (else itself)."""
     if "\\u" not in text:
@@ -144,11 +153,9 @@ def _checked_calls(where: str, message: Message) -> set[str]:
             ident,
             _parsed_if_escaped(arguments) if isinstance(arguments, str) else arguments,
         )
-        try:
-            if lone_surrogate(said):
-                raise TemplateError(f"{where}: a tool call holds a lone surrogate, which UTF-8 cannot encode")
-        except RecursionError:
-            raise TemplateError(f"{where}: a tool call's arguments are nested too deep") from None
+        unfit = unencodable(said)
+        if unfit is not None:
+            raise TemplateError(f"{where}: a tool call holds {unfit}")
         ids.add(ident)
     return ids
 

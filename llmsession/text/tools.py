@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 
 from llmsession.options import GenerationOptions
 from llmsession.replies import ToolCall
-from llmsession.text.messages import lone_surrogate
+from llmsession.text.messages import unencodable
 from llmsession.text.schemas import checked_schema, schema_document
 
 __all__ = ["MAX_TOOLS", "Mode", "Tool", "ToolCall", "Tools", "checked_tools", "tool_from"]
@@ -91,11 +91,9 @@ def _checked(name: object, description: str, parameters: Any, index: int) -> Too
         )
     if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
         raise ValueError(f"tools[{index}] ({name}): 'parameters' must be an object schema")
-    try:
-        if lone_surrogate((description, parameters)):
-            raise ValueError(f"tools[{index}] ({name}): it holds a lone surrogate, which UTF-8 cannot encode")
-    except RecursionError:
-        raise ValueError(f"tools[{index}] ({name}): 'parameters' is nested too deep") from None
+    unfit = unencodable((description, parameters))
+    if unfit is not None:
+        raise ValueError(f"tools[{index}] ({name}): it holds {unfit}")
     return Tool(name, description, parameters)
 
 
