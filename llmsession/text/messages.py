@@ -85,12 +85,12 @@ def lone_surrogate(value: object) -> bool:
 
 
 def unencodable(value: object) -> str | None:
-    """What makes JSON-like ``value`` unfit for a prompt, or None: a lone surrogate
-    (``lone_surrogate``), or nesting too deep to walk."""
+    """What makes JSON-like ``value`` unfit for a prompt (a predicate: "holds a lone surrogate
+    ...", ``lone_surrogate``; "is nested too deep" to walk), or None."""
     try:
-        return "a lone surrogate, which UTF-8 cannot encode" if lone_surrogate(value) else None
+        return "holds a lone surrogate, which UTF-8 cannot encode" if lone_surrogate(value) else None
     except RecursionError:
-        return "nesting too deep"
+        return "is nested too deep"
 
 
 def _parsed_if_escaped(text: str) -> object:
@@ -155,7 +155,7 @@ def _checked_calls(where: str, message: Message) -> set[str]:
         )
         unfit = unencodable(said)
         if unfit is not None:
-            raise TemplateError(f"{where}: a tool call holds {unfit}")
+            raise TemplateError(f"{where}: a tool call {unfit}")
         ids.add(ident)
     return ids
 

@@ -93,7 +93,7 @@ def _checked(name: object, description: str, parameters: Any, index: int) -> Too
         raise ValueError(f"tools[{index}] ({name}): 'parameters' must be an object schema")
     unfit = unencodable((description, parameters))
     if unfit is not None:
-        raise ValueError(f"tools[{index}] ({name}): it holds {unfit}")
+        raise ValueError(f"tools[{index}] ({name}): it {unfit}")
     return Tool(name, description, parameters)
 
 
