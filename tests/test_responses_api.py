@@ -258,3 +258,39 @@ def test_an_agents_sdk_run_calls_a_function_tool(served: Served) -> None:
     assert len(called) == 1 and called[0]
     assert isinstance(result.final_output, str) and result.final_output
     assert len(result.raw_responses) == 2  # the call, then the answer to its output
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_call_cut_short_is_no_output_streamed_stored_or_not(served: Served) -> None:
+    """``max_output_tokens`` cuts the reply inside a forced call: the reply makes no call
+    (``Calling.conclude``). The stream showed the call begin, so its item closes
+    ``incomplete``; the response it ends with, the one stored and the one not streamed hold no
+    call, so nothing the client reads back is a call no continuation can answer."""
+    asked = {"model": "m", "input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required", **GREEDY}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=served.url.removesuffix("/v1"), headers=auth, timeout=120) as http:
+        called = http.post("/v1/responses", json={**asked, "max_output_tokens": 64}).json()
+        assert [item["type"] for item in called["output"]] == ["function_call"], called
+        asked["max_output_tokens"] = called["usage"]["output_tokens"] - 2  # (its arguments or its end)
+        events = events_of(http.post("/v1/responses", json={**asked, "stream": True}).text)
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [(i["type"], i["status"]) for i in done if i["type"] == "function_call"] == [
+            ("function_call", "incomplete")
+        ], done
+        added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == list(range(len(added))), events  # (no index given twice)
+        last = events[-1]
+        assert last["type"] == "response.incomplete", last
+        final = last["response"]
+        assert [item["type"] for item in final["output"]] == ["message"], final["output"]
+        stored = http.get(f"/v1/responses/{final['id']}").json()
+        assert stored["output"] == final["output"] and stored["status"] == "incomplete"
+        whole = http.post("/v1/responses", json=asked).json()
+        assert [(i["type"], i["status"]) for i in whole["output"]] == [("message", "incomplete")], whole
+    fields = {k: v for k, v in asked.items() if k != "temperature"}
+    with client(served).responses.stream(**fields, extra_body=GREEDY) as stream:  # (the SDK reads it all)
+        kinds = [event.type for event in stream]
+    assert kinds[-1] == "response.incomplete" and "response.function_call_arguments.done" in kinds

@@ -206,11 +206,19 @@ class ResponseObject:
 
     def finish(self, reply: Reply, items: Items) -> tuple[list[bytes], dict[str, Any]]:
         """The open item closed (an empty message if the reply said nothing), the last event;
-        and the response it holds."""
+        and the response it holds. A call the stream began that the reply does not make (cut
+        short: ``Calling.conclude``) closes ``incomplete`` and is no output of the response, as
+        the response not streamed has none: what is stored must be what a continuation can
+        answer."""
         status = "incomplete" if reply.finish_reason == "length" else "completed"
+        made = {call.id for call in reply.tool_calls}
+        cut = items.open and items.call is not None and items.items[-1]["call_id"] not in made
         out = [] if items.items else self._open(items, _message(""))
-        out += self._close(items, status)
-        final = self.final(reply, items)
+        out += self._close(items, "incomplete" if cut else status)
+        if cut and len(items.items) == 1:  # (as the response not streamed: an empty message)
+            out += self._open(items, _message("")) + self._close(items, status)
+        kept = [item for item in items.items if item["type"] != "function_call" or item["call_id"] in made]
+        final = self.final(reply, Items(kept))
         return [*out, self._event(f"response.{status}", response=final)], final
 
     def failed(self, error: ApiError, items: Items) -> bytes:
