@@ -294,3 +294,25 @@ def test_a_call_cut_short_is_no_output_streamed_stored_or_not(served: Served) ->
     with client(served).responses.stream(**fields, extra_body=GREEDY) as stream:  # (the SDK reads it all)
         kinds = [event.type for event in stream]
     assert kinds[-1] == "response.incomplete" and "response.function_call_arguments.done" in kinds
+
+
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "text"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_a_response_echoes_nested_too_deep_is_a_400(served: Served, field: str, stream: bool) -> None:
+    """A key nested ~980 levels deep parses (on a worker's stack) but could not be written back
+    on the event loop's: it was a 500, or a stream cut off after its headers."""
+    deep = "DEEP"  # (spelled below: the test's own stack would not write it either)
+    body: dict[str, Any] = {"model": "m", "input": "Hi", "max_output_tokens": 2, "stream": stream}
+    body |= {
+        "tools": {"tools": [{**TOOL, "extra": deep}]},
+        "tool_choice": {
+            "tool_choice": {"type": "function", "name": "get_weather", "extra": deep},
+            "tools": [TOOL],
+        },
+        "text": {"text": {"format": {"type": "text", "extra": deep}}},
+    }[field]
+    text = json.dumps(body).replace('"DEEP"', '{"k": ' * 975 + '"x"' + "}" * 975)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    answer = httpx.post(f"{served.url}/responses", content=text, headers=auth, timeout=60)
+    assert answer.status_code == 400, answer.text[:300]
+    assert answer.json()["error"]["param"] == field

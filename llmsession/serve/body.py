@@ -35,6 +35,22 @@ MAX_PATH = 120  # characters of a field's path in a message and in ``param``
 MAX_KEY = 32  # characters of each key in that path
 
 
+def nests_deeper(value: Any, levels: int) -> bool:
+    """Whether JSON-like ``value`` nests more than ``levels`` objects and lists deep (walked
+    without recursion: what json reads on a worker's stack may be too deep to write again on
+    a deeper one, the event loop's)."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if level > levels:
+            return True
+        stack.extend((child, level + 1) for child in children)
+    return False
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object, whose every string (and key) UTF-8 can encode (the
     tokenizer's error would otherwise name no field) and whose every number a double can hold.

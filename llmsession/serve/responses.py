@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsession.serve.body import kind_of
+from llmsession.serve.body import kind_of, nests_deeper
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
 from llmsession.serve.translation import converted_tools, renamed
@@ -30,6 +30,7 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 MAX_METADATA = 16  # keys, as OpenAI bounds them
 MAX_ID = 128  # characters of a previous_response_id
+MAX_ECHOED_DEPTH = 128  # levels of what a response echoes (a tool's schema may nest 64: ``schemas``)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
         "user": chat.get("user"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
     }
+    for name in ("tools", "tool_choice", "text"):  # (the rest it echoes is flat, or checked flat)
+        if nests_deeper(echo[name], MAX_ECHOED_DEPTH):
+            raise ApiError(f"{name}: nested deeper than {MAX_ECHOED_DEPTH} levels", name)
     items = _input(body.get("input"))
     return ResponsesAsk(chat, items, instructions, previous, True if store is None else store, echo)
 
