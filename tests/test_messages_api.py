@@ -413,3 +413,28 @@ def test_message_start_carries_the_prompt_usage(served: Served) -> None:
         final["input_tokens"],
         final["cache_read_input_tokens"],
     )
+
+
+def test_what_no_route_answers_under_anthropics_paths_is_in_its_error_body(served: Served) -> None:
+    """An unknown path under ``/v1/messages`` and a method its routes do not take come back in
+    Anthropic's error body too (they came in OpenAI's: the SDK read no error type)."""
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client(served).messages.batches.retrieve("msgbatch_1")
+    assert unknown.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "Not Found"},
+    }
+    base, auth = served.url.removesuffix("/v1"), {"x-api-key": KEY}
+    for method, path in (
+        ("GET", "/v1/messages"),
+        ("PUT", "/v1/messages"),
+        ("GET", "/v1/messages/count_tokens"),
+    ):
+        got = httpx.request(method, f"{base}{path}", headers=auth, timeout=60)
+        assert got.status_code == 405, (method, path)
+        assert got.json() == {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": "Method Not Allowed"},
+        }
+    elsewhere = httpx.get(f"{base}/v1/nowhere", headers=auth, timeout=60)  # (OpenAI's paths: its body)
+    assert elsewhere.status_code == 404 and set(elsewhere.json()) == {"error"}

@@ -39,7 +39,7 @@ from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
 from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.hosts import ManyModels, OneModel
-from llmsession.serve.http import Counting, declared, guarded, refuse
+from llmsession.serve.http import Counting, declared, guarded, refusing
 from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.metrics import Metrics
@@ -384,7 +384,8 @@ def create_app(
     server = Server(
         hosts, api_keys=keys, max_body_bytes=max_body_bytes, draft=draft, volatile=Volatile(volatile_lines)
     )
-    app = Starlette(routes=routes(server), exception_handlers={ApiError: refuse, HTTPException: refuse})
+    refused = refusing({"/v1/messages": error_body})  # (Anthropic's paths: its error bodies)
+    app = Starlette(routes=routes(server), exception_handlers={ApiError: refused, HTTPException: refused})
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

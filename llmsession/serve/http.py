@@ -103,6 +103,20 @@ def guarded(
     return answer
 
 
+def refusing(prefixes: dict[str, Style]) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """``refuse`` for what no route answers (an unknown path, a method it does not take), in
+    the error body of the API whose paths begin with one of ``prefixes`` (else OpenAI's)."""
+
+    async def handle(request: Request, error: Exception) -> Response:
+        path = request.url.path
+        matched = (
+            style for prefix, style in prefixes.items() if path == prefix or path.startswith(f"{prefix}/")
+        )
+        return await refuse(request, error, next(matched, openai_error))
+
+    return handle
+
+
 async def refuse(request: Request, error: Exception, style: Style = openai_error) -> Response:
     """An error raised in a route, as its API's error body (unexpected ones logged: ``explain``),
     once the rest of the request's body is read (``drain``); if it could not be, the answer

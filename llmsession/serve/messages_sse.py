@@ -49,7 +49,7 @@ def _delta(index: int, delta: dict[str, Any]) -> bytes:
 def error_body(error: ApiError) -> dict[str, Any]:
     """Anthropic's error body for a refused request; an over-long prompt in Anthropic's words,
     which Claude Code reads to compact the conversation and try again."""
-    kind = ERROR_TYPES.get(error.status, "api_error")
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
     message = error.message
     if error.sizes is not None:
         message = f"prompt is too long: {error.sizes[0]} tokens > {error.sizes[1]} maximum"
