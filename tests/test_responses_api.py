@@ -193,6 +193,8 @@ def test_bad_requests_are_400s_with_openai_bodies(served: Served) -> None:
         ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"model": "m", "input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
         ({"model": "m", "input": [{"role": "assistant", "content": "x"}]}, "input"),
+        ({"model": "m", "input": "Hi", "safety_identifier": "s" * 300}, "safety_identifier"),
+        ({"model": "m", "input": "Hi", "user": "u" * 300, "safety_identifier": "s"}, "user"),
     ):
         got = httpx.post(f"{base}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert got.status_code == 400, (body, got.text)

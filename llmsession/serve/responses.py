@@ -68,10 +68,11 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
         raise ApiError(f"reasoning must be an object, got {kind_of(reasoning)}", "reasoning")
     if reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
-    if chat.get("user") is None and isinstance(body.get("safety_identifier"), str):
-        chat["user"] = body["safety_identifier"]
+    named = "user" if chat.get("user") is not None else "safety_identifier"  # (the tenant's name)
+    if named != "user" and isinstance(body.get(named), str):
+        chat["user"] = body[named]
     if isinstance(chat.get("user"), str) and len(chat["user"]) > MAX_USER:
-        raise ApiError(f"user: at most {MAX_USER} characters", "user")
+        raise ApiError(f"{named}: at most {MAX_USER} characters", named)
     chat.update(_tools(body), **_format(body))
     metadata = _metadata(body)
     echo = {
