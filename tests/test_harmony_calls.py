@@ -600,22 +600,36 @@ def opened(fixture_path: Any) -> Iterator[Model]:
         yield loaded
 
 
-@pytest.mark.parametrize("budget", [None, 0, 2])
+REASONED = "The user wants the weather."
+OPENED_SCRIPTS = {  # what the model writes after the prompt's opening: (budget, its script)
+    "closes it itself": (None, f"{REASONED}<|end|><|start|>assistant{TEMPLATE_SPELLING}"),
+    "a budget of 0 closes it": (0, f"<|end|><|start|>assistant{TEMPLATE_SPELLING}"),
+    "a budget of 2 closes it": (2, f"The user<|end|><|start|>assistant{TEMPLATE_SPELLING}"),
+    "a budget closes it, and the model writes the header": (
+        2,
+        f"The user wants<|start|>assistant{TEMPLATE_SPELLING}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPENED_SCRIPTS))
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_a_prompt_that_opens_the_analysis_still_calls_after_a_break(
-    opened: Model, choice: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
+    opened: Model, choice: str, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A template whose prompt opens the analysis: the reply reasons, closes it with a new
-    message's header as the template writes it (or a budget forces that), and calls. The
-    header is no answer's text, and the call's channel tags end no answer: a reply that may
-    call keeps them (the tools grammar keeps them out of an answer)."""
+    message's header as the template writes it (a budget forces the closing marker alone, and
+    the grammar the header: forced with the marker, the grammar never read it, and a model
+    that wrote it again had its call come out as text), and calls. The call's channel tags
+    end no answer: a reply that may call keeps them (the tools grammar keeps them out of an
+    answer)."""
     assert OPENED.count("<|start|>assistant<|channel|>analysis<|message|>") >= 2  # (the edit took)
-    said = f"The user wants the weather.<|end|><|start|>assistant{TEMPLATE_SPELLING}"
+    budget, said = OPENED_SCRIPTS[case]
     session = opened.session()
     with scripted(monkeypatch, opened, said) as played:
         reply = session.respond(ASK, options(choice, budget))
-    reasoned = {None: "The user wants the weather.", 0: "", 2: "The user"}[budget]
+    reasoned = {None: REASONED, 0: "", 2: "The user"}[budget]
     assert (reply.reasoning, reply.text, reply.finish_reason) == (reasoned, "", "tool_calls"), reply
-    assert budget is not None or not played.refused, played  # (the template's own spelling)
+    assert not played.refused and not played.off_script, played  # (the template's own spelling)
     (call,) = reply.tool_calls
-    assert call.name == "get_weather" and call.parsed is not None and call.parsed["city"] == "Paris"
+    assert (call.name, call.parsed) == ("get_weather", {"city": "Paris"})

@@ -233,7 +233,9 @@ def thinking(
     ``held``: a constraint other than tools holds the reply; after a block the prompt opened, the
     content keeps its leading whitespace, which that constraint saw, and a budget closes the
     block without the blank line templates put after it (the constraint decides what follows).
-    ``calls``: the reply may make tool calls."""
+    ``calls``: the reply may make tool calls; after a block the prompt opened, the tools'
+    grammar begins at the block's end, so a budget forces the closing marker alone (gpt-oss:
+    the grammar writes the new message's header, which it would not read from a forced run)."""
     if markup is None or prompt.raw:  # (a raw completion is text continued as it is)
         return None
     tail = native.detokenize(prompt.tokens()[-PROMPT_TAIL:], special=True)
@@ -241,4 +243,6 @@ def thinking(
     splitter = Splitter(markup.markers, inside=inside, keep_spaces=held and inside)
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
     spelled, resumed, ends = markup.spelled, markup.resumed, markup.message_ends
+    if inside and calls and resumed:  # (the tools grammar writes the new message's header)
+        resumed = tuple(native.tokenize(markup.markers.close, add_special=False, parse_special=True))
     return Thinking(splitter, closing, budget, spelled, resumed, calls, ends, native, held or calls)

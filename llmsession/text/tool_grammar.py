@@ -141,13 +141,13 @@ def _start(
     thought: Markers | None, after_block: bool, specials: Mapping[str, int], resume: str = ""
 ) -> list[str]:
     """What comes before the reply: nothing, the blank line after the block the prompt opened
-    (or the new message's header, ``resume``, that follows it, unless a budget forced it with
-    the closing marker while the constraint waited), or a block the reply may open
+    (or the new message's header, ``resume``, that follows it: a budget that closes the block
+    forces the closing marker alone there, ``runtime.thinking``), or a block the reply may open
     (its text is anything but a special token, so the closing marker, one, ends it) and the
     blank line after it."""
     if thought is None:
         if after_block and resume:
-            return [f"start: ({spelled(resume, specials)})? reply"]  # (a budget forced it, unread)
+            return [f"start: {spelled(resume, specials)} reply"]
         return ["start: GAP reply", GAP] if after_block else ["start: reply"]
     assert begins_special(thought.open, specials) and begins_special(thought.close, specials), (
         "markers that begin with a special token"
