@@ -19,7 +19,9 @@ import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
 
 from llmsession import Model
+from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
 from llmsession.serve.app import create_app
+from llmsession.serve.responses_sse import Items, ResponseObject
 
 TOOL = {"type": "function", **WEATHER["function"], "strict": False}
 FORCED = {"type": "function", "name": "get_weather"}
@@ -318,3 +320,28 @@ def test_what_a_response_echoes_nested_too_deep_is_a_400(served: Served, field: 
     answer = httpx.post(f"{served.url}/responses", content=text, headers=auth, timeout=60)
     assert answer.status_code == 400, answer.text[:300]
     assert answer.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    "before",
+    [[], [Snapshot("Sure.", "Sure.")], [Snapshot("", "", (ToolCallDelta(0, "call_a", "f", '{"x": 1}'),))]],
+    ids=["alone", "after text", "after a whole call"],
+)
+def test_every_call_a_reply_cut_short_does_not_make_is_left_out(before: list[Snapshot]) -> None:
+    """Pure logic of the stream's end: a reply cut short makes none of its calls, not even one
+    whose item closed ``completed`` when the next opened; what is left, or an empty message,
+    is the response, as the response not streamed is."""
+    text = "".join(s.delta for s in before)
+    cut = Reply(text, "length", Usage(), Timings())
+    started, items, events = ResponseObject("m", {}), Items(), []
+    for snapshot in [*before, Snapshot("", text, (ToolCallDelta(len(before), "call_b", "f", '{"x"'),))]:
+        events += started.pieces(snapshot, items)
+    out, final = started.finish(cut, items)
+    read = [json.loads(e.decode().split("data: ", 1)[1]) for e in [*events, *out]]
+    done = [e["item"] for e in read if e["type"] == "response.output_item.done"]
+    assert [i["status"] for i in done if i.get("call_id") == "call_b"] == ["incomplete"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("message", "incomplete")], final
+    shape = [(i["type"], i["status"], i.get("content")) for i in final["output"]]
+    assert shape == [
+        (i["type"], i["status"], i.get("content")) for i in ResponseObject("m", {}).whole(cut)["output"]
+    ]

@@ -207,17 +207,21 @@ class ResponseObject:
     def finish(self, reply: Reply, items: Items) -> tuple[list[bytes], dict[str, Any]]:
         """The open item closed (an empty message if the reply said nothing), the last event;
         and the response it holds. A call the stream began that the reply does not make (cut
-        short: ``Calling.conclude``) closes ``incomplete`` and is no output of the response, as
-        the response not streamed has none: what is stored must be what a continuation can
-        answer."""
+        short: ``Calling.conclude`` makes none of its calls then) closes ``incomplete``, and no
+        such call is an output of the response, as the response not streamed has none: what is
+        stored must be what a continuation can answer. (An earlier call of the same reply was
+        streamed ``completed`` when the next one opened; it is left out all the same.) Left with
+        no item, it ends with an empty message, as the response not streamed does, given the
+        next output index of the stream (the first of the response's)."""
         status = "incomplete" if reply.finish_reason == "length" else "completed"
         made = {call.id for call in reply.tool_calls}
         cut = items.open and items.call is not None and items.items[-1]["call_id"] not in made
         out = [] if items.items else self._open(items, _message(""))
         out += self._close(items, "incomplete" if cut else status)
-        if cut and len(items.items) == 1:  # (as the response not streamed: an empty message)
-            out += self._open(items, _message("")) + self._close(items, status)
         kept = [item for item in items.items if item["type"] != "function_call" or item["call_id"] in made]
+        if not kept:
+            out += self._open(items, _message("")) + self._close(items, status)
+            kept = items.items[-1:]
         final = self.final(reply, Items(kept))
         return [*out, self._event(f"response.{status}", response=final)], final
 
