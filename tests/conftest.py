@@ -41,7 +41,7 @@ PARALLEL_FILES = {  # their tests mostly wait (servers, Ray, subprocesses, a bro
     # measured on a 2-core AVX2 EPYC, together at most 1.4 CPU-seconds a second, 790 s in a row
     # and 474 s on two workers with a core each; the rest decode with two threads for most of
     # their time and ran 1.6 times slower each on a core (2026-12-05: 922 s of tests alone, 1,506
-    # s on two workers, 783 s of wall time), so they run alone on both cores. The last six here
+    # s on two workers, 783 s of wall time), so they run alone on both cores. The last five here
     # took no longer on a core than alone on two (16.8 s against 17.2 s for the window layouts')
     *("test_architecture", "test_bindings", "test_checked_once", "test_cli", "test_cluster"),
     *("test_cluster_moves", "test_complete", "test_detokenize", "test_embeddings", "test_engine"),
@@ -51,8 +51,7 @@ PARALLEL_FILES = {  # their tests mostly wait (servers, Ray, subprocesses, a bro
     *("test_residency", "test_responses_api", "test_rpc", "test_serve", "test_serve_models"),
     *("test_serve_schema", "test_settings_sweep", "test_stops", "test_store", "test_templates"),
     *("test_tool_repeats", "test_typed_settings", "test_wheel"),
-    *("test_aio", "test_batching", "test_close_races", "test_state_blobs", "test_tiers"),
-    "test_window_layouts",
+    *("test_aio", "test_batching", "test_close_races", "test_state_blobs", "test_window_layouts"),
 }
 
 

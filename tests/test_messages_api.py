@@ -18,6 +18,8 @@ import anthropic
 import httpx
 import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from llmsession import Model, Transcript
 from llmsession.commands.cli import parser
@@ -438,3 +440,9 @@ def test_what_no_route_answers_under_anthropics_paths_is_in_its_error_body(serve
         }
     elsewhere = httpx.get(f"{base}/v1/nowhere", headers=auth, timeout=60)  # (OpenAI's paths: its body)
     assert elsewhere.status_code == 404 and set(elsewhere.json()) == {"error"}
+    outer = Starlette(
+        routes=[Mount("/llm", app=create_app(served.model, api_key=KEY))]
+    )  # (mounted in another)
+    with running(outer) as url:
+        mounted = httpx.get(f"{url.removesuffix('/v1')}/llm/v1/messages", headers=auth, timeout=60)
+    assert mounted.status_code == 405 and mounted.json()["type"] == "error", mounted.text

@@ -108,7 +108,8 @@ def refusing(prefixes: dict[str, Style]) -> Callable[[Request, Exception], Await
     the error body of the API whose paths begin with one of ``prefixes`` (else OpenAI's)."""
 
     async def handle(request: Request, error: Exception) -> Response:
-        path = request.url.path
+        root, path = request.scope.get("root_path", ""), request.url.path  # (an app mounted under root)
+        path = path[len(root) :] if root and path.startswith(root) else path
         matched = (
             style for prefix, style in prefixes.items() if path == prefix or path.startswith(f"{prefix}/")
         )

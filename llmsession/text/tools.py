@@ -93,7 +93,8 @@ def _checked(name: object, description: str, parameters: Any, index: int) -> Too
         raise ValueError(f"tools[{index}] ({name}): 'parameters' must be an object schema")
     unfit = unencodable((description, parameters))
     if unfit is not None:
-        raise ValueError(f"tools[{index}] ({name}): it {unfit}")
+        subject = "'parameters'" if unfit.startswith("is nested") else "it"  # (a description is flat)
+        raise ValueError(f"tools[{index}] ({name}): {subject} {unfit}")
     return Tool(name, description, parameters)
 
 
