@@ -343,3 +343,15 @@ def test_a_matcher_error_mid_reply_is_a_typed_error(smollm2: Model, monkeypatch:
     assert session.cached_tokens > 0, "the memory matched its record: the cache is kept"
     monkeypatch.undo()
     assert session.respond(ASK, GenerationOptions(json_schema=PERSON, temperature=0)).parsed
+
+
+def test_a_schema_no_reply_can_satisfy_says_so_in_one_line(smollm2: Model) -> None:
+    """A schema that is only a reference to itself compiles, and no token can begin its reply:
+    the error says the matcher's reason in a line, not llguidance's whole state after it."""
+    with pytest.raises(GrammarError) as failed:
+        smollm2.chat(
+            [{"role": "user", "content": "Hi"}], GenerationOptions(json_schema={"$ref": "#"}, max_tokens=4)
+        )
+    said = str(failed.value)
+    assert "\n" not in said and "compute_time_us" not in said and len(said) < 320, said
+    assert said.startswith("the constraint's matcher failed: "), said

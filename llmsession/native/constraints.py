@@ -292,5 +292,6 @@ class GuidedSampler:
         self.chain.close()
 
     def _check(self) -> None:
-        if self.matcher.is_error():
-            raise GrammarError(f"the constraint's matcher failed: {self.matcher.get_error()}")
+        if self.matcher.is_error():  # (its first line: what follows is llguidance's state, its stats)
+            said = self.matcher.get_error().split("\n", 1)[0][:200]
+            raise GrammarError(f"the constraint's matcher failed: {said} (no reply can go on from here)")
