@@ -137,6 +137,11 @@ BAD = [
     ({"messages": [{"role": "user", "content": "a\0b"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
     (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages[0].content[0].text",
+    ),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    (
         {
             "messages": [
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}

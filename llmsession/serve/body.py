@@ -35,6 +35,13 @@ MAX_PATH = 120  # characters of a field's path in a message and in ``param``
 MAX_KEY = 32  # characters of each key in that path
 
 
+def string(value: Any, where: str) -> str:
+    """``value``, a string, else a 400 naming ``where``."""
+    if not isinstance(value, str):
+        raise ApiError(f"{where} must be a string, got {kind_of(value)}", where)
+    return value
+
+
 def nests_deeper(value: Any, levels: int) -> bool:
     """Whether JSON-like ``value`` nests more than ``levels`` objects and lists deep (walked
     without recursion: what json reads on a worker's stack may be too deep to write again on

@@ -32,7 +32,7 @@ from llmsession.options import (
     GenerationOptions,
     checked_options,
 )
-from llmsession.serve.body import NAMES, kind_of, shown
+from llmsession.serve.body import NAMES, kind_of, shown, string
 from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
 from llmsession.text.tools import MAX_TOOLS, options_tools, replaced_options
@@ -298,8 +298,8 @@ def _content(content: object, where: str, images: ImageCount | None) -> str | li
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": _text(part["text"], f"{at}.text")})
+        if kind == "text":
+            parts.append({"type": "text", "text": _text(part.get("text"), f"{at}.text")})
         elif kind == "image_url" and images is not None:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
@@ -359,8 +359,8 @@ def _stops(value: object) -> tuple[str, ...]:
     return tuple(_text(s, "stop") for s in stops)
 
 
-def _text(text: str, where: str) -> str:
-    if "\0" in text:
+def _text(value: object, where: str) -> str:
+    if "\0" in (text := string(value, where)):
         raise ApiError(f"{where} contains a NUL character", where)
     return text
 
