@@ -146,7 +146,7 @@ def _start(
     (its text is anything but a special token, so the closing marker, one, ends it) and the
     blank line after it."""
     if thought is None:
-        if after_block and resume:
+        if after_block and begins_special(resume, specials):  # (its format's markup: gpt-oss's)
             return [f"start: {spelled(resume, specials)} reply"]
         return ["start: GAP reply", GAP] if after_block else ["start: reply"]
     assert begins_special(thought.open, specials) and begins_special(thought.close, specials), (
