@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmsession.options import INT32_MAX
-from llmsession.serve.body import kind_of
+from llmsession.serve.body import kind_of, string
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
 from llmsession.serve.translation import converted_tools, renamed
@@ -86,9 +86,7 @@ def chat_body(
 ) -> tuple[dict[str, Any], list[str]]:
     """The OpenAI chat body a Messages body asks the same of, and where each of its messages
     came from (``system``, ``messages[3]``)."""
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise ApiError(f"model must be a string, got {kind_of(model)}", "model")
+    model = string(body.get("model"), "model")
     system = _system(body.get("system"))
     said, origins = _messages(body, images)
     if len(system) + len(said) > MAX_MESSAGES:

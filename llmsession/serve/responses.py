@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsession.serve.body import kind_of, nests_deeper
+from llmsession.serve.body import kind_of, nests_deeper, string
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
 from llmsession.serve.translation import converted_tools, renamed
@@ -48,9 +48,7 @@ class ResponsesAsk:
 
 def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
     """A ``/v1/responses`` body, checked; ``ApiError`` names the first bad field."""
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise ApiError(f"model must be a string, got {kind_of(model)}", "model")
+    model = string(body.get("model"), "model")
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
     if previous is not None and not 0 < len(previous) <= MAX_ID:
