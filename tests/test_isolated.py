@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,6 +106,36 @@ def test_a_dead_worker_is_a_typed_error_and_a_new_model_takes_over(smollm2_path:
         fresh = again.session()
         fresh.messages = session.messages
         assert fresh.respond(QUESTIONS[1], GREEDY).text
+
+
+def test_a_session_dropped_while_its_thread_sends_is_dropped_after_the_send(smollm2_path: Path) -> None:
+    """A collection can run a dropped session's finalizer inside ``send_bytes``, on the thread
+    that holds the pipe. Its message must wait for that send, not for itself (a deadlock once,
+    found by a suite run). Its own model: a deadlocked one could not be closed."""
+    model = Model(smollm2_path, threads=2, isolated=True)
+    worker = internals.worker(model)
+    doomed = [model.session()]
+    key = doomed[0]._key  # type: ignore[attr-defined]
+    assert worker.call("cached_tokens", key) == 0  # live in the worker
+    real = worker.conn.send_bytes
+
+    def sending(data: bytes) -> None:
+        real(data)
+        worker.conn.send_bytes = real  # type: ignore[method-assign]
+        doomed.clear()  # its last reference: its finalizer runs here, with the pipe held
+
+    worker.conn.send_bytes = sending  # type: ignore[method-assign]
+    caller = threading.Thread(target=model.tokenize, args=("Hello",), daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    if caller.is_alive():  # deadlocked: leave the model to the process's end
+        worker.process.kill()
+        pytest.fail("the finalizer waited for the pipe its own thread held")
+    assert not doomed
+    with pytest.raises(KeyError):  # the drop reached the worker after the call's bytes
+        worker.call("cached_tokens", key)
+    assert model.tokenize("Hello")
+    model.close()
 
 
 def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> None:

@@ -254,7 +254,7 @@ class WorkerSession(Session):
         self.thinking, self.swa_full = config.thinking, config.swa_full
         self.share_prefix = config.share_prefix
         self._closed = False
-        weakref.finalize(self, model.worker.tell, None, "drop", (self._key,))
+        weakref.finalize(self, model.worker.drop, None, "drop", (self._key,))
 
     @property
     def config(self) -> SessionConfig:
@@ -327,7 +327,7 @@ class WorkerStream(Stream):
         self._model, self._key, self._schema_class = model, key, schema_class
         self._reply: Reply | None = None
         self._done = False
-        self._drop = weakref.finalize(self, model.worker.tell, None, "close_stream", (key,))
+        self._drop = weakref.finalize(self, model.worker.drop, None, "close_stream", (key,))
 
     @property
     def reply(self) -> Reply | None:

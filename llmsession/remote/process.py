@@ -4,6 +4,7 @@ failure."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
@@ -37,6 +38,7 @@ class WorkerProcess:
         self.conn = Connection(ours.detach())
         self.timeout = timeout
         self.lock, self.send_lock = threading.Lock(), threading.Lock()
+        self.dropped: collections.deque[tuple[Any, ...]] = collections.deque()
         self.requests = itertools.count()
         self.failure: str | None = None
 
@@ -49,10 +51,31 @@ class WorkerProcess:
             return self.answer(request, limit or self.timeout)
 
     def tell(self, *message: Any) -> None:
-        """A message that wants no answer (a cancel, a dropped object); lost if the worker is."""
+        """A message that wants no answer (a cancel, an interrupt), sent before this returns;
+        lost if the worker is."""
         if self.failure is None:
             with contextlib.suppress(OSError), self.send_lock:
                 self.conn.send(message)
+            self.flush()
+
+    def drop(self, *message: Any) -> None:
+        """A message from a finalizer (an object dropped here): it never waits for the pipe. A
+        collection can run it on the very thread that holds it inside ``send``, so it is queued
+        and sent by whichever thread has the pipe next; lost if the worker is."""
+        self.dropped.append(message)
+        self.flush()
+
+    def flush(self) -> None:
+        """Sends the queued drops unless another send holds the pipe: that one flushes them
+        after it lets go (so a drop queued while it held the pipe is never left behind)."""
+        while self.dropped and self.failure is None and self.send_lock.acquire(blocking=False):
+            try:
+                while self.dropped:
+                    self.conn.send(self.dropped.popleft())
+            except OSError:
+                self.dropped.clear()
+            finally:
+                self.send_lock.release()
 
     def send(self, message: tuple[Any, ...]) -> None:
         data = picklable(message)
@@ -61,6 +84,7 @@ class WorkerProcess:
                 self.conn.send_bytes(data)
         except OSError:
             self.fail(self.death())
+        self.flush()
 
     def answer(self, request: int, limit: float) -> Any:
         while True:
