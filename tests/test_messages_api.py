@@ -434,6 +434,7 @@ def test_what_no_route_answers_under_anthropics_paths_is_in_its_error_body(serve
     ):
         got = httpx.request(method, f"{base}{path}", headers=auth, timeout=60)
         assert got.status_code == 405, (method, path)
+        assert got.headers["allow"] == "POST", (method, path)  # (RFC 9110: a 405 says what is)
         assert got.json() == {
             "type": "error",
             "error": {"type": "invalid_request_error", "message": "Method Not Allowed"},

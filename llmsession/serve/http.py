@@ -125,6 +125,7 @@ async def refuse(request: Request, error: Exception, style: Style = openai_error
     if isinstance(error, HTTPException):
         code = "not_found" if error.status_code == 404 else None
         response = error_response(ApiError(str(error.detail), None, code, error.status_code), style)
+        response.headers.update(error.headers or {})  # a 405's Allow
     else:
         response = error_response(explain(error), style)
     if not await drain(request):
