@@ -48,12 +48,13 @@ from llmsession.replies import (
 )
 from llmsession.serve import sse
 from llmsession.serve.app import create_app, digest
-from llmsession.serve.body import parse_json
+from llmsession.serve.body import nests_deeper, parse_json
 from llmsession.serve.errors import ApiError, from_library
 from llmsession.serve.http import counted_path
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import chat_request, completion_request
+from llmsession.text.schemas import MAX_SCHEMA_DEPTH, check_nodes
 
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER = {
@@ -699,3 +700,24 @@ def test_metrics_label_the_page_and_a_bounded_set_of_paths() -> None:
     assert counted_path("/") == "/" and counted_path("/v1/chat/completions") == "/v1/chat/completions"
     assert counted_path("/static/app.js") == counted_path("/static/../../etc/passwd") == "/static/"
     assert {counted_path(f"/v1/x{i}") for i in range(100)} == {"other"}
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """A schema (and a JSON value) whose objects and lists nest exactly ``levels`` deep."""
+    node: dict[str, Any] = {"type": "integer"}
+    for _ in range((levels - 1) // 2):
+        node = {"type": "array", "prefixItems": [node]}  # (a dict in a list: two levels)
+    return node if levels % 2 else {"not": node}
+
+
+def test_one_walk_measures_nesting_for_the_schema_and_the_echo_limits() -> None:
+    """``text.schemas.containers`` serves both: a schema's limit and the server's echo limit
+    count the same levels, up to and including the limit, and no further."""
+    assert not nests_deeper(nested(128), 128) and nests_deeper(nested(129), 128)
+    assert not nests_deeper([[["a"], {"b": 1}]], 3) and nests_deeper([[["a"], {"b": [1]}]], 3)
+    check_nodes(nested(MAX_SCHEMA_DEPTH))
+    with pytest.raises(GrammarError, match="nested deeper"):
+        check_nodes(nested(MAX_SCHEMA_DEPTH + 1))
+    with pytest.raises(GrammarError, match="inside the schema"):
+        check_nodes(nested(MAX_SCHEMA_DEPTH) | {"$ref": "https://example.com/s.json"})
+    assert not nests_deeper("flat", 0) and nests_deeper([[1] * 3] * 100_000, 1)

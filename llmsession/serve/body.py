@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from llmsession.serve.errors import ApiError
+from llmsession.text.schemas import containers
 
 NAMES = {
     dict: "an object",
@@ -43,19 +44,9 @@ def string(value: Any, where: str) -> str:
 
 
 def nests_deeper(value: Any, levels: int) -> bool:
-    """Whether JSON-like ``value`` nests more than ``levels`` objects and lists deep (walked
-    without recursion: what json reads on a worker's stack may be too deep to write again on
-    a deeper one, the event loop's)."""
-    stack = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if level > levels:
-            return True
-        stack.extend((child, level + 1) for child in children)
-    return False
+    """Whether JSON-like ``value`` nests more than ``levels`` objects and lists deep (what json
+    reads on a worker's stack may be too deep to write again on the event loop's)."""
+    return any(level > levels for _, level in containers(value))
 
 
 def parse_json(body: bytes) -> dict[str, Any]:

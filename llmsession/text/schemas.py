@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from llmsession.errors import GrammarError
@@ -48,23 +48,30 @@ def schema_document(given: Mapping[str, Any] | str | type) -> tuple[type | None,
     return schema_class, document
 
 
-def check_nodes(document: dict[str, Any]) -> None:
-    """Walk a schema without recursion: GrammarError if it nests past ``MAX_SCHEMA_DEPTH`` or
-    refers outside itself (a ``$ref`` that is not ``#...``, a dynamic reference), which a
-    validator would try to fetch; the matcher does not look everywhere (inside ``not``, say)."""
-    stack: list[tuple[Any, int]] = [(document, 1)]
+def containers(value: Any) -> Iterator[tuple[dict[str, Any] | list[Any], int]]:
+    """JSON-like ``value``'s objects and lists with their nesting level (``value`` itself is 1),
+    walked without recursion: what json reads on one thread's stack may be too deep to walk, or
+    write again, on a deeper one. A consumer that stops early walks no further."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, level = stack.pop()
-        if level > MAX_SCHEMA_DEPTH and isinstance(node, dict | list):
+        if isinstance(node, dict | list):
+            yield node, level
+            stack += [(child, level + 1) for child in (node.values() if isinstance(node, dict) else node)]
+
+
+def check_nodes(document: dict[str, Any]) -> None:
+    """GrammarError if a schema nests past ``MAX_SCHEMA_DEPTH`` or refers outside itself (a
+    ``$ref`` that is not ``#...``, a dynamic reference), which a validator would try to fetch;
+    the matcher does not look everywhere (inside ``not``, say)."""
+    for node, level in containers(document):
+        if level > MAX_SCHEMA_DEPTH:
             raise GrammarError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
         if isinstance(node, dict):
             reference = node.get("$ref")
             if REFUSED & node.keys() or (isinstance(reference, str) and not reference.startswith("#")):
                 shown = sorted(REFUSED & node.keys()) or [str(reference)]
                 raise GrammarError(f"json_schema: only references inside the schema are allowed: {shown}")
-            stack += [(child, level + 1) for child in node.values()]
-        elif isinstance(node, list):
-            stack += [(child, level + 1) for child in node]
 
 
 def after_reply_validator(validator: Any, warnings: Sequence[str]) -> Any:
