@@ -101,17 +101,36 @@ def test_keeping_unconfirmed_drafts_is_caught(smollm2: Model, monkeypatch: pytes
     assert caught != []
 
 
+def kept_per_step(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many drafts each drafted or plain step of the exchanges to come kept, in order."""
+    steps: list[int] = []
+    record = Drafter.record
+
+    def recording(self: Drafter, drafted: int, accepted: Sequence[int], seconds: float) -> None:
+        steps.append(len(accepted))
+        record(self, drafted, accepted, seconds)
+
+    monkeypatch.setattr(Drafter, "record", recording)
+    return steps
+
+
 @pytest.mark.parametrize("end", [{"max_tokens": 13}, {"max_tokens": 80, "stop": ["clockwork"]}])
 def test_a_reply_ending_inside_kept_drafts_leaves_memory_as_a_plain_one(
-    smollm2: Model, end: dict[str, Any]
+    smollm2: Model, end: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cut by max_tokens or a stop string inside drafts a step kept: the same text and reason as
     the plain reply, memory holding the prompt and every reply token but the last, and the next
     turn right."""
     session = smollm2.session(share_prefix=False)
+    steps = kept_per_step(monkeypatch)
     reply = session.respond(COPY, drafted(**end))
     plain = smollm2.session(share_prefix=False).respond(COPY, GenerationOptions(temperature=0, **end))
     assert reply.usage.accepted_drafts > 0
+    # The reply's tokens: its first, then each step's kept drafts and its sample; drafts past its
+    # end are not accepted ones. (Where it ends inside them depends on how long drafts grew: the
+    # drafter judges by time.)
+    kinds = [False, *(kind for kept in steps for kind in [True] * kept + [False])]
+    assert reply.usage.accepted_drafts == sum(kinds[: reply.usage.completion_tokens]), (steps, reply.usage)
     assert reply.finish_reason == plain.finish_reason and reply.usage.completion_tokens > 5
     if batch_noise(smollm2) == 0:
         assert reply.text == plain.text

@@ -231,7 +231,7 @@ class Exchange:
                 self.finish = (
                     "cancelled" if self.cancelled.is_set() else "complete" if sampler.complete else "stop"
                 )
-                _unhold(seat, held - index)
+                _unhold(seat, held - index, usage, said=False)
                 return True
             usage.completion_tokens += 1
             piece = native.piece(token, special=token in self.spelled)
@@ -249,7 +249,7 @@ class Exchange:
                     yield delta
                 except GeneratorExit:  # closed here: the reply keeps this token, memory all but it
                     self.tokens.append(token)
-                    _unhold(seat, held - index)
+                    _unhold(seat, held - index, usage, said=True)
                     raise
             if index >= held:
                 batch.append(token)
@@ -262,7 +262,7 @@ class Exchange:
                 self.finish = "complete"  # finished by the last token it was allowed
             # else "length": the last token needs no decode; forced ones before it do
             if index < held:
-                _unhold(seat, held - index)
+                _unhold(seat, held - index, usage, said=True)
             else:
                 self._keep_forced(seat, batch[:-1], pos + held)
             return True
@@ -382,11 +382,12 @@ class Exchange:
             self._record(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt.items)), Timings()))
 
 
-def _unhold(seat: Seat, n_items: int) -> None:
-    """A reply that ended inside the drafts its last step kept: memory stops before the token
-    it ended at, as after a plain step."""
+def _unhold(seat: Seat, n_items: int, usage: Usage, *, said: bool) -> None:
+    """A reply ended inside its last step's kept drafts, at the first of the last ``n_items``
+    (``said``: its last token): memory stops before it, drafts never said are not accepted."""
     if n_items > 0:
         seat.drop_last(n_items)
+        usage.accepted_drafts -= n_items - said
 
 
 def _restore_memory(seat: Seat, error: BaseException) -> None:
