@@ -159,6 +159,11 @@ BAD = [
         "messages[0].content[0]",
     ),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
+    (
+        {"messages": [{"role": "assistant", "content": "x", "reasoning_content": []}]},
+        "messages[0].reasoning_content",
+    ),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}]}, "messages[0].tool_calls[0]"),
     ({"messages": HI, "temperature": "hot"}, "temperature"),
     ({"messages": HI, "temperature": 3}, "temperature"),
@@ -197,6 +202,8 @@ def test_a_bad_field_is_a_400_naming_it(body: dict[str, Any], param: str) -> Non
         chat_request(body)
     error = caught.value
     assert error.status == 400 and error.param == param, error
+    if "must be a string" in error.message:  # (body.string: what it got, too)
+        assert ", got " in error.message, error.message
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
     assert error.body()["error"]["type"] == "invalid_request_error"
 

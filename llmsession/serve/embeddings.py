@@ -15,7 +15,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmsession.serve.body import parse_json
+from llmsession.serve.body import parse_json, string
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import keep_alive_of
 
@@ -41,8 +41,8 @@ class EmbeddingsAsk:
 def embeddings_request(body: Mapping[str, Any]) -> EmbeddingsAsk:
     """The body, checked (``ApiError`` naming the first bad field)."""
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError("model must be a string", "model")
+    if model is not None:
+        string(model, "model")
     raw = body.get("input")
     if isinstance(raw, str) or (isinstance(raw, list) and raw and all(is_id(x) for x in raw)):
         raw = [raw]

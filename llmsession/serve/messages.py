@@ -216,10 +216,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
             function = {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}
             calls.append({"id": ident, "type": "function", "function": function})
         elif kind == "thinking":
-            thought = block.get("thinking")
-            if not isinstance(thought, str):
-                raise ApiError(f"{at}.thinking must be a string", f"{at}.thinking")
-            thoughts.append(thought)
+            thoughts.append(string(block.get("thinking"), f"{at}.thinking"))
         elif kind != "redacted_thinking":
             allowed = "text, tool_use and thinking blocks"
             raise ApiError(f"{at}: an assistant message holds {allowed}, got {kind!r:.40}", at)
@@ -234,9 +231,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
 def _result(block: dict[str, Any], at: str, images: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A tool result as a ``tool`` message, and the images it holds (a model without images
     reads a line that says one was left out; another kind of block, likewise)."""
-    ident, failed = block.get("tool_use_id"), block.get("is_error", False)
-    if not isinstance(ident, str):
-        raise ApiError(f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
+    ident, failed = string(block.get("tool_use_id"), f"{at}.tool_use_id"), block.get("is_error", False)
     if not isinstance(failed, bool):
         raise ApiError(f"{at}.is_error must be a boolean", f"{at}.is_error")
     content, pictures = block.get("content", ""), []
@@ -270,10 +265,7 @@ def _kind(block: object, at: str) -> str:
 
 
 def _text_part(block: dict[str, Any], at: str) -> dict[str, Any]:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise ApiError(f"{at}.text must be a string", f"{at}.text")
-    return {"type": "text", "text": text}
+    return {"type": "text", "text": string(block.get("text"), f"{at}.text")}
 
 
 def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
@@ -298,9 +290,7 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
         return out
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind == "tool":
-        name = choice.get("name")
-        if not isinstance(name, str):
-            raise ApiError("tool_choice.name must be a string", "tool_choice.name")
+        name = string(choice.get("name"), "tool_choice.name")
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
     elif kind in ("auto", "any", "none"):
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]

@@ -194,10 +194,9 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS:
-            text = part.get("text", part.get("refusal"))
-            if not isinstance(text, str):
-                raise ApiError(f"{at}.text must be a string", f"{at}.text")
-            parts.append({"type": "text", "text": text})
+            parts.append(
+                {"type": "text", "text": string(part.get("text", part.get("refusal")), f"{at}.text")}
+            )
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):

@@ -276,14 +276,11 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
         content = "" if content is None else content
     thought = raw.get("reasoning_content", raw.get("reasoning"))
     if role == "assistant" and thought is not None:  # (a thinking template renders it, or drops it)
-        if not isinstance(thought, str):
-            raise ApiError(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
-        message["reasoning_content"] = _text(thought, f"{where}.reasoning_content")
+        message["reasoning_content"] = _text(
+            string(thought, f"{where}.reasoning_content"), f"{where}.reasoning_content"
+        )
     if role == "tool":
-        ident = raw.get("tool_call_id")
-        if not isinstance(ident, str):
-            raise ApiError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
-        message["tool_call_id"] = ident
+        message["tool_call_id"] = string(raw.get("tool_call_id"), f"{where}.tool_call_id")
     message["content"] = _content(content, f"{where}.content", images if role == "user" else None)
     return message
 
