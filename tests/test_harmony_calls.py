@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -633,3 +634,27 @@ def test_a_prompt_that_opens_the_analysis_still_calls_after_a_break(
     assert not played.refused and not played.off_script, played  # (the template's own spelling)
     (call,) = reply.tool_calls
     assert (call.name, call.parsed) == ("get_weather", {"city": "Paris"})
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("budget", [None, 2])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_an_overridden_tool_format_calls_after_the_opened_analysis_in_its_own_markup(
+    opened: Model, choice: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same prompt with the tool format overridden to Hermes: the analysis closes with the
+    marker alone (a budget forces no gpt-oss header, which Hermes's grammar would not read), and
+    the call follows in Hermes's markup, every token of it the model's own."""
+    said = f"{'The user' if budget else REASONED}<|end|>{HERMES_CALL}"
+    session = opened.session()
+    with scripted(monkeypatch, opened, said) as played:
+        reply = session.respond(ASK, replace(options(choice, budget), tool_format="hermes"))
+    reasoned = "The user" if budget else REASONED
+    assert (reply.reasoning, reply.text, reply.finish_reason) == (reasoned, "", "tool_calls"), reply
+    assert not played.refused and not played.off_script, played
+    (call,) = reply.tool_calls
+    assert (call.name, call.parsed) == ("get_weather", {"city": "Paris"})
+    (start,) = opened.tokenize("<|start|>", add_special=False)
+    assert start not in internals.record(session)[reply.usage.prompt_tokens :]  # (no header)
