@@ -178,6 +178,7 @@ class Markup:
     spelled: frozenset[int]
     special: Mapping[str, int]  # the markers' special tokens, by spelling (as real vocabularies hold them)
     resumed: tuple[int, ...] = ()  # the marker and a new message's header (gpt-oss: calls may follow)
+    close: tuple[int, ...] = ()  # the closing marker alone, where there is a header (gpt-oss)
     # gpt-oss's: what ends the answer once it began (the closing marker and a new message's
     # header) and what ends it too in a reply that may not call (every tag of the markup)
     message_ends: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
@@ -212,12 +213,15 @@ def markup_for(native: NativeModel, markers: Markers | None) -> Markup | None:
     spelled = frozenset(single.values()) | frozenset(special.values())
     resumed = markers.close + markers.resume if markers.resume else ""
     resumed_ids = native.tokenize(resumed, add_special=False, parse_special=True) if resumed else []
+    close = native.tokenize(markers.close, add_special=False, parse_special=True) if resumed else []
     nested = special if markers.nested else {}
     always = frozenset(  # (the closing marker's tag and a new message's: ``<|end|>``, ``<|start|>``)
         t for s, t in nested.items() if markers.close.startswith(s) or markers.resume.startswith(s)
     )
     ends = (always, frozenset(nested.values()))
-    return Markup(markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids), ends)
+    return Markup(
+        markers, tuple(closing), tuple(bare), spelled, special, tuple(resumed_ids), tuple(close), ends
+    )
 
 
 def thinking(
@@ -244,5 +248,5 @@ def thinking(
     closing = markup.bare if splitter.keep_spaces else markup.closing  # (no blank line it did not hold)
     spelled, resumed, ends = markup.spelled, markup.resumed, markup.message_ends
     if inside and calls and resumed:  # (the tools grammar writes the new message's header)
-        resumed = tuple(native.tokenize(markup.markers.close, add_special=False, parse_special=True))
+        resumed = markup.close
     return Thinking(splitter, closing, budget, spelled, resumed, calls, ends, native, held or calls)
