@@ -324,12 +324,14 @@ def test_hostile_session_files_are_typed_errors_quickly(smollm2_path: Path, tmp_
         {**header, "record": [{"image": "x", "n": 10**10 + 1, "from": 0, "count": 10**10}]},
     )
     deep = forge(tmp_path / "deep.llms", b"[" * 200000)
+    digits = forge(tmp_path / "digits.llms", b'{"format": 1, "settings": {"x": ' + b"1" * 5000 + b"}}")
     os.mkfifo(tmp_path / "fifo.llms")
     code = f"""
     import time
     from llmsession import Model, SessionFileError
     m = Model({str(smollm2_path)!r}, threads=1)
-    for path in ({str(huge_run)!r}, {str(deep)!r}, {str(tmp_path / "fifo.llms")!r}, "/dev/zero", "/proc"):
+    fifo = {str(tmp_path / "fifo.llms")!r}
+    for path in ({str(huge_run)!r}, {str(deep)!r}, {str(digits)!r}, fifo, "/dev/zero", "/proc"):
         began = time.perf_counter()
         try:
             m.load_session(path)
@@ -341,7 +343,7 @@ def test_hostile_session_files_are_typed_errors_quickly(smollm2_path: Path, tmp_
     out = run_python(code, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     times = [float(line.split()[2]) for line in out.stdout.splitlines() if line.startswith("typed")]
-    assert len(times) == 5 and max(times) < 2, out.stdout
+    assert len(times) == 6 and max(times) < 2, out.stdout
 
 
 def test_a_record_that_does_not_match_its_state_restores_nothing(smollm2: Model, tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ def read(path: str | Path, max_positions: int = MAX_POSITIONS) -> SavedSession:
         raise SessionFileError(f"{path}: the header length {length} is out of range")
     try:
         header = json.loads(body[start : start + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+    except (ValueError, RecursionError) as error:  # (ValueError: an int past CPython's digit limit too)
         raise SessionFileError(f"{path}: the header is not valid JSON: {error}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
         version = header.get("format") if isinstance(header, dict) else None
