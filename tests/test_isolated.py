@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from test_reuse import GREEDY, QUESTIONS
 
 from llmsession import (
     BackendError,
+    ContextOverflowError,
     GenerationOptions,
     Model,
     ModelClosedError,
@@ -171,7 +173,7 @@ def test_one_face_each_for_sessions_and_streams_two_implementations_side_by_side
     derive from the face only, and both backends answer every call ``Model`` makes. Variants
     that must fail: a worker session that inherits the local one, and one left abstract."""
     from llmsession.api.backend import Backend
-    from llmsession.remote.isolated import WorkerSession, WorkerStream
+    from llmsession.remote.proxies import WorkerSession, WorkerStream
     from llmsession.runtime.local import LocalModel
     from llmsession.runtime.session import LocalSession
     from llmsession.runtime.stream import LocalStream
@@ -280,8 +282,54 @@ def test_a_conversation_is_taken_and_kept_through_the_worker(isolated: Model, tm
     session.save(tmp_path / "c-1.llmsession")
     isolated.keep_conversation(session, tenant="alice", conversation="c-1")
     assert session.closed and "c-1" in isolated.conversations()
+    assert session.cached_tokens == 0  # (as a closed one in-process)
+    for use in (
+        lambda: session.respond("Hi"),
+        session.fork,
+        lambda: isolated.keep_conversation(session, tenant=None, conversation="c"),
+    ):
+        with pytest.raises(ModelClosedError, match="keep_conversation"):  # (the worker's KeyError, once)
+            use()
     answered = {"role": "assistant", "content": first.text}
     asked = [*messages, answered, {"role": "user", "content": QUESTIONS[1]}]
     again = isolated.chat(asked, GREEDY, tenant="alice", conversation="c-1", config=kept)
     assert again.usage.reused_tokens > 0
     assert isolated.take_conversation("nobody") is None
+
+
+def test_an_edit_sent_with_a_failed_exchange_can_be_undone(isolated: Model, smollm2: Model) -> None:
+    """The worker takes an edited transcript with the exchange that carries it, even one that
+    fails there: undoing the edit afterwards (equal to what the worker held before) is sent
+    too, as in-process, where the next reply reads the transcript as it stands."""
+    for model in (smollm2, isolated):
+        session = model.session("You are a helpful assistant.", context_size=256)
+        session.respond("Hi", GREEDY)
+        good = copy.deepcopy(session.messages)
+        session.messages[0]["content"] = "You are a pirate."
+        with pytest.raises(ContextOverflowError):
+            session.respond("word " * 400, GREEDY)
+        session.messages = copy.deepcopy(good)
+        reply = session.respond("Who are you?", GREEDY)
+        assert session.messages[:3] == good and reply.usage.prompt_tokens < 100, model.isolated
+
+
+def test_a_stream_dropped_unfinished_is_in_the_transcript_as_in_process(
+    isolated: Model, smollm2: Model
+) -> None:
+    """Dropped, the stream's exchange is finished (cancelled) and recorded in its session, as
+    in-process at once: trimming it away is then an edit like any other."""
+    for model in (smollm2, isolated):
+        session = model.session("Be brief.")
+        session.respond("Hi", GREEDY)
+        stream = session.stream("Tell me a story.", GenerationOptions(max_tokens=40, temperature=0))
+        next(stream), next(stream)
+        del stream
+        gc.collect()
+        assert [m["role"] for m in session.messages] == ["system", "user", "assistant"] * 1 + [
+            "user",
+            "assistant",
+        ]
+        session.messages = session.messages[:3]
+        session.respond("Again", GREEDY)
+        asked = [m["content"] for m in session.messages if m["role"] == "user"]
+        assert asked == ["Hi", "Again"], (model.isolated, asked)

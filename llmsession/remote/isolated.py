@@ -12,50 +12,30 @@ step of a stream is one round trip.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.engine.budget import MemoryReport
-from llmsession.errors import BackendError, GrammarError, ModelClosedError
+from llmsession.errors import BackendError, ModelClosedError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
-from llmsession.replies import Reply, Snapshot
+from llmsession.remote.proxies import WorkerSession, WorkerStream, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.session import said_messages
 from llmsession.runtime.stateless import check_stateless, checked_label, split
-from llmsession.text.messages import check_messages
 from llmsession.text.renderer import Renderer
-from llmsession.text.schemas import schema_document
-from llmsession.text.tools import Tools, tool_from
+from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
 if TYPE_CHECKING:
     from llmsession.runtime.embedding import Inputs
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
-
-
-def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | None, type | None]:
-    """Options that travel to the worker: a JSON schema as a plain JSON object, checked here as
-    in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
-    pydantic class goes as its schema, and comes back with the reply (``WorkerStream``
-    parses ``parsed`` into it here). Tools go as their specs, checked here first."""
-    options = checked_options(options)
-    if options.tools:
-        tools = tuple(tool_from(spec, i).spec() for i, spec in enumerate(options.tools))
-        options = dataclasses.replace(options, tools=tools)
-    if options.json_schema is None:
-        return options, None
-    schema_class, document = schema_document(options.json_schema)
-    return dataclasses.replace(options, json_schema=document), schema_class
 
 
 class IsolatedModel:
@@ -224,10 +204,9 @@ class IsolatedModel:
         return None if taken is None else (WorkerSession(self, taken[0]), taken[1])
 
     def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None:
-        if not isinstance(session, WorkerSession) or session._model is not self:
+        if not isinstance(session, WorkerSession):
             raise ValueError("keep_conversation takes a session of this model")
-        self.call("keep_conversation", session._key, tenant, checked_label(conversation))
-        session._kept()
+        session.kept_by(self, tenant, checked_label(conversation))
 
     def close(self) -> None:
         if not self._closed:
@@ -240,136 +219,3 @@ class IsolatedModel:
     @property
     def closed(self) -> bool:
         return self._closed or self._worker.failure is not None
-
-
-class WorkerSession(Session):
-    """A session of an ``IsolatedModel``: its transcript is here, its state in the worker."""
-
-    def __init__(self, model: IsolatedModel, handle: tuple[int, SessionConfig, list[Any]]) -> None:
-        self._model = model
-        self._key, config, messages = handle
-        self._sync(messages)
-        self._config = config
-        self.context_size, self.batch_size = cast(int, config.context_size), config.batch_size
-        self.thinking, self.swa_full = config.thinking, config.swa_full
-        self.share_prefix = config.share_prefix
-        self._closed = False
-        weakref.finalize(self, model.worker.drop, None, "drop", (self._key,))
-
-    @property
-    def config(self) -> SessionConfig:
-        return self._config
-
-    def stream(self, content: Any, options: GenerationOptions | None = None) -> WorkerStream:
-        check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
-        options, schema_class = portable(options)
-        key, messages = self._model.call("stream", self._key, self._edits(), content, options)
-        self._sync(messages)  # with the exchange of an unfinished stream it finished first
-        return WorkerStream(self._model, self, key, schema_class)
-
-    def _edits(self) -> list[Any] | None:
-        """The transcript if it was changed here since the worker's was last seen, else None:
-        the worker's stays (it holds exchanges of streams dropped unfinished, as locally)."""
-        return None if self.messages == self._synced else self.messages
-
-    def _sync(self, messages: list[Any]) -> None:
-        self.messages, self._synced = messages, copy.deepcopy(messages)
-
-    def forget_sync(self) -> None:
-        """The worker's transcript may hold an interrupted exchange: send ours next time."""
-        self._synced = None
-
-    _synced: list[Any] | None
-
-    def _session_call(self, name: str, *args: Any) -> Any:
-        value, messages = self._model.call("session_call", self._key, self._edits(), name, args)
-        self._sync(messages)
-        return value
-
-    def clear_cached_context(self) -> None:
-        self._session_call("clear_cached_context")
-
-    def fork(self) -> WorkerSession:
-        return WorkerSession(self._model, self._session_call("fork"))
-
-    def save(self, path: str | Path) -> None:
-        self._session_call("save", str(path))
-
-    def close(self) -> None:
-        if not self._closed and not self._model.closed:
-            self._session_call("close")
-        self._closed = True
-
-    def _kept(self) -> None:
-        """Its model keeps it now (``keep_conversation``): no longer this handle's to use."""
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed or self._model.closed
-
-    @property
-    def cached_tokens(self) -> int:
-        return int(self._model.call("cached_tokens", self._key))
-
-
-class WorkerStream(Stream):
-    """A stream whose steps run in the worker, one round trip each (nothing decodes between)."""
-
-    def __init__(
-        self,
-        model: IsolatedModel,
-        session: WorkerSession | None,
-        key: int,
-        schema_class: type | None = None,
-    ) -> None:
-        self.session = self._owner = session  # None for Model.chat_stream: its session is the worker's own
-        self._model, self._key, self._schema_class = model, key, schema_class
-        self._reply: Reply | None = None
-        self._done = False
-        self._drop = weakref.finalize(self, model.worker.drop, None, "close_stream", (key,))
-
-    @property
-    def reply(self) -> Reply | None:
-        return self._reply
-
-    def __next__(self) -> Snapshot:
-        if self._done:
-            raise StopIteration
-        try:
-            kind, *rest = self._model.call("next", self._key)
-        except KeyboardInterrupt:  # as in-process: the decode stops, the transcript stays
-            self._model.worker.tell("interrupt")
-            if self._owner is not None:
-                self._owner.forget_sync()
-            raise
-        if kind == "snapshot":
-            snapshot: Snapshot = rest[0]
-            return snapshot
-        self._end(*rest)
-        raise StopIteration
-
-    def _end(self, reply: Reply, messages: list[Any]) -> None:
-        """The exchange ended in the worker: here too, and the reply parsed into the caller's
-        pydantic class (the worker knew its schema only: the class's own validators run here, a
-        failure being the GrammarError it is in-process, after the transcript is in step)."""
-        self._done = True
-        self._drop.detach()
-        if self._owner is not None:
-            self._owner._sync(messages)
-        if self._schema_class is not None and reply.parsed is not None:  # the schema held
-            try:
-                parsed = self._schema_class.model_validate_json(reply.text)  # type: ignore[attr-defined]
-            except ValueError as problem:
-                self._reply = dataclasses.replace(reply, parsed=None)
-                raise GrammarError(f"the reply does not match its schema: {problem}") from None
-            reply = dataclasses.replace(reply, parsed=parsed)
-        self._reply = reply
-
-    def cancel(self) -> None:
-        self._model.worker.tell("cancel", self._key)
-
-    def close(self) -> None:
-        if not self._done:
-            _, reply, messages = self._model.call("close_stream", self._key)
-            self._end(reply, messages)

@@ -81,6 +81,8 @@ class WorkerProcess:
         data = picklable(message)
         try:
             with self.send_lock:
+                while self.dropped:  # (queued before it: the worker drops first, as they came)
+                    self.conn.send(self.dropped.popleft())
                 self.conn.send_bytes(data)
         except OSError:
             self.fail(self.death())

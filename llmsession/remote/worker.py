@@ -245,6 +245,9 @@ class Worker:
     def op_cached_tokens(self, key: int) -> int:
         return self.session(key).cached_tokens
 
+    def op_messages(self, key: int) -> list[Any]:
+        return self.session(key).messages
+
     def op_drop(self, key: int) -> None:
         self.objects.pop(key, None)
 

@@ -1,6 +1,6 @@
 """What a user holds of a conversation: ``Session`` and ``Stream``, one face each, with two
 implementations side by side: in this process (``runtime.session.LocalSession``,
-``runtime.stream.LocalStream``) and in a worker process (``remote.isolated.WorkerSession``,
+``runtime.stream.LocalStream``) and in a worker process (``remote.proxies.WorkerSession``,
 ``WorkerStream``). Neither inherits the other; what the face builds on its abstract methods
 (``respond``, the async twins, ``with``) is written once, here."""
 

@@ -1,0 +1,229 @@
+"""The parent's proxies of an isolated model's sessions and streams (``WorkerSession``,
+``WorkerStream``), and the options they send (``portable``): each call one round trip to the
+worker through the model that made them (``Host``: ``remote.isolated.IsolatedModel``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+from llmsession.config import SessionConfig
+from llmsession.errors import BackendError, GrammarError, ModelClosedError
+from llmsession.options import GenerationOptions, checked_options
+from llmsession.remote.process import WorkerProcess
+from llmsession.replies import Reply, Snapshot
+from llmsession.runtime.face import Session, Stream
+from llmsession.runtime.session import said_messages
+from llmsession.text.messages import check_messages
+from llmsession.text.schemas import schema_document
+from llmsession.text.tools import tool_from
+
+
+class Host(Protocol):
+    """What a proxy needs of its model: its worker, and one operation there at a time."""
+
+    @property
+    def worker(self) -> WorkerProcess: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def call(self, op: str, *args: Any) -> Any: ...
+
+
+def portable(options: GenerationOptions | None) -> tuple[GenerationOptions | None, type | None]:
+    """Options that travel to the worker: a JSON schema as a plain JSON object, checked here as
+    in-process (a schema that contains itself is a ``GrammarError``, not a pickling error); a
+    pydantic class goes as its schema, and comes back with the reply (``WorkerStream``
+    parses ``parsed`` into it here). Tools go as their specs, checked here first."""
+    options = checked_options(options)
+    if options.tools:
+        tools = tuple(tool_from(spec, i).spec() for i, spec in enumerate(options.tools))
+        options = dataclasses.replace(options, tools=tools)
+    if options.json_schema is None:
+        return options, None
+    schema_class, document = schema_document(options.json_schema)
+    return dataclasses.replace(options, json_schema=document), schema_class
+
+
+class WorkerSession(Session):
+    """A session of an ``IsolatedModel``: its transcript is here, its state in the worker."""
+
+    def __init__(self, model: Host, handle: tuple[int, SessionConfig, list[Any]]) -> None:
+        self._model = model
+        self._key, config, messages = handle
+        self._unseen = False  # a stream of it was dropped unfinished: its exchange is the worker's
+        self._sync(messages)
+        self._config = config
+        self.context_size, self.batch_size = cast(int, config.context_size), config.batch_size
+        self.thinking, self.swa_full = config.thinking, config.swa_full
+        self.share_prefix = config.share_prefix
+        self._closed = False
+        weakref.finalize(self, model.worker.drop, None, "drop", (self._key,))
+
+    @property
+    def messages(self) -> list[Any]:
+        """The transcript; after a stream of it was dropped unfinished, the worker's (read on
+        first use), which holds that exchange as in-process, unless it was edited here since."""
+        if self._unseen and not self.closed and self._messages == self._synced:
+            self._unseen = False
+            with contextlib.suppress(BackendError, ModelClosedError):  # (then ours, as it was)
+                self._sync(self._model.call("messages", self._key))
+        return self._messages
+
+    @messages.setter
+    def messages(self, messages: list[Any]) -> None:
+        self._messages = messages
+
+    @property
+    def config(self) -> SessionConfig:
+        return self._config
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError("this session is closed (or its model keeps it: keep_conversation)")
+
+    def stream(self, content: Any, options: GenerationOptions | None = None) -> WorkerStream:
+        self._check_open()
+        check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
+        options, schema_class = portable(options)
+        with self._unsynced_on_failure():
+            key, messages = self._model.call("stream", self._key, self._edits(), content, options)
+        self._sync(messages)  # with the exchange of an unfinished stream it finished first
+        return WorkerStream(self._model, self, key, schema_class)
+
+    @contextlib.contextmanager
+    def _unsynced_on_failure(self) -> Iterator[None]:
+        """A call that failed in the worker may have taken our edits there before it failed:
+        the next call sends our transcript whatever it is (an edit undone would send nothing)."""
+        try:
+            yield
+        except BaseException:
+            self.forget_sync()
+            raise
+
+    def _edits(self) -> list[Any] | None:
+        """The transcript if it was changed here since the worker's was last seen, else None:
+        the worker's stays (it holds exchanges of streams dropped unfinished, as locally)."""
+        return None if self.messages == self._synced else self.messages
+
+    def _sync(self, messages: list[Any]) -> None:
+        self.messages, self._synced = messages, copy.deepcopy(messages)
+
+    def forget_sync(self) -> None:
+        """The worker's transcript may hold an interrupted exchange: send ours next time."""
+        self._synced = None
+
+    _synced: list[Any] | None
+
+    def _session_call(self, name: str, *args: Any) -> Any:
+        self._check_open()
+        with self._unsynced_on_failure():
+            value, messages = self._model.call("session_call", self._key, self._edits(), name, args)
+        self._sync(messages)
+        return value
+
+    def clear_cached_context(self) -> None:
+        self._session_call("clear_cached_context")
+
+    def fork(self) -> WorkerSession:
+        return WorkerSession(self._model, self._session_call("fork"))
+
+    def save(self, path: str | Path) -> None:
+        self._session_call("save", str(path))
+
+    def close(self) -> None:
+        if not self._closed and not self._model.closed:
+            self._session_call("close")
+        self._closed = True
+
+    def kept_by(self, model: Host, tenant: str | None, conversation: str | None) -> None:
+        """``model.keep_conversation``: its model keeps it now, no longer this handle's to use."""
+        if self._model is not model:
+            raise ValueError("keep_conversation takes a session of this model")
+        self._check_open()
+        model.call("keep_conversation", self._key, tenant, conversation)
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._model.closed
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self._closed else int(self._model.call("cached_tokens", self._key))  # (as in-process)
+
+
+class WorkerStream(Stream):
+    """A stream whose steps run in the worker, one round trip each (nothing decodes between)."""
+
+    def __init__(
+        self,
+        model: Host,
+        session: WorkerSession | None,
+        key: int,
+        schema_class: type | None = None,
+    ) -> None:
+        self.session = self._owner = session  # None for Model.chat_stream: its session is the worker's own
+        self._model, self._key, self._schema_class = model, key, schema_class
+        self._reply: Reply | None = None
+        self._done = False
+        self._drop = weakref.finalize(self, _dropped, model.worker, session, key)
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._reply
+
+    def __next__(self) -> Snapshot:
+        if self._done:
+            raise StopIteration
+        try:
+            kind, *rest = self._model.call("next", self._key)
+        except KeyboardInterrupt:  # as in-process: the decode stops, the transcript stays
+            self._model.worker.tell("interrupt")
+            if self._owner is not None:
+                self._owner.forget_sync()
+            raise
+        if kind == "snapshot":
+            snapshot: Snapshot = rest[0]
+            return snapshot
+        self._end(*rest)
+        raise StopIteration
+
+    def _end(self, reply: Reply, messages: list[Any]) -> None:
+        """The exchange ended in the worker: here too, and the reply parsed into the caller's
+        pydantic class (the worker knew its schema only: the class's own validators run here, a
+        failure being the GrammarError it is in-process, after the transcript is in step)."""
+        self._done = True
+        self._drop.detach()
+        if self._owner is not None:
+            self._owner._sync(messages)
+        if self._schema_class is not None and reply.parsed is not None:  # the schema held
+            try:
+                parsed = self._schema_class.model_validate_json(reply.text)  # type: ignore[attr-defined]
+            except ValueError as problem:
+                self._reply = dataclasses.replace(reply, parsed=None)
+                raise GrammarError(f"the reply does not match its schema: {problem}") from None
+            reply = dataclasses.replace(reply, parsed=parsed)
+        self._reply = reply
+
+    def cancel(self) -> None:
+        self._model.worker.tell("cancel", self._key)
+
+    def close(self) -> None:
+        if not self._done:
+            _, reply, messages = self._model.call("close_stream", self._key)
+            self._end(reply, messages)
+
+
+def _dropped(worker: WorkerProcess, session: WorkerSession | None, key: int) -> None:
+    """A stream dropped unfinished: the worker finishes it (its session records the exchange
+    there), and its session here reads its transcript from the worker next."""
+    if session is not None:
+        session._unseen = True
+    worker.drop(None, "close_stream", (key,))
