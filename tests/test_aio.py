@@ -158,6 +158,27 @@ def test_a_dropped_stream_is_cancelled_and_its_thread_ends(smollm2: Model) -> No
     assert reply.usage.reused_tokens > 0 and session.messages[1]["content"]  # what it said is kept
 
 
+def test_a_dropped_stream_gives_way_to_the_next_call_at_once(smollm2: Model) -> None:
+    """Dropped mid-reply, its thread finishes the step in flight (cancelled); the next call,
+    made at once, waits for that step instead of finding the session busy (as a stream
+    dropped in the caller's own thread gives way), and the cancelled exchange is kept."""
+    session = smollm2.session()
+
+    async def main() -> list[str]:
+        replies: list[str] = []
+        for _ in range(3):
+            stream = session.astream("Count from one to fifty.", GenerationOptions(max_tokens=60))
+            await stream.__anext__()
+            del stream
+            gc.collect()  # (its finalizer cancels it; its thread is still in a step)
+            replies.append((await session.arespond("Hi", GREEDY)).finish_reason)
+        return replies
+
+    assert len(asyncio.run(main())) == 3  # (SessionBusyError, 3 times in 3, before)
+    roles = [m["role"] for m in session.messages]
+    assert roles.count("user") == roles.count("assistant") >= 6  # (the cancelled ones, kept)
+
+
 def test_the_server_side_of_the_bridge_decodes_on_without_asking(smollm2: Model) -> None:
     """``ahead=None``: the thread decodes to the end while the loop has asked for one snapshot
     only (the server forwards snapshots as they come); ``ahead=0`` waits (the variant)."""

@@ -286,10 +286,10 @@ def test_a_stream_dropped_in_one_thread_is_finished_before_another_threads_call(
 
     unhold = exchange._unhold
 
-    def slow_unhold(seat: Any, n_items: int) -> None:
+    def slow_unhold(*args: Any, **kwargs: Any) -> None:
         if threading.current_thread().name == "dropper":
             threading.Event().wait(0.5)
-        unhold(seat, n_items)
+        unhold(*args, **kwargs)
 
     monkeypatch.setattr(exchange, "_unhold", slow_unhold)
     session = smollm2.session("Be brief.")

@@ -34,7 +34,7 @@ from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
-from llmsession.runtime.stream import Finishing, Guard, LocalStream
+from llmsession.runtime.stream import CLOSE_WAIT_S, Finishing, Guard, LocalStream
 from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import reads_effort
@@ -146,7 +146,9 @@ class LocalSession(Session):
         if the caller already tokenized the transcript plus ``said`` (a stateless call does, to
         choose the session), made with ``tools`` (the options', checked); owns ``prompt``."""
         began = time.perf_counter()
-        with self._guard:
+        latest = self._latest  # (cancelled, a stream dropped in another thread ends its step: waited)
+        cancelled = latest is not None and not latest.done and latest.cancelled.is_set()
+        with self._guard.waiting(CLOSE_WAIT_S if cancelled else 0):
             if self._abandon is not None:  # an unfinished stream of this thread: finish it first
                 self._supersede()
                 began = time.perf_counter()

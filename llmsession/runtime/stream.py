@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 
 from llmsession.errors import ModelClosedError, SessionBusyError
 from llmsession.replies import Reply, Snapshot
@@ -30,6 +31,19 @@ class Guard:
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
+
+    @contextmanager
+    def waiting(self, seconds: float) -> Iterator[None]:
+        """As ``with guard:``, but waiting up to ``seconds`` for another thread's step to end
+        (a cancelled stream's: it ends within a graph node, then lets go)."""
+        if not self.lock.acquire(timeout=seconds):
+            raise SessionBusyError("this session is already generating in another thread")
+        try:
+            if self.closed:
+                raise ModelClosedError("this session is closed (or its model is)")
+            yield
+        finally:
+            self.lock.release()
 
 
 class LocalStream(Stream):
