@@ -7,7 +7,6 @@ import asyncio
 import base64
 import hmac
 import json
-import logging
 import struct
 import sys
 import zlib
@@ -34,7 +33,6 @@ from llmsession import (
     UnavailableError,
     UnsupportedFeatureError,
 )
-from llmsession.commands.serve import CancelledDecodes
 from llmsession.options import INT32_MAX
 from llmsession.replies import (
     Alternative,
@@ -600,28 +598,6 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compared and set(compared) == {(32, 32)}
     assert digest(key, "u" * 256) != digest(key, "v") and len(digest(key, "u" * 256)) == 64
     assert digest(None, "a") != digest("a", None)
-
-
-def test_errors_of_a_cancelled_decode_are_demoted() -> None:
-    logger = logging.getLogger("llmsession.native.test-filter")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    logger.addFilter(CancelledDecodes())
-    logger.propagate = False
-    try:
-        logger.error("graph_compute: ggml_backend_sched_graph_compute_async failed with error 1")
-        logger.error("process_ubatch: failed to compute graph, compute status: 1")
-        logger.warning("decode: removing memory module entries for seq_id = 0, pos = [0, +inf)")
-        logger.error("llama_decode: failed to decode, ret = 2")
-        assert records == []  # (the logger is not enabled for debug)
-        logger.warning("decode: removing memory module entries for seq_id = 1, pos = [5, +inf)")
-        logger.error("graph_compute: ggml_backend_sched_graph_compute_async failed with error -1")
-        logger.error("llama_decode: failed to decode, ret = -3")
-        assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR, logging.ERROR]
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_a_raw_completions_body_and_chunks_are_openais_legacy_ones() -> None:

@@ -105,13 +105,26 @@ def note_abort() -> None:
     _pending.aborting = True
 
 
+def watch_abort(word: Any) -> None:
+    """The word the native abort check reads for this thread's next decode (None: none): once
+    it is set, that check stops the decode, and what llama.cpp logs about it is expected (as
+    after ``note_abort``: the native check cannot call Python)."""
+    _pending.watched = word
+
+
 def take_pending_error() -> BaseException | None:
     """The exception a callback raised on this thread since the last call, cleared (called
-    after every decode, which also ends a noted abort)."""
+    after every decode, which also ends a noted or watched abort)."""
     error: BaseException | None = getattr(_pending, "error", None)
     _pending.error = None
     _pending.aborting = False
+    _pending.watched = None
     return error
+
+
+def _aborting() -> bool:
+    word = getattr(_pending, "watched", None)
+    return bool(getattr(_pending, "aborting", False) or (word is not None and word[0]))
 
 
 _captured = threading.local()
@@ -140,9 +153,7 @@ def _route_logs(lib: _Lib) -> Any:
     def on_log(level: int, text: Any, _user: Any) -> None:
         if level != 5:  # GGML_LOG_LEVEL_CONT keeps the previous level
             line.level = _LEVELS.get(level, logging.DEBUG)
-        level = (
-            logging.DEBUG if getattr(_pending, "aborting", False) else getattr(line, "level", logging.DEBUG)
-        )
+        level = logging.DEBUG if _aborting() else getattr(line, "level", logging.DEBUG)
         capture: list[str] | None = getattr(_captured, "lines", None)
         if capture is None and not log.isEnabledFor(level):
             return

@@ -58,7 +58,6 @@ def serve(args: argparse.Namespace) -> int:
     from llmsession.api.model import Model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    logging.getLogger("llmsession.native").addFilter(CancelledDecodes())
     try:
         config, memory = cli_configs(args)
         settings = app_settings(args, VOLATILE_LINES)
@@ -169,30 +168,6 @@ def memory_line(report: MemoryReport, disk: Path | None, flash_attention: bool |
         f"parked states up to {report.host_cache_bytes / 2**20:.0f} MiB in RAM, {spill}; "
         f"flash attention {flash}"
     )
-
-
-class CancelledDecodes(logging.Filter):
-    """llama.cpp's errors about a decode the server stopped on purpose (a client gone, a server
-    stopping), demoted to debug: the bindings demote them only when their Python abort check
-    stopped the decode, and a decode outside the main thread is stopped by the native check.
-    Only the abort callback makes a graph's status 1 (``GGML_STATUS_ABORTED``) and a decode's
-    ret 2; the memory entries removed between those lines are the aborted batch's."""
-
-    ABORTED = re.compile(r"failed with error 1$|compute status: 1$|failed to (de|en)code, ret = 2$")
-    REMOVING = "removing memory module entries"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._aborting = threading.local()  # (llama.cpp logs in the thread that decodes)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if self.ABORTED.search(message):
-            self._aborting.on = "ret = 2" not in message  # (the decode's own line comes last)
-        elif not (getattr(self._aborting, "on", False) and self.REMOVING in message):
-            return True
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
 def quiet_exit(base: type[uvicorn.Server]) -> type[uvicorn.Server]:

@@ -200,11 +200,12 @@ class NativeContext(Owner):
     def set_abortable(self, abortable: bool) -> None:
         """Install the abort callback for prefill: the native check of the flag's word where it
         can be used, else the Python one (a GIL round trip per graph node)."""
-        from llama_cffi import abort_check
+        from llama_cffi import abort_check, watch_abort
 
         lib, ffi = bindings()
         word = self._flag.native_word() if abortable else None
         check = abort_check() if word is not None else None
+        watch_abort(word if check is not None else None)  # (its stop's errors: expected, then)
         wanted = (check, word) if check is not None else (self._abort_cb, ffi.NULL) if abortable else None
         if wanted != self._abort_installed:
             callback, data = wanted or (ffi.NULL, ffi.NULL)
