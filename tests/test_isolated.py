@@ -313,6 +313,25 @@ def test_an_edit_sent_with_a_failed_exchange_can_be_undone(isolated: Model, smol
         assert session.messages[:3] == good and reply.usage.prompt_tokens < 100, model.isolated
 
 
+def test_an_exchange_finished_by_a_call_that_failed_stays_in_the_transcript(
+    isolated: Model, smollm2: Model
+) -> None:
+    """A new call first finishes the session's open stream (its exchange recorded), then fails:
+    with no edit sent, the worker's transcript, which holds that exchange, is the one that goes
+    on (the reviewer's case: a later call sent ours, without it)."""
+    for model in (smollm2, isolated):
+        session = model.session("Be brief.", context_size=256)
+        session.respond("Hi", GREEDY)
+        stream = session.stream("Tell me a story.", GenerationOptions(max_tokens=40, temperature=0))
+        next(stream)
+        with pytest.raises(ContextOverflowError):
+            session.respond("word " * 400, GREEDY)
+        session.respond("Again", GREEDY)
+        asked = [m["content"] for m in session.messages if m["role"] == "user"]
+        assert asked == ["Hi", "Tell me a story.", "Again"], (model.isolated, asked)
+        del stream
+
+
 def test_a_stream_dropped_unfinished_is_in_the_transcript_as_in_process(
     isolated: Model, smollm2: Model
 ) -> None:

@@ -173,9 +173,9 @@ class NativeContext(Owner):
         memory."""
         lib, _ = bindings()
         ptr = self.ptr  # first: once closed, the batch's memory is gone too
-        self.set_abortable(abortable)
         self.check_run(tokens, start, seq)
         self.batch.fill(tokens, start, seq, outputs=outputs)
+        self.set_abortable(abortable)  # (last: what it watches, the next decode clears)
         with ACTIVITY:
             code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
@@ -186,12 +186,12 @@ class NativeContext(Owner):
         attention is not causal: it cannot be split) into a context whose memory is empty."""
         lib, _ = bindings()
         ptr = self.ptr
-        self.set_abortable(abortable)
         if not 0 < len(tokens) <= self.n_batch:  # past n_ubatch llama_encode aborts the process
             raise ContextOverflowError(f"the encoder takes 1 to {self.n_batch} tokens, got {len(tokens)}")
         if self.pos_max(0) >= 0:  # llama_encode refuses to run over decoder state
             raise ValueError("encode needs an empty context")
         self.batch.fill(tokens, 0, outputs=True)
+        self.set_abortable(abortable)
         with ACTIVITY:
             code = lib.llama_encode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)
@@ -233,10 +233,10 @@ class NativeContext(Owner):
         ``decode``."""
         lib, _ = bindings()
         ptr = self.ptr
-        self.set_abortable(abortable)
         for run in runs:
             self.check_run(*run)
         indices = self.batch.fill_many(runs, outputs)
+        self.set_abortable(abortable)
         with ACTIVITY:
             code = lib.llama_decode(ptr, self.batch.raw)
         interrupted_by(code == DECODE_ABORTED)

@@ -5,7 +5,6 @@ failure."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import os
 import pickle
@@ -38,7 +37,7 @@ class WorkerProcess:
         self.conn = Connection(ours.detach())
         self.timeout = timeout
         self.lock, self.send_lock = threading.Lock(), threading.Lock()
-        self.dropped: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.queued: collections.deque[tuple[Any, ...]] = collections.deque()
         self.requests = itertools.count()
         self.failure: str | None = None
 
@@ -51,29 +50,22 @@ class WorkerProcess:
             return self.answer(request, limit or self.timeout)
 
     def tell(self, *message: Any) -> None:
-        """A message that wants no answer (a cancel, an interrupt), sent before this returns;
-        lost if the worker is."""
-        if self.failure is None:
-            with contextlib.suppress(OSError), self.send_lock:
-                self.conn.send(message)
-            self.flush()
-
-    def drop(self, *message: Any) -> None:
-        """A message from a finalizer (an object dropped here): it never waits for the pipe. A
-        collection can run it on the very thread that holds it inside ``send``, so it is queued
-        and sent by whichever thread has the pipe next; lost if the worker is."""
-        self.dropped.append(message)
+        """A message that wants no answer (a cancel, an interrupt, an object dropped here),
+        lost if the worker is. It never waits for the pipe: a finalizer may call it on the very
+        thread that holds the pipe inside ``send`` (a collection runs it there), so it is queued
+        and sent at once if the pipe is free, else by the thread that has it, when it lets go."""
+        self.queued.append(message)
         self.flush()
 
     def flush(self) -> None:
-        """Sends the queued drops unless another send holds the pipe: that one flushes them
-        after it lets go (so a drop queued while it held the pipe is never left behind)."""
-        while self.dropped and self.failure is None and self.send_lock.acquire(blocking=False):
+        """Sends the queued messages unless another send holds the pipe: that one flushes them
+        after it lets go (so a message queued while it held the pipe is never left behind)."""
+        while self.queued and self.failure is None and self.send_lock.acquire(blocking=False):
             try:
-                while self.dropped:
-                    self.conn.send(self.dropped.popleft())
+                while self.queued:
+                    self.conn.send(self.queued.popleft())
             except OSError:
-                self.dropped.clear()
+                self.queued.clear()
             finally:
                 self.send_lock.release()
 
@@ -81,8 +73,8 @@ class WorkerProcess:
         data = picklable(message)
         try:
             with self.send_lock:
-                while self.dropped:  # (queued before it: the worker drops first, as they came)
-                    self.conn.send(self.dropped.popleft())
+                while self.queued:  # (queued before it: the worker reads them first, as they came)
+                    self.conn.send(self.queued.popleft())
                 self.conn.send_bytes(data)
         except OSError:
             self.fail(self.death())

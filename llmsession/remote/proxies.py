@@ -64,16 +64,16 @@ class WorkerSession(Session):
         self.thinking, self.swa_full = config.thinking, config.swa_full
         self.share_prefix = config.share_prefix
         self._closed = False
-        weakref.finalize(self, model.worker.drop, None, "drop", (self._key,))
+        weakref.finalize(self, model.worker.tell, None, "drop", (self._key,))
 
     @property
     def messages(self) -> list[Any]:
         """The transcript; after a stream of it was dropped unfinished, the worker's (read on
         first use), which holds that exchange as in-process, unless it was edited here since."""
         if self._unseen and not self.closed and self._messages == self._synced:
-            self._unseen = False
             with contextlib.suppress(BackendError, ModelClosedError):  # (then ours, as it was)
                 self._sync(self._model.call("messages", self._key))
+            self._unseen = False  # (not before: a Ctrl-C meanwhile leaves it to the next read)
         return self._messages
 
     @messages.setter
@@ -92,19 +92,24 @@ class WorkerSession(Session):
         self._check_open()
         check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
         options, schema_class = portable(options)
-        with self._unsynced_on_failure():
-            key, messages = self._model.call("stream", self._key, self._edits(), content, options)
+        edits = self._edits()
+        with self._after_failure(edits):
+            key, messages = self._model.call("stream", self._key, edits, content, options)
         self._sync(messages)  # with the exchange of an unfinished stream it finished first
         return WorkerStream(self._model, self, key, schema_class)
 
     @contextlib.contextmanager
-    def _unsynced_on_failure(self) -> Iterator[None]:
-        """A call that failed in the worker may have taken our edits there before it failed:
-        the next call sends our transcript whatever it is (an edit undone would send nothing)."""
+    def _after_failure(self, edits: list[Any] | None) -> Iterator[None]:
+        """A call that failed in the worker may have changed its transcript first: taken the
+        ``edits`` sent (then the next call sends ours, whatever it is: an edit undone would send
+        nothing), or recorded a stream it finished first (then ours is read from it)."""
         try:
             yield
         except BaseException:
-            self.forget_sync()
+            if edits is None:
+                self._unseen = True
+            else:
+                self.forget_sync()
             raise
 
     def _edits(self) -> list[Any] | None:
@@ -123,8 +128,9 @@ class WorkerSession(Session):
 
     def _session_call(self, name: str, *args: Any) -> Any:
         self._check_open()
-        with self._unsynced_on_failure():
-            value, messages = self._model.call("session_call", self._key, self._edits(), name, args)
+        edits = self._edits()
+        with self._after_failure(edits):
+            value, messages = self._model.call("session_call", self._key, edits, name, args)
         self._sync(messages)
         return value
 
@@ -224,6 +230,6 @@ class WorkerStream(Stream):
 def _dropped(worker: WorkerProcess, session: WorkerSession | None, key: int) -> None:
     """A stream dropped unfinished: the worker finishes it (its session records the exchange
     there), and its session here reads its transcript from the worker next."""
-    if session is not None:
+    worker.tell(None, "close_stream", (key,))
+    if session is not None:  # (after: a read it makes goes to the worker after the close)
         session._unseen = True
-    worker.drop(None, "close_stream", (key,))
