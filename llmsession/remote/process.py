@@ -62,19 +62,22 @@ class WorkerProcess:
         after it lets go (so a message queued while it held the pipe is never left behind)."""
         while self.queued and self.failure is None and self.send_lock.acquire(blocking=False):
             try:
-                while self.queued:
-                    self.conn.send(self.queued.popleft())
+                self._send_queued()
             except OSError:
                 self.queued.clear()
             finally:
                 self.send_lock.release()
 
+    def _send_queued(self) -> None:
+        """The queued messages, in order (``send_lock`` held; a message queued meanwhile too)."""
+        while self.queued:
+            self.conn.send(self.queued.popleft())
+
     def send(self, message: tuple[Any, ...]) -> None:
         data = picklable(message)
         try:
             with self.send_lock:
-                while self.queued:  # (queued before it: the worker reads them first, as they came)
-                    self.conn.send(self.queued.popleft())
+                self._send_queued()  # (queued before it: the worker reads them first, as they came)
                 self.conn.send_bytes(data)
         except OSError:
             self.fail(self.death())

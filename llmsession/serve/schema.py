@@ -276,9 +276,7 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
         content = "" if content is None else content
     thought = raw.get("reasoning_content", raw.get("reasoning"))
     if role == "assistant" and thought is not None:  # (a thinking template renders it, or drops it)
-        message["reasoning_content"] = _text(
-            string(thought, f"{where}.reasoning_content"), f"{where}.reasoning_content"
-        )
+        message["reasoning_content"] = _text(thought, f"{where}.reasoning_content")
     if role == "tool":
         message["tool_call_id"] = string(raw.get("tool_call_id"), f"{where}.tool_call_id")
     message["content"] = _content(content, f"{where}.content", images if role == "user" else None)
