@@ -14,7 +14,7 @@ import internals
 import pytest
 from test_reuse import batch_noise, check_against_fresh, paragraph, tolerance_for
 
-from llmsession import GenerationOptions, Model, Reply, Session
+from llmsession import GenerationOptions, Model, Reply, Session, Stream
 from llmsession.engine.batching import Batcher
 from llmsession.engine.chunking import FIRST_CHUNK, MIN_CHUNK, SLOWDOWN, ChunkSizer
 from llmsession.engine.work import Step
@@ -80,30 +80,24 @@ def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2:
     decoded; the session's next turn answers as a fresh decode does."""
     batcher, prompt = internals.local(smollm2).engine.batcher, paragraph(smollm2, 9, 600)
     sessions = [internals.without_look_ahead(smollm2.session()) for _ in range(3)]  # (as above)
-    streaming = threading.Event()
 
-    def stream(i: int) -> None:
-        for count, _ in enumerate(sessions[i].stream(QUESTIONS[i], STREAMING)):
-            if count == 3:
-                streaming.set()
+    def arrive(session: Session) -> tuple[Stream, int]:
+        """Once both streams are past their prompts (so every prompt token the batcher counts
+        from here is this one's), feed the prompt and cancel it a few slices in."""
+        before = batcher.prompt_tokens
+        arriving = session.stream(prompt, ARRIVING)
+        feeding = threading.Thread(target=lambda: list(arriving))
+        feeding.start()
+        deadline = time.perf_counter() + 60
+        while batcher.prompt_tokens - before < 16 and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        fed_at_cancel = batcher.prompt_tokens - before
+        arriving.cancel()
+        feeding.join()
+        return arriving, fed_at_cancel
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    streaming.wait()
-    before = batcher.prompt_tokens
-    arriving = sessions[2].stream(prompt, ARRIVING)
-    feeding = threading.Thread(target=lambda: list(arriving))
-    feeding.start()
-    deadline = time.perf_counter() + 60
-    while batcher.prompt_tokens - before < 16 and time.perf_counter() < deadline:
-        time.sleep(0.001)
-    fed_at_cancel = batcher.prompt_tokens - before
+    arriving, fed_at_cancel = streams_and_an_arrival(sessions, arrive)[2]
     assert fed_at_cancel >= 16, "the prompt never went through the batcher"
-    arriving.cancel()
-    feeding.join()
-    for thread in threads:
-        thread.join()
     reply = arriving.reply
     assert reply is not None and reply.finish_reason == "cancelled"
     decoded = reply.usage.decoded_prompt_tokens
