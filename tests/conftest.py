@@ -50,7 +50,7 @@ PARALLEL_FILES = {  # their tests mostly wait (servers, Ray, subprocesses, a bro
     *("test_near_ties", "test_page", "test_parking", "test_prefix", "test_renderer"),
     *("test_residency", "test_responses_api", "test_rpc", "test_serve", "test_serve_models"),
     *("test_serve_schema", "test_settings_sweep", "test_stops", "test_store", "test_templates"),
-    *("test_tool_repeats", "test_typed_settings", "test_wheel"),
+    *("test_tool_repeats", "test_typed_settings", "test_wheel", "test_responses_in_progress"),
     *("test_aio", "test_batching", "test_close_races", "test_state_blobs", "test_window_layouts"),
 }
 

@@ -122,3 +122,21 @@ def test_the_bounds_and_the_counts_hold_and_smaller_keys_are_spared(
         for other, (count, size) in before.items():  # a key that lost one held at least as much
             if other != owner and store.held(other)[0] < count:
                 assert kept and (size >= mine[1] or count >= mine[0]), (other, before, owner, mine)
+
+
+def test_a_response_in_progress_is_its_owners_until_it_ends_and_deleted_it_is_not_kept() -> None:
+    store = ResponseStore(count=10, size=10_000)
+    store.begin("r1", "a", body("r1", "started"))
+    assert store.running("r1", "a") == body("r1", "started") and store.get("r1", "a") is None
+    assert store.running("r1", "b") is None and not store.delete("r1", "b")  # (another key's: unknown)
+    assert store.put("a", body("r1", "done"), said("hi"))
+    store.end("r1")
+    assert store.running("r1", "a") is None and store.get("r1", "a") is not None
+    store.begin("r2", "a", body("r2"))
+    assert store.delete("r2", "a") and store.running("r2", "a") is None
+    assert not store.delete("r2", "a")
+    assert not store.put("a", body("r2", "done"), said("hi"))  # (deleted while it ran)
+    store.end("r2")
+    assert store.get("r2", "a") is None and len(store) == 1
+    store.begin("r2", "a", body("r2"))  # (ended, the id is forgotten: nothing of it lingers)
+    assert store.put("a", body("r2", "again"), said("hi"))

@@ -1,5 +1,5 @@
-"""The Starlette application of ``llmsession serve``: OpenAI's chat and raw completions and
-Anthropic's messages on a model.
+"""The Starlette application of ``llmsession serve``: OpenAI's chat and raw completions, its
+Responses API (``responding``) and Anthropic's messages on a model.
 
 Each route's key is checked in one place (``http.guarded``); a route reads and checks a request
 (``schema``, ``messages``, in a worker thread, a few at a time: a large body is neither parsed on
@@ -18,7 +18,6 @@ import hmac
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,11 +31,10 @@ from llmsession.api.models import Models
 from llmsession.config import SessionConfig
 from llmsession.errors import ModelClosedError
 from llmsession.options import INT32_MAX
-from llmsession.replies import Reply, assistant_message
-from llmsession.serve import embeddings, operators, sse
+from llmsession.serve import embeddings, operators, responding, sse
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
-from llmsession.serve.doors import CompletionDoor, MessagesDoor, ResponsesDoor
+from llmsession.serve.doors import CompletionDoor, MessagesDoor
 from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.hosts import ManyModels, OneModel
 from llmsession.serve.http import Counting, declared, guarded, refusing
@@ -45,8 +43,6 @@ from llmsession.serve.messages_sse import error_body
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.naming import named_conversation
 from llmsession.serve.page import routes as page_routes
-from llmsession.serve.responses import responses_ask, responses_request
-from llmsession.serve.responses_sse import ResponseObject, response_id
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 from llmsession.serve.store import ResponseStore
@@ -64,10 +60,6 @@ REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
 # where a line begins with it, its hash within 1,024 characters: a pattern is matched against
 # hostile text, so its work must stay linear (unbounded, a megabyte of headers took minutes).
 VOLATILE_LINES = (r"(?m)^x-anthropic-billing-header:[^\n]{0,1024}?cch=[0-9a-fA-F]*;[ \t]*\n?",)
-
-
-def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
-    return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
 
 
 def digest(*parts: str | None) -> str:
@@ -237,44 +229,6 @@ class Server:
             held.drop()
         return JSONResponse({"input_tokens": len(tokens)})
 
-    async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API (``responses``): a ``previous_response_id`` continues that
-        response's transcript (the stateless sessions hold its state: only the new input is
-        decoded); ``store`` keeps the response for retrieval and continuation."""
-        key: str | None = request.state.key
-        async with self.parsing:
-            body = await self.body(request)
-            ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
-            history: list[dict[str, Any]] = []
-            stored = None
-            if ask.previous is not None:
-                stored = self.store.get(ask.previous, key)
-                if stored is None:
-                    raise not_found("response", ask.previous, "previous_response_id")
-                history = stored.transcript
-            asked = await asyncio.to_thread(responses_request, ask, history)
-            transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
-            dropped = await asyncio.to_thread(self.volatile.dropped, asked.messages)
-        asked = dataclasses.replace(asked, messages=dropped)
-        ident = response_id(*self.front_named(request))
-        served = self.hosts.served(asked.model)
-        response = ResponseObject(served, ask.echo, ask.previous, ask.store, ident)
-
-        def keep(body: dict[str, Any], reply: Reply) -> None:
-            self.store.put(key, body, [*transcript, assistant_message(reply)], after=stored)
-
-        return await self.answer(request, asked, ResponsesDoor(response, keep if ask.store else None))
-
-    async def stored_response(self, request: Request) -> Response:
-        ident = request.path_params["id"]
-        stored = self.store.get(ident, request.state.key)
-        if stored is None:
-            raise not_found("response", ident)
-        if request.method == "DELETE":
-            self.store.delete(ident, request.state.key)
-            return JSONResponse({"id": ident, "object": "response", "deleted": True})
-        return JSONResponse(stored.body)
-
     async def read(self, request: Request, checked: Callable[[bytes], ChatRequest]) -> ChatRequest:
         """A request's body, read and checked (a few at once, off the event loop), its system
         prompt's volatile lines dropped."""
@@ -333,8 +287,13 @@ def routes(server: Server) -> list[Route]:
         Route("/v1/models/{name:path}", guarded(server.model_card, keyed), methods=["GET"]),
         Route("/v1/chat/completions", guarded(server.chat, keyed), methods=["POST"]),
         Route("/v1/completions", guarded(server.completions, keyed), methods=["POST"]),
-        Route("/v1/responses", guarded(server.responses, keyed), methods=["POST"]),
-        Route("/v1/responses/{id}", guarded(server.stored_response, keyed), methods=["GET", "DELETE"]),
+        *[
+            Route(path, guarded(functools.partial(route, server), keyed), methods=methods)
+            for path, route, methods in (
+                ("/v1/responses", responding.create, ["POST"]),
+                ("/v1/responses/{id}", responding.stored, ["GET", "DELETE"]),
+            )
+        ],
         Route("/v1/messages", guarded(server.messages, keyed, error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(server.count_tokens, keyed, error_body), methods=["POST"]),
     ]

@@ -149,13 +149,18 @@ class EventStream(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.on_close = on_close
+        self.closing = [on_close]
+
+    def also(self, on_close: Callable[[], None]) -> None:
+        """Run ``on_close`` too once the response ended (after those given before)."""
+        self.closing.append(on_close)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.on_close()
+            for on_close in self.closing:
+                on_close()
 
 
 class Call:

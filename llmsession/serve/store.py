@@ -11,7 +11,9 @@ left to forget is not kept (``put`` is False) rather than evict a smaller key's.
 continuation's transcript is sized as its predecessor's size and its new part's, so a long
 chain is never serialized whole on the event loop. The engine state behind a response is not
 here: a continuation resends the transcript to the stateless sessions, whose kept session
-still holds it (or its parked state), so only the new input is decoded.
+still holds it (or its parked state), so only the new input is decoded. A response in
+progress is known by its owner from its start (``begin``, ``end``): retrieved as it began,
+deleted (then it is not kept when it ends).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class ResponseStore:
         self._kept: dict[str, Stored] = {}
         self._lru: dict[str | None, OrderedDict[str, None]] = {}  # each key's ids, oldest first
         self._bytes: dict[str | None, int] = {}
+        self._running: dict[str, tuple[str | None, dict[str, Any]]] = {}  # (owner, body in progress)
+        self._forgotten: set[str] = set()  # deleted while in progress: not kept when they end
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -66,7 +70,7 @@ class ResponseStore:
         spent = (after.transcript_size if after is not None else 0) + json_size(rest)
         size = json_size(body) + spent
         ident = body["id"]
-        if size > self.size:
+        if size > self.size or ident in self._forgotten:
             return False
         self._drop(ident)
         self._kept[ident] = Stored(owner, body, transcript, size, spent)
@@ -89,10 +93,30 @@ class ResponseStore:
         return stored
 
     def delete(self, ident: str, owner: str | None) -> bool:
+        """Forget a kept response of ``owner``'s, or one still in progress (not kept when it
+        ends); False if it knows neither."""
+        if self.running(ident, owner) is not None:
+            del self._running[ident]
+            self._forgotten.add(ident)
+            return True
         if self.get(ident, owner) is None:
             return False
         self._drop(ident)
         return True
+
+    def begin(self, ident: str, owner: str | None, body: dict[str, Any]) -> None:
+        """A response of ``owner``'s is in progress (``body``, as its stream began) until ``end``."""
+        self._running[ident] = (owner, body)
+
+    def end(self, ident: str) -> None:
+        """It ended, however (kept with ``put`` before this, or not)."""
+        self._running.pop(ident, None)
+        self._forgotten.discard(ident)
+
+    def running(self, ident: str, owner: str | None) -> dict[str, Any] | None:
+        """The body of ``owner``'s response in progress under ``ident`` (None: none)."""
+        running = self._running.get(ident)
+        return running[1] if running is not None and running[0] == owner else None
 
     def held(self, owner: str | None) -> tuple[int, int]:
         """How many responses ``owner`` keeps here, and their bytes."""

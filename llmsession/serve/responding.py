@@ -1,0 +1,107 @@
+"""The routes of OpenAI's Responses API: ``POST /v1/responses`` on the engine's sessions, and
+``GET`` / ``DELETE /v1/responses/{id}`` on the responses kept (``store``).
+
+A response with ``store: true`` is known from its start: while it runs, ``GET`` returns it
+``in_progress`` (as its ``response.created`` event showed it), ``DELETE`` forgets it (it is
+not kept when it ends) and a ``previous_response_id`` naming it is refused (400: there is no
+reply to continue yet). However it ends (finished, failed, its client gone), it stops being in
+progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llmsession.replies import Reply, assistant_message
+from llmsession.serve.body import parse_json
+from llmsession.serve.chat import Door, EventStream
+from llmsession.serve.doors import ResponsesDoor
+from llmsession.serve.errors import ApiError
+from llmsession.serve.hosts import ManyModels, OneModel
+from llmsession.serve.responses import responses_ask, responses_request
+from llmsession.serve.responses_sse import ResponseObject, response_id
+from llmsession.serve.schema import ChatRequest
+from llmsession.serve.store import ResponseStore
+from llmsession.serve.translation import Volatile
+
+
+class Serving(Protocol):
+    """What these routes use of the server (``app.Server``)."""
+
+    hosts: OneModel | ManyModels
+    store: ResponseStore
+    volatile: Volatile
+    parsing: asyncio.Semaphore
+
+    async def body(self, request: Request, limit: int | None = None) -> bytes: ...
+    def front_named(self, request: Request) -> tuple[str | None, str | None]: ...
+    async def answer(self, request: Request, asked: ChatRequest, door: Door) -> Response: ...
+
+
+def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
+    return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
+
+
+async def create(server: Serving, request: Request) -> Response:
+    """``POST /v1/responses``: a ``previous_response_id`` continues that response's transcript
+    (the stateless sessions hold its state: only the new input is decoded); ``store`` keeps the
+    response for retrieval and continuation."""
+    key: str | None = request.state.key
+    store = server.store
+    async with server.parsing:
+        body = await server.body(request)
+        ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
+        history: list[dict[str, Any]] = []
+        stored = None
+        if ask.previous is not None:
+            stored = store.get(ask.previous, key)
+            if stored is None:
+                if store.running(ask.previous, key) is not None:
+                    raise ApiError(
+                        f"response {ask.previous!r:.80} is still in progress: continue it once it ended",
+                        "previous_response_id",
+                    )
+                raise not_found("response", ask.previous, "previous_response_id")
+            history = stored.transcript
+        asked = await asyncio.to_thread(responses_request, ask, history)
+        transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
+        dropped = await asyncio.to_thread(server.volatile.dropped, asked.messages)
+    asked = dataclasses.replace(asked, messages=dropped)
+    ident = response_id(*server.front_named(request))
+    response = ResponseObject(server.hosts.served(asked.model), ask.echo, ask.previous, ask.store, ident)
+    if not ask.store:
+        return await server.answer(request, asked, ResponsesDoor(response))
+
+    def keep(body: dict[str, Any], reply: Reply) -> None:
+        store.put(key, body, [*transcript, assistant_message(reply)], after=stored)
+
+    store.begin(ident, key, response.body("in_progress", [], None))
+    try:
+        answered = await server.answer(request, asked, ResponsesDoor(response, keep))
+    except BaseException:
+        store.end(ident)
+        raise
+    if isinstance(answered, EventStream):  # (it runs on: it ends however the stream ends)
+        answered.also(lambda: store.end(ident))
+    else:
+        store.end(ident)
+    return answered
+
+
+async def stored(server: Serving, request: Request) -> Response:
+    """``GET`` / ``DELETE /v1/responses/{id}``: a kept response (or one still in progress) of
+    the caller's key; another key's is unknown."""
+    ident, key = request.path_params["id"], request.state.key
+    kept = server.store.get(ident, key)
+    running = server.store.running(ident, key) if kept is None else None
+    if kept is None and running is None:
+        raise not_found("response", ident)
+    if request.method == "DELETE":
+        server.store.delete(ident, key)
+        return JSONResponse({"id": ident, "object": "response", "deleted": True})
+    return JSONResponse(kept.body if kept is not None else running)
