@@ -142,6 +142,20 @@ def test_a_schema_that_contains_itself_is_a_grammar_error_not_a_crash(smollm2_pa
     assert out.stdout.count("typed:") == 8 and out.stdout.count("after:") == 2, out.stdout
 
 
+def test_a_grammar_too_large_for_the_matcher_is_a_grammar_error_in_a_few_words(smollm2: Model) -> None:
+    """llguidance panics on a grammar of more than 65,525 symbols; its message carried the
+    panic's backtrace (2.5 KB of frames). The error says what it refused, bounded, and the
+    session goes on."""
+    session = smollm2.session()
+    alternatives = " | ".join(f'"w{i}"' for i in range(66_000))
+    with pytest.raises(GrammarError) as refused:
+        session.respond("Hi", GenerationOptions(grammar=f"start: {alternatives}", max_tokens=4))
+    said = str(refused.value)
+    assert said.startswith("grammar: ") and "symbols" in said, said
+    assert "backtrace" not in said and len(said) <= 520, said
+    assert session.messages == [] and session.respond("Hi", GenerationOptions(max_tokens=2)).text
+
+
 class Tags(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tags: set[Literal["red", "green", "blue"]] = Field(max_length=3)

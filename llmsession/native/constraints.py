@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,8 @@ def tokenizer(native: NativeModel) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(wrapper, n_vocab=native.n_vocab, eos_token=vocabulary.eog or None)
 
 
+MAX_SAID = 500  # characters of llguidance's own words in an error
+BACKTRACE = re.compile(r"\s*<backtrace>.*?(</backtrace>|$)", re.DOTALL)  # (its panics carry one)
 COMPILE = {**COMPACT, "lenient": True}  # keywords the mask cannot enforce: checked after
 
 
@@ -108,10 +111,10 @@ class Constraint:
         except (ValueError, TypeError, RecursionError) as error:  # bad GBNF, an unusable schema
             if isinstance(error, GrammarError):
                 raise
-            raise GrammarError(f"{kind}: {error}") from None
+            raise GrammarError(f"{kind}: {said(str(error))}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # compiles it once
         if matcher.is_error():
-            raise GrammarError(f"{kind}: {matcher.get_error()}")
+            raise GrammarError(f"{kind}: {said(matcher.get_error())}")
         warnings = matcher.get_grammar_warnings()
         for warning in warnings:
             log.info("%s: %s", kind, warning)
@@ -136,10 +139,10 @@ class Constraint:
         try:
             grammar = llguidance.grammar_from("lark", lark)
         except (ValueError, TypeError, RecursionError) as error:
-            raise GrammarError(f"{kind}: {error}") from None
+            raise GrammarError(f"{kind}: {said(str(error))}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"{kind}: {matcher.get_error()}")
+            raise GrammarError(f"{kind}: {said(matcher.get_error())}")
         return cls(matcher, tokenizer.eos_token, ends=tuple(tokenizer.eos_tokens), plain=plain)
 
     def sampler(self, chain: Sampler, n_vocab: int, waits: Callable[[], bool] | None = None) -> GuidedSampler:
@@ -295,3 +298,10 @@ class GuidedSampler:
         if self.matcher.is_error():  # (its first line: what follows is llguidance's state, its stats)
             said = self.matcher.get_error().split("\n", 1)[0][:200]
             raise GrammarError(f"the constraint's matcher failed: {said} (no reply can go on from here)")
+
+
+def said(text: str) -> str:
+    """What llguidance said of a grammar it refused, for the caller: without the backtrace of
+    its panics (a grammar too large for it, say), at most ``MAX_SAID`` characters."""
+    text = BACKTRACE.sub("", text).strip()
+    return text if len(text) <= MAX_SAID else f"{text[: MAX_SAID - 3]}..."
