@@ -51,6 +51,7 @@ def test_a_response_answers_and_is_kept(served: Served) -> None:
     assert usage is not None and usage.input_tokens > 5 and 0 < usage.output_tokens <= 16
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.output_tokens_details.reasoning_tokens == 0
+    assert usage.input_tokens_details.cache_write_tokens == 0  # (a field the SDK requires)
     again = client(served).responses.retrieve(made.id)
     assert again.output_text == made.output_text and again.id == made.id
     with pytest.raises(openai.NotFoundError):

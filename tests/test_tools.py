@@ -183,6 +183,28 @@ def test_parallel_calls_pass_the_mask_only_when_allowed(smollm2: Model, name: st
     assert not matcher_accepts(smollm2, grammar(fmt, checked_tools([TIME], "required"), made), bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_schema_without_a_type_still_holds_the_arguments_to_an_object(smollm2: Model, name: str) -> None:
+    """``parameters`` with properties but no ``type`` is an object schema (as it is checked);
+    the mask held it to nothing, and a forced call's arguments came out a list, which the
+    Messages door then wrapped in an ``arguments`` key the schema does not have."""
+    fmt, untyped = FORMATS[name], {"properties": {"city": {"type": "string"}}}
+    tools = checked_tools(
+        [{"type": "function", "function": {"name": "where", "parameters": untyped}}], "required"
+    )
+    assert tools is not None
+    ids = CallIds(fmt)
+    lark = grammar(fmt, tools, [ids(k) for k in range(8)])
+    for arguments, fits in (
+        ('{"city": "Paris"}', True),
+        ('["Paris"]', False),
+        ('"Paris"', False),
+        ("7", False),
+    ):
+        reply = fmt.reply_text("", [ToolCall(ids(0), "where", arguments)])
+        assert matcher_accepts(smollm2, lark, reply) == fits, arguments
+
+
 # -- whole exchanges on real templates -------------------------------------------------------------
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, fixture_path: Any) -> Any:

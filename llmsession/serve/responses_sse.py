@@ -48,7 +48,10 @@ def usage(used: Usage | None) -> dict[str, Any]:
     used = used or Usage()
     return {
         "input_tokens": used.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": used.reused_tokens},
+        "input_tokens_details": {
+            "cached_tokens": used.reused_tokens,
+            "cache_write_tokens": 0,
+        },  # (Messages' 0)
         "output_tokens": used.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": used.reasoning_tokens},
         "total_tokens": used.prompt_tokens + used.completion_tokens,

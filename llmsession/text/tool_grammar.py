@@ -47,7 +47,9 @@ def spelled(text: str, specials: Mapping[str, int]) -> str:
 
 
 def _arguments(tool: Tool) -> str:
-    schema = {**tool.parameters, "x-guidance": ARGUMENTS_LAYOUT}
+    """The mask of a call's arguments: an object (a schema without a ``type`` is checked as an
+    object schema, and held to one here: else any JSON value would pass)."""
+    schema = {**tool.parameters, "type": "object", "x-guidance": ARGUMENTS_LAYOUT}
     return "%json " + json.dumps(schema)
 
 
