@@ -88,4 +88,9 @@ class ModelNotFoundError(RequestError):
 
 class ModelsFullError(UnavailableError):
     """A model cannot load now: the loaded ones fill ``max_loaded`` or ``memory_limit`` and are
-    all in use, or the limit is smaller than the model itself. Nothing was unloaded."""
+    all in use, or the limit is smaller than the model itself (``too_large``: waiting will not
+    help). Nothing was unloaded."""
+
+    def __init__(self, message: str, *, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.too_large = too_large

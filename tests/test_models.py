@@ -125,9 +125,31 @@ def test_a_load_with_no_room_is_refused_and_unloads_nothing(smollm2_path: Path, 
         assert loaded(models) == {"smol": False, "gemma": True}
         models.release("gemma")
     small = two(smollm2_path, gemma3_path, memory_limit=gemma3_path.stat().st_size // 2)
-    with small, pytest.raises(ModelsFullError, match="memory limit"):
+    with small, pytest.raises(ModelsFullError, match="memory limit") as refused:
         small.acquire("gemma")
-    assert loaded(small) == {"smol": False, "gemma": False}
+    assert loaded(small) == {"smol": False, "gemma": False} and refused.value.too_large
+    assert not raised.value.too_large  # (smol was in use: it may be idle later)
+
+
+def test_a_load_measured_past_the_limit_unloads_idle_models_to_keep_within_it(
+    smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """A model counts its files until its first load; loaded, it is measured (its cells and
+    buffers too), and idle models unload until those held fit the limit again."""
+    settings: dict[str, Any] = {"batch_size": 64, "kv_tokens": 1024}
+    with two(smollm2_path, gemma3_path, **settings) as models:
+        models.load("smol")
+        smol = models.status()[0].resident_bytes
+    files = gemma3_path.stat().st_size
+    limit = smol + files + 2**20  # (gemma fits beside smol by its files, not as loaded)
+    with two(smollm2_path, gemma3_path, memory_limit=limit, **settings) as models:
+        models.load("smol")
+        models.load("gemma")
+        assert models.status()[1].resident_bytes > files + 2**20
+        assert loaded(models) == {"smol": False, "gemma": True}
+        assert sum(s.resident_bytes for s in models.status() if s.loaded) <= limit
+        models.load("smol")  # (and back: gemma, idle, goes before smol loads)
+        assert loaded(models) == {"smol": True, "gemma": False}
 
 
 def test_buffers_are_read_from_what_llama_cpp_reports_allocating() -> None:
@@ -200,8 +222,9 @@ def test_a_model_counts_llama_cpps_buffers_against_the_limit(smollm2_path: Path)
     ) as models:
         models.load("smol")  # (before its first load it counts its file only)
         assert models.unload("smol")
-        with pytest.raises(ModelsFullError, match="memory limit"):
+        with pytest.raises(ModelsFullError, match="larger than the memory limit") as raised:
             models.load("smol")
+        assert raised.value.too_large  # (by itself: no wait helps)
     with Models(
         {"smol": smollm2_path}, threads=2, batch_size=64, kv_tokens=1024, memory_limit=resident
     ) as models:

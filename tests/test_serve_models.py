@@ -134,6 +134,7 @@ def test_a_load_with_no_room_is_a_503_and_the_server_stays_up(smollm2_path: Path
         with pytest.raises(openai.InternalServerError) as raised:
             chat(url, "gemma", "Hi.")
         assert raised.value.status_code == 503 and "memory limit" in raised.value.message
+        assert raised.value.code == "model_too_large" and "retry-after" not in raised.value.response.headers
         assert httpx.get(f"{url.removesuffix('/v1')}/health", timeout=10).json()["status"] == "ok"
         assert states(url) == {"smol": "unloaded", "gemma": "unloaded"}
 

@@ -75,7 +75,13 @@ def footprint(report: MemoryReport, *files: Path | None) -> int:
 
 
 def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, bool]]) -> str:
-    """Why ``name`` cannot load: the models held (name, bytes, whether loading or unloading)."""
+    """Why ``name`` cannot load: the models held (name, bytes, whether loading or unloading),
+    or the limit, smaller than the model by itself."""
+    if limit is not None and needed > limit:
+        return (
+            f"model {name!r} ({needed / 2**20:.0f} MiB as loaded last) is larger than the memory "
+            f"limit of {limit / 2**20:.0f} MiB by itself: it cannot load on this server"
+        )
     states = {True: "loading or unloading", False: "in use"}
     parts = [f"{other} ({size / 2**20:.0f} MiB, {states[busy]})" for other, size, busy in held]
     within = f" within the memory limit of {limit / 2**20:.0f} MiB" if limit is not None else ""

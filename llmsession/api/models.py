@@ -153,11 +153,19 @@ class Models:
         with self._changed:
             entry.busy = False
             self._changed.notify_all()
-            if not self._closed:
+            closed = self._closed
+            if not closed:
                 entry.model = model
-                return self._used(entry, keep)
-        model.close()  # (the models were closed while it loaded)
-        raise ModelClosedError("these models were closed")
+                used, surplus = self._used(entry, keep), self._surplus()
+        if closed:
+            model.close()  # (the models were closed while it loaded)
+            raise ModelClosedError("these models were closed")
+        for other in surplus:  # (measured, it is larger than its files: idle others make room)
+            try:
+                self._unload(other)
+            except Exception:  # (its use is granted: an unload's failure is logged, not raised)
+                log.exception("unloading an idle model to keep within the memory limit failed")
+        return used
 
     def release(self, name: str) -> None:
         """One use of ``name`` is over (its idle time starts once none is left)."""
@@ -269,9 +277,31 @@ class Models:
             return None  # (an unload under way may leave room; a load, take it)
         if not fits():
             held_now = [(other, e.footprint, e.busy) for other, e in self._holding()]
-            raise ModelsFullError(_parking.full_message(name, needed, self.memory_limit, held_now))
+            too_large = self.memory_limit is not None and needed > self.memory_limit
+            message = _parking.full_message(name, needed, self.memory_limit, held_now)
+            raise ModelsFullError(message, too_large=too_large)
         for entry in doomed:
             entry.busy = True
+        return doomed
+
+    def _surplus(self) -> list[_Entry]:
+        """The idle models to unload (least recently used first, marked busy) so that the ones
+        held are within the memory limit again, once a load measured a model larger than its
+        files counted (the lock held)."""
+        if self.memory_limit is None:
+            return []
+        held = [e for _, e in self._holding()]
+        total = sum(e.footprint for e in held)
+        doomed: list[_Entry] = []
+        for entry in sorted((e for e in held if e.idle), key=lambda e: e.last_used):
+            if total <= self.memory_limit:
+                break
+            doomed.append(entry)
+            entry.busy, total = True, total - entry.footprint
+        if total > self.memory_limit:
+            log.warning(
+                "the models loaded take %d MiB, over the memory limit: the others are in use", total >> 20
+            )
         return doomed
 
     def _holding(self) -> list[tuple[str, _Entry]]:

@@ -32,7 +32,10 @@ def not_found(name: str | None, names: list[str]) -> ApiError:
 
 
 def no_room(error: ModelsFullError) -> ApiError:
-    """A 503: the model cannot load now (what is held, as ``Models`` says it)."""
+    """A 503: the model cannot load now (what is held, as ``Models`` says it); retried after 5
+    seconds, unless it is larger than the memory limit by itself (no retry helps)."""
+    if error.too_large:
+        return ApiError(str(error), "model", "model_too_large", 503, "server_error")
     return ApiError(str(error), "model", "model_not_loaded", 503, "server_error", 5)
 
 
