@@ -117,12 +117,31 @@ def test_a_claude_code_conversation_resumes_after_its_model_reloads(served: tupl
 
 
 def test_keep_alive_zero_unloads_once_the_request_is_done(served: tuple[Models, str]) -> None:
+    """On every API that answers with a model (Messages, its count_tokens and Responses take
+    Ollama's field as chat does)."""
     _, url = served
-    chat(url, "smol", "Hi.", extra_body={"keep_alive": 0})
-    deadline = time.monotonic() + 10
-    while states(url)["smol"] != "unloaded" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert states(url)["smol"] == "unloaded"
+    base, auth = url.removesuffix("/v1"), {"Authorization": f"Bearer {KEY}"}
+    said = [{"role": "user", "content": "Hi."}]
+    asks: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", {"messages": said, "max_tokens": 4}),
+        ("/v1/messages", {"messages": said, "max_tokens": 4}),
+        ("/v1/messages/count_tokens", {"messages": said}),
+        ("/v1/responses", {"input": "Hi.", "max_output_tokens": 4}),
+    ]
+    for path, body in asks:
+        chat(url, "smol", "Hi.", extra_body={"keep_alive": -1})  # (loaded, kept)
+        answered = httpx.post(
+            f"{base}{path}", json={**body, "model": "smol", "keep_alive": 0}, headers=auth, timeout=60
+        )
+        assert answered.status_code == 200, (path, answered.text)
+        deadline = time.monotonic() + 10
+        while states(url)["smol"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert states(url)["smol"] == "unloaded", path
+        refused = httpx.post(
+            f"{base}{path}", json={**body, "model": "smol", "keep_alive": "soon"}, headers=auth, timeout=60
+        )
+        assert refused.status_code == 400 and "keep_alive" in refused.text, (path, refused.text)
     with pytest.raises(openai.BadRequestError, match="keep_alive"):
         chat(url, "smol", "Hi.", extra_body={"keep_alive": "soon"})
 

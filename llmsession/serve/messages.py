@@ -96,7 +96,7 @@ def chat_body(
         if body.get("max_tokens") is None:
             raise ApiError("max_tokens is required", "max_tokens")
         out["max_tokens"] = body["max_tokens"]
-    for name in ("temperature", "top_p", "stream"):
+    for name in ("temperature", "top_p", "stream", "keep_alive"):  # (Ollama's keep_alive: as chat's)
         if body.get(name) is not None:
             out[name] = body[name]
     if isinstance(out.get("temperature"), int | float) and not 0 <= out["temperature"] <= 1:

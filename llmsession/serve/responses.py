@@ -58,7 +58,8 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
     tokens = body.get("max_output_tokens")
     if tokens is not None:
         chat["max_tokens"] = tokens
-    for name in ("temperature", "top_p", "stream", "stop", "seed", "parallel_tool_calls", "user"):
+    passed = ("temperature", "top_p", "stream", "stop", "seed", "parallel_tool_calls", "user", "keep_alive")
+    for name in passed:
         if body.get(name) is not None:
             chat[name] = body[name]
     reasoning = body.get("reasoning") or {}
