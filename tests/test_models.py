@@ -321,3 +321,41 @@ def test_parked_conversations_leave_with_their_process_however_it_ends(
             assert mine.exists()
         assert models.names == ["smol"]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_model_unloading_says_so_and_a_loading_one_says_loading(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Models.status()`` and ``/v1/models``' card: busy parking its conversations before it
+    closes, a model is unloading (it read "loading" before)."""
+    from llmsession import SessionConfig
+    from llmsession.api import _parking
+    from llmsession.serve.hosts import ManyModels
+    from llmsession.serve.metrics import Metrics
+
+    parking, go, park = threading.Event(), threading.Event(), _parking.park
+
+    def held(*args: Any) -> Any:
+        parking.set()
+        go.wait(30)
+        return park(*args)
+
+    monkeypatch.setattr(_parking, "park", held)
+    with Models({"smol": smollm2_path}, threads=1) as models:
+        loading = threading.Thread(target=models.load, args=("smol",))
+        loading.start()
+        assert within(30, lambda: models.status()[0].busy or models.status()[0].loaded)
+        status = models.status()[0]
+        assert not status.unloading  # (loading, or loaded already)
+        loading.join()
+        unloading = threading.Thread(target=models.unload, args=("smol",))
+        unloading.start()
+        assert parking.wait(30)
+        status = models.status()[0]
+        assert status.busy and status.unloading
+        listed = ManyModels(models, SessionConfig(), 1, Metrics()).cards()  # (what /v1/models lists)
+        assert listed[0]["status"]["value"] == "unloading"
+        go.set()
+        unloading.join()
+        status = models.status()[0]
+        assert not (status.loaded or status.busy or status.unloading)

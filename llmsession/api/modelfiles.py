@@ -33,6 +33,7 @@ class ModelStatus:
     unloads_in: float | None  # seconds until it unloads unless used again (None: it is kept)
     loads: int  # times it was loaded so far
     kind: str | None = None  # "chat", "embedding" or "reranker" (its GGUF's pooling), once loaded
+    unloading: bool = False  # busy unloading (its conversations parked, then closed), not loading
 
 
 def model_file(spec: ModelFile | str | Path) -> ModelFile:

@@ -360,6 +360,7 @@ class Models:
             unloads_in=None if idle is None or keep is None or keep < 0 else max(0.0, keep - idle),
             loads=entry.loads,
             kind=None if entry.loads == 0 else kind_of(entry.pooling),
+            unloading=entry.busy and model is not None,  # (a load sets its model once done)
         )
 
     def _due(self, now: float) -> tuple[list[_Entry], float | None]:

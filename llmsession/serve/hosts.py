@@ -141,7 +141,8 @@ class ManyModels:
         cards = []
         for status in self.models.status():
             context = self.context_size(status)
-            cards.append(card(status.name, status.images, status.loaded, status.busy, context, status.kind))
+            busy = "unloading" if status.unloading else "loading" if status.busy else None
+            cards.append(card(status.name, status.images, status.loaded, busy, context, status.kind))
         return cards
 
     def context_size(self, status: ModelStatus) -> int | None:
@@ -176,14 +177,14 @@ def card(
     name: str,
     images: bool,
     loaded: bool,
-    busy: bool = False,
+    busy: str | None = None,
     context: int | None = None,
     kind: str | None = "chat",
 ) -> dict[str, Any]:
     """A model's entry in ``/v1/models``: OpenAI's fields, whether it is loaded (as llama-server's
-    router says it: ``status.value``), and what it does (``kind``: chat or embedding; None
-    until it has loaded: its file says it)."""
-    value = "loading" if busy and not loaded else "loaded" if loaded else "unloaded"
+    router says it: ``status.value``; ``busy``: "loading" or "unloading" now), and what it does
+    (``kind``: chat or embedding; None until it has loaded: its file says it)."""
+    value = busy if busy == "unloading" or (busy and not loaded) else "loaded" if loaded else "unloaded"
     chat = None if kind is None else kind == "chat"
     embeds = None if kind is None else kind == "embedding"
     capabilities = {"chat": chat, "embeddings": embeds, "images": images}

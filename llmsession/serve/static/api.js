@@ -37,7 +37,7 @@ async function errorText(response) {
 }
 
 // The cards of the models the server serves (/v1/models): one, or several it loads on demand
-// (each with its status: loaded, unloaded, loading).
+// (each with its status: loaded, unloaded, loading, unloading).
 export async function modelCards(key) {
   let response;
   try {
