@@ -310,3 +310,25 @@ def test_a_card_says_what_its_model_does_once_it_is_known() -> None:
         (False, False),
         (None, None),
     ]
+
+
+def test_a_model_the_servers_settings_do_not_fit_is_a_500_once_loaded_then_without_loading(
+    smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """A context SmolLM2's cells cannot hold (Gemma 3's can): its first request loads it (the
+    settings are checked against the model loaded) and is a 500 naming them; later ones are
+    refused as they come, never loading it again nor unloading the model that works."""
+    models = Models({"smol": smollm2_path, "gemma": gemma3_path}, max_loaded=1, threads=1)
+    app = create_app(models, api_key=KEY, session=SessionConfig(context_size=16384))
+    with models, running(app) as url:
+        assert chat(url, "gemma", "Hi.").choices
+        with pytest.raises(openai.InternalServerError) as raised:
+            chat(url, "smol", "Hi.")
+        assert raised.value.status_code == 500 and "do not fit" in raised.value.message
+        assert raised.value.body["type"] == "server_error"  # type: ignore[index]
+        assert chat(url, "gemma", "Hi.").choices
+        loads = {status.name: status.loads for status in models.status()}
+        with pytest.raises(openai.InternalServerError, match="do not fit"):
+            chat(url, "smol", "Hi.")
+        assert {status.name: status.loads for status in models.status()} == loads
+        assert states(url) == {"smol": "unloaded", "gemma": "loaded"}

@@ -7,6 +7,7 @@ sessions) and the server's shared counters."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,7 @@ class ManyModels:
         self.models, self.settings, self.queue, self.metrics = models, settings, queue, metrics
         self.names = models.names
         self._hosts: dict[str, Host] = {}
+        self._misfits: dict[str, ApiError] = {}  # the models the server's settings do not fit
         self._lock = threading.Lock()
         # One thread a model waits for its load; the other requests for it wait in the event
         # loop (``_turns``), so loads never take the threads that parse bodies and answer.
@@ -96,6 +98,9 @@ class ManyModels:
         """The host of model ``name``, loaded (in a thread; concurrent first requests wait for
         one load) and held until the request's ``Held`` is dropped."""
         served = self.served(name)
+        misfit = self._misfits.get(served)
+        if misfit is not None:  # (known since its first load: it never loads again to say so)
+            raise dataclasses.replace(misfit)
         turn = self._turns.setdefault(served, asyncio.Lock())
         await turn.acquire()
         later = False  # (a cancelled wait gives the turn back once the loader thread is done)
@@ -132,7 +137,11 @@ class ManyModels:
         with self._lock:
             host = self._hosts.get(name)
             if host is None or host.model is not model:  # (loaded again: a new model, a new host)
-                fitting(model, name, self.settings)
+                try:
+                    fitting(model, name, self.settings)
+                except ApiError as misfit:
+                    self._misfits[name] = misfit
+                    raise
                 admission = Admission(model.memory().max_live_sessions, self.queue)
                 host = self._hosts[name] = Host(model, name, self.settings, admission, self.metrics)
             return host
@@ -169,7 +178,7 @@ def fitting(model: Model, name: str, settings: SessionConfig) -> None:
         model.session(config=settings).close()
     except ValueError as error:
         raise ApiError(
-            f"model {name!r}: the server's settings do not fit it: {error}", None, None, 500
+            f"model {name!r}: the server's settings do not fit it: {error}", None, None, 500, "server_error"
         ) from None
 
 
