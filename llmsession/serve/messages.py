@@ -5,12 +5,14 @@ as one (``schema.chat_request``). Pure: no model, no web framework.
 What maps where: ``system`` (a string or text blocks, ``cache_control`` ignored) is the first
 message; a user message's ``tool_result`` blocks are ``tool`` messages, in their order among
 its text and image blocks (an ``is_error`` result's text begins "Error: "); an assistant's
-``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON text); ``thinking`` and
-``redacted_thinking`` blocks sent back are dropped (no template here renders them); tools'
+``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON text); its ``thinking`` blocks
+sent back are that turn's reasoning (``reasoning_content``: rendered as its template does, kept
+or dropped), ``redacted_thinking`` ones are dropped (nothing here can read them); tools'
 ``input_schema`` is a function's ``parameters``; ``tool_choice`` ``any`` is ``required``;
 ``stop_sequences`` are stop strings; ``metadata.user_id`` names the tenant's user as ``user``
-does. An image is a base64 block only: a URL is never fetched. Fields the engine has no use for
-(``thinking``, ``service_tier``, ``container``, ...) are accepted and ignored, as unknown ones.
+does; ``thinking`` turns the template's thinking on or off, with its budget. An image is a
+base64 block only: a URL is never fetched. Fields the engine has no use for (``service_tier``,
+``container``, ...) are accepted and ignored, as unknown ones.
 """
 
 from __future__ import annotations
