@@ -704,3 +704,50 @@ def test_one_walk_measures_nesting_for_the_schema_and_the_echo_limits() -> None:
     with pytest.raises(GrammarError, match="inside the schema"):
         check_nodes(nested(MAX_SCHEMA_DEPTH) | {"$ref": "https://example.com/s.json"})
     assert not nests_deeper("flat", 0) and nests_deeper([[1] * 3] * 100_000, 1)
+
+
+def test_a_call_no_tool_result_answers_is_a_400_on_every_door() -> None:
+    """OpenAI's and Anthropic's APIs refuse a transcript with a call left unanswered (an agent's
+    bug, else silently rendered); answered in any order, a user's words among the results (as
+    Anthropic's clients put them in one turn), it passes."""
+    from llmsession.serve.messages import messages_request
+    from llmsession.serve.responses import responses_ask, responses_request
+
+    def call(ident: str) -> dict[str, Any]:
+        return {"id": ident, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    ask = {"role": "user", "content": "Go."}
+    made = {"role": "assistant", "content": None, "tool_calls": [call("a"), call("b")]}
+    result = [{"role": "tool", "tool_call_id": ident, "content": "ok"} for ident in ("b", "a")]
+    assert chat_request({"model": "m", "messages": [ask, made, *result]}).messages
+    assert chat_request({"model": "m", "messages": [ask, made, result[0], ask, result[1]]}).messages
+    for unanswered, missing in (([ask, made, result[0], ask], "a"), ([ask, made, ask], "a")):
+        with pytest.raises(ApiError, match=f"message 1 .*'{missing}'.* no tool result") as refused:
+            chat_request({"model": "m", "messages": unanswered})
+        assert refused.value.param == "messages" and refused.value.status == 400
+    later = [ask, made, *result, {"role": "assistant", "content": "Done."}, ask]
+    assert chat_request({"model": "m", "messages": later}).messages
+    with pytest.raises(ApiError, match="no tool result"):
+        chat_request(
+            {"model": "m", "messages": [ask, made, result[0], {"role": "assistant", "content": "?"}, ask]}
+        )
+    tool_use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}
+    answered = [
+        {"type": "text", "text": "Here:"},
+        {"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
+    ]
+    said = [{"role": "user", "content": "Go."}, tool_use]
+    assert messages_request(
+        {"model": "m", "max_tokens": 4, "messages": [*said, {"role": "user", "content": answered}]}
+    )
+    with pytest.raises(ApiError, match="no tool result"):
+        messages_request(
+            {"model": "m", "max_tokens": 4, "messages": [*said, {"role": "user", "content": "Hm?"}]}
+        )
+    items = [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"role": "user", "content": "?"},
+    ]
+    with pytest.raises(ApiError, match="no tool result") as refused:
+        responses_request(responses_ask({"model": "m", "input": items}), [])
+    assert refused.value.param == "input"
