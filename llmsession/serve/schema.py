@@ -35,7 +35,6 @@ from llmsession.options import (
 from llmsession.serve.body import NAMES, kind_of, shown, string
 from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
-from llmsession.text.messages import unanswered_call
 from llmsession.text.tools import MAX_TOOLS, options_tools, replaced_options
 from llmsession.text.transcript import Transcript
 
@@ -202,9 +201,6 @@ def _transcript(messages: list[dict[str, Any]]) -> Transcript:
         raise ApiError(str(error), "messages") from None
     if not transcript.ends_with_question():
         raise ApiError("the last message must be a user message or tool results", "messages")
-    unanswered = unanswered_call(messages)  # (an agent's bug: OpenAI's and Anthropic's APIs refuse it)
-    if unanswered is not None:
-        raise ApiError(unanswered, "messages")
     return transcript
 
 

@@ -59,25 +59,6 @@ def check_messages(
     return frozenset(made)
 
 
-def unanswered_call(messages: Sequence[Message]) -> str | None:
-    """What is wrong where an assistant message made a call no tool result answers before the
-    next assistant message (or the transcript's end), naming the first such call; None if every
-    call is answered. (OpenAI's and Anthropic's APIs refuse such a transcript; the results may
-    come in any order, with a user's words among them, as Anthropic's clients put them in one
-    user turn.) ``messages`` as ``check_messages`` checked them."""
-    waiting: dict[str, int] = {}
-    for i, message in enumerate(messages):
-        if message.get("role") == "assistant":
-            if waiting:
-                break
-            waiting = {call["id"]: i for call in message.get("tool_calls") or ()}
-        elif message.get("role") == "tool":
-            waiting.pop(message.get("tool_call_id"), None)  # type: ignore[arg-type]
-    for ident, i in waiting.items():  # (the first it made)
-        return f"message {i} (assistant) made the call {ident!r:.60}, which no tool result after it answers"
-    return None
-
-
 TEXT_FIELDS = ("name", "tool_call_id", "reasoning", "reasoning_content")
 NOT_IMAGES = (bool, int, float, complex, list, tuple, set, frozenset)  # (nor None)
 
