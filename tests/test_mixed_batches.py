@@ -38,7 +38,7 @@ def streams_and_an_arrival(sessions: list[Session], arrive: Callable[[Session], 
     """The first two sessions stream; once both have replied a few tokens, ``arrive`` runs on
     the third. Their replies, and what ``arrive`` returned."""
     replies: list[Any] = [None] * 3
-    started = threading.Barrier(3)
+    started = threading.Barrier(3, timeout=120)  # (a stream that ends early fails, never hangs)
 
     def stream(i: int) -> None:
         chunks = sessions[i].stream(QUESTIONS[i], STREAMING)

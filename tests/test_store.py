@@ -140,3 +140,6 @@ def test_a_response_in_progress_is_its_owners_until_it_ends_and_deleted_it_is_no
     assert store.get("r2", "a") is None and len(store) == 1
     store.begin("r2", "a", body("r2"))  # (ended, the id is forgotten: nothing of it lingers)
     assert store.put("a", body("r2", "again"), said("hi"))
+    assert store.delete("r2", "a")  # (kept, its stream not closed yet: deleted, it goes)
+    store.end("r2")
+    assert store.get("r2", "a") is None and store.running("r2", "a") is None and len(store) == 1

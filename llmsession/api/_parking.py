@@ -79,7 +79,7 @@ def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str
     or the limit, smaller than the model by itself."""
     if limit is not None and needed > limit:
         return (
-            f"model {name!r} ({needed / 2**20:.0f} MiB as loaded last) is larger than the memory "
+            f"model {name!r} ({needed / 2**20:.0f} MiB) is larger than the memory "
             f"limit of {limit / 2**20:.0f} MiB by itself: it cannot load on this server"
         )
     states = {True: "loading or unloading", False: "in use"}

@@ -3,10 +3,15 @@ found, and what ``Models.status`` says of each (``ModelStatus``)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmsession.api import _parking
+
+if TYPE_CHECKING:
+    from llmsession.api.model import Model
 
 
 @dataclass(frozen=True)
@@ -68,3 +73,24 @@ def folder_models(folder: Path) -> dict[str, ModelFile]:
 def kind_of(pooling: str | None) -> str:
     """What a model does, by the pooling its GGUF names (``Model.pooling``)."""
     return "chat" if pooling is None else "reranker" if pooling == "rank" else "embedding"
+
+
+class Entry:
+    """A model's state in ``Models`` (changed under its lock)."""
+
+    def __init__(self, file: ModelFile) -> None:
+        self.file = file
+        self.model: Model | None = None
+        self.busy = False  # loading or unloading: others wait
+        self.users = 0
+        self.last_used = time.monotonic()
+        self.keep_alive: float | None = None  # (None: ``Models.idle_unload``)
+        self.footprint = _parking.file_bytes(file.path, file.mmproj_path)
+        self.context_size: int | None = None  # (as its last load chose)
+        self.loads = 0
+        self.pooling: str | None = None  # (as its last load read it: an embedding model's)
+        self.parked: list[_parking.Parked] = []
+
+    @property
+    def idle(self) -> bool:
+        return self.model is not None and not self.busy and self.users == 0

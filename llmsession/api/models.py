@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmsession.api import _parking
 from llmsession.api.model import Model
-from llmsession.api.modelfiles import ModelFile, ModelStatus, folder_models, kind_of, model_file
+from llmsession.api.modelfiles import Entry, ModelFile, ModelStatus, folder_models, kind_of, model_file
 from llmsession.config import MemoryConfig, ModelConfig, model_configs
 from llmsession.errors import ModelClosedError, ModelNotFoundError, ModelsFullError
 
@@ -39,27 +39,6 @@ if TYPE_CHECKING:
     from llmsession.config import ModelSettings
 
 log = logging.getLogger(__name__)
-
-
-class _Entry:
-    """A model's state, changed under ``Models._changed``."""
-
-    def __init__(self, file: ModelFile) -> None:
-        self.file = file
-        self.model: Model | None = None
-        self.busy = False  # loading or unloading: others wait
-        self.users = 0
-        self.last_used = time.monotonic()
-        self.keep_alive: float | None = None  # (None: ``Models.idle_unload``)
-        self.footprint = _parking.file_bytes(file.path, file.mmproj_path)
-        self.context_size: int | None = None  # (as its last load chose)
-        self.loads = 0
-        self.pooling: str | None = None  # (as its last load read it: an embedding model's)
-        self.parked: list[_parking.Parked] = []
-
-    @property
-    def idle(self) -> bool:
-        return self.model is not None and not self.busy and self.users == 0
 
 
 class Models:
@@ -85,7 +64,7 @@ class Models:
         files = {_parking.checked_name(name): model_file(spec) for name, spec in models.items()}
         if not files:
             raise ValueError("Models needs at least one model")
-        self._entries = {name: _Entry(file) for name, file in files.items()}
+        self._entries = {name: Entry(file) for name, file in files.items()}
         self._changed = threading.Condition()
         self._closed = False
         self._folder = _parking.Folder(self.memory.disk_cache_dir)  # (parked conversations, private)
@@ -160,11 +139,11 @@ class Models:
         if closed:
             model.close()  # (the models were closed while it loaded)
             raise ModelClosedError("these models were closed")
-        for other in surplus:  # (measured, it is larger than its files: idle others make room)
-            try:
-                self._unload(other)
-            except Exception:  # (its use is granted: an unload's failure is logged, not raised)
-                log.exception("unloading an idle model to keep within the memory limit failed")
+        try:
+            self._trim(surplus)
+        except BaseException:  # (interrupted: the use granted is given back)
+            self.release(name)
+            raise
         return used
 
     def release(self, name: str) -> None:
@@ -237,13 +216,13 @@ class Models:
         self.close()
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str) -> Entry:
         entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
             raise ModelNotFoundError(f"no model named {name!r:.80} (served: {', '.join(self._entries)})")
         return entry
 
-    def _used(self, entry: _Entry, keep: float | None) -> Model:
+    def _used(self, entry: Entry, keep: float | None) -> Model:
         assert entry.model is not None
         entry.users += 1
         entry.last_used = time.monotonic()
@@ -257,13 +236,13 @@ class Models:
             if entry.model is not None and entry.model.closed and not entry.busy:
                 entry.model, entry.keep_alive = None, None
 
-    def _room_for(self, name: str, needed: int) -> list[_Entry] | None:
+    def _room_for(self, name: str, needed: int) -> list[Entry] | None:
         """The idle models to unload (least recently used first, marked busy) so that ``name``
         fits; None to wait while another model loads or unloads; ``ModelsFullError`` if no
         choice fits (the lock held)."""
         held = [e for _, e in self._holding()]
         idle = sorted((e for e in held if e.idle), key=lambda e: e.last_used)
-        doomed: list[_Entry] = []
+        doomed: list[Entry] = []
 
         def fits() -> bool:
             kept = [e for e in held if e not in doomed]
@@ -284,35 +263,51 @@ class Models:
             entry.busy = True
         return doomed
 
-    def _surplus(self) -> list[_Entry]:
+    def _surplus(self) -> list[Entry]:
         """The idle models to unload (least recently used first, marked busy) so that the ones
         held are within the memory limit again, once a load measured a model larger than its
         files counted (the lock held)."""
         if self.memory_limit is None:
             return []
-        held = [e for _, e in self._holding()]
+        held = [e for _, e in self._holding() if not (e.busy and e.model is not None)]  # (not unloading)
         total = sum(e.footprint for e in held)
-        doomed: list[_Entry] = []
+        doomed: list[Entry] = []
         for entry in sorted((e for e in held if e.idle), key=lambda e: e.last_used):
             if total <= self.memory_limit:
                 break
             doomed.append(entry)
             entry.busy, total = True, total - entry.footprint
         if total > self.memory_limit:
-            log.warning(
-                "the models loaded take %d MiB, over the memory limit: the others are in use", total >> 20
-            )
+            log.warning("the models loaded take %d MiB, over the memory limit; none is idle", total >> 20)
         return doomed
 
-    def _holding(self) -> list[tuple[str, _Entry]]:
+    def _trim(self, surplus: list[Entry]) -> None:
+        """Unload ``surplus`` (``_surplus``): a failure is logged (the load it follows stands);
+        interrupted, the ones not begun are no longer busy."""
+        done = 0
+        try:
+            for other in surplus:
+                try:
+                    self._unload(other)
+                except Exception:
+                    log.exception("unloading an idle model to keep within the memory limit failed")
+                done += 1
+        finally:
+            if done < len(surplus):
+                with self._changed:
+                    for other in surplus[done + 1 :]:  # (``_unload`` let go of the one it was in)
+                        other.busy = False
+                    self._changed.notify_all()
+
+    def _holding(self) -> list[tuple[str, Entry]]:
         """The models that hold memory: loaded, loading or unloading (the lock held)."""
         return [(name, e) for name, e in self._entries.items() if e.model is not None or e.busy]
 
-    def _keep(self, entry: _Entry) -> float | None:
+    def _keep(self, entry: Entry) -> float | None:
         """How long ``entry`` stays loaded once idle (None or negative: kept)."""
         return self.idle_unload if entry.keep_alive is None else entry.keep_alive
 
-    def _load(self, entry: _Entry) -> Model:
+    def _load(self, entry: Entry) -> Model:
         file = entry.file
         model = Model(file.path, config=self.config, memory=self.memory, mmproj_path=file.mmproj_path)
         try:
@@ -327,7 +322,7 @@ class Models:
             raise
         return model
 
-    def _unload(self, entry: _Entry) -> None:
+    def _unload(self, entry: Entry) -> None:
         """Park ``entry``'s named conversations and close its model (it is marked busy)."""
         model = entry.model
         try:
@@ -342,7 +337,7 @@ class Models:
                     entry.model, entry.busy, entry.keep_alive = None, False, None
                     self._changed.notify_all()
 
-    def _status(self, name: str, entry: _Entry, now: float) -> ModelStatus:
+    def _status(self, name: str, entry: Entry, now: float) -> ModelStatus:
         model = entry.model
         loaded = model is not None and not model.closed
         idle = now - entry.last_used if loaded and entry.users == 0 else None
@@ -363,7 +358,7 @@ class Models:
             unloading=entry.busy and model is not None,  # (a load sets its model once done)
         )
 
-    def _due(self, now: float) -> tuple[list[_Entry], float | None]:
+    def _due(self, now: float) -> tuple[list[Entry], float | None]:
         """The idle models past their keep-alive, and the seconds until the next one is due."""
         due, wait = [], None
         for entry in self._entries.values():

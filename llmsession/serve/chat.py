@@ -159,8 +159,14 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for on_close in self.closing:
-                on_close()
+            failed: list[BaseException] = []
+            for on_close in self.closing:  # (each runs, whatever the one before raised)
+                try:
+                    on_close()
+                except BaseException as error:
+                    failed.append(error)
+            if failed:
+                raise failed[0]
 
 
 class Call:

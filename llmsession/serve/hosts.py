@@ -79,7 +79,9 @@ class ManyModels:
         self.models, self.settings, self.queue, self.metrics = models, settings, queue, metrics
         self.names = models.names
         self._hosts: dict[str, Host] = {}
-        self._misfits: dict[str, ApiError] = {}  # the models the server's settings do not fit
+        # The models the server's settings did not fit, and the others loaded then (their
+        # memory may have made it smaller): refused without loading while those stay loaded.
+        self._misfits: dict[str, tuple[ApiError, frozenset[str]]] = {}
         self._lock = threading.Lock()
         # One thread a model waits for its load; the other requests for it wait in the event
         # loop (``_turns``), so loads never take the threads that parse bodies and answer.
@@ -98,9 +100,7 @@ class ManyModels:
         """The host of model ``name``, loaded (in a thread; concurrent first requests wait for
         one load) and held until the request's ``Held`` is dropped."""
         served = self.served(name)
-        misfit = self._misfits.get(served)
-        if misfit is not None:  # (known since its first load: it never loads again to say so)
-            raise dataclasses.replace(misfit)
+        self._misfit(served)
         turn = self._turns.setdefault(served, asyncio.Lock())
         await turn.acquire()
         later = False  # (a cancelled wait gives the turn back once the loader thread is done)
@@ -140,11 +140,25 @@ class ManyModels:
                 try:
                     fitting(model, name, self.settings)
                 except ApiError as misfit:
-                    self._misfits[name] = misfit
+                    self._misfits[name] = misfit, self._beside(name)
                     raise
                 admission = Admission(model.memory().max_live_sessions, self.queue)
                 host = self._hosts[name] = Host(model, name, self.settings, admission, self.metrics)
             return host
+
+    def _misfit(self, name: str) -> None:
+        """Refuse ``name`` as it was refused once it loaded, while the models loaded beside it
+        then still are (with fewer, it may fit now: it loads and is checked again)."""
+        known = self._misfits.get(name)
+        if known is None:
+            return
+        misfit, beside = known
+        if beside <= self._beside(name):
+            raise dataclasses.replace(misfit)
+        del self._misfits[name]
+
+    def _beside(self, name: str) -> frozenset[str]:
+        return frozenset(s.name for s in self.models.status() if s.loaded and s.name != name)
 
     def cards(self) -> list[dict[str, Any]]:
         cards = []

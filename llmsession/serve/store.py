@@ -95,9 +95,10 @@ class ResponseStore:
     def delete(self, ident: str, owner: str | None) -> bool:
         """Forget a kept response of ``owner``'s, or one still in progress (not kept when it
         ends); False if it knows neither."""
-        if self.running(ident, owner) is not None:
+        if self.running(ident, owner) is not None:  # (kept already, its stream not yet closed: it goes too)
             del self._running[ident]
             self._forgotten.add(ident)
+            self._drop(ident)
             return True
         if self.get(ident, owner) is None:
             return False
