@@ -20,7 +20,7 @@ from llmsession import Model, Models
 from llmsession.serve.app import Server, create_app
 
 KEY, OTHER_KEY = "sk-alpha", "sk-beta"
-__all__ = ["KEY", "OTHER_KEY", "WEATHER", "Served", "metric", "running", "three_models"]
+__all__ = ["KEY", "OTHER_KEY", "WEATHER", "Served", "metric", "running", "serving", "three_models"]
 
 
 @dataclass
@@ -85,3 +85,12 @@ def three_models(smol: Path, gemma: Path, bert: Path, **app: Any) -> Iterator[tu
     models = Models({"smol": smol, "gemma": gemma, "bert": bert}, max_loaded=1, threads=2)
     with models, running(create_app(models, **app)) as url:
         yield models, url
+
+
+@contextlib.contextmanager
+def serving(model_path: Path) -> Iterator[Served]:
+    """One model (a thread) behind a real server with the two keys."""
+    with Model(model_path, threads=1) as model:
+        app = create_app(model, api_key=[KEY, OTHER_KEY])
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server)

@@ -17,7 +17,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
+from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running, serving
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
@@ -41,10 +41,8 @@ SYSTEM = "You are a helpful assistant. Answer briefly."
 
 @pytest.fixture(scope="module")
 def served(smollm2_path: Path) -> Iterator[Served]:
-    with Model(smollm2_path, threads=1) as model:
-        app = create_app(model, api_key=[KEY, OTHER_KEY])
-        with running(app) as url:
-            yield Served(model, url, app.state.server.model_name, app.state.server)
+    with serving(smollm2_path) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running
+from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
-from llmsession import Model
 from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
-from llmsession.serve.app import create_app
 from llmsession.serve.responses_sse import Items, ResponseObject
 
 TOOL = {"type": "function", **WEATHER["function"], "strict": False}
@@ -30,10 +28,8 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def served(smollm2_path: Path) -> Iterator[Served]:
-    with Model(smollm2_path, threads=1) as model:
-        app = create_app(model, api_key=[KEY, OTHER_KEY])
-        with running(app) as url:
-            yield Served(model, url, app.state.server.model_name, app.state.server)
+    with serving(smollm2_path) as served:
+        yield served
 
 
 def client(served: Served, key: str = KEY) -> openai.OpenAI:

@@ -13,10 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import KEY, OTHER_KEY, Served, running
-
-from llmsession import Model
-from llmsession.serve.app import create_app
+from serve_helpers import KEY, OTHER_KEY, Served, serving
 
 # A long reply (a count runs on), so the requests below land while it streams.
 COUNTING = {"model": "m", "input": "Count from 1 to 300, separated by commas.", "max_output_tokens": 300}
@@ -24,10 +21,8 @@ COUNTING = {"model": "m", "input": "Count from 1 to 300, separated by commas.", 
 
 @pytest.fixture(scope="module")
 def served(smollm2_path: Path) -> Iterator[Served]:
-    with Model(smollm2_path, threads=1) as model:
-        app = create_app(model, api_key=[KEY, OTHER_KEY])
-        with running(app) as url:
-            yield Served(model, url, app.state.server.model_name, app.state.server)
+    with serving(smollm2_path) as served:
+        yield served
 
 
 def http(served: Served, key: str = KEY) -> httpx.Client:
