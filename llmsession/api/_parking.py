@@ -74,10 +74,12 @@ def footprint(report: MemoryReport, *files: Path | None) -> int:
     return file_bytes(*files) + report.kv_bytes + report.buffer_bytes + report.host_cache_bytes
 
 
-def full_message(name: str, needed: int, limit: int | None, held: list[tuple[str, int, bool]]) -> str:
+def full_message(
+    name: str, needed: int, limit: int | None, held: list[tuple[str, int, bool]], *, too_large: bool = False
+) -> str:
     """Why ``name`` cannot load: the models held (name, bytes, whether loading or unloading),
-    or the limit, smaller than the model by itself."""
-    if limit is not None and needed > limit:
+    or (``too_large``) the limit, smaller than the model by itself."""
+    if too_large and limit is not None:
         return (
             f"model {name!r} ({needed / 2**20:.0f} MiB) is larger than the memory "
             f"limit of {limit / 2**20:.0f} MiB by itself: it cannot load on this server"

@@ -94,3 +94,8 @@ class Entry:
     @property
     def idle(self) -> bool:
         return self.model is not None and not self.busy and self.users == 0
+
+    @property
+    def unloading(self) -> bool:
+        """Busy with a model still set: unloading (a load sets its model once done)."""
+        return self.busy and self.model is not None

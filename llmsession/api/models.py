@@ -257,7 +257,7 @@ class Models:
         if not fits():
             held_now = [(other, e.footprint, e.busy) for other, e in self._holding()]
             too_large = self.memory_limit is not None and needed > self.memory_limit
-            message = _parking.full_message(name, needed, self.memory_limit, held_now)
+            message = _parking.full_message(name, needed, self.memory_limit, held_now, too_large=too_large)
             raise ModelsFullError(message, too_large=too_large)
         for entry in doomed:
             entry.busy = True
@@ -269,7 +269,7 @@ class Models:
         files counted (the lock held)."""
         if self.memory_limit is None:
             return []
-        held = [e for _, e in self._holding() if not (e.busy and e.model is not None)]  # (not unloading)
+        held = [e for _, e in self._holding() if not e.unloading]
         total = sum(e.footprint for e in held)
         doomed: list[Entry] = []
         for entry in sorted((e for e in held if e.idle), key=lambda e: e.last_used):
@@ -355,7 +355,7 @@ class Models:
             unloads_in=None if idle is None or keep is None or keep < 0 else max(0.0, keep - idle),
             loads=entry.loads,
             kind=None if entry.loads == 0 else kind_of(entry.pooling),
-            unloading=entry.busy and model is not None,  # (a load sets its model once done)
+            unloading=entry.unloading,
         )
 
     def _due(self, now: float) -> tuple[list[Entry], float | None]:
