@@ -2,8 +2,9 @@
 
 - ``RequestError``: this request cannot be served as asked (its messages, template, constraint,
   images, length, a session file, or a feature the model lacks); sent again unchanged it fails
-  again. Most are raised before anything decodes; a matcher that fails mid-reply
-  (``GrammarError``) and a session file that cannot be written are the exceptions.
+  again. Most are raised before anything decodes; a session file that cannot be written is the
+  exception. ``ReplyMismatchError``, a ``GrammarError`` for backward compatibility, is not the
+  request's fault: the reply did not hold to a valid constraint.
 - ``UnavailableError``: the model cannot serve it now (its memory budget in use, the session
   busy) or any more (closed, its worker process gone); the request itself may be fine.
 
@@ -73,8 +74,15 @@ class MemoryBudgetError(UnavailableError):
 
 class GrammarError(RequestError, ValueError):
     """A constraint (JSON schema, regex, grammar) that cannot be used: invalid, or using a
-    feature the matcher does not implement (named in the message); or a matcher that failed
-    mid-reply."""
+    feature the matcher does not implement (named in the message). A reply that fails a valid
+    constraint is its subclass ``ReplyMismatchError``."""
+
+
+class ReplyMismatchError(GrammarError):
+    """The reply does not hold to its constraint, which was valid: its matcher failed mid-reply,
+    or the finished reply fails what the mask cannot enforce (a schema keyword checked after the
+    reply, a tool's arguments, a pydantic class's own validators). The exchange is recorded; the
+    request itself was fine (a server answers it with a 5xx, not a 400)."""
 
 
 class BackendError(ModelClosedError):

@@ -21,7 +21,14 @@ from fuzz_hostile import not_a_regular_file
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from test_defects import run_python
 
-from llmsession import GenerationOptions, GrammarError, Model, SessionFileError, TemplateError
+from llmsession import (
+    GenerationOptions,
+    GrammarError,
+    Model,
+    ReplyMismatchError,
+    SessionFileError,
+    TemplateError,
+)
 from llmsession.commands import cli
 from llmsession.engine import sessionfile
 
@@ -183,7 +190,7 @@ def test_keywords_the_mask_cannot_enforce_are_checked_after_the_reply(smollm2: M
         "maxItems": 2,
         "uniqueItems": True,
     }
-    with pytest.raises(GrammarError, match="uniqueItems"):
+    with pytest.raises(ReplyMismatchError, match="uniqueItems"):  # (a valid schema: the reply failed)
         session.respond("Two ones.", GenerationOptions(json_schema=forced_duplicates, max_tokens=16))
     assert session.messages[-1]["content"].replace(" ", "") == "[1,1]"
     with pytest.raises(GrammarError, match="invalid schema"):
@@ -411,7 +418,7 @@ def test_an_isolated_model_takes_a_local_pydantic_class_and_refuses_a_lambda_typ
             else:
                 session.respond(odd, GREEDY)
             assert session.respond("Thanks", GenerationOptions(max_tokens=2, temperature=0)).text is not None
-            with pytest.raises(GrammarError, match="no such place"):
+            with pytest.raises(ReplyMismatchError, match="no such place"):
                 session.respond("Name a town.", GenerationOptions(json_schema=Nowhere, max_tokens=32))
             asked, answered = session.messages[-2:]  # the transcript keeps the reply, in step
             assert asked["content"] == "Name a town." and answered["content"].startswith('{"name"')

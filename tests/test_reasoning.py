@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from scripted import scripted
 from serve_helpers import KEY, Served, running
 
-from llmsession import GenerationOptions, GrammarError, Model
+from llmsession import GenerationOptions, Model, ReplyMismatchError
 from llmsession.native.sampler import Sampler
 from llmsession.serve.app import create_app
 from llmsession.text.reasoning import GEMMA4, HARMONY, THINK, Markers, Splitter, markers_for, opened
@@ -433,7 +433,7 @@ def test_a_waiting_constraint_lets_no_reply_end_and_then_catches_up(r1: Model) -
         rest = sampler.forced()  # (only one text is left: the matcher forces it)
         assert core.native.detokenize(rest, special=False).startswith('a": 1}')
     refusing = exact.sampler(chain, core.native.n_vocab, lambda: False)
-    with closing(refusing) as sampler, pytest.raises(GrammarError, match="after its reasoning"):
+    with closing(refusing) as sampler, pytest.raises(ReplyMismatchError, match="after its reasoning"):
         sampler.catch_up(core.native.tokenize("x", add_special=False, parse_special=False))
 
 

@@ -217,6 +217,17 @@ def test_a_json_schema_reply_validates(served: Served) -> None:
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
 
+def test_a_reply_that_fails_a_valid_schema_is_the_servers_500_not_the_clients_400(served: Served) -> None:
+    """The mask holds items to 1 and two of them; ``uniqueItems``, checked after the reply, can
+    then only fail: the request was valid, so the answer is a 500 saying why, not a 400."""
+    schema = {"type": "array", "items": {"enum": [1]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "ones", "schema": schema}}
+    with pytest.raises(openai.InternalServerError) as failed:
+        ask(served, "Two ones, please.", max_tokens=16, response_format=response_format)
+    assert failed.value.status_code == 500 and failed.value.code == "reply_mismatch"
+    assert "uniqueItems" in failed.value.message
+
+
 def test_a_forced_tool_call_and_its_result(served: Served) -> None:
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]
     reply = ask(

@@ -27,6 +27,7 @@ from llmsession import (
     ModelClosedError,
     ModelLoadError,
     NativeError,
+    ReplyMismatchError,
     RequestError,
     SessionBusyError,
     TemplateError,
@@ -242,6 +243,10 @@ def test_library_errors_map_to_statuses_by_their_middle_base() -> None:
         """A request error added later: mapped by its base without touching the server."""
 
     assert (mapped := from_library(NewRequestError("later"))) is not None and mapped.status == 400
+    # A reply that fails a valid constraint is a GrammarError, but the request was fine: a 500.
+    mismatch = from_library(ReplyMismatchError("the reply does not match its schema: [1, 1]"))
+    assert mismatch is not None and (mismatch.status, mismatch.kind) == (500, "server_error")
+    assert mismatch.code == "reply_mismatch" and "[1, 1]" in mismatch.message
     # Requests are checked before they run: what comes out of a run unmapped is the server's
     # bug, a logged 500 whose text (paths, state) the client never sees.
     for bug in (

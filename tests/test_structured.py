@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from near_ties import assert_same_within_noise, scored
 
-from llmsession import GenerationOptions, GrammarError, Model
+from llmsession import GenerationOptions, GrammarError, Model, ReplyMismatchError
 
 PERSON = {
     "type": "object",
@@ -337,7 +337,7 @@ def test_a_matcher_error_mid_reply_is_a_typed_error(smollm2: Model, monkeypatch:
 
     monkeypatch.setattr(sampling.Sampler, "sample", rogue)
     session = smollm2.session()
-    with pytest.raises(GrammarError, match="matcher"):
+    with pytest.raises(ReplyMismatchError, match="matcher"):  # (the schema was fine: the reply broke it)
         session.respond(ASK, GenerationOptions(json_schema=PERSON, temperature=0))
     assert session.messages == [] and len(calls) == 4
     assert session.cached_tokens > 0, "the memory matched its record: the cache is kept"
@@ -353,5 +353,6 @@ def test_a_schema_no_reply_can_satisfy_says_so_in_one_line(smollm2: Model) -> No
             [{"role": "user", "content": "Hi"}], GenerationOptions(json_schema={"$ref": "#"}, max_tokens=4)
         )
     said = str(failed.value)
+    assert not isinstance(failed.value, ReplyMismatchError), "no reply can satisfy it: the schema's fault"
     assert "\n" not in said and "compute_time_us" not in said and len(said) < 320, said
     assert said.startswith("the constraint's matcher failed: "), said

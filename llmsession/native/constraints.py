@@ -24,7 +24,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from llmsession.errors import GrammarError
+from llmsession.errors import GrammarError, ReplyMismatchError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.sampler import Sampler
@@ -239,7 +239,7 @@ class GuidedSampler:
         self.restrict(logits)
         token = self.chain.sample(context, index)
         if not self.matcher.consume_token(token):
-            self._check()
+            self._check(reply=True)
         self._last = token
         return token
 
@@ -256,7 +256,7 @@ class GuidedSampler:
                 self.matcher.consume_token(self._last)  # (as it was)
                 return False
             if not self.matcher.consume_tokens(list(tokens)):
-                self._check()
+                self._check(reply=True)
             self._last = None
         for token in tokens:
             self.chain.accept(token)
@@ -266,9 +266,9 @@ class GuidedSampler:
         """The constraint begins with ``tokens``: content the reply wrote in the token that
         closed its reasoning, before the matcher saw any (GrammarError if it does not allow them)."""
         if not self.takes(tokens):
-            raise GrammarError("the reply's content after its reasoning does not match its constraint")
+            raise ReplyMismatchError("the reply's content after its reasoning does not match its constraint")
         if not self.matcher.consume_tokens(list(tokens)):
-            self._check()
+            self._check(reply=True)
 
     def takes(self, tokens: Sequence[int]) -> bool:
         """Whether the constraint would take ``tokens`` next (nothing changes)."""
@@ -294,10 +294,13 @@ class GuidedSampler:
     def close(self) -> None:
         self.chain.close()
 
-    def _check(self) -> None:
+    def _check(self, *, reply: bool = False) -> None:
+        """A GrammarError if the matcher failed: where no token can go on (the constraint's
+        fault: nothing satisfies it), or a ``reply`` token it refused (ReplyMismatchError)."""
         if self.matcher.is_error():  # (its first line: what follows is llguidance's state, its stats)
             said = self.matcher.get_error().split("\n", 1)[0][:200]
-            raise GrammarError(f"the constraint's matcher failed: {said} (no reply can go on from here)")
+            failed = ReplyMismatchError if reply else GrammarError
+            raise failed(f"the constraint's matcher failed: {said} (no reply can go on from here)")
 
 
 def said(text: str) -> str:

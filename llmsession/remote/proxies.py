@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from llmsession.config import SessionConfig
-from llmsession.errors import BackendError, GrammarError, ModelClosedError
+from llmsession.errors import BackendError, ModelClosedError, ReplyMismatchError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
 from llmsession.replies import Reply, Snapshot
@@ -214,7 +214,7 @@ class WorkerStream(Stream):
                 parsed = self._schema_class.model_validate_json(reply.text)  # type: ignore[attr-defined]
             except ValueError as problem:
                 self._reply = dataclasses.replace(reply, parsed=None)
-                raise GrammarError(f"the reply does not match its schema: {problem}") from None
+                raise ReplyMismatchError(f"the reply does not match its schema: {problem}") from None
             reply = dataclasses.replace(reply, parsed=parsed)
         self._reply = reply
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llmsession.errors import GrammarError
+from llmsession.errors import ReplyMismatchError
 from llmsession.replies import FinishReason, Snapshot, ToolCall
 from llmsession.text.harmony import canonical
 from llmsession.text.schemas import checked_schema, violation
@@ -48,7 +48,7 @@ class Calling:
 
     def conclude(
         self, raw: str, finish: FinishReason
-    ) -> tuple[str, tuple[ToolCall, ...], FinishReason, GrammarError | None]:
+    ) -> tuple[str, tuple[ToolCall, ...], FinishReason, ReplyMismatchError | None]:
         """The reply's text, its calls, its finish reason ("tool_calls" when it called), and an
         error if a call breaks its schema where the mask could not hold it. A reply cut short
         (``length``, ``cancelled``) makes no call: its text is what streamed as text (a call it
@@ -64,7 +64,7 @@ class Calling:
         except ValueError as unparsed:
             if finish == "stop":  # a stop string inside a call: cut there, as by ``length``
                 return self.text + self.stream.flush(), (), finish, None
-            return raw, (), finish, GrammarError(f"the reply's tool calls do not parse: {unparsed}")
+            return raw, (), finish, ReplyMismatchError(f"the reply's tool calls do not parse: {unparsed}")
         if not calls:
             return text, (), "stop", None
         for call in calls:
@@ -74,6 +74,6 @@ class Calling:
                 checked_schema(json.dumps(dict(tool.parameters), sort_keys=True)), call.parsed
             )
             if problem:
-                error = GrammarError(f"the call of {call.name} does not match its schema: {problem}")
+                error = ReplyMismatchError(f"the call of {call.name} does not match its schema: {problem}")
                 return text, tuple(calls), "tool_calls", error
         return text, tuple(calls), "tool_calls", None

@@ -25,7 +25,7 @@ from llmsession.engine.prefix import starts_a_chunk
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.seat import GROWTH, Seat
 from llmsession.engine.work import Tracker
-from llmsession.errors import GrammarError, MemoryBudgetError, NativeError
+from llmsession.errors import GrammarError, MemoryBudgetError, NativeError, ReplyMismatchError
 from llmsession.native.cancel import CancelFlag
 from llmsession.native.context import DecodeAborted
 from llmsession.native.sampler import TokenSampler
@@ -357,7 +357,7 @@ class Exchange:
                     block = thinking.preamble
                 parsed = self.constraint.parse(block + text)
             except ValueError as problem:
-                error = GrammarError(f"the reply does not match its schema: {problem}")
+                error = ReplyMismatchError(f"the reply does not match its schema: {problem}")
         logprobs = None if self.scoring is None else self.scoring.reply(text)
         stop = self.stop_sequence if finish == "stop" else None  # (not a call's, not a cancel's)
         if self.thinking is not None:

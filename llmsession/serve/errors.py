@@ -2,7 +2,8 @@
 
 Requests are checked before they run (``schema``), so what comes out of a run is mapped by its
 class alone: a library ``RequestError`` (the request cannot be served as asked: a template, a
-schema, an image, an over-long prompt) is a 400 with its message; an ``UnavailableError`` (a
+schema, an image, an over-long prompt) is a 400 with its message, but a reply that fails a valid
+constraint (``ReplyMismatchError``) a 500 ``reply_mismatch`` with its message; an ``UnavailableError`` (a
 full memory budget, a busy conversation, a closing model) is a 503 the client may retry, saying
 nothing of other tenants' use; anything else,
 a ValueError or TypeError included, is the server's bug: a 500 whose message says nothing of the
@@ -18,6 +19,7 @@ from llmsession.errors import (
     ContextOverflowError,
     MemoryBudgetError,
     ModelClosedError,
+    ReplyMismatchError,
     RequestError,
     UnavailableError,
 )
@@ -80,6 +82,8 @@ def from_library(error: BaseException) -> ApiError | None:
     if isinstance(error, ContextOverflowError):
         sizes = None if error.tokens is None or error.limit is None else (error.tokens, error.limit)
         return ApiError(str(error), None, "context_length_exceeded", sizes=sizes)
+    if isinstance(error, ReplyMismatchError):  # (the request was valid: the reply failed it)
+        return ApiError(str(error), None, "reply_mismatch", 500, "server_error")
     if isinstance(error, RequestError):
         return ApiError(str(error))
     return None
