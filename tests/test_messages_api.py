@@ -235,6 +235,10 @@ def test_keys_errors_and_tenants(served: Served) -> None:
         client(served).messages.create(model="m", messages=said, max_tokens=None)
     assert bad.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in bad.value.body["error"]["message"]
+    for kind in ("any", "tool"):  # named as Anthropic names it, not as the chat's "required"
+        with pytest.raises(anthropic.BadRequestError, match=f'tool_choice "{kind}" needs tools'):
+            choice: Any = {"type": kind, "name": "get_weather"}
+            client(served).messages.create(model="m", max_tokens=2, messages=said, tool_choice=choice)
     url_image = {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/"}}
     with pytest.raises(anthropic.BadRequestError, match="nothing is fetched"):
         client(served).messages.create(model="m", max_tokens=2, messages=[user(url_image)])

@@ -291,6 +291,8 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
     if choice is None:
         return out
     kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("any", "tool") and not tools:  # (in Anthropic's words, not the chat's "required")
+        raise ApiError(f'tool_choice "{kind}" needs tools', "tool_choice")
     if kind == "tool":
         name = string(choice.get("name"), "tool_choice.name")
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
