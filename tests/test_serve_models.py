@@ -278,10 +278,12 @@ def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tu
     assert [len(item.embedding) for item in answer.data] == [64, 64] and answer.model == "bert"
     capabilities = abilities(url)
     assert capabilities["bert"]["embeddings"] is True and capabilities["bert"]["chat"] is False
-    with pytest.raises(openai.BadRequestError, match="embedding model"):
+    with pytest.raises(openai.BadRequestError, match="embedding model") as refused:
         chat(url, "bert", "Hi.")
-    with pytest.raises(openai.BadRequestError, match="chat model"):
+    with pytest.raises(openai.BadRequestError, match="chat model") as other:
         client.embeddings.create(model="smol", input="cat")
+    for said in (refused.value.message, other.value.message):  # (the alias hides the file's name)
+        assert ".gguf" not in said and "SmolLM2" not in said, said
     capabilities = {
         c["id"]: c["capabilities"]
         for c in httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()[
@@ -307,6 +309,13 @@ def test_a_card_says_what_its_model_does_once_it_is_known() -> None:
     assert [(said[k]["chat"], said[k]["embeddings"]) for k in said] == [
         (True, False),
         (False, True),
+        (False, False),
+        (None, None),
+    ]
+    # Tools and schemas are a chat model's: claimed once it is known to be one, not before.
+    assert [(said[k]["tools"], said[k]["json_schema"]) for k in said] == [
+        (True, True),
+        (False, False),
         (False, False),
         (None, None),
     ]

@@ -127,7 +127,7 @@ class ModelCore:
         self.native, self.projector, self.sizing = loaded.native, loaded.projector, loaded.sizing
         self.renderer = loaded.renderer
         self.engine = Engine(self.native, self.projector, self.threads, loaded.memory, **cells)
-        self.embedder = Embedder(self.native, self.threads, self.path.name)
+        self.embedder = Embedder(self.native, self.threads)
         self.pooling = self.embedder.pooling  # (None: a chat model)
         # An embedding model's context is made now; a chat model's shared one in the background.
         self._warming = self.engine.warm() if self.pooling is None else None
@@ -147,7 +147,7 @@ class ModelCore:
         """An embedding model has no language-model head: it does not chat or complete."""
         if self.embedder.pooling is not None:
             raise UnsupportedFeatureError(
-                f"{self.path.name} is an embedding model ({self.embedder.pooling} pooling): it "
+                f"this is an embedding model ({self.embedder.pooling} pooling): it "
                 "embeds text (Model.embed, /v1/embeddings), it does not chat or complete"
             )
 

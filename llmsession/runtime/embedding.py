@@ -44,20 +44,18 @@ def is_token(value: object) -> bool:
 class Embedder:
     """An embedding model's embedding context and the lock its calls take."""
 
-    def __init__(self, model: NativeModel, threads: int, name: str) -> None:
-        self.model, self.threads, self.name = model, threads, name
+    def __init__(self, model: NativeModel, threads: int) -> None:
+        self.model, self.threads = model, threads
         self.pooling = pooling_of(model)
         self._context: NativeContext | None = None
         self._lock = threading.Lock()
 
     def check(self) -> None:
         if self.pooling == "rank":
-            raise UnsupportedFeatureError(
-                f"{self.name} is a reranking model: it scores pairs, it has no embeddings"
-            )
+            raise UnsupportedFeatureError("this is a reranking model: it scores pairs, it has no embeddings")
         if self.pooling is None:
             raise UnsupportedFeatureError(
-                f"{self.name} is a chat model: its file names no pooling, so it has no embeddings "
+                "this is a chat model: its file names no pooling, so it has no embeddings "
                 "(load an embedding model: BERT-style, or one whose GGUF sets pooling_type)"
             )
 

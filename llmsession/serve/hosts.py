@@ -211,8 +211,7 @@ def card(
     chat = None if kind is None else kind == "chat"
     embeds = None if kind is None else kind == "embedding"
     capabilities = {"chat": chat, "embeddings": embeds, "images": images}
-    if chat is not False:
-        capabilities |= {"tools": True, "json_schema": True}
+    capabilities |= {"tools": chat, "json_schema": chat}  # (what a chat model takes; null: unknown yet)
     return {
         "id": name,
         "object": "model",
