@@ -126,11 +126,15 @@ def test_a_crafted_recurrent_state_leaves_the_session_cold(fixture_path: Any, tm
     assert restored == "0" and "cache not reused" in note
 
 
-def meta_fields(blob: bytes, layout: StateLayout) -> list[tuple[int, str]]:
+def meta_fields(
+    blob: bytes, layout: StateLayout, regions: list[tuple[int, int, int]] | None = None
+) -> list[tuple[int, str]]:
     """Where each field of ``blob`` that is not tensor data is, and its struct format: an
-    independent walk of the format (``stateblob``'s docstring), for the mutations below."""
+    independent walk of the format (``stateblob``'s docstring), for the mutations below.
+    ``regions`` gets each run of tensor data: (where, bytes, ggml type)."""
     fields: list[tuple[int, str]] = []
     at = 0
+    found = [] if regions is None else regions
 
     def take(code: str) -> int:
         nonlocal at
@@ -147,8 +151,9 @@ def meta_fields(blob: bytes, layout: StateLayout) -> list[tuple[int, str]]:
                 take("i"), take("I")
             take("I"), take("I")
             while at < len(blob):
-                take("i")
+                ggml = take("i")
                 size = take("Q") * count
+                found.append((at, size, ggml))
                 at += size
             continue
         for _ in range(take("I")):
@@ -161,18 +166,70 @@ def meta_fields(blob: bytes, layout: StateLayout) -> list[tuple[int, str]]:
                 take("i")
             v_trans, n_layer = take("I"), take("I")
             for _ in range(n_layer):
-                take("i")
+                ggml = take("i")
                 size = take("Q") * count
+                found.append((at, size, ggml))
                 at += size
             for _ in range(n_layer if part.values else 0):
-                take("i")
+                ggml = take("i")
                 size = (take("I") * take("I") if v_trans else take("Q")) * count
+                found.append((at, size, ggml))
                 at += size
     assert at == len(blob)
     return fields
 
 
 WIDTHS = {"I": (0, 2**32 - 1), "i": (-(2**31), 2**31 - 1), "Q": (0, 2**64 - 1)}
+BLOCKS = {0: (4, "<f"), 1: (2, "<e"), 2: (18, "<e"), 8: (34, "<e")}  # bytes a value or block, its float
+# (a quantized block's first bytes are its f16 scale: what a NaN or infinity would sit in)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_value_that_is_not_finite_is_refused_where_values_are_checked(
+    kind: str, states: dict[str, Saved]
+) -> None:
+    """A NaN or an infinity planted among the K, V or recurrent values (a file rewritten and
+    re-hashed: the structure stays whole) passes the structural walk but not the value check a
+    file's state gets, in the first, a middle and the last run of values."""
+    state = states[kind]
+    assert refusal(state.blob, state.layout, values=True) is None
+    assert refusal(state.checkpoint, state.layout.partial(), values=True) is None
+    regions: list[tuple[int, int, int]] = []
+    meta_fields(state.blob, state.layout, regions)
+    regions = [region for region in regions if region[1]]  # (a layer may hold no state: LFM2's)
+    for start, size, ggml in (regions[0], regions[len(regions) // 2], regions[-1]):
+        block, code = BLOCKS[ggml]
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            blob = bytearray(state.blob)
+            struct.pack_into(code, blob, start + (size // 2) // block * block, bad)
+            assert refusal(bytes(blob), state.layout) is None, "only its values are wrong"
+            why = refusal(bytes(blob), state.layout, values=True)
+            assert why is not None and "not finite" in why, (kind, ggml, bad, why)
+
+
+def test_a_session_file_with_a_value_that_is_not_finite_loads_cold(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Loaded unchecked, such a state made every later reply garbage (greedy: an empty reply,
+    sampled: dots); checked, the session starts cold and decodes its transcript again."""
+    path, planted = tmp_path / "saved.llmsession", tmp_path / "planted.llmsession"
+    with Model(smollm2_path, threads=1, kv_tokens=2048) as model:
+        session = model.session(context_size=512)
+        session.respond(FIRST, GREEDY)
+        session.save(path)
+        layout = internals.live_context(session).state_layout  # type: ignore[union-attr]
+        assert layout is not None
+        session.close()  # (its cells would be shared with the loaded one)
+        saved = read(path)
+        blob, regions = bytearray(saved.blobs["state"]), list[tuple[int, int, int]]()
+        meta_fields(bytes(blob), layout, regions)
+        start, size, _ = regions[0]
+        blob[start : start + size] = b"\xff\xff" * (size // 2)  # (f16 NaNs: layer 0's keys)
+        write(planted, dataclasses.replace(saved, blobs={**saved.blobs, "state": bytes(blob)}))
+        reply = model.load_session(planted).respond(SECOND, GREEDY)
+        assert reply.usage.restored_tokens == 0 and "cache not reused" in reply.usage.cache_note
+        assert reply.usage.decoded_prompt_tokens == reply.usage.prompt_tokens
+        assert reply.text.strip(), "a cold session answers as a fresh one does"
 
 
 def refused_quickly(blob: bytes, state: Saved) -> str | None:

@@ -291,11 +291,15 @@ class Engine:
             return seat.context.state_get(seat.seq) if lease.cache.items else None
 
     def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item]) -> bool:
-        """Load a saved state into a cold session; False (still cold) if llama.cpp refused it
-        or it does not hold exactly ``record``'s positions."""
+        """Load a saved state (a file's) into a cold session; False (still cold) if it was
+        refused (values that are not finite among them) or does not hold exactly ``record``'s
+        positions."""
         with self.seat(lease, len(record), threading.Event()) as seat:
             context = seat.context
-            if context.state_set(blob, seat.seq) and context.pos_max(seat.seq) == len(record) - 1:
+            if (
+                context.state_set(blob, seat.seq, values=True)
+                and context.pos_max(seat.seq) == len(record) - 1
+            ):
                 lease.cache.extend(record)
                 return True
             context.seq_rm(-1, seat.seq)

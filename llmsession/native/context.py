@@ -323,15 +323,15 @@ class NativeContext(Owner):
         check(written, "llama_state_seq_get_data", size.__eq__)
         return blob
 
-    def state_set(self, blob: Buffer, seq: int = 0, *, partial: bool = False) -> bool:
+    def state_set(self, blob: Buffer, seq: int = 0, *, partial: bool = False, values: bool = False) -> bool:
         """Load a state this build wrote for the same model and layout into ``seq``; False (``seq``
         empty) if ``stateblob`` refused it first (llama.cpp's loaders abort on some malformed
-        input) or llama.cpp did; a memory ``stateblob`` cannot read (an architecture of its own
-        kind) loads unchecked. Callers check the positions restored against their record."""
+        input; ``values``: a file's state, its values checked finite too) or llama.cpp did; a
+        memory ``stateblob`` cannot read loads unchecked. Callers check the positions restored."""
         lib, ffi = bindings()
         self.check_seq(seq)
         expected = self.state_layout.partial() if partial and self.state_layout else self.state_layout
-        why = refusal(blob, expected) if expected else None
+        why = refusal(blob, expected, values=values) if expected else None
         if why is not None:
             log.info("a saved sequence state was not loaded: %s", why)
         else:

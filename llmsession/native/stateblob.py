@@ -43,6 +43,7 @@ CELL_EXT = 12  # llama_kv_cell_ext: x, y, tok
 # (elements per block, bytes per block): F32, F16, Q4_0, Q8_0.
 TYPES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 8: (32, 34)}
 MAX_ROW = 1 << 32  # a row of one layer's cell: far below this
+CHUNK = 1 << 22  # bytes of values checked at a time (``values``)
 RECURRENT = "recurrent state"
 # Architectures whose memory writes more than these parts (DSA, MSA, DeepSeek V4 caches, an
 # indexer cache, a KV cache shared with another model's): their states are not checked, so refused.
@@ -148,13 +149,18 @@ class _Refused(Exception):
     """Why a blob is refused (``refusal`` returns its text)."""
 
 
-def refusal(blob: Buffer, layout: StateLayout, positions: int | None = None) -> str | None:
+def refusal(
+    blob: Buffer, layout: StateLayout, positions: int | None = None, *, values: bool = False
+) -> str | None:
     """Why ``blob`` is not a state this build could have written of one sequence holding
     ``positions`` positions (None: any count the context holds) in ``layout``; None if it is.
-    Never raises; its time is linear in the blob's cells and layers, never in a count it read."""
+    ``values``: every K, V and recurrent value (a quantized block's scale) must be finite too,
+    as a decode writes them: a NaN or infinity there (a file rewritten and re-hashed) would make
+    every later reply of the session garbage, silently. Never raises; its time is linear in the
+    blob's cells and layers (and, with ``values``, its bytes), never in a count it read."""
     try:
         with memoryview(blob) as view:
-            _walk(_Reader(view.cast("B")), layout, positions)
+            _walk(_Reader(view.cast("B"), values), layout, positions)
     except _Refused as why:
         return str(why)
     except (TypeError, ValueError, struct.error) as error:  # (a buffer of an odd shape)
@@ -165,8 +171,8 @@ def refusal(blob: Buffer, layout: StateLayout, positions: int | None = None) -> 
 class _Reader:
     """Reads little-endian fields in order, never past the end (``_Refused``)."""
 
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.at = view, 0
+    def __init__(self, view: memoryview, values: bool = False) -> None:
+        self.view, self.at, self.values = view, 0, values
         self.rows: list[tuple[int, ...]] = []  # each recurrent part's row sizes, as read
 
     @property
@@ -186,6 +192,21 @@ class _Reader:
 
     def cells(self, dtype: np.dtype, count: int, what: str) -> np.ndarray:
         return np.frombuffer(self.view, dtype, count, self.skip(dtype.itemsize * count, what))
+
+    def data(self, kind: int, size: int, what: str) -> None:
+        """Step over ``size`` bytes of values of ggml type ``kind``; with ``values``, refuse
+        any that is not finite (of a quantized block, its f16 scale)."""
+        start = self.skip(size, what)
+        if not (self.values and size):
+            return
+        block = TYPES[kind][1]
+        bits, exponent = (np.dtype("<u4"), 0x7F800000) if kind == 0 else (np.dtype("<u2"), 0x7C00)
+        for at in range(start, start + size, CHUNK - CHUNK % block):  # (bounded temporaries)
+            chunk = np.frombuffer(self.view, np.uint8, min(CHUNK - CHUNK % block, start + size - at), at)
+            if block > 4:  # (Q4_0, Q8_0: each block starts with its f16 scale)
+                chunk = np.ascontiguousarray(chunk.reshape(-1, block)[:, :2])
+            if np.any(chunk.view(bits) & exponent == exponent):
+                raise _Refused(f"{what} holds a value that is not finite (NaN or infinity)")
 
 
 def _walk(reader: _Reader, layout: StateLayout, positions: int | None) -> None:
@@ -277,7 +298,7 @@ def _rows(reader: _Reader, part: Part, count: int, what: str) -> int:
         raise _Refused(f"a layer's {what} is of ggml type {kind}, not {part.ggml_type}")
     if not 0 <= row <= MAX_ROW or row % TYPES[kind][1]:
         raise _Refused(f"a layer's {what} rows are {row} bytes, not a size of ggml type {kind}")
-    reader.skip(row * count, f"a layer's {what}")
+    reader.data(kind, row * count, f"a layer's {what}")
     return row
 
 
@@ -288,7 +309,7 @@ def _columns(reader: _Reader, part: Part, count: int, what: str) -> int:
         kind != part.ggml_type or TYPES.get(kind) != (1, size) or not 0 <= n_embd <= MAX_ROW
     ):  # (0: no attention)
         raise _Refused(f"a transposed {what} layer is of type {kind}, {size}-byte elements, {n_embd} wide")
-    reader.skip(n_embd * count * size, f"a layer's {what}")
+    reader.data(kind, n_embd * count * size, f"a layer's {what}")
     return n_embd
 
 
