@@ -8,12 +8,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import internals
 import pytest
 
-from llmsession import GenerationOptions, Model
+from llmsession import GenerationOptions, Model, ModelClosedError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,7 +132,7 @@ def test_the_interpreter_exits_cleanly_while_a_daemon_thread_decodes(smollm2_pat
     objects are freed, so that step ends first. They were freed under the decode (SIGSEGV)."""
     code = f"""
     import asyncio, sys, threading, time
-    from llmsession import GenerationOptions, Model
+    from llmsession import GenerationOptions, Model, ModelClosedError
     m = Model({str(smollm2_path)!r}, threads=1, anticipate=False)
     long = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 150
     options = GenerationOptions(max_tokens=8, temperature=0)
@@ -159,8 +160,6 @@ def test_no_context_is_made_for_a_model_closing(gemma3_path: Path) -> None:
     """Between its engine's close and the model's free (``close`` waits for calls under way
     there), a new session of the small sliding-window layout made a context of its own from
     a model about to be freed; it is refused."""
-    from llmsession import ModelClosedError
-
     with Model(gemma3_path, threads=1) as model:
         internals.local(model).engine.close()  # (what close() does before it frees the model)
         with pytest.raises(ModelClosedError):
@@ -188,3 +187,73 @@ def test_a_reply_cut_inside_a_character_holds_no_replacement_character(smollm2: 
         assert reply.finish_reason == "length"
         assert "\ufffd" not in reply.text
         assert reply.text == expected
+
+
+TINY = GenerationOptions(max_tokens=2, temperature=0)
+
+
+@pytest.fixture(params=[False, True], ids=["in-process", "isolated"])
+def either(request: pytest.FixtureRequest, smollm2_path: Path) -> Iterator[Model]:
+    """A model of its own in this process, then in a worker: the two must behave alike."""
+    with Model(smollm2_path, threads=1, kv_tokens=2048, isolated=request.param) as model:
+        yield model
+
+
+def test_a_session_kept_by_its_model_is_no_longer_its_callers(either: Model, tmp_path: Path) -> None:
+    """After ``keep_conversation`` the model owns the session: the caller's handle is closed
+    (its transcript readable, its unfinished stream finished first) and refuses every use."""
+    session = either.session()
+    session.respond("Hi", TINY)
+    stream = session.stream("Name a colour.", TINY)
+    next(stream)
+    either.keep_conversation(session, tenant=None, conversation="c")
+    assert list(stream) == [] and stream.reply is not None  # (finished when it was kept)
+    assert session.closed and session.cached_tokens == 0 and len(session.messages) == 4
+    for use in (
+        lambda: session.respond("Again", TINY),
+        lambda: session.stream("Again", TINY),
+        session.fork,
+        lambda: session.save(tmp_path / "kept.llmsession"),
+        session.clear_cached_context,
+        lambda: either.keep_conversation(session, tenant=None, conversation="d"),
+    ):
+        with pytest.raises(ModelClosedError, match="keep_conversation"):
+            use()
+    session.close()  # (harmless: the model's session stays kept)
+    assert either.conversations() == ["c"]
+    asked = [*session.messages, {"role": "user", "content": "Again"}]
+    assert either.chat(asked, TINY, conversation="c").usage.reused_tokens > 0
+
+
+def test_a_closed_session_is_not_kept(either: Model) -> None:
+    session = either.session()
+    session.respond("Hi", TINY)
+    session.close()
+    with pytest.raises(ModelClosedError, match="closed"):
+        either.keep_conversation(session, tenant=None, conversation="c")
+    assert either.conversations() == []
+
+
+def test_every_use_of_a_closed_model_raises_and_what_stays_readable(either: Model, tmp_path: Path) -> None:
+    """After ``close()`` the model answers nothing but its settings and ``closed``; a session
+    keeps ``messages``, ``config``, ``closed`` and ``cached_tokens`` (0: it holds no state)."""
+    session = either.session()
+    session.respond("Hi", TINY)
+    session.save(tmp_path / "saved.llmsession")
+    assert session.cached_tokens > 0
+    either.close()
+    for use in (
+        either.memory,
+        either.identity,
+        either.projector_identity,
+        either.conversations,
+        lambda: either.take_conversation("c"),
+        lambda: either.keep_conversation(session, tenant=None, conversation="c"),
+        lambda: either.embed("Hi"),
+        lambda: either.load_session(tmp_path / "saved.llmsession"),
+    ):
+        with pytest.raises(ModelClosedError):
+            use()
+    assert either.closed and either.threads == 1 and either.pooling is None
+    assert session.closed and session.cached_tokens == 0
+    assert len(session.messages) == 2 and session.config.context_size == 512

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from llmsession import GenerationOptions, Model, SessionConfig
+from llmsession import GenerationOptions, Model, ModelClosedError, SessionConfig
 from llmsession.cluster.handoff import Handoff
 from llmsession.cluster.moving import MAX_AGE_S, STALE_S, SharedSpill, load_secret
 
@@ -295,16 +295,26 @@ def test_a_state_of_another_model_is_refused(smollm2: Model, gemma3: Model, tmp_
 
 
 def test_a_session_kept_twice_is_kept_once(smollm2: Model) -> None:
-    """Keeping a session the model keeps already only renames it (a second entry would break
-    every later call)."""
+    """Keeping a session the model keeps already (a stateless call's, its stream's ``session``)
+    only renames it (a second entry would break every later call); a handle kept once is the
+    model's, and refused a second time."""
     first = smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
     taken = smollm2.take_conversation(KEY)
     assert taken is not None
     smollm2.keep_conversation(taken[0], tenant="alice", conversation=KEY)
-    smollm2.keep_conversation(taken[0], tenant="alice", conversation=OTHER_KEY)
+    with pytest.raises(ModelClosedError, match="keep_conversation"):
+        smollm2.keep_conversation(taken[0], tenant="alice", conversation=OTHER_KEY)
+    asked = next_turn(opening(), first.text, "Why?")
+    stream = smollm2.chat_stream(asked, GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    for _ in stream:
+        pass
+    assert (
+        stream.reply is not None and stream.session is not None and KEY in smollm2.conversations()
+    )  # (the kept one, taken)
+    smollm2.keep_conversation(stream.session, tenant="alice", conversation=OTHER_KEY)
     assert smollm2.conversations().count(OTHER_KEY) == 1 and KEY not in smollm2.conversations()
     assert smollm2.take_conversation(OTHER_KEY) is not None
-    again = smollm2.chat(next_turn(opening(), first.text, "Why?"), GREEDY, tenant="alice", config=KEPT)
+    again = smollm2.chat(next_turn(asked, stream.reply.text, "And?"), GREEDY, tenant="alice", config=KEPT)
     assert again.text
 
 
@@ -332,6 +342,6 @@ def test_a_conversation_no_tenant_keeps_is_not_counted_restored(
     there = Handoff(second, SharedSpill(tmp_path, SECRET, "b"))
     session = smollm2.session(share_prefix=False)
     session.respond("Name three fruits.", GREEDY)
-    smollm2.keep_conversation(session, tenant="alice", conversation=KEY)  # (kept, under alice)
     assert here.spill.put(KEY, None, session.save)  # (as if sealed for no tenant)
+    smollm2.keep_conversation(session, tenant="alice", conversation=KEY)  # (kept, under alice)
     assert there.restore(KEY) is False and there.moves.refused == 1 and there.moves.restored == 0

@@ -323,7 +323,9 @@ class Model(RawCompletions):
         """Keep one of this model's sessions (one loaded with ``load_session``, say) for the
         stateless calls of ``tenant``, named ``conversation``: a call whose messages its cache
         begins decodes only the rest, as if this model had answered the earlier turns. The
-        model owns the session from here (it may close it to keep within its bounds)."""
+        model owns the session from here (it may close it to keep within its bounds): the
+        handle passed is closed (an unfinished stream of it finished first), and any later use
+        of it raises ``ModelClosedError``, as does keeping a session already closed."""
         self._backend.keep_conversation(session, tenant, conversation)
 
     def embed(self, inputs: Inputs, *, normalize: bool = True) -> np.ndarray:
@@ -349,7 +351,9 @@ class Model(RawCompletions):
 
     def close(self) -> None:
         """Stop every session's stream (each finishes its current step first), free the shared
-        memory, then the projector and the model. Any later use raises ModelClosedError."""
+        memory, then the projector and the model. Any later use of the model or its sessions
+        raises ModelClosedError; what stays readable: the model's settings and ``closed``, and
+        each session's ``messages``, ``config``, ``closed`` and ``cached_tokens`` (0)."""
         self._backend.close()
 
     @property

@@ -64,6 +64,7 @@ class WorkerSession(Session):
         self.thinking, self.swa_full = config.thinking, config.swa_full
         self.share_prefix = config.share_prefix
         self._closed = False
+        self._refusal = "this session is closed (or its model keeps it: keep_conversation)"
         weakref.finalize(self, model.worker.tell, None, "drop", (self._key,))
 
     @property
@@ -86,7 +87,7 @@ class WorkerSession(Session):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ModelClosedError("this session is closed (or its model keeps it: keep_conversation)")
+            raise ModelClosedError(self._refusal)
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> WorkerStream:
         self._check_open()
@@ -155,6 +156,7 @@ class WorkerSession(Session):
         self._check_open()
         model.call("keep_conversation", self._key, tenant, conversation)
         self._closed = True
+        self._refusal = "this session was handed to its model (keep_conversation): the model keeps it"
 
     @property
     def closed(self) -> bool:
@@ -162,7 +164,7 @@ class WorkerSession(Session):
 
     @property
     def cached_tokens(self) -> int:
-        return 0 if self._closed else int(self._model.call("cached_tokens", self._key))  # (as in-process)
+        return 0 if self.closed else int(self._model.call("cached_tokens", self._key))  # (``face``)
 
 
 class WorkerStream(Stream):

@@ -90,7 +90,9 @@ class Session(ABC):
     @property
     @abstractmethod
     def cached_tokens(self) -> int:
-        """How many positions the session's KV state holds (live or parked)."""
+        """How many positions the session's KV state holds (live or parked); 0 once it is
+        ``closed`` (by ``close``, its model's, or ``keep_conversation``: it holds none then).
+        Readable after close, as ``messages``, ``config`` and ``closed`` are."""
 
     @property
     @abstractmethod

@@ -8,16 +8,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, session_config
-from llmsession.errors import SessionFileError
+from llmsession.engine.budget import MemoryReport
+from llmsession.errors import ModelClosedError, SessionFileError
 from llmsession.options import GenerationOptions, check_int, checked_options
 from llmsession.replies import Message
 from llmsession.runtime import persistence
 from llmsession.runtime.choices import MAX_CHOICES, Answer, Choices, Forks, prefill_options
 from llmsession.runtime.core import ModelCore
+from llmsession.runtime.embedding import Inputs
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
-from llmsession.runtime.stateless import StatelessSessions, check_stateless, split
+from llmsession.runtime.stateless import StatelessSessions, check_stateless, checked_label, split
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
@@ -160,6 +164,7 @@ class LocalModel(ModelCore):
         belongs to this model and build (else its next reply's ``usage.cache_note`` says why).
         A saved ``context_size`` larger than a live session holds here becomes that;
         ``overrides`` (``SessionConfig`` fields) take the place of the saved ones."""
+        self.check_open()
         saved, settings = persistence.read_saved(self, path)
         most = self.engine.session_cells({**settings, **overrides}.get("swa_full") is not False)
         if isinstance(size := settings.get("context_size"), int) and size > most:
@@ -184,17 +189,47 @@ class LocalModel(ModelCore):
 
     def conversations(self) -> list[str]:
         """The conversations the stateless calls' kept sessions answered (``api.Model``)."""
+        self.check_open()
         return self.stateless.conversations()
 
     def take_conversation(self, conversation: str) -> tuple[LocalSession, str | None] | None:
         """The kept session that answered ``conversation`` last, out of the kept ones."""
+        self.check_open()
         return self.stateless.take(conversation)
 
     def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None:
-        """Keep one of this model's sessions for the stateless calls, as ``conversation``'s."""
+        """Keep one of this model's open sessions for the stateless calls, as ``conversation``'s:
+        the model keeps its state in a session of its own (``LocalSession.hand_over``), and the
+        caller's handle refuses any later use with ``ModelClosedError``, as a worker model's."""
         if not isinstance(session, LocalSession) or session.model is not self:
             raise ValueError("keep_conversation takes a session of this model")
-        self.stateless.adopt(session, tenant, session.asked, conversation)
+        label = checked_label(conversation)  # (before the handle is closed)
+        self.check_open()
+        if session.closed:
+            raise ModelClosedError("this session is closed (or its model keeps it: keep_conversation)")
+        kept = session.hand_over()
+        self.stateless.adopt(kept, tenant, kept.asked, label)
+
+    def check_open(self) -> None:
+        """``ModelClosedError`` once this model is closed: any use of it but its settings."""
+        if self.closed:
+            raise ModelClosedError("this model is closed")
+
+    def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
+        self.check_open()
+        return super().embed(inputs, normalize)
+
+    def memory(self) -> MemoryReport:
+        self.check_open()
+        return super().memory()
+
+    def identity(self) -> str:
+        self.check_open()
+        return super().identity()
+
+    def projector_identity(self) -> str | None:
+        self.check_open()
+        return super().projector_identity()
 
     def close(self) -> None:
         self.stateless.close()

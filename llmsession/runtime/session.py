@@ -118,7 +118,7 @@ class LocalSession(Session):
         self.lease = model.engine.lease(
             swa_full=self.swa_full, batch_size=self.batch_size, shares=self.share_prefix
         )
-        weakref.finalize(self, model.engine.bury, self.lease)  # a dropped session frees its memory
+        self._bury = weakref.finalize(self, model.engine.bury, self.lease)  # a dropped one frees its memory
         self.replies = ReplyTokens(capacity=256)  # its own replies, as generated
         self.carry = Carry()  # what its next exchange reports of before it
         self.looks_ahead = True  # decode the next prompt's opening after a reply (stateless: no)
@@ -195,6 +195,24 @@ class LocalSession(Session):
         if not self.model.closed:
             self.model.engine.release(self.lease)  # (its state, and a small window's context)
 
+    def hand_over(self) -> LocalSession:
+        """This conversation and its state in a new session object, this one closed without
+        freeing them (``keep_conversation``: the model keeps the new one; this handle, the
+        caller's, refuses any later use). An unfinished stream of it is finished first."""
+        with self._guard:
+            self._quiesce()
+            heir = copy.copy(self)
+            heir.messages = copy.deepcopy(self.messages)  # (this handle's stays as it is, readable)
+            heir._guard, heir._ended, heir._abandon = Guard(), Finishing(), None
+            heir._bury = weakref.finalize(heir, self.model.engine.bury, self.lease)
+            self._bury.detach()  # (the state is the heir's: dropping this handle frees nothing)
+            self.model.sessions.add(heir)
+            self._guard.closed = True
+            self._guard.refusal = (
+                "this session was handed to its model (keep_conversation): the model keeps it"
+            )
+            return heir
+
     @property
     def config(self) -> SessionConfig:
         return self._config
@@ -206,7 +224,7 @@ class LocalSession(Session):
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.lease.cache.items)
+        return 0 if self.closed else len(self.lease.cache.items)  # (``face``)
 
     @property
     def idle(self) -> bool:

@@ -224,6 +224,7 @@ class StatelessSessions:
             return session, self._unkeep(session)
 
     def _keep(self, session: LocalSession, tenant: str | None, label: str | None) -> None:
+        self._forget_closed()  # (a kept session handed over again: ``keep_conversation``)
         if session in self._tenants:  # (kept already: kept once, for its latest tenant and label)
             self._sessions.remove(session)
         self._sessions.append(session)  # busy until its stream is done

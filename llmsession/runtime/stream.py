@@ -16,18 +16,20 @@ from llmsession.runtime.face import Session, Stream
 
 class Guard:
     """A session's busy guard, held for each step of its exchanges: one thread at a time (a
-    second gets ``SessionBusyError`` at once), and none once the session is ``closed``."""
+    second gets ``SessionBusyError`` at once), and none once the session is ``closed`` (a
+    ``ModelClosedError`` saying ``refusal``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.closed = False
+        self.refusal = "this session is closed (or its model is)"
 
     def __enter__(self) -> None:
         if not self.lock.acquire(blocking=False):
             raise SessionBusyError("this session is already generating in another thread")
         if self.closed:
             self.lock.release()
-            raise ModelClosedError("this session is closed (or its model is)")
+            raise ModelClosedError(self.refusal)
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
@@ -40,7 +42,7 @@ class Guard:
             raise SessionBusyError("this session is already generating in another thread")
         try:
             if self.closed:
-                raise ModelClosedError("this session is closed (or its model is)")
+                raise ModelClosedError(self.refusal)
             yield
         finally:
             self.lock.release()
