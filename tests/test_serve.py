@@ -33,6 +33,7 @@ from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
+from llmsession.serve import app as app_module
 from llmsession.serve import doors
 from llmsession.serve.app import PARSERS, create_app
 
@@ -843,6 +844,35 @@ def test_bodies_are_checked_off_the_event_loop_a_few_at_a_time(
         thread.join(60)
     assert [r.status_code for r in results.values()] == [200] * (PARSERS + 3)
     assert on_loop == [False] * (PARSERS + 3)
+
+
+def test_slow_bodies_hold_no_parser_and_are_refused_at_their_deadline(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More slow senders than parsers (headers, then a byte of a declared body): they held every
+    parser's slot, and every other request waited as long as they sent; now a request is
+    answered beside them, and each gets a 408 once its body is past the deadline."""
+    monkeypatch.setattr(app_module, "BODY_SECONDS", 4)
+    host, port = served.url.removeprefix("http://").removesuffix("/v1").split(":")
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n{{"
+    )
+    slow = [socket.create_connection((host, int(port)), timeout=15) for _ in range(PARSERS + 1)]
+    try:
+        for connection in slow:
+            connection.sendall(head.encode())
+        time.sleep(0.5)  # (each is reading its body now)
+        began = time.monotonic()
+        reply = ask(served, "Hi", max_tokens=2, user="beside-slow-bodies")
+        assert reply.choices[0].message.content is not None
+        assert time.monotonic() - began < 3, "the request waited behind the slow bodies"
+        for connection in slow:
+            status = connection.recv(4096).split(b"\r\n", 1)[0]
+            assert status.split(b" ")[1] == b"408", status
+    finally:
+        for connection in slow:
+            connection.close()
 
 
 def test_metrics_count_requests_tokens_and_sessions(served: Served) -> None:

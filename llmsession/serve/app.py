@@ -50,7 +50,8 @@ from llmsession.serve.translation import Volatile
 from llmsession.text.tools import replaced_options
 
 MAX_BODY_BYTES = 8 << 20
-PARSERS = 4  # requests reading or checking their body at once
+PARSERS = 4  # requests checking their body at once (read before: a slow sender holds no slot)
+BODY_SECONDS = 60  # the most a request's body may take to arrive (then a 408)
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
 FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
@@ -130,21 +131,31 @@ class Server:
 
     async def body(self, request: Request, limit: int | None = None) -> bytes:
         """The request body, refused (413) past the size limit (or ``limit``, if tighter) before
-        it is all read: by its ``Content-Length`` first."""
+        it is all read: by its ``Content-Length`` first; and (408) if it has not all come within
+        ``BODY_SECONDS``. Read before a parser's slot is taken: four clients sending a byte now
+        and then held all four, and every other request waited."""
         limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
         too_big = too_large(limit)
         if declared(request) > limit:
             raise too_big
-        chunks, size = [], 0
-        request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
-        try:
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise too_big
                 chunks.append(chunk)
+
+        request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
+        try:
+            await asyncio.wait_for(read(), BODY_SECONDS)
         except ClientDisconnect:
             raise ApiError("the client went away", None, None, 499) from None
+        except asyncio.TimeoutError:  # (not yet the builtin one on Python 3.10)
+            late = f"the request body did not arrive within {BODY_SECONDS} s"
+            raise ApiError(late, None, None, 408) from None
         request.state.body_read = True  # (``drain`` reads no further)
         return b"".join(chunks)
 
@@ -238,8 +249,8 @@ class Server:
             asked = checked(body)
             return dataclasses.replace(asked, messages=volatile.dropped(asked.messages))
 
-        async with self.parsing:  # (a few bodies in memory at once; parsed off the event loop)
-            body = await self.body(request)
+        body = await self.body(request)
+        async with self.parsing:  # (a few parsed at once, off the event loop)
             return await asyncio.to_thread(read, body)
 
     async def answer(self, request: Request, asked: ChatRequest, door: Door) -> Response:

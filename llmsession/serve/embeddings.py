@@ -94,8 +94,8 @@ def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> d
 
 
 async def embeddings(server: Server, request: Request) -> Response:
-    async with server.parsing:  # (a few bodies at once, as a chat's)
-        body = await server.body(request)
+    body = await server.body(request)  # (before a parser's slot: ``Server.body``)
+    async with server.parsing:  # (a few at once, as a chat's)
         ask = await asyncio.to_thread(lambda: embeddings_request(parse_json(body)))
     name = server.hosts.served(ask.model)
     host, held = await server.hosts.held(ask.model, ask.keep_alive)

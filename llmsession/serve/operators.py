@@ -49,8 +49,8 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     limit = min(MAX_OPERATOR_BODY, server.max_body_bytes)  # (the bound ``Server.body`` keeps)
     if declared(request) > limit:  # (refused at once, not after a parser slot)
         raise too_large(limit)
+    raw = await server.body(request, MAX_OPERATOR_BODY)  # (before a parser's slot: ``Server.body``)
     async with server.parsing:
-        raw = await server.body(request, MAX_OPERATOR_BODY)
         body = await asyncio.to_thread(parse_json, raw)
     name = body.get("model")
     if not isinstance(name, str) or name not in hosts.models:

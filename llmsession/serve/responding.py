@@ -53,8 +53,8 @@ async def create(server: Serving, request: Request) -> Response:
     response for retrieval and continuation."""
     key: str | None = request.state.key
     store = server.store
+    body = await server.body(request)  # (before a parser's slot: ``Server.body``)
     async with server.parsing:
-        body = await server.body(request)
         ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
         history: list[dict[str, Any]] = []
         stored = None
