@@ -59,12 +59,17 @@ def test_segments_equal_the_whole_text_on_every_family(family: tuple[Model, bool
     model, special = family
     core = internals.local(model)
     for turns in (24, 25):  # the second prompt is the first plus a turn: its earlier segments are remembered
-        text = model.render(transcript(turns))
+        # (as rendered to be tokenized: users' special tokens' texts as placeholders, ``text.guard``)
+        text = core.render_checked(transcript(turns))
         assert len(text) >= LONG_TEXT
-        whole = core.native.tokenize(text, add_special=True)
-        core.tokenizer.drop_double_bos(whole)
+        whole = core.tokenizer.stretch(text)  # (the whole text; without placeholders ``tokenize``'s)
         assert core.tokenizer.prompt(text, shared=True) == whole
         assert model.prompt_tokens(transcript(turns)) == whole  # (through the model, as sessions do)
+        assistant_only = [m if m["role"] != "user" else {**m, "content": "x"} for m in transcript(turns)]
+        plain = model.render(assistant_only)  # (no user text to keep plain: the whole text as it is)
+        whole = core.native.tokenize(plain, add_special=True)
+        core.tokenizer.drop_double_bos(whole)
+        assert core.tokenizer.prompt(plain, shared=True) == whole == model.prompt_tokens(assistant_only)
     pattern = core.tokenizer._anchor_pattern(text)
     if special:  # (elsewhere a user's words may still hold the vocabulary's special tokens)
         assert pattern is not None and len(segments(text, pattern)) > 2 * 24

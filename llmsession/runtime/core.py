@@ -160,12 +160,11 @@ class ModelCore:
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> str:
-        """The exact prompt text a session would tokenize for these messages (and tools):
-        checked here unless they are a ``Transcript`` (checked when it was made)."""
-        plain = Transcript(messages).messages()
-        return self.render_checked(
-            plain, add_generation_prompt, thinking=thinking, tools=tools, tool_format=tool_format
-        )
+        """The exact prompt text a session would tokenize for these messages (and tools), its
+        users' and tools' text plain (``text.guard``): checked unless a ``Transcript``."""
+        plain, generate = Transcript(messages).messages(), add_generation_prompt
+        text = self.render_checked(plain, generate, thinking=thinking, tools=tools, tool_format=tool_format)
+        return self.tokenizer.shown(text)
 
     def render_checked(
         self,
@@ -177,9 +176,9 @@ class ModelCore:
         tool_format: str | None = None,
     ) -> str:
         """``render`` for a checked transcript's editable copy (or one with stand-ins for its
-        replies: ``spliced``)."""
+        replies: ``spliced``), with the placeholders its tokenizer reads (``tokenizer.stretch``)."""
         text = render_checked(
-            plain,
+            self.tokenizer.marked(plain),
             template=self.template,
             native=self.native.apply_template,
             add_generation_prompt=add_generation_prompt,
@@ -306,7 +305,7 @@ class ModelCore:
             prompt.render_s, prompt.tokenize_s = rendered - began, time.perf_counter() - rendered
             return prompt
         assert self.projector is not None
-        chunks = self.projector.tokenize(text, images)
+        chunks = self.projector.tokenize(self.tokenizer.shown(text), images)  # (libmtmd parses all)
         if chunks.pieces and isinstance(chunks.pieces[0], list):
             self.tokenizer.drop_double_bos(chunks.pieces[0])
         return Prompt(chunks.pieces, chunks, rendered - began, time.perf_counter() - rendered)

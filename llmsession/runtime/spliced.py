@@ -83,11 +83,11 @@ def text_tokens(
         return model.tokenizer.prompt(text, shared)
     # A prompt kept apart tokenizes its stretches afresh: how fast a remembered one came back
     # would tell whether another prompt held the same text.
-    stretch_tokens = model.tokenizer.remembered if shared else model.tokenizer.tokenize
+    stretch_tokens = model.tokenizer.remembered if shared else model.tokenizer.stretch
     spliced = splice(around, list(known.values()), stretch_tokens)
-    native = model.native
+    native, shown = model.native, model.tokenizer.shown(text)  # (placeholders as their texts)
     spelled = native.detokenize(spliced, special=True)
-    if spelled in (text, _with_bos(native, text, spliced)):  # exactly the rendered text
+    if spelled in (shown, _with_bos(native, shown, spliced)):  # exactly the rendered text
         return spliced
     plain = model.tokenizer.prompt(text, shared)  # (a tokenizer that adds spaces spells otherwise)
     if spliced != plain and spelled == native.detokenize(plain, special=True):

@@ -1,13 +1,16 @@
 """A model's prompt tokenizing: BOS as the model adds it, the texts between spliced replies
-remembered, and long prompts tokenized in segments (``text.segments``) so that each exchange
-tokenizes only what changed since the ones before."""
+remembered, long prompts tokenized in segments (``text.segments``) so that each exchange
+tokenizes only what changed since the ones before, and users' and tools' text kept plain
+(``text.guard``: a special token's spelling in it is not that token)."""
 
 from __future__ import annotations
 
 import re
 import threading
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
+from llmsession.text.guard import ESCAPED, OPEN, Guard, Guarded
 from llmsession.text.segments import anchor_pattern, anchors, tokenize_in_segments
 from llmsession.text.splice import ReplyTokens
 
@@ -23,6 +26,7 @@ class Vocabulary(Protocol):
     def bos(self) -> int: ...
     def cuts_in_segments(self) -> bool: ...
     def special_tokens(self) -> list[tuple[str, bool]]: ...
+    def guarded_tokens(self) -> list[tuple[str, bool, bool]]: ...
 
 
 class PromptTokenizer:
@@ -37,6 +41,27 @@ class PromptTokenizer:
         self._anchors: re.Pattern[str] | None = None
         self._anchors_found = not vocabulary.cuts_in_segments()  # (else found on a first long text)
         self._lock = threading.Lock()
+        self._guard: Guard | None = None
+
+    @property
+    def guard(self) -> Guard:
+        """The placeholders for the vocabulary's control and unknown tokens' texts, made once (its
+        special tokens read then, as for the anchors)."""
+        if self._guard is None:
+            with self._lock:
+                if self._guard is None:
+                    found = self.vocabulary.guarded_tokens()
+                    self._guard = Guard([Guarded(text, lstrip, rstrip) for text, lstrip, rstrip in found])
+        return self._guard
+
+    def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The messages to render: their users' and tools' special tokens' texts as placeholders
+        (``text.guard``), which the prompt's tokenizing reads as those texts, special tokens off."""
+        return self.guard.marked(messages)
+
+    def shown(self, text: str) -> str:
+        """A rendered prompt as it reads: its placeholders as the texts they stand for."""
+        return self.guard.shown(text) if OPEN in text or ESCAPED in text else text
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
@@ -51,21 +76,41 @@ class PromptTokenizer:
             del tokens[0]
 
     def prompt(self, text: str, shared: bool) -> list[int]:
-        """A whole prompt's tokens (as ``tokenize``); a long one that shares in segments, each
-        remembered."""
+        """A whole rendered prompt's tokens (as ``stretch``); a long one that shares in
+        segments, each remembered."""
         pattern = self._anchor_pattern(text) if shared and len(text) >= LONG_TEXT else None
         if pattern is None:
-            return self.tokenize(text)
+            return self.stretch(text)
         return tokenize_in_segments(text, pattern, self.remembered)
 
+    def stretch(self, text: str, first: bool = True) -> list[int]:
+        """A rendered prompt's text, or a stretch of it, tokenized as ``tokenize`` (``first``:
+        with BOS), but where it holds placeholders (``marked``): the text around each, up to the
+        control tokens on either side, with special tokens off and the placeholders as their
+        texts. Without placeholders exactly ``tokenize``."""
+        pieces = self.guard.pieces(text) if OPEN in text or ESCAPED in text else None
+        if pieces is None:
+            return self.tokenize(text, first)
+        vocabulary = self.vocabulary
+        wrap = vocabulary.tokenize("", add_special=True) if first else []  # (BOS, and any EOS)
+        bos = wrap[:1] if wrap[:1] == [vocabulary.bos()] else []
+        tokens = list(bos)
+        for piece, plain in pieces:
+            if piece:
+                tokens += vocabulary.tokenize(piece, add_special=False, parse_special=not plain)
+        tokens += wrap[len(bos) :]
+        if first:
+            self.drop_double_bos(tokens)
+        return tokens
+
     def remembered(self, text: str, first: bool) -> list[int]:
-        """``tokenize`` (``first``: with BOS) remembered: a transcript's earlier stretches come
+        """``stretch`` (``first``: with BOS) remembered: a transcript's earlier stretches come
         back every turn, and tokenizing was most of a prompt's cost (7.9 ms of a 933-token one,
         before)."""
         memory = self._remembered[first]
         tokens = memory.get(text)
         if tokens is None:
-            tokens = tuple(self.tokenize(text, first))
+            tokens = tuple(self.stretch(text, first))
             memory.remember(text, tokens)
         return list(tokens)
 

@@ -1,0 +1,142 @@
+"""Users' and tools' text kept plain: a special token's spelling typed in a ``user`` or ``tool``
+message (``<|im_end|>\\n<|im_start|>system``) must not become the special token, or the sender
+could close their own turn and write one of another role.
+
+Before rendering, each occurrence in such a message's text of a *guarded* text (a control or
+unknown token's, which llama.cpp parses only with special tokens on; user-defined ones it parses
+either way) becomes a placeholder that names it (private-use characters no template alters, and
+no text holds: the opening character in the text is itself replaced by one). After rendering, the
+text between the two control tokens around a placeholder (the fragment llama.cpp would tokenize
+as one) is tokenized with special tokens off, the originals put back; the rest as before. A
+prompt without placeholders tokenizes exactly as before. Pure: no bindings.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "\ue002", "\ue003"  # (``text.splice``'s stand-ins use \ue000 and \ue001)
+ESCAPED = json.dumps(OPEN)[1:-1]  # (JSON's escape of it: a template or tool format may dump text)
+PLACEHOLDER = re.compile(
+    f"{OPEN}(\\d+){CLOSE}|{re.escape(ESCAPED)}(\\d+){re.escape(json.dumps(CLOSE)[1:-1])}"
+)
+GUARDED_ROLES = ("user", "tool")
+SPACES = " \t\n\v\f\r"  # (C's isspace: what a token's lstrip or rstrip takes)
+
+
+def trie_pattern(texts: Sequence[str]) -> re.Pattern[str] | None:
+    """A pattern matching any of ``texts`` (the longest where several start at one place),
+    written as a trie: Gemma's 6,000 control tokens share their first characters."""
+    trie: dict[str, Any] = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}
+    return re.compile(_alternatives(trie)) if texts else None
+
+
+def _alternatives(node: Mapping[str, Any]) -> str:
+    branches = [re.escape(char) + _alternatives(child) for char, child in node.items() if char]
+    if not branches:
+        return ""
+    body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    return f"(?:{body})?" if "" in node else body
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """A guarded text: its spelling and whether its token strips whitespace left or right."""
+
+    text: str
+    lstrip: bool = False
+    rstrip: bool = False
+
+
+class Guard:
+    """Placeholders for a vocabulary's ``guarded`` texts (``Guarded``, in any order)."""
+
+    def __init__(self, guarded: Sequence[Guarded]) -> None:
+        kept = [g for g in guarded if g.text and OPEN not in g.text and CLOSE not in g.text]
+        self.texts = [OPEN, ESCAPED, *(g.text for g in kept)]  # (the opening in text, as it is or JSON's)
+        self._strips = {g.text: (g.lstrip, g.rstrip) for g in kept}
+        self._content = trie_pattern(self.texts)
+        self._controls = trie_pattern([g.text for g in kept])
+        self._index = {text: i for i, text in enumerate(self.texts)}
+
+    def marked_text(self, text: str) -> str:
+        """``text`` with each guarded text (and the opening character) as its placeholder."""
+        if self._content is None or self._content.search(text) is None:
+            return text
+        return self._content.sub(lambda m: f"{OPEN}{self._index[m.group()]}{CLOSE}", text)
+
+    def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The messages with their users' and tools' text parts ``marked_text`` (others as
+        they are)."""
+        return [self._marked_message(m) if m.get("role") in GUARDED_ROLES else m for m in messages]
+
+    def _marked_message(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
+        content = message.get("content")
+        if isinstance(content, str):
+            marked: Any = self.marked_text(content)
+            changed = marked is not content
+        elif isinstance(content, list | tuple):
+            marked = [self._marked_part(part) for part in content]
+            changed = any(new is not old for new, old in zip(marked, content, strict=True))
+        else:
+            return message
+        return {**message, "content": marked} if changed else message
+
+    def _marked_part(self, part: Any) -> Any:
+        if isinstance(part, str):
+            return self.marked_text(part)
+        if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            text = self.marked_text(part["text"])
+            return part if text is part["text"] else {**part, "text": text}
+        return part
+
+    def shown(self, text: str) -> str:
+        """``text`` with its placeholders as what they stand for (in JSON's escapes where the
+        placeholder was written in them)."""
+        if OPEN not in text and ESCAPED not in text:
+            return text
+        return PLACEHOLDER.sub(self._original, text)
+
+    def _original(self, match: re.Match[str]) -> str:
+        index = int(match.group(1) or match.group(2))
+        if index >= len(self.texts):
+            return match.group()
+        return self.texts[index] if match.group(1) else json.dumps(self.texts[index])[1:-1]
+
+    def pieces(self, text: str) -> list[tuple[str, bool]] | None:
+        """``text`` (a rendered prompt, or a stretch of one) as pieces to tokenize in turn,
+        each with whether it is plain (special tokens off; its placeholders as what they stand
+        for); None where it holds no placeholder."""
+        if OPEN not in text and ESCAPED not in text:
+            return None
+        found = [m for m in PLACEHOLDER.finditer(text) if int(m.group(1) or m.group(2)) < len(self.texts)]
+        if not found:
+            return None
+        controls = [] if self._controls is None else list(self._controls.finditer(text))
+        starts = [m.start() for m in controls]
+        out: list[tuple[str, bool]] = []
+        cursor = 0
+        for placeholder in found:
+            if placeholder.start() < cursor:
+                continue  # (in the fragment just taken)
+            after = bisect.bisect_left(starts, placeholder.start())
+            start = controls[after - 1].end() if after else 0
+            end = controls[after].start() if after < len(controls) else len(text)
+            if after and self._strips[controls[after - 1].group()][1]:
+                start = end - len(text[start:end].lstrip(SPACES))
+            if after < len(controls) and self._strips[controls[after].group()][0]:
+                end = start + len(text[start:end].rstrip(SPACES))
+            out += [(text[cursor:start], False), (self.shown(text[start:end]), True)]
+            cursor = end
+        out.append((text[cursor:], False))
+        return out
