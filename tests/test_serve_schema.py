@@ -181,6 +181,10 @@ BAD = [
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": HI, "stream": "yes"}, "stream"),
     ({"messages": HI, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),  # (not streamed)
+    ({"messages": HI, "logit_bias": {"7042": -100}}, "logit_bias"),  # (was ignored: 200, " Paris")
+    ({"messages": HI, "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": HI, "function_call": "auto"}, "function_call"),
     ({"messages": HI, "response_format": {"type": "xml"}}, "response_format"),
     (
         {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},

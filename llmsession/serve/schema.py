@@ -82,6 +82,8 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     stream = bool(_optional(body, "stream", bool))
     stream_options = _optional(body, "stream_options", dict) or {}
     include_usage = _optional(stream_options, "include_usage", bool, "stream_options.include_usage")
+    if stream_options and not stream:  # (OpenAI's answer too)
+        raise ApiError("stream_options is only allowed when stream is true", "stream_options")
     user = _optional(body, "user", str)
     if user is not None and len(user) > MAX_USER:
         raise ApiError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
@@ -104,6 +106,7 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
 
 DURATION = re.compile(r"(-?\d{1,9}(?:\.\d{1,6})?)(ms|s|m|h)?")
 UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_KEEP_ALIVE = 10 * 365 * 86400.0
 
 
 def keep_alive_of(value: object) -> float | None:
@@ -120,20 +123,11 @@ def keep_alive_of(value: object) -> float | None:
     return float(min(value, MAX_KEEP_ALIVE))
 
 
-MAX_KEEP_ALIVE = 10 * 365 * 86400.0
-
-
 # ``reasoning_effort`` as the template's effort (``SessionConfig.thinking``: gpt-oss's are low,
 # medium and high) and as a budget of reasoning tokens (None: unbounded).
 TEMPLATE_EFFORTS: dict[str, Effort] = {"minimal": "low", **{e: e for e in LEVELS}, "xhigh": "high"}
-EFFORTS: dict[str, int | None] = {
-    "none": 0,
-    "minimal": 256,
-    "low": 1024,
-    "medium": 4096,
-    "high": None,
-    "xhigh": None,
-}
+EFFORTS: dict[str, int | None] = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096}
+EFFORTS |= {"high": None, "xhigh": None}
 
 
 def _reasoning(body: Mapping[str, Any]) -> tuple[bool | Effort | None, int | None]:
@@ -204,12 +198,18 @@ def _transcript(messages: list[dict[str, Any]]) -> Transcript:
     return transcript
 
 
+UNSUPPORTED = {"logit_bias": "", "functions": ": use tools", "function_call": ": use tools"}
+
+
 def options(
     body: Mapping[str, Any], default_max_tokens: int = INT32_MAX, logprobs: int | None = None
 ) -> GenerationOptions:
     """The sampling, stop, format and tool fields as ``GenerationOptions``, checked as the
     library checks them (its tools and tool choice compiled too)."""
     values: dict[str, Any] = {}
+    for name, hint in UNSUPPORTED.items():  # (ignored, the reply would not be the one asked for)
+        if body.get(name):
+            raise ApiError(f"{name} is not supported by this server{hint}", name, "unsupported")
     tokens = _integer(body, "max_completion_tokens", 1, INT32_MAX)
     tokens = tokens if tokens is not None else _integer(body, "max_tokens", 1, INT32_MAX)
     values["max_tokens"] = default_max_tokens if tokens is None else tokens
