@@ -149,6 +149,41 @@ def test_a_schema_that_contains_itself_is_a_grammar_error_not_a_crash(smollm2_pa
     assert out.stdout.count("typed:") == 8 and out.stdout.count("after:") == 2, out.stdout
 
 
+def test_a_pattern_that_backtracks_is_checked_after_the_reply_in_linear_time(smollm2_path: Path) -> None:
+    """The mask lets through the 26 a's the pattern's second branch takes; its first branch
+    made Python's ``re`` backtrack for hours (285 s at 22 a's), holding the interpreter: in a
+    reply's after-check (``not`` sends it there) and in a tool call's arguments. In a
+    subprocess, so that a regression fails here instead of hanging the run."""
+    code = f"""
+    import time
+    from llmsession import GenerationOptions, GrammarError, Model
+    evil = r"^(?:(a|aa)+)+[^\\s\\S]$|^a{{26}}$"  # (the first branch matches nothing: only 26 a's do)
+    reply = {{"type": "string", "pattern": evil, "maxLength": 26, "not": {{"const": "x"}}}}
+    tool = {{"type": "function", "function": {{"name": "f", "parameters": {{
+        "type": "object", "properties": {{"s": {{"type": "string", "pattern": evil, "maxLength": 26}}}},
+        "required": ["s"]}}}}}}
+    with Model({str(smollm2_path)!r}, threads=1) as m:
+        began = time.perf_counter()
+        said = [{{"role": "user", "content": "a"}}]
+        got = m.chat(said, GenerationOptions(json_schema=reply, max_tokens=40))
+        print("reply:", got.finish_reason, got.parsed == "a" * 26, round(time.perf_counter() - began, 1))
+        began = time.perf_counter()
+        asked = GenerationOptions(tools=[tool], tool_choice="required", max_tokens=160, temperature=0)
+        got = m.chat([{{"role": "user", "content": "Call f."}}], asked)
+        print("call:", got.finish_reason, got.tool_calls[0].arguments, round(time.perf_counter() - began, 1))
+        try:
+            m.chat(said, GenerationOptions(json_schema={{"pattern": "(?=a)a"}}))
+        except GrammarError as error:
+            print("refused:", "lookaround" in str(error))
+    """
+    out = run_python(code, timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "reply: complete True" in out.stdout and '"s": "aaaaaaaaaaaaaaaaaaaaaaaaaa"' in out.stdout, (
+        out.stdout
+    )
+    assert "refused: True" in out.stdout, out.stdout
+
+
 def test_a_grammar_too_large_for_the_matcher_is_a_grammar_error_in_a_few_words(smollm2: Model) -> None:
     """llguidance panics on a grammar of more than 65,525 symbols; its message carried the
     panic's backtrace (2.5 KB of frames). The error says what it refused, bounded, and the

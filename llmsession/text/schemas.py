@@ -5,8 +5,9 @@ llguidance compiles a schema leniently: a keyword it does not implement (``uniqu
 pydantic writes for a ``set`` field; ``contains``, ``not``, ``if``...) is reported, not refused.
 Each must be one ``jsonschema`` checks, and then every reply of that schema is validated against
 the whole schema once complete; a schema whose keywords the mask enforces all is not checked
-again (the mask's regex and formats are Rust's, which Python's would second-guess). Pure: no
-llguidance, no bindings; ``jsonschema`` loads with the first schema.
+again. Patterns are searched with RE2 there (``patterns``: Python's ``re`` backtracks, and a
+hostile pattern would take hours). Pure: no llguidance, no bindings; ``jsonschema`` loads with
+the first schema.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def checked_schema(text: str) -> Any:
     """A validator for a schema (its JSON text), once the schema is checked against its draft's
     metaschema (GrammarError if invalid). Remembered: checking costs 2-3 ms, and a client sends
     one schema often. It resolves no reference outside the schema (an empty registry). Formats
-    are checked where jsonschema has a checker; a pattern Python's ``re`` cannot compile (Rust
-    syntax the mask understands, ``\\p{Lu}``) is left to the mask."""
+    are checked where jsonschema has a checker; patterns with RE2, in linear time (``patterns``:
+    GrammarError for one it cannot take)."""
     import jsonschema  # loaded with the first schema, not with llmsession
     import referencing
 
@@ -115,22 +116,11 @@ def checked_schema(text: str) -> Any:
         draft.check_schema(document, format_checker=None)  # type: ignore[call-arg]  # (Rust patterns)
     except jsonschema.SchemaError as error:
         raise GrammarError(f"json_schema: invalid schema: {error.message}") from None
-    tolerant = {key: _python_regex_only(draft.VALIDATORS[key]) for key in ("pattern", "patternProperties")}
-    extended = jsonschema.validators.extend(draft, tolerant)  # type: ignore[no-untyped-call]
+    from llmsession.text import patterns  # (RE2, with the validator)
+
+    patterns.check_patterns(document)
+    extended = jsonschema.validators.extend(draft, patterns.KEYWORDS)  # type: ignore[no-untyped-call]
     return extended(document, registry=referencing.Registry(), format_checker=draft.FORMAT_CHECKER)
-
-
-def _python_regex_only(check: Any) -> Any:
-    """``check`` (a pattern keyword's validator), silent where Python's ``re`` cannot compile
-    the pattern: Rust syntax the mask enforced, which Python would call a broken schema."""
-
-    def checked(*args: Any) -> Any:
-        try:
-            yield from check(*args) or ()
-        except re.error:
-            return
-
-    return checked
 
 
 def violation(validator: Any, value: Any) -> str:
