@@ -251,9 +251,9 @@ def load_native(
     if native.has_encoder and (mmproj_path is not None or not native.has_decoder):
         native.close()
         raise UnsupportedFeatureError(
-            f"{path.name}: an encoder-decoder model takes no images here"
+            "an encoder-decoder model takes no images here"  # (no file name: an alias may hide it)
             if native.has_decoder
-            else f"{path.name} is encoder-only: it has no decoder to reply with"
+            else "this model is encoder-only: it has no decoder to reply with"
         )
     if mmproj_path is None:
         return Loaded(native, None, memory, sizing, renderer)

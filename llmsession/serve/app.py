@@ -52,6 +52,7 @@ from llmsession.text.tools import replaced_options
 MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests checking their body at once (read before: a slow sender holds no slot)
 BODY_SECONDS = 60  # the most a request's body may take to arrive (then a 408)
+READERS = 64  # bodies being read at once (each up to --max-body-bytes in memory)
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
 FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
@@ -91,6 +92,7 @@ class Server:
         self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
         self.max_body_bytes = max_body_bytes
         self.parsing = asyncio.Semaphore(PARSERS)
+        self.reading = asyncio.Semaphore(READERS)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
         self.created = int(time.time())
         self.fronted = False  # a cluster's replica: the front names each request's conversation
@@ -132,8 +134,9 @@ class Server:
     async def body(self, request: Request, limit: int | None = None) -> bytes:
         """The request body, refused (413) past the size limit (or ``limit``, if tighter) before
         it is all read: by its ``Content-Length`` first; and (408) if it has not all come within
-        ``BODY_SECONDS``. Read before a parser's slot is taken: four clients sending a byte now
-        and then held all four, and every other request waited."""
+        ``BODY_SECONDS``. Read before a parser's slot is taken (four clients sending a byte now
+        and then held all four, and every other request waited), ``READERS`` at once: what
+        bodies hold in memory stays bounded, and a slow sender is gone at its deadline."""
         limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
         too_big = too_large(limit)
         if declared(request) > limit:
@@ -150,7 +153,8 @@ class Server:
 
         request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
         try:
-            await asyncio.wait_for(read(), BODY_SECONDS)
+            async with self.reading:
+                await asyncio.wait_for(read(), BODY_SECONDS)
         except ClientDisconnect:
             raise ApiError("the client went away", None, None, 499) from None
         except asyncio.TimeoutError:  # (not yet the builtin one on Python 3.10)

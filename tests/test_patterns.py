@@ -1,0 +1,69 @@
+"""A schema's patterns in the after-reply check: RE2 (linear time) with ECMA-262's reading, and
+what it refuses before anything decodes. Pure: no model (the hostile pattern over a real reply
+is tests/test_hostile.py's)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from llmsession.errors import GrammarError
+from llmsession.text.patterns import ecma
+from llmsession.text.schemas import checked_schema, violation
+
+
+def problem(schema: dict[str, Any], value: Any) -> str:
+    return violation(checked_schema(json.dumps(schema)), value)
+
+
+def test_ecmas_escapes_and_white_space_read_as_ecma_reads_them() -> None:
+    cjk = {"type": "string", "pattern": "^[\\u4e00-\\u9fa5]+$"}  # (zod's and pydantic's CJK pattern)
+    assert problem(cjk, "中文") == "" and "does not match" in problem(cjk, "abc")
+    assert problem({"pattern": "^\\u00e9$"}, "é") == "" and problem({"pattern": "^\\u{1F600}$"}, "😀") == ""
+    assert problem({"pattern": "^\\uD83D\\uDE00$"}, "😀") == ""  # (a surrogate pair: one code point)
+    assert problem({"pattern": "^\\\\u0041$"}, "\\u0041") == ""  # (an escaped backslash stays one)
+    for space in ("\u00a0", "\u2003", "\u3000", "\ufeff", "\t"):  # (RE2's \s is ASCII only)
+        assert problem({"pattern": "^\\s$"}, space) == "", repr(space)
+        assert problem({"pattern": "^[\\s,]$"}, space) == "", repr(space)
+        assert "does not match" in problem({"pattern": "^\\S$"}, space), repr(space)
+    assert ecma("[^\\S]") == "[^\\S]"  # (inside a class, \S keeps RE2's reading)
+    assert problem({"pattern": "^\\d$"}, "٣") != ""  # (ECMA's \d is ASCII, as RE2's)
+    assert problem({"pattern": "^a$"}, "a\n") != ""  # ($ ends the text: Python's re let this pass)
+
+
+def test_a_lone_surrogate_in_a_reply_is_searched_not_a_failure_to_check() -> None:
+    assert problem({"pattern": "^a"}, "a\ud800") == ""
+    assert "does not match" in problem({"pattern": "^b"}, "a\ud800")
+    assert problem({"patternProperties": {"^a": {"type": "integer"}}}, {"a\udfff": "x"}) != ""
+
+
+def test_a_backtracking_pattern_is_searched_in_linear_time() -> None:
+    evil = {"type": "string", "pattern": "^(?:(a|aa)+)+c$|^a{40}$", "not": {"const": "x"}}
+    assert problem(evil, "a" * 40) == ""  # (Python's re: about 2**40 steps)
+    assert "does not match" in problem(evil, "a" * 39)
+    keys = {"patternProperties": {"^(?:(a|aa)+)+c$": {}}, "additionalProperties": False}
+    assert "does not match any of the regexes" in problem(keys, {"a" * 40: 1})
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"pattern": "(?=a)a"},  # a lookaround
+        {"pattern": "(a)\\1"},  # a backreference
+        {"properties": {"default": {"type": "string", "pattern": "(?<=a)b"}}},  # (a property named default)
+        {"patternProperties": {"^x": {}}, "unevaluatedProperties": False},
+    ],
+)
+def test_what_re2_cannot_check_is_refused_before_anything_decodes(schema: dict[str, Any]) -> None:
+    with pytest.raises(GrammarError):
+        checked_schema(json.dumps(schema))
+
+
+def test_keywords_spelled_as_property_names_are_names() -> None:
+    named = {"properties": {"unevaluatedProperties": {"type": "string"}}, "patternProperties": {"^x": {}}}
+    assert problem(named, {"unevaluatedProperties": "y", "xa": 1}) == ""
+    assert problem({"properties": {"pattern": {"type": "string"}}}, {"pattern": "(?=a"}) == ""
+    extra = {"additionalProperties": False, "properties": {"a": {}}, "patternProperties": {"^b": {}}}
+    assert problem(extra, {"a": 1, "bc": 2}) == "" and "'z' does not match" in problem(extra, {"z": 1})
