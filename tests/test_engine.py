@@ -125,8 +125,8 @@ class FakeContext:
     def state_get(self, seq: int = 0) -> bytes:
         return json.dumps(self.items(seq)).encode()
 
-    def state_set(self, blob: bytes, seq: int = 0) -> bool:
-        self.seq_rm(-1, seq)
+    def state_set(self, blob: bytes, seq: int = 0, *, values: bool = False) -> bool:
+        self.seq_rm(-1, seq)  # (``values``: a file's, checked finite; a fake's holds no numbers)
         return self._place(seq, 0, json.loads(bytes(blob)))
 
     def close(self) -> None:
