@@ -85,7 +85,7 @@ def test_gemma3_sentencepiece_in_its_own_markup(gemma3: Model) -> None:
         for said in AWKWARD
     ]
     text = "<bos>" + "".join(turns * 3) + "<start_of_turn>model\n"
-    found = anchors(native.special_tokens(), text)
+    found = anchors([(spelled, left) for spelled, left, _, _ in native.special_tokens()], text)
     assert {"<bos>", "<start_of_turn>", "<end_of_turn>"} <= set(found)
     pattern = anchor_pattern(found)
     assert pattern is not None and len(segments(text, pattern)) > 2 * 3 * len(AWKWARD)

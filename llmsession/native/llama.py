@@ -129,7 +129,7 @@ def device_names(endpoints: Sequence[str]) -> list[str]:
 
 @holding(  # (the methods using the model or its vocabulary: ``close`` waits for them)
     "memory_shape chat_template token_text bos eos tokenize_bytes vocabulary piece cuts_in_segments"
-    " special_tokens guarded_tokens is_special detokenize is_eog apply_template"
+    " special_tokens is_special detokenize is_eog apply_template"
 )
 class NativeModel(Owner):
     """Owns a ``llama_model``; ``close()`` closes its contexts and projector first."""
@@ -277,27 +277,18 @@ class NativeModel(Owner):
         fragments = kind in (lib.LLAMA_VOCAB_TYPE_SPM, lib.LLAMA_VOCAB_TYPE_BPE)
         return bool(fragments and not lib.llama_vocab_get_add_eos(self.vocab))
 
-    def special_tokens(self) -> list[tuple[str, bool]]:
+    def special_tokens(self) -> list[tuple[str, bool, bool, bool]]:
         """The tokens llama.cpp finds in text before it tokenizes the rest (control, user-defined
-        and unknown ones, as special tokens are parsed): their text, and whether each strips the
-        whitespace on its left."""
-        lib = bindings()[0]  # (one pass over the vocabulary: 262k tokens on Gemma)
-        found = self._attributed(lib.LLAMA_TOKEN_ATTR_USER_DEFINED)
-        return [(text, bool(attr & lib.LLAMA_TOKEN_ATTR_LSTRIP)) for text, attr in found]
-
-    def guarded_tokens(self) -> list[tuple[str, bool, bool]]:
-        """Those it finds only with special tokens parsed (control and unknown ones): their text,
-        and whether each strips the whitespace on its left, and on its right."""
+        and unknown ones, as special tokens are parsed): their text, whether each strips the
+        whitespace on its left, on its right, and whether it is found only with special tokens
+        parsed (control and unknown ones). One pass over the vocabulary: 262k tokens on Gemma."""
         lib = bindings()[0]
+        get_attr, vocab = lib.llama_vocab_get_attr, self.vocab
+        only = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
         left, right = lib.LLAMA_TOKEN_ATTR_LSTRIP, lib.LLAMA_TOKEN_ATTR_RSTRIP
-        return [(text, bool(attr & left), bool(attr & right)) for text, attr in self._attributed()]
-
-    def _attributed(self, more: int = 0) -> list[tuple[str, int]]:
-        """The control and unknown tokens (and those of ``more`` attributes): text, attributes."""
-        lib, get_attr, vocab = bindings()[0], bindings()[0].llama_vocab_get_attr, self.vocab
-        kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN | more
         attrs = ((token, int(get_attr(vocab, token))) for token in range(self.n_vocab))
-        return [(self.token_text(token), attr) for token, attr in attrs if attr & kinds]
+        found = [(token, attr) for token, attr in attrs if attr & (only | lib.LLAMA_TOKEN_ATTR_USER_DEFINED)]
+        return [(self.token_text(t), bool(a & left), bool(a & right), bool(a & only)) for t, a in found]
 
     def is_special(self, token: int) -> bool:
         """A token the grammar matcher knows as special (``vocabulary``): one a grammar must name
