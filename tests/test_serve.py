@@ -220,13 +220,25 @@ def test_a_json_schema_reply_validates(served: Served) -> None:
 
 def test_a_reply_that_fails_a_valid_schema_is_the_servers_500_not_the_clients_400(served: Served) -> None:
     """The mask holds items to 1 and two of them; ``uniqueItems``, checked after the reply, can
-    then only fail: the request was valid, so the answer is a 500 saying why, not a 400."""
+    then only fail: the request was valid, so the answer is a 500 saying why, not a 400, and
+    one the official client does not send again (its default is two more tries of a 500)."""
     schema = {"type": "array", "items": {"enum": [1]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
     response_format: Any = {"type": "json_schema", "json_schema": {"name": "ones", "schema": schema}}
+    path = 'llmsession_requests_total{path="/v1/chat/completions",status="500"}'
+    before = metric(served.metrics(), path)
+    client = openai.OpenAI(base_url=served.url, api_key=KEY, timeout=60)  # (retries as it comes)
     with pytest.raises(openai.InternalServerError) as failed:
-        ask(served, "Two ones, please.", max_tokens=16, response_format=response_format)
+        client.chat.completions.create(
+            model=served.name,
+            messages=[{"role": "user", "content": "Two ones, please."}],
+            max_tokens=16,
+            temperature=0,
+            response_format=response_format,
+        )
     assert failed.value.status_code == 500 and failed.value.code == "reply_mismatch"
     assert "uniqueItems" in failed.value.message
+    assert failed.value.response.headers["x-should-retry"] == "false"
+    assert metric(served.metrics(), path) == before + 1  # (asked once: no retry)
 
 
 def test_a_forced_tool_call_and_its_result(served: Served) -> None:

@@ -3,7 +3,9 @@
 Requests are checked before they run (``schema``), so what comes out of a run is mapped by its
 class alone: a library ``RequestError`` (the request cannot be served as asked: a template, a
 schema, an image, an over-long prompt) is a 400 with its message, but a reply that fails a valid
-constraint (``ReplyMismatchError``) a 500 ``reply_mismatch`` with its message; an ``UnavailableError`` (a
+constraint (``ReplyMismatchError``) a 500 ``reply_mismatch`` with its message and
+``x-should-retry: false`` (the official SDKs would otherwise send it twice more, for the same
+reply under greedy decoding, at a whole generation's cost each); an ``UnavailableError`` (a
 full memory budget, a busy conversation, a closing model) is a 503 the client may retry, saying
 nothing of other tenants' use; anything else,
 a ValueError or TypeError included, is the server's bug: a 500 whose message says nothing of the
@@ -38,6 +40,7 @@ class ApiError(Exception):
     kind: str = "invalid_request_error"
     retry_after: int | None = None  # seconds, for a 503
     sizes: tuple[int, int] | None = None  # an over-long prompt's tokens, and the most it may have
+    final: bool = False  # a 5xx that asking again would not mend: ``x-should-retry: false``
 
     def __post_init__(self) -> None:
         if len(self.message) > MAX_MESSAGE:
@@ -51,7 +54,8 @@ class ApiError(Exception):
         return {"error": error}
 
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        said = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return {**said, "x-should-retry": "false"} if self.final else said
 
 
 def too_large(limit: int) -> ApiError:
@@ -83,7 +87,7 @@ def from_library(error: BaseException) -> ApiError | None:
         sizes = None if error.tokens is None or error.limit is None else (error.tokens, error.limit)
         return ApiError(str(error), None, "context_length_exceeded", sizes=sizes)
     if isinstance(error, ReplyMismatchError):  # (the request was valid: the reply failed it)
-        return ApiError(str(error), None, "reply_mismatch", 500, "server_error")
+        return ApiError(str(error), None, "reply_mismatch", 500, "server_error", final=True)
     if isinstance(error, RequestError):
         return ApiError(str(error))
     return None
