@@ -7,7 +7,7 @@ from itertools import pairwise
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmsession.text.detokenize import IncrementalDetokenizer
+from llmsession.text.detokenize import IncrementalDetokenizer, completes
 
 # Byte runs that exercise every branch of a UTF-8 decoder: valid 1-4 byte characters,
 # stray continuation bytes, overlong forms, encoded surrogates, code points above
@@ -141,3 +141,27 @@ def test_broken_sequence_then_ascii() -> None:
     detok = Recording()
     assert detok.push(b"\xe2\x82") == ""
     assert detok.push(b"x") == "\ufffdx"
+
+
+@given(st.data(), tricky_bytes, st.binary(max_size=6))
+def test_a_piece_not_chosen_completes_what_it_would_have_in_the_chosen_ones_place(
+    data: st.DataObject, raw: bytes, other: bytes
+) -> None:
+    """``completes(held(), piece)`` (how a scored alternative is spelled) is what pushing that
+    piece instead would have returned, and peeking changes nothing."""
+    detok = Recording()
+    for piece in data.draw(split(raw)):
+        held = detok.held()
+        instead = IncrementalDetokenizer()
+        instead.push(held)
+        assert completes(held, other) == instead.push(other)
+        assert completes(held, piece) == detok.push(piece) and detok.before == held
+
+
+def test_an_alternative_inside_a_character_is_spelled_as_the_chosen_token_is() -> None:
+    detok = Recording()
+    assert detok.push(b"\xf0\x9f") == "" and detok.held() == b"\xf0\x9f"
+    assert completes(detok.held(), b"\x98\x80") == "\U0001f600"
+    assert completes(detok.held(), b"\x98") == ""  # (still inside it, as the chosen "")
+    assert completes(b"", b"\xf0\x9f") == ""  # (not "\ufffd": the first bytes of a character)
+    assert completes(detok.held(), b"<|im_end|>") == "\ufffd<|im_end|>"

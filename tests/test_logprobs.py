@@ -80,6 +80,22 @@ def test_each_token_is_scored_as_a_fresh_decode_scores_it(smollm2: Model) -> Non
     assert session.respond("And one more?", replace(SCORED, logprobs=None)).logprobs is None
 
 
+def test_alternatives_are_spelled_as_the_chosen_token_is_inside_a_character(smollm2: Model) -> None:
+    """SmolLM2 writes Japanese in tokens that end inside a character: the chosen one says ""
+    there (the next completes it), and so do its alternatives, which after it name the whole
+    character they would have finished; a greedy pick reads exactly as its likeliest one."""
+    reply = smollm2.session("Answer briefly.").respond("Say hello in Japanese.", SCORED)
+    check_shape(reply, 3)
+    entries = reply.logprobs or ()
+    inside = [i for i, e in enumerate(entries) if e.token == "" and e.bytes]
+    assert inside and inside[0] + 1 < len(entries), reply  # (the test needs such a token)
+    for entry in entries:
+        assert entry.token == entry.top[0].token  # (before: the alternative said "\ufffd")
+        assert all("\ufffd" not in a.token for a in entry.top), entry
+    finished = entries[inside[0] + 1].top
+    assert all(len(a.token) >= 1 and ord(a.token[0]) > 0x7F for a in finished if a.bytes[0] >= 0x80)
+
+
 def test_scores_one_step_off_are_caught(smollm2: Model) -> None:
     session = smollm2.session("Answer briefly.")
     reply = session.respond("Name three colours.", SCORED)

@@ -242,7 +242,7 @@ class Exchange:
                     written = self.thinking.after_close
                     sampler.catch_up(native.tokenize(written, add_special=False, parse_special=False))
             if self.scoring is not None and (text or self.thinking is None):  # (reasoning: no scores)
-                self.scoring.note(token, piece, text, sampled=index == 0)  # (then what it forced)
+                self.scoring.note(token, piece, text, detokenizer.before, sampled=index == 0)
             delta = stops.push(text)
             if delta or (self.thinking is not None and self.thinking.pending):
                 try:

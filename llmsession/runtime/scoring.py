@@ -12,6 +12,7 @@ from llmsession.native.llama import NativeModel
 from llmsession.native.sampler import Sampler, ScoringSampler, TokenSampler
 from llmsession.options import GenerationOptions
 from llmsession.replies import Alternative, Snapshot, TokenLogprob
+from llmsession.text.detokenize import completes
 from llmsession.text.logprobs import LogprobTrail
 
 if TYPE_CHECKING:
@@ -25,12 +26,12 @@ class Scoring:
         self.native, self.sampler = native, sampler
         self.trail = LogprobTrail()
 
-    def note(self, token: int, piece: bytes, text: str, *, sampled: bool) -> None:
-        """Score a token of the reply: ``piece`` is its bytes, ``text`` what it completed;
-        ``sampled``: the sampler's last pick, else a token a constraint forced after it (the only
-        one allowed: log-probability 0)."""
+    def note(self, token: int, piece: bytes, text: str, held: bytes, *, sampled: bool) -> None:
+        """Score a token of the reply: ``piece`` is its bytes, ``text`` what it completed after
+        the ``held`` bytes of a character before it; ``sampled``: the sampler's last pick, else a
+        token a constraint forced after it (the only one allowed: log-probability 0)."""
         logprob, top = self.sampler.scored if sampled else (0.0, [(token, 0.0)])
-        alternatives = tuple(self._alternative(t, p) for t, p in top[: self.sampler.top])
+        alternatives = tuple(self._alternative(t, p, held) for t, p in top[: self.sampler.top])
         self.trail.push(TokenLogprob(text, piece, logprob, alternatives))
 
     def snapshot(self, snapshot: Snapshot) -> Snapshot:
@@ -40,9 +41,11 @@ class Scoring:
     def reply(self, text: str) -> tuple[TokenLogprob, ...]:
         return self.trail.reply(text)
 
-    def _alternative(self, token: int, logprob: float) -> Alternative:
+    def _alternative(self, token: int, logprob: float, held: bytes) -> Alternative:
+        """An alternative spelled as the chosen token is: the text it would have completed
+        there ("" for the first bytes of a character, as the chosen token's)."""
         piece = self.native.piece(token, special=True)  # (an end of turn is named, not "")
-        return Alternative(piece.decode("utf-8", errors="replace"), piece, logprob)
+        return Alternative(completes(held, piece), piece, logprob)
 
 
 def sampler_for(

@@ -19,17 +19,34 @@ class IncrementalDetokenizer:
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = b""
+        self.before = b""  # what was held when the last piece came (``completes`` reads it)
 
     def push(self, piece: bytes) -> str:
         """Add one piece; return the text it completes (possibly "")."""
+        self.before = self._held
         text = self._decoder.decode(piece)
         held, _ = self._decoder.getstate()
         if len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0:
             # CPython keeps an encoded-surrogate prefix in case of "surrogatepass"; under
             # "replace" it is already two U+FFFD, so release it now rather than a piece later.
             text += self._decoder.decode(b"", final=True)
+            held = b""
+        self._held = bytes(held)
         return text
+
+    def held(self) -> bytes:
+        """The bytes of a character not yet complete, which the next piece may finish."""
+        return self._held
 
     def flush(self) -> str:
         """End of generation: release held bytes, an incomplete tail becoming U+FFFD."""
         return self._decoder.decode(b"", final=True)
+
+
+def completes(held: bytes, piece: bytes) -> str:
+    """The text ``piece`` would complete after ``held`` (a detokenizer's ``held()``, or its
+    ``before`` a piece): what a token not chosen would have shown in the chosen one's place."""
+    detokenizer = IncrementalDetokenizer()
+    detokenizer.push(held)
+    return detokenizer.push(piece)
