@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ from near_ties import assert_same_within_noise, scored
 from test_reuse import GREEDY, N_CTX, short_prompt_noise, tolerance_for
 
 import llmsession.runtime.exchange as exchange
-from llmsession import Model, Session, Stream
+from llmsession import Model, Reply, Session, Stream
 from llmsession.engine.prefill import prefill
 from llmsession.engine.seat import Seat
 from llmsession.native.context import DecodeAborted, NativeContext
@@ -144,9 +146,23 @@ def rows_after(
     return np.stack(rows)
 
 
+FRESH_ROWS: dict[tuple[object, ...], np.ndarray] = {}  # fresh_rows' references, by what they depend on
+
+
 def fresh_rows(model: Model, prompt: Sequence[int], held: int) -> np.ndarray:
     """What a fresh context's logits are at each prompt position from ``held`` on, decoded in the
-    session's batches."""
+    session's batches. Computed once for the model's file and flash attention, the prompt and
+    ``held`` (in a context of its own: nothing a test did changes it); the cancels of every test
+    here stop the one prompt at the same batch, so they compare against one reference."""
+    key = (str(Path(model.path).resolve()), model.flash_attention, tuple(prompt), held)
+    if key not in FRESH_ROWS:
+        rows = decode_fresh_rows(model, prompt, held)
+        rows.flags.writeable = False
+        FRESH_ROWS[key] = rows
+    return FRESH_ROWS[key]
+
+
+def decode_fresh_rows(model: Model, prompt: Sequence[int], held: int) -> np.ndarray:
     context = NativeContext(
         internals.local(model).native,
         n_ctx=N_CTX,
@@ -205,11 +221,26 @@ def assert_next_reply_as_fresh(seen: Cancelled) -> None:
     before = copy.deepcopy(session.messages)
     reply = session.respond(QUESTION, scored(GREEDY))
     assert reply.usage.reused_tokens >= seen.armed_at
-    fresh_session = model.session(share_prefix=False)
-    fresh_session.messages = before
-    fresh = fresh_session.respond(QUESTION, scored(GREEDY))
+    fresh = fresh_reply(model, before)
     assert fresh.usage.reused_tokens == 0
     assert_same_within_noise(model, reply, fresh)
+
+
+FRESH_REPLIES: weakref.WeakKeyDictionary[Model, dict[str, Reply]] = weakref.WeakKeyDictionary()
+
+
+def fresh_reply(model: Model, before: list[dict[str, Any]]) -> Reply:
+    """A fresh session's scored greedy reply to ``QUESTION`` after the transcript ``before``, in
+    ``model`` (its layout: another model's cells lie elsewhere). Kept per model and transcript:
+    every cancel here leaves the same transcript (the prompt, an empty reply), so the three
+    cancels' next replies compare against one fresh reply."""
+    kept = FRESH_REPLIES.setdefault(model, {})
+    key = json.dumps(before, sort_keys=True)
+    if key not in kept:
+        fresh_session = model.session(share_prefix=False)
+        fresh_session.messages = copy.deepcopy(before)
+        kept[key] = fresh_session.respond(QUESTION, scored(GREEDY))
+    return kept[key]
 
 
 WHERE = ("mid-batch, worker thread", "mid-batch, main thread", "between batches")
