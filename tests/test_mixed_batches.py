@@ -24,6 +24,7 @@ from llmsession.native.context import NativeContext
 STREAMING = GenerationOptions(max_tokens=48, temperature=0, stop=["\n\n\n"])
 ARRIVING = GenerationOptions(max_tokens=24, temperature=0)
 QUESTIONS = ("Tell me a story about a lighthouse.", "Describe the sea at night.")
+NEXT = "Now tell me a story about a harbour."  # after a cancelled prompt
 
 
 def streams_and_a_long_prompt(model: Model, prompt: str) -> list[tuple[Session, Reply]]:
@@ -77,7 +78,9 @@ def test_a_prompt_arriving_mid_stream_is_fed_in_chunks_and_equals_fresh(smollm2:
 
 def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2: Model) -> None:
     """Cancelled while its slices ride beside two streams, a prompt stops at the slice being
-    decoded; the session's next turn answers as a fresh decode does."""
+    decoded; the session's next turn answers as a fresh decode does. (That turn asks something
+    short: its prompt still holds the whole cancelled one, whose rest it decodes after what the
+    cancel left in memory; sending the long prompt again only doubled what both decode.)"""
     batcher, prompt = internals.local(smollm2).engine.batcher, paragraph(smollm2, 9, 600)
     sessions = [internals.without_look_ahead(smollm2.session()) for _ in range(3)]  # (as above)
 
@@ -103,7 +106,9 @@ def test_cancelling_a_prompt_fed_beside_streams_stops_it_within_a_slice(smollm2:
     decoded = reply.usage.decoded_prompt_tokens
     assert fed_at_cancel <= decoded <= fed_at_cancel + internals.local(smollm2).engine.config.batch_size
     assert decoded < reply.usage.prompt_tokens // 2
-    again = sessions[2].respond(prompt, ARRIVING)
+    again = sessions[2].respond(NEXT, ARRIVING)
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens  # (it holds the cancelled one)
+    assert again.usage.reused_tokens >= decoded  # what the cancel left in memory, built on
     assert check_against_fresh(sessions[2], again, tolerance_for(batch_noise(smollm2)), final=False) == []
 
 
