@@ -25,7 +25,9 @@ TURNS = 10
 
 @pytest.fixture(scope="module")
 def model(smollm2_path: Path) -> Iterator[Model]:
-    with Model(smollm2_path, kv_tokens=8192, max_live_sessions=1, threads=2) as model:
+    """Flash attention on: the ~5,600-token first prompt then prefills about 1.3 times faster
+    on the CPU (what is decoded, not how fast, is what these tests count)."""
+    with Model(smollm2_path, kv_tokens=8192, max_live_sessions=1, threads=2, flash_attention=True) as model:
         yield model
 
 
