@@ -239,6 +239,13 @@ def test_a_reply_that_fails_a_valid_schema_is_the_servers_500_not_the_clients_40
     assert "uniqueItems" in failed.value.message
     assert failed.value.response.headers["x-should-retry"] == "false"
     assert metric(served.metrics(), path) == before + 1  # (asked once: no retry)
+    # Sampled without a seed, another try may pass: the SDK's own rule stands.
+    with pytest.raises(openai.InternalServerError) as sampled:
+        ask(served, "Two ones, please.", max_tokens=16, temperature=0.8, response_format=response_format)
+    assert sampled.value.code == "reply_mismatch" and "x-should-retry" not in sampled.value.response.headers
+    with pytest.raises(openai.InternalServerError) as seeded:
+        ask(served, "Two ones.", max_tokens=16, temperature=0.8, seed=7, response_format=response_format)
+    assert seeded.value.response.headers["x-should-retry"] == "false"
 
 
 def test_a_forced_tool_call_and_its_result(served: Served) -> None:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from llmsession import (
     BackendError,
     ContextOverflowError,
+    GenerationOptions,
     GrammarError,
     ImageError,
     LlmSessionError,
@@ -48,7 +49,7 @@ from llmsession.replies import (
 from llmsession.serve import sse
 from llmsession.serve.app import create_app, digest
 from llmsession.serve.body import nests_deeper, parse_json
-from llmsession.serve.errors import ApiError, from_library
+from llmsession.serve.errors import ApiError, as_asked, from_library
 from llmsession.serve.http import counted_path
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
@@ -713,3 +714,26 @@ def test_one_walk_measures_nesting_for_the_schema_and_the_echo_limits() -> None:
     with pytest.raises(GrammarError, match="inside the schema"):
         check_nodes(nested(MAX_SCHEMA_DEPTH) | {"$ref": "https://example.com/s.json"})
     assert not nests_deeper("flat", 0) and nests_deeper([[1] * 3] * 100_000, 1)
+
+
+def test_the_legacy_top_logprobs_keep_the_likeliest_of_alternatives_that_read_alike() -> None:
+    """Inside a character several alternatives read ``""``: the mapping keeps the likeliest's
+    score (the chosen one's), not the last one's."""
+    top = (
+        Alternative("", b"\xe3\x81", -0.1),
+        Alternative("K", b"K", -1.5),
+        Alternative("", b"\xe3\x82", -2.0),
+    )
+    entry = TokenLogprob("", b"\xe3\x81", -0.1, top)
+    assert sse.text_logprobs([entry])["top_logprobs"] == [{"": -0.1, "K": -1.5}]
+
+
+def test_a_reply_mismatch_is_final_only_where_another_try_decodes_the_same() -> None:
+    mismatch = ReplyMismatchError("the reply fails uniqueItems")
+    for options, final in (
+        (GenerationOptions(temperature=0), True),
+        (GenerationOptions(temperature=0.8, seed=3), True),
+        (GenerationOptions(temperature=0.8), False),
+    ):
+        error = as_asked(from_library(mismatch) or ApiError("none"), options)
+        assert (error.headers().get("x-should-retry") == "false") is final, options

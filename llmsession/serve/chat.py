@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from llmsession.config import SessionConfig
 from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError, UnavailableError
 from llmsession.replies import Reply, Usage
-from llmsession.serve.errors import ApiError, from_library, internal
+from llmsession.serve.errors import ApiError, as_asked, from_library, internal
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission, Choices, Event, Relay
 from llmsession.serve.schema import ChatRequest
@@ -207,7 +207,7 @@ class Call:
                 return self._answer(choices, first, retried=retry)
             choices.cancel()
             if retry or not isinstance(failed, MemoryBudgetError):
-                raise explain(failed)
+                raise as_asked(explain(failed), asked.options)
             log.info("a request found the memory budget full; it waits for a running one: %s", failed)
             await race(gone, choices.finished.wait())  # (its own runs give their room back first)
         raise AssertionError("unreachable")

@@ -3,9 +3,10 @@
 Requests are checked before they run (``schema``), so what comes out of a run is mapped by its
 class alone: a library ``RequestError`` (the request cannot be served as asked: a template, a
 schema, an image, an over-long prompt) is a 400 with its message, but a reply that fails a valid
-constraint (``ReplyMismatchError``) a 500 ``reply_mismatch`` with its message and
-``x-should-retry: false`` (the official SDKs would otherwise send it twice more, for the same
-reply under greedy decoding, at a whole generation's cost each); an ``UnavailableError`` (a
+constraint (``ReplyMismatchError``) a 500 ``reply_mismatch`` with its message, and where the
+request decodes greedily or from a seed ``x-should-retry: false`` (the official SDKs would
+otherwise send it twice more, for the same reply, at a whole generation's cost each; a sampled
+reply may pass on another try); an ``UnavailableError`` (a
 full memory budget, a busy conversation, a closing model) is a 503 the client may retry, saying
 nothing of other tenants' use; anything else,
 a ValueError or TypeError included, is the server's bug: a 500 whose message says nothing of the
@@ -25,6 +26,7 @@ from llmsession.errors import (
     RequestError,
     UnavailableError,
 )
+from llmsession.options import GenerationOptions
 
 MAX_MESSAGE = 1024  # characters: a library error may quote what the request held
 
@@ -91,6 +93,13 @@ def from_library(error: BaseException) -> ApiError | None:
     if isinstance(error, RequestError):
         return ApiError(str(error))
     return None
+
+
+def as_asked(error: ApiError, options: GenerationOptions) -> ApiError:
+    """``error`` final only where asking again decodes the same reply (greedy, or seeded)."""
+    if error.final and options.temperature > 0 and options.seed is None:
+        error.final = False
+    return error
 
 
 def internal() -> ApiError:

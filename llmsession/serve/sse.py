@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsession.replies import FinishReason, Reply, Snapshot, TokenLogprob, ToolCallDelta, Usage
+from llmsession.replies import Alternative, FinishReason, Reply, Snapshot, TokenLogprob, ToolCallDelta, Usage
 
 # "complete" (a constraint was satisfied) is a natural end; "cancelled" happens only when the
 # client is gone or the server stops, so nobody reads it.
@@ -94,7 +94,7 @@ def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str,
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries],
+        "top_logprobs": [_likeliest_by_text(e.top) for e in entries],
         "text_offset": starts,
     }
 
@@ -208,3 +208,12 @@ class Completion:
     def usage_chunk(self, replies: Sequence[Reply]) -> dict[str, Any]:
         """The last chunk with ``include_usage``: no choices, the usage."""
         return self.chunk([], usage=usage([r.usage for r in replies], self.prompt))
+
+
+def _likeliest_by_text(top: Sequence[Alternative]) -> dict[str, float]:
+    """The alternatives as the legacy mapping of text to score: where several read the same
+    (``""`` inside a character), the likeliest's score, not the last one's."""
+    mapping: dict[str, float] = {}
+    for alternative in top:
+        mapping.setdefault(alternative.token, alternative.logprob)
+    return mapping
