@@ -89,16 +89,18 @@ def from_library(error: BaseException) -> ApiError | None:
         sizes = None if error.tokens is None or error.limit is None else (error.tokens, error.limit)
         return ApiError(str(error), None, "context_length_exceeded", sizes=sizes)
     if isinstance(error, ReplyMismatchError):  # (the request was valid: the reply failed it)
-        return ApiError(str(error), None, "reply_mismatch", 500, "server_error", final=True)
+        return ApiError(str(error), None, "reply_mismatch", 500, "server_error")
     if isinstance(error, RequestError):
         return ApiError(str(error))
     return None
 
 
 def as_asked(error: ApiError, options: GenerationOptions) -> ApiError:
-    """``error`` final only where asking again decodes the same reply (greedy, or seeded)."""
-    if error.final and options.temperature > 0 and options.seed is None:
-        error.final = False
+    """``error``, a ``reply_mismatch`` made final where asking again decodes the same reply
+    (greedy, or seeded); elsewhere (and on any path that does not know the request's options)
+    the client's own retry rule stands."""
+    if error.code == "reply_mismatch" and (options.temperature == 0 or options.seed is not None):
+        error.final = True
     return error
 
 
