@@ -147,21 +147,25 @@ def test_broken_sequence_then_ascii() -> None:
 def test_a_piece_not_chosen_completes_what_it_would_have_in_the_chosen_ones_place(
     data: st.DataObject, raw: bytes, other: bytes
 ) -> None:
-    """``completes(held(), piece)`` (how a scored alternative is spelled) is what pushing that
-    piece instead would have returned, and peeking changes nothing."""
-    detok = Recording()
+    """``completes(before, piece)`` (how a scored alternative is spelled, from the bytes held
+    when the chosen piece came) is what that piece returned, and what another piece would have
+    returned in its place after the whole stream before it."""
+    detok, seen = Recording(), []
     for piece in data.draw(split(raw)):
-        held = detok.held()
+        text = detok.push(piece)
+        assert completes(detok.before, piece) == text
         instead = IncrementalDetokenizer()
-        instead.push(held)
-        assert completes(held, other) == instead.push(other)
-        assert completes(held, piece) == detok.push(piece) and detok.before == held
+        for earlier in seen:
+            instead.push(earlier)
+        assert completes(detok.before, other) == instead.push(other)
+        seen.append(piece)
 
 
 def test_an_alternative_inside_a_character_is_spelled_as_the_chosen_token_is() -> None:
     detok = Recording()
-    assert detok.push(b"\xf0\x9f") == "" and detok.held() == b"\xf0\x9f"
-    assert completes(detok.held(), b"\x98\x80") == "\U0001f600"
-    assert completes(detok.held(), b"\x98") == ""  # (still inside it, as the chosen "")
+    assert detok.push(b"\xf0\x9f") == "" and detok.before == b""
+    assert detok.push(b"\x98\x80") == "\U0001f600" and detok.before == b"\xf0\x9f"
+    assert completes(detok.before, b"\x98\x81") == "\U0001f601"
+    assert completes(detok.before, b"\x98") == ""  # (still inside it, as the chosen "")
     assert completes(b"", b"\xf0\x9f") == ""  # (not "\ufffd": the first bytes of a character)
-    assert completes(detok.held(), b"<|im_end|>") == "\ufffd<|im_end|>"
+    assert completes(detok.before, b"<|im_end|>") == "\ufffd<|im_end|>"

@@ -19,7 +19,7 @@ class IncrementalDetokenizer:
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._held = b""
+        self._held = b""  # the bytes of a character not yet complete, which the next piece may finish
         self.before = b""  # what was held when the last piece came (``completes`` reads it)
 
     def push(self, piece: bytes) -> str:
@@ -35,18 +35,14 @@ class IncrementalDetokenizer:
         self._held = bytes(held)
         return text
 
-    def held(self) -> bytes:
-        """The bytes of a character not yet complete, which the next piece may finish."""
-        return self._held
-
     def flush(self) -> str:
         """End of generation: release held bytes, an incomplete tail becoming U+FFFD."""
         return self._decoder.decode(b"", final=True)
 
 
 def completes(held: bytes, piece: bytes) -> str:
-    """The text ``piece`` would complete after ``held`` (a detokenizer's ``held()``, or its
-    ``before`` a piece): what a token not chosen would have shown in the chosen one's place."""
+    """The text ``piece`` would complete after ``held`` (a detokenizer's ``before`` its last
+    piece): what a token not chosen would have shown in the chosen one's place."""
     detokenizer = IncrementalDetokenizer()
     detokenizer.push(held)
     return detokenizer.push(piece)
