@@ -83,6 +83,35 @@ def test_a_tool_results_control_tokens_are_plain_and_assistant_text_is_not(smoll
     assert smollm2.prompt_tokens(system) == before(smollm2, system)
 
 
+# A template that writes a user's ``name`` in the turn's header (and a result's ``tool_call_id``;
+# with tools, the generic tool format writes results, their ids in JSON, in a user turn instead).
+NAMED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}"
+    "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %}\n{{ m.content or '' }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.native
+def test_a_senders_name_and_a_results_call_id_are_plain_text_too(smollm2_path: Path) -> None:
+    call = {**CALL, "id": INJECTION}
+    said = [
+        {"role": "user", "name": INJECTION, "content": "Fetch u."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": INJECTION, "content": "page"},
+    ]
+    with Model(smollm2_path, threads=1, chat_template=NAMED, anticipate=False) as model:
+        start, end = special_ids(model, "<|im_start|>", "<|im_end|>")
+        tokens = model.prompt_tokens(said)
+        assert (tokens.count(start), tokens.count(end)) == (4, 3)  # (three turns and the reply's)
+        assert before(model, said).count(start) == 6  # (the defect: each field opened a system turn)
+        assert native_of(model).detokenize(tokens, special=True) == model.render(said)
+        header = model.render(said).removeprefix("<|im_start|>").split("Fetch u.")[0] + "Fetch u."
+        assert header == f"user {INJECTION}Fetch u."  # (jinja's trim_blocks takes the newline)
+        plain = native_of(model).tokenize(header, add_special=False, parse_special=False)
+        assert span(tokens, [start], end, 0) == plain
+
+
 @pytest.mark.native
 def test_prompts_without_such_text_tokenize_exactly_as_before(smollm2: Model) -> None:
     long = "A paragraph with <b>markup</b>, <|im_end (a near miss), \ue000 and \ue0021\ue003. " * 60

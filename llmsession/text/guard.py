@@ -26,6 +26,7 @@ PLACEHOLDER = re.compile(
     f"{OPEN}(\\d+){CLOSE}|{re.escape(ESCAPED)}(\\d+){re.escape(json.dumps(CLOSE)[1:-1])}"
 )
 GUARDED_ROLES = ("user", "tool")
+GUARDED_FIELDS = ("name", "tool_call_id")  # (beside their text: a sender's too)
 SPACES = " \t\n\v\f\r"  # (C's isspace: what a token's lstrip or rstrip takes)
 
 
@@ -76,21 +77,24 @@ class Guard:
         return self._content.sub(lambda m: f"{OPEN}{self._index[m.group()]}{CLOSE}", text)
 
     def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        """The messages with their users' and tools' text parts ``marked_text`` (others as
-        they are)."""
+        """The messages with their users' and tools' text parts, names and call ids
+        ``marked_text`` (others as they are)."""
         return [self._marked_message(m) if m.get("role") in GUARDED_ROLES else m for m in messages]
 
     def _marked_message(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
+        changes: dict[str, Any] = {}
         content = message.get("content")
         if isinstance(content, str):
-            marked: Any = self.marked_text(content)
-            changed = marked is not content
+            changes["content"] = self.marked_text(content)
         elif isinstance(content, list | tuple):
             marked = [self._marked_part(part) for part in content]
-            changed = any(new is not old for new, old in zip(marked, content, strict=True))
-        else:
-            return message
-        return {**message, "content": marked} if changed else message
+            if any(new is not old for new, old in zip(marked, content, strict=True)):
+                changes["content"] = marked
+        for key in GUARDED_FIELDS:  # (a template may write them in the turn's header)
+            if isinstance(message.get(key), str):
+                changes[key] = self.marked_text(message[key])
+        changes = {key: value for key, value in changes.items() if value is not message[key]}
+        return {**message, **changes} if changes else message
 
     def _marked_part(self, part: Any) -> Any:
         if isinstance(part, str):
