@@ -5,6 +5,7 @@ that hands a stream another's logits must be caught."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import internals
@@ -12,6 +13,7 @@ import pytest
 from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import GenerationOptions, Model, Reply, Session
+from llmsession.engine.batching import Batcher, Step
 from llmsession.native.context import NativeContext
 
 QUESTIONS = (
@@ -73,3 +75,43 @@ def test_a_batch_that_mixes_up_the_rows_is_caught(smollm2: Model, monkeypatch: p
         for s, r in answered
     ]
     assert any(problems)
+
+
+def test_an_error_before_a_batch_is_decoded_fails_its_steps_and_the_loop_goes_on(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error in the decode thread while it gathers or takes a batch (not in the decode) ends
+    the steps waiting for it with that error: their callers do not wait forever (the thread
+    died there, and every later step waited on it), and the next exchanges answer as before."""
+    take, broken = Batcher._take, threading.Event()
+
+    def failing(batcher: Batcher, context: Any) -> list[Step]:
+        if len(batcher._pending) > 1 and not broken.is_set():
+            broken.set()
+            raise RuntimeError("taken wrong")
+        return take(batcher, context)
+
+    monkeypatch.setattr(Batcher, "_take", failing)
+    sessions = [smollm2.session() for _ in QUESTIONS[:3]]
+    outcomes: list[Any] = [None] * len(sessions)
+    start = threading.Barrier(len(sessions))
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            outcomes[i] = sessions[i].respond(QUESTIONS[i], OPTIONS)
+        except RuntimeError as error:
+            outcomes[i] = error
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(sessions))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a caller waits for a step forever"
+    monkeypatch.undo()
+    assert broken.is_set() and any(isinstance(o, RuntimeError) for o in outcomes), outcomes
+    for session, question in zip(sessions, QUESTIONS, strict=False):
+        reply = session.respond(question, OPTIONS)
+        assert check_against_fresh(session, reply, tolerance_for(batch_noise(smollm2)), final=False) == []

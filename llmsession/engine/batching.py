@@ -142,20 +142,27 @@ class Batcher:
                 if not self._pending:
                     return
                 context = self._pending[0].target.context
-            self._gather(context)
-            steps = self._take(context)  # never waits for the queue while holding the engine's lock
-            while self.gate.contended:  # a lone prefill's batch goes between two of these
-                time.sleep(0.0005)
-            with self.gate.hold():
-                try:
+            steps: list[Step] = []
+            try:  # (the thread must live: every caller waits on it)
+                self._gather(context)
+                steps = self._take(context)  # never waits for the queue holding the engine's lock
+                while self.gate.contended:  # a lone prefill's batch goes between two of these
+                    time.sleep(0.0005)
+                with self.gate.hold():
                     self._decode(context, steps)
-                except BaseException as error:  # (the thread must live: every caller waits on it)
-                    with self._queue:  # (a prompt's stretch may be queued again: it ends here)
-                        self._pending = [s for s in self._pending if s not in steps]
-                    for step in steps:
-                        if step.done is not None and not step.done.is_set():
-                            step.error = step.error or error
-                            step.finish()
+            except BaseException as error:
+                self._fail(context, steps, error)
+
+    def _fail(self, context: NativeContext, steps: list[Step], error: BaseException) -> None:
+        """The batch's steps end with ``error`` (a prompt's stretch queued again ends here);
+        before any was taken, every step waiting for ``context`` does: none waits forever."""
+        with self._queue:
+            failed = steps or [s for s in self._pending if s.target.context is context]
+            self._pending = [s for s in self._pending if s not in failed]
+        for step in failed:
+            if step.done is not None and not step.done.is_set():
+                step.error = step.error or error
+                step.finish()
 
     def _gather(self, context: NativeContext) -> None:
         """Wait (briefly) until as many steps wait for ``context`` as its last batch carried."""
