@@ -59,7 +59,9 @@ def test_cancelling_the_task_cancels_within_one_token(smollm2: Model) -> None:
 
     async def main() -> int:
         seen = 0
-        stream = session.astream("Count from one to one hundred.", GenerationOptions(max_tokens=200))
+        stream = session.astream(
+            "Count from one to one hundred.", GenerationOptions(max_tokens=200, temperature=0)
+        )
 
         async def consume() -> None:
             nonlocal seen
@@ -67,7 +69,10 @@ def test_cancelling_the_task_cancels_within_one_token(smollm2: Model) -> None:
                 seen += 1
 
         task = asyncio.create_task(consume())
-        while seen < 3:
+        deadline = time.monotonic() + 60
+        while seen < 3:  # (a reply that ended sooner, or failed, would keep this waiting forever)
+            assert not task.done(), f"the stream ended after {seen} snapshots: {task.exception()!r}"
+            assert time.monotonic() < deadline, f"{seen} snapshots in 60 s"
             await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
