@@ -5,8 +5,11 @@ contexts take the choice."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,6 +115,28 @@ def test_the_probe_is_measured_once_and_kept(
     os.mkfifo(file)  # a pipe where the file was: not read (it would never end), measured again
     assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096) and len(measured) == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([attention.LOCK_FILE, attention.PROBES_FILE])
+
+
+def test_a_probe_lock_held_past_its_wait_is_a_failed_probe_not_a_hung_load(
+    smollm2: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process stuck holding the probes' lock (stopped mid-probe) made every model load
+    on the machine wait forever: past ``LOCK_WAIT_S`` the load goes on with flash attention off,
+    nothing measured or kept."""
+    monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(attention, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(attention, "measure", lambda *_a, **_k: pytest.fail("measured without the lock"))
+    native, path = internals.local(smollm2).native, smollm2.path
+    outcome: list[bool] = []
+    with open(tmp_path / attention.LOCK_FILE, "a") as held:  # (another open file: another holder)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        began = time.monotonic()
+        waiting = threading.Thread(target=lambda: outcome.append(attention.probed(native, path, 1, 4096)))
+        waiting.start()
+        waiting.join(30)
+        assert not waiting.is_alive(), "the load waited for the lock's holder past its bound"
+    assert outcome == [False] and time.monotonic() - began < 5
+    assert not (tmp_path / attention.PROBES_FILE).exists()
 
 
 def test_the_kept_probe_decides_the_models_setting(

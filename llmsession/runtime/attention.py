@@ -36,6 +36,7 @@ MIN_TRAINED = 4 * BATCH  # a model trained on fewer positions is not probed
 MAX_SCORES_BYTES = 1 << 30  # a batch's attention scores without flash attention, at most
 FILL = 512  # the batch the probe fills a context to its depth with
 REPEATS = 5  # times each is timed, with each setting in turn (the fastest kept)
+LOCK_WAIT_S = 300.0  # for another process's probe, at most (SmolLM2's takes ~5 s)
 
 
 def probed(native: NativeModel, path: Path, threads: int, context: int, batch: int = 512) -> bool:
@@ -79,13 +80,28 @@ def _kept_or_measured(native: NativeModel, path: Path, threads: int, depth: int)
     folder = cache_root()
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / LOCK_FILE, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+        _lock(lock.fileno(), LOCK_WAIT_S)  # (released as the file closes)
         probes = _read(folder / PROBES_FILE)
         probe = AttentionProbe.from_json(probes.pop(key, None))
         if probe is None or probe.depth != depth:
             probe = measure(native, threads, depth)
         _write(folder / PROBES_FILE, {**probes, key: probe.to_json()})  # (newest last)
     return probe
+
+
+def _lock(fd: int, seconds: float) -> None:
+    """The probes' lock, waiting at most ``seconds`` for the process that holds it: one that
+    holds it longer is stuck (stopped, or hung mid-probe), and every load on the machine would
+    wait for it forever; this one goes on without the probe (``probed``: off)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"another process held {LOCK_FILE} for {seconds:g} s") from None
+            time.sleep(0.05)
 
 
 def measure(native: NativeModel, threads: int, depth: int = PROBE_DEPTH) -> AttentionProbe:
