@@ -90,11 +90,19 @@ def alone_with_ray() -> Iterator[None]:
     (``ray_processes``), so a cluster in the other pytest-xdist worker (``make test`` runs this
     file and ``test_cluster_moves.py`` on two), or in another run, waits for this one to stop."""
     with open(Path(tempfile.gettempdir()) / "llmsession-tests-ray.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        wait_for(lambda: _locked(lock.fileno()), 480)  # (the other module takes ~3 min)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _running(path: Path, folder: Path, *options: str) -> Iterator[Cluster]:
