@@ -34,7 +34,7 @@ test: setup lint
 	@# both cores, then the rest on two workers with a core each (tests/conftest.py, `parallel`).
 	status=0; \
 	$(PY) -m pytest -q --no-skips --durations=30 -m "not parallel" || status=$$?; \
-	$(PY) -m pytest -q --no-skips --durations=15 -m parallel -n 2 --dist loadfile || status=$$?; \
+	$(PY) -m pytest -q --no-skips --durations=15 -m parallel -n 2 --dist loadfile --max-worker-restart=0 || status=$$?; \
 	exit $$status
 
 bench: setup

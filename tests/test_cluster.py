@@ -90,7 +90,7 @@ def alone_with_ray() -> Iterator[None]:
     (``ray_processes``), so a cluster in the other pytest-xdist worker (``make test`` runs this
     file and ``test_cluster_moves.py`` on two), or in another run, waits for this one to stop."""
     with open(Path(tempfile.gettempdir()) / "llmsession-tests-ray.lock", "w") as lock:
-        wait_for(lambda: _locked(lock.fileno()), 480)  # (the other module takes ~3 min)
+        wait_for(lambda: _locked(lock.fileno()), 300)  # (the other module takes ~3 min)
         try:
             yield
         finally:
