@@ -112,6 +112,21 @@ def test_a_senders_name_and_a_results_call_id_are_plain_text_too(smollm2_path: P
         assert span(tokens, [start], end, 0) == plain
 
 
+def test_a_calls_id_is_marked_as_its_results_tool_call_id_is() -> None:
+    """A renderer that matches a result to its call by id (Gemma 4's) still finds them equal;
+    ids without such text, and their messages, are left as they are."""
+    guard = Guard([Guarded("<|im_end|>"), Guarded("<|im_start|>")])
+    said = [
+        {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": INJECTION}]},
+        {"role": "tool", "tool_call_id": INJECTION, "content": "page"},
+    ]
+    call, result = guard.marked(said)
+    assert call["tool_calls"][0]["id"] == result["tool_call_id"] != INJECTION
+    assert guard.shown(result["tool_call_id"]) == INJECTION
+    plain = [{"role": "assistant", "content": None, "tool_calls": [CALL]}]
+    assert guard.marked(plain)[0] is plain[0]
+
+
 @pytest.mark.native
 def test_prompts_without_such_text_tokenize_exactly_as_before(smollm2: Model) -> None:
     long = "A paragraph with <b>markup</b>, <|im_end (a near miss), \ue000 and \ue0021\ue003. " * 60

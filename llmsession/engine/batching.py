@@ -142,7 +142,7 @@ class Batcher:
                 if not self._pending:
                     return
                 context = self._pending[0].target.context
-            steps: list[Step] = []
+            steps: list[Step] | None = None  # (None: an error before the batch was taken)
             try:  # (the thread must live: every caller waits on it)
                 self._gather(context)
                 steps = self._take(context)  # never waits for the queue holding the engine's lock
@@ -153,11 +153,12 @@ class Batcher:
             except BaseException as error:
                 self._fail(context, steps, error)
 
-    def _fail(self, context: NativeContext, steps: list[Step], error: BaseException) -> None:
+    def _fail(self, context: NativeContext, steps: list[Step] | None, error: BaseException) -> None:
         """The batch's steps end with ``error`` (a prompt's stretch queued again ends here);
-        before any was taken, every step waiting for ``context`` does: none waits forever."""
+        before it was taken (``None``), every step waiting for ``context`` does: none waits
+        forever."""
         with self._queue:
-            failed = steps or [s for s in self._pending if s.target.context is context]
+            failed = [s for s in self._pending if s.target.context is context] if steps is None else steps
             self._pending = [s for s in self._pending if s not in failed]
         for step in failed:
             if step.done is not None and not step.done.is_set():

@@ -79,7 +79,27 @@ class Guard:
     def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The messages with their users' and tools' text parts, names and call ids
         ``marked_text`` (others as they are)."""
-        return [self._marked_message(m) if m.get("role") in GUARDED_ROLES else m for m in messages]
+        return [
+            self._marked_message(m) if m.get("role") in GUARDED_ROLES else self._marked_call_ids(m)
+            for m in messages
+        ]
+
+    def _marked_call_ids(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``message`` with its calls' ids marked as their results' ``tool_call_id`` are, so
+        that a renderer matching the two (Gemma 4's) still finds them equal."""
+        calls = message.get("tool_calls")
+        if not isinstance(calls, list | tuple) or not any(
+            isinstance(c, Mapping) and isinstance(c.get("id"), str) and self.marked_text(c["id"]) != c["id"]
+            for c in calls
+        ):
+            return message
+        marked = [
+            {**c, "id": self.marked_text(c["id"])}
+            if isinstance(c, Mapping) and isinstance(c.get("id"), str)
+            else c
+            for c in calls
+        ]
+        return {**message, "tool_calls": marked}
 
     def _marked_message(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
         changes: dict[str, Any] = {}
