@@ -99,7 +99,7 @@ def as_asked(error: ApiError, options: GenerationOptions) -> ApiError:
     """``error``, a ``reply_mismatch`` made final where asking again decodes the same reply
     (greedy, or seeded); elsewhere (and on any path that does not know the request's options)
     the client's own retry rule stands."""
-    if error.code == "reply_mismatch" and (options.temperature == 0 or options.seed is not None):
+    if error.code == "reply_mismatch" and (options.greedy or options.seed is not None):
         error.final = True
     return error
 

@@ -88,18 +88,18 @@ class Guard:
         """``message`` with its calls' ids marked as their results' ``tool_call_id`` are, so
         that a renderer matching the two (Gemma 4's) still finds them equal."""
         calls = message.get("tool_calls")
-        if not isinstance(calls, list | tuple) or not any(
-            isinstance(c, Mapping) and isinstance(c.get("id"), str) and self.marked_text(c["id"]) != c["id"]
-            for c in calls
-        ):
+        if not isinstance(calls, list | tuple):
             return message
-        marked = [
-            {**c, "id": self.marked_text(c["id"])}
-            if isinstance(c, Mapping) and isinstance(c.get("id"), str)
-            else c
-            for c in calls
-        ]
+        marked = [self._marked_call(call) for call in calls]
+        if all(new is old for new, old in zip(marked, calls, strict=True)):
+            return message
         return {**message, "tool_calls": marked}
+
+    def _marked_call(self, call: Any) -> Any:
+        if isinstance(call, Mapping) and isinstance(call.get("id"), str):
+            marked = self.marked_text(call["id"])
+            return call if marked is call["id"] else {**call, "id": marked}
+        return call
 
     def _marked_message(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
         changes: dict[str, Any] = {}
