@@ -87,20 +87,20 @@ class Projector(Owner):
         self.vision = bool(lib.mtmd_support_vision(self.ptr))
         self.lock = threading.Lock()
 
-    def tokenize(self, text: str, images: Sequence[Image]) -> Chunks:
-        """Split ``text`` at its media markers into text tokens and one image chunk per image."""
+    def tokenize(self, pieces: Sequence[tuple[str, bool]], images: Sequence[Image]) -> Chunks:
+        """Split a prompt's text at its media markers into text tokens and one image chunk per
+        image. The text comes in ``pieces``, each with whether it is plain (special tokens off:
+        a user's spelling of a control token stays text, ``text.guard``); each piece is tokenized
+        on its own, as the text between two markers always is."""
         lib, ffi = bindings()
         if images and not self.vision:
             raise UnsupportedFeatureError("this projector does not take images")
-        markers = text.count(self.marker)
+        markers = sum(text.count(self.marker) for text, _ in pieces)
         if markers != len(images):
             raise ImageError(
                 f"the prompt has {markers} media markers ({self.marker!r}) for {len(images)} images; "
                 "a message's text may not contain the marker itself"
             )
-        data = ffi.new("char[]", text.encode("utf-8"))  # mtmd reads text_len bytes: NULs survive
-        source = ffi.new("mtmd_input_text *", {"text": data, "text_len": len(data) - 1})
-        source.add_special, source.parse_special = True, True
         bitmaps = ffi.new("mtmd_bitmap *[]", max(1, len(images)))
         with self.lock:
             try:
@@ -110,8 +110,9 @@ class Projector(Owner):
                         lib.mtmd_bitmap_init(image.width, image.height, pixels), "mtmd_bitmap_init"
                     )
                     lib.mtmd_bitmap_set_id(bitmaps[i], image.digest.encode())
+                parts, n_parts, _alive = self._parts(pieces, bitmaps)  # (their text read in the call)
                 chunks = Chunks(not_null(lib.mtmd_input_chunks_init(), "mtmd_input_chunks_init"), [])
-                code = lib.mtmd_tokenize(self.ptr, chunks.ptr, source, bitmaps, len(images))
+                code = lib.mtmd_tokenize_from_parts(self.ptr, chunks.ptr, parts, n_parts, True)
                 try:
                     raise_pending()
                 except BaseException:
@@ -120,7 +121,7 @@ class Projector(Owner):
                 if code != 0:
                     chunks.close()
                     raise ImageError(
-                        f"libmtmd could not tokenize the prompt's images (mtmd_tokenize: {code})"
+                        f"libmtmd could not tokenize the prompt's images (mtmd_tokenize_from_parts: {code})"
                     )
                 try:
                     chunks.pieces.extend(self._pieces(chunks.ptr))
@@ -132,6 +133,27 @@ class Projector(Owner):
                 for i in range(len(images)):
                     if bitmaps[i] != ffi.NULL:
                         lib.mtmd_bitmap_free(bitmaps[i])
+
+    def _parts(self, pieces: Sequence[tuple[str, bool]], bitmaps: Any) -> tuple[Any, int, list[Any]]:
+        """``mtmd_tokenize_from_parts``' parts: each piece's text between media markers (special
+        tokens parsed unless it is plain), and the next bitmap at each marker; how many, and the
+        C objects the array points to (alive until the call returns)."""
+        _, ffi = bindings()
+        parts: list[Any] = []
+        kept: list[Any] = []
+        image = 0
+        for text, plain in pieces:
+            for i, between in enumerate(text.split(self.marker)):
+                if i:
+                    parts.append(ffi.new("mtmd_input_part *", {"text": ffi.NULL, "bitmap": bitmaps[image]}))
+                    image += 1
+                if between:
+                    data = ffi.new("char[]", between.encode("utf-8"))  # (mtmd reads text_len bytes)
+                    source = ffi.new("mtmd_input_text *", {"text": data, "text_len": len(data) - 1})
+                    source.add_special, source.parse_special = False, not plain
+                    kept += [data, source]
+                    parts.append(ffi.new("mtmd_input_part *", {"text": source, "bitmap": ffi.NULL}))
+        return ffi.new("mtmd_input_part *[]", parts), len(parts), kept + parts
 
     def _pieces(self, chunks: Any) -> list[Piece]:
         lib, ffi = bindings()

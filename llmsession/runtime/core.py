@@ -305,7 +305,7 @@ class ModelCore:
             prompt.render_s, prompt.tokenize_s = rendered - began, time.perf_counter() - rendered
             return prompt
         assert self.projector is not None
-        chunks = self.projector.tokenize(self.tokenizer.shown(text), images)  # (libmtmd parses all)
+        chunks = self.projector.tokenize(self.tokenizer.pieces(text), images)
         if chunks.pieces and isinstance(chunks.pieces[0], list):
             self.tokenizer.drop_double_bos(chunks.pieces[0])
         return Prompt(chunks.pieces, chunks, rendered - began, time.perf_counter() - rendered)

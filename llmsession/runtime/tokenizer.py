@@ -65,6 +65,13 @@ class PromptTokenizer:
         """A rendered prompt as it reads: its placeholders as the texts they stand for."""
         return self.guard.shown(text) if OPEN in text or ESCAPED in text else text
 
+    def pieces(self, text: str) -> list[tuple[str, bool]]:
+        """A rendered prompt (or a stretch of one) as pieces to tokenize in turn, each with
+        whether it is plain (special tokens off, its placeholders as their texts): the whole
+        text, not plain, where it holds no placeholder (``text.guard``)."""
+        pieces = self.guard.pieces(text) if OPEN in text or ESCAPED in text else None
+        return [(text, False)] if pieces is None else pieces
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
         tokens = self.vocabulary.tokenize(text, add_special=add_special)
