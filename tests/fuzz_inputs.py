@@ -13,7 +13,7 @@ import numpy as np
 from fuzz_env import env
 from hypothesis import strategies as st
 
-from llmsession import GenerationOptions, Image, LlmSessionError
+from llmsession import GenerationOptions, Image, LlmSessionError, TemplateError
 
 Message = dict[str, Any]
 Errors = tuple[type[Exception], ...]
@@ -197,14 +197,14 @@ BAD_SESSION_VALUES = st.sampled_from([0, 15, -1, 2**24 + 1, 2**40, 1.5, "64", No
 
 # Each invalid user content, built from a valid text, and the errors it may raise.
 INVALID_CONTENTS: dict[str, tuple[Callable[[str], Any], Errors]] = {
-    "nul": (lambda text: f"{text}\0{text}", (ValueError,)),
-    "nul part": (lambda text: [text, "a\0b"], (ValueError,)),
-    "nul text dict": (lambda _: [{"type": "text", "text": "\0"}], (ValueError,)),
-    "surrogate": (lambda text: f"{text}\ud800", (ValueError,)),
+    "nul": (lambda text: f"{text}\0{text}", (TemplateError,)),
+    "nul part": (lambda text: [text, "a\0b"], (TemplateError,)),
+    "nul text dict": (lambda _: [{"type": "text", "text": "\0"}], (TemplateError,)),
+    "surrogate": (lambda text: f"{text}\ud800", (TemplateError,)),
     "int": (lambda _: 5, TYPED),
     "none": (lambda _: None, TYPED),
     "bytes": (lambda _: b"hello", TYPED),
-    "dict": (lambda text: {"role": "user", "content": text}, TYPED),
+    "dict": (lambda text: {"content": text}, TYPED),  # (with a role it is a message: sent as one)
     "int part": (lambda text: [text, 5], TYPED),
     "audio part": (lambda _: [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], TYPED),
     "text part not str": (lambda _: [{"type": "text", "text": 5}], TYPED),

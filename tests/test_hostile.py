@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -268,6 +269,42 @@ def test_keywords_the_mask_cannot_enforce_are_checked_after_the_reply(smollm2: M
     assert deep is not None
     with pytest.raises(ValueError):  # typed, where a RecursionError escaped
         deep.parse("[" * 5000 + "]" * 5000)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize(
+    ("fixture", "hostile"),
+    [
+        ("smollm2-qwen25-template.gguf", "deep arguments"),  # (jinja parses a call's arguments)
+        ("smollm2-gemma4-template.gguf", "deep arguments"),  # (its renderer walks them)
+        ("smollm2-gemma4-template.gguf", "NUL in a tool"),  # (written raw: no JSON escape)
+    ],
+)
+def test_what_no_template_can_render_is_a_template_error(
+    fixture_path: Callable[[str], Path], fixture: str, hostile: str
+) -> None:
+    """A call's arguments nested too deep to render, or a tool's NUL that a template writes as
+    it is: a TemplateError (a request's error, a 400 at every door), where a RecursionError or a
+    ValueError escaped (a 500)."""
+    call: dict[str, Any] = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a": 1}'},
+    }
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    if hostile == "deep arguments":
+        call["function"]["arguments"] = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    else:
+        tool["function"]["description"] = "before\0after"
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+    ]
+    with Model(fixture_path(fixture), kv_tokens=1024, use_jinja=True) as model:
+        with pytest.raises(TemplateError, match=r"nests too deep|NUL"):
+            model.prompt_tokens(messages, tools=[tool])
+        assert model.prompt_tokens(messages[:1], tools=[tool] if hostile == "deep arguments" else None)
 
 
 def test_a_schema_never_makes_the_library_fetch_a_url(smollm2: Model) -> None:

@@ -22,7 +22,7 @@ from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryReport
 from llmsession.engine.engine import Engine
 from llmsession.engine.prompt import Prompt
-from llmsession.errors import GrammarError, UnsupportedFeatureError
+from llmsession.errors import GrammarError, TemplateError, UnsupportedFeatureError
 from llmsession.native import rpc
 from llmsession.options import GenerationOptions
 from llmsession.runtime import exiting
@@ -58,12 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
-
-
-def refuse_nul(text: str, what: str) -> None:
-    """A NUL character is refused in any prompt, raw or rendered (ValueError naming ``what``)."""
-    if "\x00" in text:
-        raise ValueError(f"{what} must not contain NUL characters")
 
 
 class Shuttable(Protocol):
@@ -176,22 +170,28 @@ class ModelCore:
         tool_format: str | None = None,
     ) -> str:
         """``render`` for a checked transcript's editable copy (or one with stand-ins for its
-        replies: ``spliced``), with the placeholders its tokenizer reads (``tokenizer.stretch``)."""
-        text = render_checked(
-            self.tokenizer.marked(plain),
-            template=self.template,
-            native=self.native.apply_template,
-            add_generation_prompt=add_generation_prompt,
-            thinking=thinking,
-            use_jinja=self.use_jinja,
-            bos_token=self.native.token_text(self.native.bos()),
-            eos_token=self.native.token_text(self.native.eos()),
-            media_marker=self.media_marker,
-            tools=tools,
-            tool_format=self.tool_format(tool_format),
-            typed_content=self.renderer.typed_content,
-        )
-        refuse_nul(text, "a message")  # (llama.cpp's built-in templates could not carry one)
+        replies: ``spliced``), with the placeholders its tokenizer reads (``tokenizer.stretch``).
+        A value nested too deep to render (a call's arguments, say) is a TemplateError."""
+        fmt = self.tool_format(tool_format)
+        try:
+            text = render_checked(
+                self.tokenizer.marked(plain),
+                template=self.template,
+                native=self.native.apply_template,
+                add_generation_prompt=add_generation_prompt,
+                thinking=thinking,
+                use_jinja=self.use_jinja,
+                bos_token=self.native.token_text(self.native.bos()),
+                eos_token=self.native.token_text(self.native.eos()),
+                media_marker=self.media_marker,
+                tools=tools,
+                tool_format=fmt,
+                typed_content=self.renderer.typed_content,
+            )
+        except RecursionError:
+            raise TemplateError("a message, a call's arguments or a tool nests too deep to render") from None
+        if "\x00" in text:  # (llama.cpp's built-in templates could not carry one)
+            raise TemplateError("a message, a tool or a call must not contain NUL characters")
         return text
 
     def tool_format(self, name: str | None = None) -> ToolFormat:
@@ -227,7 +227,8 @@ class ModelCore:
             raise TypeError(f"a prompt must be a str, got {type(text).__name__}")
         if not text:
             raise ValueError("a prompt must not be empty")
-        refuse_nul(text, "a prompt")
+        if "\x00" in text:
+            raise ValueError("a prompt must not contain NUL characters")
         self.check_chat()
         began = time.perf_counter()
         tokens = self.tokenize(text)
