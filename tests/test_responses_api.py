@@ -7,6 +7,7 @@ OpenAI Agents SDK with a function tool."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,6 +225,12 @@ def test_reasoning_items_are_the_next_turns_reasoning() -> None:
         {"model": "m", "input": [user, empty, {"role": "assistant", "content": "hi"}, user]}
     ).items
     assert [m["content"] for m in items] == ["Again", "", "hi", "Again"]
+    # reasoning joined to an empty assistant message is that turn's, not a stand-in to drop
+    assert responses_ask({"model": "m", "input": [user, thought, empty, user]}).items == [
+        user,
+        {"role": "assistant", "content": "", "reasoning_content": "hmm"},
+        user,
+    ]
 
 
 def test_an_agents_sdk_run_calls_a_function_tool(served: Served) -> None:
@@ -342,3 +349,43 @@ def test_every_call_a_reply_cut_short_does_not_make_is_left_out(before: list[Sna
     assert shape == [
         (i["type"], i["status"], i.get("content")) for i in ResponseObject("m", {}).whole(cut)["output"]
     ]
+
+
+def test_a_failed_stream_leaves_the_item_it_was_writing_incomplete() -> None:
+    """Pure: ``response.failed`` after part of a reply: the message it was writing is
+    ``incomplete`` in the failed response, not ``completed``; an item closed before stays so."""
+    from llmsession.serve.errors import ApiError
+
+    started, items = ResponseObject("m", {}), Items()
+    for snapshot in (Snapshot("", "", (ToolCallDelta(0, "call_a", "f", "{}"),)), Snapshot("par", "par")):
+        started.pieces(snapshot, items)
+    event = json.loads(started.failed(ApiError("boom", None), items).decode().split("data: ", 1)[1])
+    assert event["type"] == "response.failed"
+    output = event["response"]["output"]
+    assert [(i["type"], i["status"]) for i in output] == [
+        ("function_call", "completed"),
+        ("message", "incomplete"),
+    ]
+
+
+def test_a_chain_of_responses_keeps_each_message_once(served: Served) -> None:
+    """A continuation's stored transcript reuses its predecessor's messages (the same objects),
+    as the store sizes it: a chain of N responses does not hold N copies of its history."""
+    import hashlib
+
+    made = client(served).responses.create(
+        model="m", instructions="Be brief.", input="Name a colour.", max_output_tokens=2, **GREEDY
+    )
+    chain = [made.id]
+    for question in ("And another?", "And a third?"):
+        made = client(served).responses.create(
+            model="m", previous_response_id=made.id, input=question, max_output_tokens=2, **GREEDY
+        )
+        chain.append(made.id)
+    owner = hashlib.sha256(KEY.encode()).hexdigest()
+    kept = [served.server.store.get(ident, owner) for ident in chain]
+    assert all(stored is not None for stored in kept)
+    transcripts = [stored.transcript for stored in kept if stored is not None]
+    assert [len(t) for t in transcripts] == [2, 4, 6]  # (a question and its reply each: no system)
+    for before, after in itertools.pairwise(transcripts):
+        assert all(a is b for a, b in zip(before, after, strict=False)), (before, after)

@@ -47,6 +47,13 @@ def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
     return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
 
 
+def continued(history: list[dict[str, Any]], fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The transcript a response keeps: its predecessor's own messages (the same objects: a
+    chain of N responses holds each message once, as the store sizes it) and the new ones."""
+    n = len(history)
+    return [*history, *fresh[n:]] if fresh[:n] == history else fresh
+
+
 async def create(server: Serving, request: Request) -> Response:
     """``POST /v1/responses``: a ``previous_response_id`` continues that response's transcript
     (the stateless sessions hold its state: only the new input is decoded); ``store`` keeps the
@@ -69,7 +76,9 @@ async def create(server: Serving, request: Request) -> Response:
                 raise not_found("response", ask.previous, "previous_response_id")
             history = stored.transcript
         asked = await asyncio.to_thread(responses_request, ask, history)
-        transcript = asked.messages.messages()[1 if ask.instructions else 0 :]
+        fresh = asked.messages.messages  # (the checked transcript's copy, made off the event loop)
+        start = 1 if ask.instructions else 0
+        transcript = await asyncio.to_thread(lambda: continued(history, fresh()[start:]))
         dropped = await asyncio.to_thread(server.volatile.dropped, asked.messages)
     asked = dataclasses.replace(asked, messages=dropped)
     ident = response_id(*server.front_named(request))

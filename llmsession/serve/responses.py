@@ -124,29 +124,31 @@ def _input(value: object) -> list[dict[str, Any]]:
     if len(value) > MAX_MESSAGES:
         raise ApiError(f"input: at most {MAX_MESSAGES} items, got {len(value)}", "input")
     out: list[dict[str, Any]] = []
+    thought: dict[str, Any] | None = None  # a reasoning item's stand-in (last), before its turn
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(f"{where} must be an object, got {kind_of(item)}", where)
         kind = item.get("type", "message")
-        if out and _thinking_only(out[-1]) and kind not in ("message", "function_call"):
+        if thought is not None and kind not in ("message", "function_call"):
             out.pop()  # (reasoning no assistant turn followed: nothing to render it with)
         if kind == "message":
             message = _message(item, where)
-            if out and _thinking_only(out[-1]):
-                thought = out.pop()["reasoning_content"]
+            if thought is not None:
+                out.pop()  # (the stand-in, last: its reasoning goes with an assistant turn)
                 if message["role"] == "assistant":
-                    message = {**message, "reasoning_content": thought}
+                    message = {**message, "reasoning_content": thought["reasoning_content"]}
             out.append(message)
         elif kind == "function_call":
-            _call(item, where, out)
+            _call(item, where, out)  # (joined to the reasoning's stand-in: its turn now)
         elif kind == "function_call_output":
             out.append(_output(item, where))
         elif kind == "reasoning":
             _thought(item, where, out)
         else:
             raise ApiError(f"{where}: items of type {kind!r:.40} are not supported here", f"{where}.type")
-    if out and _thinking_only(out[-1]):
+        thought = out[-1] if kind == "reasoning" and out and _thinking_only(out[-1]) else None
+    if thought is not None:
         out.pop()  # (reasoning nothing followed: no turn to render it with)
     if not out:
         raise ApiError("input holds nothing to answer", "input")

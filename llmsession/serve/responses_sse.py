@@ -229,7 +229,10 @@ class ResponseObject:
         return [*out, self._event(f"response.{status}", response=final)], final
 
     def failed(self, error: ApiError, items: Items) -> bytes:
-        """The stream's end after a failure: ``response.failed`` with the error."""
+        """The stream's end after a failure: ``response.failed`` with the error (the item it
+        was writing, ``incomplete``)."""
+        if items.open:
+            items.items[-1]["status"] = "incomplete"
         failure = {"code": error.code or error.kind, "message": error.message}
         return self._event("response.failed", response=self.body("failed", items.items, None, error=failure))
 
