@@ -110,6 +110,7 @@ class ShadowedSessions:
         session = self.sessions[i]
         pending = self.settle(i)  # a valid call finishes a pending stream first
         user = {"role": "user", "content": content}
+        record = internals.record(session)
         expectation = expect(session, self.expected[i], user, alongside)
         cached_before, context_before = session.cached_tokens, internals.placement(session)
         stream: Stream | None = None
@@ -140,6 +141,8 @@ class ShadowedSessions:
             check_untouched(session, cached_before, context_before, concurrent=bool(alongside))
             return None
         check_settled(pending)
+        if pending is not None:  # the call finished it: its reply's tokens splice as they were decoded
+            expectation = expect(session, self.expected[i], user, alongside, record)
         assert expectation.error is None, f"expected {expectation.error}, the call succeeded"
         assert not expectation.overflow, f"the prompt does not fit, yet no error: {expectation}"
         user = copy_message(user)

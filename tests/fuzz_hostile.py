@@ -6,6 +6,7 @@ machine: it acts through ``ShadowedSessions``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -130,7 +131,8 @@ def same_transcript(loaded: list[Any], saved: list[Any]) -> bool:
     if loaded == saved:
         return True
     model, pixels = env().model, [[image.digest for image in message_images(m)] for m in (loaded, saved)]
-    return model.render(loaded, False) == model.render(saved, False) and pixels[0] == pixels[1]
+    render = functools.partial(model.render, add_generation_prompt=False)
+    return render(loaded) == render(saved) and pixels[0] == pixels[1]
 
 
 def not_a_regular_file(folder: Path, kind: str, link: bool = False) -> Path:

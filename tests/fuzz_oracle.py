@@ -64,11 +64,16 @@ def kept(record: Sequence[object], items: Sequence[object]) -> int:
 
 
 def expect(
-    session: Session, shadow: list[Message], user: Message, alongside: Sequence[object] = ()
+    session: Session,
+    shadow: list[Message],
+    user: Message,
+    alongside: Sequence[object] = (),
+    record: Sequence[object] | None = None,
 ) -> Expectation:
     """Build the prompt the session will build (for the shadow transcript plus ``user``).
     ``alongside``: the prompt another session decodes meanwhile (a concurrent call), which may
-    be held, with a reply of its own after it, by the time this one starts from it."""
+    be held, with a reply of its own after it, by the time this one starts from it. ``record``:
+    the session's record as the call found it (else as it is now)."""
     try:
         prompt = internals.local(env().model).prompt(
             [*shadow, user],
@@ -84,7 +89,7 @@ def expect(
         unsafe = bool(prompt.unsafe_reuse)
     finally:
         prompt.close()
-    record = internals.record(session)
+    record = internals.record(session) if record is None else record
     keep = 0 if unsafe else kept(record, items)
     shareable = 0
     if not (unsafe or record) and session.share_prefix:
@@ -142,8 +147,9 @@ def check_reply(
     cached = session.cached_tokens
     if check_cache and never_started:  # cancelled before its first batch, after a plan that kept nothing
         assert cached in (cached_before, expectation.reused), (cached, cached_before, expectation)
-    elif check_cache:
-        assert cached <= usage.prompt_tokens + usage.completion_tokens, (cached, usage)
+    elif check_cache:  # (past the reply: what its anticipatory prefill decoded, once it settled)
+        cached, ahead = internals.settled(session).cached_tokens, internals.decoded_ahead(session)
+        assert cached - ahead <= usage.prompt_tokens + usage.completion_tokens, (cached, ahead, usage)
         assert cached >= usage.reused_tokens, (cached, usage)
         if reply.finish_reason != "cancelled":
             assert cached >= usage.prompt_tokens + usage.completion_tokens - 1, (cached, usage)
