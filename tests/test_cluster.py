@@ -208,6 +208,26 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
     assert len(replicas) == 1 and response.json()["usage"]["cache_read_input_tokens"] > 0
 
 
+def test_probes_and_listings_are_never_held_conversations(cluster: Cluster) -> None:
+    """A health probe (no key needed) or a model list under a fresh session header holds no
+    conversation: counted as one, a flood of them flushed every tenant's routing memory."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def counted() -> float:
+        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        lines = [line for line in text.splitlines() if line.startswith("llmsession_cluster_requests_total{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    time.sleep(2.5)  # (the replicas post their counts every second: the last turns' are in)
+    before = counted()
+    for i in range(6):
+        assert httpx.get(f"{cluster.url}/health", headers={"x-session-id": f"probe {i}"}).status_code == 200
+        listed = httpx.get(f"{cluster.url}/v1/models", headers={**auth, "x-session-id": f"list {i}"})
+        assert listed.status_code == 200
+    time.sleep(2.5)
+    assert counted() == before
+
+
 def test_metrics_show_every_replica(cluster: Cluster) -> None:
     converse(cluster, "counted", 2, "counted")  # (its second turn: a request its replica held)
     auth = {"Authorization": f"Bearer {KEY}"}
@@ -404,6 +424,24 @@ def test_a_conversation_key_is_its_session_else_its_opening_within_its_tenant() 
         "/v1/responses", alpha, b'{"prompt_cache_key": "k"}'
     )
     assert conversation_key(path, alpha, b"\xff not json") == conversation_key(path, alpha, b"[]")
+    # The tenant as the server names it: the key it authorizes (a Bearer token, else x-api-key)
+    # and the user the body names; one user's conversation never shares another's key.
+    users = [json.dumps({"user": name, "messages": []}).encode() for name in ("u1", "u2")]
+    assert conversation_key(path, with_session, users[0]) != conversation_key(path, with_session, users[1])
+    assert conversation_key(path, with_session, users[0]) != conversation_key(path, with_session, b"{}")
+    said = [json.dumps({"metadata": {"user_id": name}}).encode() for name in ("u1", "u2")]
+    assert conversation_key("/v1/messages", claude, said[0]) != conversation_key(
+        "/v1/messages", claude, said[1]
+    )
+    safety = [json.dumps({"safety_identifier": name, "input": "U"}).encode() for name in ("u1", "u2")]
+    assert conversation_key("/v1/responses", alpha, safety[0]) != conversation_key(
+        "/v1/responses", alpha, safety[1]
+    )
+    basic = {"authorization": "Basic x", "x-session-id": "s1"}
+    assert conversation_key(path, basic | {"x-api-key": "a"}, chat) != conversation_key(
+        path, basic | {"x-api-key": "b"}, chat
+    )
+    assert conversation_key(path, {"x-api-key": "a"}, chat) == conversation_key(path, alpha, chat)
     # A response made under a key carries it: the next turn's previous_response_id routes there.
     made = response_id(conversation_key("/v1/responses", alpha, responses))
     chained = json.dumps({"previous_response_id": made, "input": "next"}).encode()

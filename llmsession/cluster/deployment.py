@@ -27,6 +27,7 @@ from ray import serve
 from starlette.requests import Request
 
 from llmsession.cluster.handoff import Handoff
+from llmsession.cluster.keys import conversational
 from llmsession.cluster.metrics import STALE_S, Arrivals
 from llmsession.cluster.moving import SharedSpill
 from llmsession.cluster.peers import Mover
@@ -140,7 +141,7 @@ class Engine:
         try:
             async for message in _messages(sent, task):
                 if message["type"] == "http.response.start":
-                    if message.get("status", 500) < 400:  # (a refused request holds nothing here)
+                    if message.get("status", 500) < 400 and conversational(scope):  # (else nothing held)
                         self._hold(key, held)
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REPLICA_HEADER]
                     headers.append((REPLICA_HEADER, self.name.encode()))

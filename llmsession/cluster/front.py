@@ -26,7 +26,7 @@ from llmsession.cluster.deployment import (
     REPLICA_HEADER,
     Text,
 )
-from llmsession.cluster.keys import prompt_text, routing, session_id
+from llmsession.cluster.keys import conversational, prompt_text, routing, session_id
 from llmsession.cluster.metrics import front_metrics, merged
 
 log = logging.getLogger("llmsession.cluster")
@@ -68,7 +68,7 @@ class Front:
             return  # (websockets: none served)
         try:
             body = await asyncio.wait_for(_body(receive, self.max_body_bytes), BODY_TIMEOUT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (on 3.10, not the builtin)
             await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
             return
         if body is None:
@@ -96,7 +96,8 @@ class Front:
                     await _error(send, 503, "no replica could answer the request; try again")
                     return
                 continue  # (it had not begun: another replica answers)
-            self._answered(key, first)
+            if conversational(scope):  # (a probe or a listing holds no conversation)
+                self._answered(key, first)
             first = {
                 **first,
                 "headers": [(k, v) for k, v in first.get("headers", []) if k.lower() != MOVED_HEADER],

@@ -24,6 +24,7 @@ from typing import Any
 from llmsession.serve.naming import digest, named_conversation
 
 BODY_KEYS = ("prompt_cache_key",)  # (a body field some clients set to their conversation)
+CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 MAX_KEYED_BODY = 16 << 20  # bodies larger than this are routed by their headers only
 # A response's id (``serve.responses_sse.response_id``): the key it was made under, random digits,
 # and the replica that stored it; a stored response's own path.
@@ -51,10 +52,27 @@ def parsed_session(session: str) -> tuple[str, str | None, str | None]:
 OPENING_CHARS = 4096  # of the system prompt and the first user message, enough to tell them apart
 
 
-def tenant_of(headers: Mapping[str, str]) -> str:
-    """Whose request this is: its API key (Bearer or ``x-api-key``), as a digest."""
-    credential = headers.get("authorization", "") or headers.get("x-api-key", "")
-    return digest("tenant", credential)
+def tenant_of(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) -> str:
+    """Whose request this is, as the server names its tenant (``Server.authorize``, each door's
+    user): its API key (a non-empty Bearer token, else ``x-api-key``) and the user its body
+    names (``user``; on the Responses API else ``safety_identifier``; on the Messages API
+    ``metadata.user_id``), as a digest. Two users of one key are two tenants there: their
+    conversations must not share a key here, or a move of one would move the other's."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    credential = given.strip() if scheme.lower() == "bearer" else ""
+    credential = credential or headers.get("x-api-key", "").strip()
+    return digest("tenant", credential, _user(path, parsed) or "")
+
+
+def _user(path: str, parsed: Mapping[str, Any]) -> str | None:
+    if path.startswith("/v1/messages"):
+        metadata = parsed.get("metadata")
+        user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    else:
+        user = parsed.get("user")
+        if user is None and path.startswith("/v1/responses"):
+            user = parsed.get("safety_identifier")
+    return user if isinstance(user, str) else None
 
 
 def routing(path: str, headers: Mapping[str, str], body: bytes) -> tuple[str, str | None]:
@@ -72,13 +90,20 @@ def routing(path: str, headers: Mapping[str, str], body: bytes) -> tuple[str, st
     return _key(path, headers, parsed), None
 
 
+def conversational(scope: Mapping[str, Any]) -> bool:
+    """Whether a request is a turn of a conversation (and so the replica that answers it holds
+    its state): a POST to a door that answers one. A health probe, a model list or a stored
+    response's retrieval holds nothing, and is never remembered as held."""
+    return scope.get("method") == "POST" and scope.get("path") in CONVERSATION_PATHS
+
+
 def conversation_key(path: str, headers: Mapping[str, str], body: bytes) -> str:
     """The conversation a request belongs to, within its tenant (``headers`` lower-cased)."""
     return routing(path, headers, body)[0]
 
 
 def _key(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) -> str:
-    tenant = tenant_of(headers)
+    tenant = tenant_of(path, headers, parsed)
     named = named_conversation(tenant, headers)  # (a session header: as a server alone names it)
     if named is not None:
         return named

@@ -23,12 +23,11 @@ from typing import Any
 from ray import serve
 
 from llmsession.cluster.handoff import Handoff
-from llmsession.cluster.keys import PIN
+from llmsession.cluster.keys import PIN, conversational
 
 log = logging.getLogger("llmsession.cluster")
 ASK_S = 30.0  # for the replica that answered a conversation last to save it for another
 ASK_MARGIN_S = 5.0  # of that, left for the answer to come back
-CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 
 class Mover:
@@ -46,7 +45,7 @@ class Mover:
     def wants(self, scope: Mapping[str, Any], previous: str | None, held: bool) -> bool:
         """Whether a request should bring its conversation here first: it continues one that
         this replica does not hold, or that another replica answered last."""
-        if scope.get("method") != "POST" or scope.get("path") not in CONVERSATION_PATHS:
+        if not conversational(scope):
             return False
         return not held or previous not in (None, self.name)
 
@@ -85,7 +84,7 @@ class Mover:
             if call is not None:
                 call.cancel()
             raise
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (on 3.10, not the builtin)
             if call is not None:
                 call.cancel()
             log.info("the replica that held a conversation did not hand it on in %.0f s", ASK_S)
