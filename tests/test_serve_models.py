@@ -271,6 +271,55 @@ def test_the_models_command_lists_a_servers_models_and_what_it_holds(
     assert "401" in capsys.readouterr().err
 
 
+def test_the_models_command_follows_no_redirect_and_reads_odd_answers_as_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``llmsession models --url``: a redirect is an error (urllib would send the key where it
+    points), and an answer of another shape is "cannot read", never a traceback."""
+    import http.server
+    import json
+
+    from llmsession.commands.cli import main
+
+    seen: list[str | None] = []
+    answers = {"/v1/models": b"{}"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            if self.path == "/moved/v1/models":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{port}/stolen")
+                self.end_headers()
+                return
+            body = answers.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            assert main(["models", "--url", f"http://127.0.0.1:{port}/moved", "--api-key", "sk-x"]) == 1
+            assert "302" in capsys.readouterr().err
+            assert seen == ["Bearer sk-x"]  # (asked once; the redirect's target never was)
+            for odd in ({"data": [1]}, {"data": {"id": "m"}}, {"data": "m"}):
+                answers["/v1/models"] = json.dumps(odd).encode()
+                assert main(["models", "--url", f"http://127.0.0.1:{port}"]) == 1, odd
+                assert "cannot read" in capsys.readouterr().err
+            answers["/v1/models"] = json.dumps({"data": [{"id": "m", "status": {"value": None}}]}).encode()
+            answers["/api/ps"] = json.dumps({"models": [{"name": "m", "size": "big"}]}).encode()
+            assert main(["models", "--url", f"http://127.0.0.1:{port}"]) == 0
+            printed = capsys.readouterr().out
+            assert "m" in printed and "loaded" in printed and "0.0 MiB" in printed, printed
+        finally:
+            server.shutdown()
+
+
 def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tuple[Models, str]) -> None:
     _, url = served
     client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
