@@ -67,12 +67,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _check_text(where: str, text: str) -> None:
-    """Text UTF-8 can encode: a lone surrogate (``"\\ud800"``) could not be tokenized; and no
-    NUL, which a C string would cut short."""
+    """Text UTF-8 can encode: a lone surrogate (``"\\ud800"``) could not be tokenized."""
     if lone_surrogate(text):
         raise TemplateError(f"{where}: the text holds a lone surrogate, which UTF-8 cannot encode")
-    if "\x00" in text:
-        raise TemplateError(f"{where}: the text holds a NUL character")
 
 
 def lone_surrogate(value: object) -> bool:
