@@ -307,6 +307,40 @@ def test_what_no_template_can_render_is_a_template_error(
         assert model.prompt_tokens(messages[:1], tools=[tool] if hostile == "deep arguments" else None)
 
 
+def test_a_schema_past_the_remembered_size_is_checked_but_never_kept() -> None:
+    """The checked-schema cache held any 64 schemas whatever their size: 64 requests with a
+    6 MB tool schema each (refused afterwards) kept ~5 GB. Small ones are still remembered."""
+    from llmsession.text import schemas
+
+    schemas._remembered_schema.cache_clear()
+    small = json.dumps({"type": "object", "properties": {"a": {"type": "string"}}}, sort_keys=True)
+    big = json.dumps(
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}, sort_keys=True
+    )
+    assert len(big) > schemas.REMEMBERED_SCHEMA_CHARS
+    assert schemas.checked_schema(small) is schemas.checked_schema(small)
+    assert schemas.checked_schema(big) is not None
+    assert schemas._remembered_schema.cache_info().currsize == 1
+    with pytest.raises(GrammarError):  # (checked all the same)
+        schemas.checked_schema(big.replace('"type": "object"', '"type": "nope"', 1))
+
+
+@pytest.mark.native
+def test_a_draft_3_required_flag_on_gemma_4_calls_is_no_crash(fixture_path: Callable[[str], Path]) -> None:
+    """Draft 3 writes ``required: true`` on a property; Gemma 4's call grammar read every
+    ``required`` as a list of names (TypeError: a 500 at the doors)."""
+    inner = {"type": "object", "required": True, "properties": {"b": {"type": "string"}}}
+    parameters = {
+        "$schema": "http://json-schema.org/draft-03/schema#",
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"type": "array", "items": inner}}},
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with Model(fixture_path("smollm2-gemma4-template.gguf"), kv_tokens=1024, use_jinja=True) as model:
+        reply = model.session().respond("Call f.", GenerationOptions(tools=(tool,), max_tokens=2))
+    assert reply.finish_reason in ("length", "stop", "tool_calls")
+
+
 def test_a_schema_never_makes_the_library_fetch_a_url(smollm2: Model) -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.setblocking(False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import copy
 import gc
+import io
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,6 +119,10 @@ def test_without_a_projector_images_are_refused_and_text_still_works(smollm2: Mo
     session = smollm2.session()
     with pytest.raises(UnsupportedFeatureError, match="mmproj_path"):
         session.respond(["What is this?", red], GREEDY)
+    # refused before any image is decoded (eight 16.8 MP images took 600 MB and 1.4 s to refuse)
+    unreadable = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    with pytest.raises(UnsupportedFeatureError, match="mmproj_path"):
+        session.respond(["What is this?", unreadable], GREEDY)
     assert session.messages == [] and session.cached_tokens == 0
     assert session.respond("Hello!", GREEDY).text
 
@@ -197,6 +202,12 @@ def test_every_kind_of_source_gives_the_same_image(fixture_path: Callable[[str],
     assert all(image == red and image.digest == red.digest for image in sources)
 
 
+def encoded(pixels: np.ndarray, fmt: str) -> bytes:
+    out = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [
@@ -205,6 +216,14 @@ def test_every_kind_of_source_gives_the_same_image(fixture_path: Callable[[str],
         (np.zeros((4, 4), dtype=np.uint8), "H×W×3 uint8"),
         (np.zeros((4, 4, 3), dtype=np.float32), "H×W×3 uint8"),
         (np.zeros((0, 4, 3), dtype=np.uint8), "must not be empty"),
+        (
+            b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 4 4\n",
+            "not a readable image",
+        ),  # (no Ghostscript run)
+        (
+            encoded(np.zeros((4, 4, 3), dtype=np.uint8), "TIFF"),
+            "not a readable image",
+        ),  # (formats read: PNG ...)
     ],
 )
 def test_bad_images_raise_image_error(source: Any, message: str) -> None:

@@ -42,7 +42,7 @@ from llmsession.runtime.spliced import Rendering, text_tokens
 from llmsession.runtime.thinking import markup_for
 from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
-from llmsession.text.images import message_images
+from llmsession.text.images import image_parts, message_images
 from llmsession.text.reasoning import Markers, markers_for
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import render_checked
@@ -291,12 +291,12 @@ class ModelCore:
         ``shared``. The messages are checked unless they are a ``Transcript``."""
         self.check_chat()
         plain = Transcript(messages).messages()
-        images = list(message_images(plain))
-        if images and self.projector is None:
+        if self.projector is None and next(image_parts(plain), None) is not None:  # (none decoded)
             raise UnsupportedFeatureError(
                 "this model has no multimodal projector, so it cannot take images: "
                 "load one with Model(path, mmproj_path=...)"
             )
+        images = list(message_images(plain))
         began = time.perf_counter()
         text = self.render_checked(plain, thinking=thinking, tools=tools, tool_format=tool_format)
         rendered = time.perf_counter()

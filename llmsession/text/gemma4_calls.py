@@ -140,7 +140,8 @@ class BodyGrammar:
         properties = schema.get("properties")
         if not isinstance(properties, Mapping) or not properties:
             return f'({self.prefix}_pair ("," {self.prefix}_pair)*)?'
-        required = set(schema.get("required") or ())
+        listed = schema.get("required")  # (draft 3's is a bool on the property: not Gemma 4's)
+        required = {key for key in listed if isinstance(key, str)} if isinstance(listed, list) else set()
         for key in properties:
             if not isinstance(key, str) or not _KEY.fullmatch(key):
                 raise GrammarError(f"Gemma 4 writes property names bare: {key!r} cannot be one")

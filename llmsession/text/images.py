@@ -22,6 +22,10 @@ import numpy as np
 from llmsession.errors import ImageError
 from llmsession.text.messages import is_image_part
 
+# The encoded formats read (what OpenAI's and Anthropic's APIs take, and BMP): PIL would otherwise
+# try each of its plugins on hostile bytes, EPS among them (Ghostscript, where it is installed).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
 # PIL loads when the first encoded image is decoded (a PIL image passed in has loaded it already).
 if TYPE_CHECKING:
     import PIL.Image
@@ -77,7 +81,7 @@ def _decode(data: bytes, what: str) -> np.ndarray:
     import PIL.Image
 
     try:
-        with PIL.Image.open(io.BytesIO(data)) as image:
+        with PIL.Image.open(io.BytesIO(data), formats=FORMATS) as image:
             return _from_pil(image, what)
     except ImageError:
         raise
@@ -129,10 +133,13 @@ def _data_url_bytes(url: str) -> bytes:
 
 def message_images(messages: Sequence[Mapping[str, Any]]) -> Iterator[Image]:
     """Every image of a transcript, in the order the prompt places their markers."""
+    return (image_from_part(part) for part in image_parts(messages))
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[object]:
+    """Every image part of a transcript, in order, not decoded."""
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) or content is None:
             continue
-        for part in content:
-            if is_image_part(part):
-                yield image_from_part(part)
+        yield from (part for part in content if is_image_part(part))

@@ -98,13 +98,26 @@ def after_reply_validator(validator: Any, warnings: Sequence[str]) -> Any:
     return validator if keys else None
 
 
-@functools.lru_cache(maxsize=64)
+REMEMBERED_SCHEMA_CHARS = 64 << 10  # a larger schema is checked each time, never kept
+
+
 def checked_schema(text: str) -> Any:
     """A validator for a schema (its JSON text), once the schema is checked against its draft's
-    metaschema (GrammarError if invalid). Remembered: checking costs 2-3 ms, and a client sends
-    one schema often. It resolves no reference outside the schema (an empty registry). Formats
-    are checked where jsonschema has a checker; patterns with RE2, in linear time (``patterns``:
-    GrammarError for one it cannot take)."""
+    metaschema (GrammarError if invalid). Remembered up to a size: checking costs 2-3 ms, and a
+    client sends one schema often; a cache of any 64 schemas of megabytes each held gigabytes
+    (a validator is ~13 times its text), even for requests refused afterwards. It resolves no
+    reference outside the schema (an empty registry). Formats are checked where jsonschema has a
+    checker; patterns with RE2, in linear time (``patterns``: GrammarError for one it cannot
+    take)."""
+    return _remembered_schema(text) if len(text) <= REMEMBERED_SCHEMA_CHARS else _checked_schema(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_schema(text: str) -> Any:
+    return _checked_schema(text)
+
+
+def _checked_schema(text: str) -> Any:
     import jsonschema  # loaded with the first schema, not with llmsession
     import referencing
 
