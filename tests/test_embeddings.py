@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import internals
 import numpy as np
@@ -167,3 +168,51 @@ def test_closing_the_model_while_it_embeds_waits_for_the_run(bert_path: Path) ->
     assert isinstance(done, ModelClosedError) or (isinstance(done, np.ndarray) and done.shape == (2000, 64))
     with pytest.raises(ModelClosedError):
         model.embed("cat")
+
+
+def test_embedding_requests_past_the_waiting_bound_are_a_503(
+    bert_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run at a time, and at most ``MAX_WAITING`` requests waiting for it (each holds its
+    inputs, up to 2,048 of them): the next is refused with a 503 the client may retry, and the
+    waiting ones are answered once the run ends."""
+    import httpx
+
+    from llmsession.serve import embeddings
+
+    release = threading.Event()
+    real = embeddings.embedded
+
+    def held_up(model: Model, ask: Any) -> Any:
+        release.wait(60)
+        return real(model, ask)
+
+    monkeypatch.setattr(embeddings, "embedded", held_up)
+    with Model(bert_path, threads=1) as bert:
+        app = create_app(bert, api_key=KEY)
+        server = app.state.server
+        with running(app) as url:
+            statuses: list[int] = []
+
+            def ask() -> None:
+                answer = httpx.post(
+                    f"{url}/embeddings",
+                    json={"model": "bert", "input": "cat"},
+                    headers={"Authorization": f"Bearer {KEY}"},
+                    timeout=60,
+                )
+                statuses.append(answer.status_code)
+
+            threads = [threading.Thread(target=ask) for _ in range(1 + embeddings.MAX_WAITING)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 30
+            while server.embedding_waiting < embeddings.MAX_WAITING:
+                assert time.monotonic() < deadline, server.embedding_waiting
+                time.sleep(0.01)
+            ask()  # (one more: past the bound)
+            assert statuses == [503]
+            release.set()
+            for thread in threads:
+                thread.join(60)
+    assert statuses == [503] + [200] * (1 + embeddings.MAX_WAITING)

@@ -94,6 +94,7 @@ class Server:
         self.parsing = asyncio.Semaphore(PARSERS)
         self.reading = asyncio.Semaphore(READERS)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
+        self.embedding_waiting = 0  # requests waiting for it (``embeddings.MAX_WAITING``)
         self.created = int(time.time())
         self.fronted = False  # a cluster's replica: the front names each request's conversation
 

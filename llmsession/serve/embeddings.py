@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llmsession.serve.body import parse_json, string
-from llmsession.serve.errors import ApiError
+from llmsession.serve.errors import ApiError, busy
 from llmsession.serve.schema import keep_alive_of
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from llmsession.serve.operators import Server
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
+MAX_WAITING = 16  # embedding requests waiting for the one run at a time; past it a 503
 MAX_INPUT_TOKENS = 8192  # token ids an input given as ids may have
 
 
@@ -98,10 +99,21 @@ async def embeddings(server: Server, request: Request) -> Response:
     async with server.parsing:  # (a few at once, as a chat's)
         ask = await asyncio.to_thread(lambda: embeddings_request(parse_json(body)))
     name = server.hosts.served(ask.model)
+    if server.embedding_waiting >= MAX_WAITING:  # (each waits holding its inputs)
+        raise busy("too many embedding requests are waiting")
     host, held = await server.hosts.held(ask.model, ask.keep_alive)
     try:
-        async with server.embedding:  # (one run at a time: the rest wait here, not in threads)
+        server.embedding_waiting += 1
+        try:
+            await server.embedding.acquire()  # (one run at a time: the rest wait here, not in threads)
+        finally:
+            server.embedding_waiting -= 1
+        try:
+            if await request.is_disconnected():  # (gone while it waited: nothing to run for)
+                return Response(status_code=499)
             vectors, tokens = await asyncio.to_thread(embedded, host.model, ask)
+        finally:
+            server.embedding.release()
     finally:
         held.drop()
     return JSONResponse(answer(vectors, tokens, name, ask))

@@ -28,6 +28,7 @@ class Server(Protocol):
     hosts: OneModel | ManyModels
     parsing: asyncio.Semaphore  # bodies read and checked at once
     embedding: asyncio.Semaphore  # embedding runs at once
+    embedding_waiting: int  # requests waiting for one
     max_body_bytes: int  # the server's bound on a body
 
     async def body(self, request: Request, limit: int | None = None) -> bytes: ...
