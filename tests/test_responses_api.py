@@ -225,12 +225,15 @@ def test_reasoning_items_are_the_next_turns_reasoning() -> None:
         {"model": "m", "input": [user, empty, {"role": "assistant", "content": "hi"}, user]}
     ).items
     assert [m["content"] for m in items] == ["Again", "", "hi", "Again"]
-    # reasoning joined to an empty assistant message is that turn's, not a stand-in to drop
-    assert responses_ask({"model": "m", "input": [user, thought, empty, user]}).items == [
-        user,
-        {"role": "assistant", "content": "", "reasoning_content": "hmm"},
-        user,
-    ]
+    # reasoning joined to an empty assistant message is that turn's, not a stand-in to drop,
+    # nor is it taken for one after a reasoning item that adds none (encrypted, no summary)
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}
+    for after in ([], [sealed]):
+        assert responses_ask({"model": "m", "input": [user, thought, empty, *after, user]}).items == [
+            user,
+            {"role": "assistant", "content": "", "reasoning_content": "hmm"},
+            user,
+        ]
 
 
 def test_an_agents_sdk_run_calls_a_function_tool(served: Served) -> None:

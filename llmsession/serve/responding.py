@@ -47,11 +47,16 @@ def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
     return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
 
 
-def continued(history: list[dict[str, Any]], fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def continued(
+    history: list[dict[str, Any]], fresh: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], bool]:
     """The transcript a response keeps: its predecessor's own messages (the same objects: a
-    chain of N responses holds each message once, as the store sizes it) and the new ones."""
+    chain of N responses holds each message once, as the store sizes it) and the new ones; and
+    whether it shares them (else it is the checked transcript's copy, sized whole)."""
     n = len(history)
-    return [*history, *fresh[n:]] if fresh[:n] == history else fresh
+    if fresh[:n] == history:
+        return [*history, *fresh[n:]], True
+    return fresh, False
 
 
 async def create(server: Serving, request: Request) -> Response:
@@ -78,7 +83,7 @@ async def create(server: Serving, request: Request) -> Response:
         asked = await asyncio.to_thread(responses_request, ask, history)
         fresh = asked.messages.messages  # (the checked transcript's copy, made off the event loop)
         start = 1 if ask.instructions else 0
-        transcript = await asyncio.to_thread(lambda: continued(history, fresh()[start:]))
+        transcript, shared = await asyncio.to_thread(lambda: continued(history, fresh()[start:]))
         dropped = await asyncio.to_thread(server.volatile.dropped, asked.messages)
     asked = dataclasses.replace(asked, messages=dropped)
     ident = response_id(*server.front_named(request))
@@ -87,7 +92,7 @@ async def create(server: Serving, request: Request) -> Response:
         return await server.answer(request, asked, ResponsesDoor(response))
 
     def keep(body: dict[str, Any], reply: Reply) -> None:
-        store.put(key, body, [*transcript, assistant_message(reply)], after=stored)
+        store.put(key, body, [*transcript, assistant_message(reply)], after=stored if shared else None)
 
     store.begin(ident, key, response.body("in_progress", [], None))
     try:

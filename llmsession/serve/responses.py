@@ -130,6 +130,7 @@ def _input(value: object) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise ApiError(f"{where} must be an object, got {kind_of(item)}", where)
         kind = item.get("type", "message")
+        added: dict[str, Any] | None = None  # (a reasoning item's stand-in, if it adds one)
         if thought is not None and kind not in ("message", "function_call"):
             out.pop()  # (reasoning no assistant turn followed: nothing to render it with)
         if kind == "message":
@@ -144,10 +145,10 @@ def _input(value: object) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             out.append(_output(item, where))
         elif kind == "reasoning":
-            _thought(item, where, out)
+            added = _thought(item, where, out)  # (None: it held nothing to render)
         else:
             raise ApiError(f"{where}: items of type {kind!r:.40} are not supported here", f"{where}.type")
-        thought = out[-1] if kind == "reasoning" and out and _thinking_only(out[-1]) else None
+        thought = added
     if thought is not None:
         out.pop()  # (reasoning nothing followed: no turn to render it with)
     if not out:
@@ -155,9 +156,10 @@ def _input(value: object) -> list[dict[str, Any]]:
     return out
 
 
-def _thought(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
+def _thought(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A reasoning item sent back: the reasoning of the assistant turn that follows it (its
-    ``reasoning_text`` parts, else its summary; an encrypted one alone is nothing here)."""
+    ``reasoning_text`` parts, else its summary; an encrypted one alone is nothing here), as a
+    stand-in added to ``out`` (returned; None where it added none)."""
     texts: list[str] = []
     for name, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(name) or []
@@ -169,18 +171,10 @@ def _thought(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> Non
             raise ApiError(f"{where}.{name}: a part's text must be a string", f"{where}.{name}")
         if texts:
             break
-    if texts:
-        out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(texts)})
-
-
-def _thinking_only(message: dict[str, Any]) -> bool:
-    """A reasoning item's stand-in, no turn taken to it yet."""
-    return (
-        message["role"] == "assistant"
-        and message["content"] == ""
-        and "reasoning_content" in message
-        and "tool_calls" not in message
-    )
+    if not texts:
+        return None
+    out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(texts)})
+    return out[-1]
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
