@@ -307,6 +307,18 @@ def test_what_no_template_can_render_is_a_template_error(
         assert model.prompt_tokens(messages[:1], tools=[tool] if hostile == "deep arguments" else None)
 
 
+@pytest.mark.native
+def test_a_nul_is_a_template_error_under_llama_cpps_built_in_templates_too(smollm2_path: Path) -> None:
+    """Without Jinja the messages go to ``llama_chat_apply_template`` as C strings: a NUL in a
+    message was a plain ValueError there (a 500 at the doors). (A tool's NUL is no matter here:
+    the generic format writes its tools as JSON, the NUL escaped.)"""
+    tool = {"type": "function", "function": {"name": "f", "description": "a\0b", "parameters": {}}}
+    with Model(smollm2_path, kv_tokens=1024, use_jinja=False) as model:
+        with pytest.raises(TemplateError, match="NUL"):
+            model.session().respond("before\0after", GenerationOptions(max_tokens=1))
+        assert "\\u0000" in model.render([{"role": "user", "content": "q"}], tools=[tool])
+
+
 def test_a_schema_past_the_remembered_size_is_checked_but_never_kept() -> None:
     """The checked-schema cache held any 64 schemas whatever their size: 64 requests with a
     6 MB tool schema each (refused afterwards) kept ~5 GB. Small ones are still remembered."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmsession.errors import ModelClosedError, ModelLoadError, NativeError
+from llmsession.errors import ModelClosedError, ModelLoadError, NativeError, TemplateError
 from llmsession.native.inuse import InUse, free_model, holding
 from llmsession.native.stateblob import Shape
 
@@ -339,9 +339,13 @@ class NativeModel(Owner):
     def apply_template(
         self, template: str | None, messages: Sequence[tuple[str, str]], add_ass: bool
     ) -> str | None:
-        """llama_chat_apply_template; None when llama.cpp does not know the template."""
+        """llama_chat_apply_template; None when llama.cpp does not know the template. A NUL in
+        a message is a TemplateError (C strings cannot carry one)."""
         lib, ffi = bindings()
-        keep = [(c_string(role, "role"), c_string(content, "message")) for role, content in messages]
+        try:
+            keep = [(c_string(role, "role"), c_string(content, "message")) for role, content in messages]
+        except ValueError as error:
+            raise TemplateError(str(error)) from None
         chat = ffi.new("struct llama_chat_message[]", len(keep))
         owned = []
         for i, (role, content) in enumerate(keep):
