@@ -210,7 +210,8 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
 
 def test_probes_and_listings_are_never_held_conversations(cluster: Cluster) -> None:
     """A health probe (no key needed) or a model list under a fresh session header holds no
-    conversation: counted as one, a flood of them flushed every tenant's routing memory."""
+    conversation: counted as one, a flood of them flushed every tenant's routing memory. Among
+    them one conversation turn, which must be counted exactly once."""
     auth = {"Authorization": f"Bearer {KEY}"}
 
     def counted() -> float:
@@ -218,14 +219,22 @@ def test_probes_and_listings_are_never_held_conversations(cluster: Cluster) -> N
         lines = [line for line in text.splitlines() if line.startswith("llmsession_cluster_requests_total{")]
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
-    time.sleep(2.5)  # (the replicas post their counts every second: the last turns' are in)
-    before = counted()
+    def settled() -> float:  # (the replicas post their counts every second, after the engine's lock)
+        readings = [counted()]
+        while len(readings) < 3 or len(set(readings[-3:])) > 1:
+            assert len(readings) < 120, readings
+            time.sleep(1.0)
+            readings.append(counted())
+        return readings[-1]
+
+    before = settled()
     for i in range(6):
         assert httpx.get(f"{cluster.url}/health", headers={"x-session-id": f"probe {i}"}).status_code == 200
         listed = httpx.get(f"{cluster.url}/v1/models", headers={**auth, "x-session-id": f"list {i}"})
         assert listed.status_code == 200
-    time.sleep(2.5)
-    assert counted() == before
+    converse(cluster, "probed", 1, "probed")
+    wait_for(lambda: counted() > before, 30)
+    assert settled() == before + 1
 
 
 def test_metrics_show_every_replica(cluster: Cluster) -> None:
@@ -429,6 +438,8 @@ def test_a_conversation_key_is_its_session_else_its_opening_within_its_tenant() 
     users = [json.dumps({"user": name, "messages": []}).encode() for name in ("u1", "u2")]
     assert conversation_key(path, with_session, users[0]) != conversation_key(path, with_session, users[1])
     assert conversation_key(path, with_session, users[0]) != conversation_key(path, with_session, b"{}")
+    nameless = json.dumps({"user": "", "messages": []}).encode()  # (the server's tenant differs too)
+    assert conversation_key(path, with_session, nameless) != conversation_key(path, with_session, b"{}")
     said = [json.dumps({"metadata": {"user_id": name}}).encode() for name in ("u1", "u2")]
     assert conversation_key("/v1/messages", claude, said[0]) != conversation_key(
         "/v1/messages", claude, said[1]

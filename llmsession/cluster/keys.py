@@ -61,7 +61,8 @@ def tenant_of(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) 
     scheme, _, given = headers.get("authorization", "").partition(" ")
     credential = given.strip() if scheme.lower() == "bearer" else ""
     credential = credential or headers.get("x-api-key", "").strip()
-    return digest("tenant", credential, _user(path, parsed) or "")
+    user = _user(path, parsed)  # (no user and an empty one are two tenants there too)
+    return digest("tenant", credential, *(() if user is None else ("user", user)))
 
 
 def _user(path: str, parsed: Mapping[str, Any]) -> str | None:
