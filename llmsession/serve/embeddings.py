@@ -101,19 +101,30 @@ async def embeddings(server: Server, request: Request) -> Response:
     name = server.hosts.served(ask.model)
     if server.embedding_waiting >= MAX_WAITING:  # (each waits holding its inputs)
         raise busy("too many embedding requests are waiting")
-    host, held = await server.hosts.held(ask.model, ask.keep_alive)
+    server.embedding_waiting += 1  # (from here: a model of several may be loading first)
     try:
-        server.embedding_waiting += 1
+        host, held = await server.hosts.held(ask.model, ask.keep_alive)
         try:
             await server.embedding.acquire()  # (one run at a time: the rest wait here, not in threads)
-        finally:
-            server.embedding_waiting -= 1
-        try:
-            if await request.is_disconnected():  # (gone while it waited: nothing to run for)
-                return Response(status_code=499)
-            vectors, tokens = await asyncio.to_thread(embedded, host.model, ask)
-        finally:
-            server.embedding.release()
+        except BaseException:
+            held.drop()
+            raise
     finally:
+        server.embedding_waiting -= 1
+
+    def ended(_: object = None) -> None:  # (the run over: the next may start, the model go)
+        server.embedding.release()
         held.drop()
+
+    try:
+        gone = await request.is_disconnected()  # (gone while it waited: nothing to run for)
+    except BaseException:
+        ended()
+        raise
+    if gone:
+        ended()
+        return Response(status_code=499)
+    run = asyncio.ensure_future(asyncio.to_thread(embedded, host.model, ask))
+    run.add_done_callback(ended)  # (a cancelled request leaves the run holding them until it ends)
+    vectors, tokens = await asyncio.shield(run)
     return JSONResponse(answer(vectors, tokens, name, ask))
