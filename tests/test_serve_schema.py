@@ -434,6 +434,25 @@ def images(*urls: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, *parts]}]}
 
 
+def test_the_door_reads_the_formats_the_library_decodes() -> None:
+    """The door reads an image's size with the library's formats only (no other PIL plugin
+    parses hostile bytes there): a TIFF is refused at the door, not after admission."""
+    import io
+
+    import numpy as np
+    import PIL.Image
+
+    from llmsession import Image
+    from llmsession.serve import images as door
+
+    assert door.FORMATS == Image.FORMATS
+    tiff = io.BytesIO()
+    PIL.Image.fromarray(np.zeros((4, 4, 3), dtype=np.uint8)).save(tiff, format="TIFF")
+    url = "data:image/tiff;base64," + base64.b64encode(tiff.getvalue()).decode()
+    with pytest.raises(ApiError, match="not a readable image"):
+        chat_request(images(url))
+
+
 def test_images_are_bounded_in_number_and_size() -> None:
     assert len(chat_request(images(*[png(64, 64)] * 8)).messages[0]["content"]) == 9
     assert chat_request(images(png(4096, 4096))).messages  # 16.8 MP: the limit itself

@@ -17,6 +17,7 @@ from llmsession.serve.errors import ApiError
 
 MAX_IMAGES = 8
 MAX_PIXELS = 4096 * 4096  # ~16.8 MP
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # ``llmsession.Image.FORMATS`` (a pure module's copy)
 
 
 class ImageCount:
@@ -48,7 +49,7 @@ def _size(data: bytes, where: str) -> tuple[int, int]:
     import PIL.Image
 
     try:
-        with PIL.Image.open(io.BytesIO(data)) as image:
+        with PIL.Image.open(io.BytesIO(data), formats=FORMATS) as image:  # (no other plugin tried)
             width, height = image.size
             return int(width), int(height)
     except PIL.Image.DecompressionBombError:

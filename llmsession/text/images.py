@@ -15,7 +15,7 @@ import io
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 
 
 class Image:
-    """An image part: ``Image(source)`` with encoded bytes (PNG, JPEG, ...), a file path, a
-    ``PIL.Image.Image`` or an H×W×3 uint8 array. Bad input raises ``ImageError`` at once."""
+    """An image part: ``Image(source)`` with encoded bytes (in one of ``FORMATS``), a file
+    path, a ``PIL.Image.Image`` or an H×W×3 uint8 array. Bad input raises ``ImageError`` at
+    once."""
+
+    FORMATS: ClassVar[tuple[str, ...]] = FORMATS  # the encoded formats read (PIL's names)
 
     def __init__(self, source: ImageSource) -> None:
         self.pixels = _rgb_pixels(source)
