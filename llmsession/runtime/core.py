@@ -190,7 +190,7 @@ class ModelCore:
             )
         except RecursionError:
             raise TemplateError("a message, a call's arguments or a tool nests too deep to render") from None
-        if "\x00" in text:  # (llama.cpp's built-in templates could not carry one)
+        if "\x00" in text:  # (a renderer wrote one from a tool or a call: refused as in raw prompts)
             raise TemplateError("a message, a tool or a call must not contain NUL characters")
         return text
 

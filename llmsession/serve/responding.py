@@ -81,9 +81,10 @@ async def create(server: Serving, request: Request) -> Response:
                 raise not_found("response", ask.previous, "previous_response_id")
             history = stored.transcript
         asked = await asyncio.to_thread(responses_request, ask, history)
-        fresh = asked.messages.messages  # (the checked transcript's copy, made off the event loop)
-        start = 1 if ask.instructions else 0
-        transcript, shared = await asyncio.to_thread(lambda: continued(history, fresh()[start:]))
+        start = 1 if ask.instructions else 0  # (the checked transcript's copy, made off the event loop)
+        transcript, shared = await asyncio.to_thread(
+            lambda: continued(history, asked.messages.messages()[start:])
+        )
         dropped = await asyncio.to_thread(server.volatile.dropped, asked.messages)
     asked = dataclasses.replace(asked, messages=dropped)
     ident = response_id(*server.front_named(request))
