@@ -245,3 +245,20 @@ def test_rejects_empty_stop() -> None:
 def test_rejects_bare_string() -> None:
     with pytest.raises(TypeError):
         StopMatcher("</s>")
+
+
+@given(st.one_of(case(), periodic_case()), st.integers(0, 40))
+def test_disarmed_the_text_comes_through_whole(args: tuple[list[str], list[str]], at: int) -> None:
+    """Disarmed as a stop is found (by a push or the flush, or at any push before), what was
+    released, what ``disarm`` gives back and every later push make the whole text, with no
+    stop reported."""
+    stops, pushes = args
+    matcher, out = StopMatcher(stops), []
+    for i, piece in enumerate(pushes):
+        out.append(matcher.push(piece))
+        if matcher.stopped or i == at:
+            out.append(matcher.disarm())
+    out.append(matcher.flush())
+    if matcher.stopped:  # (the flush decided a stop a longer one had kept open)
+        out.append(matcher.disarm())
+    assert "".join(out) == "".join(pushes) and not matcher.stopped and matcher.matched is None

@@ -1,8 +1,9 @@
 """Tool-calling replies on real templates: markers held as special tokens, Gemma 4 without
-jinja, replies cut inside a call (by length or a stop string), and parallel calls."""
+jinja, replies cut inside a call by length (never by a stop string), and parallel calls."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import internals
@@ -97,16 +98,31 @@ def test_a_reply_cut_mid_call_keeps_only_its_text(fixture_path: Any, monkeypatch
     assert reply.text == streamed == "Let me check.", reply
 
 
-def test_a_stop_string_inside_a_call_cuts_it_as_length_does(
-    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A user's stop string that matches inside a call ends the reply there: no call, the
-    text before it, and no error for a call that could not be read."""
+def test_stop_strings_end_the_text_never_a_call(fixture_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's stop string found inside a call does not cut it (a stream would have shown a
+    call its reply then dropped, its arguments broken): the call is whole, streamed and read
+    back the same, and no stop is reported. One found in the text before the calls still ends
+    the reply there, with no call."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    stops = ['"arguments"', "Oslo", "}}"]
     with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
-        scripted_start(monkeypatch, model.tokenize("Let me check.\n<tool_call>", add_special=False))
-        options = GenerationOptions(max_tokens=48, temperature=0, tools=[WEATHER], stop=['"arguments"'])
-        reply = model.session().respond("Weather in Oslo?", options)
-    assert reply.finish_reason == "stop" and not reply.tool_calls and reply.text == "Let me check.", reply
+        steered(monkeypatch, model, f"Let me check.\n{call}")
+        options = GenerationOptions(
+            max_tokens=64, temperature=0, tools=[WEATHER], stop=stops, parallel_tool_calls=False
+        )
+        stream = model.session().stream("Weather in Oslo?", options)
+        snapshots = list(stream)
+        reply = stream.reply
+        assert reply is not None and reply.finish_reason == "tool_calls", reply
+        assert reply.stop_sequence is None
+        assert reply.text == "".join(s.delta for s in snapshots) == "Let me check."
+        assert [(c.name, c.parsed) for c in reply.tool_calls] == [("get_weather", {"city": "Oslo"})]
+        pieces = [piece for snapshot in snapshots for piece in snapshot.tool_calls]
+        assert "".join(p.arguments for p in pieces) == reply.tool_calls[0].arguments
+        steered(monkeypatch, model, f"Let me check.\n{call}")
+        before = model.session().respond("Weather in Oslo?", replace(options, stop=["check", *stops]))
+    assert before.finish_reason == "stop" and before.stop_sequence == "check", before
+    assert before.text == "Let me " and not before.tool_calls
 
 
 @pytest.mark.parametrize("parallel", [True, False])

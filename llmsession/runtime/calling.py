@@ -4,14 +4,40 @@ into text and calls, each call's arguments checked against its tool's schema."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmsession.errors import ReplyMismatchError
 from llmsession.replies import FinishReason, Snapshot, ToolCall
 from llmsession.text.harmony import canonical
 from llmsession.text.schemas import checked_schema, violation
+from llmsession.text.stops import StopMatcher
 from llmsession.text.tool_formats import CallIds, CallStream, ToolFormat, parse
 from llmsession.text.tools import Tools
+
+
+class TextStops(StopMatcher):
+    """The user's stop strings over a reply that may call tools: they end its text, never its
+    calls. One found where the calls have begun is let go, and the stop strings with it (what
+    follows is calls): a call is whole or cut only by ``length``, as its stream showed it."""
+
+    def __init__(self, stops: Sequence[str], stream: CallStream) -> None:
+        super().__init__(stops)
+        self.stream = stream  # (it has read all this has released: the exchange feeds it first)
+
+    def push(self, text: str) -> str:
+        return self.disarm() + text if self.stream.begun else self._unless_in_calls(super().push(text))
+
+    def flush(self) -> str:
+        return self.disarm() if self.stream.begun else self._unless_in_calls(super().flush())
+
+    def _unless_in_calls(self, released: str) -> str:
+        return released + self.disarm() if self.stopped and self.stream.begins(released) else released
+
+
+def stop_matcher(stops: Sequence[str], calling: Calling | None) -> StopMatcher:
+    """A reply's stop strings (``TextStops`` when it may call tools)."""
+    return StopMatcher(stops) if calling is None else TextStops(stops, calling.stream)
 
 
 @dataclass
@@ -62,7 +88,7 @@ class Calling:
         try:
             text, calls = parse(raw, self.fmt, self.tools, self.ids)
         except ValueError as unparsed:
-            if finish == "stop":  # a stop string inside a call: cut there, as by ``length``
+            if finish == "stop":  # a stop string inside a call's opening: cut there, as by ``length``
                 return self.text + self.stream.flush(), (), finish, None
             return raw, (), finish, ReplyMismatchError(f"the reply's tool calls do not parse: {unparsed}")
         if not calls:

@@ -31,7 +31,7 @@ from llmsession.native.context import DecodeAborted
 from llmsession.native.sampler import TokenSampler
 from llmsession.options import GenerationOptions
 from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, ToolCall, Usage
-from llmsession.runtime.calling import Calling
+from llmsession.runtime.calling import Calling, stop_matcher
 from llmsession.runtime.place import Place
 from llmsession.runtime.scoring import Scoring, sampler_for
 from llmsession.runtime.thinking import Thinking
@@ -180,7 +180,7 @@ class Exchange:
         timings.time_to_first_token_s = first_token_at - self.began
         with self.place.engine.batcher.generating(seat.context) as tracker:
             self._tracker = tracker  # (its own forced tokens do not wait for it: ``_keep_forced``)
-            detokenizer, stops = IncrementalDetokenizer(), StopMatcher(self.options.stop)
+            detokenizer, stops = IncrementalDetokenizer(), stop_matcher(self.options.stop, self.calling)
             cut, drafter = self._cut(usage, 0, sampler, token), self._drafter(seat, usage)
             pending = cut or [token, *sampler.forced()]
             held = 0  # how many of ``pending`` memory holds already (drafts the last step kept)

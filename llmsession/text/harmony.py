@@ -64,3 +64,8 @@ class Opening:
     def flush(self) -> str:
         held, self._held = self._held or "", None
         return canonical(held)
+
+    @property
+    def names_a_tool(self) -> bool:
+        """Whether the opening it holds is a call's header that has named its recipient."""
+        return self._held is not None and TO.lstrip() in self._held

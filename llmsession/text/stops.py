@@ -110,9 +110,17 @@ class StopMatcher:
         self._state = [0] * len(self._stops)  # as before: a partial match does not span a flush
         return text
 
-    def _stop(self, text: str) -> str:
-        self._stopped = True
+    def disarm(self) -> str:
+        """Stop looking for stops: the text held back (from the stop found, if one was: it is
+        not a stop after all), and every later push passed through as it is."""
+        rest = "".join(self._held)[self._skip :]
         self._held.clear()
+        self._stops, self._state, self._skip, self._start = (), [], 0, self._pos
+        self._found, self._matched, self._stopped = None, None, False
+        return rest
+
+    def _stop(self, text: str) -> str:
+        self._stopped = True  # (what is held from the stop on stays, for ``disarm``)
         return text
 
     def _take(self, n: int) -> str:

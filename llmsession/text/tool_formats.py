@@ -14,6 +14,7 @@ a reply; the other spelling its models write is read as this one, ``harmony``).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import secrets
@@ -236,6 +237,24 @@ class CallStream:
                 at - len(before) if before and self.raw[:at].endswith(before) else at
             ), self._calls()
         return "", self._calls()
+
+    @property
+    def begun(self) -> bool:
+        """Whether the reply's calls have begun (what it writes from here on is theirs)."""
+        return self.calls_at >= 0 and not self.plain
+
+    def begins(self, delta: str) -> bool:
+        """Whether the calls will have begun once ``delta`` is pushed (nothing is pushed)."""
+        if self.begun or self.plain or self.cut >= 0:
+            return self.begun
+        probe = copy.deepcopy(self.opening)
+        opened = delta if probe is None else probe.push(delta)
+        if probe is not None and probe.names_a_tool:  # (gpt-oss's header, held until it is whole)
+            return True
+        raw, trigger = self.raw + opened, self.fmt.trigger
+        if self.fmt.anchored and not raw.startswith(trigger[: len(raw)]):
+            return False
+        return trigger in raw
 
     def flush(self) -> str:
         """The text held back, at the end of a reply that made no call."""
