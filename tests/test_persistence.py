@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -210,6 +211,52 @@ def test_fields_of_a_resigned_file_of_any_json_type_are_typed_errors(smollm2: Mo
     write(path, saved)
     with pytest.raises(SessionFileError, match="not a digest"):
         smollm2.load_session(path)
+    for named in (
+        {"type": "image", "image": "/dev/zero"},
+        {"type": "image_url", "image_url": {"url": "/etc/hosts"}},
+    ):
+        saved.messages[0] = {"role": "user", "content": ["Look:", named]}  # (a file must not open paths)
+        write(path, saved)
+        with pytest.raises(SessionFileError, match="names a source"):
+            smollm2.load_session(path)
+
+
+def test_a_file_is_refused_from_its_opening_before_it_is_read(smollm2_path: Path, tmp_path: Path) -> None:
+    """A model's file, or a sparse file of 100 GB whose opening is ours with a header longer
+    than a record of the model's positions could need, is refused unread (it was read whole
+    first, twice over)."""
+    with pytest.raises(SessionFileError, match="not an llmsession file"):
+        read(smollm2_path)
+    sparse = tmp_path / "sparse.llmsession"
+    with sparse.open("wb") as f:
+        f.write(b"LLMSESS1" + (1 << 31).to_bytes(8, "little"))
+        f.truncate(100 << 30)
+    began = time.monotonic()
+    with pytest.raises(SessionFileError, match="header is longer"):
+        read(sparse, max_positions=8192)
+    assert time.monotonic() - began < 1
+
+
+def test_a_loaded_files_cells_are_no_other_sessions_prefix(smollm2: Model, tmp_path: Path) -> None:
+    """A file's state is its own session's (and its forks'): another session whose prompt opens
+    the same way decodes that prefix itself, where it shares a live session's cells (a crafted
+    file's cells, finite values for other text, would have changed its replies)."""
+    system, path = "You answer in one short sentence about cities.", tmp_path / "chat.llmsession"
+    first = smollm2.session(system)
+    first.respond(FIRST, GREEDY)
+    first.save(path)
+    control = smollm2.session(system).respond(SECOND, GREEDY)
+    assert control.usage.shared_tokens > 8, control.usage  # (a live session's prefix is shared)
+    first.close()
+    loaded = smollm2.load_session(path)
+    assert loaded.respond(SECOND, GREEDY).usage.restored_tokens > 8
+    fork = loaded.fork()
+    fork.respond("And its river?", GREEDY)
+    other = smollm2.session(system)  # (the loaded session and its fork, both live: no donors)
+    reply = other.respond(SECOND, GREEDY)
+    assert reply.usage.shared_tokens == 0 and reply.usage.reused_tokens == 0, reply.usage
+    for session in (other, fork, loaded):
+        session.close()
 
 
 def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
@@ -276,4 +323,19 @@ def test_a_model_file_gone_since_loading_is_a_typed_error(smollm2_path: Path, tm
         session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
         copy_path.unlink()
         with pytest.raises(SessionFileError, match="identify"):
+            session.save(tmp_path / "chat.llmsession")
+
+
+def test_a_model_file_replaced_since_loading_is_not_its_identity(smollm2_path: Path, tmp_path: Path) -> None:
+    """Other weights renamed over the loaded file: a state made with the weights in memory is
+    never saved under the new file's name (nor a saved one loaded as theirs)."""
+    copy_path = tmp_path / "model.gguf"
+    copy_path.write_bytes(smollm2_path.read_bytes())
+    with Model(copy_path, threads=2) as model:
+        session = model.session()
+        session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+        replacement = tmp_path / "new.gguf"
+        replacement.write_bytes(smollm2_path.read_bytes())
+        replacement.replace(copy_path)
+        with pytest.raises(SessionFileError, match="changed since the model was loaded"):
             session.save(tmp_path / "chat.llmsession")

@@ -232,6 +232,32 @@ def test_a_session_file_with_a_value_that_is_not_finite_loads_cold(
         assert reply.text.strip(), "a cold session answers as a fresh one does"
 
 
+def test_a_file_state_of_a_layout_that_cannot_be_checked_loads_cold(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``stateblob`` cannot walk a context's states (an ``UNCHECKED`` architecture's, or
+    an empty state it could not read) a file's state is not handed to llama.cpp, whose loaders
+    abort on some crafted ones: the session loads cold. A state this process wrote (parked,
+    ``values`` False) still loads as it did."""
+    path = tmp_path / "saved.llmsession"
+    with Model(smollm2_path, threads=1, kv_tokens=2048) as model:
+        session = model.session(context_size=512)
+        session.respond(FIRST, GREEDY)
+        session.save(path)
+        context = internals.live_context(session)
+        assert context is not None
+        session.close()
+        monkeypatch.setattr(context, "state_layout", None)
+        loaded = model.load_session(path)
+        reply = loaded.respond(SECOND, GREEDY)
+        assert reply.usage.restored_tokens == 0 and "cache not reused" in reply.usage.cache_note, reply.usage
+        assert internals.live_context(loaded) is context
+        _, seq = internals.placement(loaded)
+        blob = bytes(context.state_get(seq))
+        assert context.state_set(blob, seq) and context.pos_max(seq) >= 0  # (its own: unchecked)
+        assert not context.state_set(blob, seq, values=True)  # (a file's: refused, the sequence emptied)
+
+
 def refused_quickly(blob: bytes, state: Saved) -> str | None:
     start = time.monotonic()
     why = refusal(blob, state.layout, state.positions)

@@ -175,18 +175,16 @@ def read(path: str | Path, max_positions: int = MAX_POSITIONS) -> SavedSession:
     """Read and verify a file; any defect is a SessionFileError naming it, a record of more than
     ``max_positions`` (a loading model's ``kv_tokens``) too."""
     path = Path(path)
-    data = _read_regular(path)
-    if len(data) < len(MAGIC) + _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
-        raise SessionFileError(f"{path} is not an llmsession file (or is truncated)")
-    body, checksum = data[:-_DIGEST], data[-_DIGEST:]
+    data = memoryview(_read_regular(path, header_bytes(max_positions)))  # (its slices copy nothing)
+    body, checksum = data[:-_DIGEST], bytes(data[-_DIGEST:])
     if hashlib.sha256(body).digest() != checksum:
         raise SessionFileError(f"{path} is corrupt or truncated (checksum mismatch)")
     (length,) = _LENGTH.unpack_from(body, len(MAGIC))
     start = len(MAGIC) + _LENGTH.size
-    if length > min(MAX_HEADER_BYTES, len(body) - start):
+    if length > len(body) - start:
         raise SessionFileError(f"{path}: the header length {length} is out of range")
     try:
-        header = json.loads(body[start : start + length].decode("utf-8"))
+        header = json.loads(bytes(body[start : start + length]).decode("utf-8"))
     except (ValueError, RecursionError) as error:  # (ValueError: an int past CPython's digit limit too)
         raise SessionFileError(f"{path}: the header is not valid JSON: {error}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
@@ -210,9 +208,17 @@ def read(path: str | Path, max_positions: int = MAX_POSITIONS) -> SavedSession:
     )
 
 
-def _read_regular(path: Path) -> bytes:
+def header_bytes(max_positions: int) -> int:
+    """The longest header a file of a record of ``max_positions`` may have (its tokens, the
+    transcript's text and settings: a header bound to them, as its parse costs memory)."""
+    return min(MAX_HEADER_BYTES, (16 << 20) + 64 * max_positions)
+
+
+def _read_regular(path: Path, max_header: int) -> bytearray:
     """The bytes of a regular file, checked before reading: a FIFO would block forever and a
-    device (``/dev/zero``) would never end."""
+    device (``/dev/zero``) would never end; and whose opening is an llmsession file's with a
+    header of at most ``max_header`` bytes before the rest is read (a model's file, or a
+    sparse one of 100 GB, is refused unread)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
@@ -226,9 +232,18 @@ def _read_regular(path: Path) -> bytes:
             raise SessionFileError(
                 f"{path} has {info.st_size} bytes; a session file has at most {MAX_FILE_BYTES}"
             )
-        data = f.read(info.st_size + 1)
-    if len(data) != info.st_size:
-        raise SessionFileError(f"{path} changed while it was read")
+        opening = f.read(len(MAGIC) + _LENGTH.size)
+        if info.st_size < len(opening) + _DIGEST or opening[: len(MAGIC)] != MAGIC:
+            raise SessionFileError(f"{path} is not an llmsession file (or is truncated)")
+        if _LENGTH.unpack_from(opening, len(MAGIC))[0] > max_header:
+            raise SessionFileError(f"{path}: its header is longer than {max_header} bytes")
+        try:
+            data = bytearray(info.st_size)
+        except MemoryError:
+            raise SessionFileError(f"{path}: its {info.st_size} bytes do not fit in memory") from None
+        data[: len(opening)] = opening
+        if f.readinto(memoryview(data)[len(opening) :]) != len(data) - len(opening) or f.read(1):
+            raise SessionFileError(f"{path} changed while it was read")
     return data
 
 
@@ -236,11 +251,11 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)
 
 
-def _blobs(header: dict[str, Any], body: bytes, offset: int, path: Path) -> dict[str, bytes]:
+def _blobs(header: dict[str, Any], body: memoryview, offset: int, path: Path) -> dict[str, Buffer]:
     table = header.get("blobs")
     if not isinstance(table, list):
         raise SessionFileError(f"{path}: the blob table is missing")
-    blobs: dict[str, bytes] = {}
+    blobs: dict[str, Buffer] = {}
     for entry in table:
         try:
             name, size, digest = entry["name"], entry["size"], entry["sha256"]

@@ -25,7 +25,7 @@ from llmsession.native.llama import (
 )
 from llmsession.native.machine import within_cores
 from llmsession.native.reports import made_reporting
-from llmsession.native.stateblob import StateLayout, layout, learned, refusal
+from llmsession.native.stateblob import UNCHECKABLE, StateLayout, layout, learned, refusal
 from llmsession.native.threadpool import POOLED, ThreadPool
 from llmsession.options import KV_TYPES
 
@@ -327,11 +327,11 @@ class NativeContext(Owner):
         """Load a state this build wrote for the same model and layout into ``seq``; False (``seq``
         empty) if ``stateblob`` refused it first (llama.cpp's loaders abort on some malformed
         input; ``values``: a file's state, its values checked finite too) or llama.cpp did; a
-        memory ``stateblob`` cannot read loads unchecked. Callers check the positions restored."""
+        memory ``stateblob`` cannot read loads unchecked (a file's never). Callers check positions."""
         lib, ffi = bindings()
         self.check_seq(seq)
         expected = self.state_layout.partial() if partial and self.state_layout else self.state_layout
-        why = refusal(blob, expected, values=values) if expected else None
+        why = refusal(blob, expected, values=values) if expected else UNCHECKABLE if values else None
         if why is not None:
             log.info("a saved sequence state was not loaded: %s", why)
         else:

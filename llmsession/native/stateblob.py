@@ -47,6 +47,7 @@ CHUNK = 1 << 22  # bytes of values checked at a time (``values``)
 RECURRENT = "recurrent state"
 # Architectures whose memory writes more than these parts (DSA, MSA, DeepSeek V4 caches, an
 # indexer cache, a KV cache shared with another model's): their states are not checked, so refused.
+UNCHECKABLE = "this build cannot check its layout, and a file's state is loaded only checked"
 UNCHECKED = {
     *("minimax-m3", "glm-dsa", "deepseek32", "glm5-next", "hy_v4", "dots3note", "deepseek4"),
     *("dflash", "qwen4exp", "gemma4-assistant"),

@@ -110,7 +110,7 @@ class ModelCore:
             raise
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
-        self._identities = FileIdentities()
+        self._identities = FileIdentities(self.path, self.mmproj_path)
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
         self._specials: dict[str, Mapping[str, int]] = {}  # per tool format (``special_markers``)

@@ -186,6 +186,11 @@ def _decode_message(message: Any, saved: SavedSession) -> Message:
 
 
 def _decode_part(part: Any, saved: SavedSession) -> Any:
+    """A saved part as it was: text as it is, an image from the pixels the file holds (one
+    naming a path or a URL instead is refused: a saved image is always its pixels, and a file
+    must not make a session read what it names)."""
+    if isinstance(part, dict) and IMAGE_KEY not in part and is_image_part(part):
+        raise SessionFileError("a saved image part names a source, not pixels the file holds")
     if not (isinstance(part, dict) and IMAGE_KEY in part):
         return part
     digest = part[IMAGE_KEY]
