@@ -251,6 +251,8 @@ class Engine:
         """A context of its own for one exchange of an encoder-decoder model: its decoder state
         depends on the whole encoded prompt, so there is no prefix to keep (as upstream does)."""
         with self.hold():
+            if self._closed:  # (as ``_shared_context``: nothing made for a model being freed)
+                raise ModelClosedError("the model is closed")
             self._reap()
             self.counters.exchanges += 1
             context = self.make_context(
@@ -290,24 +292,26 @@ class Engine:
         with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
             return seat.context.state_get(seat.seq) if lease.cache.items else None
 
-    def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item]) -> bool:
-        """Load a saved state (a file's) into a cold session; False (still cold) if it was
-        refused (values that are not finite among them) or does not hold exactly ``record``'s
-        positions."""
+    def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item], *, foreign: bool = True) -> bool:
+        """Load a saved state (a file's: ``foreign``, its cells no other session's prefix) into a cold
+        session; False (still cold) if refused (values not finite among them) or not of ``record``."""
+        lease.cache.foreign |= foreign  # (before its cells are there to be taken: ``sharing``)
         with self.seat(lease, len(record), threading.Event()) as seat:
             context = seat.context
             if (
-                context.state_set(blob, seat.seq, values=True)
+                context.state_set(blob, seat.seq, values=foreign)
                 and context.pos_max(seat.seq) == len(record) - 1
             ):
                 lease.cache.extend(record)
                 return True
             context.seq_rm(-1, seat.seq)
+            lease.cache.foreign = False
             return False
 
     def fork(self, source: Lease, target: Lease) -> None:
         """Give a cold ``target`` what ``source`` holds: the same cells (``seq_cp``) when both
         fit at once, else a copy of the state; cold when the state cannot be copied exactly."""
+        target.cache.foreign = source.cache.foreign  # (a file's cells stay its own: ``adopt``)
         if not source.cache.items or not source.parkable:
             return
         record = source.cache.items
@@ -323,7 +327,7 @@ class Engine:
                     return
             except MemoryBudgetError:
                 blob = mine.context.state_get(mine.seq)
-        if self.adopt(target, blob, record):
+        if self.adopt(target, blob, record, foreign=False):
             target.cache.share_checkpoints(source.cache)
 
     def memory(self) -> MemoryReport:

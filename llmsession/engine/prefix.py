@@ -142,6 +142,7 @@ class PrefixCache:
         self.n_swa = n_swa
         self.checkpoints = Checkpoints(checkpoints) if checkpoints is not None else None
         self._items: list[Item] = []
+        self.foreign = False  # its items' cells came from a file: no other session's prefix
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -237,5 +238,6 @@ class PrefixCache:
     def reset(self) -> None:
         """Forget everything: the caller cleared memory or discarded the context."""
         self._items.clear()
+        self.foreign = False
         if self.checkpoints is not None:
             self.checkpoints.clear()

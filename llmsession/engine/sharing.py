@@ -49,7 +49,7 @@ def share(
     live = [
         (other, entry.seq)
         for other, entry in ((o, home.residency.entry(k)) for k, o in home.leases.items())
-        if other is not lease and other.shares and other.cache.items and entry.state is State.LIVE
+        if other is not lease and _donor(other) and entry.state is State.LIVE
     ]
     index, shared = best_donor(prompt, [donor.cache.items for donor, _ in live], can_cut=can_cut)
     if restored := _from_parked(lease, seq, prompt, can_cut, parked, beat=shared):
@@ -62,6 +62,12 @@ def share(
     if not home.context.seq_cp(donor_seq, seq):  # (a copied state llama.cpp refused: decode it all)
         return 0
     return _keep_prefix(lease, seq, donor, shared, "")
+
+
+def _donor(other: Lease) -> bool:
+    """Whether a session's cells may be another's prefix: it shares, holds some, and none of
+    them came from a file (``Engine.adopt``: a crafted file's would change the taker's replies)."""
+    return other.shares and bool(other.cache.items) and not other.cache.foreign
 
 
 def _worth_copying(donor: Lease, shared: int) -> bool:
@@ -80,8 +86,7 @@ def _from_parked(
         other
         for key, other in home.leases.items()
         if other is not lease
-        and other.shares
-        and other.cache.items
+        and _donor(other)
         and home.residency.entry(key).state is State.PARKED
         and parked.holds(key)
     ]
