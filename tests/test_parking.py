@@ -5,6 +5,7 @@ miss (never wrong bytes), and nothing left behind: on close, or by a process tha
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -79,11 +80,11 @@ def test_a_state_is_served_from_ram_while_it_is_written(
 def test_a_failed_write_is_a_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def full(self: Path, *args: Any, **kwargs: Any) -> Any:
+    def full(path: Path) -> Any:
         raise OSError(28, "No space left on device")
 
     lot = ParkingLot(tmp_path)
-    monkeypatch.setattr(Path, "open", full)
+    monkeypatch.setattr(parking, "new_file", full)
     lot.park("a", b"alpha")
     assert lot.spill("a")
     assert lot._writer is not None
@@ -111,6 +112,39 @@ def test_a_state_file_that_changed_is_a_miss_never_handed_over(tmp_path: Path, d
         del data[-100:]
     path.write_bytes(bytes(data))
     assert lot.holds("a") == "disk" and lot.take("a") is None
+    lot.close()
+
+
+def test_states_go_only_into_a_private_folder_and_come_back_only_from_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The folder taken away (a sweep, a cleaner) is made again, private; one made meanwhile
+    that others may enter is not written into (a miss); a state's file swapped for a FIFO is
+    a miss, not a read that never ends."""
+    lot = ParkingLot(tmp_path)
+
+    def spilled(key: str, blob: bytes) -> None:
+        lot.park(key, blob)
+        assert lot.spill(key) and lot._writer is not None
+        lot._writer.submit(lambda: None).result()  # the write has ended
+
+    spilled("a", b"alpha")
+    (folder,) = tmp_path.iterdir()
+    shutil.rmtree(folder)
+    spilled("b", b"bravo")
+    assert folder.stat().st_mode & 0o777 == 0o700 and bytes(lot.peek("b") or b"") == b"bravo"
+    shutil.rmtree(folder)
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    spilled("c", b"charlie")
+    assert "not a private folder" in caplog.text and lot.holds("c") == "" and not list(folder.iterdir())
+    folder.chmod(0o700)
+    spilled("d", b"delta")
+    (path,) = folder.iterdir()
+    path.unlink()
+    os.mkfifo(path)
+    began = time.monotonic()
+    assert lot.peek("d") is None and time.monotonic() - began < 5
     lot.close()
 
 

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -31,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from llmsession.buffers import mapping
 
@@ -83,6 +84,23 @@ def own_folder(directory: Path, owner: object) -> tuple[Path, Callable[[], objec
     prefix = f"{FOLDER_PREFIX}{os.getpid()}@{host_name()}-"
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
     return folder, weakref.finalize(owner, shutil.rmtree, folder, True)
+
+
+def private_folder(folder: Path) -> None:
+    """``folder`` made again (0700) if it was taken away, and in any case a directory of this
+    user's that no one else may enter: states are never written where another user could read
+    or replace them (an OSError if it is not so)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise OSError(f"{folder} is not a private folder of this user's")
+
+
+def new_file(path: Path) -> BinaryIO:
+    """``path`` made for writing, readable by this user only; never one that exists already,
+    nor through a symlink."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
 
 
 class ParkingLot:
@@ -176,8 +194,8 @@ class ParkingLot:
                 return  # discarded or taken back before its turn: nothing to write
         written, digest = False, zlib.crc32(blob)  # here, off the exchange's path
         try:
-            path.parent.mkdir(exist_ok=True)  # (another host's sweep may have taken an idle folder)
-            with path.open("wb") as file:
+            private_folder(path.parent)  # (another host's sweep may have taken an idle folder)
+            with new_file(path) as file:
                 file.write(blob)
             written = True
         except OSError as error:
@@ -214,7 +232,10 @@ class ParkingLot:
         blob, got = mapping(size), 0
         view = memoryview(blob)[:size]
         try:
-            with path.open("rb", buffering=0) as file:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO would hang here)
+            with os.fdopen(fd, "rb", buffering=0) as file:
+                if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                    raise OSError(f"{path} is not a regular file")
                 while got < size and (n := file.readinto(view[got:])):
                     got += n
         except OSError as error:
