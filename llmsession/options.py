@@ -160,8 +160,14 @@ def _int_in(value: object, low: int, high: int) -> bool:
     return _is_int(value) and low <= value <= high  # type: ignore[operator]
 
 
+REAL_RANGE = (1e-30, 1e30)  # a float llama.cpp's samplers take: 0 or within these (float32's,
+# with room for logits divided or offset by it: 1e-46 is 0 there and 1e39 infinite, NaN after)
+
+
 def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return value == 0 or REAL_RANGE[0] <= abs(value) <= REAL_RANGE[1]
 
 
 def _require(name: str, value: object, ok: bool) -> None:

@@ -200,3 +200,32 @@ def test_the_server_side_of_the_bridge_decodes_on_without_asking(smollm2: Model)
 
     assert asyncio.run(taken(None)) > 2
     assert asyncio.run(taken(0)) <= 1
+
+
+def test_a_stream_whose_thread_cannot_start_fails_and_closes_at_once(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread for the pump (the system's limit reached): the first step raises that error,
+    the next ends the stream, and leaving ``async with`` returns (it waited, through every
+    cancel, for an end nothing would ever signal). Run on a loop of its own thread, so a hang
+    fails the test instead of hanging it."""
+    session, outcome = smollm2.session(), list[object]()
+
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async def main() -> None:
+        async with session.astream("Hi", GREEDY) as stream:
+            with monkeypatch.context() as patched:
+                patched.setattr(threading.Thread, "start", refused)
+                with pytest.raises(RuntimeError, match="can't start"):
+                    await stream.__anext__()
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
+        outcome.append("closed")
+
+    runner = threading.Thread(target=lambda: outcome.append(asyncio.run(main())), daemon=True)
+    runner.start()
+    runner.join(20)
+    assert not runner.is_alive() and outcome[0] == "closed", outcome
+    assert session.respond("Hi", GenerationOptions(max_tokens=2)).text is not None  # (the session is free)

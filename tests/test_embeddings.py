@@ -216,3 +216,15 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
             for thread in threads:
                 thread.join(60)
     assert statuses == [503] + [200] * (1 + embeddings.MAX_WAITING)
+
+
+def test_an_embed_that_begins_as_its_model_closes_makes_no_context(bert_path: Path) -> None:
+    """``Model.close`` frees the embedding context, then the model: an embed that passed the
+    model's open check just before made a new context that the model's free then pulled out
+    from under it (a use after free). Once its context is closed, no embed makes another."""
+    with Model(bert_path, threads=1) as model:
+        embedder = internals.local(model).embedder
+        embedder.close()  # (where ``close`` is when the embed takes the lock)
+        with pytest.raises(ModelClosedError):
+            embedder.embed("cat", model.tokenize)
+        assert embedder._context is None

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from near_ties import assert_same_within_noise, scored
 
-from llmsession import GenerationOptions, Model, TemplateError
+from llmsession import GenerationOptions, GrammarError, Model, TemplateError
 from llmsession.runtime.session import LocalSession
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
@@ -157,3 +157,32 @@ def test_a_pool_smaller_than_the_conversations_loses_their_history(smollm2_path:
         assert any(reused < first for reused, first in converse_in_turn(model, 12))
     with pytest.raises(ValueError, match="stateless_sessions"):
         Model(smollm2_path, stateless_sessions=0)
+
+
+def test_a_call_refused_as_it_starts_leaves_the_kept_conversation_as_it_was(smollm2: Model) -> None:
+    """A turn of a kept conversation refused as it starts (a pattern that does not compile)
+    took the conversation's session out of the kept ones and dropped it: the next good turn
+    decoded everything again, and ``take_conversation`` found nothing. It is put back."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
+    first = smollm2.chat(history, GREEDY, tenant="t", conversation="refused")
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": QUESTIONS[1]}]
+    with pytest.raises(GrammarError):
+        smollm2.chat(history, GenerationOptions(max_tokens=4, regex="("), tenant="t", conversation="refused")
+    assert "refused" in smollm2.conversations()
+    reply = smollm2.chat(history, GREEDY, tenant="t", conversation="refused")
+    assert reply.usage.reused_tokens >= first.usage.prompt_tokens, (reply.usage, first.usage)
+    taken = smollm2.take_conversation("refused")
+    assert taken is not None and taken[1] == "t" and taken[0].messages[-1]["content"] == reply.text
+    taken[0].close()
+
+
+def test_a_tenant_that_is_not_a_str_is_refused_before_the_session_is_kept(smollm2: Model) -> None:
+    """A list as ``keep_conversation``'s tenant was kept, then every later stateless call that
+    looked at the kept sessions failed hashing it (``TypeError`` from deep inside)."""
+    session = smollm2.session()
+    session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0))
+    with pytest.raises(TypeError, match="tenant must be a str"):
+        smollm2.keep_conversation(session, tenant=["a"], conversation="listed")  # type: ignore[arg-type]
+    assert not session.closed and "listed" not in smollm2.conversations()
+    assert smollm2.take_conversation("anything") is None
+    session.close()

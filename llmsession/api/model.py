@@ -326,6 +326,8 @@ class Model(RawCompletions):
         model owns the session from here (it may close it to keep within its bounds): the
         handle passed is closed (an unfinished stream of it finished first), and any later use
         of it raises ``ModelClosedError``, as does keeping a session already closed."""
+        if tenant is not None and not isinstance(tenant, str):  # (a list would break every later call)
+            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         self._backend.keep_conversation(session, tenant, conversation)
 
     def embed(self, inputs: Inputs, *, normalize: bool = True) -> np.ndarray:

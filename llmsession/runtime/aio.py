@@ -59,7 +59,14 @@ class Pump:
         self.loop = asyncio.get_running_loop()
         self.queue, self.ended = asyncio.Queue(), asyncio.Event()
         context = contextvars.copy_context()  # (as asyncio.to_thread: the caller's context)
-        threading.Thread(target=context.run, args=(self.run,), name="llmsession-astream", daemon=True).start()
+        pump = threading.Thread(target=context.run, args=(self.run,), name="llmsession-astream", daemon=True)
+        try:
+            pump.start()
+        except BaseException:  # (no thread: nothing would end it, so nothing may wait for it)
+            self.done = True
+            self.queue.put_nowait(_END)
+            self.ended.set()
+            raise
 
     def ask(self) -> None:
         with self.turn:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from llmsession.errors import ContextOverflowError, UnsupportedFeatureError
+from llmsession.errors import ContextOverflowError, ModelClosedError, UnsupportedFeatureError
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.shape import architecture, meta
@@ -49,6 +49,7 @@ class Embedder:
         self.pooling = pooling_of(model)
         self._context: NativeContext | None = None
         self._lock = threading.Lock()
+        self._closed = False  # (its model is closing: no context is made again)
 
     def check(self) -> None:
         if self.pooling == "rank":
@@ -66,7 +67,7 @@ class Embedder:
         self.check()
         lists = self._token_lists(inputs, tokenize)
         with self._lock:
-            context = self._context or self._made()
+            context = self._context or self._made()  # (ModelClosedError once closed)
             rows = [row for group in self._groups(lists, context.n_ctx) for row in self._run(context, group)]
         out = np.stack(rows).astype(np.float32, copy=False)
         if normalize:
@@ -76,6 +77,7 @@ class Embedder:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._context is not None:
                 self._context.close()
                 self._context = None
@@ -90,6 +92,8 @@ class Embedder:
                 self._made()
 
     def _made(self) -> NativeContext:
+        if self._closed:  # (an embed that began as its model closed: no context under its free)
+            raise ModelClosedError("the model is closed")
         trained = min(MAX_CONTEXT, self.model.n_ctx_train or MAX_CONTEXT)
         n_ctx = min(trained, max(MIN_BATCH, LOGITS_BYTES // (4 * max(1, self.model.n_vocab))))
         self._context = NativeContext(

@@ -166,8 +166,11 @@ class StatelessSessions:
         from here), or on a new one; keep it for the next calls (``pooled``, else ``adopt``)."""
         keep = keeps(tenant, config)
         with self._lock:
+            undo: Callable[[], None] | None = None
             try:
-                session = self._take(tenant, prompt.items, config, call.conversation) if keep else None
+                session, undo = (
+                    self._take(tenant, prompt.items, config, call.conversation) if keep else (None, None)
+                )
                 session = session or LocalSession(self.model, config)
                 if record is not None:
                     session.replies = record  # its prompts splice only its tenant's replies
@@ -176,6 +179,8 @@ class StatelessSessions:
                 stream = session.start(call.said, call.options, prompt, call.tools)  # owns prompt now
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
+                if undo is not None:  # (a call refused as it started loses no one's kept session)
+                    undo()
                 raise
             if keep and pooled:
                 self._keep(session, tenant, call.conversation)
@@ -260,10 +265,11 @@ class StatelessSessions:
 
     def _take(
         self, tenant: str | None, items: Sequence[object], config: SessionConfig, label: str | None
-    ) -> LocalSession | None:
+    ) -> tuple[LocalSession | None, Callable[[], None] | None]:
         """The kept session a call takes (``keeping.choose``: its tenant's, with its settings,
         idle, sharing at least half its cache with ``items``; a fork where the call branches off
-        or the session is another conversation's), else None (a new one)."""
+        or the session is another conversation's), else None (a new one); and what puts it back
+        if the call fails to start (``_undo_take``)."""
         self._forget_closed()
         wanted = resolved_config(self.model, config)  # (a session loaded elsewhere has its own ``asked``)
         kept = self._seen(lambda s: self._tenants[s] == tenant and s.config == wanted)
@@ -273,12 +279,29 @@ class StatelessSessions:
         ]
         choice = choose(kept, shared, label, self.capacity, tenant)
         if choice is None:
-            return None
+            return None, None
         chosen = self._sessions[choice.index]
         if choice.fork:
-            return chosen.fork()  # the fork's own transcript is replaced by the caller
+            return chosen.fork(), None  # the fork's own transcript is replaced by the caller
+        undo = self._undo_take(chosen, choice.index, tenant)
         self._unkeep(chosen)
-        return chosen
+        return chosen, undo
+
+    def _undo_take(self, session: LocalSession, index: int, tenant: str | None) -> Callable[[], None]:
+        """What puts a kept session a call takes back as it is now, where it is among the kept
+        ones (``index``), if the call fails to start (a schema that does not compile, a prompt
+        too long): the conversation keeps its cache."""
+        label, was = self._labels.get(session), (session.messages, session.looks_ahead, session.replies)
+
+        def undo() -> None:
+            session.messages, session.looks_ahead, session.replies = was
+            if not session.closed:
+                self._sessions.insert(min(index, len(self._sessions)), session)
+                self._tenants[session] = tenant
+                if label is not None:
+                    self._labels[session] = label
+
+        return undo
 
     def _seen(self, fitting: Callable[[LocalSession], bool]) -> list[Kept]:
         """The kept sessions as ``keeping`` sees them, least recently used first."""
