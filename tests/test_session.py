@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from pathlib import Path
@@ -354,6 +355,38 @@ def test_a_kept_session_whose_dropped_stream_is_finishing_is_not_taken(
         session.close()
 
 
+def test_a_stream_a_garbage_collection_drops_is_finished_in_a_thread_of_its_own(smollm2: Model) -> None:
+    """A stream kept alive by a reference cycle is freed by the cyclic collector, in whichever
+    thread allocates then: here one holding the lock where replies are recorded, which the
+    finishing takes (it waited on itself forever). The finishing now runs elsewhere; the
+    session's next call waits for it, and the cut reply is in the transcript. Run in a thread
+    of its own, so a hang fails the test instead of hanging it."""
+    session, options = smollm2.session("Be brief."), GenerationOptions(max_tokens=8, temperature=0)
+    lock, outcome = internals.local(smollm2).replies._lock, list[object]()
+
+    def drop() -> None:
+        stream = session.stream("hi", options)
+        next(stream)
+        stream.cycle = stream  # type: ignore[attr-defined]  # (what a kept traceback does)
+        gc.disable()  # (no collection frees it before the one under the lock)
+        try:
+            del stream
+            with lock:  # (a thread inside ``ReplyTokens.remember`` when the collector runs)
+                gc.collect()
+        finally:
+            gc.enable()
+        outcome.append("collected")
+
+    dropper = threading.Thread(target=drop, daemon=True)
+    dropper.start()
+    dropper.join(30)
+    assert outcome == ["collected"], "the collection waited on a lock its own thread held"
+    reply = session.respond("yo", options)
+    roles = [(m["role"], m["content"]) for m in session.messages]
+    assert [content for role, content in roles if role == "user"] == ["hi", "yo"], roles
+    assert roles[-1] == ("assistant", reply.text) and roles[-3][0] == "assistant", roles
+
+
 def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
     """Each reply equals a lone session's within the measured noise (their cells lie elsewhere,
     and the two threads' steps may be decoded in one batch)."""
@@ -424,7 +457,10 @@ def test_prompt_longer_than_the_context(smollm2: Model) -> None:
     ("field", "value"),
     [("max_tokens", 0), ("temperature", -1.0), ("top_k", -3), ("top_p", 0.0), ("min_p", 2.0),
      ("repeat_penalty", 0.0), ("repeat_last_n", -5), ("seed", -1), ("stop", ("",)),
-     ("temperature", float("nan"))],
+     ("temperature", float("nan")),
+     # finite in Python, not in llama.cpp's float32 (0, or infinite: sampling then picks by NaN)
+     ("temperature", 1e-40), ("temperature", 1e39), ("presence_penalty", -1e39),
+     ("frequency_penalty", 1e31), ("repeat_penalty", 1e-46)],
 )  # fmt: skip
 def test_bad_option_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -15,7 +15,7 @@ from llmsession.engine.budget import MemoryReport
 from llmsession.errors import ModelClosedError, SessionFileError
 from llmsession.options import GenerationOptions, check_int, checked_options
 from llmsession.replies import Message
-from llmsession.runtime import persistence
+from llmsession.runtime import dropped, persistence
 from llmsession.runtime.choices import MAX_CHOICES, Answer, Choices, Forks, prefill_options
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.embedding import Inputs
@@ -233,4 +233,5 @@ class LocalModel(ModelCore):
 
     def close(self) -> None:
         self.stateless.close()
+        dropped.finish_dropped()  # (what a garbage collection dropped finishes before memory goes)
         super().close()

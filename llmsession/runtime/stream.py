@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Generator, Iterator
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 
 from llmsession.errors import ModelClosedError, SessionBusyError
 from llmsession.replies import Reply, Snapshot
+from llmsession.runtime import dropped
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session, Stream
 
@@ -58,8 +60,10 @@ class LocalStream(Stream):
         self._guard = guard
         self._steps = exchange.run()
         # Runs once: on close(), when the session moves on, or when the stream is dropped (then
-        # in the thread that dropped it, without the guard: ``ended`` tells the next call when
-        # it has finished, the reply recorded, so that call never starts before).
+        # in the thread that dropped it, or ``dropped``'s if a garbage collection found it, without
+        # the guard: ``ended`` tells the next call when it has finished, the reply recorded, so
+        # that call never starts before).
+        dropped.ready()
         self.ended = Finishing()
         self.abandon = weakref.finalize(self, _finish, exchange, self._steps, self.ended)
 
@@ -113,6 +117,11 @@ class Finishing(threading.Event):
 
 def _finish(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing) -> None:
     ended.began = True
+    if not dropped.deferred(functools.partial(_finishing, exchange, steps, ended)):
+        _finishing(exchange, steps, ended)
+
+
+def _finishing(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing) -> None:
     try:
         exchange.abandon(steps)
     finally:
