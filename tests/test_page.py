@@ -31,7 +31,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from serve_helpers import KEY, WEATHER, Served, metric, running, three_models
 
-from llmsession import Model, Models
+from llmsession import Model, Models, SessionConfig
 from llmsession.serve.app import create_app
 from llmsession.serve.page import FILES, STATIC
 
@@ -482,6 +482,12 @@ def test_a_tool_call_shows_as_a_card_and_its_result_goes_back(page: Page) -> Non
     jsonschema.validate(arguments, WEATHER["function"]["parameters"])  # type: ignore[index]
     assert isinstance(arguments["city"], str)
     page.shot("tool-call")
+    page.type("Never mind.", Keys.ENTER)  # (words after calls no result answers: the APIs refuse them)
+    banner = wait_for(lambda: page.one("#banner").is_displayed() and page.one("#banner").text, "the banner")
+    assert "results first" in banner and page.one("#input").get_attribute("value") == "Never mind."
+    assert [m.get_attribute("data-role") for m in page.messages()] == ["user", "assistant"]
+    assert not page.busy()
+    page.one("#input").clear()
     page.settings(tool_choice="none")
     card.find_element(By.CSS_SELECTOR, ".tool-result").send_keys("Sunny, 21 C")
     page.answered(page.one(".message:last-child .send-results").click)
@@ -549,6 +555,38 @@ def test_an_image_goes_to_a_server_with_a_projector(
         text_only = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
     assert int(stats["prompt"]) > text_only, (stats, text_only)  # the images were in the prompt
     page.shot("image-reply")
+
+
+@pytest.fixture(scope="module")
+def thinking_served(smollm2_path: Path) -> Iterator[Served]:
+    """SmolLM2 under DeepSeek R1's template, served thinking (the page asks for no effort):
+    every reply opens with its reasoning."""
+    template = Path(__file__).parent / "data" / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+    with Model(smollm2_path, chat_template=template.read_text(encoding="utf-8"), threads=2) as model:
+        app = create_app(model, session=SessionConfig(thinking=True))
+        with running(app) as url:
+            yield Served(model, url, app.state.server.model_name, app.state.server, key=None)
+
+
+def test_a_replys_reasoning_is_shown_apart_and_not_sent_back(
+    driver: WebDriver, thinking_served: Served, shots: Path
+) -> None:
+    """The reasoning a thinking template splits off streams into its own block above the text
+    (it was dropped: a reply all reasoning showed "…" and no first token), and the next turn's
+    request carries the reply's text only."""
+    page = Page(driver, thinking_served.url.removesuffix("v1"), shots)
+    page.new_chat(max_tokens=16)
+    stats = page.send("Why is the sky blue?")
+    block = page.one("#messages .message:last-child .reasoning .muted").text
+    text = page.js("return [...document.querySelectorAll('#messages .message:last-child .body .text')]"
+                   ".map((t) => t.textContent).join('')")  # fmt: skip
+    assert block.strip() and block not in text and "ttft" in stats, (block, text, stats)
+    page.js("window.sent = []; const f = window.fetch; window.fetch = (u, o) => "
+            "(window.sent.push(o && o.body), f(u, o));")  # fmt: skip
+    page.send("And at sunset?")
+    (body,) = [json.loads(b) for b in page.js("return window.sent") if b]
+    first = body["messages"][1]
+    assert first["role"] == "assistant" and set(first) == {"role", "content"}, first
 
 
 @pytest.fixture(scope="module")

@@ -94,31 +94,37 @@ export function buildRequest(conv, modelId) {
   return { body };
 }
 
-// The data of a server-sent event stream, parsed, until [DONE].
+// The data of a server-sent event stream, parsed, until [DONE]. A stream that ends without it
+// was cut (the connection dropped): an Error, not a reply taken for whole. However the reading
+// ends (an error, the caller leaving the loop), the body is cancelled: the server stops decoding.
 async function* events(response) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += decoder.decode(value, { stream: true });
-    let at;
-    while ((at = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, at);
-      buffer = buffer.slice(at + 2);
-      const data = block
-        .split("\n")
-        .filter((line) => line.startsWith("data:"))
-        .map((line) => line.slice(5).trimStart())
-        .join("\n");
-      if (data === "[DONE]") return;
-      if (data) yield JSON.parse(data);
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error("the reply's stream ended before the server finished it");
+      buffer += decoder.decode(value, { stream: true });
+      let at;
+      while ((at = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, at);
+        buffer = buffer.slice(at + 2);
+        const data = block
+          .split("\n")
+          .filter((line) => line.startsWith("data:"))
+          .map((line) => line.slice(5).trimStart())
+          .join("\n");
+        if (data === "[DONE]") return;
+        if (data) yield JSON.parse(data);
+      }
     }
+  } finally {
+    reader.cancel().catch(() => {});
   }
 }
 
-// A streamed chat completion of `body`, as the deltas of its chunks: {content, toolCalls, finish}
+// A streamed chat completion of `body`, as the deltas of its chunks: {content, reasoning, toolCalls, finish}
 // for each choice of a chunk (as they came: absent when the chunk has none), then {usage}. Aborting
 // `signal` cancels the request (the server stops decoding) and throws an AbortError; an error
 // status is an HttpError, an error in the stream an Error.
@@ -134,7 +140,8 @@ export async function* complete(body, { key, signal }) {
     if (chunk.error) throw new Error(chunk.error.message || "the server failed mid-reply");
     for (const choice of chunk.choices || []) {
       const delta = choice.delta || {};
-      yield { content: delta.content, toolCalls: delta.tool_calls, finish: choice.finish_reason };
+      const reasoning = delta.reasoning_content;
+      yield { content: delta.content, reasoning, toolCalls: delta.tool_calls, finish: choice.finish_reason };
     }
     if (chunk.usage) yield { usage: chunk.usage };
   }

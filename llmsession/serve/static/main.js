@@ -15,6 +15,8 @@ import { $, showBanner } from "./dom.js";
 import * as store from "./store.js";
 import * as view from "./view.js";
 
+let missedSave = false; // another tab saved while a reply streamed here
+
 function save() {
   const problem = store.save();
   if (problem) showBanner(problem);
@@ -94,6 +96,7 @@ async function respond(conv) {
     showBanner("Not connected to the server yet.");
     return;
   }
+  showBanner(""); // (what it said was about an earlier request)
   const built = buildRequest(conv, card.id);
   if (built.error) {
     view.showSettingsError(built.error);
@@ -115,7 +118,7 @@ async function respond(conv) {
   try {
     for await (const delta of complete(built.body, { key: store.apiKey(), signal: controller.signal })) {
       if (delta.usage) usage = delta.usage;
-      if (delta.content || delta.toolCalls) {
+      if (delta.content || delta.toolCalls || delta.reasoning) {
         store.applyDelta(reply, delta);
         pieces += 1;
         if (first === null) first = performance.now();
@@ -131,9 +134,16 @@ async function respond(conv) {
       store.forgetApiKey();
       askKey("The API key was refused: " + error.message);
     }
+  } finally {
+    controller.abort(); // (a reply the page stopped reading for any reason is not decoded on)
   }
   const stats = store.stats(started, first, performance.now(), usage, finish, pieces);
   document.body.dataset.ended = String(store.endReply(reply, { finish, error: failed, stats }));
+  if (missedSave) {
+    missedSave = false;
+    const problem = store.adoptSaved(conv); // (another tab saved while this one streamed)
+    if (problem) showBanner(problem);
+  }
   save();
   view.render();
   if (loading) view.showPicker(card, store.modelCards()); // (its load is over)
@@ -145,13 +155,24 @@ function stop() {
   if (busy) busy.controller.abort();
 }
 
+// Whether a request for `conv` would not go out (no connection, settings that do not parse):
+// `respond` then says why and sends nothing.
+function unsendable(conv) {
+  return !store.connectedModel() || Boolean(store.parseSettings(conv.settings).error);
+}
+
 async function send() {
   const input = $("input");
   const conv = store.current();
   if (store.streaming() || !store.connectedModel() || !conv) return;
   const text = input.value;
   if (!text.trim() && !store.pendingImages().length) return;
-  if (store.parseSettings(conv.settings).error) return respond(conv); // (shows the error)
+  if (store.unansweredCalls(conv).length) {
+    // (words after calls with no result: the APIs refuse such a transcript, and every later turn would carry it)
+    showBanner("Send the tool calls' results first (or regenerate the reply).");
+    return;
+  }
+  if (unsendable(conv)) return respond(conv); // (shows the error)
   const message = { role: "user", content: text };
   const images = store.takeAttachments();
   if (images.length) message.images = images;
@@ -176,12 +197,14 @@ const actions = {
   },
   resendEdited(conv, index, text) {
     if (store.streaming()) return;
+    if (unsendable(conv)) return respond(conv); // (says why; the history stays as it was)
     store.editMessage(conv, index, text);
     respond(conv);
   },
   // The results the user typed for the calls of the last reply, answered.
   answerTools(conv, reply, results) {
     if (store.streaming()) return;
+    if (unsendable(conv)) return respond(conv);
     store.addToolResults(conv, reply, results);
     respond(conv);
   },
@@ -201,6 +224,7 @@ const actions = {
     const busy = store.streaming();
     if (busy && busy.conv === conv) stop();
     store.removeConversation(conv);
+    store.setEditing(null); // (the index was this conversation's)
     save();
     view.render();
   },
@@ -290,7 +314,10 @@ function bind() {
     if (event.dataTransfer && event.dataTransfer.files.length) addFiles(event.dataTransfer.files);
   });
   window.addEventListener("storage", (event) => {
-    if (store.isStoreKey(event.key) && !store.streaming()) {
+    if (!store.isStoreKey(event.key)) return;
+    if (store.streaming()) missedSave = true; // (read back when the reply ends)
+    else {
+      store.setEditing(null);
       load();
       view.render();
     }

@@ -52,6 +52,7 @@ function normalizeMessage(raw) {
   const m = raw && typeof raw === "object" ? raw : {};
   const role = ["user", "assistant", "tool"].includes(m.role) ? m.role : "user";
   const out = { role, content: str(m.content) };
+  if (role === "assistant" && typeof m.reasoning === "string" && m.reasoning) out.reasoning = m.reasoning;
   if (Array.isArray(m.images)) out.images = m.images.filter((u) => typeof u === "string");
   if (Array.isArray(m.toolCalls)) {
     out.toolCalls = m.toolCalls
@@ -92,6 +93,25 @@ export function load() {
   }
   if (!conversations.length) addConversation();
   if (!find(currentId)) currentId = conversations[0].id;
+  return problem;
+}
+
+// What another tab saved while a reply streamed here, read back, with `conv` (the reply's) as
+// this tab has it: saving then keeps both tabs' work.
+export function adoptSaved(conv) {
+  const [own, shown] = [conversations, currentId];
+  let problem = "";
+  try {
+    const raw = JSON.parse(localStorage.getItem(STORE) || "null");
+    if (raw && Array.isArray(raw.conversations)) conversations = raw.conversations.map(normalize);
+  } catch (error) {
+    problem = "The saved conversations could not be read: " + error.message;
+    conversations = own;
+  }
+  const at = conversations.findIndex((c) => c.id === conv.id);
+  if (at >= 0) conversations[at] = conv;
+  else if (own.includes(conv)) conversations.push(conv); // (deleted there while it answered here: kept)
+  currentId = find(shown) ? shown : conversations.length ? conversations[0].id : addConversation().id;
   return problem;
 }
 
@@ -196,6 +216,12 @@ export function addMessage(conv, message) {
   conv.messages.push(message);
 }
 
+// The calls of the conversation's last reply, if it made some that are not answered yet.
+export function unansweredCalls(conv) {
+  const last = conv.messages[conv.messages.length - 1];
+  return last && last.role === "assistant" && !last.pending && !last.error ? last.toolCalls || [] : [];
+}
+
 export function dropFailedTail(conv) {
   while (conv.messages.length && conv.messages[conv.messages.length - 1].error) conv.messages.pop();
 }
@@ -234,9 +260,11 @@ export function startReply(conv, controller, schema) {
   return reply;
 }
 
-// One streamed delta ({content, toolCalls}) added to the reply.
+// One streamed delta ({content, reasoning, toolCalls}) added to the reply (its reasoning is shown,
+// not sent back: the templates that read it want only the last turn's, which the server keeps).
 export function applyDelta(reply, delta) {
   if (delta.content) reply.content += delta.content;
+  if (typeof delta.reasoning === "string" && delta.reasoning) reply.reasoning = (reply.reasoning || "") + delta.reasoning;
   for (const d of delta.toolCalls || []) {
     const index = Number.isInteger(d.index) ? d.index : 0;
     while (reply.toolCalls.length <= index) reply.toolCalls.push({ id: "", name: "", arguments: "" });
@@ -253,8 +281,9 @@ export function endReply(reply, { finish, error, stats }) {
   if (error !== undefined) reply.error = error;
   delete reply.pending;
   // A reply stopped (or failed) inside a call makes no call, as the server's own cut replies
-  // do: half-written arguments would go back with every later turn and be refused there.
-  if (finish !== "tool_calls") reply.toolCalls = [];
+  // do: half-written arguments would go back with every later turn and be refused there. A
+  // failed reply is never sent back, so neither are its calls (results would answer none).
+  if (finish !== "tool_calls" || error !== undefined) reply.toolCalls = [];
   if (!reply.toolCalls.length) delete reply.toolCalls;
   reply.stats = stats;
   busy = null;

@@ -23,8 +23,12 @@ function renderBody(container, m) {
       // not (yet) JSON: shown as it came
     }
   }
+  if (m.reasoning) {
+    const summary = el("summary", { text: "Reasoning" });
+    container.append(el("details", { class: "reasoning", open: "" }, summary, el("div", { class: "muted", text: m.reasoning })));
+  }
   renderText(container, m.content);
-  if (m.pending && !m.content && !(m.toolCalls || []).length) {
+  if (m.pending && !m.content && !m.reasoning && !(m.toolCalls || []).length) {
     container.append(el("div", { class: "muted", text: "…" }));
   }
 }
