@@ -67,3 +67,19 @@ def test_keywords_spelled_as_property_names_are_names() -> None:
     assert problem({"properties": {"pattern": {"type": "string"}}}, {"pattern": "(?=a"}) == ""
     extra = {"additionalProperties": False, "properties": {"a": {}}, "patternProperties": {"^b": {}}}
     assert problem(extra, {"a": 1, "bc": 2}) == "" and "'z' does not match" in problem(extra, {"z": 1})
+
+
+def test_long_patterns_are_checked_but_never_kept() -> None:
+    """The compiled patterns were kept by count (512) whatever their size: a request's tool
+    schema with 500,000-character patterns held 11 MB each, for good (5.5 GB in about forty
+    requests). Long ones are compiled when used and not kept; short ones still are."""
+    from llmsession.text import patterns
+
+    before = patterns._remembered.cache_info().currsize
+    for i in range(3):
+        long = f"^x{i}" + "ab" * 50_000 + "$"
+        schema = checked_schema(json.dumps({"type": "string", "pattern": long}))
+        assert not violation(schema, f"x{i}" + "ab" * 50_000) and violation(schema, "nope")
+    assert patterns._remembered.cache_info().currsize == before
+    checked_schema(json.dumps({"type": "string", "pattern": "^short-kept$"}))
+    assert patterns._remembered.cache_info().currsize == before + 1

@@ -36,10 +36,22 @@ SPACE = r"\t\n\x{0B}\f\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}
 HEX = frozenset("0123456789abcdefABCDEF")
 
 
-@functools.lru_cache(maxsize=512)
+REMEMBERED_PATTERN_CHARS = 4096  # longer patterns are compiled each time, never kept
+
+
 def compiled(pattern: str) -> Any:
     """RE2's compiled ``pattern`` (its ``search`` is unanchored, as a schema's patterns are);
-    GrammarError if RE2 cannot take it."""
+    GrammarError if RE2 cannot take it. The last 512 short ones are kept compiled: a long one
+    is not (a request's 500,000-character pattern held 11 MB, and 512 of them 5.5 GB for good)."""
+    return _remembered(pattern) if len(pattern) <= REMEMBERED_PATTERN_CHARS else _compiled(pattern)
+
+
+@functools.lru_cache(maxsize=512)
+def _remembered(pattern: str) -> Any:
+    return _compiled(pattern)
+
+
+def _compiled(pattern: str) -> Any:
     try:
         return re2.compile(ecma(pattern), _QUIET)
     except re2.error as error:
