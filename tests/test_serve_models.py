@@ -16,7 +16,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serve_helpers import KEY, running, three_models
+from serve_helpers import KEY, OTHER_KEY, running, three_models
 from starlette.requests import Request
 
 from llmsession import Models, SessionConfig
@@ -390,3 +390,41 @@ def test_a_model_the_servers_settings_do_not_fit_is_a_500_once_loaded_then_witho
             chat(url, "smol", "Hi.")
         assert {status.name: status.loads for status in models.status()} == loads
         assert states(url) == {"smol": "unloaded", "gemma": "loaded"}
+
+
+OPERATOR = "sk-operator-only"
+
+
+def test_with_operator_keys_a_tenant_neither_unloads_nor_reads_what_others_do(smollm2_path: Path) -> None:
+    """Tenants' keys chat; only an operator's loads and unloads models, lists them with their
+    use (``/api/ps``), reads ``/metrics`` (other tenants' traffic, request by request) and sets a
+    model's ``keep_alive``: a tenant's ``keep_alive: 0`` unloaded the model under everyone."""
+    models = Models({"smol": smollm2_path}, max_loaded=1, threads=2)
+    app = create_app(models, api_key=[KEY, OTHER_KEY], operator_key=OPERATOR, session=CONTEXT)
+    with models, running(app) as url:
+        base = url.removesuffix("/v1")
+
+        def ask(key: str | None, method: str, path: str, **body: Any) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.request(method, f"{base}{path}", json=body or None, headers=headers, timeout=60)
+
+        said = {"model": "smol", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        assert ask(OTHER_KEY, "POST", "/v1/chat/completions", **said, keep_alive=0).status_code == 200
+        time.sleep(0.5)
+        assert [s.name for s in models.status() if s.loaded] == ["smol"]  # (its keep_alive: not heeded)
+        for method, path, body in (
+            ("POST", "/models/unload", {"model": "smol"}),
+            ("POST", "/models/load", {"model": "smol"}),
+            ("GET", "/api/ps", {}),
+            ("GET", "/metrics", {}),
+        ):
+            refused = ask(OTHER_KEY, method, path, **body)
+            assert refused.status_code == 403 and "operator key" in refused.text, (path, refused.text)
+            assert ask(None, method, path, **body).status_code == 401
+        assert ask(OPERATOR, "GET", "/api/ps").json()["models"][0]["name"] == "smol"
+        assert "llmsession_requests_total" in ask(OPERATOR, "GET", "/metrics").text
+        assert ask(OPERATOR, "POST", "/v1/chat/completions", **said, keep_alive=0).status_code == 200
+        deadline = time.monotonic() + 10
+        while any(s.loaded for s in models.status()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(s.loaded for s in models.status())  # (an operator's keep_alive: heeded)

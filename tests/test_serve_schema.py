@@ -756,3 +756,32 @@ def test_a_reply_mismatch_is_final_only_where_another_try_decodes_the_same() -> 
     ):
         error = as_asked(from_library(mismatch) or ApiError("none"), options)
         assert (error.headers().get("x-should-retry") == "false") is final, options
+
+
+def test_operator_keys_are_told_apart_from_tenants() -> None:
+    """An operator key is a tenant of its own and an operator; a tenant's key is a tenant only
+    (403 where operators act); without operator keys every caller is one (as before them); and
+    a server of operator keys only lets anyone chat, as one anonymous tenant."""
+    from llmsession.serve.access import Access
+
+    def request(token: str | None) -> Request:
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        return Request({"type": "http", "headers": headers})
+
+    both = Access(["t"], ["o"])
+    tenant, operator = request("t"), request("o")
+    assert both.authorize(tenant) not in (None, both.authorize(operator))
+    assert not tenant.state.operator and operator.state.operator
+    with pytest.raises(ApiError) as forbidden:
+        both.authorize_operator(request("t"))
+    assert forbidden.value.status == 403
+    with pytest.raises(ApiError) as unknown:
+        both.authorize(request(None))
+    assert unknown.value.status == 401
+    assert both.authorize_operator(request("o")) is not None
+    alone, anonymous = Access(["t"]), request(None)
+    assert alone.authorize(request("t")) is not None and alone.authorize_operator(request("t")) is not None
+    operators_only = Access([], ["o"])
+    assert operators_only.authorize(anonymous) is None and not anonymous.state.operator
+    with pytest.raises(ValueError, match="operator key"):
+        Access([], [""])

@@ -100,6 +100,7 @@ def app_settings(args: argparse.Namespace, default_volatile: tuple[str, ...]) ->
     volatile = volatile_lines(args)
     return {
         "api_key": args.api_key,
+        "operator_key": args.operator_key,
         "model_name": args.model_name,
         "max_body_bytes": args.max_body_bytes,
         "cors_origins": args.cors_origin or (),
@@ -224,6 +225,13 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="append",
         metavar="KEY",
         help="require `Authorization: Bearer KEY` (repeatable: each key is a tenant of its own)",
+    )
+    add(
+        "--operator-key",
+        action="append",
+        metavar="KEY",
+        help="only these keys may load and unload models, read /api/ps and /metrics and set keep_alive "
+        "(repeatable; default: any caller may)",
     )
     add(
         "--cors-origin",

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import hmac
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from llmsession.config import SessionConfig
 from llmsession.errors import ModelClosedError
 from llmsession.options import INT32_MAX
 from llmsession.serve import embeddings, operators, responding, sse
+from llmsession.serve.access import Access, Keys, heeded
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor
@@ -78,8 +78,9 @@ class Server:
         self,
         hosts: OneModel | ManyModels,
         *,
-        api_keys: Sequence[str],
+        api_keys: Keys,
         max_body_bytes: int,
+        operator_keys: Keys = None,
         draft: str | None = None,
         volatile: Volatile | None = None,
     ) -> None:
@@ -89,7 +90,8 @@ class Server:
         self.draft = draft  # every request's drafted tokens (the API has no field for them)
         self.metrics = hosts.metrics
         self.model_name = hosts.names[0]  # (the one model's, or the first of several)
-        self.keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+        self.access = Access(api_keys, operator_keys)
+        self.authorize, self.authorize_operator = self.access.authorize, self.access.authorize_operator
         self.max_body_bytes = max_body_bytes
         self.parsing = asyncio.Semaphore(PARSERS)
         self.reading = asyncio.Semaphore(READERS)
@@ -116,21 +118,6 @@ class Server:
     @property
     def admission(self) -> Admission:
         return self.host.admission
-
-    def authorize(self, request: Request) -> str | None:
-        """Who is calling: its key's digest (None without keys); else a 401. Digests are
-        compared, so the time taken says nothing of a key's length; every key is compared."""
-        if not self.keys:
-            return None
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        token = given.strip().encode() if scheme.lower() == "bearer" else b""
-        if not token:  # (Anthropic's clients send theirs as x-api-key)
-            token = request.headers.get("x-api-key", "").strip().encode()
-        presented = hashlib.sha256(token).digest()
-        matched = [hmac.compare_digest(presented, key) for key in self.keys]
-        if not any(matched):
-            raise ApiError("invalid or missing API key", None, "invalid_api_key", 401)
-        return self.keys[matched.index(True)].hex()
 
     async def body(self, request: Request, limit: int | None = None) -> bytes:
         """The request body, refused (413) past the size limit (or ``limit``, if tighter) before
@@ -229,7 +216,7 @@ class Server:
         ):
             raise ApiError("count_tokens counts text-only transcripts here", "messages")
         options, tenant = asked.options, digest(request.state.key, asked.user)
-        host, held = await self.hosts.held(asked.model, asked.keep_alive)
+        host, held = await self.hosts.held(asked.model, heeded(request, asked.keep_alive))
         try:
             config = session_settings(host.settings, asked)  # (as the call's)
             async with self.parsing:  # (a few at once, off the event loop)
@@ -268,7 +255,7 @@ class Server:
             conversation: str | None = named
         else:  # (a session header the client sends: ``naming``)
             conversation = named_conversation(tenant, request.headers)
-        host, held = await self.hosts.held(asked.model, asked.keep_alive)
+        host, held = await self.hosts.held(asked.model, heeded(request, asked.keep_alive))
         try:
             limit = host.admission.limit
             if asked.n > limit:
@@ -290,16 +277,21 @@ ANTHROPIC_HEADERS = ("x-api-key", "anthropic-version", "anthropic-beta")
 def routes(server: Server) -> list[Route]:
     """Every endpoint, behind the server's keys (the page and ``/health`` open), each answering
     its errors in its API's body."""
-    keyed = server.authorize
+    keyed, operating = server.authorize, server.authorize_operator
     return [
         *page_routes(),  # the chat page at / (no data in it: no key needed)
         Route("/health", guarded(server.health), methods=["GET"]),  # (open: a load balancer's probe)
-        Route("/metrics", guarded(server.metrics_text, keyed), methods=["GET"]),
+        Route("/metrics", guarded(server.metrics_text, operating), methods=["GET"]),
         Route("/v1/models", guarded(server.models, keyed), methods=["GET"]),
         *[
-            Route(path, guarded(functools.partial(route, server), keyed), methods=[method])
-            for path, route, method in (*operators.ROUTES, ("/v1/embeddings", embeddings.embeddings, "POST"))
+            Route(path, guarded(functools.partial(route, server), operating), methods=[method])
+            for path, route, method in operators.ROUTES
         ],
+        Route(
+            "/v1/embeddings",
+            guarded(functools.partial(embeddings.embeddings, server), keyed),
+            methods=["POST"],
+        ),
         Route("/v1/models/{name:path}", guarded(server.model_card, keyed), methods=["GET"]),
         Route("/v1/chat/completions", guarded(server.chat, keyed), methods=["POST"]),
         Route("/v1/completions", guarded(server.completions, keyed), methods=["POST"]),
@@ -319,6 +311,7 @@ def create_app(
     model: Model | Models,
     *,
     api_key: str | Sequence[str] | None = None,
+    operator_key: str | Sequence[str] | None = None,
     model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     queue: int = 64,
@@ -332,7 +325,9 @@ def create_app(
     the one its ``model`` field names (an unknown one: 404), loaded for it. ``api_key``: one
     key or several; with any, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``
     (or ``x-api-key: KEY``, as Anthropic's clients send it) and each key is a tenant of its
-    own. ``queue``: requests that may wait for room before a 503.
+    own. ``operator_key``: one or several; with any, only they may load and unload models, read
+    ``/api/ps`` and ``/metrics`` and set a model's ``keep_alive`` (``access``).
+    ``queue``: requests that may wait for room before a 503.
     ``cors_origins``: the web origins whose pages may call the API (none by default: a page
     elsewhere cannot read its answers). ``draft``: drafted tokens for every request
     (``GenerationOptions.draft``).
@@ -346,9 +341,6 @@ def create_app(
         raise TypeError(f"session must be a SessionConfig, got {type(settings).__name__}")
     if settings.system is not None:
         raise ValueError("a request's system prompt is in its messages: session.system must be None")
-    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    if any(not isinstance(key, str) or not key for key in keys):
-        raise ValueError("an API key must be a non-empty str")
     hosts: OneModel | ManyModels
     if isinstance(model, Models):
         if model_name is not None:
@@ -356,9 +348,9 @@ def create_app(
         hosts = ManyModels(model, settings, queue, Metrics())
     else:  # (one model: a ``Model``, or what behaves as one)
         hosts = OneModel(model, model_name or model.path.stem, settings, queue, Metrics())
-    server = Server(
-        hosts, api_keys=keys, max_body_bytes=max_body_bytes, draft=draft, volatile=Volatile(volatile_lines)
-    )
+    volatile = Volatile(volatile_lines)
+    server = Server(hosts, api_keys=api_key, operator_keys=operator_key, max_body_bytes=max_body_bytes)
+    server.draft, server.volatile = draft, volatile
     refused = refusing({"/v1/messages": error_body})  # (Anthropic's paths: its error bodies)
     app = Starlette(routes=routes(server), exception_handlers={ApiError: refused, HTTPException: refused})
     if cors_origins:

@@ -15,6 +15,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llmsession.serve.access import heeded
 from llmsession.serve.body import parse_json, string
 from llmsession.serve.errors import ApiError, busy
 from llmsession.serve.schema import keep_alive_of
@@ -103,7 +104,7 @@ async def embeddings(server: Server, request: Request) -> Response:
         raise busy("too many embedding requests are waiting")
     server.embedding_waiting += 1  # (from here: a model of several may be loading first)
     try:
-        host, held = await server.hosts.held(ask.model, ask.keep_alive)
+        host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive))
         try:
             await server.embedding.acquire()  # (one run at a time: the rest wait here, not in threads)
         except BaseException:
