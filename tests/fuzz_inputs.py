@@ -88,10 +88,10 @@ OPTIONS = st.builds(
     temperature=st.one_of(
         st.just(0.0),
         st.floats(0.05, 3.0),
-        st.sampled_from([1e-300, 1e-30, 1e-6, 50.0, 1e30, 1e300]),
+        st.sampled_from([1e-30, 1e-6, 50.0, 1e30]),  # (the edges float32 samplers take: ``REAL_RANGE``)
     ),
     top_k=st.sampled_from([0, 1, 2, 40, 2**31 - 1]),
-    top_p=st.sampled_from([5e-324, 1e-9, 0.1, 0.5, 0.95, 1.0]),
+    top_p=st.sampled_from([1e-30, 1e-9, 0.1, 0.5, 0.95, 1.0]),
     min_p=st.sampled_from([0.0, 0.05, 0.5, 0.999, 1.0]),
     repeat_penalty=st.sampled_from([1.0, 1.0, 1e-3, 0.9, 1.3, 1e6]),
     repeat_last_n=st.sampled_from([-1, 0, 1, 64, 2**31 - 1]),
@@ -153,6 +153,8 @@ BAD_FIELDS: tuple[tuple[str, Any], ...] = (
     ("temperature", NAN),
     ("temperature", INF),
     ("temperature", -0.1),
+    ("temperature", 1e-300),  # (0 in float32: a division by zero; 1e300 is infinite there)
+    ("temperature", 1e300),
     ("temperature", "0"),
     ("temperature", None),
     ("top_k", -1),
@@ -162,6 +164,7 @@ BAD_FIELDS: tuple[tuple[str, Any], ...] = (
     ("top_p", 0.0),
     ("top_p", 1.0000001),
     ("top_p", NAN),
+    ("top_p", 5e-324),
     ("min_p", -0.01),
     ("min_p", 1.5),
     ("min_p", NAN),
@@ -175,6 +178,7 @@ BAD_FIELDS: tuple[tuple[str, Any], ...] = (
     ("frequency_penalty", NAN),
     ("frequency_penalty", -INF),
     ("presence_penalty", INF),
+    ("presence_penalty", -1e39),
     ("presence_penalty", "1"),
     ("seed", -1),
     ("seed", 2**32 - 1),

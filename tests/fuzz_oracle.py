@@ -209,6 +209,7 @@ def fresh_first_logits(
     fresh = env().model.session(
         context_size=like.context_size, batch_size=batch_size, thinking=like.thinking, share_prefix=False
     )
+    internals.without_look_ahead(fresh)  # (its last logits are then those it sampled from)
     fresh.messages = copy.deepcopy(messages)
     internals.tokenize_like(fresh, like)  # its prompt tokenized as ``like``'s is
     try:
