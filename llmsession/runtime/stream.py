@@ -117,7 +117,9 @@ class Finishing(threading.Event):
 
 def _finish(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing) -> None:
     ended.began = True
-    if not dropped.deferred(functools.partial(_finishing, exchange, steps, ended)):
+    # A finished exchange has nothing left to do but close a finished generator, which takes
+    # no lock: done here, its session is idle at once (not after the reaper's turn).
+    if exchange.done or not dropped.deferred(functools.partial(_finishing, exchange, steps, ended)):
         _finishing(exchange, steps, ended)
 
 
