@@ -387,6 +387,40 @@ def test_a_stream_a_garbage_collection_drops_is_finished_in_a_thread_of_its_own(
     assert roles[-1] == ("assistant", reply.text) and roles[-3][0] == "assistant", roles
 
 
+def test_a_session_collected_with_its_stream_lives_until_the_stream_has_finished(
+    smollm2: Model, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Collected in one pass with its unfinished stream, a session went at once, its lease
+    freed by the next seat (another session's exchange) while the stream's queued finishing
+    still held a seat of it; it lives until that finishing has run, and nothing fails."""
+    import weakref
+
+    from llmsession.runtime import dropped
+
+    options = GenerationOptions(max_tokens=8, temperature=0)
+    session = smollm2.session("Be brief.")
+    stream = session.stream("hi", options)
+    next(stream)
+    stream.cycle = stream  # type: ignore[attr-defined]
+    gone, hold = weakref.ref(session), threading.Event()
+    dropped._jobs.put(hold.wait)  # (the reaper's turn comes only when the test says)
+    gc.disable()
+    try:
+        del stream, session
+        gc.collect()
+    finally:
+        gc.enable()
+    try:
+        assert gone() is not None, "the session went before its stream's finishing ran"
+        other = smollm2.session("Be brief.").respond("hello", options)  # (a seat: the engine reaps)
+    finally:
+        hold.set()
+    dropped.finish_dropped()
+    assert other.text and "failed to finish" not in caplog.text
+    gc.collect()
+    assert gone() is None
+
+
 def test_two_sessions_in_two_threads_run_concurrently(smollm2: Model) -> None:
     """Each reply equals a lone session's within the measured noise (their cells lie elsewhere,
     and the two threads' steps may be decoded in one batch)."""

@@ -65,7 +65,7 @@ class LocalStream(Stream):
         # that call never starts before).
         dropped.ready()
         self.ended = Finishing()
-        self.abandon = weakref.finalize(self, _finish, exchange, self._steps, self.ended)
+        self.abandon = weakref.finalize(self, _finish, exchange, self._steps, self.ended, session)
 
     @property
     def reply(self) -> Reply | None:
@@ -115,15 +115,22 @@ class Finishing(threading.Event):
         return self.began and not self.is_set()
 
 
-def _finish(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing) -> None:
+def _finish(
+    exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing, session: Session
+) -> None:
+    """``session`` is held until the finishing has run: collected in the same pass, its lease
+    would be freed (another seat's ``_reap``) under an exchange that still holds a seat of it,
+    and a closing model would not wait for it (``shut``)."""
     ended.began = True
     # A finished exchange has nothing left to do but close a finished generator, which takes
     # no lock: done here, its session is idle at once (not after the reaper's turn).
-    if exchange.done or not dropped.deferred(functools.partial(_finishing, exchange, steps, ended)):
+    if exchange.done or not dropped.deferred(functools.partial(_finishing, exchange, steps, ended, session)):
         _finishing(exchange, steps, ended)
 
 
-def _finishing(exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing) -> None:
+def _finishing(
+    exchange: Exchange, steps: Generator[Snapshot, None, None], ended: Finishing, session: object = None
+) -> None:
     try:
         exchange.abandon(steps)
     finally:
