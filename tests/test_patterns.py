@@ -69,17 +69,21 @@ def test_keywords_spelled_as_property_names_are_names() -> None:
     assert problem(extra, {"a": 1, "bc": 2}) == "" and "'z' does not match" in problem(extra, {"z": 1})
 
 
-def test_long_patterns_are_checked_but_never_kept() -> None:
+def test_long_patterns_are_kept_few_and_the_longest_refused() -> None:
     """The compiled patterns were kept by count (512) whatever their size: a request's tool
     schema with 500,000-character patterns held 11 MB each, for good (5.5 GB in about forty
-    requests). Long ones are compiled when used and not kept; short ones still are."""
+    requests). Patterns over 4 KiB are kept 16 at most, over 64 KiB refused; short ones still
+    512."""
     from llmsession.text import patterns
 
-    before = patterns._remembered.cache_info().currsize
-    for i in range(3):
-        long = f"^x{i}" + "ab" * 50_000 + "$"
-        schema = checked_schema(json.dumps({"type": "string", "pattern": long}))
-        assert not violation(schema, f"x{i}" + "ab" * 50_000) and violation(schema, "nope")
-    assert patterns._remembered.cache_info().currsize == before
+    short, long = patterns._remembered.cache_info, patterns._remembered_long.cache_info
+    for i in range(20):
+        text = f"^x{i}" + "ab" * 5_000 + "$"
+        schema = checked_schema(json.dumps({"type": "string", "pattern": text}))
+        assert not violation(schema, f"x{i}" + "ab" * 5_000) and violation(schema, "nope")
+    assert long().currsize == 16 and long().maxsize == 16
+    with pytest.raises(GrammarError, match="longer than this server checks"):
+        checked_schema(json.dumps({"type": "string", "pattern": "a" * 70_000}))
+    before = short().currsize
     checked_schema(json.dumps({"type": "string", "pattern": "^short-kept$"}))
-    assert patterns._remembered.cache_info().currsize == before + 1
+    assert short().currsize == before + 1

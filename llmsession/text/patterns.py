@@ -36,18 +36,32 @@ SPACE = r"\t\n\x{0B}\f\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}
 HEX = frozenset("0123456789abcdefABCDEF")
 
 
-REMEMBERED_PATTERN_CHARS = 4096  # longer patterns are compiled each time, never kept
+SHORT_PATTERN_CHARS = 4096  # the last 512 patterns this long or shorter are kept compiled
+MAX_PATTERN_CHARS = 65536  # longer ones are refused; the last 16 of those between are kept
 
 
 def compiled(pattern: str) -> Any:
     """RE2's compiled ``pattern`` (its ``search`` is unanchored, as a schema's patterns are);
-    GrammarError if RE2 cannot take it. The last 512 short ones are kept compiled: a long one
-    is not (a request's 500,000-character pattern held 11 MB, and 512 of them 5.5 GB for good)."""
-    return _remembered(pattern) if len(pattern) <= REMEMBERED_PATTERN_CHARS else _compiled(pattern)
+    GrammarError if RE2 cannot take it. Kept compiled by size: a 500,000-character pattern a
+    request sent held 11 MB, and 512 of them 5.5 GB for good (a pattern is checked against each
+    string or name of a reply, so one that was not kept would be compiled again for each)."""
+    if len(pattern) <= SHORT_PATTERN_CHARS:
+        return _remembered(pattern)
+    if len(pattern) <= MAX_PATTERN_CHARS:
+        return _remembered_long(pattern)
+    raise GrammarError(
+        f"json_schema: a pattern of {len(pattern)} characters is longer than this server checks "
+        f"({MAX_PATTERN_CHARS})"
+    )
 
 
 @functools.lru_cache(maxsize=512)
 def _remembered(pattern: str) -> Any:
+    return _compiled(pattern)
+
+
+@functools.lru_cache(maxsize=16)
+def _remembered_long(pattern: str) -> Any:
     return _compiled(pattern)
 
 
