@@ -20,6 +20,7 @@ from serve_helpers import KEY, OTHER_KEY, running, three_models
 from starlette.requests import Request
 
 from llmsession import Models, SessionConfig
+from llmsession.commands import served_models
 from llmsession.commands.cli import parser
 from llmsession.commands.serve_models import model_files, several
 from llmsession.serve import operators
@@ -421,6 +422,7 @@ def test_with_operator_keys_a_tenant_neither_unloads_nor_reads_what_others_do(sm
             refused = ask(OTHER_KEY, method, path, **body)
             assert refused.status_code == 403 and "operator key" in refused.text, (path, refused.text)
             assert ask(None, method, path, **body).status_code == 401
+        assert served_models.served(url, OTHER_KEY) == 0  # (``llmsession models``: /api/ps is optional)
         assert ask(OPERATOR, "GET", "/api/ps").json()["models"][0]["name"] == "smol"
         assert "llmsession_requests_total" in ask(OPERATOR, "GET", "/metrics").text
         assert ask(OPERATOR, "POST", "/v1/chat/completions", **said, keep_alive=0).status_code == 200

@@ -231,7 +231,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="append",
         metavar="KEY",
         help="only these keys may load and unload models, read /api/ps and /metrics and set keep_alive "
-        "(repeatable; default: any caller may)",
+        "(repeatable; default: any caller may; without --api-key the chat endpoints stay open)",
     )
     add(
         "--cors-origin",

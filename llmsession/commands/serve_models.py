@@ -43,7 +43,8 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
         type=seconds,
         metavar="S",
         help="with several models: unload a model S seconds after its last request (its named "
-        "conversations parked; a request's keep_alive replaces it; default: never)",
+        "conversations parked; a request's keep_alive replaces it, an operator's where there are "
+        "--operator-keys; default: never)",
     )
 
 

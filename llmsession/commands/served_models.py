@@ -25,14 +25,15 @@ OPENER = urllib.request.build_opener(_Unfollowed)
 
 
 def fetch(url: str, key: str | None, optional: bool = False) -> Any:
-    """A JSON object; None for an ``optional`` endpoint the server does not have (404, 400)."""
+    """A JSON object; None for an ``optional`` endpoint the server does not have (404, 400), or
+    keeps for its operators (403: ``--operator-key``)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     request = urllib.request.Request(url, headers=headers)
     try:
         with OPENER.open(request, timeout=TIMEOUT_S) as response:
             answer = json.loads(response.read(MAX_BYTES))
     except urllib.error.HTTPError as failed:
-        if optional and failed.code in (400, 404):
+        if optional and failed.code in (400, 403, 404):
             return None
         raise
     if not isinstance(answer, dict):

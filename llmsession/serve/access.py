@@ -75,4 +75,4 @@ def _match(presented: bytes, digests: Sequence[bytes]) -> bytes | None:
 
 def heeded(request: Request, keep_alive: float | None) -> float | None:
     """A request's ``keep_alive`` if its caller may set it (an operator), else None."""
-    return keep_alive if getattr(request.state, "operator", True) else None
+    return keep_alive if getattr(request.state, "operator", False) else None  # (unasked: not heeded)

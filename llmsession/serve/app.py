@@ -171,7 +171,8 @@ class Server:
         return JSONResponse({**chosen, "created": self.created})
 
     async def metrics_text(self, request: Request) -> Response:
-        """The counters: the whole server's, whichever key asks (``README``)."""
+        """The counters: the whole server's, for an operator (any key, on a server without
+        operator keys: ``access``)."""
         states: list[str] = []
         for model in self.hosts.loaded():
             with contextlib.suppress(ModelClosedError):  # (unloaded meanwhile)
