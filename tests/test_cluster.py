@@ -464,6 +464,9 @@ def test_a_conversation_key_is_its_session_else_its_opening_within_its_tenant() 
     assert routing(f"/v1/responses/{pinned}", alpha, b"") == ("ab" * 16, "r1x")
     chain = json.dumps({"previous_response_id": pinned}).encode()
     assert routing("/v1/responses", alpha, chain) == ("ab" * 16, "r1x")
+    for door in ("/v1/chat/completions", "/v1/messages", "/v1/completions"):  # (the field is no one's there)
+        key, pinned_to = routing(door, alpha, chain)
+        assert pinned_to is None and key != "ab" * 16, door
     assert response_id("ab" * 16, "bad name!").count("_") == 1  # (a name that is not one is left out)
 
 

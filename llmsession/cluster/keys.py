@@ -84,7 +84,9 @@ def routing(path: str, headers: Mapping[str, str], body: bytes) -> tuple[str, st
     if stored is not None:
         return stored.group(1), stored.group(2)
     parsed = _parsed(body)
-    previous = parsed.get("previous_response_id")
+    # (only where the field means something: on another door it pinned any request, of anyone
+    # who had seen a response's id, to that response's replica, and moved its conversation)
+    previous = parsed.get("previous_response_id") if path.startswith("/v1/responses") else None
     chained = RESPONSE_ID.fullmatch(previous) if isinstance(previous, str) else None
     if chained is not None:  # (the key the conversation's first response was made under)
         return chained.group(1), chained.group(2)
