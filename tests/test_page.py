@@ -497,6 +497,24 @@ def test_a_tool_call_shows_as_a_card_and_its_result_goes_back(page: Page) -> Non
     assert "Sunny, 21 C" in page.messages("tool")[0].text and not page.by(".tool-result, .send-results")
 
 
+def test_a_message_after_a_failed_reply_joins_the_one_no_reply_answered(page: Page) -> None:
+    """A reply refused (a pattern the server does not check) is dropped when the next message
+    goes out: that message joins the one no reply answered, so the roles alternate (two user
+    messages in a row were sent, which the templates that require turns to alternate refuse)."""
+    page.new_chat(schema=json.dumps({"type": "string", "pattern": "(?=a)"}))
+    before = page.ended()
+    page.type("Hi.", Keys.ENTER)
+    wait_for(lambda: page.ended() > before, "the refused reply to end")
+    assert page.by("#messages .message:last-child .error")
+    page.settings(schema="")
+    page.js("window.sent = []; const f = window.fetch; window.fetch = (u, o) => "
+            "(window.sent.push(o && o.body), f(u, o));")  # fmt: skip
+    page.send("Hello?")
+    (body,) = [json.loads(b) for b in page.js("return window.sent") if b]
+    assert body["messages"] == [{"role": "user", "content": "Hi.\n\nHello?"}], body["messages"]
+    assert [m.get_attribute("data-role") for m in page.messages()] == ["user", "assistant"]
+
+
 def test_conversations_are_kept_across_a_reload(page: Page) -> None:
     page.new_chat(max_tokens=4)
     page.send("Say hello.")

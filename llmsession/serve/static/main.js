@@ -177,7 +177,7 @@ async function send() {
   const images = store.takeAttachments();
   if (images.length) message.images = images;
   store.dropFailedTail(conv);
-  store.addMessage(conv, message);
+  store.addMessage(conv, message); // (after a message no reply answered: one message, both texts)
   store.titleFrom(conv, text);
   input.value = "";
   view.renderAttachments();

@@ -212,8 +212,17 @@ export function parseSettings(settings) {
 }
 
 // -- messages ------------------------------------------------------------------------------------
+// A user's message at the end of the conversation: joined to the user's message there, if one
+// got no reply (it failed, or the page was reloaded while it streamed), so roles alternate (the
+// templates that require it refused every later request).
 export function addMessage(conv, message) {
-  conv.messages.push(message);
+  const last = conv.messages[conv.messages.length - 1];
+  if (!(message.role === "user" && last && last.role === "user")) {
+    conv.messages.push(message);
+    return;
+  }
+  last.content = [last.content, message.content].filter((text) => text).join("\n\n");
+  if (message.images) last.images = [...(last.images || []), ...message.images];
 }
 
 // The calls of the conversation's last reply, if it made some that are not answered yet.
