@@ -79,6 +79,18 @@ class ShadowedSessions:
             STATS.seconds[name] += time.perf_counter() - started
             self.timed = None
 
+    def every_sequence_held(self, i: int, beside: int | None, error: MemoryBudgetError) -> None:
+        """A valid call refused for memory: only when exchanges hold every sequence, a started
+        stream left pending on a third session and the call running beside (the fuzzer's model
+        has two sequences)."""
+        third = [
+            k
+            for k, p in enumerate(self.pending)
+            if p is not None and k not in (i, beside) and internals.started(p.stream)
+        ]
+        assert beside is not None and third, f"a valid call raised {error!r}"
+        assert "2 sequences" in str(error), error
+
     def settle(self, i: int) -> Pending | None:
         """The next valid call on session i finishes its pending stream first: shadow that."""
         pending = self.pending[i]
@@ -126,15 +138,7 @@ class ShadowedSessions:
             if expectation.error is not None:
                 assert isinstance(error, expectation.error), (error, expectation)
             elif isinstance(error, MemoryBudgetError):
-                # Every sequence held by exchanges: a started stream left pending on a third
-                # session, and the call running beside (the fuzzer's model has two sequences).
-                third = [
-                    k
-                    for k, p in enumerate(self.pending)
-                    if p is not None and k not in (i, beside) and internals.started(p.stream)
-                ]
-                assert beside is not None and third, f"a valid call raised {error!r}"
-                assert "2 sequences" in str(error), error
+                self.every_sequence_held(i, beside, error)
             else:
                 assert expectation.overflow, f"a valid call raised {error!r}"
                 assert isinstance(error, ContextOverflowError), error
@@ -164,6 +168,12 @@ class ShadowedSessions:
                 timer.start()
             try:
                 taken.take(None)
+            except MemoryBudgetError as error:  # (a stream takes its sequence at its first step)
+                assert not taken.text and stream.reply is None, (error, taken.text)
+                self.every_sequence_held(i, beside, error)
+                STATS.outcomes[f"error {type(error).__name__}"] += 1
+                check_untouched(session, cached_before, context_before, concurrent=bool(alongside))
+                return None
             finally:
                 if timer is not None:
                     timer.cancel()
@@ -208,6 +218,8 @@ class ShadowedSessions:
             elif mode == "interleave":
                 j = (i + 1 + other % 2) % len(self.sessions)
                 self.exchange(j, "Meanwhile, a short question.", GREEDY_ONE)
+                if not internals.started(stream):  # (its prompt is planned at its first step, when
+                    expectation = expect(session, self.expected[i], user, record=record)  # j's cells are)
                 taken.take(None)
                 finishes = natural
             elif mode in ("supersede", "supersede from a thread"):
