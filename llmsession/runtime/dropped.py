@@ -75,6 +75,8 @@ def _reap() -> None:
             job()
         except BaseException:  # (a finishing that failed: its ``Finishing`` is set all the same)
             log.exception("a stream dropped in a garbage collection failed to finish")
+        finally:
+            del job  # (a finishing holds its session: not kept alive while the next is awaited)
 
 
 def _forget_in_child() -> None:
