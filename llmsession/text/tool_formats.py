@@ -57,6 +57,10 @@ class ToolFormat:
     harmony: bool = False  # call headers in either of gpt-oss's spellings (``harmony``)
     text_header: str = ""  # what opens a reply's text where it makes no call (gpt-oss's final channel)
 
+    def never_calls(self, opening: str) -> bool:
+        """Whether a reply that opens so makes no call (calls open it or not at all: ``anchored``)."""
+        return self.anchored and not opening.startswith(self.trigger[: len(opening)])
+
     def call_text(self, call: ToolCall) -> str:
         ident = f', "id": "{call.id}"' if self.ids else ""
         arguments = body_from_json(call.arguments) if self.syntax == "gemma4" else call.arguments
@@ -220,8 +224,7 @@ class CallStream:
             return "", ()
         self.raw += delta if self.opening is None else self.opening.push(delta)
         trigger = self.fmt.trigger
-        if self.fmt.anchored and not self.plain and not self.raw.startswith(trigger[: len(self.raw)]):
-            self.plain = True  # calls open the reply or not at all
+        self.plain = self.plain or self.fmt.never_calls(self.raw)
         if self.plain:
             return self._text(len(self.raw)), ()
         if self.calls_at < 0:
@@ -251,10 +254,8 @@ class CallStream:
         opened = delta if probe is None else probe.push(delta)
         if probe is not None and probe.names_a_tool:  # (gpt-oss's header, held until it is whole)
             return True
-        raw, trigger = self.raw + opened, self.fmt.trigger
-        if self.fmt.anchored and not raw.startswith(trigger[: len(raw)]):
-            return False
-        return trigger in raw
+        raw = self.raw + opened
+        return not self.fmt.never_calls(raw) and self.fmt.trigger in raw
 
     def flush(self) -> str:
         """The text held back, at the end of a reply that made no call."""
