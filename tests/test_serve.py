@@ -870,7 +870,8 @@ def test_slow_bodies_hold_no_parser_and_are_refused_at_their_deadline(
 ) -> None:
     """More slow senders than parsers (headers, then a byte of a declared body): they held every
     parser's slot, and every other request waited as long as they sent; now a request is
-    answered beside them, and each gets a 408 once its body is past the deadline."""
+    answered beside them, and each gets a 408 once its body is past the deadline (then, not
+    after waiting for the rest of a body already late)."""
     monkeypatch.setattr(app_module, "BODY_SECONDS", 4)
     host, port = served.url.removeprefix("http://").removesuffix("/v1").split(":")
     head = (
@@ -889,6 +890,8 @@ def test_slow_bodies_hold_no_parser_and_are_refused_at_their_deadline(
         for connection in slow:
             status = connection.recv(4096).split(b"\r\n", 1)[0]
             assert status.split(b" ")[1] == b"408", status
+            # (at the deadline: it was 10 s later, spent waiting for the rest of the late body)
+            assert time.monotonic() - began < 4 + 2, time.monotonic() - began
     finally:
         for connection in slow:
             connection.close()

@@ -146,6 +146,7 @@ class Server:
         except ClientDisconnect:
             raise ApiError("the client went away", None, None, 499) from None
         except asyncio.TimeoutError:  # (not yet the builtin one on Python 3.10)
+            request.state.body_late = True  # (``drain`` waits no longer for it: the 408 closes)
             late = f"the request body did not arrive within {BODY_SECONDS} s"
             raise ApiError(late, None, None, 408) from None
         request.state.body_read = True  # (``drain`` reads no further)

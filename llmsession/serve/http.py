@@ -148,14 +148,19 @@ async def drain(request: Request) -> bool:
     reads (urllib, which also asks for the connection to be closed after) would otherwise have
     it closed with its body unread, which the kernel answers with a reset: the client never
     reads its answer (issue 39). Bounded as nginx bounds its lingering close: at most
-    ``DRAIN_BYTES`` and ``DRAIN_SECONDS``, and none of a body declared larger, or one whose
+    ``DRAIN_BYTES`` and ``DRAIN_SECONDS``, and none of a body declared larger, one past its
+    deadline already (its 408 comes at the deadline, not ``DRAIN_SECONDS`` after), or one whose
     client waits for 100 Continue before it sends (it is answered at once instead). False past
     those: the answer then closes the connection (uvicorn would drop the rest of the body for as
     long as it came, on a connection kept alive)."""
     if getattr(request.state, "body_read", False):
         return True
     waiting = request.headers.get("expect", "").lower() == "100-continue"
-    if declared(request) > DRAIN_BYTES or (waiting and not getattr(request.state, "body_asked", False)):
+    if (
+        getattr(request.state, "body_late", False)
+        or declared(request) > DRAIN_BYTES
+        or (waiting and not getattr(request.state, "body_asked", False))
+    ):
         return False
     receive = request.receive
 
