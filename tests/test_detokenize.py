@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer: any split of any bytes decodes like the whole stream at once."""
+"""IncrementalDetokenizer: any split of any bytes decodes like the whole stream at once (a NUL
+byte shown as U+FFFD, as an invalid one is: ``whole``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from llmsession.text.detokenize import IncrementalDetokenizer, completes
 # U+10FFFF, bytes that never appear in UTF-8, and truncated sequences.
 TRICKY = [
     b"a",
+    b"\x00",
     "é".encode(),
     "€".encode(),
     "😀".encode(),
@@ -67,6 +69,11 @@ class Recording(IncrementalDetokenizer):
         return out
 
 
+def whole(raw: bytes) -> str:
+    """The whole stream's text: decoded with ``errors="replace"``, a NUL replaced too."""
+    return raw.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+
+
 def run(pieces: list[bytes]) -> tuple[list[str], str, Recording]:
     detok = Recording()
     return [detok.push(p) for p in pieces], detok.flush(), detok
@@ -74,7 +81,7 @@ def run(pieces: list[bytes]) -> tuple[list[str], str, Recording]:
 
 @given(st.data(), tricky_bytes)
 def test_any_split_matches_whole_stream_decode(data: st.DataObject, raw: bytes) -> None:
-    expected = raw.decode("utf-8", errors="replace")
+    expected = whole(raw)
     pushed, flushed, detok = run(data.draw(split(raw)))
     emitted = ""
     for out in pushed:
@@ -85,7 +92,7 @@ def test_any_split_matches_whole_stream_decode(data: st.DataObject, raw: bytes) 
     assert detok.text == expected
 
 
-@given(st.data(), st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\ufffd")))
+@given(st.data(), st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\ufffd\x00")))
 def test_valid_text_never_shows_replacement(data: st.DataObject, text: str) -> None:
     pushed, flushed, _ = run(data.draw(split(text.encode())))
     assert not any("\ufffd" in out for out in pushed)
@@ -101,12 +108,12 @@ def test_emits_as_soon_as_characters_are_complete(data: st.DataObject, raw: byte
     for piece in data.draw(split(raw)):
         seen += piece
         detok.push(piece)
-        whole = seen.decode("utf-8", errors="replace")
-        held = len(whole) - len(detok.text)
+        so_far = whole(seen)
+        held = len(so_far) - len(detok.text)
         assert 0 <= held <= 1
         if held:
             # The held tail decodes to a single U+FFFD only because it is truncated.
-            assert whole.endswith("\ufffd")
+            assert so_far.endswith("\ufffd")
 
 
 def test_two_byte_char_split_in_two() -> None:
@@ -128,6 +135,15 @@ def test_invalid_bytes_are_replaced_immediately() -> None:
     detok = Recording()
     assert detok.push(b"a\xffb") == "a\ufffdb"
     assert detok.push(b"\xed\xa0\x80") == "\ufffd\ufffd\ufffd"
+
+
+def test_a_nul_byte_is_replaced_as_an_invalid_one_is() -> None:
+    """A token of the byte 0 (SmolLM2's 190, Gemma 3's 238) would put a NUL in the reply, which
+    the next turn's prompt refuses: the conversation could not go on."""
+    detok = Recording()
+    assert detok.push(b"a\x00") == "a\ufffd"
+    assert detok.push(b"\x00b") == "\ufffdb"
+    assert completes(b"", b"\x00") == "\ufffd"
 
 
 def test_truncated_tail_becomes_replacement_on_flush() -> None:

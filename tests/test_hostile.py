@@ -319,6 +319,16 @@ def test_a_nul_is_a_template_error_under_llama_cpps_built_in_templates_too(smoll
         assert "\\u0000" in model.render([{"role": "user", "content": "q"}], tools=[tool])
 
 
+def test_a_reply_that_chose_the_nul_byte_lets_its_conversation_go_on(smollm2: Model) -> None:
+    """A reply choosing the token of the byte 0 (here by a caller's pattern; a sampled reply
+    may too) held a NUL, which every later turn's prompt refused: the conversation was stuck.
+    It shows U+FFFD, as an invalid byte does, and the next turn is answered."""
+    session = smollm2.session()
+    reply = session.respond("Say hi.", GenerationOptions(max_tokens=8, temperature=0, regex=r"a\x00b"))
+    assert reply.text == "a\ufffdb"
+    assert session.respond("And again?", GenerationOptions(max_tokens=2, temperature=0)).text
+
+
 def test_a_schema_past_the_remembered_size_is_checked_but_never_kept() -> None:
     """The checked-schema cache held any 64 schemas whatever their size: 64 requests with a
     6 MB tool schema each (refused afterwards) kept ~5 GB. Small ones are still remembered."""

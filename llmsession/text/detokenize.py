@@ -5,7 +5,9 @@ piece on its own would print U+FFFD for characters that are merely split. The st
 incremental UTF-8 decoder holds back an incomplete but still valid prefix and replaces
 truly invalid bytes exactly as decoding the whole stream with ``errors="replace"`` would,
 whatever the split (the tests check this property). Its one needless hold-back, an
-encoded-surrogate prefix, is released at once.
+encoded-surrogate prefix, is released at once. A NUL byte (a token of the byte 0, which a
+sampled reply or a caller's pattern may choose) is shown as U+FFFD, as an invalid byte is: no
+message may carry a NUL (the next turn's prompt would be refused, and the conversation with it).
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ class IncrementalDetokenizer:
             text += self._decoder.decode(b"", final=True)
             held = b""
         self._held = bytes(held)
-        return text
+        return text.replace("\x00", "\ufffd")
 
     def flush(self) -> str:
         """End of generation: release held bytes, an incomplete tail becoming U+FFFD."""
-        return self._decoder.decode(b"", final=True)
+        return self._decoder.decode(b"", final=True)  # (held bytes: never a NUL)
 
 
 def completes(held: bytes, piece: bytes) -> str:
