@@ -183,6 +183,15 @@ def test_count_tokens_is_the_prompt_usage_adds_up_to(served: Served) -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
     with pytest.raises(anthropic.BadRequestError, match="text-only"):
         client(served).messages.count_tokens(model="m", messages=[user(image)])
+    # A tool's image result, which a model without images reads as a line of text: counted as
+    # answered (count_tokens took it for an image, and refused the transcript).
+    call = {"type": "tool_use", "id": "toolu_shot", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_shot", "content": [image]}
+    asked = user({"type": "text", "text": "Show me."})
+    said = [asked, {"role": "assistant", "content": [call]}, user(result)]
+    counted = client(served).messages.count_tokens(model="m", messages=said, tools=[TOOL])
+    used = client(served).messages.create(model="m", max_tokens=2, messages=said, tools=[TOOL]).usage
+    assert counted.input_tokens == used.input_tokens + (used.cache_read_input_tokens or 0)
 
 
 def test_a_resent_claude_code_conversation_decodes_only_its_new_turn(

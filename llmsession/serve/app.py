@@ -198,20 +198,21 @@ class Server:
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (``messages``): the same engine and tenants as a chat's."""
-        hosts = self.hosts
-
-        def checked(body: bytes) -> ChatRequest:
-            parsed = parse_json(body)
-            named = parsed.get("model") if isinstance(parsed, dict) else None
-            return messages_request(parsed, images=hosts.images(named if isinstance(named, str) else None))
-
-        asked = await self.read(request, checked)
+        asked = await self.read(request, self._messages_request)
         return await self.answer(request, asked, MessagesDoor(self.hosts.served(asked.model)))
+
+    def _messages_request(self, body: bytes, counting: bool = False) -> ChatRequest:
+        """A Messages body checked, its images as the model it names takes them (one without
+        images reads each as a line of text): counted as it is answered."""
+        parsed = parse_json(body)
+        named = parsed.get("model") if isinstance(parsed, dict) else None
+        images = self.hosts.images(named if isinstance(named, str) else None)
+        return messages_request(parsed, counting=counting, images=images)
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``count_tokens``: the prompt's tokens, as a message's usage adds them up
         (what was decoded and what was reused)."""
-        asked = await self.read(request, lambda body: messages_request(parse_json(body), counting=True))
+        asked = await self.read(request, lambda body: self._messages_request(body, counting=True))
         if any(
             not isinstance(m["content"], str | None) and any(p["type"] != "text" for p in m["content"])
             for m in asked.messages
