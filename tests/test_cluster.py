@@ -330,6 +330,13 @@ def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:
     assert response.status_code == 200 and response.headers[REPLICA] != "forged"
     assert response.headers.get_list(REPLICA) == [response.headers[REPLICA]]
     assert httpx.get(f"{cluster.url}/v1/models", timeout=30).status_code == 401  # (auth still holds)
+    # A body without a key is never read by the front: the replica's 401, in each door's words.
+    body = {"messages": [{"role": "user", "content": "Hi " * 50_000}], "max_tokens": 1}
+    refused = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    wrong = {"x-api-key": "sk-wrong", "anthropic-version": "2023-06-01"}
+    refused = httpx.post(f"{cluster.url}/v1/messages", json=body, headers=wrong, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
 
 
 def test_a_replica_killed_mid_run_and_every_conversation_goes_on(cluster: Cluster) -> None:
@@ -559,3 +566,55 @@ def test_the_cluster_bench_counts_a_turn_elsewhere_as_a_move() -> None:
     assert set(found) == {(0, 3), (1, 2)}
     assert found[0, 3]["added"] == 30 and found[0, 3]["ratio"] == 1.0
     assert found[1, 2]["decoded"] == 640 and found[1, 2]["ratio"] == 640 / 30
+
+
+def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
+    """The front read, parsed (a thread's ``json.loads`` of up to the body limit) and shipped
+    to a replica every request's body before a replica checked its key: 24 callers without one
+    sending 8 MiB each took the front to 1.5 GiB. Now a caller who presents none of the
+    servers' keys is passed on with its body unread (the replica answers the 401); a keyed
+    caller's body is read and passed on whole. (The engine here is a stand-in that records
+    what it is handed; ``test_a_client_cannot_name_the_replica`` has the real one's 401s.)"""
+    import asyncio
+
+    from llmsession.cluster.front import Front
+    from llmsession.serve.access import Access
+
+    handed: list[bytes] = []
+
+    class Answer:
+        def remote(self, scope: Any, body: bytes, *_: Any) -> Any:
+            handed.append(body)
+
+            async def messages() -> Any:
+                yield {"type": "http.response.start", "status": 401, "headers": []}
+                yield {"type": "http.response.body", "body": b"{}"}
+
+            return messages()
+
+    class Engine:
+        def options(self, **_: Any) -> Any:
+            return type("Handle", (), {"answer": Answer()})()
+
+    def post(front: Front, key: str) -> tuple[int, int]:
+        """(messages the front received, the status it sent) for a 1 MiB body."""
+        body, received, sent = b'{"messages": [' + b" " * (1 << 20) + b"]}", [], []
+
+        async def receive() -> dict[str, Any]:
+            received.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        headers = [(b"authorization", f"Bearer {key}".encode())]
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+        asyncio.run(front.asgi(scope, receive, send))
+        return len(received), sent[0]["status"]
+
+    front = Front(Engine(), 8 << 20, board=None, access=Access(KEY, "sk-operator"))
+    assert post(front, "sk-wrong") == (0, 401) and handed == [b""]
+    for key in (KEY, "sk-operator"):
+        assert post(front, key)[0] == 1 and len(handed[-1]) > 1 << 20
+    open_front = Front(Engine(), 8 << 20, board=None, access=Access(None, "sk-operator"))
+    assert post(open_front, "sk-wrong")[0] == 1  # (chat open to all: every body is read)

@@ -1,11 +1,12 @@
 """The ingress deployment of ``serve --replicas``: ``Front`` (one light replica).
 
-It reads a request's body (bounded), finds its conversation (``keys.routing``), and hands the
-request to an ``Engine`` replica (``deployment``) through a handle whose ``session_id`` names
-it, so the request router (``router.ConversationRouter``) chooses the replica; the replica's
-ASGI messages come back as a stream and are relayed as they come. A replica that fails before
-its answer began is replaced by the next one the router ranks (the request is retried there);
-after, the client's connection is cut. ``/metrics`` is the board's, every replica's merged.
+It reads a request's body (bounded; only a keyed caller's), finds its conversation
+(``keys.routing``), and hands the request to an ``Engine`` replica (``deployment``) through a
+handle whose ``session_id`` names it, so the request router (``router.ConversationRouter``)
+chooses the replica; the replica's ASGI messages come back as a stream and are relayed as they
+come. A replica that fails before its answer began is replaced by the next one the router
+ranks (the request is retried there); after, the client's connection is cut. ``/metrics`` is
+the board's, every replica's merged.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -28,6 +29,7 @@ from llmsession.cluster.deployment import (
 )
 from llmsession.cluster.keys import conversational, prompt_text, routing, session_id
 from llmsession.cluster.metrics import front_metrics, merged
+from llmsession.serve.access import Access
 
 log = logging.getLogger("llmsession.cluster")
 INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
@@ -43,11 +45,22 @@ Send = Callable[[Message], Awaitable[None]]
 class Front:
     """The ingress: routes each request to its conversation's replica and relays the answer."""
 
-    def __init__(self, engine: Any, max_body_bytes: int, board: Any, router: str = "conversation") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_body_bytes: int,
+        board: Any,
+        router: str = "conversation",
+        access: Access | None = None,
+    ) -> None:
         """``router``: ours (``conversation``: the session id names the replica a request must
         reach or answered last, ``keys.session_id``), else one of Ray's, for comparison: the
-        session id is the conversation's key alone, and the prefix router gets its text."""
+        session id is the conversation's key alone, and the prefix router gets its text.
+        ``access``: the servers' keys; a request that presents none of them is passed on with
+        its body unread (the replica answers its 401 in its door's words), so that no caller
+        without a key has the front read, parse and ship a body."""
         self.engine = engine
+        self.access = access
         self.max_body_bytes = max_body_bytes
         self.board = board
         self.hints = router == "conversation"
@@ -66,20 +79,13 @@ class Front:
             return
         if scope["type"] != "http":
             return  # (websockets: none served)
-        try:
-            body = await asyncio.wait_for(_body(receive, self.max_body_bytes), BODY_TIMEOUT_S)
-        except asyncio.TimeoutError:  # (on 3.10, not the builtin)
-            await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
-            return
-        if body is None:
-            await _error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes")
-            return
-        if body is GONE:
-            return
         forwarded = _forwarded(scope)
         headers: dict[str, str] = {}
         for name, value in forwarded["headers"]:  # (the first of a repeated header, as the server reads it)
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        body = await self._read(receive, send, headers)
+        if body is None:
+            return
         path = scope.get("path", "/")
         key, pinned = await asyncio.to_thread(routing, path, headers, body)  # (a large body's parse)
         text = Text(await asyncio.to_thread(prompt_text, path, body)) if self.by_text else None
@@ -113,6 +119,21 @@ class Front:
                 log.warning("a replica died while answering %s", path)  # client sees it unfinished)
                 raise
             return
+
+    async def _read(self, receive: Receive, send: Send, headers: Mapping[str, str]) -> bytes | None:
+        """The request's body, bounded in size and time; b"" unread for a caller who presents
+        none of the servers' keys; None once the request is answered (408, 413) or its client
+        has left."""
+        if self.access is not None and not self.access.admits(headers):
+            return b""
+        try:
+            body = await asyncio.wait_for(_body(receive, self.max_body_bytes), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:  # (on 3.10, not the builtin)
+            await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
+            return None
+        if body is None:
+            await _error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes")
+        return None if body is None or body is GONE else body
 
     def _answered(self, key: str, first: Message) -> None:
         """Remember which replica answered ``key`` (and so holds its state)."""

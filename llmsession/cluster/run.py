@@ -109,6 +109,7 @@ def application(cluster: Cluster) -> Any:
 
     from llmsession.cluster.deployment import Board, Engine
     from llmsession.cluster.front import Front
+    from llmsession.serve.access import Access
 
     routing: Any = RequestRouterConfig  # (a pydantic model its stubs mistype)
     engine = serve.deployment(
@@ -135,7 +136,8 @@ def application(cluster: Cluster) -> Any:
         cluster.drain_s,
         cluster.router == "conversation",
     )
-    return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router)
+    access = Access(cluster.app_settings.get("api_key"), cluster.app_settings.get("operator_key"))
+    return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router, access)
 
 
 def run(cluster: Cluster) -> None:

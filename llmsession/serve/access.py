@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from starlette.requests import Request
 
@@ -44,11 +44,7 @@ class Access:
         """Who is calling: its key's digest (None on a server without tenant keys, for a caller
         that presents no operator's); else a 401. ``request.state.operator`` says whether it may
         do what operators do."""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        token = given.strip().encode() if scheme.lower() == "bearer" else b""
-        if not token:  # (Anthropic's clients send theirs as x-api-key)
-            token = request.headers.get("x-api-key", "").strip().encode()
-        presented = hashlib.sha256(token).digest()
+        presented = _presented(request.headers)
         operator, tenant = _match(presented, self.operators), _match(presented, self.tenants)
         request.state.operator = not self.operators or operator is not None
         if operator is not None:
@@ -66,6 +62,23 @@ class Access:
             message = "this is the server's operators' to do: it needs an operator key (--operator-key)"
             raise ApiError(message, None, "permission_denied", 403)
         return key
+
+    def admits(self, headers: Mapping[str, str]) -> bool:
+        """Whether a request with these (lower-cased) headers is a caller's whom ``authorize``
+        takes: what a front checks before it reads a body (an unkeyed one is not read)."""
+        presented = _presented(headers)
+        matched = _match(presented, self.operators) or _match(presented, self.tenants)
+        return not self.tenants or matched is not None
+
+
+def _presented(headers: Mapping[str, str]) -> bytes:
+    """The digest of the key a request presents: a Bearer token, else Anthropic's
+    ``x-api-key`` (else the empty key's, which no server takes)."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    token = given.strip().encode() if scheme.lower() == "bearer" else b""
+    if not token:  # (Anthropic's clients send theirs as x-api-key)
+        token = headers.get("x-api-key", "").strip().encode()
+    return hashlib.sha256(token).digest()
 
 
 def _match(presented: bytes, digests: Sequence[bytes]) -> bytes | None:
