@@ -337,10 +337,13 @@ def test_concurrent_requests_decode_in_one_batch(served: Served) -> None:
     batcher = internals.local(served.model).engine.batcher
     batches, steps = batcher.batches, batcher.steps
     replies: list[Any] = []
-    threads = [
-        threading.Thread(target=lambda i=i: replies.append(ask(served, f"Count to ten, {i}.", max_tokens=24)))
-        for i in range(3)
-    ]
+    start = threading.Barrier(3)
+
+    def run(i: int) -> None:  # (greedy: a sampled reply may end after a token, before the others began)
+        start.wait()
+        replies.append(ask(served, f"Count to ten, {i}.", max_tokens=24, temperature=0))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
