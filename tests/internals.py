@@ -167,3 +167,9 @@ def reported_buffers(model: Model) -> int:
     compute buffers; an embedding context's cells), without the output buffers' bound."""
     children = local(model).native.children()
     return sum(getattr(child, "reported", child.buffers) for child in children if not child.closed)
+
+
+def leases(model: Model) -> int:
+    """How many sessions' places the engine holds (in every layout's context), as they are:
+    ``Model.memory`` would free the collected ones' first."""
+    return sum(len(home.leases) for home in local(model).engine._shared_contexts.values())

@@ -322,6 +322,19 @@ def test_dropped_sessions_free_their_memory_without_the_cyclic_gc(smollm2: Model
         gc.enable()
 
 
+def test_sessions_dropped_before_their_first_seat_do_not_pile_up(smollm2: Model) -> None:
+    """A collected session's place is freed at the engine's next safe point: a seat, or
+    ``memory()``, not a new session's lease. Sessions refused before a seat (a prompt too long)
+    and dropped kept theirs, each one scanned by every later placement, until some exchange."""
+    before = internals.leases(smollm2)
+    for _ in range(50):
+        session = smollm2.session(context_size=256)
+        with pytest.raises(ContextOverflowError):
+            session.respond("word " * 400, GenerationOptions(max_tokens=1))
+        del session
+    assert internals.leases(smollm2) <= before + 1  # (the last one's, freed by the next lease)
+
+
 def test_a_context_keeps_its_model_alive(smollm2_path: Path) -> None:
     native = NativeModel(smollm2_path)
     model_ref = weakref.ref(native)

@@ -92,13 +92,14 @@ class Engine:
         batch size; a session's own ``batch_size`` (at most that) only cuts its prompts. The small
         sliding-window cache (``swa_full=False``, a memory saver) holds the window plus one batch
         per sequence: its sessions take turns in a context of their own, one live at a time (a
-        unified small-window cache let a deep rewind's logits drift past the split-noise
-        tolerance), freed when the last of them goes (``release``)."""
+        unified one let a deep rewind's logits drift past the split-noise tolerance), freed with
+        the last of them (``release``)."""
         if not 0 < batch_size <= self.config.batch_size:
             raise ValueError(f"batch_size {batch_size}: 1 to the model's {self.config.batch_size}")
         n_swa = max(0, self.native.n_swa)
         swa_full = swa_full or n_swa == 0  # one layout when there is no window
         with self.hold():
+            self._reap()  # (sessions made and dropped before a seat would pile up otherwise)
             home = self._shared_context(swa_full)
             recurrent = self.config.checkpoints if self.native.is_recurrent else None
             window = 0 if swa_full else n_swa
@@ -186,7 +187,7 @@ class Engine:
     def discard(self, lease: Lease) -> None:
         """Forget a session's state wherever it is: the session goes cold."""
         with self.hold():
-            self._free(lease, lease.shared_context.residency.cool(lease.key))
+            self.moves.free(lease, lease.shared_context.residency.cool(lease.key))
             lease.cache.reset()
 
     def release(self, lease: Lease) -> None:
@@ -385,16 +386,8 @@ class Engine:
         home = lease.shared_context
         if lease.key not in home.leases:
             return
-        self._free(lease, home.residency.remove(lease.key))
+        self.moves.free(lease, home.residency.remove(lease.key))
         del home.leases[lease.key]
         if not home.leases and not home.swa_full and self._shared_contexts.get(False) is home:
             del self._shared_contexts[False]
             home.close()
-
-    def _free(self, lease: Lease, steps: list[Move]) -> None:
-        """Let a session's state go on purpose (closed or collected): not an eviction. Its
-        parked state goes too, also one on disk the ledger already counts as cold."""
-        for step in steps:
-            if step.action == "evict":
-                lease.shared_context.context.seq_rm(-1, step.seq)
-        self.lot.discard(lease.key)

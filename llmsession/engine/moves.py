@@ -65,6 +65,14 @@ class Mover:
             else:
                 self.restore(home, lease, step.seq, self.lot.take(lease.key))
 
+    def free(self, lease: Lease, steps: list[Move]) -> None:
+        """Let a session's state go on purpose (closed or collected): not an eviction. Its
+        parked state goes too, also one on disk the ledger already counts as cold."""
+        for step in steps:
+            if step.action == "evict":
+                lease.shared_context.context.seq_rm(-1, step.seq)
+        self.lot.discard(lease.key)
+
     def _swap(self, home: SharedContext, step: Move) -> None:
         """Move a live session's state to another sequence, trading places with the session
         there if any (``placement``): each state goes through host memory."""
