@@ -115,3 +115,24 @@ def test_an_error_before_a_batch_is_decoded_fails_its_steps_and_the_loop_goes_on
     for session, question in zip(sessions, QUESTIONS, strict=False):
         reply = session.respond(question, OPTIONS)
         assert check_against_fresh(session, reply, tolerance_for(batch_noise(smollm2)), final=False) == []
+
+
+def test_a_second_ctrl_c_still_waits_out_the_abandoned_step() -> None:
+    """After a Ctrl-C the waiting thread waits for its step to end (so memory matches its
+    record); a second Ctrl-C during that wait left the step queued, to be decoded into a
+    sequence its session might no longer hold. Interrupts now go on waiting (an Event's
+    ``wait`` stands in: two interrupted waits, one timed out, then the step's end)."""
+    from llmsession.engine.batching import wait_out
+
+    class Interrupted:
+        calls = 0
+
+        def wait(self, timeout: float) -> bool:
+            self.calls += 1
+            if self.calls <= 2:
+                raise KeyboardInterrupt
+            return self.calls == 4
+
+    event = Interrupted()
+    wait_out(event)  # type: ignore[arg-type]
+    assert event.calls == 4

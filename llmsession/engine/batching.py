@@ -102,8 +102,7 @@ class Batcher:
             done.wait()
         except BaseException:  # Ctrl-C while waiting: the step ends first, so memory matches its record
             step.abandoned = True  # (a prompt's stretch ends with the slice being decoded)
-            while not done.wait(0.05):
-                pass
+            wait_out(done)
             raise
         return self._outcome(step)
 
@@ -331,3 +330,15 @@ class Batcher:
         self.prompt_tokens += prompt
         self.mixed += bool(prompt and others)
         self.sizer.observe(prompt, others, seconds)
+
+
+def wait_out(done: threading.Event) -> None:
+    """Wait for an abandoned step to end, through any further Ctrl-C (a second one left it
+    queued, to be decoded into a sequence its session may no longer hold): the wait is a slice
+    at most, and the first interrupt is raised after it."""
+    while True:
+        try:
+            if done.wait(0.05):
+                return
+        except BaseException:  # (an interrupt again: still waited out)
+            continue
