@@ -10,8 +10,6 @@ decoded, and the prompt still gets most of the machine.
 
 from __future__ import annotations
 
-import math
-
 SLOWDOWN = 2.5  # a mixed step's time over a generation step's, at most (about)
 FIRST_CHUNK = 32  # before any mixed step was measured
 MIN_CHUNK = 32  # so a prompt always advances, however slow the model
@@ -35,11 +33,10 @@ class ChunkSizer:
 
     def allowance(self, capacity: int) -> int:
         """Prompt tokens the next mixed step may take (of a batch that holds ``capacity``)."""
-        if self.step_s is None or self.token_s is None:
+        if self.step_s is None or not self.token_s:  # (none measured, or only free tokens)
             return max(1, min(capacity, FIRST_CHUNK))
-        # (prompt tokens that cost nothing measured: after ~2,000 such steps a denormal, then 0)
-        fits = (SLOWDOWN - 1.0) * self.step_s / self.token_s if self.token_s > 0 else math.inf
-        if not fits < capacity:
+        fits = (SLOWDOWN - 1.0) * self.step_s / self.token_s
+        if not fits < capacity:  # (~2,000 steps of free tokens: a denormal, and fits infinite)
             return capacity
         return max(1, min(capacity, max(MIN_CHUNK, int(fits))))
 
