@@ -330,9 +330,11 @@ def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:
     assert response.status_code == 200 and response.headers[REPLICA] != "forged"
     assert response.headers.get_list(REPLICA) == [response.headers[REPLICA]]
     assert httpx.get(f"{cluster.url}/v1/models", timeout=30).status_code == 401  # (auth still holds)
-    # A body without a key is never read by the front: the replica's 401, in each door's words.
-    body = {"messages": [{"role": "user", "content": "Hi " * 50_000}], "max_tokens": 1}
-    refused = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=30)
+    # A body without a key is dropped by the front as it comes: the replica's 401, in each
+    # door's words, to a client that asked for the connection to close too (its body all read).
+    body = {"messages": [{"role": "user", "content": "Hi " * 500_000}], "max_tokens": 1}
+    closing = {"Connection": "close"}
+    refused = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, headers=closing, timeout=30)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     wrong = {"x-api-key": "sk-wrong", "anthropic-version": "2023-06-01"}
     refused = httpx.post(f"{cluster.url}/v1/messages", json=body, headers=wrong, timeout=30)
@@ -569,12 +571,13 @@ def test_the_cluster_bench_counts_a_turn_elsewhere_as_a_move() -> None:
 
 
 def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
-    """The front read, parsed (a thread's ``json.loads`` of up to the body limit) and shipped
+    """The front kept, parsed (a thread's ``json.loads`` of up to the body limit) and shipped
     to a replica every request's body before a replica checked its key: 24 callers without one
     sending 8 MiB each took the front to 1.5 GiB. Now a caller who presents none of the
-    servers' keys is passed on with its body unread (the replica answers the 401); a keyed
-    caller's body is read and passed on whole. (The engine here is a stand-in that records
-    what it is handed; ``test_a_client_cannot_name_the_replica`` has the real one's 401s.)"""
+    servers' keys has its body read and dropped (not left unread: Ray's proxy would queue it)
+    and is passed on without it (the replica answers the 401); a keyed caller's body is read
+    and passed on whole. (The engine here is a stand-in that records what it is handed;
+    ``test_a_client_cannot_name_the_replica`` has the real one's 401s.)"""
     import asyncio
 
     from llmsession.cluster.front import Front
@@ -596,13 +599,17 @@ def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
         def options(self, **_: Any) -> Any:
             return type("Handle", (), {"answer": Answer()})()
 
+    body = b'{"messages": [' + b" " * (1 << 20) + b"]}"
+    pieces = [body[i : i + (1 << 18)] for i in range(0, len(body), 1 << 18)]
+
     def post(front: Front, key: str) -> tuple[int, int]:
-        """(messages the front received, the status it sent) for a 1 MiB body."""
-        body, received, sent = b'{"messages": [' + b" " * (1 << 20) + b"]}", [], []
+        """(messages the front received, the status it sent) for a 1 MiB body in 5 pieces."""
+        received: list[int] = []
+        sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:
             received.append(1)
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": pieces[len(received) - 1], "more_body": len(received) < 5}
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
@@ -613,8 +620,9 @@ def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
         return len(received), sent[0]["status"]
 
     front = Front(Engine(), 8 << 20, board=None, access=Access(KEY, "sk-operator"))
-    assert post(front, "sk-wrong") == (0, 401) and handed == [b""]
+    assert len(pieces) == 5 and post(front, "sk-wrong") == (5, 401) and handed == [b""]
     for key in (KEY, "sk-operator"):
-        assert post(front, key)[0] == 1 and len(handed[-1]) > 1 << 20
+        assert post(front, key) == (5, 401) and handed[-1] == body
     open_front = Front(Engine(), 8 << 20, board=None, access=Access(None, "sk-operator"))
-    assert post(open_front, "sk-wrong")[0] == 1  # (chat open to all: every body is read)
+    post(open_front, "sk-wrong")
+    assert handed[-1] == body  # (chat open to all: every body is passed on)

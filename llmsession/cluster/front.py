@@ -1,6 +1,6 @@
 """The ingress deployment of ``serve --replicas``: ``Front`` (one light replica).
 
-It reads a request's body (bounded; only a keyed caller's), finds its conversation
+It reads a request's body (bounded; kept only for a keyed caller), finds its conversation
 (``keys.routing``), and hands the request to an ``Engine`` replica (``deployment``) through a
 handle whose ``session_id`` names it, so the request router (``router.ConversationRouter``)
 chooses the replica; the replica's ASGI messages come back as a stream and are relayed as they
@@ -56,9 +56,9 @@ class Front:
         """``router``: ours (``conversation``: the session id names the replica a request must
         reach or answered last, ``keys.session_id``), else one of Ray's, for comparison: the
         session id is the conversation's key alone, and the prefix router gets its text.
-        ``access``: the servers' keys; a request that presents none of them is passed on with
-        its body unread (the replica answers its 401 in its door's words), so that no caller
-        without a key has the front read, parse and ship a body."""
+        ``access``: the servers' keys; a request that presents none of them is passed on
+        without its body (dropped as it is read: the replica answers its 401 in its door's
+        words), so that no caller without a key has the front hold, parse or ship a body."""
         self.engine = engine
         self.access = access
         self.max_body_bytes = max_body_bytes
@@ -121,13 +121,14 @@ class Front:
             return
 
     async def _read(self, receive: Receive, send: Send, headers: Mapping[str, str]) -> bytes | None:
-        """The request's body, bounded in size and time; b"" unread for a caller who presents
-        none of the servers' keys; None once the request is answered (408, 413) or its client
-        has left."""
-        if self.access is not None and not self.access.admits(headers):
-            return b""
+        """The request's body, bounded in size and time (a caller who presents none of the
+        servers' keys: read and dropped, never kept or parsed, and b"" passed on); None once the
+        request is answered (408, 413) or its client has left. (Read, not left: Ray's proxy
+        queues what the app has not read, unbounded, and a client that asked for the connection
+        to close would be reset before it read its 401.)"""
+        keyed = self.access is None or self.access.admits(headers)
         try:
-            body = await asyncio.wait_for(_body(receive, self.max_body_bytes), BODY_TIMEOUT_S)
+            body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:  # (on 3.10, not the builtin)
             await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
             return None
@@ -175,8 +176,9 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 GONE = b"(the client left)"  # (compared by identity)
 
 
-async def _body(receive: Receive, limit: int) -> bytes | None:
-    """The request's body, None past ``limit`` bytes, or ``GONE`` if the client left."""
+async def _body(receive: Receive, limit: int, keep: bool = True) -> bytes | None:
+    """The request's body (b"" if not ``keep``: read and dropped), None past ``limit`` bytes,
+    or ``GONE`` if the client left."""
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -186,7 +188,8 @@ async def _body(receive: Receive, limit: int) -> bytes | None:
         size += len(chunk)
         if size > limit:
             return None
-        chunks.append(chunk)
+        if keep:
+            chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
