@@ -325,8 +325,11 @@ def test_a_reply_that_chose_the_nul_byte_lets_its_conversation_go_on(smollm2: Mo
     It shows U+FFFD, as an invalid byte does, and the next turn is answered."""
     session = smollm2.session()
     reply = session.respond("Say hi.", GenerationOptions(max_tokens=8, temperature=0, regex=r"a\x00b"))
-    assert reply.text == "a\ufffdb"
-    assert session.respond("And again?", GenerationOptions(max_tokens=2, temperature=0)).text
+    generated = internals.record(session)[reply.usage.prompt_tokens :][: reply.usage.completion_tokens]
+    assert reply.text == "a\ufffdb" == smollm2.detokenize(generated)
+    again = session.respond("And again?", GenerationOptions(max_tokens=2, temperature=0))
+    # (the reply went back as its tokens: reused whole, where the NUL's token was decoded again)
+    assert again.text and again.usage.reused_tokens >= reply.usage.prompt_tokens + len(generated)
 
 
 def test_a_schema_past_the_remembered_size_is_checked_but_never_kept() -> None:

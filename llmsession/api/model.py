@@ -169,7 +169,8 @@ class Model(RawCompletions):
         return self._backend.tokenize(text, add_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        """The text of token ids; an id outside the vocabulary raises ValueError naming it."""
+        """The text of token ids, as a reply shows them (a byte that is no text, and a NUL, as
+        U+FFFD); an id outside the vocabulary raises ValueError naming it."""
         return self._backend.detokenize(tokens)
 
     def prompt_tokens(

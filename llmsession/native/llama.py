@@ -319,6 +319,7 @@ class NativeModel(Owner):
         return bytes(ffi.buffer(buf, n))
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        """The tokens' text, as a reply shows it: an invalid byte, and a NUL, as U+FFFD."""
         lib, ffi = bindings()
         if isinstance(tokens, str | bytes):
             raise TypeError("tokens must be a sequence of token ids")
@@ -329,7 +330,7 @@ class NativeModel(Owner):
             buf = ffi.new("char[]", capacity)
             n = lib.llama_detokenize(self.vocab, ids, len(tokens), buf, capacity, False, special)
             if n >= 0:
-                return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
+                return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace").replace("\x00", "\ufffd")
             capacity = -n
         raise NativeError("llama_detokenize failed")
 
