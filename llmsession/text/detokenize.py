@@ -17,7 +17,7 @@ import codecs
 
 class IncrementalDetokenizer:
     """Decodes a stream of byte pieces; the concatenated output is always a prefix of the
-    whole-stream decode, and output plus :meth:`flush` equals it."""
+    whole-stream decode (a NUL as U+FFFD), and output plus :meth:`flush` equals it."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
