@@ -117,22 +117,36 @@ def test_an_error_before_a_batch_is_decoded_fails_its_steps_and_the_loop_goes_on
         assert check_against_fresh(session, reply, tolerance_for(batch_noise(smollm2)), final=False) == []
 
 
-def test_a_second_ctrl_c_still_waits_out_the_abandoned_step() -> None:
+def test_an_interrupted_step_leaves_the_queue_or_is_waited_out() -> None:
     """After a Ctrl-C the waiting thread waits for its step to end (so memory matches its
-    record); a second Ctrl-C during that wait left the step queued, to be decoded into a
-    sequence its session might no longer hold. Interrupts now go on waiting (an Event's
-    ``wait`` stands in: two interrupted waits, one timed out, then the step's end)."""
+    record): a step no batch has taken leaves the queue at once (nothing of it decoded); one
+    being decoded, or a prompt part decoded, is waited out, through a second Ctrl-C (which left
+    it to be decoded into a sequence its session might no longer hold), and another exception
+    met meanwhile (a signal handler's ``SystemExit``) is raised once it has ended. (Steps that
+    name no context, and an Event's ``wait`` stand in: the queue's bookkeeping alone.)"""
     from llmsession.engine.batching import wait_out
+    from llmsession.engine.work import Gate
+
+    batcher = Batcher(Gate())
+    waiting = Step(target=None, tokens=[1], pos=0, sampler=None)  # type: ignore[arg-type]
+    sliced = Step(target=None, tokens=[1, 2, 3], pos=0, sampler=None, prompt=True, taken=2)  # type: ignore[arg-type]
+    batcher._pending += [waiting, sliced]
+    assert batcher._withdraw(waiting) and batcher._pending == [sliced]
+    assert not batcher._withdraw(sliced)  # (part of it decoded: its slice is waited for)
+    assert not batcher._withdraw(waiting)  # (no longer queued: taken by a batch, say)
 
     class Interrupted:
         calls = 0
 
         def wait(self, timeout: float) -> bool:
             self.calls += 1
-            if self.calls <= 2:
+            if self.calls in (1, 2):
                 raise KeyboardInterrupt
-            return self.calls == 4
+            if self.calls == 3:
+                raise SystemExit(3)
+            return self.calls == 5
 
     event = Interrupted()
-    wait_out(event)  # type: ignore[arg-type]
-    assert event.calls == 4
+    with pytest.raises(SystemExit):
+        wait_out(event)  # type: ignore[arg-type]
+    assert event.calls == 5

@@ -102,9 +102,19 @@ class Batcher:
             done.wait()
         except BaseException:  # Ctrl-C while waiting: the step ends first, so memory matches its record
             step.abandoned = True  # (a prompt's stretch ends with the slice being decoded)
-            wait_out(done)
+            if not self._withdraw(step):
+                wait_out(done)
             raise
         return self._outcome(step)
+
+    def _withdraw(self, step: Step) -> bool:
+        """Take an interrupted step out of the queue if no batch has decoded any of it (its
+        caller need not wait for one)."""
+        with self._queue:
+            if step not in self._pending or (step.prompt and step.taken > 0):
+                return False
+            self._pending.remove(step)
+        return True
 
     def alone(self, context: NativeContext, tracker: Tracker | None = None) -> bool:
         """No other stream is stepping on ``context``: nothing to batch with."""
@@ -333,12 +343,18 @@ class Batcher:
 
 
 def wait_out(done: threading.Event) -> None:
-    """Wait for an abandoned step to end, through any further Ctrl-C (a second one left it
-    queued, to be decoded into a sequence its session may no longer hold): the wait is a slice
-    at most, and the first interrupt is raised after it."""
+    """Wait for an abandoned step's batch to end (a slice of a prompt at most; an image's or an
+    encoder's whole pass), through any further Ctrl-C: a second one left it to be decoded into a
+    sequence its session might no longer hold. Another exception met meanwhile (a signal
+    handler's ``SystemExit``) is raised once it has ended."""
+    met: BaseException | None = None
     while True:
         try:
             if done.wait(0.05):
-                return
-        except BaseException:  # (an interrupt again: still waited out)
+                break
+        except KeyboardInterrupt:  # (again: still waited out)
             continue
+        except BaseException as error:
+            met = met or error
+    if met is not None:
+        raise met
