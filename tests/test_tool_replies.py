@@ -125,6 +125,26 @@ def test_stop_strings_end_the_text_never_a_call(fixture_path: Any, monkeypatch: 
     assert before.text == "Let me " and not before.tool_calls
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_is_never_cut_by_a_stop_string(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch, choice: Any
+) -> None:
+    """A reply that must call is all calls: a stop string met in the call's opening (before the
+    calls had begun, as ``TextStops`` saw it) cut it there, the forced choice unmet and the
+    markup's first characters returned as text. Stop strings do not apply to it."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+        steered(monkeypatch, model, call)
+        options = GenerationOptions(
+            max_tokens=64, temperature=0, tools=[WEATHER], tool_choice=choice, stop=["<tool", "Oslo"]
+        )
+        reply = model.session().respond("Weather in Oslo?", options)
+    assert reply.finish_reason == "tool_calls" and reply.stop_sequence is None, reply
+    assert reply.text == "" and [(c.name, c.parsed) for c in reply.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_parallel_calls_come_as_two_calls_only_when_allowed(
     fixture_path: Any, monkeypatch: pytest.MonkeyPatch, parallel: bool

@@ -36,8 +36,12 @@ class TextStops(StopMatcher):
 
 
 def stop_matcher(stops: Sequence[str], calling: Calling | None) -> StopMatcher:
-    """A reply's stop strings (``TextStops`` when it may call tools)."""
-    return StopMatcher(stops) if calling is None else TextStops(stops, calling.stream)
+    """A reply's stop strings (``TextStops`` when it may call tools; none when it must: such
+    a reply is all calls, and a stop met in their opening cut them before they had begun)."""
+    if calling is None:
+        return StopMatcher(stops)
+    forced = calling.tools.mode in ("required", "named")
+    return TextStops(() if forced else stops, calling.stream)
 
 
 @dataclass
