@@ -345,6 +345,24 @@ def test_plain_text_of_a_format_whose_calls_open_the_reply_streams_whole() -> No
         assert not any(calls for _, calls in pieces)
 
 
+def test_a_gemma4_call_streaming_for_long_is_read_once_its_tail_is_written(monkeypatch: Any) -> None:
+    """Gemma 4's arguments come whole, once read: each token of a call re-read it from its
+    start in Python (a small model looping in an array: 64 s over 8,000 tokens, half the
+    generation's time). It is read only once its tail is written."""
+    from llmsession.text import tool_formats
+
+    fmt, reads = FORMATS["gemma4"], []
+    real = tool_formats.read_arguments
+    monkeypatch.setattr(tool_formats, "read_arguments", lambda *a: reads.append(1) or real(*a))
+    stream = CallStream(fmt, CallIds(fmt))
+    stream.push("<|tool_call>call:f{a:[")
+    for _ in range(2000):
+        stream.push("1,")
+    assert reads == []
+    _, pieces = stream.push("1]}<tool_call|>")
+    assert len(reads) == 1 and json.loads("".join(p.arguments or "" for p in pieces)) == {"a": [1] * 2001}
+
+
 def test_tool_choice_none_still_declares_the_tools(smollm2: Model, fixture_path: Any) -> None:
     """A turn that may not call keeps the prompt's prefix: a 10-turn tool conversation decoded
     25 times its new tokens while "none" left the tools out."""

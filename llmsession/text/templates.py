@@ -19,9 +19,10 @@ from typing import Any
 
 from llmsession.errors import TemplateError
 from llmsession.text.gemma4 import gemma4_prompt, is_gemma4_template
+from llmsession.text.generic_prompt import generic_messages
 from llmsession.text.jinja import render_jinja
 from llmsession.text.messages import Message, check_messages, filled, flatten_content, is_image_part
-from llmsession.text.tool_formats import GENERIC, ToolFormat, generic_messages
+from llmsession.text.tool_formats import GENERIC, ToolFormat
 from llmsession.text.tools import Tools
 
 NativeApply = Callable[[str | None, Sequence[tuple[str, str]], bool], str | None]
@@ -128,7 +129,7 @@ def render_prompt(
     only the Gemma 4 renderer (llama.cpp's built-in templates have no switch for it). BOS is
     left to tokenization unless a jinja template writes it. ``tools`` and tool messages reach a
     jinja template as Hugging Face passes them, for a native ``tool_format``; the generic one
-    writes them into the messages (``tool_formats.generic_messages``), for any renderer.
+    writes them into the messages (``generic_prompt.generic_messages``), for any renderer.
     The messages are checked first (``check_messages``; ``render_checked`` trusts its caller's).
     """
     check_messages(messages, answers=not stand_ins)  # (stand-ins hide the calls results answer)

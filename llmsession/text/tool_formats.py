@@ -23,12 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmsession.errors import TemplateError
 from llmsession.replies import ToolCallDelta
 from llmsession.text.gemma4_calls import body_from_json, read_body
 from llmsession.text.gemma4_tools import QUOTE
 from llmsession.text.harmony import FINAL, START, TEMPLATE_HEADER, TO, Opening, canonical
-from llmsession.text.messages import flatten_content, is_image_part
 from llmsession.text.tools import ToolCall, Tools
 
 ALPHANUMERIC = string.ascii_letters + string.digits
@@ -321,7 +319,11 @@ def _same_json(a: str, b: str) -> bool:
 
 def _arguments_so_far(fmt: ToolFormat, raw: str, start: int) -> tuple[str, int]:
     """A streaming call's arguments as JSON text so far, and where they end (-1 while they go
-    on). JSON arguments stream as written; Gemma's come whole, once read."""
+    on). JSON arguments stream as written; Gemma's come whole, once read (not tried before its
+    tail is written: a reply looping inside a call was read again from its start each token, in
+    Python, 64 s over 8,000 tokens)."""
+    if fmt.syntax == "gemma4" and raw.find(fmt.tail, start) < 0:
+        return "", -1
     try:
         return read_arguments(fmt, raw, start)
     except (ValueError, RecursionError):
@@ -334,42 +336,6 @@ def _held(text: str, opening: str) -> int:
         if opening.startswith(text[-size:]):
             return size
     return 0
-
-
-# -- the generic format's prompt ----------------------------------------------------------------
-def generic_messages(messages: Sequence[Mapping[str, Any]], tools: Tools | None) -> list[dict[str, Any]]:
-    """A transcript with tools for a template that knows none: the tools and the call format in
-    the system message, calls as the JSON the reply generated, results as user messages."""
-    out = [_generic_message(i, m) for i, m in enumerate(messages)]
-    if tools is not None:  # (declared with tool_choice "none" too: the prefix stays the same)
-        described = "\n".join(json.dumps(tool.spec()["function"]) for tool in tools.tools)
-        guide = (
-            f"You can call these tools:\n{described}\nTo call tools, reply with only this JSON: "
-            '{"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}'
-        )
-        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
-            out[0]["content"] = f"{out[0]['content']}\n\n{guide}"
-        else:
-            out.insert(0, {"role": "system", "content": guide})
-    return out
-
-
-def _generic_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
-    """A (checked) message as the generic format writes it: calls as the JSON the reply
-    generated after its text, a result as a user message holding it, others as they are."""
-    if message.get("role") == "assistant" and message.get("tool_calls"):
-        content = message.get("content")
-        text = content if isinstance(content, str) else flatten_content(content or "", "")
-        return {"role": "assistant", "content": GENERIC.reply_text(text, calls_of(message))}
-    if message.get("role") != "tool":
-        return dict(message)
-    content = message.get("content")
-    if not isinstance(content, str):  # (the parts' text: a result is JSON text here)
-        if any(is_image_part(part) for part in content or ()):
-            raise TemplateError(f"message {i} (tool): the generic tool format takes no images in results")
-        content = flatten_content(content or "", "")
-    result = {"tool_call_id": message.get("tool_call_id"), "content": content}
-    return {"role": "user", "content": json.dumps({"tool_result": result})}
 
 
 def said_text(message: Mapping[str, Any], fmt: ToolFormat) -> str | None:
