@@ -110,6 +110,35 @@ def test_a_dead_worker_is_a_typed_error_and_a_new_model_takes_over(smollm2_path:
         assert fresh.respond(QUESTIONS[1], GREEDY).text
 
 
+def test_a_worker_killed_by_a_signal_without_a_name_is_a_typed_error(smollm2_path: Path) -> None:
+    """A real-time signal (35) has no name in Python: naming it raised ValueError before the
+    worker was marked failed, so every later call raised ValueError and the model stayed open."""
+    model = Model(smollm2_path, threads=1, isolated=True)
+    session = model.session()
+    os.kill(internals.worker(model).process.pid, signal.SIGRTMIN + 1)
+    for _ in range(2):
+        with pytest.raises(BackendError, match=f"signal {int(signal.SIGRTMIN) + 1}"):
+            session.respond(QUESTIONS[0], GREEDY)
+    assert model.closed
+    model.close()
+
+
+def test_an_open_stream_of_a_closed_model_closes_quietly_as_in_process(smollm2_path: Path) -> None:
+    """``stream.close()`` (and leaving ``with stream``) after ``model.close()`` asked the closed
+    model to finish it: ModelClosedError, replacing whatever the ``with`` block raised. In
+    process it does nothing; a next step raises, as there."""
+    for isolated in (False, True):
+        model = Model(smollm2_path, threads=1, isolated=isolated)
+        stream = model.session().stream(QUESTIONS[0], GREEDY)
+        next(stream)
+        model.close()
+        stream.close()
+        with stream:
+            pass
+        with pytest.raises(ModelClosedError):
+            next(stream)
+
+
 def test_a_session_dropped_while_its_thread_sends_is_dropped_after_the_send(smollm2_path: Path) -> None:
     """A collection can run a dropped session's finalizer inside ``send_bytes``, on the thread
     that holds the pipe. Its message must wait for that send, not for itself (a deadlock once,

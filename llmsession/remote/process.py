@@ -109,7 +109,7 @@ class WorkerProcess:
             code = self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             return "the model's worker process closed its connection"
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
         return f"the model's worker process died ({how}; an RPC server lost?)"
 
     def fail(self, why: str) -> NoReturn:
@@ -122,6 +122,14 @@ class WorkerProcess:
             self.process.kill()
         self.process.wait()
         self.conn.close()
+
+
+def _signal_name(number: int) -> str:
+    """A signal's name; a real-time one (34 and on) has none in Python: its number."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def picklable(message: tuple[Any, ...]) -> bytes:

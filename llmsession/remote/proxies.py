@@ -224,9 +224,13 @@ class WorkerStream(Stream):
         self._model.worker.tell("cancel", self._key)
 
     def close(self) -> None:
-        if not self._done:
-            _, reply, messages = self._model.call("close_stream", self._key)
-            self._end(reply, messages)
+        if self._done:
+            return
+        if self._model.closed:  # (as in-process: nothing left to finish; a next step raises)
+            self._drop.detach()
+            return
+        _, reply, messages = self._model.call("close_stream", self._key)
+        self._end(reply, messages)
 
 
 def _dropped(worker: WorkerProcess, session: WorkerSession | None, key: int) -> None:
