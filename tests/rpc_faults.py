@@ -13,6 +13,7 @@ import copy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -89,6 +90,22 @@ def stopped_mid_stream(path: str) -> str:
     return f"BackendError {took:.2f} s after the stream began (worker_timeout {TIMEOUT_S} s)"
 
 
+def stopped_before_a_save(path: str) -> str:
+    """A save (or fork, or park) reads the session's state over RPC without decoding: a server
+    that stopped answering then hung it past every timeout (only decodes were watched)."""
+    with servers(2, threads=1) as started:
+        model = Model(path, rpc_servers=[e for e, _ in started], worker_timeout=TIMEOUT_S)
+        session = model.session()
+        assert session.respond("Name a colour.", GREEDY).text
+        started[0][1].send_signal(signal.SIGSTOP)
+        with tempfile.TemporaryDirectory() as folder:
+            saving = lambda: session.save(f"{folder}/chat.llmsession")  # noqa: E731
+            took = expect_backend_error(model, session, saving, "stopped before a save")
+        model.close()
+    assert took < TIMEOUT_S + 3, f"a hung server was reported after {took:.1f} s (timeout {TIMEOUT_S} s)"
+    return f"BackendError {took:.2f} s after the save began (worker_timeout {TIMEOUT_S} s)"
+
+
 def healthy_local_chat(path: str) -> str:
     with Model(path, threads=2) as model:
         session = model.session()
@@ -100,7 +117,13 @@ def healthy_local_chat(path: str) -> str:
 
 def main() -> int:
     path = sys.argv[1]
-    scenarios = (nothing_listening, killed_after_load, killed_mid_stream, stopped_mid_stream)
+    scenarios = (
+        nothing_listening,
+        killed_after_load,
+        killed_mid_stream,
+        stopped_mid_stream,
+        stopped_before_a_save,
+    )
     for scenario in scenarios:
         print(f"{scenario.__name__}: {scenario(path)}; then {healthy_local_chat(path)}", flush=True)
     return 0

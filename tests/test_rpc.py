@@ -96,7 +96,13 @@ def test_every_fault_is_a_typed_error_and_the_process_goes_on(smollm2_path: Path
         [sys.executable, str(FAULTS), str(smollm2_path)], capture_output=True, text=True, timeout=240
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    names = ["nothing_listening", "killed_after_load", "killed_mid_stream", "stopped_mid_stream"]
+    names = [
+        "nothing_listening",
+        "killed_after_load",
+        "killed_mid_stream",
+        "stopped_mid_stream",
+        "stopped_before_a_save",
+    ]
     lines = out.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == names, out
     assert all("; then a local chat reused" in line for line in lines), out

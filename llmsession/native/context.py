@@ -15,6 +15,7 @@ from llmsession.buffers import mapping
 from llmsession.errors import ContextOverflowError
 from llmsession.native.batch import Batch
 from llmsession.native.cancel import ACTIVITY, AbortFlag, abort_callback
+from llmsession.native.layout import flash_attn_type, kv_ggml_type
 from llmsession.native.llama import (
     NativeModel,
     Owner,
@@ -27,7 +28,6 @@ from llmsession.native.machine import within_cores
 from llmsession.native.reports import made_reporting
 from llmsession.native.stateblob import UNCHECKABLE, StateLayout, layout, learned, refusal
 from llmsession.native.threadpool import POOLED, ThreadPool
-from llmsession.options import KV_TYPES
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -289,12 +289,14 @@ class NativeContext(Owner):
         self.check_seq(dst)
         if self.own_cells:
             return self.state_set(self.state_get(src), dst)
-        bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        with ACTIVITY:
+            bindings()[0].llama_memory_seq_cp(self.memory, src, dst, -1, -1)
         return True
 
     def clear(self) -> None:
         """Empty the whole memory (every sequence)."""
-        bindings()[0].llama_memory_clear(self.memory, True)
+        with ACTIVITY:
+            bindings()[0].llama_memory_clear(self.memory, True)
 
     def pos_min(self, seq: int = 0) -> int:
         self.check_seq(seq)
@@ -318,7 +320,7 @@ class NativeContext(Owner):
         lib, ffi = bindings()
         size = self.state_size(seq, partial=partial)
         blob = mapping(size)
-        with ffi.from_buffer("uint8_t[]", blob) as buf:
+        with ACTIVITY, ffi.from_buffer("uint8_t[]", blob) as buf:  # (over RPC: may hang, as a decode)
             written = lib.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, _flags(partial))
         check(written, "llama_state_seq_get_data", size.__eq__)
         return blob
@@ -335,7 +337,7 @@ class NativeContext(Owner):
         if why is not None:
             log.info("a saved sequence state was not loaded: %s", why)
         else:
-            with ffi.from_buffer("uint8_t[]", blob) as source:
+            with ACTIVITY, ffi.from_buffer("uint8_t[]", blob) as source:
                 size = len(source)
                 if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:
                     return True
@@ -346,38 +348,6 @@ class NativeContext(Owner):
 def _flags(partial: bool) -> int:
     lib, _ = bindings()
     return int(lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) if partial else int(lib.LLAMA_STATE_SEQ_FLAGS_NONE)
-
-
-def flash_attn_type(flash_attention: bool | None) -> int:
-    lib, _ = bindings()
-    if flash_attention is None:
-        return int(lib.LLAMA_FLASH_ATTN_TYPE_AUTO)
-    return int(lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-
-
-def kv_ggml_type(kv_type: str) -> int:
-    """ggml's type for a ``kv_type`` name, checked."""
-    if kv_type not in KV_TYPES:
-        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r:.40}")
-    return int(getattr(bindings()[0], f"GGML_TYPE_{kv_type.upper()}"))
-
-
-def context_layout(
-    swa_full: bool, flash_attention: bool | None, kv_type: str = "f16", streams: int = 1
-) -> dict[str, int | bool]:
-    """The context parameters a saved sequence state depends on, as NativeContext sets them
-    (a sequence's state does not depend on how many sequences share one pool of cells, but it
-    names how many have cells of their own, ``streams``, and loads only into as many; its V cache
-    is stored transposed without flash attention; its cells are of ``kv_type``)."""
-    return ({"streams": streams} if streams != 1 else {}) | {
-        "type_k": kv_ggml_type(kv_type),
-        "type_v": kv_ggml_type(kv_type),
-        # (quantized V turns llama.cpp's AUTO on: a state saved either way has one layout)
-        "flash_attn_type": flash_attn_type(
-            True if kv_type != "f16" and flash_attention is None else flash_attention
-        ),
-        "swa_full": swa_full,
-    }
 
 
 class DecodeAborted(Exception):

@@ -94,8 +94,9 @@ class WorkerProcess:
             if message[0] == "beat":
                 if message[1] > limit:
                     self.fail(
-                        f"a decode in the model's worker process has not returned for {message[1]:.1f} s "
-                        f"(worker_timeout {limit:g} s): an RPC server stopped answering?"
+                        f"a llama.cpp call (a decode, a state read) in the model's worker process has "
+                        f"not returned for {message[1]:.1f} s (worker_timeout {limit:g} s): an RPC "
+                        "server stopped answering?"
                     )
                 continue
             kind, answered, value = message

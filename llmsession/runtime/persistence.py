@@ -21,7 +21,7 @@ import numpy as np
 from llmsession.engine.lease import Lease
 from llmsession.engine.sessionfile import SavedSession, read, write
 from llmsession.errors import MemoryBudgetError, SessionFileError
-from llmsession.native.context import context_layout, kv_ggml_type
+from llmsession.native.layout import context_layout, kv_ggml_type
 from llmsession.native.llama import build_commit, state_seq_version
 from llmsession.options import KV_TYPES
 from llmsession.replies import Message
