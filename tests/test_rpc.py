@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -167,3 +168,23 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(
             assert port != taken and process.poll() is None and rpc.listens(process.pid, port)
             assert not rpc.listens(process.pid, taken) and rpc.listens(squatter.pid, taken)
             rpc.preflight(rpc.parse_endpoint(endpoint), 5.0)
+
+
+def test_servers_started_here_end_with_a_caller_killed_before_its_finally() -> None:
+    """``local_servers`` stopped its servers in a ``finally``: a caller killed first (a test's
+    timeout, SIGKILL) left them running for good. They are tied to it now."""
+    code = (
+        "import time\nfrom llmsession.native.rpc import local_servers\n"
+        "with local_servers(1, threads=1) as started:\n"
+        "    print(started[0][1].pid, flush=True)\n    time.sleep(120)\n"
+    )
+    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert caller.stdout is not None
+    server = int(caller.stdout.readline())
+    assert Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")[0].endswith(b"rpc-server")
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{server}").exists() and Path(f"/proc/{server}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the server outlived its caller"
+        time.sleep(0.05)

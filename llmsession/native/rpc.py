@@ -15,6 +15,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -181,6 +182,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+# Run first in the server's process, then replaced by the server (``exec``): killed with this
+# process, however it ends (Linux's parent-death signal outlives ``exec``), or gone at once if it
+# already has. A thread that ``local_servers`` started them from must outlive them.
+_TIED = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def tied(command: list[str]) -> list[str]:
+    """``command`` run so that it ends with this process (a server ``local_servers`` started
+    outlived a caller killed before its ``finally``: a test's timeout, a benchmark's Ctrl-C)."""
+    return [sys.executable, "-c", _TIED, str(os.getpid()), *command]
+
+
 @contextmanager
 def local_servers(n: int, threads: int | None = None) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """``n`` RPC servers on this machine's loopback (tests, benchmarks): their endpoints and
@@ -193,7 +209,7 @@ def local_servers(n: int, threads: int | None = None) -> Iterator[list[tuple[str
     def start(slot: int | None = None) -> None:
         port = free_port()
         process = subprocess.Popen(
-            server_command(port, threads=threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            tied(server_command(port, threads=threads)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         if slot is None:
             started.append((f"127.0.0.1:{port}", process))
