@@ -26,6 +26,7 @@ from llmsession import (
     GenerationOptions,
     Model,
     ModelClosedError,
+    ReplyMismatchError,
     Session,
     SessionConfig,
     Stream,
@@ -324,6 +325,34 @@ def test_a_conversation_is_taken_and_kept_through_the_worker(isolated: Model, tm
     again = isolated.chat(asked, GREEDY, tenant="alice", conversation="c-1", config=kept)
     assert again.usage.reused_tokens > 0
     assert isolated.take_conversation("nobody") is None
+
+
+def test_a_reply_refused_after_it_was_recorded_is_in_the_stream_and_transcript(
+    isolated: Model, smollm2: Model
+) -> None:
+    """A reply that breaks a schema keyword checked after the reply (``uniqueItems``) raises
+    ReplyMismatchError once its exchange is recorded: in process the stream holds the reply and
+    the transcript the exchange; isolated, the error came alone (no reply, no exchange, and an
+    edit of that transcript then overwrote the worker's)."""
+    schema = {
+        "type": "array",
+        "items": {"type": "integer", "enum": [1]},
+        "minItems": 2,
+        "maxItems": 2,
+        "uniqueItems": True,
+    }
+    options = GenerationOptions(max_tokens=16, temperature=0, json_schema=schema)
+    seen = []
+    for model in (smollm2, isolated):
+        session = model.session()
+        stream = session.stream("Two ones, as a JSON list.", options)
+        with pytest.raises(ReplyMismatchError):
+            list(stream)
+        assert stream.reply is not None and stream.reply.text.startswith("[1")
+        seen.append((stream.reply.text, [m["role"] for m in session.messages]))
+        with pytest.raises(StopIteration):
+            next(stream)
+    assert seen[0] == seen[1] and seen[0][1] == ["user", "assistant"], seen
 
 
 def test_an_edit_sent_with_a_failed_exchange_can_be_undone(isolated: Model, smollm2: Model) -> None:

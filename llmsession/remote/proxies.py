@@ -200,7 +200,9 @@ class WorkerStream(Stream):
         if kind == "snapshot":
             snapshot: Snapshot = rest[0]
             return snapshot
-        self._end(*rest)
+        self._end(*rest[:2])
+        if len(rest) > 2:  # (raised once the exchange was recorded: the reply is here too)
+            raise rest[2]
         raise StopIteration
 
     def _end(self, reply: Reply, messages: list[Any]) -> None:

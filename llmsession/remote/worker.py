@@ -223,11 +223,18 @@ class Worker:
         self.objects.pop(key, None)  # (the model's now, not the caller's handle's)
 
     def op_next(self, key: int) -> tuple[Any, ...]:
+        """The stream's next snapshot, else its end; an error raised once its exchange was
+        recorded (a reply that breaks a schema keyword checked after it) comes with the end, so
+        the caller's stream and transcript hold the reply, as in process."""
         stream = self.stream(key)
         try:
             return ("snapshot", next(stream))
         except StopIteration:
             return self.ended(key, stream)
+        except Exception as error:
+            if stream.reply is None:
+                raise
+            return (*self.ended(key, stream), portable(error))
 
     def op_close_stream(self, key: int) -> tuple[Any, ...]:
         stream = self.stream(key)
