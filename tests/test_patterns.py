@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from llmsession.errors import GrammarError
-from llmsession.text.patterns import ecma
+from llmsession.text.ecma import ecma, masked
 from llmsession.text.schemas import checked_schema, violation
 
 
@@ -31,6 +31,33 @@ def test_ecmas_escapes_and_white_space_read_as_ecma_reads_them() -> None:
     assert ecma("[^\\S]") == "[^\\S]"  # (inside a class, \S keeps RE2's reading)
     assert problem({"pattern": "^\\d$"}, "٣") != ""  # (ECMA's \d is ASCII, as RE2's)
     assert problem({"pattern": "^a$"}, "a\n") != ""  # ($ ends the text: Python's re let this pass)
+
+
+def test_a_dot_and_the_ascii_classes_read_as_ecma_reads_them() -> None:
+    """ECMA's ``.`` takes no line terminator (RE2's and Rust's took ``\\r`` and U+2028: a reply
+    the mask let through passed the check too); its ``\\d`` and ``\\w`` are ASCII, Rust's
+    (the mask's) Unicode's: the mask took an Arabic-Indic digit the check then refused."""
+    for terminator in ("\r", "\u2028", "\u2029", "\n"):
+        assert "does not match" in problem({"pattern": "^.$"}, terminator), repr(terminator)
+    assert problem({"pattern": "^.$"}, "\u0085") == problem({"pattern": "^[.]$"}, ".") == ""
+    assert ecma("a.[.]\\.") == "a[^\\n\\r\\x{2028}\\x{2029}][.]\\."  # (inside a class, escaped: a dot)
+    assert ecma("\\d\\w[\\d_]\\D\\W") == "[0-9][A-Za-z0-9_][0-9_][^0-9][^A-Za-z0-9_]"
+    assert ecma("[\\D]") == "[\\D]"  # (inside a class: as written, as \\S)
+
+
+def test_the_mask_takes_the_patterns_as_the_check_reads_them() -> None:
+    """``masked``: every pattern of a schema (and ``patternProperties``' names) as ``ecma``
+    spells it, none inside data (``const``, ``enum``), the caller's document untouched."""
+    document = {
+        "properties": {"a": {"pattern": "^.$"}, "pattern": {"const": {"pattern": "^.$"}}},
+        "patternProperties": {"^\\d": {"type": "string", "pattern": "\\w"}},
+    }
+    before = json.dumps(document)
+    spelled = masked(document)
+    assert json.dumps(document) == before
+    assert spelled["properties"]["a"]["pattern"] == ecma("^.$") != "^.$"
+    assert spelled["properties"]["pattern"] == {"const": {"pattern": "^.$"}}  # (data: as it was)
+    assert spelled["patternProperties"] == {"^[0-9]": {"type": "string", "pattern": "[A-Za-z0-9_]"}}
 
 
 def test_a_lone_surrogate_in_a_reply_is_searched_not_a_failure_to_check() -> None:

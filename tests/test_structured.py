@@ -356,3 +356,36 @@ def test_a_schema_no_reply_can_satisfy_says_so_in_one_line(smollm2: Model) -> No
     assert not isinstance(failed.value, ReplyMismatchError), "no reply can satisfy it: the schema's fault"
     assert "\n" not in said and "compute_time_us" not in said and len(said) < 320, said
     assert said.startswith("the constraint's matcher failed: "), said
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text", "taken"),
+    [
+        ("^.$", "\r", False),  # (Rust's ``.`` took it, and RE2's check passed it)
+        ("^.$", "\u2028", False),
+        ("^.$", "x", True),
+        ("^\\d$", "\u0663", False),  # (an Arabic-Indic digit: Rust's \d took it, the check refused it)
+        ("^\\d$", "7", True),
+        ("^\\w$", "\u00e9", False),
+    ],
+)
+def test_the_mask_reads_a_schema_pattern_as_ecma_does(
+    smollm2: Model, pattern: str, text: str, taken: bool
+) -> None:
+    """A schema's pattern is ECMA-262's: the mask (Rust's regex) read ``.``, ``\\d`` and
+    ``\\w`` otherwise, so replies broke their pattern unchecked, or were refused once made."""
+    from test_tools import llg_tokenizer
+
+    from llmsession.native.constraints import Constraint
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "pattern": pattern}},
+        "required": ["a"],
+    }
+    options = GenerationOptions(json_schema=schema)
+    constraint = Constraint.compile(options, llg_tokenizer(smollm2))
+    reply = json.dumps({"a": text}, ensure_ascii=False, separators=(",", ":"))
+    tokens = smollm2.tokenize(reply, add_special=False)
+    matcher = constraint.matcher.deep_copy()
+    assert (matcher.consume_tokens(tokens) and matcher.is_accepting()) == taken, (pattern, text)

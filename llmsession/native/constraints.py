@@ -29,6 +29,7 @@ from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
+from llmsession.text.ecma import masked
 from llmsession.text.schemas import after_reply_validator, checked_schema, schema_document, violation
 
 log = logging.getLogger("llmsession")
@@ -92,6 +93,7 @@ class Constraint:
                 kind = "json_schema"
                 schema_class, document = schema_document(options.json_schema)
                 whole = checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
+                document = masked(document)  # (its patterns as ECMA reads them: ``ecma``)
                 if opening is not None:
                     given = document.get("x-guidance")
                     layout = {**COMPILE, **given} if isinstance(given, dict) else COMPILE

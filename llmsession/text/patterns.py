@@ -24,16 +24,10 @@ import re2  # type: ignore[import-untyped]  # google-re2
 from jsonschema.exceptions import ValidationError
 
 from llmsession.errors import GrammarError
+from llmsession.text.ecma import ecma, schemas
 
 _QUIET = re2.Options()
 _QUIET.log_errors = False  # (a pattern it refuses is ours to report, not absl's on stderr)
-# Where a schema's values are data, not schemas: a "pattern" there is not a keyword.
-DATA = frozenset({"const", "enum", "default", "examples"})
-# Keywords whose value maps names to schemas: the names are not keywords.
-MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-# ECMA-262's white space and line terminators (its ``\s``; RE2's is ASCII only).
-SPACE = r"\t\n\x{0B}\f\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
-HEX = frozenset("0123456789abcdefABCDEF")
 
 
 SHORT_PATTERN_CHARS = 4096  # the last 512 patterns this long or shorter are kept compiled
@@ -77,49 +71,6 @@ def _compiled(pattern: str) -> Any:
         ) from None
 
 
-def ecma(pattern: str) -> str:
-    """An ECMA-262 pattern in RE2's syntax: ``\\uXXXX`` (a surrogate pair joined) and
-    ``\\u{...}`` as ``\\x{...}``, ``\\s`` as ECMA's white space, ``\\S`` outside a class as
-    its complement (inside one, RE2's ASCII reading stays); the rest as written."""
-    out: list[str] = []
-    at, in_class = 0, False
-    while at < len(pattern):
-        char = pattern[at]
-        if char == "\\" and at + 1 < len(pattern):
-            code, used = _escape(pattern, at)
-            if code is not None:
-                out.append(f"\\x{{{code:X}}}")
-            elif pattern[at + 1] == "s":
-                out.append(SPACE if in_class else f"[{SPACE}]")
-            elif pattern[at + 1] == "S" and not in_class:
-                out.append(f"[^{SPACE}]")
-            else:
-                out.append(pattern[at : at + used])
-            at += used
-            continue
-        in_class = (in_class and char != "]") or (not in_class and char == "[")
-        out.append(char)
-        at += 1
-    return "".join(out)
-
-
-def _escape(pattern: str, at: int) -> tuple[int | None, int]:
-    """The code point a ``\\u`` escape at ``at`` names (None: another escape), and its length."""
-    if pattern[at + 1] != "u":
-        return None, 2
-    if pattern[at + 2 : at + 3] == "{" and (end := pattern.find("}", at + 3)) > at + 3:
-        digits = pattern[at + 3 : end]
-        return (int(digits, 16), end + 1 - at) if set(digits) <= HEX and len(digits) <= 6 else (None, 2)
-    digits = pattern[at + 2 : at + 6]
-    if len(digits) < 4 or not set(digits) <= HEX:
-        return None, 2
-    code, low = int(digits, 16), pattern[at + 8 : at + 12]
-    paired = 0xD800 <= code < 0xDC00 and pattern[at + 6 : at + 8] == "\\u" and len(low) == 4
-    if paired and set(low) <= HEX and 0xDC00 <= (second := int(low, 16)) < 0xE000:  # (one code point)
-        return 0x10000 + ((code - 0xD800) << 10) + (second - 0xDC00), 12
-    return code, 6
-
-
 def _subject(text: str) -> str:
     """``text`` as RE2 can take it: a lone surrogate (JSON can spell one) as U+FFFD."""
     try:
@@ -133,7 +84,7 @@ def check_patterns(document: dict[str, Any]) -> None:
     """GrammarError for a pattern RE2 cannot take anywhere in the schema, or for
     ``unevaluatedProperties`` beside a ``patternProperties`` (checked with ``re``)."""
     found: set[str] = set()
-    for node in _schemas(document):
+    for node in schemas(document):
         pattern, named = node.get("pattern"), node.get("patternProperties")
         for text in ([pattern] if isinstance(pattern, str) else []) + list(
             named if isinstance(named, dict) else ()
@@ -143,23 +94,6 @@ def check_patterns(document: dict[str, Any]) -> None:
         found |= {"unevaluated"} if "unevaluatedProperties" in node else set()
     if found >= {"pattern", "unevaluated"}:
         raise GrammarError("json_schema: unevaluatedProperties beside patternProperties is not supported")
-
-
-def _schemas(document: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every object in ``document`` but those inside data (``const``, ``enum``...), without
-    recursion (the document is within ``MAX_SCHEMA_DEPTH``; its breadth is a body's)."""
-    stack: list[Any] = [document]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            yield node
-            for key, value in node.items():
-                if key in MAPS and isinstance(value, dict):  # (its keys are names: its values schemas)
-                    stack += value.values()
-                elif key not in DATA:
-                    stack.append(value)
-        elif isinstance(node, list):
-            stack += node
 
 
 def pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Iterator[ValidationError]:

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
+from llmsession.text.ecma import masked
 from llmsession.text.gemma4_calls import BodyGrammar
 from llmsession.text.reasoning import BLANK, Markers
 from llmsession.text.tool_formats import ToolFormat
@@ -49,7 +50,7 @@ def spelled(text: str, specials: Mapping[str, int]) -> str:
 def _arguments(tool: Tool) -> str:
     """The mask of a call's arguments: an object (a schema without a ``type`` is checked as an
     object schema, and held to one here: else any JSON value would pass)."""
-    schema = {**tool.parameters, "type": "object", "x-guidance": ARGUMENTS_LAYOUT}
+    schema = {**masked(dict(tool.parameters)), "type": "object", "x-guidance": ARGUMENTS_LAYOUT}
     return "%json " + json.dumps(schema)
 
 
