@@ -355,6 +355,22 @@ def test_a_reply_refused_after_it_was_recorded_is_in_the_stream_and_transcript(
     assert seen[0] == seen[1] and seen[0][1] == ["user", "assistant"], seen
 
 
+def test_a_stream_its_next_exchange_finished_changes_no_later_edit(isolated: Model, smollm2: Model) -> None:
+    """A stream left open is finished by its session's next exchange; read to its end later,
+    the isolated one set the transcript to the worker's, undoing an edit made meanwhile (the
+    next exchange then answered the unedited one). In process it changes nothing."""
+    seen = []
+    for model in (smollm2, isolated):
+        session = model.session()
+        old = session.stream(QUESTIONS[0], GREEDY)
+        next(old)
+        session.respond(QUESTIONS[1], GREEDY)
+        session.messages = session.messages[:2]  # (the caller drops the last exchange)
+        list(old)
+        seen.append((len(session.messages), session.respond("And?", GREEDY).usage.prompt_tokens))
+    assert seen[0] == seen[1] and seen[0][0] == 2, seen
+
+
 def test_an_edit_sent_with_a_failed_exchange_can_be_undone(isolated: Model, smollm2: Model) -> None:
     """The worker takes an edited transcript with the exchange that carries it, even one that
     fails there: undoing the edit afterwards (equal to what the worker held before) is sent

@@ -58,6 +58,7 @@ class WorkerSession(Session):
         self._model = model
         self._key, config, messages = handle
         self._unseen = False  # a stream of it was dropped unfinished: its exchange is the worker's
+        self._streaming: weakref.ref[WorkerStream] | None = None  # its last stream, superseded by the next
         self._sync(messages)
         self._config = config
         self.context_size, self.batch_size = cast(int, config.context_size), config.batch_size
@@ -97,7 +98,12 @@ class WorkerSession(Session):
         with self._after_failure(edits):
             key, messages = self._model.call("stream", self._key, edits, content, options)
         self._sync(messages)  # with the exchange of an unfinished stream it finished first
-        return WorkerStream(self._model, self, key, schema_class)
+        before = self._streaming() if self._streaming is not None else None
+        if before is not None:  # (so that one's end, read later, changes no transcript here)
+            before._owner = None
+        stream = WorkerStream(self._model, self, key, schema_class)
+        self._streaming = weakref.ref(stream)
+        return stream
 
     @contextlib.contextmanager
     def _after_failure(self, edits: list[Any] | None) -> Iterator[None]:
