@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import internals
 import pytest
@@ -121,6 +122,28 @@ def test_a_worker_killed_by_a_signal_without_a_name_is_a_typed_error(smollm2_pat
         with pytest.raises(BackendError, match=f"signal {int(signal.SIGRTMIN) + 1}"):
             session.respond(QUESTIONS[0], GREEDY)
     assert model.closed
+    model.close()
+
+
+def test_a_ctrl_c_inside_an_answer_being_read_closes_the_model(smollm2_path: Path) -> None:
+    """A Ctrl-C while the parent read an answer's bytes left the rest in the pipe: the next call
+    read them as a message's length and waited forever. The model is closed then (a typed error
+    for every later call, the worker stopped); the interrupt goes on. (A ``recv`` that raises
+    stands in for the signal landing inside one: a big answer's read takes a while.)"""
+    model = Model(smollm2_path, threads=1, isolated=True)
+    worker = internals.worker(model)
+    real = worker.conn.recv
+
+    def interrupted() -> Any:
+        worker.conn.recv = real  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    worker.conn.recv = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        model.tokenize("hello " * 1000)
+    with pytest.raises(BackendError, match="interrupted"):
+        model.tokenize("hi")
+    assert model.closed and worker.process.poll() is not None
     model.close()
 
 

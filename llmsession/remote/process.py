@@ -91,6 +91,12 @@ class WorkerProcess:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 self.fail(self.death())
+            except BaseException:  # (a Ctrl-C inside a message: the next read would start mid-way)
+                self.failure = (
+                    "a read of the worker's answer was interrupted; the model is closed (load it again)"
+                )
+                self.stop()
+                raise
             if message[0] == "beat":
                 if message[1] > limit:
                     self.fail(
