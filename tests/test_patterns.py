@@ -33,31 +33,43 @@ def test_ecmas_escapes_and_white_space_read_as_ecma_reads_them() -> None:
     assert problem({"pattern": "^a$"}, "a\n") != ""  # ($ ends the text: Python's re let this pass)
 
 
-def test_a_dot_and_the_ascii_classes_read_as_ecma_reads_them() -> None:
+def test_a_dot_reads_as_ecma_reads_it_and_a_hyphen_beside_white_space_is_no_range() -> None:
     """ECMA's ``.`` takes no line terminator (RE2's and Rust's took ``\\r`` and U+2028: a reply
-    the mask let through passed the check too); its ``\\d`` and ``\\w`` are ASCII, Rust's
-    (the mask's) Unicode's: the mask took an Arabic-Indic digit the check then refused."""
+    the mask let through passed the check too). Inside a class, a ``-`` beside ``\\s`` is a
+    hyphen (ECMA's Annex B), where its expansion made it a range; ``\\d`` and ``\\w`` are ASCII
+    in both engines as in ECMA, left as written (a common email pattern, ``[\\w-\\.]``, must
+    still compile)."""
     for terminator in ("\r", "\u2028", "\u2029", "\n"):
         assert "does not match" in problem({"pattern": "^.$"}, terminator), repr(terminator)
     assert problem({"pattern": "^.$"}, "\u0085") == problem({"pattern": "^[.]$"}, ".") == ""
     assert ecma("a.[.]\\.") == "a[^\\n\\r\\x{2028}\\x{2029}][.]\\."  # (inside a class, escaped: a dot)
-    assert ecma("\\d\\w[\\d_]\\D\\W") == "[0-9][A-Za-z0-9_][0-9_][^0-9][^A-Za-z0-9_]"
-    assert ecma("[\\D]") == "[\\D]"  # (inside a class: as written, as \\S)
+    email = {"type": "string", "pattern": "^[\\w-\\.]+@([\\w-]+\\.)+[\\w-]{2,4}$"}
+    assert problem(email, "a-b.c@d-e.fr") == "" and "does not match" in problem(email, "a b@c.fr")
+    for hyphened in ("^[\\s-x]+$", "^[x-\\s]+$", "^[^-\\s]+$"):
+        checked_schema(json.dumps({"pattern": hyphened}))  # (compiles: no range)
+    assert problem({"pattern": "^[\\s-x]+$"}, " -x") == "" and problem({"pattern": "^[\\s-x]+$"}, "a") != ""
+    assert problem({"pattern": "^[x-\\s]+$"}, "- x") == "" and problem({"pattern": "^[x-\\s]+$"}, "y") != ""
 
 
 def test_the_mask_takes_the_patterns_as_the_check_reads_them() -> None:
     """``masked``: every pattern of a schema (and ``patternProperties``' names) as ``ecma``
-    spells it, none inside data (``const``, ``enum``), the caller's document untouched."""
+    spells it, none inside data (``const``, ``enum``), the caller's document untouched; two
+    names spelled alike hold both their schemas (a dict would have kept one)."""
     document = {
         "properties": {"a": {"pattern": "^.$"}, "pattern": {"const": {"pattern": "^.$"}}},
-        "patternProperties": {"^\\d": {"type": "string", "pattern": "\\w"}},
+        "patternProperties": {
+            "^\\s": {"type": "string", "pattern": "."},
+            ecma("^\\s"): {"minLength": 2},  # (spelled as the first one will be)
+        },
     }
     before = json.dumps(document)
     spelled = masked(document)
     assert json.dumps(document) == before
     assert spelled["properties"]["a"]["pattern"] == ecma("^.$") != "^.$"
     assert spelled["properties"]["pattern"] == {"const": {"pattern": "^.$"}}  # (data: as it was)
-    assert spelled["patternProperties"] == {"^[0-9]": {"type": "string", "pattern": "[A-Za-z0-9_]"}}
+    assert spelled["patternProperties"] == {
+        ecma("^\\s"): {"allOf": [{"type": "string", "pattern": ecma(".")}, {"minLength": 2}]}
+    }
 
 
 def test_a_lone_surrogate_in_a_reply_is_searched_not_a_failure_to_check() -> None:

@@ -1,7 +1,8 @@
 """A JSON schema's patterns in ECMA-262's reading, spelled for RE2 (the check after a reply,
 ``patterns``) and Rust's regex (the token mask, llguidance), which read some of it otherwise:
-``.`` takes ``\\r`` and U+2028 in both, ``\\d``, ``\\w`` and ``\\s`` are Unicode's in Rust's,
-and neither knows ``\\uXXXX``. Pure: no bindings, no regex engine."""
+``.`` takes ``\\r`` and U+2028 in both, ``\\s`` is ASCII's in RE2, and neither knows
+``\\uXXXX``. (``\\d`` and ``\\w`` are ASCII in both, as in ECMA.) Pure: no bindings, no regex
+engine."""
 
 from __future__ import annotations
 
@@ -17,37 +18,45 @@ MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "de
 SPACE = r"\t\n\x{0B}\f\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
 HEX = frozenset("0123456789abcdefABCDEF")
 DOT = r"[^\n\r\x{2028}\x{2029}]"  # (ECMA's ``.``: not a line terminator)
-CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}  # (ECMA's, ASCII; Rust's are Unicode's)
 
 
 def ecma(pattern: str) -> str:
     """An ECMA-262 pattern in the syntax RE2 and Rust's regex share, read as ECMA reads it:
-    ``\\uXXXX`` (a surrogate pair joined) and ``\\u{...}`` as ``\\x{...}``; ``\\s``, ``\\d``
-    and ``\\w`` as ECMA's classes, and outside a class ``\\S``, ``\\D``, ``\\W`` as their
-    complements (inside one, as written: RE2's reading is ECMA's there, Rust's Unicode's);
-    ``.`` outside a class as anything but a line terminator; the rest as written."""
+    ``\\uXXXX`` (a surrogate pair joined) and ``\\u{...}`` as ``\\x{...}``; ``\\s`` as ECMA's
+    white space (inside a class, a ``-`` beside it a hyphen, as ECMA reads it there, not a
+    range), and outside a class ``\\S`` as its complement (inside one, as written); ``.``
+    outside a class as anything but a line terminator; the rest as written."""
     out: list[str] = []
     at, in_class = 0, False
     while at < len(pattern):
         char = pattern[at]
         if char == "\\" and at + 1 < len(pattern):
             code, used = _escape(pattern, at)
-            letter = pattern[at + 1]
-            named = SPACE if letter == "s" else CLASSES.get(letter)
-            upper = letter.lower() if letter in "SDW" else None
             if code is not None:
                 out.append(f"\\x{{{code:X}}}")
-            elif named is not None:
-                out.append(named if in_class else f"[{named}]")
-            elif upper is not None and not in_class:
-                out.append(f"[^{SPACE if upper == 's' else CLASSES[upper]}]")
+            elif pattern[at + 1] == "s" and in_class:
+                if out and out[-1] == "-" and len(out) > 1 and out[-2] not in ("[", "[^"):
+                    out[-1] = "\\-"  # (a hyphen before it: no range)
+                out.append(SPACE)
+                if pattern[at + 2 : at + 3] == "-" and pattern[at + 3 : at + 4] not in ("", "]"):
+                    out.append("\\-")  # (a hyphen after it: no range)
+                    used += 1
+            elif pattern[at + 1] == "s":
+                out.append(f"[{SPACE}]")
+            elif pattern[at + 1] == "S" and not in_class:
+                out.append(f"[^{SPACE}]")
             else:
                 out.append(pattern[at : at + used])
             at += used
             continue
-        out.append(DOT if char == "." and not in_class else char)
-        in_class = (in_class and char != "]") or (not in_class and char == "[")
-        at += 1
+        opening = not in_class and char == "["
+        if opening and pattern[at + 1 : at + 2] == "^":
+            out.append("[^")  # (one item: a hyphen after it begins the class, no range)
+            at += 2
+        else:
+            out.append(DOT if char == "." and not in_class else char)
+            at += 1
+        in_class = (in_class and char != "]") or opening
     return "".join(out)
 
 
@@ -87,16 +96,17 @@ def schemas(document: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def masked(document: dict[str, Any]) -> dict[str, Any]:
     """``document`` with every pattern (``pattern``, ``patternProperties``' names) as ``ecma``
-    spells it, for the mask: Rust's regex would take what ECMA's refuses (``^.$`` a
-    ``"\\r"``, ``^\\d$`` an Arabic-Indic digit) and the reply would pass unchecked, or be
-    refused after it was made."""
+    spells it, for the mask: Rust's regex would take what ECMA's refuses (``^.$`` a ``"\\r"``)
+    and the reply would pass unchecked. Two names spelled alike hold both their schemas."""
     document = copy.deepcopy(document)
     for node in schemas(document):
         if isinstance(node.get("pattern"), str):
             node["pattern"] = ecma(node["pattern"])
-        if isinstance(node.get("patternProperties"), dict):
-            node["patternProperties"] = {
-                ecma(name) if isinstance(name, str) else name: value
-                for name, value in node["patternProperties"].items()
-            }
+        named = node.get("patternProperties")
+        if isinstance(named, dict):
+            spelled: dict[Any, Any] = {}
+            for name, value in named.items():
+                key = ecma(name) if isinstance(name, str) else name
+                spelled[key] = {"allOf": [spelled[key], value]} if key in spelled else value
+            node["patternProperties"] = spelled
     return document
