@@ -182,9 +182,36 @@ def test_servers_started_here_end_with_a_caller_killed_before_its_finally() -> N
     assert caller.stdout is not None
     server = int(caller.stdout.readline())
     assert Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")[0].endswith(b"rpc-server")
+    ignored = next(
+        line for line in Path(f"/proc/{server}/status").read_text().splitlines() if line.startswith("SigIgn")
+    )
+    assert int(ignored.split()[1], 16) == 0, ignored  # (as started alone: Python's ignored signals reset)
     caller.kill()
     caller.wait()
     deadline = time.monotonic() + 10
     while Path(f"/proc/{server}").exists() and Path(f"/proc/{server}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "the server outlived its caller"
         time.sleep(0.05)
+
+
+def test_a_state_being_moved_is_allowed_its_size_before_it_counts_as_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's heartbeat reports how long native work has run (``busy_for``): a decode as
+    it runs; a state read or written (a save, a park, over RPC a transfer of gigabytes for a
+    big model) only past what its size takes at ``STATE_BYTES_S``, so a healthy one is not
+    taken for a stopped server, and a stopped one still is."""
+    from llmsession.native import cancel
+
+    now = [100.0]
+    monkeypatch.setattr(cancel.time, "monotonic", lambda: now[0])
+    activity = cancel.Activity()
+    with activity.moving(int(10 * cancel.STATE_BYTES_S)):  # (ten seconds' worth)
+        now[0] += 9.0
+        assert activity.busy_for() == 0.0
+        now[0] += 6.0
+        assert activity.busy_for() == 5.0
+    assert activity.busy_for() == 0.0
+    with activity:  # (a decode: no allowance)
+        now[0] += 2.0
+        assert activity.busy_for() == 2.0

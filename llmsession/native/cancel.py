@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from llmsession.native.llama import bindings
@@ -19,6 +21,22 @@ class Activity:
     def __init__(self) -> None:
         self._running, self._ended, self._lock = 0, time.monotonic(), threading.Lock()
         self._began = self._ended
+        self._allowed = 0.0  # seconds a state being moved may take before it counts as stuck
+
+    @contextmanager
+    def moving(self, nbytes: int) -> Iterator[None]:
+        """A sequence's state read or written: busy, and (over RPC, a transfer) allowed
+        ``nbytes`` at ``STATE_BYTES_S`` before ``busy_for`` counts it (a big model's state is
+        gigabytes: a healthy save must not pass for a stuck server)."""
+        allowed = nbytes / STATE_BYTES_S
+        with self._lock:
+            self._allowed += allowed
+        try:
+            with self:
+                yield
+        finally:
+            with self._lock:
+                self._allowed -= allowed
 
     def __enter__(self) -> None:
         with self._lock:
@@ -38,9 +56,12 @@ class Activity:
         """Seconds a decode has been running since any last ended (0 while none runs): how a
         worker process tells a decode that hangs (an RPC server that stopped answering) from a
         slow exchange."""
-        return time.monotonic() - max(self._began, self._ended) if self._running else 0.0
+        if not self._running:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._began, self._ended) - self._allowed)
 
 
+STATE_BYTES_S = 8e6  # (a slow network's: 64 Mbit/s)
 ACTIVITY = Activity()
 
 

@@ -320,7 +320,7 @@ class NativeContext(Owner):
         lib, ffi = bindings()
         size = self.state_size(seq, partial=partial)
         blob = mapping(size)
-        with ACTIVITY, ffi.from_buffer("uint8_t[]", blob) as buf:  # (over RPC: may hang, as a decode)
+        with ACTIVITY.moving(size), ffi.from_buffer("uint8_t[]", blob) as buf:  # (over RPC: may hang)
             written = lib.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, _flags(partial))
         check(written, "llama_state_seq_get_data", size.__eq__)
         return blob
@@ -337,7 +337,7 @@ class NativeContext(Owner):
         if why is not None:
             log.info("a saved sequence state was not loaded: %s", why)
         else:
-            with ACTIVITY, ffi.from_buffer("uint8_t[]", blob) as source:
+            with ACTIVITY.moving(memoryview(blob).nbytes), ffi.from_buffer("uint8_t[]", blob) as source:
                 size = len(source)
                 if lib.llama_state_seq_set_data_ext(self.ptr, source, size, seq, _flags(partial)) == size:
                     return True

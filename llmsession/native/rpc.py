@@ -185,15 +185,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 # Run first in the server's process, then replaced by the server (``exec``): killed with this
 # process, however it ends (Linux's parent-death signal outlives ``exec``), or gone at once if it
 # already has. A thread that ``local_servers`` started them from must outlive them.
+# (Python ignores SIGPIPE and SIGXFSZ, which an exec keeps: the server gets them back, so it
+# ends on a client gone mid-send as it would started alone.)
 _TIED = (
     "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-    "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])"
+    "os.getppid() == int(sys.argv[1]) or os._exit(1); "
+    "[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGPIPE, signal.SIGXFSZ)]; "
+    "os.execv(sys.argv[2], sys.argv[2:])"
 )
 
 
 def tied(command: list[str]) -> list[str]:
     """``command`` run so that it ends with this process (a server ``local_servers`` started
     outlived a caller killed before its ``finally``: a test's timeout, a benchmark's Ctrl-C)."""
+    if not sys.executable:  # (an embedded interpreter: no Python to run it with)
+        return command
     return [sys.executable, "-c", _TIED, str(os.getpid()), *command]
 
 
