@@ -623,6 +623,9 @@ def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
     assert len(pieces) == 5 and post(front, "sk-wrong") == (5, 401) and handed == [b""]
     for key in (KEY, "sk-operator"):
         assert post(front, key) == (5, 401) and handed[-1] == body
+    small = Front(Engine(), 1 << 19, board=None, access=Access(KEY, "sk-operator"))
+    assert post(small, "sk-wrong") == (3, 401) and handed[-1] == b""  # (past the size: its 401 all the same)
+    assert post(small, KEY)[1] == 413
     open_front = Front(Engine(), 8 << 20, board=None, access=Access(None, "sk-operator"))
     post(open_front, "sk-wrong")
     assert handed[-1] == body  # (chat open to all: every body is passed on)

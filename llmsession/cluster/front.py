@@ -121,17 +121,22 @@ class Front:
             return
 
     async def _read(self, receive: Receive, send: Send, headers: Mapping[str, str]) -> bytes | None:
-        """The request's body, bounded in size and time (a caller who presents none of the
-        servers' keys: read and dropped, never kept or parsed, and b"" passed on); None once the
-        request is answered (408, 413) or its client has left. (Read, not left: Ray's proxy
-        queues what the app has not read, unbounded, and a client that asked for the connection
-        to close would be reset before it read its 401.)"""
+        """The request's body, bounded in size and time; None once the request is answered
+        (408, 413) or its client has left. A caller who presents none of the servers' keys has
+        its body read and dropped, never kept or parsed, and b"" passed on to the replica's 401
+        (its answer whatever the body: past the size or the time, read no further). (Read, not
+        left: Ray's proxy queues what the app has not read, unbounded, and a client that asked
+        for the connection to close would be reset before it read its 401.)"""
         keyed = self.access is None or self.access.admits(headers)
         try:
             body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:  # (on 3.10, not the builtin)
+            if not keyed:
+                return b""
             await _error(send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
             return None
+        if body is None and not keyed:
+            return b""
         if body is None:
             await _error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes")
         return None if body is None or body is GONE else body
