@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import internals
@@ -14,7 +15,7 @@ from test_reuse import batch_noise, check_against_fresh, tolerance_for
 
 from llmsession import GenerationOptions, Model, Reply, Session
 from llmsession.engine.batching import Batcher, Step
-from llmsession.native.context import NativeContext
+from llmsession.native.context import DecodeAborted, NativeContext
 
 QUESTIONS = (
     "Tell me a story about a lighthouse.",
@@ -134,6 +135,14 @@ def test_an_interrupted_step_leaves_the_queue_or_is_waited_out() -> None:
     assert batcher._withdraw(waiting) and batcher._pending == [sliced]
     assert not batcher._withdraw(sliced)  # (part of it decoded: its slice is waited for)
     assert not batcher._withdraw(waiting)  # (no longer queued: taken by a batch, say)
+    # One a second Ctrl-C kept from leaving the queue (inside ``_withdraw``) is not decoded:
+    # the next batch finishes it as it is (it was, nobody waiting for its token).
+    context = SimpleNamespace(batch=SimpleNamespace(capacity=8))
+    left = Step(target=SimpleNamespace(context=context), tokens=[1], pos=0, sampler=None)  # type: ignore[arg-type]
+    left.abandoned, left.done = True, threading.Event()
+    batcher._pending = [left]
+    assert batcher._take(context) == [] and batcher._pending == []  # type: ignore[arg-type]
+    assert left.done.is_set() and isinstance(left.error, DecodeAborted)
 
     class Interrupted:
         calls = 0

@@ -204,7 +204,11 @@ class Batcher:
                 return [native]
             ours = [s for s in ours if s.native is None]
             for step in (s for s in ours if not s.prompt):
-                if len(step.decoding) <= room or not taken:
+                if step.abandoned:  # (its caller was interrupted, and no longer waits: nothing decoded)
+                    self._pending.remove(step)
+                    step.error = DecodeAborted(clean=True)
+                    step.finish()
+                elif len(step.decoding) <= room or not taken:
                     taken.append(step)  # (one too long for any batch is taken alone: it errs)
                     room -= len(step.decoding)
             now, recent = time.perf_counter(), self._recent_s
