@@ -28,27 +28,51 @@ def test_ecmas_escapes_and_white_space_read_as_ecma_reads_them() -> None:
         assert problem({"pattern": "^\\s$"}, space) == "", repr(space)
         assert problem({"pattern": "^[\\s,]$"}, space) == "", repr(space)
         assert "does not match" in problem({"pattern": "^\\S$"}, space), repr(space)
-    assert ecma("[^\\S]") == "[^\\S]"  # (inside a class, \S keeps RE2's reading)
+    assert problem({"pattern": "^[^\\S]$"}, "\u00a0") == ""  # (inside a class too: ECMA's, not RE2's ASCII)
     assert problem({"pattern": "^\\d$"}, "٣") != ""  # (ECMA's \d is ASCII, as RE2's)
     assert problem({"pattern": "^a$"}, "a\n") != ""  # ($ ends the text: Python's re let this pass)
 
 
-def test_a_dot_reads_as_ecma_reads_it_and_a_hyphen_beside_white_space_is_no_range() -> None:
-    """ECMA's ``.`` takes no line terminator (RE2's and Rust's took ``\\r`` and U+2028: a reply
-    the mask let through passed the check too). Inside a class, a ``-`` beside ``\\s`` is a
-    hyphen (ECMA's Annex B), where its expansion made it a range; ``\\d`` and ``\\w`` are ASCII
-    in both engines as in ECMA, left as written (a common email pattern, ``[\\w-\\.]``, must
-    still compile)."""
-    for terminator in ("\r", "\u2028", "\u2029", "\n"):
-        assert "does not match" in problem({"pattern": "^.$"}, terminator), repr(terminator)
-    assert problem({"pattern": "^.$"}, "\u0085") == problem({"pattern": "^[.]$"}, ".") == ""
-    assert ecma("a.[.]\\.") == "a[^\\n\\r\\x{2028}\\x{2029}][.]\\."  # (inside a class, escaped: a dot)
-    email = {"type": "string", "pattern": "^[\\w-\\.]+@([\\w-]+\\.)+[\\w-]{2,4}$"}
-    assert problem(email, "a-b.c@d-e.fr") == "" and "does not match" in problem(email, "a b@c.fr")
-    for hyphened in ("^[\\s-x]+$", "^[x-\\s]+$", "^[^-\\s]+$"):
-        checked_schema(json.dumps({"pattern": hyphened}))  # (compiles: no range)
-    assert problem({"pattern": "^[\\s-x]+$"}, " -x") == "" and problem({"pattern": "^[\\s-x]+$"}, "a") != ""
-    assert problem({"pattern": "^[x-\\s]+$"}, "- x") == "" and problem({"pattern": "^[x-\\s]+$"}, "y") != ""
+# (pattern, what it takes, what it refuses), as ECMA-262 (Node's RegExp, Annex B) reads them
+CLASSES = [
+    ("^.$", ["x", "\u0085"], ["\r", "\u2028", "\n"]),  # (RE2 and Rust took \r and U+2028)
+    ("^\\[.\\]$", ["[x]"], ["[\r]"]),
+    ("^[.]$", ["."], ["x"]),
+    ("^[\\w-\\.]+$", ["a-b.c"], ["a b", "a/b"]),  # (a common email pattern's class)
+    ("^[+-\\d]+$", ["+-5"], [",", ".", "/"]),  # (beside \\d, \\w, \\s: a hyphen, no range)
+    ("^[.-\\w]+$", [".-a_"], ["/", "@"]),
+    ("^[x-\\d]+$", ["x-5"], ["y"]),
+    ("^[\\s--x]+$", [" -x"], ["a", "5", "/"]),
+    ("^[\\s-a-z]+$", [" -az"], ["b", "y"]),
+    ("^[a-z-\\s]+$", ["q- "], ["A"]),
+    ("^[[-\\s]+$", ["[- "], ["a"]),
+    ("^[--x]+$", ["-x", "a"], ["y"]),  # (a range from a hyphen)
+    ("^[!--]+$", ["!", ",", "-"], ["."]),  # (a range to one)
+    ("^[a-]+$", ["a-"], ["b"]),
+    ("^[[]+$", ["["], ["a"]),  # (Rust read [ as a nested class)
+    ("^[a&&b]+$", ["a&b"], ["c"]),  # (and && as an intersection)
+    ("^[^]$", ["a", "\n"], []),  # (anything)
+    ("^[\\S]+$", ["a"], ["\u00a0", "\ufeff", "\u2028", " "]),  # (RE2 read \\S there as ASCII's)
+    ("^[^\\S]+$", [" \u00a0"], ["a"]),
+    ("^[[:alpha:]]$", ["a]", ":]"], ["b]"]),  # (no POSIX class: [, :, a, l, p, h, then ])
+]
+
+
+@pytest.mark.parametrize(("pattern", "taken", "refused"), CLASSES)
+def test_a_pattern_reads_as_ecma_reads_it_in_the_check_and_compiles_for_the_mask(
+    pattern: str, taken: list[str], refused: list[str]
+) -> None:
+    """The check (RE2) reads each pattern as ECMA does, and the mask (llguidance, Rust's regex)
+    compiles it as ``ecma`` spells it (``test_structured`` holds the mask to it on a model)."""
+    import llguidance
+
+    schema = {"type": "string", "pattern": pattern}
+    for text in taken:
+        assert problem(schema, text) == "", (pattern, text, ecma(pattern))
+    for text in refused:
+        assert "does not match" in problem(schema, text), (pattern, text, ecma(pattern))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": ecma(pattern)})
+    assert llguidance.LLMatcher.validate_grammar(grammar) == "", (pattern, ecma(pattern))
 
 
 def test_the_mask_takes_the_patterns_as_the_check_reads_them() -> None:

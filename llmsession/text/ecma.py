@@ -16,47 +16,91 @@ DATA = frozenset({"const", "enum", "default", "examples"})
 MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 # ECMA-262's white space and line terminators (its ``\s``; RE2's is ASCII only, Rust's Unicode's).
 SPACE = r"\t\n\x{0B}\f\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
+# Its complement, as ranges (RE2 reads ``\\S`` in a class as ASCII's, Rust as Unicode's).
+NOT_SPACE = (
+    r"\x{0}-\x{8}\x{E}-\x{1F}\x{21}-\x{9F}\x{A1}-\x{167F}\x{1681}-\x{1FFF}\x{200B}-\x{2027}"
+    r"\x{202A}-\x{202E}\x{2030}-\x{205E}\x{2060}-\x{2FFF}\x{3001}-\x{FEFE}\x{FF00}-\x{10FFFF}"
+)
 HEX = frozenset("0123456789abcdefABCDEF")
 DOT = r"[^\n\r\x{2028}\x{2029}]"  # (ECMA's ``.``: not a line terminator)
 
 
 def ecma(pattern: str) -> str:
     """An ECMA-262 pattern in the syntax RE2 and Rust's regex share, read as ECMA reads it:
-    ``\\uXXXX`` (a surrogate pair joined) and ``\\u{...}`` as ``\\x{...}``; ``\\s`` as ECMA's
-    white space (inside a class, a ``-`` beside it a hyphen, as ECMA reads it there, not a
-    range), and outside a class ``\\S`` as its complement (inside one, as written); ``.``
-    outside a class as anything but a line terminator; the rest as written."""
+    ``\\uXXXX`` (a surrogate pair joined) and ``\\u{...}`` as ``\\x{...}``; ``\\s`` and ``\\S``
+    as ECMA's white space and its complement; ``.`` as anything but a line terminator; each
+    class as ``_class`` spells it; the rest as written (``\\d``, ``\\w`` are ASCII in both, as
+    in ECMA)."""
     out: list[str] = []
-    at, in_class = 0, False
+    at = 0
     while at < len(pattern):
         char = pattern[at]
+        if char == "[":
+            spelled, at = _class(pattern, at)
+            out.append(spelled)
+            continue
         if char == "\\" and at + 1 < len(pattern):
             code, used = _escape(pattern, at)
+            letter = pattern[at + 1]
             if code is not None:
                 out.append(f"\\x{{{code:X}}}")
-            elif pattern[at + 1] == "s" and in_class:
-                if out and out[-1] == "-" and len(out) > 1 and out[-2] not in ("[", "[^"):
-                    out[-1] = "\\-"  # (a hyphen before it: no range)
-                out.append(SPACE)
-                if pattern[at + 2 : at + 3] == "-" and pattern[at + 3 : at + 4] not in ("", "]"):
-                    out.append("\\-")  # (a hyphen after it: no range)
-                    used += 1
-            elif pattern[at + 1] == "s":
-                out.append(f"[{SPACE}]")
-            elif pattern[at + 1] == "S" and not in_class:
-                out.append(f"[^{SPACE}]")
+            elif letter in "sS":
+                out.append(f"[{SPACE if letter == 's' else NOT_SPACE}]")
             else:
                 out.append(pattern[at : at + used])
             at += used
             continue
-        opening = not in_class and char == "["
-        if opening and pattern[at + 1 : at + 2] == "^":
-            out.append("[^")  # (one item: a hyphen after it begins the class, no range)
-            at += 2
+        out.append(DOT if char == "." else char)
+        at += 1
+    return "".join(out)
+
+
+def _class(pattern: str, at: int) -> tuple[str, int]:
+    """The class opening at ``at`` (its ``[``) spelled for both engines, and where it ends, as
+    ECMA reads it: a ``-`` beside ``\\d``, ``\\s``, ``\\w`` or their complements a hyphen (its
+    Annex B: no range), every other ``-`` not in a range a hyphen too; ``[``, ``&`` and ``~``
+    themselves (Rust's nested classes and set operations); ``[]`` nothing, ``[^]`` anything."""
+    negated = pattern[at + 1 : at + 2] == "^"
+    at += 2 if negated else 1
+    if pattern[at : at + 1] == "]":
+        return ("[\\x{0}-\\x{10FFFF}]" if negated else "[^\\x{0}-\\x{10FFFF}]"), at + 1
+    items: list[tuple[str, str]] = []  # (its spelling, "atom", "set" or "dash")
+    while at < len(pattern) and pattern[at] != "]":
+        char = pattern[at]
+        if char == "\\" and at + 1 < len(pattern):
+            code, used = _escape(pattern, at)
+            letter = pattern[at + 1]
+            if code is not None:
+                items.append((f"\\x{{{code:X}}}", "atom"))
+            elif letter in "dDwWsS":
+                spelled = SPACE if letter == "s" else NOT_SPACE if letter == "S" else pattern[at : at + 2]
+                items.append((spelled, "set"))
+            else:
+                items.append((pattern[at : at + used], "atom"))
+            at += used
+            continue
+        items.append(("-", "dash") if char == "-" else ("\\" + char if char in "[&~" else char, "atom"))
+        at += 1
+    return "[" + ("^" if negated else "") + _ranges(items) + "]", at + 1
+
+
+def _ranges(items: list[tuple[str, str]]) -> str:
+    """A class's items, left to right as ECMA parses them: ``a-b`` a range of two atoms (a
+    ``-`` may be either), a set beside a ``-`` no range (the three are each themselves)."""
+
+    def spelled(item: tuple[str, str]) -> str:
+        return "\\-" if item[1] == "dash" else item[0]
+
+    out, i = [], 0
+    while i < len(items):
+        if i + 2 < len(items) and items[i + 1][1] == "dash":
+            first, last = items[i], items[i + 2]
+            hyphen = "\\-" if "set" in (first[1], last[1]) else "-"  # (beside a set: no range)
+            out.append(spelled(first) + hyphen + spelled(last))
+            i += 3
         else:
-            out.append(DOT if char == "." and not in_class else char)
-            at += 1
-        in_class = (in_class and char != "]") or opening
+            out.append(spelled(items[i]))
+            i += 1
     return "".join(out)
 
 
