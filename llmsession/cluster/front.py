@@ -123,8 +123,8 @@ class Front:
     async def _read(self, receive: Receive, send: Send, headers: Mapping[str, str]) -> bytes | None:
         """The request's body, bounded in size and time; None once the request is answered
         (408, 413) or its client has left. A caller who presents none of the servers' keys has
-        its body read and dropped, never kept or parsed, and b"" passed on to the replica's 401
-        (its answer whatever the body: past the size or the time, read no further). (Read, not
+        its body read and dropped, never kept or parsed, and b"" passed on to the replica (its
+        401, or what it answers without a key: a probe, a 404), past the size or the time too. (Read, not
         left: Ray's proxy queues what the app has not read, unbounded, and a client that asked
         for the connection to close would be reset before it read its 401.)"""
         keyed = self.access is None or self.access.admits(headers)

@@ -27,35 +27,41 @@ class Activity:
     def moving(self, nbytes: int) -> Iterator[None]:
         """A sequence's state read or written: busy, and (over RPC, a transfer) allowed
         ``nbytes`` at ``STATE_BYTES_S`` before ``busy_for`` counts it (a big model's state is
-        gigabytes: a healthy save must not pass for a stuck server)."""
+        gigabytes: a healthy save must not pass for a stuck server). The allowance is the
+        process's while it runs: a decode hung meanwhile is reported that much later."""
         allowed = nbytes / STATE_BYTES_S
-        with self._lock:
-            self._allowed += allowed
+        self._begin(allowed)
         try:
-            with self:
-                yield
+            yield
         finally:
-            with self._lock:
-                self._allowed -= allowed
+            self._end(allowed)
 
     def __enter__(self) -> None:
+        self._begin(0.0)
+
+    def __exit__(self, *_exc: object) -> None:
+        self._end(0.0)
+
+    def _begin(self, allowed: float) -> None:
         with self._lock:
             if not self._running:
                 self._began = time.monotonic()
             self._running += 1
+            self._allowed += allowed
 
-    def __exit__(self, *_exc: object) -> None:
+    def _end(self, allowed: float) -> None:
         with self._lock:
             self._running, self._ended = self._running - 1, time.monotonic()
+            self._allowed = self._allowed - allowed if self._running else 0.0  # (none left over)
 
     def idle_for(self) -> float:
         """Seconds since the last decode ended (0 while one runs)."""
         return 0.0 if self._running else time.monotonic() - self._ended
 
     def busy_for(self) -> float:
-        """Seconds a decode has been running since any last ended (0 while none runs): how a
-        worker process tells a decode that hangs (an RPC server that stopped answering) from a
-        slow exchange."""
+        """Seconds native work (a decode, a state moved) has been running since any last ended,
+        less what a state being moved is allowed (0 while none runs): how a worker process
+        tells a call that hangs (an RPC server that stopped answering) from a slow exchange."""
         if not self._running:
             return 0.0
         return max(0.0, time.monotonic() - max(self._began, self._ended) - self._allowed)

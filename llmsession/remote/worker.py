@@ -10,8 +10,9 @@ Messages, both ways pickled tuples: the parent sends ``(request, op, args)`` (re
 answer wanted), ``("cancel", stream_id)`` and ``("interrupt",)`` (the caller's Ctrl-C), which
 the reader thread applies at once, mid-decode;
 this process answers ``("ok" | "error", request, value)`` and sends ``("beat", seconds)`` every
-``BEAT_S`` while it works on a request: how long the current native call (a decode, or the
-model's load) has been running.
+``BEAT_S`` while it works on a request: how long the current native call (a decode, a state
+read or written, past what its size is allowed: ``Activity.busy_for``; or the model's load) has
+been running.
 """
 
 from __future__ import annotations
