@@ -8,6 +8,7 @@ import copy
 import gc
 import json
 import os
+import pickle
 import signal
 import threading
 import time
@@ -129,16 +130,30 @@ def test_a_ctrl_c_inside_an_answer_being_read_closes_the_model(smollm2_path: Pat
     """A Ctrl-C while the parent read an answer's bytes left the rest in the pipe: the next call
     read them as a message's length and waited forever. The model is closed then (a typed error
     for every later call, the worker stopped); the interrupt goes on. (A ``recv`` that raises
-    stands in for the signal landing inside one: a big answer's read takes a while.)"""
+    stands in for the signal landing inside one: a big answer's read takes a while. An error
+    unpickling a whole answer leaves the pipe in step: it does not close the model.)"""
     model = Model(smollm2_path, threads=1, isolated=True)
     worker = internals.worker(model)
-    real = worker.conn.recv
+    loads, failed = pickle.loads, []
+
+    def unreadable(data: bytes) -> Any:  # (an answer read whole that does not unpickle, once)
+        if not failed:
+            failed.append(data)
+            raise TypeError("an error class that cannot be rebuilt")
+        return loads(data)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(pickle, "loads", unreadable)
+        with pytest.raises(TypeError):
+            model.tokenize("hi")
+    assert not model.closed and model.tokenize("hi")
+    real = worker.conn.recv_bytes
 
     def interrupted() -> Any:
-        worker.conn.recv = real  # type: ignore[method-assign]
+        worker.conn.recv_bytes = real  # type: ignore[method-assign]
         raise KeyboardInterrupt
 
-    worker.conn.recv = interrupted  # type: ignore[method-assign]
+    worker.conn.recv_bytes = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         model.tokenize("hello " * 1000)
     with pytest.raises(BackendError, match="interrupted"):
@@ -391,7 +406,15 @@ def test_a_stream_its_next_exchange_finished_changes_no_later_edit(isolated: Mod
         session.messages = session.messages[:2]  # (the caller drops the last exchange)
         list(old)
         seen.append((len(session.messages), session.respond("And?", GREEDY).usage.prompt_tokens))
-    assert seen[0] == seen[1] and seen[0][0] == 2, seen
+        # (the same when the next exchange fails after finishing it: a prompt too long)
+        old = session.stream(QUESTIONS[0], GREEDY)
+        next(old)
+        with pytest.raises(ContextOverflowError):
+            session.respond("word " * 40_000, GREEDY)
+        session.messages = session.messages[:2]
+        list(old)
+        seen.append((len(session.messages), session.respond("And?", GREEDY).usage.prompt_tokens))
+    assert seen[:2] == seen[2:] and seen[0][0] == seen[1][0] == 2, seen
 
 
 def test_an_edit_sent_with_a_failed_exchange_can_be_undone(isolated: Model, smollm2: Model) -> None:

@@ -88,7 +88,7 @@ class WorkerProcess:
             if not self.conn.poll(limit):
                 self.fail(f"the model's worker process sent nothing for {limit:g} s")
             try:
-                message = self.conn.recv()
+                data = self.conn.recv_bytes()
             except (EOFError, OSError):
                 self.fail(self.death())
             except BaseException:  # (a Ctrl-C inside a message: the next read would start mid-way)
@@ -97,6 +97,7 @@ class WorkerProcess:
                 )
                 self.stop()
                 raise
+            message = pickle.loads(data)  # (whole: an error unpickling it leaves the pipe in step)
             if message[0] == "beat":
                 if message[1] > limit:
                     self.fail(
