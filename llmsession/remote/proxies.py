@@ -95,12 +95,13 @@ class WorkerSession(Session):
         check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
         options, schema_class = portable(options)
         edits = self._edits()
+        before = self._streaming() if self._streaming is not None else None
+        if before is not None and not before._done:  # (the worker finishes it first, even for
+            before._owner = None  # a call that fails after: its end, read later, changes nothing here)
+            self._unseen = True  # (ours is then the worker's, with its exchange, unless edited here)
         with self._after_failure(edits):
             key, messages = self._model.call("stream", self._key, edits, content, options)
         self._sync(messages)  # with the exchange of an unfinished stream it finished first
-        before = self._streaming() if self._streaming is not None else None
-        if before is not None:  # (so that one's end, read later, changes no transcript here)
-            before._owner = None
         stream = WorkerStream(self._model, self, key, schema_class)
         self._streaming = weakref.ref(stream)
         return stream
