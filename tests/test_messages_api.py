@@ -309,7 +309,7 @@ def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
     waiting = names[: names.index("content_block_start")]
     assert waiting.count("ping") >= 3, names  # (one after the start, then one per 0.05 s of prefill)
     # (greedy: a sampled reply may end before its fourth token)
-    with client(served).messages.stream(model="m", max_tokens=4, messages=said, temperature=0) as stream:
+    with client(served).messages.stream(model="m", max_tokens=4, messages=said, extra_body=GREEDY) as stream:
         assert stream.get_final_message().usage.output_tokens == 4
     monkeypatch.setattr(doors, "PING_SECONDS", 0.001)  # (begun at once: the error comes after)
     huge = [{"role": "user", "content": "word " * 9000}]
