@@ -369,6 +369,10 @@ def test_a_schema_no_reply_can_satisfy_says_so_in_one_line(smollm2: Model) -> No
         ("^\\w$", "\u00e9", False),
         ("^[\\w-\\.]+$", "a-b.c", True),  # (a hyphen after \\w: no range)
         ("^[\\s-x]+$", " -x", True),
+        ("^[+-\\d]+$", ",", False),  # (a hyphen beside \\d: no range)
+        ("^[\\s--x]+$", "a", False),
+        ("^[[]+$", "[", True),  # (no nested class)
+        ("^[\\S]+$", "\u00a0", False),  # (ECMA's white space in a class too)
     ],
 )
 def test_the_mask_reads_a_schema_pattern_as_ecma_does(
