@@ -115,6 +115,7 @@ def test_a_backtracking_pattern_is_searched_in_linear_time() -> None:
     [
         {"pattern": "(?=a)a"},  # a lookaround
         {"pattern": "(a)\\1"},  # a backreference
+        {"pattern": "[abc"},  # a class never closed (ecma() must not close it)
         {"properties": {"default": {"type": "string", "pattern": "(?<=a)b"}}},  # (a property named default)
         {"patternProperties": {"^x": {}}, "unevaluatedProperties": False},
     ],

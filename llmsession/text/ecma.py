@@ -60,7 +60,7 @@ def _class(pattern: str, at: int) -> tuple[str, int]:
     ECMA reads it: a ``-`` beside ``\\d``, ``\\s``, ``\\w`` or their complements a hyphen (its
     Annex B: no range), every other ``-`` not in a range a hyphen too; ``[``, ``&`` and ``~``
     themselves (Rust's nested classes and set operations); ``[]`` nothing, ``[^]`` anything."""
-    negated = pattern[at + 1 : at + 2] == "^"
+    start, negated = at, pattern[at + 1 : at + 2] == "^"
     at += 2 if negated else 1
     if pattern[at : at + 1] == "]":
         return ("[\\x{0}-\\x{10FFFF}]" if negated else "[^\\x{0}-\\x{10FFFF}]"), at + 1
@@ -81,6 +81,8 @@ def _class(pattern: str, at: int) -> tuple[str, int]:
             continue
         items.append(("-", "dash") if char == "-" else ("\\" + char if char in "[&~" else char, "atom"))
         at += 1
+    if at >= len(pattern):  # (never closed: as written, for the engines to refuse)
+        return pattern[start:], len(pattern)
     return "[" + ("^" if negated else "") + _ranges(items) + "]", at + 1
 
 
