@@ -124,9 +124,9 @@ class Front:
         """The request's body, bounded in size and time; None once the request is answered
         (408, 413) or its client has left. A caller who presents none of the servers' keys has
         its body read and dropped, never kept or parsed, and b"" passed on to the replica (its
-        401, or what it answers without a key: a probe, a 404), past the size or the time too. (Read, not
-        left: Ray's proxy queues what the app has not read, unbounded, and a client that asked
-        for the connection to close would be reset before it read its 401.)"""
+        401, or what it answers without a key: a probe, a 404), past the size or the time too.
+        (Read, not left: Ray's proxy queues what the app has not read, unbounded, and a client
+        that asked for the connection to close would be reset before it read its 401.)"""
         keyed = self.access is None or self.access.admits(headers)
         try:
             body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), BODY_TIMEOUT_S)

@@ -26,6 +26,7 @@ from typing import Any
 from llmsession.errors import ModelClosedError, ModelLoadError, NativeError, TemplateError
 from llmsession.native.inuse import InUse, free_model, holding
 from llmsession.native.stateblob import Shape
+from llmsession.text.detokenize import shown
 
 GGUF_MAGIC = b"GGUF"
 
@@ -330,7 +331,7 @@ class NativeModel(Owner):
             buf = ffi.new("char[]", capacity)
             n = lib.llama_detokenize(self.vocab, ids, len(tokens), buf, capacity, False, special)
             if n >= 0:
-                return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace").replace("\x00", "\ufffd")
+                return shown(bytes(ffi.buffer(buf, n)).decode("utf-8", "replace"))
             capacity = -n
         raise NativeError("llama_detokenize failed")
 

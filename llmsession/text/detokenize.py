@@ -35,11 +35,17 @@ class IncrementalDetokenizer:
             text += self._decoder.decode(b"", final=True)
             held = b""
         self._held = bytes(held)
-        return text.replace("\x00", "\ufffd")
+        return shown(text)
 
     def flush(self) -> str:
         """End of generation: release held bytes, an incomplete tail becoming U+FFFD."""
         return self._decoder.decode(b"", final=True)  # (held bytes: never a NUL)
+
+
+def shown(text: str) -> str:
+    """Decoded text as a reply shows it: a NUL as U+FFFD (as ``errors="replace"`` shows an
+    invalid byte), so that no message holds one; ``NativeModel.detokenize`` spells so too."""
+    return text.replace("\x00", "\ufffd")
 
 
 def completes(held: bytes, piece: bytes) -> str:
