@@ -22,8 +22,9 @@ from typing import Any
 
 OPEN, CLOSE = "\ue002", "\ue003"  # (``text.splice``'s stand-ins use \ue000 and \ue001)
 ESCAPED = json.dumps(OPEN)[1:-1]  # (JSON's escape of it: a template or tool format may dump text)
+NAMED = r"([0-9]{1,6}(?:\.[0-9]{1,4})?)"  # a guarded text's index, or index.n: its first n characters
 PLACEHOLDER = re.compile(
-    f"{OPEN}(\\d+){CLOSE}|{re.escape(ESCAPED)}(\\d+){re.escape(json.dumps(CLOSE)[1:-1])}"
+    f"{OPEN}{NAMED}{CLOSE}|{re.escape(ESCAPED)}{NAMED}{re.escape(json.dumps(CLOSE)[1:-1])}"
 )
 GUARDED_ROLES = ("user", "tool")
 GUARDED_FIELDS = ("name", "tool_call_id")  # (beside their text: a sender's too)
@@ -69,12 +70,28 @@ class Guard:
         self._content = trie_pattern(self.texts)
         self._controls = trie_pattern([g.text for g in kept])
         self._index = {text: i for i, text in enumerate(self.texts)}
+        self._starts = {
+            t[:n]: f"{i}.{n}" for i, t in enumerate(self.texts) for n in range(1, min(len(t), 10**4))
+        }
+        self._longest = max(map(len, self._starts), default=0)
 
     def marked_text(self, text: str) -> str:
-        """``text`` with each guarded text (and the opening character) as its placeholder."""
-        if self._content is None or self._content.search(text) is None:
-            return text
-        return self._content.sub(lambda m: f"{OPEN}{self._index[m.group()]}{CLOSE}", text)
+        """``text`` with each guarded text (and the opening character) as its placeholder, and
+        a start of one it ends with (before trailing whitespace) as a placeholder of that start."""
+        body, tail = self._tail(text)
+        if self._content is not None and self._content.search(body) is not None:
+            body = self._content.sub(lambda m: f"{OPEN}{self._index[m.group()]}{CLOSE}", body)
+        return text if not tail and body is text else body + tail
+
+    def _tail(self, text: str) -> tuple[str, str]:
+        """``text`` cut before the longest start of a guarded text it ends with, that start as
+        its placeholder and the whitespace after it; (``text``, "") where it ends with none."""
+        end = len(text.rstrip())  # (Python's whitespace: what a template's ``trim`` takes)
+        for cut in range(max(0, end - self._longest), end):
+            named = self._starts.get(text[cut:end])
+            if named is not None:
+                return text[:cut], f"{OPEN}{named}{CLOSE}{text[end:]}"
+        return text, ""
 
     def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The messages with their users' and tools' text parts, names and call ids
@@ -132,10 +149,18 @@ class Guard:
         return PLACEHOLDER.sub(self._original, text)
 
     def _original(self, match: re.Match[str]) -> str:
-        index = int(match.group(1) or match.group(2))
-        if index >= len(self.texts):
+        text = self._named(match)
+        if text is None:
             return match.group()
-        return self.texts[index] if match.group(1) else json.dumps(self.texts[index])[1:-1]
+        return text if match.group(1) else json.dumps(text)[1:-1]
+
+    def _named(self, match: re.Match[str]) -> str | None:
+        """What a placeholder stands for (None: it names nothing, so it is text)."""
+        index, _, n = (match.group(1) or match.group(2)).partition(".")
+        if int(index) >= len(self.texts):
+            return None
+        text = self.texts[int(index)]
+        return text if not n else text[: int(n)] if 0 < int(n) < len(text) else None
 
     def pieces(self, text: str) -> list[tuple[str, bool]] | None:
         """``text`` (a rendered prompt, or a stretch of one) as pieces to tokenize in turn,
@@ -143,7 +168,7 @@ class Guard:
         for); None where it holds no placeholder."""
         if OPEN not in text and ESCAPED not in text:
             return None
-        found = [m for m in PLACEHOLDER.finditer(text) if int(m.group(1) or m.group(2)) < len(self.texts)]
+        found = [m for m in PLACEHOLDER.finditer(text) if self._named(m) is not None]
         if not found:
             return None
         controls = [] if self._controls is None else list(self._controls.finditer(text))
