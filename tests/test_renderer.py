@@ -14,7 +14,7 @@ import pytest
 from llmsession import GenerationOptions, Model
 from llmsession.errors import TemplateError
 from llmsession.text.jinja import render_jinja
-from llmsession.text.messages import flatten_content
+from llmsession.text.messages import check_messages, flatten_content
 from llmsession.text.renderer import Renderer, choose_renderer
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -71,6 +71,77 @@ def test_a_template_jinja_cannot_render_falls_back_and_says_why() -> None:
         assert "jinja could not render it" in chosen.note
     leaves_out = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     assert "leaves out the messages" in choose_renderer(leaves_out, "llama").note
+
+
+# A template is the model file's code: what it raises, and what one expression of it would make
+# past the bounds, is a TemplateError, so the load falls back as for any template jinja fails.
+HOSTILE = [
+    "{{ 'a' * 10**8 }}",  # repetition
+    "{{ [0] * 10**8 }}",
+    "{{ 9**(9**9) }}",  # a power (folded as a constant at compile time: it hung the load)
+    "{{ '{:>1000000000}'.format(1) }}",  # a format width, written or taken from an argument
+    "{{ '{:>{w}}'.format(1, w=10**9) }}",
+    "{{ '{x:.1000000000f}'.format_map({'x': 1.0}) }}",
+    "{{ '%1000000000d'|format(1) }}",
+    "{{ '%*d'|format(1000000000, 1) }}",
+    "{{ 'x'|center(10**9) }}",
+    "{{ 'x'|indent(10**9) }}",
+    "{{ 'a'.ljust(10**9) }}",
+    "{{ ('a' * 1000).join(range(100000)) }}",
+    "{{ ('a' * 10000).replace('', 'b' * 10000) }}",
+    "{{ ('\t' * 1000).expandtabs(10**6) }}",
+    "{{ 'a'['ljust'](10**9) }}",  # (a method reached by subscript, or by map)
+    "{{ (['a']|map(attribute='ljust')|first)(10**9) }}",
+    "{{ '%999999999s' % '' }}",  # (% formatting, folded at compile time too)
+    "{{ '%(a)999999999s'|format(a=1) }}",
+    "{{ ('a' * 10000)|replace('a', 'b' * 10000) }}",
+    "{{ range(100000)|join('y' * 1000) }}",
+    "{{ ('a\n' * 100000)|indent(1000) }}",
+    "{{ [1]|tojson(indent=1000) }}",
+    "{{ [1]|batch(10**9, 0)|list }}",
+    "{{ lipsum(10**9) }}",  # (not offered)
+    "{{ 'abc'|truncate(-5) }}",  # an AssertionError in a filter
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # a RecursionError
+    "{{ cycler().next() }}",  # a RuntimeError
+]
+
+
+@pytest.mark.parametrize("expression", HOSTILE)
+def test_a_hostile_templates_expression_is_a_template_error(expression: str) -> None:
+    with pytest.raises(TemplateError, match="the chat template"):
+        render_jinja(expression + CHATML, HI)
+    chosen = choose_renderer(CHATML + expression, "llama")
+    assert not chosen.jinja and "jinja could not render it" in chosen.note
+
+
+def test_a_templates_ordinary_arithmetic_and_formatting_render() -> None:
+    everyday = (
+        "{{ '=' * 8 }}{{ [1] * 2 }}{{ 2**10 }}{{ 2**-1 }}{{ '{:>6,}'.format(1000) }}"
+        "{{ '{a}'.format_map({'a': 1}) }}"
+        "{{ '%5.1f%%'|format(2.25) }}{{ 'x'|center(5) }}|{{ 'a'.ljust(3) }}|{{ ', '.join(['a', 'b']) }}"
+        "{{ 'ab'.replace('a', 'c') }}{{ 'y\ty'.expandtabs(2) }}{{ '%s!' % 'hi' }}{{ 'a\nb'|indent(2) }}"
+        "{{ [1, 2]|tojson(indent=1) }}{{ ['a', 'b']|join('+') }}{{ 'a b'|wordwrap(1) }}"
+        "{{ 'c'|replace('c', 'd') }}"
+        "{{ [1, 2, 3]|batch(2)|list }}"
+    )
+    expected = (
+        "========[1, 1]10240.5 1,0001  2.2%  x  |a  |a, bcby yhi!a\n  b[\n 1,\n 2\n]a+ba\nbd[[1, 2], [3]]"
+    )
+    assert render_jinja(everyday, []) == expected
+    long = [{"content": "word\n" * 300_000}]  # (1.5 M characters: within what one step may make)
+    written = render_jinja("{{ messages[0].content.replace('word', 'words')|indent(2) }}", long)
+    assert len(written) == 6 * 300_000 + 2 * (
+        300_000 - 1
+    )  # (a letter more a line, each but the first indented)
+
+
+def test_a_lone_surrogate_a_template_writes_from_any_key_is_a_template_error() -> None:
+    """Only the keys a check reads are checked; a template may write any other (the prompt
+    would fail to encode in the tokenizer, a UnicodeEncodeError)."""
+    with pytest.raises(TemplateError, match="lone surrogate"):
+        render_jinja("{{ messages[0].date }}", [{"role": "user", "content": "a", "date": "\ud800"}])
+    with pytest.raises(TemplateError, match=r"message 0: role: .*lone surrogate"):
+        check_messages([{"role": "\ud800", "content": "x"}])
 
 
 def test_without_jinja2_the_builtin_renders_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:

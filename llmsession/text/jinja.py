@@ -3,7 +3,9 @@
 The environment matches transformers': a sandbox with ``trim_blocks`` and ``lstrip_blocks``,
 the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that
 does not escape HTML. Not provided: the ``{% generation %}`` tag transformers adds for
-assistant masks (templates using it fail with a TemplateError).
+assistant masks (templates using it fail with a TemplateError). A template is the model file's
+code: what it raises is a TemplateError, and its arithmetic and formatting are bounded
+(``jinja_bounds``); its loops are not bounded in time.
 
 jinja2 is a dependency, imported only when a template is first rendered (a bare import stays light);
 without it, a model's prompts fall back to llama.cpp's built-in templates (``renderer``).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,6 +24,8 @@ from llmsession.errors import TemplateError
 
 if TYPE_CHECKING:
     import jinja2
+
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _require_jinja2() -> None:
@@ -41,7 +46,10 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """transformers' ``tojson``: plain ``json.dumps``, keeping non-ASCII and ``<>&`` as they are."""
+    """transformers' ``tojson``: plain ``json.dumps``, keeping non-ASCII and ``<>&`` as they are
+    (an indent of at most 64: each level of each line takes it)."""
+    if (isinstance(indent, int) and indent > 64) or (isinstance(indent, str) and len(indent) > 64):
+        raise TemplateError("the chat template's tojson indents by at most 64")
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -53,21 +61,23 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    """Compiled once per template text: compiling a large template costs milliseconds."""
+    """Compiled once per template text: compiling a large template costs milliseconds. The
+    template is the model file's code, read as hostile: its failures are TemplateErrors."""
     _require_jinja2()
     import jinja2.ext
-    import jinja2.sandbox
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    from llmsession.text.jinja_bounds import bounded_environment
+
+    env = bounded_environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
-    except jinja2.TemplateError as exc:
-        raise TemplateError(f"the chat template does not parse: {exc}") from exc
+    except TemplateError:
+        raise
+    except Exception as exc:  # (a parse error, or one its constants raise when folded)
+        raise TemplateError(f"the chat template does not parse: {type(exc).__name__}: {exc}") from exc
 
 
 def render_jinja(
@@ -83,8 +93,6 @@ def render_jinja(
     (``enable_thinking``, ``tools``, ...). ``tools`` and ``documents`` default to None, as in
     transformers. Any failure while rendering is a TemplateError."""
     compiled = _compile(template)
-    import jinja2
-
     context = {"tools": None, "documents": None, **variables}
     try:
         text: str = compiled.render(
@@ -96,6 +104,8 @@ def render_jinja(
         )
     except TemplateError:
         raise
-    except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as exc:
+    except Exception as exc:  # (the file's code: an assert, a recursing macro, a bound met)
         raise TemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
+    if SURROGATE.search(text):  # (from a message's key no check reads: the template's choice)
+        raise TemplateError("the rendered prompt holds a lone surrogate, which UTF-8 cannot encode")
     return text

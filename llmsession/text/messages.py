@@ -44,6 +44,7 @@ def check_messages(
         role = message.get("role")
         if not isinstance(role, str):
             raise TemplateError(f"message {i}: role must be a str, got {role!r:.40}")
+        _check_text(f"message {i}: role", role)
         where = f"message {i} ({role:.20})"
         said_calls = message.get("tool_calls") is not None
         if said_calls:

@@ -1,0 +1,217 @@
+"""The sandbox a chat template renders in, with its one-step amplifiers bounded: the template is
+the model file's code, and one expression (``'a' * 10**10``, ``9**(9**9)`` or ``'%999999999s' %
+''``, both folded as constants when the template compiles, ``'{:>9999999999}'.format(1)``) would
+otherwise take the process's memory or time at load or at a request. What one operation would
+make is reckoned before it runs and refused past ``MOST_CHARS`` characters (``MOST_BITS`` bits
+for a power), a SecurityError that ``jinja`` makes a TemplateError: repetition, powers, ``%``
+and ``str.format`` fields, the str methods that pad, replace, join, expand tabs or translate
+(however reached: ``s.ljust``, ``s['ljust']``, ``map(attribute=...)``) and the filters that do
+(``center``, ``indent``, ``format``, ``replace``, ``join``, ``wordwrap``, ``batch``); ``lipsum``
+is not offered. A template's loops are not bounded: what it builds in many steps stays the
+file's to answer for. Pure: jinja2 only.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jinja2.sandbox
+from jinja2.exceptions import SecurityError
+
+MOST_CHARS = 1 << 24  # what one operation may make (16 Mi characters: far past any real prompt)
+MOST_BITS = 1 << 16  # an integer power's size
+NUMBERS = re.compile(r"[0-9]+")  # (every number in a format spec: its width and precision)
+PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*[0-9.*]*")  # (a %-field's key, flags, width, precision)
+
+
+def _bounded(chars: int, what: str) -> None:
+    if chars > MOST_CHARS:
+        raise SecurityError(
+            f"the chat template's {what} would make {chars} characters (at most {MOST_CHARS})"
+        )
+
+
+def _length(value: Any) -> int:
+    """The characters ``value`` is written as (a str's own; a container's, as rendered)."""
+    return len(value) if isinstance(value, str) else len(str(value))
+
+
+def _spec(spec: str, what: str = "format width") -> None:
+    """Refuse a format spec (resolved, or %-style fields) whose width or precision is too large."""
+    for number in NUMBERS.findall(spec):
+        _bounded(int(number) if len(number) < 10 else MOST_CHARS + 1, what)
+
+
+def _percent(text: str) -> None:
+    """Refuse %-style fields whose width is too large or taken from the arguments (``*``)."""
+    fields = PERCENT.findall(text)
+    if any("*" in field.split(")")[-1] for field in fields):
+        raise SecurityError("the chat template's % format takes no width from its arguments")
+    _spec(" ".join(field.split(")")[-1] for field in fields))
+
+
+def _times(left: Any, right: Any) -> Any:
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, str | list | tuple) and isinstance(n, int) and n > 0:
+            _bounded(_length(seq) * n, "repetition")
+    return operator.mul(left, right)
+
+
+def _power(left: Any, right: Any) -> Any:
+    big = isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
+    if big and abs(left).bit_length() * right > MOST_BITS:
+        raise SecurityError(f"the chat template's power has more than {MOST_BITS} bits")
+    return operator.pow(left, right)
+
+
+def _modulo(left: Any, right: Any) -> Any:
+    if isinstance(left, str):
+        _percent(left)
+    return operator.mod(left, right)
+
+
+def _replaced(text: str, old: Any, new: Any) -> int:
+    if not isinstance(old, str) or not isinstance(new, str):
+        return len(text)
+    if not old:
+        return len(text) + (len(text) + 1) * len(new)
+    return len(text) + text.count(old) * max(0, len(new) - len(old))
+
+
+def _joined(separator: str, items: list[Any]) -> int:
+    return sum(map(_length, items)) + len(separator) * max(0, len(items) - 1)
+
+
+def _made(text: str, name: str, args: tuple[Any, ...]) -> int:
+    """At most what ``text.name(*args)`` makes, in characters (the str methods that amplify)."""
+    first = args[0] if args else None
+    if name == "expandtabs":
+        return len(text) + text.count("\t") * (first if isinstance(first, int) else 8)
+    if name == "replace":
+        return _replaced(text, first, args[1] if len(args) > 1 else None)
+    if name == "translate":
+        values = first.values() if isinstance(first, dict) else []
+        return len(text) * max([1, *(_length(v) for v in values if v is not None)])
+    return first if isinstance(first, int) else 0  # (a padding method's width)
+
+
+AMPLIFIERS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "replace", "translate", "join"})
+
+
+def _method(text: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``text``'s ``name`` method, refusing what it would make past the bound."""
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        if name == "join" and args:
+            items = list(args[0]) if isinstance(args[0], Iterable) else args[0]
+            _bounded(_joined(text, items), "str.join")
+            return method(items, *args[1:], **kwargs)
+        _bounded(_made(text, name, (*args, *kwargs.values())), f"str.{name}")
+        return method(*args, **kwargs)
+
+    return bounded
+
+
+def _filter(original: Callable[..., Any], reckon: Callable[..., int], name: str) -> Callable[..., Any]:
+    """The filter ``name`` refusing what ``reckon`` (given its value and arguments) says it
+    would make past the bound; jinja's marks of what it is passed stay on it."""
+
+    @functools.wraps(original)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _bounded(reckon(*args, **kwargs), f"{name} filter")
+        return original(*args, **kwargs)
+
+    return bounded
+
+
+def _indent(s: Any, width: Any = 4, *_: Any, **__: Any) -> int:
+    pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    return len(s) + (s.count("\n") + 1) * pad if isinstance(s, str) else 0
+
+
+def _wrapped(env: Any, s: Any, width: Any = 79, *_: Any, wrapstring: Any = None, **__: Any) -> int:
+    if not isinstance(s, str):
+        return 0
+    breaks = len(s) // max(1, width if isinstance(width, int) else 1) + s.count(" ") + 1
+    return len(s) + breaks * len(wrapstring if isinstance(wrapstring, str) else "\n")
+
+
+def _format(value: Any, *_: Any, **__: Any) -> int:
+    if isinstance(value, str):
+        _percent(value)
+    return 0
+
+
+FILTERS: dict[str, Callable[..., int]] = {
+    "center": lambda value, width=80, *_, **__: width if isinstance(width, int) else 0,
+    "indent": _indent,
+    "format": _format,
+    "replace": lambda ctx, s, old, new, *_, **__: _replaced(s, old, new) if isinstance(s, str) else 0,
+    "wordwrap": _wrapped,
+    "batch": lambda value, linecount, *_, **__: linecount if isinstance(linecount, int) else 0,
+}
+
+
+class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with the amplifiers above bounded."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.binop_table = {**self.binop_table, "*": _times, "**": _power, "%": _modulo}
+        for name, reckon in FILTERS.items():
+            self.filters[name] = _filter(self.filters[name], reckon, name)
+        self.filters["join"] = self._join_filter(self.filters["join"])
+        self.globals.pop("lipsum", None)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        return self.binop_table[operator](left, right)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        return self._bounded_method(obj, attribute, super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        return self._bounded_method(obj, argument, super().getitem(obj, argument))
+
+    @staticmethod
+    def _bounded_method(obj: Any, name: Any, value: Any) -> Any:
+        if isinstance(obj, str) and name in AMPLIFIERS and callable(value):
+            return _method(obj, name, value)
+        return value
+
+    @staticmethod
+    def _join_filter(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def bounded(ctx: Any, value: Any, d: str = "", attribute: Any = None) -> Any:
+            items = list(value) if isinstance(value, Iterable) else value
+            if attribute is None and isinstance(items, list) and isinstance(d, str):
+                _bounded(_joined(d, items), "join filter")
+            return original(ctx, items, d, attribute)
+
+        return bounded
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """``str.format`` and ``format_map`` as the sandbox runs them, each field's resolved
+        spec checked (``_Formatter``)."""
+        if super().wrap_str_format(value) is None:
+            return None
+        formatter, text = _Formatter(self), value.__self__
+        if value.__name__ == "format_map":
+            return lambda mapping: str(formatter.vformat(text, (), mapping))
+        return lambda *args, **kwargs: str(formatter.vformat(text, args, kwargs))
+
+
+class _Formatter(jinja2.sandbox.SandboxedFormatter):
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        _spec(format_spec)
+        return super().format_field(value, format_spec)
+
+
+def bounded_environment(**options: Any) -> BoundedEnvironment:
+    """A bounded sandbox with jinja2's ``options``."""
+    return BoundedEnvironment(**options)
