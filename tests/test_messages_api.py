@@ -12,10 +12,11 @@ import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
+import pydantic
 import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running, serving
 from starlette.applications import Starlette
@@ -411,6 +412,48 @@ def test_anthropic_paths_and_tool_result_images() -> None:
     ] == [{"type": "text", "text": "See?"}]
     with pytest.raises(ApiError, match="is_error"):
         messages_request({**body, "messages": [said[0], history[1], user({**result, "is_error": "yes"})]})
+
+
+class Shade(pydantic.BaseModel):
+    """A reply the schema bounds (an enum and a bool: a short JSON text for a tiny model)."""
+
+    colour: Literal["red", "green", "blue"]
+    bright: bool
+
+
+def test_output_config_holds_the_reply_to_its_schema(served: Served) -> None:
+    """The SDK's ``parse`` and ``stream`` with ``output_format`` send ``output_config.format``:
+    the reply is the schema's JSON, which the helpers parse (it was ignored: free text)."""
+    said = [{"role": "user", "content": "Describe the sky at noon."}]
+    parsed = client(served).messages.parse(
+        model="m", max_tokens=40, messages=said, output_format=Shade, extra_body=GREEDY
+    )
+    assert isinstance(parsed.parsed_output, Shade) and parsed.stop_reason == "end_turn"
+    with client(served).messages.stream(
+        model="m", max_tokens=40, messages=said, output_format=Shade, extra_body=GREEDY
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert isinstance(streamed.parsed_output, Shade)  # (not compared: the second prompt is cached)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = {"model": "m", "max_tokens": 2, "messages": said}
+    beta = messages_request({**body, "output_format": {"type": "json_schema", "schema": schema}})
+    assert beta.options.json_schema == schema
+    ignored = messages_request({**body, "output_config": {"effort": "low"}})
+    assert ignored.options.json_schema is None
+    for bad in (
+        {"format": {"type": "json_schema"}},
+        {"format": {"type": "xml", "schema": {}}},
+        {"format": {}},
+        "low",
+    ):
+        with pytest.raises(ApiError) as refused:
+            messages_request({**body, "output_config": bad})
+        assert (refused.value.param or "").startswith("output_config")
+    broken = {"format": {"type": "json_schema", "schema": {"type": 3}}}
+    with pytest.raises(anthropic.BadRequestError, match="schema"):
+        client(served).messages.create(
+            model="m", max_tokens=4, messages=said, extra_body={"output_config": broken}
+        )
 
 
 def test_message_start_carries_the_prompt_usage(served: Served) -> None:

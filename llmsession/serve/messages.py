@@ -10,7 +10,8 @@ sent back are that turn's reasoning (``reasoning_content``: rendered as its temp
 or dropped), ``redacted_thinking`` ones are dropped (nothing here can read them); tools'
 ``input_schema`` is a function's ``parameters``; ``tool_choice`` ``any`` is ``required``;
 ``stop_sequences`` are stop strings; ``metadata.user_id`` names the tenant's user as ``user``
-does; ``thinking`` turns the template's thinking on or off, with its budget. An image is a
+does; ``thinking`` turns the template's thinking on or off, with its budget;
+``output_config.format`` (a JSON schema) holds the reply to it as ``response_format`` does. An image is a
 base64 block only: a URL is never fetched. Fields the engine has no use for (``service_tier``,
 ``container``, ...) are accepted and ignored, as unknown ones.
 """
@@ -31,7 +32,7 @@ from llmsession.serve.translation import converted_tools, renamed
 from llmsession.text.tools import replaced_options
 
 ROLES = ("user", "assistant")
-NAMES = {"stop": "stop_sequences"}  # (a message's path is the converted list's: kept as it is)
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}  # (a message's path: as it is)
 MAX_STOP_SEQUENCES = 16
 ERROR_PREFIX = "Error: "  # a tool result with ``is_error``
 
@@ -113,6 +114,7 @@ def chat_body(
         if stops:
             out["stop"] = stops
     out.update(_tools(body))
+    out.update(_output_format(body))
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ApiError(f"metadata must be an object, got {kind_of(metadata)}", "metadata")
@@ -303,6 +305,28 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
     if choice.get("disable_parallel_tool_use") is True:
         out["parallel_tool_calls"] = False
     return out
+
+
+def _output_format(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``output_config.format`` (the beta's ``output_format`` too): a reply held to a JSON
+    schema, as chat's ``response_format``; ``output_config.effort`` is accepted and ignored."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise ApiError(f"output_config must be an object, got {kind_of(config)}", "output_config")
+    fmt = (config or {}).get("format")
+    where = "output_config.format" if fmt is not None else "output_format"
+    fmt = fmt if fmt is not None else body.get("output_format")
+    if fmt is None:
+        return {}
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise ApiError(f'{where} must be {{"type": "json_schema", "schema": {{...}}}}', where)
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    }
 
 
 def _tool(tool: object, at: str) -> dict[str, Any]:
