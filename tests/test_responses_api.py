@@ -307,26 +307,46 @@ def test_a_call_cut_short_is_no_output_streamed_stored_or_not(served: Served) ->
     assert kinds[-1] == "response.incomplete" and "response.function_call_arguments.done" in kinds
 
 
-@pytest.mark.parametrize("field", ["tools", "tool_choice", "text"])
+@pytest.mark.parametrize("field", ["tools", "text"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_what_a_response_echoes_nested_too_deep_is_a_400(served: Served, field: str, stream: bool) -> None:
     """A key nested ~980 levels deep parses (on a worker's stack) but could not be written back
     on the event loop's: it was a 500, or a stream cut off after its headers."""
     deep = "DEEP"  # (spelled below: the test's own stack would not write it either)
     body: dict[str, Any] = {"model": "m", "input": "Hi", "max_output_tokens": 2, "stream": stream}
+    schema = {"type": "object", "properties": {"a": deep}}
     body |= {
-        "tools": {"tools": [{**TOOL, "extra": deep}]},
-        "tool_choice": {
-            "tool_choice": {"type": "function", "name": "get_weather", "extra": deep},
-            "tools": [TOOL],
-        },
-        "text": {"text": {"format": {"type": "text", "extra": deep}}},
+        "tools": {"tools": [{**TOOL, "parameters": schema}]},
+        "text": {"text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}},
     }[field]
     text = json.dumps(body).replace('"DEEP"', '{"k": ' * 975 + '"x"' + "}" * 975)
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     answer = httpx.post(f"{served.url}/responses", content=text, headers=auth, timeout=60)
     assert answer.status_code == 400, answer.text[:300]
     assert answer.json()["error"]["param"] == field
+
+
+def test_a_response_echoes_only_what_was_read_of_its_request(served: Served) -> None:
+    """A tool's, a tool choice's or a format's fields the engine has no use for are not kept
+    with the response (an 8 MiB body of them took twenty times that in objects, kept with it)."""
+    junk = {"junk": [{}] * 1000}
+    tools = {"tools": [{**TOOL, **junk}], "tool_choice": {"type": "function", "name": "get_weather", **junk}}
+    schema = {"type": "json_schema", "name": "s", "schema": {"type": "object"}}
+    formatted = {"text": {"format": {**schema, **junk}}}  # (a reply takes tools or a format)
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        for fields in (tools, formatted):
+            answer = http.post(
+                "/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 2, **fields}
+            )
+            assert answer.status_code == 200, answer.text
+            assert (
+                "junk" not in answer.text and "junk" not in http.get(f"/responses/{answer.json()['id']}").text
+            )
+            echoed = answer.json()
+            if fields is tools:
+                assert echoed["tools"] == [TOOL] and echoed["tool_choice"] == FORCED
+            else:
+                assert echoed["text"]["format"] == schema
 
 
 @pytest.mark.parametrize(

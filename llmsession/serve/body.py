@@ -12,7 +12,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from llmsession.serve.errors import ApiError
@@ -184,3 +184,22 @@ def _encodable(text: str) -> bool:
 
 def kind_of(value: object) -> str:
     return NAMES.get(type(value), type(value).__name__)
+
+
+def optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+    """``body[name]`` if present and not null, of ``kind`` (a bool is not an int here)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        names = " or ".join(NAMES.get(k, k.__name__) for k in kinds)
+        raise ApiError(f"{where or name} must be {names}, got {kind_of(value)}", where or name)
+    return value
+
+
+def plain_text(value: object, where: str) -> str:
+    """A string field without NUL characters (which no prompt may hold)."""
+    if "\0" in (text := string(value, where)):
+        raise ApiError(f"{where} contains a NUL character", where)
+    return text

@@ -81,11 +81,9 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
-        "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [],
-        "text": {"format": body["text"].get("format") or {"type": "text"}}
-        if body.get("text")
-        else {"format": {"type": "text"}},
+        "tool_choice": _echoed_choice(body.get("tool_choice", "auto")),
+        "tools": [_echoed_tool(tool) for tool in body.get("tools") or []],
+        "text": {"format": _echoed_format(body["text"].get("format") if body.get("text") else None)},
         "user": chat.get("user"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
     }
@@ -254,6 +252,21 @@ def _tool(tool: object, at: str) -> dict[str, Any]:
         raise ApiError(f"{at}: only function tools are supported here, got {kind!r:.40}", at)
     function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": function}
+
+
+# What a response echoes of its request is what was read of it: a field the engine has no use
+# for is not kept with the response (a body of 8 MiB of them took twenty times that in objects).
+def _echoed_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: tool[k] for k in ("type", "name", "description", "parameters", "strict") if k in tool}
+
+
+def _echoed_choice(choice: Any) -> Any:
+    return {"type": "function", "name": choice["name"]} if isinstance(choice, dict) else choice
+
+
+def _echoed_format(fmt: Any) -> dict[str, Any]:
+    keys = ("type", "name", "description", "schema", "strict")
+    return {k: fmt[k] for k in keys if k in fmt} if isinstance(fmt, dict) else {"type": "text"}
 
 
 def _format(body: Mapping[str, Any]) -> dict[str, Any]:

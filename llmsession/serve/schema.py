@@ -24,7 +24,6 @@ from typing import Any
 
 from llmsession.config import EFFORTS as LEVELS
 from llmsession.config import Effort
-from llmsession.errors import TemplateError
 from llmsession.options import (
     INT32_MAX,
     LLAMA_DEFAULT_SEED,
@@ -32,7 +31,8 @@ from llmsession.options import (
     GenerationOptions,
     checked_options,
 )
-from llmsession.serve.body import NAMES, kind_of, shown, string
+from llmsession.serve.body import kind_of, optional, plain_text, shown
+from llmsession.serve.chat_messages import transcript
 from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
 from llmsession.text.tools import MAX_TOOLS, options_tools, replaced_options
@@ -44,7 +44,6 @@ MAX_MESSAGES = 1024
 MAX_STOPS = 16
 MAX_STOP_BYTES = 1024
 MAX_USER = 256  # characters: ``user`` is part of a tenant's key
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class ChatRequest:
 
 def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
     """A ``/v1/chat/completions`` body, checked (``ApiError`` for the first bad field)."""
-    model = _optional(body, "model", str)
+    model = optional(body, "model", str)
     keep_alive = keep_alive_of(body.get("keep_alive"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -75,16 +74,16 @@ def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -
     if len(raw) > MAX_MESSAGES:
         raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     images = ImageCount()
-    messages = _transcript([_message(i, m, images) for i, m in enumerate(raw)])
+    messages = transcript(raw, images)
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
         raise ApiError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
-    stream = bool(_optional(body, "stream", bool))
-    stream_options = _optional(body, "stream_options", dict) or {}
-    include_usage = _optional(stream_options, "include_usage", bool, "stream_options.include_usage")
+    stream = bool(optional(body, "stream", bool))
+    stream_options = optional(body, "stream_options", dict) or {}
+    include_usage = optional(stream_options, "include_usage", bool, "stream_options.include_usage")
     if stream_options and not stream:  # (OpenAI's answer too)
         raise ApiError("stream_options is only allowed when stream is true", "stream_options")
-    user = _optional(body, "user", str)
+    user = optional(body, "user", str)
     if user is not None and len(user) > MAX_USER:
         raise ApiError(f"user: at most {MAX_USER} characters, got {len(user)}", "user")
     chosen = options(body, default_max_tokens, _chat_logprobs(body))
@@ -134,13 +133,13 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[bool | Effort | None, int | Non
     """Whether the request asks its template to think, and with which effort (``reasoning_effort``,
     which llama-server also hands the template; ``chat_template_kwargs.enable_thinking`` as
     llama-server and vLLM take it), and the budget its effort gives."""
-    effort = _optional(body, "reasoning_effort", str)
+    effort = optional(body, "reasoning_effort", str)
     if effort is not None and effort not in EFFORTS:
         raise ApiError(
             f"reasoning_effort must be one of {list(EFFORTS)}, got {effort!r:.40}", "reasoning_effort"
         )
-    kwargs = _optional(body, "chat_template_kwargs", dict) or {}
-    enabled = _optional(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
+    kwargs = optional(body, "chat_template_kwargs", dict) or {}
+    enabled = optional(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
     if effort is None:
         return enabled, None
     if effort == "none" or enabled is False:
@@ -151,7 +150,7 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[bool | Effort | None, int | Non
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """How many likeliest tokens to list with each token's score (None: no scores)."""
     top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if not _optional(body, "logprobs", bool):
+    if not optional(body, "logprobs", bool):
         if top:
             raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
         return None
@@ -165,13 +164,13 @@ CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "messages")  # (resp
 def completion_request(body: Mapping[str, Any]) -> ChatRequest:
     """A ``/v1/completions`` body, checked: one prompt (a string, or a list of one), the same
     sampling fields as a chat's; the chat-only ones are ignored, as unknown fields are."""
-    _optional(body, "model", str)
+    optional(body, "model", str)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError("prompt must be a non-empty string (or a list of one)", "prompt")
-    _text(prompt, "prompt")
+    plain_text(prompt, "prompt")
     unsupported = {
         "echo": bool(body.get("echo")),
         "suffix": bool(body.get("suffix")),
@@ -184,18 +183,6 @@ def completion_request(body: Mapping[str, Any]) -> ChatRequest:
     asked = chat_request({**kept, "messages": [{"role": "user", "content": "-"}]}, COMPLETION_DEFAULT_TOKENS)
     scored = dataclasses.replace(asked.options, logprobs=top)
     return dataclasses.replace(asked, messages=Transcript(), prompt=prompt, options=scored)
-
-
-def _transcript(messages: list[dict[str, Any]]) -> Transcript:
-    """The messages as the library's checked ``Transcript`` (its own check, made once), with
-    something to answer, as a stateless call needs."""
-    try:
-        transcript = Transcript(messages)
-    except TemplateError as error:
-        raise ApiError(str(error), "messages") from None
-    if not transcript.ends_with_question():
-        raise ApiError("the last message must be a user message or tool results", "messages")
-    return transcript
 
 
 UNSUPPORTED = {"logit_bias": "", "functions": ": use tools", "function_call": ": use tools"}
@@ -242,86 +229,32 @@ def options(
 
 def _tool_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    tools = _optional(body, "tools", list)
+    tools = optional(body, "tools", list)
     if tools is not None:
         if not all(isinstance(tool, dict) for tool in tools):
             raise ApiError("tools must be a list of objects", "tools")
         if len(tools) > MAX_TOOLS:
             raise ApiError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
-        values["tools"] = tuple(tools)
-    choice = _optional(body, "tool_choice", (str, dict))
+        values["tools"] = tuple(map(_read_of, tools))
+    choice = optional(body, "tool_choice", (str, dict))
     if choice is not None:
         values["tool_choice"] = choice
-    parallel = _optional(body, "parallel_tool_calls", bool)
+    parallel = optional(body, "parallel_tool_calls", bool)
     if parallel is not None:
         values["parallel_tool_calls"] = parallel
     return values
 
 
-def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
-    """One message in the library's shape (``developer`` is a system message)."""
-    where = f"messages[{i}]"
-    if not isinstance(raw, dict):
-        raise ApiError(f"{where} must be an object, got {kind_of(raw)}", where)
-    role = raw.get("role")
-    if not isinstance(role, str) or role not in ROLES:
-        raise ApiError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}", f"{where}.role")
-    message: dict[str, Any] = {"role": ROLES[role]}
-    name = _optional(raw, "name", str, f"{where}.name")
-    if name is not None:
-        message["name"] = _text(name, f"{where}.name")
-    content = raw.get("content")
-    if role == "assistant" and raw.get("tool_calls") is not None:
-        message["tool_calls"] = _tool_calls(raw["tool_calls"], where)
-        content = "" if content is None else content
-    thought = raw.get("reasoning_content", raw.get("reasoning"))
-    if role == "assistant" and thought is not None:  # (a thinking template renders it, or drops it)
-        message["reasoning_content"] = _text(thought, f"{where}.reasoning_content")
-    if role == "tool":
-        message["tool_call_id"] = string(raw.get("tool_call_id"), f"{where}.tool_call_id")
-    message["content"] = _content(content, f"{where}.content", images if role == "user" else None)
-    return message
-
-
-def _content(content: object, where: str, images: ImageCount | None) -> str | list[Any]:
-    """A str, or a list of text parts (and ``data:`` image parts in a user message)."""
-    if isinstance(content, str):
-        return _text(content, where)
-    if not isinstance(content, list):
-        raise ApiError(f"{where} must be a string or a list of parts, got {kind_of(content)}", where)
-    parts: list[Any] = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            parts.append({"type": "text", "text": _text(part.get("text"), f"{at}.text")})
-        elif kind == "image_url" and images is not None:
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            images.check(url, at)
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            allowed = "text and image_url" if images is not None else "text"
-            raise ApiError(f"{at}: only {allowed} parts are supported here, got {kind!r:.40}", at)
-    return parts
-
-
-def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
-    """An assistant message's calls, as OpenAI sends them back (arguments as JSON text)."""
-    if not isinstance(calls, list):
-        raise ApiError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
-    out = []
-    for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        ident = call.get("id") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
-        if not (isinstance(ident, str) and isinstance(name, str) and isinstance(arguments, str)):
-            raise ApiError(f"{at} needs an id, a function name and arguments as JSON text", at)
-        function = {"name": _text(name, at), "arguments": _text(arguments, at)}
-        out.append({"id": ident, "type": "function", "function": function})
-    return out
+def _read_of(tool: dict[str, Any]) -> dict[str, Any]:
+    """What is read of a function tool (its other fields are not kept while the request waits
+    and runs: a body of 8 MiB of them took twenty times that in objects); another as it is."""
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        return tool
+    read = {
+        k: function[k] for k in ("name", "description", "parameters", "strict", "return") if k in function
+    }
+    return {**({"type": tool["type"]} if "type" in tool else {}), "function": read}
 
 
 def _response_format(value: object) -> Mapping[str, Any] | None:
@@ -351,32 +284,14 @@ def _stops(value: object) -> tuple[str, ...]:
         raise ApiError(f"stop: at most {MAX_STOPS} sequences, got {len(stops)}", "stop")
     if any(len(s.encode()) > MAX_STOP_BYTES for s in stops):
         raise ApiError(f"stop: a sequence is at most {MAX_STOP_BYTES} bytes long", "stop")
-    return tuple(_text(s, "stop") for s in stops)
-
-
-def _text(value: object, where: str) -> str:
-    if "\0" in (text := string(value, where)):
-        raise ApiError(f"{where} contains a NUL character", where)
-    return text
-
-
-def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
-    """``body[name]`` if present and not null, of ``kind`` (a bool is not an int here)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        names = " or ".join(NAMES.get(k, k.__name__) for k in kinds)
-        raise ApiError(f"{where or name} must be {names}, got {kind_of(value)}", where or name)
-    return value
+    return tuple(plain_text(s, "stop") for s in stops)
 
 
 def _integer(body: Mapping[str, Any], name: str, low: float, high: float) -> int | None:
     value = body.get(name)
     if isinstance(value, float) and value.is_integer():  # 16.0 is what some clients send
         value = int(value)
-    value = _optional({name: value}, name, int)
+    value = optional({name: value}, name, int)
     if value is not None and not low <= value <= high:
         raise ApiError(f"{name} must be between {low} and {high}, got {shown(value)}", name)
     return value  # type: ignore[no-any-return]
