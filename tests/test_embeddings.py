@@ -7,6 +7,7 @@ is refused naming the reason."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -147,6 +148,29 @@ def test_the_embeddings_endpoint_equals_embed_and_refuses_a_chat_model(
     assert np.allclose(ids.data[0].embedding, bert.embed("cat")[0], atol=1e-6)
     with pytest.raises(openai.BadRequestError, match="token ids must be in"):
         client.embeddings.create(model="bert", input=[[10**6]])
+
+
+def test_the_answer_is_written_off_the_event_loop(served: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2,048 vectors of floats are tens of MB of JSON (1.6 s for 1,024 dimensions): written on
+    the event loop, they stopped every stream and health check meanwhile."""
+    from llmsession.serve import embeddings
+
+    loops: list[bool] = []
+
+    def answer(*args: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            loops.append(False)
+        else:
+            loops.append(True)
+        return written(*args)
+
+    written = embeddings.answer
+    monkeypatch.setattr(embeddings, "answer", answer)
+    client = openai.OpenAI(base_url=served, api_key=KEY, max_retries=0, timeout=60)
+    assert len(client.embeddings.create(model="bert", input=["a"] * 3, encoding_format="float").data) == 3
+    assert loops == [False]
 
 
 def test_closing_the_model_while_it_embeds_waits_for_the_run(bert_path: Path) -> None:

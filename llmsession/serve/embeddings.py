@@ -128,4 +128,5 @@ async def embeddings(server: Server, request: Request) -> Response:
     run = asyncio.ensure_future(asyncio.to_thread(embedded, host.model, ask))
     run.add_done_callback(ended)  # (a cancelled request leaves the run holding them until it ends)
     vectors, tokens = await asyncio.shield(run)
-    return JSONResponse(answer(vectors, tokens, name, ask))
+    # (2,048 vectors of floats are tens of MB of JSON: a second or more, never on the loop)
+    return await asyncio.to_thread(lambda: JSONResponse(answer(vectors, tokens, name, ask)))
