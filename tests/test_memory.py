@@ -9,16 +9,19 @@ import copy
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import internals
 import pytest
 from test_reuse import check_against_fresh, short_prompt_noise, tolerance_for
 
-from llmsession import GenerationOptions, MemoryBudgetError, Model, Reply, Session
+from llmsession import GenerationOptions, MemoryBudgetError, Model, NativeError, Reply, Session
 from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.moves import Mover
+from llmsession.native.context import NativeContext
 
 REPLY = GenerationOptions(max_tokens=4, temperature=0)
+GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 TOPICS = ("rivers", "bridges", "lanterns", "harbours", "meadows", "orchards", "towers", "valleys")
 
 
@@ -146,6 +149,77 @@ def test_parked_states_spill_to_disk_and_come_back(
         assert len(list(folder.iterdir())) <= report.disk_entries
     assert problems == []
     assert list(tmp_path.iterdir()) == [], "closing the model leaves no parked state behind"
+
+
+def test_a_disk_tier_whose_folder_cannot_be_made_forgets_instead(
+    smollm2_path: Path, control: Model, tmp_path: Path
+) -> None:
+    """The first spill makes the model's folder in ``disk_cache_dir``: gone by then (or full,
+    or not writable), the state is forgotten (a miss) and every exchange still answers; it
+    raised in the middle of the ledger's moves, failing the exchange that needed the room."""
+    gone = tmp_path / "gone"
+    with Model(
+        smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=1, host_cache_bytes=0, disk_cache_dir=gone
+    ) as model:
+        gone.rmdir()  # (made when the model loaded, empty until the first spill)
+        problems, _alive = round_robin(model, control, n=2, turns=2)
+        counters = model.memory().counters
+    assert problems == []
+    assert counters.disk_writes == 0 and counters.drops >= 2, counters
+
+
+def test_a_park_that_fails_leaves_no_cells_behind_in_the_sequence_it_freed(
+    smollm2_path: Path, control: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state read that fails while a session is parked to make room (the ledger already has
+    it parked and its sequence free): the sequence is emptied and that session cold, so the next
+    one placed there decodes from nothing, as a fresh decode does. Its cells stayed: the next
+    prompt was refused by llama.cpp, or decoded beside them."""
+    with Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=1, anticipate=False) as model:
+        first, second = model.session(), model.session()
+        first.respond("Tell me about rivers.", REPLY)
+        real, reads = NativeContext.state_get, []
+
+        def failing(context: NativeContext, seq: int = 0, **flags: Any) -> Any:
+            reads.append(seq)
+            raise NativeError("llama_state_seq_get_data failed (injected)")
+
+        monkeypatch.setattr(NativeContext, "state_get", failing)
+        with pytest.raises(NativeError, match="injected"):
+            second.respond("Tell me about bridges.", REPLY)
+        monkeypatch.setattr(NativeContext, "state_get", real)
+        assert reads == [0] and internals.record(first) == ()
+        tolerance = tolerance_for(short_prompt_noise(control))
+        for session in (second, first):  # (each takes sequence 0 in turn: the other is parked)
+            reply = session.respond("Tell me about bridges.", GREEDY)
+            assert check_against_fresh(session, reply, tolerance, reference=control, at_least=1) == []
+
+
+def test_a_stream_refused_room_in_a_shared_pool_keeps_its_cache(smollm2_path: Path) -> None:
+    """Two streams grow in one pool until one is refused room (a MemoryBudgetError, a 503 at the
+    doors) before its step decodes: memory still holds its record, so the retry decodes only
+    what the record lacks. The whole cache was dropped, and the retry began from nothing."""
+    long = GenerationOptions(max_tokens=400, temperature=0)
+    with Model(
+        smollm2_path, threads=2, kv_layout="shared", kv_tokens=768, max_live_sessions=2, anticipate=False
+    ) as model:
+        sessions = [model.session(context_size=512) for _ in range(2)]
+        streams = [s.stream(f"Write a long story about {TOPICS[i]}.", long) for i, s in enumerate(sessions)]
+        refused: list[int] = []
+        while not refused:
+            for i, stream in enumerate(streams):
+                try:
+                    next(stream)
+                except MemoryBudgetError:
+                    refused.append(i)
+                except StopIteration:
+                    raise AssertionError("both replies ended before the pool was full") from None
+        (i,) = refused
+        streams[1 - i].close()
+        held = sessions[i].cached_tokens
+        assert held > 100, "its prompt and the reply so far stay in memory"
+        retry = sessions[i].respond(f"Write a long story about {TOPICS[i]}.", REPLY)
+        assert retry.usage.reused_tokens == retry.usage.prompt_tokens - 1 <= held, retry.usage
 
 
 def test_a_parked_session_costs_its_tokens_not_its_context(smollm2: Model) -> None:

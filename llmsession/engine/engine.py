@@ -231,11 +231,8 @@ class Engine:
             try:
                 self.apply(home, steps)
                 seq = home.residency.entry(lease.key).seq
-                if not any(s.action == "restore" and s.key == lease.key for s in steps) and lease.cache.items:
-                    if self.lot.holds(lease.key):  # spilled to disk, or parked past the ledger's view
-                        self.moves.restore(home, lease, seq, self.lot.take(lease.key))
-                    elif home.context.pos_max(seq) != len(lease.cache.items) - 1:  # lost: cold
-                        lease.cache.reset()
+                if not any(s.action == "restore" and s.key == lease.key for s in steps):
+                    self.moves.settle(home, lease, seq)
             except BaseException:  # (not left busy: it may be evicted again)
                 home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
                 raise

@@ -28,42 +28,78 @@ class Mover:
         self.lot, self.counters = lot, counters
 
     def apply(self, home: SharedContext, steps: list[Move]) -> None:
-        """Carry out the ledger's moves on ``home``'s context and the parking lot."""
-        for step in steps:
-            lease = home.leases[step.key]  # type: ignore[index]
-            if step.action == "park":
-                blob = home.context.state_get(step.seq)
+        """Carry out the ledger's moves on ``home``'s context and the parking lot. The ledger
+        has them done already: where one fails, no sequence it freed keeps what it held
+        (``_abandon``), or the next session placed there would decode beside those cells."""
+        for done, step in enumerate(steps):
+            try:
+                self._apply(home, step)
+            except BaseException:
+                self._abandon(home, steps[done:])
+                raise
+
+    def _abandon(self, home: SharedContext, steps: list[Move]) -> None:
+        """The sequences ``steps`` (from one that failed on) free, emptied, their sessions cold
+        (a swap that failed has done so itself: it moves two sessions); a parked state the
+        ledger lets go leaves RAM as it says."""
+        for step in steps[1:] if steps[0].action == "swap" else steps:
+            if step.action == "release":
+                self.lot.discard(step.key)
+                home.leases[step.key].cache.reset()  # type: ignore[index]
+            if step.action in ("park", "evict", "swap"):
                 home.context.seq_rm(-1, step.seq)
-                self.lot.park(lease.key, blob)
-                self.counters.parks += 1
-                log.debug(
-                    "parked session %d: %d positions, %d bytes",
-                    lease.key,
-                    len(lease.cache.items),
-                    memoryview(blob).nbytes,
-                )
-            elif step.action == "evict" and self.lot.disk_dir and lease.cache.items and lease.parkable:
-                self.lot.park(lease.key, home.context.state_get(step.seq))  # too big for RAM
-                home.context.seq_rm(-1, step.seq)
-                self.apply(home, [Move("release", lease.key, -1)])
-            elif step.action == "evict":
-                home.context.seq_rm(-1, step.seq)
-                if lease.cache.items:
-                    self.counters.drops += 1
-                    log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
-                lease.cache.reset()
-            elif step.action == "release":
-                if self.lot.spill(lease.key):
-                    self.counters.disk_writes += 1
-                    log.debug("moved session %d's parked state to disk", lease.key)
-                else:
-                    self.counters.drops += 1
-                    log.debug("forgot session %d's parked state (cold)", lease.key)
-                    lease.cache.reset()
-            elif step.action == "swap":
-                self._swap(home, step)
+                home.leases[step.key].cache.reset()  # type: ignore[index]
+            if step.action == "swap":
+                home.context.seq_rm(-1, step.to)
+                if step.other is not None:
+                    home.leases[step.other].cache.reset()  # type: ignore[index]
+
+    def _apply(self, home: SharedContext, step: Move) -> None:
+        lease = home.leases[step.key]  # type: ignore[index]
+        if step.action == "park":
+            blob = home.context.state_get(step.seq)
+            home.context.seq_rm(-1, step.seq)
+            self.lot.park(lease.key, blob)
+            self.counters.parks += 1
+            log.debug(
+                "parked session %d: %d positions, %d bytes",
+                lease.key,
+                len(lease.cache.items),
+                memoryview(blob).nbytes,
+            )
+        elif step.action == "evict" and self.lot.disk_dir and lease.cache.items and lease.parkable:
+            self.lot.park(lease.key, home.context.state_get(step.seq))  # too big for RAM
+            home.context.seq_rm(-1, step.seq)
+            self.apply(home, [Move("release", lease.key, -1)])
+        elif step.action == "evict":
+            home.context.seq_rm(-1, step.seq)
+            if lease.cache.items:
+                self.counters.drops += 1
+                log.debug("dropped session %d (cold): %d positions", lease.key, len(lease.cache.items))
+            lease.cache.reset()
+        elif step.action == "release":
+            if self.lot.spill(lease.key):
+                self.counters.disk_writes += 1
+                log.debug("moved session %d's parked state to disk", lease.key)
             else:
-                self.restore(home, lease, step.seq, self.lot.take(lease.key))
+                self.counters.drops += 1
+                log.debug("forgot session %d's parked state (cold)", lease.key)
+                lease.cache.reset()
+        elif step.action == "swap":
+            self._swap(home, step)
+        else:
+            self.restore(home, lease, step.seq, self.lot.take(lease.key))
+
+    def settle(self, home: SharedContext, lease: Lease, seq: int) -> None:
+        """``lease`` seated in ``seq`` with no restore among the ledger's steps: its state
+        brought back from the lot (spilled to disk, or parked past the ledger's view), else the
+        sequence holding exactly its record's positions, or emptied and the session cold (lost;
+        or cells a failed move left, which its next prompt would decode beside)."""
+        if lease.cache.items and self.lot.holds(lease.key):
+            self.restore(home, lease, seq, self.lot.take(lease.key))
+        elif home.context.pos_max(seq) != len(lease.cache.items) - 1:
+            home.context.seq_rm(-1, seq)
+            lease.cache.reset()
 
     def free(self, lease: Lease, steps: list[Move]) -> None:
         """Let a session's state go on purpose (closed or collected): not an eviction. Its

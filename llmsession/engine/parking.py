@@ -161,9 +161,15 @@ class ParkingLot:
 
     def spill(self, key: Key) -> bool:
         """The RAM budget lets ``key``'s state go: to disk if there is one (True), else forgotten.
-        A write that fails later (disk full) forgets it, with a log line: a miss, never wrong."""
-        blob = self._host.pop(key)
-        if self.disk_dir is None:
+        A write that fails later (disk full), or a folder that cannot be made for it, forgets it,
+        with a log line: a miss, never wrong."""
+        blob = self._host.pop(key, None)
+        if self.disk_dir is None or blob is None:
+            return False
+        try:
+            folder = self._private_folder()
+        except OSError as error:  # (tried again at the next spill: the disk may come back)
+            log.warning("parked states cannot go to disk (%s): forgotten instead", error)
             return False
         with self._lock:
             while self._outstanding and self._outstanding[0].done():
@@ -171,7 +177,7 @@ class ParkingLot:
             oldest = self._outstanding[0] if len(self._outstanding) >= self.MAX_WRITES else None
         if oldest is not None:
             wait([oldest])
-        path = self._private_folder() / f"{next(self._names)}.state"
+        path = folder / f"{next(self._names)}.state"
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmsession-disk")
         with self._lock:  # registered before the writer can look

@@ -21,6 +21,7 @@ from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.prefix import Item, Plan
 from llmsession.engine.residency import Move
 from llmsession.engine.work import Step, Tracker
+from llmsession.errors import GrammarError, MemoryBudgetError, NativeError
 from llmsession.native.context import DecodeAborted, NativeContext
 from llmsession.native.projector import ImageChunk, Projector
 from llmsession.native.sampler import TokenSampler
@@ -221,6 +222,16 @@ class Seat:
         recurrent state to its newest checkpoint), or to nothing."""
         with self.host.hold():
             self.lease.cache.recover(SequenceMemory(self.context, self.seq))
+
+    def after_failure(self, error: BaseException) -> None:
+        """After a failed step, make memory match the session's record again, and raise what
+        the caller should see (else the caller raises ``error``)."""
+        if isinstance(error, DecodeAborted | MemoryBudgetError):  # Ctrl-C; or no room, refused
+            self.after_abort()  # (before any decode: a 503's retry decodes only what it must)
+            if isinstance(error, DecodeAborted):
+                raise (error.cause or NativeError("a decode was aborted")) from None
+        elif not isinstance(error, GrammarError):  # (raised after a decode was recorded: memory matches)
+            self.clear()  # the memory may not match the record any more
 
 
 class Feeder:

@@ -25,9 +25,8 @@ from llmsession.engine.prefix import starts_a_chunk
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.seat import GROWTH, Seat
 from llmsession.engine.work import Tracker
-from llmsession.errors import GrammarError, MemoryBudgetError, NativeError, ReplyMismatchError
+from llmsession.errors import MemoryBudgetError, ReplyMismatchError
 from llmsession.native.cancel import CancelFlag
-from llmsession.native.context import DecodeAborted
 from llmsession.native.sampler import TokenSampler
 from llmsession.options import GenerationOptions
 from llmsession.replies import FinishReason, Message, Reply, Snapshot, Timings, ToolCall, Usage
@@ -121,7 +120,7 @@ class Exchange:
                 except GeneratorExit:  # closed or dropped mid-stream: keep what was generated
                     cancelled = True
                 except BaseException as error:
-                    _restore_memory(seat, error)
+                    seat.after_failure(error)
                     raise
                 finally:
                     if prompt.unsafe_reuse:
@@ -388,13 +387,3 @@ def _unhold(seat: Seat, n_items: int, usage: Usage, *, said: bool) -> None:
     if n_items > 0:
         seat.drop_last(n_items)
         usage.accepted_drafts -= n_items - said
-
-
-def _restore_memory(seat: Seat, error: BaseException) -> None:
-    """After a failed step, make memory match the session's record again, and raise what the
-    caller should see."""
-    if isinstance(error, DecodeAborted):  # a callback raised (Ctrl-C): memory can be kept
-        seat.after_abort()
-        raise (error.cause or NativeError("a decode was aborted")) from None
-    if not isinstance(error, GrammarError):  # (raised after a decode was recorded: memory matches)
-        seat.clear()  # the memory may not match the record any more
