@@ -52,6 +52,7 @@ PARALLEL_FILES = {  # their tests mostly wait (servers, Ray, subprocesses, a bro
     *("test_serve_schema", "test_settings_sweep", "test_stops", "test_store", "test_templates"),
     *("test_tool_repeats", "test_typed_settings", "test_wheel", "test_responses_in_progress"),
     *("test_aio", "test_batching", "test_close_races", "test_state_blobs", "test_window_layouts"),
+    *("test_origins", "test_setup_models"),
 }
 
 

@@ -52,6 +52,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from llmsession.serve.app import VOLATILE_LINES, create_app
+        from llmsession.serve.origins import is_loopback
     except ModuleNotFoundError as e:
         error(f"`llmsession serve` needs {e.name}: pip install 'llmsession[serve]'")
         return 2
@@ -61,6 +62,11 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config, memory = cli_configs(args)
         settings = app_settings(args, VOLATILE_LINES)
+        if args.replicas is None:  # (replicas are named by the cluster's front)
+            settings["allowed_hosts"] = allowed_hosts(args)
+        if not args.api_key and not is_loopback(args.host):
+            print(f"warning: {args.host} is not a loopback address and there is no --api-key: whoever "
+                  "reaches the port may use the server", flush=True)  # fmt: skip
         if model_path is None:
             from llmsession.commands.serve_models import create_models
 
@@ -108,6 +114,17 @@ def app_settings(args: argparse.Namespace, default_volatile: tuple[str, ...]) ->
         "session": SessionConfig(context_size=args.context_size or None),
         "volatile_lines": default_volatile if volatile is None else volatile,
     }
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The host names a server bound to a loopback address answers to (its own, ``localhost``
+    and the loopback addresses, and ``--allowed-host``): a web page that rebinds its name to
+    127.0.0.1 names another. None (any) for a server bound elsewhere."""
+    from llmsession.serve.origins import LOOPBACK_NAMES, is_loopback
+
+    if not is_loopback(args.host):
+        return None
+    return [*LOOPBACK_NAMES, args.host, *(args.allowed_host or ())]
 
 
 def cli_configs(args: argparse.Namespace) -> tuple[ModelConfig, MemoryConfig]:
@@ -238,6 +255,13 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="append",
         metavar="ORIGIN",
         help="a web origin whose pages may call the API (repeatable; default: none)",
+    )
+    add(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a host name requests may name this server by when it is bound to a loopback address "
+        "(repeatable; default: localhost and the loopback addresses; against DNS rebinding)",
     )
     add("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
     add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")

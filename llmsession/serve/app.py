@@ -42,6 +42,7 @@ from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.naming import named_conversation
+from llmsession.serve.origins import Origins
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
@@ -322,6 +323,7 @@ def create_app(
     draft: str | None = None,
     session: SessionConfig | None = None,
     volatile_lines: Sequence[str] = VOLATILE_LINES,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Starlette:
     """The server's ASGI app on ``model`` (which the caller opens and closes): one model, which
     answers whatever model a request names; or several (``Models``), each request answered by
@@ -331,9 +333,11 @@ def create_app(
     own. ``operator_key``: one or several; with any, only they may load and unload models, read
     ``/api/ps`` and ``/metrics`` and set a model's ``keep_alive`` (``access``).
     ``queue``: requests that may wait for room before a 503.
-    ``cors_origins``: the web origins whose pages may call the API (none by default: a page
-    elsewhere cannot read its answers). ``draft``: drafted tokens for every request
-    (``GenerationOptions.draft``).
+    ``cors_origins``: the web origins whose pages may call the API (none by default: a request
+    a browser sends from another origin is refused, ``origins``). ``allowed_hosts``: the host
+    names requests may name the server by (None: any; ``llmsession serve`` bound to a loopback
+    address gives ``origins.LOOPBACK_NAMES``, against DNS rebinding). ``draft``: drafted tokens
+    for every request (``GenerationOptions.draft``).
     ``session``: every stateless session's settings (``context_size``, ...; its ``system``
     must be None: a request's system prompt is in its messages).
     ``volatile_lines``: regular expressions; what one of them matches in a request's system
@@ -363,6 +367,7 @@ def create_app(
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", *ANTHROPIC_HEADERS],
         )
+    app.add_middleware(Origins, cors_origins=list(cors_origins), allowed_hosts=allowed_hosts)
     app.add_middleware(Counting, metrics=server.metrics)
     app.state.server = server
     return app

@@ -1,0 +1,82 @@
+"""Which web pages may use the server: a browser's request from another origin, and one that
+names the server by a host it does not answer to, are refused before anything runs (403).
+
+A page on another web origin cannot read a response without CORS (``cors_origins``), but it can
+send one: a form or a ``text/plain`` fetch needs no preflight, and on a server without keys (the
+default, on 127.0.0.1) that is a chat, a load or an unload on the visitor's machine. A browser
+names the page's origin in ``Origin`` on every such request; clients that are not browsers
+(curl, the SDKs, agents) send none and are not affected. A page that rebinds its own DNS name
+to 127.0.0.1 is, to the browser, same-origin: its requests name that host in ``Host``, which a
+server bound to a loopback address does not answer to (``LOOPBACK_NAMES``, and the names given,
+``allowed_hosts``). As Ollama guards its local server (CVE-2024-28224).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmsession.serve.errors import ApiError
+from llmsession.serve.http import drain
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is a loopback one (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(netloc: str) -> str:
+    """A ``Host`` header's or an origin's host, without its port (``[::1]:8080`` is ``::1``)."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1:].partition("]")[0]
+    return netloc.rpartition(":")[0] if netloc.count(":") == 1 else netloc
+
+
+class Origins:
+    """ASGI middleware: a request with an ``Origin`` that is neither the server's own (the chat
+    page) nor one of ``cors_origins`` is refused; so is one whose ``Host`` is not among
+    ``allowed_hosts`` (None: any host, for a server bound to a public address)."""
+
+    def __init__(
+        self, app: ASGIApp, cors_origins: Sequence[str], allowed_hosts: Sequence[str] | None
+    ) -> None:
+        self.app, self.cors = app, {origin.rstrip("/").lower() for origin in cors_origins}
+        self.hosts = None if allowed_hosts is None else {host_name(h) for h in allowed_hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = headers.get("host", "")
+        why = self._refused(host, headers.get("origin"))
+        if why is None:
+            await self.app(scope, receive, send)
+            return
+        whole = await drain(Request(scope, receive))  # (its body read first: ``http.drain``)
+        error = ApiError(why, status=403, kind="permission_error")
+        answer = JSONResponse(error.body(), 403, headers=None if whole else {"connection": "close"})
+        await answer(scope, receive, send)
+
+    def _refused(self, host: str, origin: str | None) -> str | None:
+        if self.hosts is not None and host_name(host) not in self.hosts:
+            return "this server does not answer to that host name (--allowed-host adds one)"
+        if origin is None or origin.rstrip("/").lower() in self.cors or "*" in self.cors:
+            return None
+        parts = urlsplit(origin)
+        if parts.scheme in ("http", "https") and parts.netloc.lower() == host.strip().lower():
+            return None  # (the server's own page)
+        return "a page on another web origin may not call this server (--cors-origin names one)"

@@ -1,0 +1,69 @@
+"""A browser's request from another web origin (a form, a ``text/plain`` fetch: no preflight),
+and one that names the server by a host a server bound to a loopback address does not answer to
+(a page that rebinds its DNS name to 127.0.0.1), are refused with a 403 before anything runs;
+clients that are not browsers (no ``Origin``), the server's own page and the origins given are
+answered as before (``serve.origins``). Over real HTTP."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from serve_helpers import running
+
+from llmsession import Model
+from llmsession.commands.cli import parser
+from llmsession.commands.serve import allowed_hosts
+from llmsession.serve.app import create_app
+from llmsession.serve.origins import LOOPBACK_NAMES, host_name, is_loopback
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+
+def test_host_names_and_loopback_addresses() -> None:
+    hosts = ("localhost:8080", "[::1]:80", "127.0.0.1", "EXAMPLE.com:1", "::1", "[::1]")
+    assert [host_name(h) for h in hosts] == ["localhost", "::1", "127.0.0.1", "example.com", "::1", "::1"]
+    assert all(map(is_loopback, ("localhost", "127.0.0.1", "127.5.0.1", "::1", "[::1]")))
+    assert not any(map(is_loopback, ("0.0.0.0", "192.168.1.2", "example.com", "::", "")))
+    serve = parser().parse_args(["serve", "--allowed-host", "box.internal"])
+    assert allowed_hosts(serve) == [*LOOPBACK_NAMES, "127.0.0.1", "box.internal"]  # (the default bind)
+    assert allowed_hosts(parser().parse_args(["serve", "--host", "0.0.0.0"])) is None  # (any: public)
+
+
+@pytest.fixture(scope="module")
+def url(smollm2: Model) -> Iterator[str]:
+    app = create_app(
+        smollm2, cors_origins=["https://ok.example"], allowed_hosts=[*LOOPBACK_NAMES, "box.internal"]
+    )
+    with running(app) as url:
+        yield url
+
+
+def test_pages_elsewhere_and_rebound_names_are_refused(url: str) -> None:
+    port = httpx.URL(url).port
+    chat = f"{url}/chat/completions"
+    with httpx.Client(timeout=60) as http:
+        assert http.post(chat, json=CHAT).status_code == 200  # (no Origin: not a browser)
+        for origin in (f"http://127.0.0.1:{port}", "https://ok.example"):  # (its own page; one given)
+            assert http.post(chat, json=CHAT, headers={"Origin": origin}).status_code == 200, origin
+        forged = http.post(
+            chat,
+            content=json.dumps(CHAT),
+            headers={"Origin": "https://evil.example", "Content-Type": "text/plain"},
+        )
+        assert forged.status_code == 403 and "another web origin" in forged.json()["error"]["message"]
+        assert http.post(chat, json=CHAT, headers={"Origin": "null"}).status_code == 403
+        for host in (f"localhost:{port}", f"box.internal:{port}", f"[::1]:{port}"):
+            assert http.get(f"{url}/models", headers={"Host": host}).status_code == 200, host
+        rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}  # (same-origin)
+        refused = http.post(chat, json=CHAT, headers=rebound)
+        assert refused.status_code == 403 and "host name" in refused.json()["error"]["message"]
+        assert http.get(f"{url}/models", headers={"Host": "evil.example"}).status_code == 403
+
+
+def test_a_server_bound_elsewhere_answers_to_any_host_and_refuses_other_origins(smollm2: Model) -> None:
+    with running(create_app(smollm2)) as url, httpx.Client(timeout=60) as http:
+        assert http.get(f"{url}/models", headers={"Host": "box.example"}).status_code == 200
+        assert http.get(f"{url}/models", headers={"Origin": "https://evil.example"}).status_code == 403
