@@ -14,7 +14,7 @@ import internals
 import pytest
 from llama_cffi import LIBRARIES, LLAMA_CPP_COMMIT, NOT_EXPORTED, ffi, include_dir, lib_dir, load
 
-from llmsession.commands import setup_llama
+from llmsession.commands import llama_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 API_HEADERS = ("llama.h", "mtmd.h", "mtmd-helper.h")
@@ -174,7 +174,7 @@ def test_native_logs_reach_python_logging(
 
 def test_the_built_libraries_run_on_ggmls_own_threads_not_openmp() -> None:
     """With OpenMP a decode in a second Python thread ran 0.72 times as fast (libgomp throttles
-    its teams' spinning once there are two); see ``setup_llama.THREADING``."""
+    its teams' spinning once there are two); see ``llama_cache.THREADING``."""
     info = json.loads((lib_dir().parent / "build-info.json").read_text())
     needed = subprocess.run(["ldd", str(lib_dir() / "libggml-cpu.so")], capture_output=True, text=True)
     assert needed.returncode == 0, needed.stderr
@@ -195,10 +195,30 @@ def test_a_cache_built_with_openmp_or_without_rpc_is_built_again(tmp_path: Path)
         return tmp_path
 
     built = "built from the sdist"
-    assert not setup_llama.complete(written(built, {"GGML_OPENMP": "OFF"}))  # no RPC server
-    (tmp_path / "bin" / setup_llama.RPC_SERVER).touch()
-    assert setup_llama.complete(written(built, {"GGML_AVX2": "ON", "GGML_OPENMP": "OFF"}))
-    assert not setup_llama.complete(written(built, {"GGML_AVX2": "ON"}))  # made with OpenMP
-    assert setup_llama.complete(written("adopted from /opt/llama", {"GGML_AVX2": "ON"}))
+    assert not llama_cache.complete(written(built, {"GGML_OPENMP": "OFF"}))  # no RPC server
+    (tmp_path / "bin" / llama_cache.RPC_SERVER).touch()
+    assert llama_cache.complete(written(built, {"GGML_AVX2": "ON", "GGML_OPENMP": "OFF"}))
+    assert not llama_cache.complete(written(built, {"GGML_AVX2": "ON"}))  # made with OpenMP
+    assert llama_cache.complete(written("adopted from /opt/llama", {"GGML_AVX2": "ON"}))
     (tmp_path / "lib" / "libggml-rpc.so").unlink()
-    assert not setup_llama.complete(written(built, {"GGML_OPENMP": "OFF"}))
+    assert not llama_cache.complete(written(built, {"GGML_OPENMP": "OFF"}))
+
+
+def test_a_damaged_build_record_is_built_again_and_libraries_are_replaced_not_rewritten(
+    tmp_path: Path,
+) -> None:
+    """A record left empty (the disk filled as it was written) or not an object made `setup`
+    and `doctor` raise every time, `--force` too; written now beside and renamed into place. A
+    library is replaced by a new file: written in place, a process that had it mapped crashed."""
+    for text in ("", "[1]", "{"):
+        (tmp_path / "build-info.json").write_text(text)
+        assert llama_cache.read_info(tmp_path) is None and not llama_cache.complete(tmp_path)
+    llama_cache.write_info(tmp_path, {"origin": "x"})
+    assert llama_cache.read_info(tmp_path) == {"origin": "x"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build-info.json"]
+    (old := tmp_path / "libx.so").write_bytes(b"old")
+    (new := tmp_path / "new.so").write_bytes(b"new")
+    with old.open("rb") as mapped:  # (as a process holds it)
+        llama_cache.replace_with_copy(new, old)
+        assert mapped.read() == b"old" and old.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build-info.json", "libx.so", "new.so"]

