@@ -30,6 +30,8 @@ def test_host_names_and_loopback_addresses() -> None:
     serve = parser().parse_args(["serve", "--allowed-host", "box.internal"])
     assert allowed_hosts(serve) == [*LOOPBACK_NAMES, "127.0.0.1", "box.internal"]  # (the default bind)
     assert allowed_hosts(parser().parse_args(["serve", "--host", "0.0.0.0"])) is None  # (any: public)
+    with pytest.raises(ValueError, match="not a URL"):
+        allowed_hosts(parser().parse_args(["serve", "--allowed-host", "http://box"]))
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,13 @@ def test_pages_elsewhere_and_rebound_names_are_refused(url: str) -> None:
         )
         assert forged.status_code == 403 and "another web origin" in forged.json()["error"]["message"]
         assert http.post(chat, json=CHAT, headers={"Origin": "null"}).status_code == 403
+        messages = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+        anthropic = http.post(f"{url}/messages", json=messages, headers={"Origin": "https://evil.example"})
+        assert anthropic.status_code == 403 and anthropic.json()["type"] == "error"  # (Anthropic's body)
+        proxied = {"Origin": "https://chat.example", "Sec-Fetch-Site": "same-origin"}  # (its own page)
+        assert http.post(chat, json=CHAT, headers=proxied).status_code == 200
+        default_port = {"Host": "localhost:80", "Origin": "http://localhost"}
+        assert http.get(f"{url}/models", headers=default_port).status_code == 200
         for host in (f"localhost:{port}", f"box.internal:{port}", f"[::1]:{port}"):
             assert http.get(f"{url}/models", headers={"Host": host}).status_code == 200, host
         rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}  # (same-origin)

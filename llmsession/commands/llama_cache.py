@@ -85,7 +85,8 @@ def complete(dest: Path) -> bool:
         return False
     if "adopted" in str(info.get("origin", "")):
         return libs  # the user's build, as it is
-    current = THREADING.items() <= dict(info.get("cmake", {})).items()
+    cmake = info.get("cmake", {})
+    current = isinstance(cmake, dict) and THREADING.items() <= cmake.items()
     return libs and current and (dest / "bin" / RPC_SERVER).exists()
 
 
@@ -102,3 +103,9 @@ def read_info(dest: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
+
+
+def os_error(error: OSError, where: Path) -> str:
+    """An OSError as one line: what failed, and on which file(s) (``where`` if it names none)."""
+    files = [os.fsdecode(f) for f in (error.filename, error.filename2) if f is not None]
+    return f"{error.strerror or error} ({' -> '.join(files) or where})"

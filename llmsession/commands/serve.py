@@ -62,8 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config, memory = cli_configs(args)
         settings = app_settings(args, VOLATILE_LINES)
-        if args.replicas is None:  # (replicas are named by the cluster's front)
-            settings["allowed_hosts"] = allowed_hosts(args)
+        settings["allowed_hosts"] = allowed_hosts(args)  # (replicas see the clients' own headers)
         if not args.api_key and not is_loopback(args.host):
             print(f"warning: {args.host} is not a loopback address and there is no --api-key: whoever "
                   "reaches the port may use the server", flush=True)  # fmt: skip
@@ -122,6 +121,8 @@ def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
     127.0.0.1 names another. None (any) for a server bound elsewhere."""
     from llmsession.serve.origins import LOOPBACK_NAMES, is_loopback
 
+    if any(not name or "/" in name or name.strip() != name for name in args.allowed_host or ()):
+        raise ValueError("--allowed-host takes a host name (and a port if need be), not a URL")
     if not is_loopback(args.host):
         return None
     return [*LOOPBACK_NAMES, args.host, *(args.allowed_host or ())]

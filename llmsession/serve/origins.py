@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmsession.serve.errors import ApiError
 from llmsession.serve.http import drain
+from llmsession.serve.messages_sse import error_body
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -42,7 +43,7 @@ def host_name(netloc: str) -> str:
     netloc = netloc.strip().lower()
     if netloc.startswith("["):
         return netloc[1:].partition("]")[0]
-    return netloc.rpartition(":")[0] if netloc.count(":") == 1 else netloc
+    return (netloc.rpartition(":")[0] if netloc.count(":") == 1 else netloc).rstrip(".")
 
 
 class Origins:
@@ -61,22 +62,36 @@ class Origins:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        host = headers.get("host", "")
-        why = self._refused(host, headers.get("origin"))
+        why = self._refused(headers)
         if why is None:
             await self.app(scope, receive, send)
             return
         whole = await drain(Request(scope, receive))  # (its body read first: ``http.drain``)
         error = ApiError(why, status=403, kind="permission_error")
-        answer = JSONResponse(error.body(), 403, headers=None if whole else {"connection": "close"})
+        anthropic = str(scope.get("path", "")).startswith("/v1/messages")  # (its paths: its bodies)
+        body = error_body(error) if anthropic else error.body()
+        answer = JSONResponse(body, 403, headers=None if whole else {"connection": "close"})
         await answer(scope, receive, send)
 
-    def _refused(self, host: str, origin: str | None) -> str | None:
-        if self.hosts is not None and host_name(host) not in self.hosts:
+    def _refused(self, headers: dict[str, str]) -> str | None:
+        host, origin = headers.get("host", ""), headers.get("origin")
+        if self.hosts is not None and host and host_name(host) not in self.hosts:  # (none: no browser)
             return "this server does not answer to that host name (--allowed-host adds one)"
         if origin is None or origin.rstrip("/").lower() in self.cors or "*" in self.cors:
             return None
+        if headers.get("sec-fetch-site") == "same-origin":  # (a browser's word: no page can set it)
+            return None  # (the server's own page, behind a proxy that names it otherwise)
         parts = urlsplit(origin)
-        if parts.scheme in ("http", "https") and parts.netloc.lower() == host.strip().lower():
+        if parts.scheme in ("http", "https") and _netloc(origin) == _netloc(f"{parts.scheme}://{host}"):
             return None  # (the server's own page)
         return "a page on another web origin may not call this server (--cors-origin names one)"
+
+
+def _netloc(url: str) -> tuple[str, int | None]:
+    """A URL's host and port, the scheme's default port made explicit."""
+    try:
+        parts = urlsplit(url.strip().lower())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return ("", None)
+    return (parts.hostname or "").rstrip("."), port
