@@ -30,10 +30,9 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 def is_loopback(host: str) -> bool:
     """Whether a bind address is a loopback one (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host.lower() == "localhost":
-        return True
+    name = host_name(host)
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return name == "localhost" or ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
 
@@ -88,10 +87,10 @@ class Origins:
 
 
 def _netloc(url: str) -> tuple[str, int | None]:
-    """A URL's host and port, the scheme's default port made explicit."""
+    """A URL's host (``host_name``) and port, the scheme's default port made explicit."""
     try:
         parts = urlsplit(url.strip().lower())
         port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
     except ValueError:
         return ("", None)
-    return (parts.hostname or "").rstrip("."), port
+    return host_name(parts.netloc.rpartition("@")[2]), port

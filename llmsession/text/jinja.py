@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from llmsession.errors import TemplateError
+from llmsession.text.messages import lone_surrogate
 
 if TYPE_CHECKING:
     import jinja2
-
-SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _require_jinja2() -> None:
@@ -106,6 +104,6 @@ def render_jinja(
         raise
     except Exception as exc:  # (the file's code: an assert, a recursing macro, a bound met)
         raise TemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
-    if SURROGATE.search(text):  # (from a message's key no check reads: the template's choice)
+    if lone_surrogate(text):  # (from a message's key no check reads: the template's choice)
         raise TemplateError("the rendered prompt holds a lone surrogate, which UTF-8 cannot encode")
     return text
