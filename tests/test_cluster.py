@@ -307,6 +307,45 @@ def test_a_turn_sent_from_a_busy_replica_takes_its_state_along(cluster: Cluster)
     wait_for(counted, 30)
 
 
+def test_a_response_id_moves_its_conversation_only_for_its_own_tenant(cluster: Cluster) -> None:
+    """A response's id names its conversation's key and replica: another tenant who has seen it
+    (bob, under the same API key: another user) can send a request to either replica under that
+    key, but the conversation moves only for alice's. The variant that must move: alice's own
+    id pointed at the other replica takes the conversation there (a 404 after: nothing stored
+    there), so the count is seen to change; bob's request that would bring it back does not."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    said = [{"role": "user", "content": "Tenant check: name three colours. " * 8}]
+    body = {"model": "m", "max_output_tokens": 6, "temperature": 0, "store": False, "user": "alice"}
+    first = httpx.post(f"{cluster.url}/v1/responses", json={**body, "input": said}, headers=auth, timeout=120)
+    assert first.status_code == 200, first.text
+    ident, holder = first.json()["id"], first.headers[REPLICA]
+    wait_for(lambda: len(replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text)) == 2, 30)
+    (other,) = replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text) - {holder}
+
+    def moves() -> float:
+        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        return metric(text, "llmsession_cluster_conversations_moved_total")
+
+    time.sleep(2.5)  # (the metrics of earlier tests' moves posted)
+    before = moves()
+    pointed = {**body, "input": "And another?", "previous_response_id": ident.rsplit("_", 1)[0] + "_" + other}
+    moved = httpx.post(f"{cluster.url}/v1/responses", json=pointed, headers=auth, timeout=120)
+    assert moved.status_code == 404 and moved.headers[REPLICA] == other, moved.text
+    wait_for(lambda: moves() == before + 1, 30)  # (alice's: the conversation went with it)
+    for user in ("bob", None):  # (another user; no user at all: another tenant too)
+        back = {**body, "input": "And another?", "previous_response_id": ident, "user": user}
+        refused = httpx.post(f"{cluster.url}/v1/responses", json=back, headers=auth, timeout=120)
+        assert refused.status_code == 404 and refused.headers[REPLICA] == holder, refused.text
+    resent = [*said, *first.json()["output"], {"role": "user", "content": "And another?"}]
+    again = httpx.post(
+        f"{cluster.url}/v1/responses", json={**body, "input": resent}, headers=auth, timeout=120
+    )
+    assert again.status_code == 200 and again.headers[REPLICA] == other, again.text
+    assert again.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    time.sleep(2.5)  # (a move made for bob's request would be posted by now)
+    assert moves() == before + 1
+
+
 def _key(session: str) -> str:
     headers = {"authorization": f"Bearer {KEY}", "x-session-id": session}
     return conversation_key("/v1/chat/completions", headers, b"{}")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from llmsession import GenerationOptions, Model, ModelClosedError, SessionConfig
-from llmsession.cluster.handoff import Handoff
+from llmsession.cluster.handoff import Handoff, Tenant
 from llmsession.cluster.moving import MAX_AGE_S, STALE_S, SharedSpill, load_secret
 
 SECRET = b"s" * 32
@@ -345,3 +345,25 @@ def test_a_conversation_no_tenant_keeps_is_not_counted_restored(
     assert here.spill.put(KEY, None, session.save)  # (as if sealed for no tenant)
     smollm2.keep_conversation(session, tenant="alice", conversation=KEY)  # (kept, under alice)
     assert there.restore(KEY) is False and there.moves.refused == 1 and there.moves.restored == 0
+
+
+def test_a_conversation_moves_only_for_a_request_of_its_tenant(
+    smollm2: Model, second: Model, tmp_path: Path
+) -> None:
+    """Another tenant's request under the same key (one who had seen a response's id, which
+    names it) neither takes the conversation from its holder nor claims its saved file: both
+    stay for alice's, which moves it."""
+    here = Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a"))
+    there = Handoff(second, SharedSpill(tmp_path, SECRET, "b"))
+    smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert smollm2.take_conversation(KEY, tenants=["bob", None]) is None
+    with pytest.raises(TypeError, match="collection of str"):
+        smollm2.take_conversation(KEY, tenants="alice")  # (a str: its characters, not a tenant)
+    assert here.give(KEY, "handed", asking=Tenant("bob")) is False
+    assert here.give(KEY, "handed", asking=Tenant(None)) is False
+    assert KEY in smollm2.conversations() and list(here.spill.folder.glob("*.conversation")) == []
+    assert here.give(KEY, "handed", asking=Tenant("alice")) is True and smollm2.conversations() == []
+    (saved,) = here.spill.folder.glob("*.conversation")
+    assert there.restore(KEY, Tenant("bob")) is False and saved.exists()  # (left for alice's)
+    assert there.moves.refused == 0 and second.conversations() == []
+    assert there.restore(KEY, Tenant("alice")) is True and second.conversations() == [KEY]

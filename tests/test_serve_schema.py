@@ -47,11 +47,12 @@ from llmsession.replies import (
     Usage,
 )
 from llmsession.serve import sse
-from llmsession.serve.app import create_app, digest
+from llmsession.serve.app import create_app
 from llmsession.serve.body import nests_deeper, parse_json
 from llmsession.serve.errors import ApiError, as_asked, from_library
 from llmsession.serve.http import counted_path
 from llmsession.serve.metrics import Metrics
+from llmsession.serve.naming import tenant_name
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import chat_request, completion_request
 from llmsession.text.schemas import MAX_SCHEMA_DEPTH, check_nodes
@@ -626,8 +627,8 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ApiError):
             server.authorize(request(token))
     assert compared and set(compared) == {(32, 32)}
-    assert digest(key, "u" * 256) != digest(key, "v") and len(digest(key, "u" * 256)) == 64
-    assert digest(None, "a") != digest("a", None)
+    assert tenant_name(key, "u" * 256) != tenant_name(key, "v") and len(tenant_name(key, "u" * 256)) == 64
+    assert tenant_name(None, "a") != tenant_name("a", None)
 
 
 def test_a_raw_completions_body_and_chunks_are_openais_legacy_ones() -> None:

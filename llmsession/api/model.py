@@ -5,7 +5,7 @@ process (``remote.isolated.IsolatedModel``), which survives what kills llama.cpp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
@@ -313,12 +313,18 @@ class Model(RawCompletions):
         used first: what ``take_conversation`` can hand on."""
         return self._backend.conversations()
 
-    def take_conversation(self, conversation: str) -> tuple[Session, str | None] | None:
+    def take_conversation(
+        self, conversation: str, *, tenants: Collection[str | None] | None = None
+    ) -> tuple[Session, str | None] | None:
         """The session kept for the stateless calls that named ``conversation`` (the latest to
         answer one), and its tenant, taken out of the kept ones: the caller owns it (to save it
-        for another model's ``keep_conversation``, say, then close it). None if none is kept or
-        it is answering a call now."""
-        return self._backend.take_conversation(conversation)
+        for another model's ``keep_conversation``, say, then close it). None if none is kept
+        (for one of ``tenants``, unless that is None: whoever's) or it is answering a call now."""
+        if tenants is not None:  # (a str is a collection too: of its characters)
+            if isinstance(tenants, str) or not all(t is None or isinstance(t, str) for t in tenants):
+                raise TypeError("tenants must be a collection of str or None")
+            tenants = frozenset(tenants)
+        return self._backend.take_conversation(conversation, tenants)
 
     def keep_conversation(self, session: Session, *, tenant: str | None, conversation: str) -> None:
         """Keep one of this model's sessions (one loaded with ``load_session``, say) for the

@@ -26,12 +26,13 @@ import ray
 from ray import serve
 from starlette.requests import Request
 
-from llmsession.cluster.handoff import Handoff
-from llmsession.cluster.keys import conversational
+from llmsession.cluster.handoff import Handoff, Tenant
+from llmsession.cluster.keys import conversational, user_of
 from llmsession.cluster.metrics import STALE_S, Arrivals
 from llmsession.cluster.moving import SharedSpill
 from llmsession.cluster.peers import Mover
 from llmsession.serve.errors import ApiError
+from llmsession.serve.naming import tenant_name
 
 log = logging.getLogger("llmsession.cluster")
 REPLICA_HEADER = b"x-llmsession-replica"
@@ -116,8 +117,9 @@ class Engine:
         ``previous``: the replica that answered the conversation last, as the front knows;
         ``text``: the request's, for Ray's prefix router (read by it, not here)."""
         held, moved = key in self.held, False
-        if self.mover is not None and self.mover.wants(scope, previous, held) and self._admitted(scope):
-            moved = await self.mover.arrive(key, previous)
+        if self.mover is not None and self.mover.wants(scope, previous, held):
+            tenant = await asyncio.to_thread(self._tenant, scope, body)  # (it parses the body)
+            moved = tenant is not None and await self.mover.arrive(key, previous, tenant)
             if moved:  # (held here now, whatever the answer: the front is told so)
                 self._remember(key)
         sent: asyncio.Queue[Message] = asyncio.Queue()
@@ -155,20 +157,23 @@ class Engine:
             with contextlib.suppress(BaseException):
                 await task
 
-    def _admitted(self, scope: Scope) -> bool:
-        """Whether the server lets this request's caller in (a conversation moves for no one else)."""
+    def _tenant(self, scope: Scope, body: bytes) -> Tenant | None:
+        """The tenant this request is the server's (its key's and its user's), or None if the
+        server does not let its caller in: a conversation moves for no one else."""
         try:
-            self.app.state.server.authorize(Request(scope))
+            key = self.app.state.server.authorize(Request(scope))
         except ApiError:
-            return False
-        return True
+            return None
+        return Tenant(tenant_name(key, user_of(scope.get("path", "/"), body)))
 
-    async def surrender(self, key: str, replica: str, asker: str, budget: float) -> bool:
-        """``asker`` was given conversation ``key`` (``peers.Mover``): saved for it and let go
-        here, if this replica holds it (however the call ends: a cancelled ask does not stop it)."""
+    async def surrender(self, key: str, replica: str, asker: str, budget: float, tenant: Tenant) -> bool:
+        """``asker`` was given conversation ``key`` by a request of ``tenant`` (``peers.Mover``):
+        saved for it and let go here, if this replica holds it for that tenant (however the call
+        ends: a cancelled ask does not stop it)."""
         if self.mover is None:
             return False
-        giving = asyncio.ensure_future(asyncio.to_thread(self.mover.surrender, key, replica, asker, budget))
+        surrender = self.mover.surrender
+        giving = asyncio.ensure_future(asyncio.to_thread(surrender, key, replica, asker, budget, tenant))
 
         def given(done: asyncio.Future[bool]) -> None:
             if not done.cancelled() and done.exception() is None and done.result():

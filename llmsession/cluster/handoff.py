@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmsession.cluster.metrics import Moves
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmsession.cluster")
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """The tenant a request is the server's (``serve.app.digest``: its key and its user): a
+    conversation moves only for a request of the tenant it is kept for (another tenant who had
+    seen a response's id could send its requests anywhere)."""
+
+    name: str | None
+
+
 class Handoff:
     """Conversations moving in and out of one replica's ``model`` through ``spill``."""
 
@@ -32,13 +42,14 @@ class Handoff:
         self.model, self.spill = model, spill
         self.moves = Moves()
 
-    def give(self, key: str, why: str, deadline: float | None = None) -> bool:
+    def give(self, key: str, why: str, deadline: float | None = None, asking: Tenant | None = None) -> bool:
         """Save conversation ``key`` for another replica and let it go here (True), or keep it
-        (False: not kept here, answering a call now, past ``deadline`` on ``time.time()``'s
-        clock, when the asker stops waiting, or it could not be saved)."""
+        (False: not kept here, or not for ``asking`` (the tenant of the request that asks),
+        answering a call now, past ``deadline`` on ``time.time()``'s clock, when the asker
+        stops waiting, or it could not be saved)."""
         if deadline is not None and time.time() > deadline:
             return False
-        taken = self.model.take_conversation(key)
+        taken = self.model.take_conversation(key, tenants=None if asking is None else (asking.name,))
         if taken is None:
             return False
         session, tenant = taken
@@ -60,9 +71,10 @@ class Handoff:
         self.moves.given[why] += 1
         return True
 
-    def restore(self, key: str) -> bool:
-        """Restore conversation ``key`` from the shared folder if it is there (True)."""
-        claimed = self.spill.claim(key)
+    def restore(self, key: str, tenant: Tenant | None = None) -> bool:
+        """Restore conversation ``key`` from the shared folder if it is there (True), and saved
+        for ``tenant``, the arriving request's, unless that is None."""
+        claimed = self.spill.claim(key, None if tenant is None else (tenant.name,))
         if claimed is None:
             return False
         try:

@@ -65,6 +65,11 @@ def tenant_of(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) 
     return digest("tenant", credential, *(() if user is None else ("user", user)))
 
 
+def user_of(path: str, body: bytes) -> str | None:
+    """The user a request's body names (as ``tenant_of`` reads it), or None."""
+    return _user(path, _parsed(body))
+
+
 def _user(path: str, parsed: Mapping[str, Any]) -> str | None:
     if path.startswith("/v1/messages"):
         metadata = parsed.get("metadata")

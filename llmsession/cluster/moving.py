@@ -34,7 +34,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,10 +133,13 @@ class SharedSpill:
         hidden.unlink(missing_ok=True)
         return True
 
-    def claim(self, key: str) -> Claimed | None:
+    def claim(self, key: str, tenants: Collection[str | None] | None = None) -> Claimed | None:
         """The conversation's file, claimed by this replica and checked, or None (none there,
-        another replica claimed it first, or it was refused)."""
+        another replica claimed it first, it was refused, or, unless ``tenants`` is None, it was
+        saved for none of them: left where it is, for a request of its own tenant)."""
         if not KEY.fullmatch(key):
+            return None
+        if tenants is not None and not self._for(key, tenants):
             return None
         claimed = self._grab(key, "claimed")
         if claimed is None:
@@ -154,7 +157,32 @@ class SharedSpill:
             return None
         finally:
             claimed.unlink(missing_ok=True)
+        if tenants is not None and tenant not in tenants:  # (replaced since it was read: rare)
+            mine.unlink(missing_ok=True)
+            self.refused += 1
+            return None
         return Claimed(mine, tenant)
+
+    def _for(self, key: str, tenants: Collection[str | None]) -> bool:
+        """Whether the conversation's file names one of ``tenants`` in its seal (read, not
+        checked: the claim checks it; a file that cannot be read so is claimed and refused)."""
+        try:
+            with (self.folder / f"{key}{SUFFIX}").open("rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < _TAIL.size + _CHECKSUM:
+                    return True
+                f.seek(size - _TAIL.size)
+                length, magic, _tag = _TAIL.unpack(f.read(_TAIL.size))
+                if magic != SEAL_MAGIC or length > min(4096, size - _TAIL.size - _CHECKSUM):
+                    return True
+                f.seek(size - _TAIL.size - length)
+                parsed = json.loads(f.read(length))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError):
+            return True
+        tenant = parsed.get("tenant") if isinstance(parsed, dict) else 0
+        return not (tenant is None or isinstance(tenant, str)) or tenant in tenants
 
     def _grab(self, key: str, kind: str) -> Path | None:
         """The conversation's file, renamed to a hidden name of this replica's (one rename

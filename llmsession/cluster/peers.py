@@ -3,13 +3,13 @@ to hand it over, and answering such asks (``deployment.Engine`` calls these; ``h
 the blocking work, in threads).
 
 A conversation is brought here only for a request that continues one (a POST to a chat,
-completion, Responses or Messages endpoint, from a caller the server lets in) and only when this
-replica does not hold it; it is asked of another replica only when that one answered it last,
-and only under our request router (Ray's would not deliver the ask to it). The ask carries a
-time budget: a holder that cannot save the conversation within it (busy) keeps it, taking back
-a file it saved too late. The asker then restores whatever the shared folder has
-(``handoff.restore``), which is also where a replica that stopped, or an ask the asker gave up
-on, left it.
+completion, Responses or Messages endpoint, from a caller the server lets in, of the tenant the
+conversation is kept for) and only when this replica does not hold it; it is asked of another
+replica only when that one answered it last, and only under our request router (Ray's would not
+deliver the ask to it). The ask carries a time budget: a holder that cannot save the
+conversation within it (busy) keeps it, taking back a file it saved too late. The asker then
+restores whatever the shared folder has (``handoff.restore``), which is also where a replica
+that stopped, or an ask the asker gave up on, left it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from ray import serve
 
-from llmsession.cluster.handoff import Handoff
+from llmsession.cluster.handoff import Handoff, Tenant
 from llmsession.cluster.keys import PIN, conversational
 
 log = logging.getLogger("llmsession.cluster")
@@ -49,17 +49,18 @@ class Mover:
             return False
         return not held or previous not in (None, self.name)
 
-    async def arrive(self, key: str, previous: str | None) -> bool:
+    async def arrive(self, key: str, previous: str | None, tenant: Tenant) -> bool:
         """Bring conversation ``key`` here with its state: asked of ``previous`` (the replica
-        that answered it last), then restored from the shared folder. True if it was."""
+        that answered it last), then restored from the shared folder; only if it is ``tenant``'s
+        (the request's). True if it was."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
             async with lock:
                 if self.asks and previous not in (None, self.name):
-                    await self._ask(key, str(previous))
+                    await self._ask(key, str(previous), tenant)
                 try:
-                    return await asyncio.to_thread(self.handoff.restore, key)
+                    return await asyncio.to_thread(self.handoff.restore, key, tenant)
                 except Exception as error:  # (the turn goes on without it: a longer prefill)
                     log.warning("a conversation could not be restored here: %r", error)
                     return False
@@ -70,7 +71,7 @@ class Mover:
             else:
                 self._locks[key] = (lock, users - 1)
 
-    async def _ask(self, key: str, previous: str) -> None:
+    async def _ask(self, key: str, previous: str, tenant: Tenant) -> None:
         """Ask ``previous`` to save ``key`` for this replica (it declines if it is not the one
         that holds it: Ray routes a call for a replica that is gone to another)."""
         call: Any = None
@@ -78,7 +79,7 @@ class Mover:
             if self._handle is None:  # (it reads the controller: not on the event loop)
                 self._handle = await asyncio.to_thread(serve.get_deployment_handle, *self.peers)
             pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
-            call = pinned.surrender.remote(key, previous, self.name, ASK_S - ASK_MARGIN_S)
+            call = pinned.surrender.remote(key, previous, self.name, ASK_S - ASK_MARGIN_S, tenant)
             await asyncio.wait_for(_awaited(call), ASK_S)
         except asyncio.CancelledError:  # (the client left: the holder is told, if it is not too late)
             if call is not None:
@@ -91,14 +92,15 @@ class Mover:
         except Exception as error:  # (gone, or failed: what the folder has is restored)
             log.info("the replica that held a conversation did not hand it on: %r", error)
 
-    def surrender(self, key: str, replica: str, asker: str, budget: float) -> bool:
-        """``asker`` was given conversation ``key``: save it for that one and let it go here, if
-        this is ``replica`` (the one that answered it last), the asker sees the folder, and it is
-        done within ``budget`` seconds (blocking: run it in a thread)."""
+    def surrender(self, key: str, replica: str, asker: str, budget: float, tenant: Tenant) -> bool:
+        """``asker`` was given conversation ``key`` by a request of ``tenant``: save it for that
+        one and let it go here, if this is ``replica`` (the one that answered it last), the
+        conversation is that tenant's, the asker sees the folder, and it is done within
+        ``budget`` seconds (blocking: run it in a thread)."""
         deadline = time.time() + budget  # (this host's clock, from now)
-        if replica != self.name or not self.handoff.spill.sees(asker):
+        if replica != self.name or not isinstance(tenant, Tenant) or not self.handoff.spill.sees(asker):
             return False
-        return self.handoff.give(key, "handed", deadline)
+        return self.handoff.give(key, "handed", deadline, tenant)
 
     def maintain(self) -> None:
         """Announce this replica again, and remove the folder's files nobody claimed (blocking)."""

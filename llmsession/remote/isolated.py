@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,8 +199,10 @@ class IsolatedModel:
     def conversations(self) -> list[str]:
         return list(self._model_call("conversations"))
 
-    def take_conversation(self, conversation: str) -> tuple[WorkerSession, str | None] | None:
-        taken = self.call("take_conversation", conversation)
+    def take_conversation(
+        self, conversation: str, tenants: Collection[str | None] | None = None
+    ) -> tuple[WorkerSession, str | None] | None:
+        taken = self.call("take_conversation", conversation, None if tenants is None else list(tenants))
         return None if taken is None else (WorkerSession(self, taken[0]), taken[1])
 
     def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None:

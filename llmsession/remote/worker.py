@@ -213,9 +213,9 @@ class Worker:
         assert self.model is not None
         return self.keep(self.model.complete_stream(prompt, options, tenant, config, conversation=label))
 
-    def op_take_conversation(self, conversation: str) -> Any:
+    def op_take_conversation(self, conversation: str, tenants: list[str | None] | None = None) -> Any:
         assert self.model is not None
-        taken = self.model.take_conversation(conversation)
+        taken = self.model.take_conversation(conversation, tenants=tenants)
         return None if taken is None else (self.handle(taken[0]), taken[1])
 
     def op_keep_conversation(self, key: int, tenant: str | None, conversation: str) -> None:

@@ -4,7 +4,7 @@ kept for stateless calls, saved and loaded)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +192,13 @@ class LocalModel(ModelCore):
         self.check_open()
         return self.stateless.conversations()
 
-    def take_conversation(self, conversation: str) -> tuple[LocalSession, str | None] | None:
-        """The kept session that answered ``conversation`` last, out of the kept ones."""
+    def take_conversation(
+        self, conversation: str, tenants: Collection[str | None] | None = None
+    ) -> tuple[LocalSession, str | None] | None:
+        """The kept session that answered ``conversation`` last (for one of ``tenants``), out of
+        the kept ones."""
         self.check_open()
-        return self.stateless.take(conversation)
+        return self.stateless.take(conversation, tenants)
 
     def keep_conversation(self, session: Session, tenant: str | None, conversation: str) -> None:
         """Keep one of this model's open sessions for the stateless calls, as ``conversation``'s:

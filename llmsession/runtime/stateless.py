@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -215,14 +215,21 @@ class StatelessSessions:
             self._forget_closed()
             return list(dict.fromkeys(self._labels[s] for s in self._sessions if s in self._labels))
 
-    def take(self, conversation: str) -> tuple[LocalSession, str | None] | None:
+    def take(
+        self, conversation: str, tenants: Collection[str | None] | None = None
+    ) -> tuple[LocalSession, str | None] | None:
         """The main session of ``conversation`` (``keeping.mains``: the one of its sessions that
         holds the most, not a side request's), and its tenant, out of the kept ones (the caller
-        owns it now); None if none is kept, or it is answering a call."""
+        owns it now); None if none is kept (for one of ``tenants``, unless None), or it is
+        answering a call."""
         with self._lock:
             self._forget_closed()
             main = [s for i, s in enumerate(self._sessions) if i in mains(self._seen(lambda s: True))]
-            labelled = [s for s in main if self._labels.get(s) == conversation]
+            labelled = [
+                s
+                for s in main
+                if self._labels.get(s) == conversation and (tenants is None or self._tenants[s] in tenants)
+            ]
             if not labelled or not labelled[0].idle:
                 return None
             session = labelled[0]

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +40,7 @@ from llmsession.serve.http import Counting, declared, guarded, refusing
 from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.metrics import Metrics
-from llmsession.serve.naming import named_conversation
+from llmsession.serve.naming import named_conversation, tenant_name
 from llmsession.serve.origins import Origins
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
@@ -63,12 +62,6 @@ REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
 # where a line begins with it, its hash within 1,024 characters: a pattern is matched against
 # hostile text, so its work must stay linear (unbounded, a megabyte of headers took minutes).
 VOLATILE_LINES = (r"(?m)^x-anthropic-billing-header:[^\n]{0,1024}?cch=[0-9a-fA-F]*;[ \t]*\n?",)
-
-
-def digest(*parts: str | None) -> str:
-    """A tenant's name: a sha256 of its key's digest and its ``user`` (bounded, whatever the
-    user sent; the library keeps records by tenant)."""
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 class Server:
@@ -219,7 +212,7 @@ class Server:
             for m in asked.messages
         ):
             raise ApiError("count_tokens counts text-only transcripts here", "messages")
-        options, tenant = asked.options, digest(request.state.key, asked.user)
+        options, tenant = asked.options, tenant_name(request.state.key, asked.user)
         host, held = await self.hosts.held(asked.model, heeded(request, asked.keep_alive))
         try:
             config = session_settings(host.settings, asked)  # (as the call's)
@@ -253,7 +246,7 @@ class Server:
         key: str | None = request.state.key  # (``guarded`` asked ``authorize``)
         if self.draft is not None:  # (the exchange leaves them out where they are unsound)
             asked = dataclasses.replace(asked, options=replaced_options(asked.options, draft=self.draft))
-        tenant = digest(key, asked.user)
+        tenant = tenant_name(key, asked.user)
         named = self.front_named(request)[0] or ""  # (the front's key: a label only)
         if FRONT_KEY.fullmatch(named):
             conversation: str | None = named

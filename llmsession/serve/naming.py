@@ -24,6 +24,12 @@ def digest(*parts: str) -> str:
     return hashed.hexdigest()
 
 
+def tenant_name(key: str | None, user: str | None) -> str:
+    """A tenant's name, as the server keeps records by it: a sha256 of its key's digest
+    (``Access.authorize``) and the ``user`` its request names (bounded, whatever was sent)."""
+    return hashlib.sha256(repr((key, user)).encode()).hexdigest()
+
+
 def named_conversation(tenant: str, headers: Mapping[str, str]) -> str | None:
     """The conversation a request's session header names (32 hex digits), or None."""
     for header in SESSION_HEADERS:
