@@ -966,13 +966,16 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
 ) -> None:
     """One live session and no RAM for parked ones: a second tenant's request spills the
     first's state to disk; SIGTERM while a stream is open still closes the model (its folder
-    removed) and exits 0."""
+    removed) and exits 0. Its keys come from a file (``--api-key-file``): none on its command line."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    keys = tmp_path.parent / f"{tmp_path.name}-keys"
+    keys.write_text("# the tenants' keys\n  sk-file-one  \n\nsk-file-two\n")
     command = [sys.executable, "-m", "llmsession", "serve", "--model", str(smollm2_path), "--port", str(port)]
     command += ["--threads", "1", "--max-live-sessions", "1", "--host-cache-bytes", "1"]
     command += ["--disk-cache-dir", str(tmp_path), "--shutdown-timeout", "1", "--flash-attention", "on"]
+    command += ["--api-key-file", str(keys)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -985,16 +988,24 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
 
     try:
         wait_for(up, 60)
-        for user in ("first", "second"):
-            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "user": user}
-            assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions", json=hi, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer # the tenants' keys"}
+        assert httpx.post(f"{url}/v1/chat/completions", json=hi, headers=wrong, timeout=60).status_code == 401
+        for key in ("sk-file-one", "sk-file-two"):  # (two tenants)
+            auth = {"Authorization": f"Bearer {key}"}
+            assert (
+                httpx.post(f"{url}/v1/chat/completions", json=hi, headers=auth, timeout=60).status_code == 200
+            )
         assert list(tmp_path.iterdir()), "nothing was spilled: the test proves nothing"
         body = {
             "messages": [{"role": "user", "content": "Write a long story."}],
             "max_tokens": 500,
             "stream": True,
         }
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60
+        ) as response:
             next(response.iter_lines())
             server.send_signal(signal.SIGTERM)
             assert server.wait(30) == 0
@@ -1009,6 +1020,39 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
     assert f"serving {smollm2_path.name} at http://127.0.0.1:{port}/v1" in said
     assert "up to 1 live sessions" in said and f"then on disk in {tmp_path}" in said
     assert "flash attention on" in said  # (asked: the default on the CPU is off)
+
+
+def test_a_file_of_keys_that_would_not_be_the_server_meant_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--api-key-file``: a file with no key in it would leave the server open to anyone, one
+    with a key no header can present would lock its holder out; both stop the command before
+    it loads anything (argparse's exit 2), as an unreadable or oversized file does."""
+    from llmsession.commands.cli import parser
+
+    files = {
+        "empty": "\n  \n",
+        "comments": "# sk-not-a-key\n",
+        "spaced": "sk-one\nsk two\n",
+        "control": "sk-\x07bell\n",
+        "huge": "k" * (1 << 20) + "\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    for name, said in [
+        ("empty", "holds no key"),
+        ("comments", "holds no key"),
+        ("spaced", "key 2 has whitespace"),
+        ("control", "key 1 has whitespace or a control character"),
+        ("huge", "larger than"),
+        ("missing", "cannot read"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parser().parse_args(["serve", "--api-key-file", str(tmp_path / name)])
+        assert exited.value.code == 2 and said in capsys.readouterr().err, name
+    (tmp_path / "keys").write_text("sk-a\n# sk-b\n\tsk-c \n")
+    args = parser().parse_args(["serve", "--api-key", "sk-z", "--api-key-file", str(tmp_path / "keys")])
+    assert args.api_key == ["sk-z"] and args.api_key_file == [["sk-a", "sk-c"]]  # (joined when it runs)
 
 
 def test_raw_completions_continue_the_prompt_as_the_library_does(served: Served) -> None:

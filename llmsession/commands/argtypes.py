@@ -76,3 +76,34 @@ def directory(text: str) -> Path:
             f"cannot make the directory {text}: {error.strerror or error}"
         ) from None
     return path.resolve()
+
+
+MAX_KEY_FILE = 1 << 20  # bytes of a file of keys
+
+
+def key_file(text: str) -> list[str]:
+    """The keys a file holds (``--api-key-file``, ``--operator-key-file``): one a line, blank
+    lines and ``#`` comments skipped, the whitespace around each dropped. A key on the command
+    line is seen by every user of the machine (``ps``); one in a file only by who may read it.
+    A file that holds no key, or a key with whitespace or a control character inside (no
+    header could present it), is refused: the server would not be the one meant."""
+    try:
+        with Path(text).expanduser().open("rb") as f:
+            data = f.read(MAX_KEY_FILE + 1)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {error.strerror or error}") from None
+    if len(data) > MAX_KEY_FILE:
+        raise argparse.ArgumentTypeError(f"{text} is larger than {MAX_KEY_FILE} bytes: not a file of keys")
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    for number, key in enumerate(keys, 1):
+        if any(c.isspace() or not c.isprintable() for c in key):
+            raise argparse.ArgumentTypeError(
+                f"{text}: key {number} has whitespace or a control character in it"
+            )
+    if not keys:
+        raise argparse.ArgumentTypeError(f"{text} holds no key (one a line; # begins a comment)")
+    return keys

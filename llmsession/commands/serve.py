@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from llmsession.commands import installer
 from llmsession.commands.argtypes import directory, port, positive_int, seconds
 from llmsession.commands.doctor import error
+from llmsession.commands.serve_access import add_access_arguments, join_key_files
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig
 from llmsession.errors import LlmSessionError
 from llmsession.options import DRAFTS, KV_LAYOUTS, KV_TYPES
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 def serve(args: argparse.Namespace) -> int:
     from llmsession.commands.serve_cluster import check_cluster_arguments
 
+    join_key_files(args)
     wrong = check_cluster_arguments(args)
     if wrong is not None:
         error(wrong)
@@ -238,32 +240,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add("--mmproj", dest="mmproj_path", type=Path, metavar="PATH", help="multimodal projector: image input")
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     add("--port", type=port, default=8080, help="TCP port (default: %(default)s)")
-    add(
-        "--api-key",
-        action="append",
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY` (repeatable: each key is a tenant of its own)",
-    )
-    add(
-        "--operator-key",
-        action="append",
-        metavar="KEY",
-        help="only these keys may load and unload models, read /api/ps and /metrics and set keep_alive "
-        "(repeatable; default: any caller may; without --api-key the chat endpoints stay open)",
-    )
-    add(
-        "--cors-origin",
-        action="append",
-        metavar="ORIGIN",
-        help="a web origin whose pages may call the API (repeatable; default: none)",
-    )
-    add(
-        "--allowed-host",
-        action="append",
-        metavar="NAME",
-        help="a host name requests may name this server by when it is bound to a loopback address "
-        "(repeatable; default: localhost and the loopback addresses; against DNS rebinding)",
-    )
+    add_access_arguments(parser)
     add("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
     add("--threads", type=positive_int, metavar="N", help="CPU threads (default: up to 8)")
     add(
