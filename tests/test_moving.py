@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,7 +21,7 @@ import pytest
 
 from llmsession import GenerationOptions, Model, ModelClosedError, SessionConfig
 from llmsession.cluster.handoff import Handoff, Tenant
-from llmsession.cluster.moving import MAX_AGE_S, STALE_S, SharedSpill, load_secret
+from llmsession.cluster.moving import COPY, MAX_AGE_S, STALE_S, SharedSpill, load_secret
 
 SECRET = b"s" * 32
 KEY = "0123456789abcdef0123456789abcdef"
@@ -179,6 +181,25 @@ def test_unclaimed_and_abandoned_files_age_out(tmp_path: Path) -> None:
     os.utime(abandoned, (now - STALE_S - 5, now - STALE_S - 5))
     assert spill.sweep() == 2
     assert [p.name for p in spill.folder.iterdir()] == [f"{OTHER_KEY}.conversation"]
+
+
+def test_a_claimed_copy_a_killed_process_left_is_swept(tmp_path: Path) -> None:
+    """A claimed file is copied to the temporary folder until it is loaded: a replica killed
+    meanwhile (a state may be gigabytes) left it there for good. The copy names its process;
+    a sweep removes those whose process is gone, never a live one's."""
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"state"))
+    claimed = spill.claim(KEY)
+    assert claimed is not None and claimed.path.name.startswith(f"{COPY}{os.getpid()}-")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = Path(tempfile.gettempdir()) / f"{COPY}{int(gone.stdout)}-left.llmsession"
+    dead.write_bytes(b"a state a killed replica was loading")
+    unrelated = Path(tempfile.gettempdir()) / f"{COPY}not-a-pid.llmsession"
+    unrelated.write_bytes(b"")
+    assert spill.sweep() == 1
+    assert not dead.exists() and claimed.path.exists() and unrelated.exists()
 
 
 def test_the_secret_is_made_once_and_kept_private(tmp_path: Path) -> None:

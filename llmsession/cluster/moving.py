@@ -9,8 +9,9 @@ checksum. The file is written under a hidden name and renamed to ``<key>.convers
 whole, so it is never read half written; a newer one replaces an older one at once.
 
 A replica given a conversation it does not hold claims its file by renaming it to a hidden name
-of its own (one rename wins; the others find nothing) and copies it into a private file, out
-of reach of anyone who can write the shared one; there it checks the seal (a file someone else
+of its own (one rename wins; the others find nothing) and copies it into a private file (in
+the temporary folder, named by its process: a sweep removes those of processes gone), out of
+reach of anyone who can write the shared one; there it checks the seal (a file someone else
 wrote or changed, or one renamed to another conversation, is refused), cuts the seal off and
 hands the session file to ``Model.load_session``, which checks every byte against the sealed
 checksum and restores the state only for the same model, build and context layout. Files nobody
@@ -46,6 +47,7 @@ STALE_S = 3600.0  # a hidden file (being written, or claimed) whose replica died
 KEY = re.compile(r"[0-9a-f]{32}")  # a conversation's key (``keys``): the only names made here
 MAX_TENANT = 512  # characters of a tenant's name kept in a seal
 SECRET_BYTES = 32
+COPY = "llmsession-claimed-"  # a claimed file's private copy (then its process's id), until loaded
 SEAL_MAGIC = b"LLMSEAL1"
 _TAIL = struct.Struct("<I8s32s")  # the seal's length, its magic, the HMAC
 _CHECKSUM = 32  # the session file's own sha256, just before the seal
@@ -144,7 +146,7 @@ class SharedSpill:
         claimed = self._grab(key, "claimed")
         if claimed is None:
             return None
-        fd, name = tempfile.mkstemp(prefix=f"llmsession-claimed-{key}-", suffix=".llmsession")
+        fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
         mine = Path(name)  # (0600, made here: what is checked and loaded is this copy, no one else's)
         try:
             with os.fdopen(fd, "wb") as out, claimed.open("rb") as source:
@@ -222,10 +224,11 @@ class SharedSpill:
         return hmac.new(self.secret, message, hashlib.sha256).digest()
 
     def sweep(self, now: float | None = None) -> int:
-        """Remove the files nobody claimed within ``MAX_AGE_S``, and hidden ones left behind;
-        how many were removed."""
+        """Remove the files nobody claimed within ``MAX_AGE_S``, and hidden ones left behind,
+        and the private copies of claimed files that a process of this host killed before it
+        loaded them left in the temporary folder; how many were removed."""
         now = time.time() if now is None else now
-        removed = 0
+        removed = _orphaned_copies()
         for entry in os.scandir(self.folder):
             limit = STALE_S if entry.name.startswith(".") else MAX_AGE_S
             try:
@@ -235,6 +238,30 @@ class SharedSpill:
             except FileNotFoundError:
                 continue  # (claimed or removed meanwhile)
         return removed
+
+
+def _orphaned_copies() -> int:
+    """Remove this user's private copies of claimed files (``COPY``) whose process is gone."""
+    removed = 0
+    for entry in os.scandir(tempfile.gettempdir()):
+        owner = entry.name.removeprefix(COPY).partition("-")[0]
+        if not entry.name.startswith(COPY) or not owner.isdigit() or _alive(int(owner)):
+            continue
+        with contextlib.suppress(OSError):  # (another's, or removed meanwhile)
+            if entry.is_file(follow_symlinks=False) and entry.stat().st_uid == os.getuid():
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # (another user's, or no pid at all: left alone)
+    return True
 
 
 def _name(replica: str) -> str:
