@@ -388,3 +388,18 @@ def test_a_conversation_moves_only_for_a_request_of_its_tenant(
     assert there.restore(KEY, Tenant("bob")) is False and saved.exists()  # (left for alice's)
     assert there.moves.refused == 0 and second.conversations() == []
     assert there.restore(KEY, Tenant("alice")) is True and second.conversations() == [KEY]
+
+
+def test_a_holder_counts_the_askers_wait_from_the_ask(smollm2: Model, tmp_path: Path) -> None:
+    """The ask names when the asker stops waiting: an ask that queued at the holder past it
+    is declined (the conversation stays), not saved for an asker that has gone on without it
+    (the file would lie unclaimed and the conversation be lost to both)."""
+    from llmsession.cluster.peers import Mover
+
+    here = Mover(Handoff(smollm2, SharedSpill(tmp_path, SECRET, "a")), "a", ("engine", "app"))
+    SharedSpill(tmp_path, SECRET, "b").announce()
+    smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
+    assert here.surrender(KEY, "a", "b", time.time() - 1, Tenant("alice")) is False
+    assert KEY in smollm2.conversations()
+    assert here.surrender(KEY, "a", "b", time.time() + 20, Tenant("alice")) is True
+    assert smollm2.conversations() == []

@@ -166,14 +166,14 @@ class Engine:
             return None
         return Tenant(tenant_name(key, user_of(scope.get("path", "/"), body)))
 
-    async def surrender(self, key: str, replica: str, asker: str, budget: float, tenant: Tenant) -> bool:
+    async def surrender(self, key: str, replica: str, asker: str, until: float, tenant: Tenant) -> bool:
         """``asker`` was given conversation ``key`` by a request of ``tenant`` (``peers.Mover``):
         saved for it and let go here, if this replica holds it for that tenant (however the call
         ends: a cancelled ask does not stop it)."""
         if self.mover is None:
             return False
         surrender = self.mover.surrender
-        giving = asyncio.ensure_future(asyncio.to_thread(surrender, key, replica, asker, budget, tenant))
+        giving = asyncio.ensure_future(asyncio.to_thread(surrender, key, replica, asker, until, tenant))
 
         def given(done: asyncio.Future[bool]) -> None:
             if not done.cancelled() and done.exception() is None and done.result():

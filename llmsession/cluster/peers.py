@@ -79,7 +79,8 @@ class Mover:
             if self._handle is None:  # (it reads the controller: not on the event loop)
                 self._handle = await asyncio.to_thread(serve.get_deployment_handle, *self.peers)
             pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
-            call = pinned.surrender.remote(key, previous, self.name, ASK_S - ASK_MARGIN_S, tenant)
+            until = time.time() + ASK_S - ASK_MARGIN_S  # (from the ask, not from when the holder reads it)
+            call = pinned.surrender.remote(key, previous, self.name, until, tenant)
             await asyncio.wait_for(_awaited(call), ASK_S)
         except asyncio.CancelledError:  # (the client left: the holder is told, if it is not too late)
             if call is not None:
@@ -92,12 +93,14 @@ class Mover:
         except Exception as error:  # (gone, or failed: what the folder has is restored)
             log.info("the replica that held a conversation did not hand it on: %r", error)
 
-    def surrender(self, key: str, replica: str, asker: str, budget: float, tenant: Tenant) -> bool:
+    def surrender(self, key: str, replica: str, asker: str, until: float, tenant: Tenant) -> bool:
         """``asker`` was given conversation ``key`` by a request of ``tenant``: save it for that
         one and let it go here, if this is ``replica`` (the one that answered it last), the
-        conversation is that tenant's, the asker sees the folder, and it is done within
-        ``budget`` seconds (blocking: run it in a thread)."""
-        deadline = time.time() + budget  # (this host's clock, from now)
+        conversation is that tenant's, the asker sees the folder, and it is done by ``until``
+        (on ``time.time()``'s clock: the asker's wait, counted from its ask, which may have
+        queued here; at most the whole wait from now, should the asker's clock run ahead)
+        (blocking: run it in a thread)."""
+        deadline = min(until, time.time() + ASK_S - ASK_MARGIN_S)
         if replica != self.name or not isinstance(tenant, Tenant) or not self.handoff.spill.sees(asker):
             return False
         return self.handoff.give(key, "handed", deadline, tenant)
