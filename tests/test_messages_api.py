@@ -456,6 +456,41 @@ def test_output_config_holds_the_reply_to_its_schema(served: Served) -> None:
         )
 
 
+def test_a_last_assistant_message_is_continued(served: Served) -> None:
+    """A prefill, as Anthropic's API takes one: the reply is what follows the assistant's text
+    (its prompt that text's plain tokens after the generation prompt, ``count_tokens`` saying
+    so), streamed as created; through chat completions too; refused (400) with a schema."""
+    asked = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "My favourite colour is"},
+    ]
+    made = client(served).messages.create(model=served.name, max_tokens=8, messages=asked, extra_body=GREEDY)
+    text = "".join(block.text for block in made.content if block.type == "text")
+    assert made.stop_reason in ("max_tokens", "end_turn") and text and not text.startswith("My favourite")
+    prompt = served.model.prompt_tokens(asked[:1]) + served.model.tokenize(
+        "My favourite colour is", add_special=False
+    )
+    counted = client(served).messages.count_tokens(model=served.name, messages=asked).input_tokens
+    assert counted == len(prompt) == made.usage.input_tokens + made.usage.cache_read_input_tokens
+    with client(served).messages.stream(
+        model=served.name, max_tokens=8, messages=asked, extra_body=GREEDY
+    ) as s:
+        streamed = s.get_final_message()
+    assert 0 < streamed.usage.output_tokens <= 8 and streamed.content[0].type == "text"
+    assert not streamed.content[0].text.startswith("My favourite")
+    chat = served.client().chat.completions.create(
+        model=served.name, messages=asked, max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content and not chat.choices[0].message.content.startswith("My favourite")
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):
+        client(served).messages.create(
+            model=served.name,
+            max_tokens=8,
+            messages=asked,
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+        )
+
+
 def test_message_start_carries_the_prompt_usage(served: Served) -> None:
     said = [{"role": "user", "content": "Name a fruit."}]
     body = {"model": "m", "max_tokens": 4, "messages": said, "stream": True, "system": SYSTEM}

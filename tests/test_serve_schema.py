@@ -293,7 +293,8 @@ CHECKED_UP_FRONT = [  # each used to pass the schema and fail only inside the ru
     ),
     ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "tool", "tool_call_id": "c9", "content": "x"}]}, "messages"),
-    ({"messages": [*HI, {"role": "assistant", "content": "Hello"}]}, "messages"),
+    ({"messages": [*HI, {"role": "assistant", "content": ""}]}, "messages"),  # (text continues: a prefill)
+    ({"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]}, "messages"),
     ({"messages": HI * 1025}, "messages"),
     ({"messages": HI, "stop": ["a"] * 17}, "stop"),
     ({"messages": HI, "stop": ["é" * 513]}, "stop"),

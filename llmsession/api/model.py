@@ -207,7 +207,9 @@ class Model(RawCompletions):
         **overrides: Unpack[SessionSettings],
     ) -> Reply:
         """Answer the last (user) message of a whole message list, reusing the cached prefix of
-        an earlier call: a client that resends a growing history decodes only what is new.
+        an earlier call: a client that resends a growing history decodes only what is new. A
+        list that ends with the assistant's text after it has that text continued (a prefill,
+        ``Transcript.prefilled``): the reply is what follows the text.
         ``config`` and ``overrides`` are the kept sessions' settings (their system prompt is
         the messages', so ``system`` is refused).
 

@@ -44,6 +44,16 @@ class Prompt:
             return "the projector decodes images with non-causal attention"
         return ""
 
+    def extend(self, tokens: list[int]) -> None:
+        """Text tokens after its last piece (a prefill's: ``runtime.prefill``); the pieces it
+        had are not changed (a remembered stretch may be one)."""
+        last = self.pieces[-1] if self.pieces else None
+        if isinstance(last, list):
+            self.pieces[-1] = [*last, *tokens]
+        else:
+            self.pieces.append(list(tokens))
+        self.items += tokens
+
     def tokens(self) -> list[int]:
         """The text tokens, in order (for repetition penalties)."""
         return [item for item in self.items if isinstance(item, int)]

@@ -12,7 +12,7 @@ import numpy as np
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, session_config
 from llmsession.engine.budget import MemoryReport
-from llmsession.errors import ModelClosedError, SessionFileError
+from llmsession.errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
 from llmsession.options import GenerationOptions, check_int, checked_options
 from llmsession.replies import Message
 from llmsession.runtime import dropped, persistence
@@ -102,6 +102,10 @@ class LocalModel(ModelCore):
         check_stateless(config)
         options = checked_options(options)
         transcript = Transcript(messages)  # (checked now, as they are now: the prefill comes later)
+        if transcript.prefilled() is not None:  # (each fork would answer its messages anew)
+            raise UnsupportedFeatureError(
+                "n choices cannot continue the assistant's text (a prefill): ask for one at a time"
+            )
         history, said = split(transcript)
 
         def prefill() -> Stream:

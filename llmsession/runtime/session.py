@@ -34,6 +34,7 @@ from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
+from llmsession.runtime.prefill import Prefill
 from llmsession.runtime.stream import CLOSE_WAIT_S, Finishing, Guard, LocalStream
 from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens
@@ -141,10 +142,12 @@ class LocalSession(Session):
         options: GenerationOptions,
         prompt: Prompt | None = None,
         tools: Tools | None = None,
+        prefill: Prefill | None = None,
     ) -> LocalStream:
         """``stream`` for the messages an exchange answers and checked options, with its prompt
         if the caller already tokenized the transcript plus ``said`` (a stateless call does, to
-        choose the session), made with ``tools`` (the options', checked); owns ``prompt``."""
+        choose the session), made with ``tools`` (the options', checked); owns ``prompt``.
+        ``prefill``: the assistant's text the prompt ends with, which the reply continues."""
         began = time.perf_counter()
         latest = self._latest  # (cancelled, a stream dropped in another thread ends its step: waited)
         cancelled = latest is not None and not latest.done and latest.cancelled.is_set()
@@ -160,7 +163,7 @@ class LocalSession(Session):
                 began -= prompt.render_s + prompt.tokenize_s
             self._settle(prompt)
             try:
-                exchange = self._exchange(said, options, prompt, began)
+                exchange = self._exchange(said, options, prompt, began, prefill)
             except BaseException:
                 prompt.close()
                 raise
@@ -266,7 +269,12 @@ class LocalSession(Session):
         )
 
     def _exchange(
-        self, said: list[Message], options: GenerationOptions, prompt: Prompt, began: float
+        self,
+        said: list[Message],
+        options: GenerationOptions,
+        prompt: Prompt,
+        began: float,
+        prefill: Prefill | None = None,
     ) -> Exchange:
         """The exchange for a prompt that fits, with its constraint compiled."""
         if prompt.n_positions >= self.context_size:
@@ -301,7 +309,7 @@ class LocalSession(Session):
         def finished(exchange: Exchange, reply: Reply) -> None:
             method = record()
             if method is not None:
-                method(exchange, reply)
+                method(exchange, reply, prefill)
 
         return Exchange(
             place,
@@ -315,9 +323,13 @@ class LocalSession(Session):
             thinking=reasoning,
         )
 
-    def _record(self, exchange: Exchange, reply: Reply) -> None:
-        """A finished exchange: the user message and the reply, as far as it got."""
-        self.model.remember_reply(exchange.text, exchange.tokens, self.replies, shared=self.share_prefix)
+    def _record(self, exchange: Exchange, reply: Reply, prefill: Prefill | None = None) -> None:
+        """A finished exchange: the user message and the reply, as far as it got (after the
+        text it continued, if it continued one)."""
+        text, tokens = exchange.text, exchange.tokens
+        if prefill is not None:
+            text, tokens, reply = prefill.text + text, [*prefill.tokens, *tokens], prefill.whole(reply)
+        self.model.remember_reply(text, tokens, self.replies, shared=self.share_prefix)
         self.messages += [*exchange.said, cast(Message, assistant_message(reply))]
         if not (self._superseded or exchange.model_closed or not self.looks_ahead):
             self._look_ahead()

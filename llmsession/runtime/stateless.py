@@ -39,6 +39,7 @@ from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.keeping import Kept, choose, evicted, mains
+from llmsession.runtime.prefill import Prefill, check_prefill, prefill_of, prefilled
 from llmsession.runtime.session import LocalSession, resolved_config
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
@@ -58,6 +59,7 @@ class Call:
     tools: Tools | None
     looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
     conversation: str | None = None  # the label its session takes (``StatelessSessions.take``)
+    prefill: Prefill | None = None  # the assistant's text its reply continues (``prefill``)
 
 
 class StatelessSessions:
@@ -90,13 +92,15 @@ class StatelessSessions:
         """A stateless call (``Model.chat_stream``); ``pooled`` False leaves its session out of
         the kept ones until ``adopt`` (so no other call takes it first: ``choices.Forks``)."""
         check_stateless(config)
-        transcript = Transcript(messages)  # (checked here unless it is one: then only read)
+        transcript, text = prefill_of(Transcript(messages))  # (checked unless it is one: then read)
         history, said = split(transcript)
-        record = self._kept_record(tenant, config)
         options = checked_options(options)
-        # Tokenized once: to choose the session, then as the session's prompt.
         thinking = config.thinking
         tools = options_tools(options)
+        if text is not None:
+            check_prefill(self.model, options, tools, thinking)
+        record = self._kept_record(tenant, config)
+        # Tokenized once: to choose the session, then as the session's prompt.
         prompt = self.model.prompt(
             transcript,
             thinking=thinking,
@@ -105,7 +109,12 @@ class StatelessSessions:
             tools=tools,
             tool_format=options.tool_format,
         )
-        call = Call(history, said, options, tools, conversation=checked_label(conversation))
+        try:
+            prefill = None if text is None else prefilled(self.model, prompt, text)
+        except BaseException:
+            prompt.close()
+            raise
+        call = Call(history, said, options, tools, conversation=checked_label(conversation), prefill=prefill)
         return self._route(prompt, call, tenant, record, config, pooled)
 
     def tokens(
@@ -119,12 +128,16 @@ class StatelessSessions:
         """The tokens a stateless call with these messages would decode as its prompt, spliced
         from the replies its tenant's calls may splice (``Model.prompt_tokens(tenant=...)``)."""
         check_stateless(config)
+        transcript, text = prefill_of(Transcript(messages))
         record = self._kept_record(tenant, config)
         thinking = config.thinking
         own, shared = record, record is None
-        return self.model.prompt_tokens(
-            messages, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
+        tokens = self.model.prompt_tokens(
+            transcript, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
         )
+        if text is not None:  # (as the call's prompt ends: ``prefill``)
+            tokens += self.model.tokenizer.vocabulary.tokenize(text, add_special=False, parse_special=False)
+        return tokens
 
     def complete(
         self,
@@ -176,7 +189,9 @@ class StatelessSessions:
                     session.replies = record  # its prompts splice only its tenant's replies
                 session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
                 session.messages = call.history
-                stream = session.start(call.said, call.options, prompt, call.tools)  # owns prompt now
+                stream = session.start(
+                    call.said, call.options, prompt, call.tools, call.prefill
+                )  # owns prompt
             except BaseException:
                 prompt.close()  # idempotent: a refused prompt may be closed already
                 if undo is not None:  # (a call refused as it started loses no one's kept session)

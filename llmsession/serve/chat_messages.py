@@ -19,13 +19,17 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 def transcript(raw: list[Any], images: ImageCount) -> Transcript:
     """The messages as the library's checked ``Transcript`` (its own check, made once), with
-    something to answer, as a stateless call needs."""
+    something to answer, as a stateless call needs, or the assistant's text to continue after
+    it (a prefill: ``Transcript.prefilled``)."""
     try:
         checked = Transcript([_message(i, m, images) for i, m in enumerate(raw)])
     except TemplateError as error:
         raise ApiError(str(error), "messages") from None
-    if not checked.ends_with_question():
-        raise ApiError("the last message must be a user message or tool results", "messages")
+    if not checked.ends_with_question() and checked.prefilled() is None:
+        raise ApiError(
+            "the last message must be a user message, tool results, or the assistant's text to continue",
+            "messages",
+        )
     return checked
 
 

@@ -61,6 +61,23 @@ class Transcript(Sequence[Message]):
         """Whether there is something to answer: it ends with a user message or tool results."""
         return bool(self._messages) and self._messages[-1].get("role") in ("user", "tool")
 
+    def prefilled(self) -> tuple[Transcript, str] | None:
+        """Where it ends with the assistant's text (no calls, no reasoning) after a user message
+        or tool results: the transcript before that text, and the text, which the reply is to
+        continue (a prefill, as Anthropic's API and llama-server take it); else None."""
+        if len(self._messages) < 2 or set(self._messages[-1]) - {"role", "content", "name"}:
+            return None
+        last = self._messages[-1]
+        content = last.get("content")
+        if isinstance(content, tuple) and all(
+            isinstance(p, Mapping) and p.get("type") == "text" for p in content
+        ):
+            content = "".join(str(part.get("text", "")) for part in content)
+        if last.get("role") != "assistant" or not isinstance(content, str) or not content:
+            return None
+        before = _made(self._messages[:-1], self._calls)
+        return (before, content) if before.ends_with_question() else None
+
     @overload
     def __getitem__(self, index: int) -> Message: ...
     @overload

@@ -1,0 +1,72 @@
+"""A reply that continues the assistant's text a stateless call ends with: a prefill, as
+Anthropic's API and llama-server take one (``Transcript.prefilled``). The prompt is the
+transcript before that text, with the generation prompt, then the text, tokenized plain (a
+special token's spelling in it is that text, as in any message). The reply is what follows it;
+the session's transcript and reply record hold the assistant's whole message (the text, then
+the reply), so the next turn, which sends that message back, reads it from the cache.
+
+Not with tools, a constraint or a thinking template (llama-server refuses the last too): a call
+or a schema's answer would begin inside the text, a reasoning block before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llmsession.errors import UnsupportedFeatureError
+from llmsession.options import GenerationOptions
+from llmsession.replies import Reply
+from llmsession.text.tools import Tools
+from llmsession.text.transcript import Transcript
+
+if TYPE_CHECKING:
+    from llmsession.engine.prompt import Prompt
+    from llmsession.runtime.core import ModelCore
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The assistant's text a reply continues, and its tokens as the prompt ends with them."""
+
+    text: str
+    tokens: tuple[int, ...]
+
+    def whole(self, reply: Reply) -> Reply:
+        """``reply`` as the assistant's whole message: this text, then the reply's."""
+        return dataclasses.replace(reply, text=self.text + reply.text)
+
+
+def check_prefill(
+    model: ModelCore, options: GenerationOptions, tools: Tools | None, thinking: bool | str
+) -> None:
+    """An ``UnsupportedFeatureError`` for what a prefill cannot be combined with."""
+    if tools is not None:
+        raise UnsupportedFeatureError(
+            "a reply that continues the assistant's text (a prefill) cannot call tools"
+        )
+    if options.constrained:
+        raise UnsupportedFeatureError(
+            "a reply that continues the assistant's text (a prefill) cannot be constrained"
+        )
+    markup = model.reasoning
+    if markup is not None and (thinking or markup.markers.always):
+        raise UnsupportedFeatureError(
+            "a reply that continues the assistant's text (a prefill) cannot follow a thinking template's "
+            "reasoning: turn thinking off"
+        )
+
+
+def prefilled(model: ModelCore, prompt: Prompt, text: str) -> Prefill:
+    """``text`` tokenized plain and put at the end of ``prompt``."""
+    tokens = model.tokenizer.vocabulary.tokenize(text, add_special=False, parse_special=False)
+    prompt.extend(tokens)
+    return Prefill(text, tuple(tokens))
+
+
+def prefill_of(transcript: Transcript) -> tuple[Transcript, str | None]:
+    """A transcript that ends with the assistant's text its reply continues (``prefill``): the
+    transcript before it, and the text; else itself and None."""
+    prefilled = transcript.prefilled()
+    return (transcript, None) if prefilled is None else prefilled
