@@ -45,7 +45,7 @@ class Prompt:
         return ""
 
     def extend(self, tokens: list[int]) -> None:
-        """Text tokens after its last piece (a prefill's: ``runtime.prefill``); the pieces it
+        """Text tokens after its last piece (a prefill's: ``runtime.continuing``); the pieces it
         had are not changed (a remembered stretch may be one)."""
         last = self.pieces[-1] if self.pieces else None
         if isinstance(last, list):

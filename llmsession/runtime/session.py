@@ -30,11 +30,11 @@ from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply, assistant_message
 from llmsession.runtime import persistence
 from llmsession.runtime.calling import Calling
+from llmsession.runtime.continuing import Prefill
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
-from llmsession.runtime.prefill import Prefill
 from llmsession.runtime.stream import CLOSE_WAIT_S, Finishing, Guard, LocalStream
 from llmsession.runtime.thinking import thinking
 from llmsession.text.splice import ReplyTokens

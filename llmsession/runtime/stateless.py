@@ -36,10 +36,10 @@ from llmsession.engine.prompt import Prompt
 from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
+from llmsession.runtime.continuing import Prefill, check_prefill, prefill_of, prefilled
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.keeping import Kept, choose, evicted, mains
-from llmsession.runtime.prefill import Prefill, check_prefill, prefill_of, prefilled
 from llmsession.runtime.session import LocalSession, resolved_config
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
@@ -59,7 +59,7 @@ class Call:
     tools: Tools | None
     looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
     conversation: str | None = None  # the label its session takes (``StatelessSessions.take``)
-    prefill: Prefill | None = None  # the assistant's text its reply continues (``prefill``)
+    prefill: Prefill | None = None  # the assistant's text its reply continues (``continuing``)
 
 
 class StatelessSessions:
@@ -135,7 +135,7 @@ class StatelessSessions:
         tokens = self.model.prompt_tokens(
             transcript, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
         )
-        if text is not None:  # (as the call's prompt ends: ``prefill``)
+        if text is not None:  # (as the call's prompt ends: ``continuing``)
             tokens += self.model.tokenizer.vocabulary.tokenize(text, add_special=False, parse_special=False)
         return tokens
 

@@ -66,7 +66,7 @@ def prefilled(model: ModelCore, prompt: Prompt, text: str) -> Prefill:
 
 
 def prefill_of(transcript: Transcript) -> tuple[Transcript, str | None]:
-    """A transcript that ends with the assistant's text its reply continues (``prefill``): the
+    """A transcript that ends with the assistant's text its reply continues (``Prefill``): the
     transcript before it, and the text; else itself and None."""
     prefilled = transcript.prefilled()
     return (transcript, None) if prefilled is None else prefilled
