@@ -33,6 +33,7 @@ from llmsession import (
     SessionConfig,
     Stream,
     TemplateError,
+    UnsupportedFeatureError,
 )
 from llmsession.remote.isolated import IsolatedModel
 
@@ -318,8 +319,10 @@ def test_n_choices_on_a_worker_model_are_n_calls_checked_at_once(isolated: Model
     assert choices.prompt is None  # (n calls: no shared prefill to report)
     with pytest.raises(ValueError, match="system prompt"):
         isolated.chat_choices(asked[:1], n=2, config=SessionConfig(system="Be brief."))
+    with pytest.raises(UnsupportedFeatureError, match="n choices"):
+        isolated.chat_choices(asked, n=2)  # it ends with the assistant's text: no choices continue it
     with pytest.raises(TemplateError):
-        isolated.chat_choices(asked, n=2)  # it ends with the assistant's turn
+        isolated.chat_choices([*asked[:1], {"role": "assistant", "content": ""}], n=2)  # (nothing to answer)
 
 
 def test_a_tenant_counts_its_prompt_as_its_call_decodes_it(isolated: Model, smollm2: Model) -> None:

@@ -193,6 +193,13 @@ def test_bad_requests_are_400s_with_openai_bodies(served: Served) -> None:
         ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"model": "m", "input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
         ({"model": "m", "input": [{"role": "assistant", "content": "x"}]}, "input"),
+        (  # (no prefill on OpenAI's API: a stored response keeps its reply as a message of its own)
+            {
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            },
+            "input",
+        ),
         ({"model": "m", "input": "Hi", "safety_identifier": "s" * 300}, "safety_identifier"),
         ({"model": "m", "input": "Hi", "user": "u" * 300, "safety_identifier": "s"}, "user"),
     ):

@@ -323,9 +323,10 @@ class Model(RawCompletions):
         for another model's ``keep_conversation``, say, then close it). None if none is kept
         (for one of ``tenants``, unless that is None: whoever's) or it is answering a call now."""
         if tenants is not None:  # (a str is a collection too: of its characters)
-            if isinstance(tenants, str) or not all(t is None or isinstance(t, str) for t in tenants):
+            listed = () if isinstance(tenants, str) else tuple(tenants)
+            if isinstance(tenants, str) or not all(t is None or isinstance(t, str) for t in listed):
                 raise TypeError("tenants must be a collection of str or None")
-            tenants = frozenset(tenants)
+            tenants = frozenset(listed)
         return self._backend.take_conversation(conversation, tenants)
 
     def keep_conversation(self, session: Session, *, tenant: str | None, conversation: str) -> None:

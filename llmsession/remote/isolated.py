@@ -26,6 +26,7 @@ from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
 from llmsession.remote.proxies import WorkerSession, WorkerStream, portable
 from llmsession.runtime.choices import Choices, separate
+from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.stateless import check_stateless, checked_label, split
 from llmsession.text.renderer import Renderer
@@ -169,6 +170,7 @@ class IsolatedModel:
         not here to fork: each choice decodes the prompt, reusing what its session holds)."""
         check_stateless(config)
         transcript = Transcript(messages)  # (checked now, as they are now: the calls come later)
+        check_choices(transcript)
         split(transcript)  # (something to answer, as in-process)
         return separate(
             n,

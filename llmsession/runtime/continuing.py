@@ -1,12 +1,15 @@
 """A reply that continues the assistant's text a stateless call ends with: a prefill, as
 Anthropic's API and llama-server take one (``Transcript.prefilled``). The prompt is the
-transcript before that text, with the generation prompt, then the text, tokenized plain (a
-special token's spelling in it is that text, as in any message). The reply is what follows it;
+transcript before that text, with the generation prompt, then the text, tokenized as the
+assistant's text is in any prompt (special tokens read: the client's own, as its system text; a
+user's or a tool's text is read plain, ``text.guard``), so a later prompt that holds the message
+tokenizes it alike wherever it is cached. The reply is what follows it;
 the session's transcript and reply record hold the assistant's whole message (the text, then
 the reply), so the next turn, which sends that message back, reads it from the cache.
 
 Not with tools, a constraint or a thinking template (llama-server refuses the last too): a call
-or a schema's answer would begin inside the text, a reasoning block before it.
+or a schema's answer would begin inside the text, a reasoning block before it. Nor on a model
+with an encoder: its prompt is the encoder's input, not the start of the reply.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ def check_prefill(
         raise UnsupportedFeatureError(
             "a reply that continues the assistant's text (a prefill) cannot be constrained"
         )
+    if model.native.has_encoder:
+        raise UnsupportedFeatureError(
+            "a model with an encoder cannot continue the assistant's text (a prefill)"
+        )
     markup = model.reasoning
     if markup is not None and (thinking or markup.markers.always):
         raise UnsupportedFeatureError(
@@ -59,8 +66,9 @@ def check_prefill(
 
 
 def prefilled(model: ModelCore, prompt: Prompt, text: str) -> Prefill:
-    """``text`` tokenized plain and put at the end of ``prompt``."""
-    tokens = model.tokenizer.vocabulary.tokenize(text, add_special=False, parse_special=False)
+    """``text`` tokenized (as the assistant's text is in any prompt) and put at the end of
+    ``prompt``."""
+    tokens = model.tokenizer.vocabulary.tokenize(text, add_special=False)
     prompt.extend(tokens)
     return Prefill(text, tuple(tokens))
 
@@ -70,3 +78,12 @@ def prefill_of(transcript: Transcript) -> tuple[Transcript, str | None]:
     transcript before it, and the text; else itself and None."""
     prefilled = transcript.prefilled()
     return (transcript, None) if prefilled is None else prefilled
+
+
+def check_choices(transcript: Transcript) -> None:
+    """``n`` choices do not continue the assistant's text: an ``UnsupportedFeatureError`` (each
+    of the forks answers the transcript's messages anew)."""
+    if transcript.prefilled() is not None:
+        raise UnsupportedFeatureError(
+            "n choices cannot continue the assistant's text (a prefill): ask for one at a time"
+        )

@@ -12,11 +12,12 @@ import numpy as np
 
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, session_config
 from llmsession.engine.budget import MemoryReport
-from llmsession.errors import ModelClosedError, SessionFileError, UnsupportedFeatureError
+from llmsession.errors import ModelClosedError, SessionFileError
 from llmsession.options import GenerationOptions, check_int, checked_options
 from llmsession.replies import Message
 from llmsession.runtime import dropped, persistence
 from llmsession.runtime.choices import MAX_CHOICES, Answer, Choices, Forks, prefill_options
+from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.embedding import Inputs
 from llmsession.runtime.face import Session, Stream
@@ -102,10 +103,7 @@ class LocalModel(ModelCore):
         check_stateless(config)
         options = checked_options(options)
         transcript = Transcript(messages)  # (checked now, as they are now: the prefill comes later)
-        if transcript.prefilled() is not None:  # (each fork would answer its messages anew)
-            raise UnsupportedFeatureError(
-                "n choices cannot continue the assistant's text (a prefill): ask for one at a time"
-            )
+        check_choices(transcript)
         history, said = split(transcript)
 
         def prefill() -> Stream:

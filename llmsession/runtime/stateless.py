@@ -129,14 +129,16 @@ class StatelessSessions:
         from the replies its tenant's calls may splice (``Model.prompt_tokens(tenant=...)``)."""
         check_stateless(config)
         transcript, text = prefill_of(Transcript(messages))
-        record = self._kept_record(tenant, config)
         thinking = config.thinking
+        if text is not None:  # (counted only as a call could be made)
+            check_prefill(self.model, GenerationOptions(), tools, thinking)
+        record = self._kept_record(tenant, config)
         own, shared = record, record is None
         tokens = self.model.prompt_tokens(
             transcript, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
         )
         if text is not None:  # (as the call's prompt ends: ``continuing``)
-            tokens += self.model.tokenizer.vocabulary.tokenize(text, add_special=False, parse_special=False)
+            tokens += self.model.tokenizer.vocabulary.tokenize(text, add_special=False)
         return tokens
 
     def complete(

@@ -104,12 +104,17 @@ NAMES = {
 
 def responses_request(ask: ResponsesAsk, history: list[dict[str, Any]]) -> ChatRequest:
     """The chat request a read body asks for, after the transcript it continues: checked as a
-    chat's (an error names the field as the Responses API spells it)."""
+    chat's (an error names the field as the Responses API spells it). OpenAI's API has no
+    prefill: an input that ends with the assistant's text is refused, as a stored response
+    keeps its reply as a message of its own after the input."""
     system = [{"role": "system", "content": ask.instructions}] if ask.instructions else []
     try:
-        return chat_request({**ask.chat, "messages": [*system, *history, *ask.items]})
+        asked = chat_request({**ask.chat, "messages": [*system, *history, *ask.items]})
     except ApiError as error:
         raise renamed(error, NAMES) from None
+    if not asked.messages.ends_with_question():
+        raise ApiError("the input must end with a user message or function call outputs", "input")
+    return asked
 
 
 def _input(value: object) -> list[dict[str, Any]]:
