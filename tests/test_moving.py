@@ -21,7 +21,7 @@ import pytest
 
 from llmsession import GenerationOptions, Model, ModelClosedError, SessionConfig
 from llmsession.cluster.handoff import Handoff, Tenant
-from llmsession.cluster.moving import COPY, MAX_AGE_S, STALE_S, SharedSpill, load_secret
+from llmsession.cluster.moving import COPY, COPY_S, MAX_AGE_S, STALE_S, SharedSpill, load_secret
 
 SECRET = b"s" * 32
 KEY = "0123456789abcdef0123456789abcdef"
@@ -198,6 +198,9 @@ def test_a_claimed_copy_a_killed_process_left_is_swept(tmp_path: Path) -> None:
     dead.write_bytes(b"a state a killed replica was loading")
     unrelated = Path(tempfile.gettempdir()) / f"{COPY}not-a-pid.llmsession"
     unrelated.write_bytes(b"")
+    assert spill.sweep() == 0  # (young: it may be a process's this one cannot see, loading it)
+    for path in (dead, claimed.path, unrelated):
+        os.utime(path, (time.time() - COPY_S - 5, time.time() - COPY_S - 5))
     assert spill.sweep() == 1
     assert not dead.exists() and claimed.path.exists() and unrelated.exists()
 
@@ -344,6 +347,7 @@ def test_a_holder_past_the_askers_deadline_keeps_the_conversation(smollm2: Model
     smollm2.chat(opening(), GREEDY, tenant="alice", conversation=KEY, config=KEPT)
     assert here.give(KEY, "handed", deadline=time.time() - 1) is False
     assert KEY in smollm2.conversations() and list(here.spill.folder.glob("*.conversation")) == []
+    assert "llmsession_cluster_asks_late_total 1" in here.render()
 
 
 def test_a_holder_that_saves_past_the_deadline_takes_its_file_back(smollm2: Model, tmp_path: Path) -> None:

@@ -1035,6 +1035,7 @@ def test_a_file_of_keys_that_would_not_be_the_server_meant_is_refused(
         "comments": "# sk-not-a-key\n",
         "spaced": "sk-one\nsk two\n",
         "control": "sk-\x07bell\n",
+        "accented": "sk-clé\n",
         "huge": "k" * (1 << 20) + "\n",
     }
     for name, text in files.items():
@@ -1043,7 +1044,8 @@ def test_a_file_of_keys_that_would_not_be_the_server_meant_is_refused(
         ("empty", "holds no key"),
         ("comments", "holds no key"),
         ("spaced", "key 2 has whitespace"),
-        ("control", "key 1 has whitespace or a control character"),
+        ("control", "key 1 has whitespace, a control character or a non-ASCII one"),
+        ("accented", "key 1 has whitespace, a control character or a non-ASCII one"),
         ("huge", "larger than"),
         ("missing", "cannot read"),
     ]:

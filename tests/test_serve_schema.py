@@ -630,6 +630,9 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compared and set(compared) == {(32, 32)}
     assert tenant_name(key, "u" * 256) != tenant_name(key, "v") and len(tenant_name(key, "u" * 256)) == 64
     assert tenant_name(None, "a") != tenant_name("a", None)
+    for unheard in ("sk-clé", " sk-padded", "sk-\x07"):  # (no header could present it)
+        with pytest.raises(ValueError, match="printable ASCII"):
+            create_app(fake_model(), api_key=["sk-fine", unheard])
 
 
 def test_a_raw_completions_body_and_chunks_are_openais_legacy_ones() -> None:

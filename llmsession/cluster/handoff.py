@@ -28,7 +28,7 @@ log = logging.getLogger("llmsession.cluster")
 
 @dataclass(frozen=True)
 class Tenant:
-    """The tenant a request is the server's (``serve.app.digest``: its key and its user): a
+    """The tenant a request is the server's (``serve.naming.tenant_name``: its key and its user): a
     conversation moves only for a request of the tenant it is kept for (another tenant who had
     seen a response's id could send its requests anywhere)."""
 
@@ -48,6 +48,7 @@ class Handoff:
         answering a call now, past ``deadline`` on ``time.time()``'s clock, when the asker
         stops waiting, or it could not be saved)."""
         if deadline is not None and time.time() > deadline:
+            self.moves.late += 1
             return False
         taken = self.model.take_conversation(key, tenants=None if asking is None else (asking.name,))
         if taken is None:

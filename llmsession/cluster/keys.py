@@ -66,8 +66,10 @@ def tenant_of(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) 
 
 
 def user_of(path: str, body: bytes) -> str | None:
-    """The user a request's body names (as ``tenant_of`` reads it), or None."""
-    return _user(path, _parsed(body))
+    """The user a request's body names (as ``tenant_of`` reads it), or None; whatever its size
+    (the replica's server bounds it: read past the front's bound, a large request's user would
+    be no one's, and its conversation never move)."""
+    return _user(path, _parsed(body, limit=None))
 
 
 def _user(path: str, parsed: Mapping[str, Any]) -> str | None:
@@ -122,8 +124,8 @@ def _key(path: str, headers: Mapping[str, str], parsed: Mapping[str, Any]) -> st
     return digest(tenant, "opening", path, *_opening(parsed))
 
 
-def _parsed(body: bytes) -> Mapping[str, Any]:
-    if len(body) > MAX_KEYED_BODY:
+def _parsed(body: bytes, limit: int | None = MAX_KEYED_BODY) -> Mapping[str, Any]:
+    if limit is not None and len(body) > limit:
         return {}
     try:
         parsed = json.loads(body)

@@ -39,12 +39,15 @@ class Arrivals:
 class Moves:
     """A replica's conversations moved with their state (``handoff``): given up, by why
     (``drained``: the replica was stopping; ``handed``: another replica asked for it), restored
-    here from the shared folder, and refused (a file whose seal or state did not fit)."""
+    here from the shared folder, and refused (a file whose seal or state did not fit); and the
+    asks for one that came past the asker's wait (queued that long, or the hosts' clocks that
+    far apart: ``peers.Mover.surrender``)."""
 
     def __init__(self) -> None:
         self.given: Counter[str] = Counter()
         self.restored = 0
         self.refused = 0
+        self.late = 0
 
     def render(self, refused_seals: int = 0) -> str:
         lines = [
@@ -60,6 +63,9 @@ class Moves:
             "# HELP llmsession_cluster_conversations_refused_total Moved conversations' files refused",
             "# TYPE llmsession_cluster_conversations_refused_total counter",
             f"llmsession_cluster_conversations_refused_total {self.refused + refused_seals}",
+            "# HELP llmsession_cluster_asks_late_total Asks for a conversation past the asker's wait",
+            "# TYPE llmsession_cluster_asks_late_total counter",
+            f"llmsession_cluster_asks_late_total {self.late}",
         ]
         return "\n".join(lines) + "\n"
 

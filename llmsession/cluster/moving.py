@@ -48,6 +48,7 @@ KEY = re.compile(r"[0-9a-f]{32}")  # a conversation's key (``keys``): the only n
 MAX_TENANT = 512  # characters of a tenant's name kept in a seal
 SECRET_BYTES = 32
 COPY = "llmsession-claimed-"  # a claimed file's private copy (then its process's id), until loaded
+COPY_S = 600.0  # a private copy whose process is gone, then removed
 SEAL_MAGIC = b"LLMSEAL1"
 _TAIL = struct.Struct("<I8s32s")  # the seal's length, its magic, the HMAC
 _CHECKSUM = 32  # the session file's own sha256, just before the seal
@@ -228,7 +229,7 @@ class SharedSpill:
         and the private copies of claimed files that a process of this host killed before it
         loaded them left in the temporary folder; how many were removed."""
         now = time.time() if now is None else now
-        removed = _orphaned_copies()
+        removed = _orphaned_copies(now)
         for entry in os.scandir(self.folder):
             limit = STALE_S if entry.name.startswith(".") else MAX_AGE_S
             try:
@@ -240,15 +241,22 @@ class SharedSpill:
         return removed
 
 
-def _orphaned_copies() -> int:
-    """Remove this user's private copies of claimed files (``COPY``) whose process is gone."""
+def _orphaned_copies(now: float) -> int:
+    """Remove this user's private copies of claimed files (``COPY``) whose process is gone,
+    older than ``COPY_S`` (a copy lives while its file loads: a process of another pid namespace
+    sharing the folder, whose pid this one does not see, is not cut short)."""
     removed = 0
     for entry in os.scandir(tempfile.gettempdir()):
         owner = entry.name.removeprefix(COPY).partition("-")[0]
         if not entry.name.startswith(COPY) or not owner.isdigit() or _alive(int(owner)):
             continue
         with contextlib.suppress(OSError):  # (another's, or removed meanwhile)
-            if entry.is_file(follow_symlinks=False) and entry.stat().st_uid == os.getuid():
+            stat = entry.stat(follow_symlinks=False)
+            if (
+                entry.is_file(follow_symlinks=False)
+                and stat.st_uid == os.getuid()
+                and now - stat.st_mtime > COPY_S
+            ):
                 os.unlink(entry.path)
                 removed += 1
     return removed

@@ -100,9 +100,9 @@ def key_file(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text") from None
     keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     for number, key in enumerate(keys, 1):
-        if any(c.isspace() or not c.isprintable() for c in key):
+        if any(c.isspace() or not c.isprintable() or not c.isascii() for c in key):
             raise argparse.ArgumentTypeError(
-                f"{text}: key {number} has whitespace or a control character in it"
+                f"{text}: key {number} has whitespace, a control character or a non-ASCII one in it"
             )
     if not keys:
         raise argparse.ArgumentTypeError(f"{text} holds no key (one a line; # begins a comment)")

@@ -30,6 +30,10 @@ def _checked(keys: Keys, what: str) -> list[str]:
     listed = [keys] if isinstance(keys, str) else list(keys or [])
     if any(not isinstance(key, str) or not key for key in listed):
         raise ValueError(f"an {what} must be a non-empty str")
+    if not all(key.isascii() and key.isprintable() and key.strip() == key for key in listed):
+        raise ValueError(
+            f"an {what} must be printable ASCII without spaces around it (a header carries no other)"
+        )
     return listed
 
 
