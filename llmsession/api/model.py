@@ -187,7 +187,9 @@ class Model(RawCompletions):
         """The tokens of a text-only transcript's prompt, with these tools, as an exchange
         decodes them (``render``'s text, with the replies generated here as they were). With a
         ``tenant`` or a ``config``: as ``chat`` with them decodes it (a tenant kept apart,
-        ``share_prefix=False``, splices only its own replies; ``config.thinking`` renders)."""
+        ``share_prefix=False``, splices only its own replies; ``config.thinking`` renders; the
+        assistant's text it ends with, the text the call continues; without either, such a
+        transcript is rendered whole, as ``render`` renders it)."""
         checked = checked_tools(tools, tool_choice)
         if tenant is None and config is None:
             return self._backend.prompt_tokens(
