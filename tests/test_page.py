@@ -33,6 +33,7 @@ from serve_helpers import KEY, WEATHER, Served, metric, running, three_models
 
 from llmsession import Model, Models, SessionConfig
 from llmsession.serve.app import create_app
+from llmsession.serve.images import MAX_IMAGES
 from llmsession.serve.page import FILES, STATIC
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")  # (fetch_browser.py's)
@@ -573,6 +574,21 @@ def test_an_image_goes_to_a_server_with_a_projector(
         text_only = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
     assert int(stats["prompt"]) > text_only, (stats, text_only)  # the images were in the prompt
     page.shot("image-reply")
+    # Each turn sends the chat's images again: past what a request carries, the next turn would
+    # be refused, and every one after it. The page takes no more than fit, and says why.
+    page.js(
+        "const bytes = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));"
+        "const data = new DataTransfer();"
+        "for (let i = 0; i < 7; i++) data.items.add(new File([bytes], `blue${i}.png`, {type: 'image/png'}));"
+        "for (const type of ['dragenter', 'dragover', 'drop'])"
+        "  document.getElementById('messages').dispatchEvent("
+        "    new DragEvent(type, {bubbles: true, cancelable: true, dataTransfer: data}));",
+        blue,
+    )
+    wait_for(lambda: len(page.by("#attachments img")) == MAX_IMAGES - 2, "as many as fit")
+    assert f"at most {MAX_IMAGES} images" in page.one("#banner").text
+    stats = page.send("And these?")
+    assert len(page.by(".message[data-role=user] .images img")) == MAX_IMAGES  # (answered: not refused)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import { $, showBanner } from "./dom.js";
 import * as store from "./store.js";
 import * as view from "./view.js";
 
+const MAX_IMAGES = 8; // in one request, the server's (serve/images.py): each turn sends the chat's again
+
 let missedSave = false; // another tab saved while a reply streamed here
 
 function save() {
@@ -240,11 +242,17 @@ function addFiles(files) {
     showBanner("This server takes no images (it was started without a projector).");
     return;
   }
+  let room = MAX_IMAGES - store.imagesInRequest();
   for (const file of files) {
     if (!file.type.startsWith("image/")) {
       showBanner("Not an image: " + file.name);
       continue;
     }
+    if (room <= 0) {
+      showBanner(`A request carries at most ${MAX_IMAGES} images, this chat's earlier ones included: start a new chat for more.`);
+      break;
+    }
+    room -= 1;
     const reader = new FileReader();
     reader.addEventListener("load", () => {
       store.attach(reader.result);

@@ -327,6 +327,14 @@ export function setModel(card, all) {
   cards = card ? all || [card] : [];
 }
 
+// The images the next request of the current chat carries: its messages' (each request sends
+// them again) and those attached.
+export function imagesInRequest() {
+  const conv = current();
+  const sent = conv ? conv.messages.reduce((n, m) => n + (m.images || []).length, 0) : 0;
+  return sent + attachments.length;
+}
+
 export function attach(url) {
   attachments.push(url);
 }
