@@ -26,8 +26,13 @@ GREEDY = GenerationOptions(max_tokens=8, temperature=0)
 
 
 def test_the_split_accounts_for_the_time_to_first_token(smollm2: Model) -> None:
+    """The parts of the time to first token add up to most of it. The questions are long enough
+    that their prefill, not a thread's wake-up on a busy machine, is what takes the time, and
+    the first reply's look-ahead is settled before the second (joining it is in no part)."""
     session = smollm2.session(system="You are a helpful assistant.")
-    for question in ("What is the capital of France?", "And of Italy?"):
+    france = "What is the capital of France? " + "Say why it grew there, by its river and roads. " * 20
+    for question in (france, "And of Italy? " + "Say why it grew there, by its hills and sea. " * 20):
+        internals.settled(session)
         t = session.respond(question, GREEDY).timings
         parts = (t.render_s, t.tokenize_s, t.plan_s, t.prefill_s, t.first_sample_s)
         assert all(part > 0 for part in parts), t
