@@ -326,8 +326,15 @@ def test_a_response_id_moves_its_conversation_only_for_its_own_tenant(cluster: C
         text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
         return metric(text, "llmsession_cluster_conversations_moved_total")
 
-    time.sleep(2.5)  # (the metrics of earlier tests' moves posted)
-    before = moves()
+    def settled() -> float:  # (earlier tests' moves all posted: two readings two periods apart agree)
+        readings = [moves()]
+        while len(readings) < 2 or readings[-1] != readings[-2]:
+            assert len(readings) < 20, readings
+            time.sleep(2.0)
+            readings.append(moves())
+        return readings[-1]
+
+    before = settled()
     pointed = {**body, "input": "And another?", "previous_response_id": ident.rsplit("_", 1)[0] + "_" + other}
     moved = httpx.post(f"{cluster.url}/v1/responses", json=pointed, headers=auth, timeout=120)
     assert moved.status_code == 404 and moved.headers[REPLICA] == other, moved.text
