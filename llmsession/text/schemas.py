@@ -21,6 +21,10 @@ from typing import Any
 from llmsession.errors import GrammarError
 
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays (the matcher recurses)
+# A call's schemas' objects, all told (its format's, or its tools' together): each is checked
+# against its draft in Python (~0.3 ms apiece here), holding the interpreter: 50,000 took 16 s, and
+# every other request waited. OpenAI's structured outputs take 5,000 properties.
+MAX_SCHEMA_OBJECTS = 5000
 UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's lenient warning: a JSON list follows
 REPEATED = re.compile(r" \(\d+ times?\)$")  # a warning given more than once says how often
 # References the validator would resolve on its own (a URL included): never on a caller's word.
@@ -49,6 +53,17 @@ def schema_document(given: Mapping[str, Any] | str | type) -> tuple[type | None,
     return schema_class, document
 
 
+def schema_objects(value: Any, limit: int) -> int:
+    """How many objects ``value`` holds (a schema's are its subschemas, nearly), counted no
+    further than one past ``limit`` (a structure that contains itself holds endlessly many)."""
+    objects = 0
+    for node, _ in containers(value):
+        objects += isinstance(node, dict)
+        if objects > limit:
+            break
+    return objects
+
+
 def containers(value: Any) -> Iterator[tuple[dict[str, Any] | list[Any], int]]:
     """JSON-like ``value``'s objects and lists with their nesting level (``value`` itself is 1),
     walked without recursion: what json reads on one thread's stack may be too deep to walk, or
@@ -62,13 +77,18 @@ def containers(value: Any) -> Iterator[tuple[dict[str, Any] | list[Any], int]]:
 
 
 def check_nodes(document: dict[str, Any]) -> None:
-    """GrammarError if a schema nests past ``MAX_SCHEMA_DEPTH`` or refers outside itself (a
-    ``$ref`` that is not ``#...``, a dynamic reference), which a validator would try to fetch;
-    the matcher does not look everywhere (inside ``not``, say)."""
+    """GrammarError if a schema nests past ``MAX_SCHEMA_DEPTH``, holds more than
+    ``MAX_SCHEMA_OBJECTS`` objects, or refers outside itself (a ``$ref`` that is not ``#...``, a
+    dynamic reference), which a validator would try to fetch; the matcher does not look
+    everywhere (inside ``not``, say)."""
+    objects = 0
     for node, level in containers(document):
         if level > MAX_SCHEMA_DEPTH:
             raise GrammarError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
         if isinstance(node, dict):
+            objects += 1
+            if objects > MAX_SCHEMA_OBJECTS:
+                raise GrammarError(f"json_schema: more than {MAX_SCHEMA_OBJECTS} objects (subschemas)")
             reference = node.get("$ref")
             if REFUSED & node.keys() or (isinstance(reference, str) and not reference.startswith("#")):
                 shown = sorted(REFUSED & node.keys()) or [str(reference)]

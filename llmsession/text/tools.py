@@ -11,10 +11,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
 from llmsession.replies import ToolCall
 from llmsession.text.messages import unencodable
-from llmsession.text.schemas import checked_schema, schema_document
+from llmsession.text.schemas import MAX_SCHEMA_OBJECTS, checked_schema, schema_document, schema_objects
 
 __all__ = ["MAX_TOOLS", "Mode", "Tool", "ToolCall", "Tools", "checked_tools", "tool_from"]
 
@@ -143,6 +144,12 @@ def checked_tools(
         return None
     if len(specs) > MAX_TOOLS:
         raise ValueError(f"at most {MAX_TOOLS} tools, got {len(specs)}")
+    objects = 0  # (counted before any is checked against its draft: ``schemas``)
+    for spec in specs:
+        if isinstance(spec, Mapping):
+            objects += schema_objects(spec.get("function"), MAX_SCHEMA_OBJECTS - objects)
+        if objects > MAX_SCHEMA_OBJECTS:
+            raise GrammarError(f"the tools' schemas hold more than {MAX_SCHEMA_OBJECTS} objects, all told")
     tools = tuple(tool_from(spec, i) for i, spec in enumerate(specs))
     names = [tool.name for tool in tools]
     if len(set(names)) != len(names):
