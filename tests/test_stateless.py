@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,34 +190,3 @@ def test_a_tenant_that_is_not_a_str_is_refused_before_the_session_is_kept(smollm
     assert not session.closed and "listed" not in smollm2.conversations()
     assert smollm2.take_conversation("anything") is None
     session.close()
-
-
-def test_a_slow_start_holds_up_no_other_tenants_call(smollm2: Model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call's start (a large JSON schema checked and compiled took a second) runs once its
-    session is chosen, outside the kept sessions' lock: another tenant's call goes on
-    meanwhile (it waited for the whole start)."""
-    held, release = threading.Event(), threading.Event()
-    real = LocalSession.start
-
-    def slow(self: LocalSession, said: Any, options: GenerationOptions, *rest: Any) -> Any:
-        if options.json_schema is not None:  # (alice's)
-            held.set()
-            release.wait(60)
-        return real(self, said, options, *rest)
-
-    monkeypatch.setattr(LocalSession, "start", slow)
-    asked = [{"role": "user", "content": "Name a colour."}]
-    schema = GenerationOptions(max_tokens=4, json_schema={"type": "object"})
-    alice = threading.Thread(target=lambda: smollm2.chat(asked, schema, tenant="alice"))
-    replies: list[Any] = []
-    bob = threading.Thread(target=lambda: replies.append(smollm2.chat(asked, GREEDY, tenant="bob")))
-    alice.start()
-    try:
-        assert held.wait(60)
-        bob.start()
-        bob.join(30)
-        assert not bob.is_alive() and replies and replies[0].text, "bob's call waited for alice's start"
-    finally:
-        release.set()
-        alice.join(60)
-        bob.join(60)

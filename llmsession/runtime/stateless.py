@@ -178,35 +178,32 @@ class StatelessSessions:
         pooled: bool,
     ) -> Stream:
         """Start ``call`` on the tenant's session whose cache shares most of ``prompt`` (owned
-        from here), or on a new one; keep it for the next calls (``pooled``, else ``adopt``).
-        The session is chosen under the lock, then out of the kept ones (no other call can take
-        it) started without it: a start may compile a schema for a second, and every tenant's
-        call waited for it."""
+        from here), or on a new one; keep it for the next calls (``pooled``, else ``adopt``)."""
         keep = keeps(tenant, config)
-        undo: Callable[[], None] | None = None
-        try:
-            with self._lock:
+        with self._lock:
+            undo: Callable[[], None] | None = None
+            try:
                 session, undo = (
                     self._take(tenant, prompt.items, config, call.conversation) if keep else (None, None)
                 )
-            session = session or LocalSession(self.model, config)
-            if record is not None:
-                session.replies = record  # its prompts splice only its tenant's replies
-            session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
-            session.messages = call.history
-            stream = session.start(call.said, call.options, prompt, call.tools, call.prefill)  # owns prompt
-        except BaseException:
-            prompt.close()  # idempotent: a refused prompt may be closed already
-            if undo is not None:  # (a call refused as it started loses no one's kept session)
-                with self._lock:
+                session = session or LocalSession(self.model, config)
+                if record is not None:
+                    session.replies = record  # its prompts splice only its tenant's replies
+                session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
+                session.messages = call.history
+                stream = session.start(
+                    call.said, call.options, prompt, call.tools, call.prefill
+                )  # owns prompt
+            except BaseException:
+                prompt.close()  # idempotent: a refused prompt may be closed already
+                if undo is not None:  # (a call refused as it started loses no one's kept session)
                     undo()
-            raise
-        with self._lock:
+                raise
             if keep and pooled:
                 self._keep(session, tenant, call.conversation)
             elif call.conversation is not None:
                 self._pending[session] = call.conversation  # (its label, for ``adopt``)
-        return stream
+            return stream
 
     def adopt(
         self,
