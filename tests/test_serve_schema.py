@@ -56,7 +56,13 @@ from llmsession.serve.metrics import Metrics
 from llmsession.serve.naming import tenant_name
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import chat_request, completion_request
-from llmsession.text.schemas import MAX_SCHEMA_DEPTH, MAX_SCHEMA_OBJECTS, check_nodes, schema_document
+from llmsession.text.schemas import (
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_LIST,
+    MAX_SCHEMA_NODES,
+    check_nodes,
+    schema_document,
+)
 from llmsession.text.tools import checked_tools
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -743,27 +749,33 @@ def test_one_walk_measures_nesting_for_the_schema_and_the_echo_limits() -> None:
     assert not nests_deeper("flat", 0) and nests_deeper([[1] * 3] * 100_000, 1)
 
 
-def wide(objects: int) -> dict[str, Any]:
-    """A schema of ``objects`` objects: itself, its ``properties`` and their schemas."""
-    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(objects - 2)}}
+def wide(nodes: int) -> dict[str, Any]:
+    """A schema of about ``nodes`` values (itself, its ``properties``, their schemas and
+    strings): at most ``nodes``, at least ``nodes - 1``."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range((nodes - 3) // 2)}}
 
 
-def test_a_call_s_schemas_are_bounded_in_objects_before_any_is_checked() -> None:
-    """Each object of a schema is checked against its draft in Python, holding the interpreter:
-    a 1.4 MB schema of 50,000 took 16 s, and every other request waited. Past
-    ``MAX_SCHEMA_OBJECTS``, in a format or in the tools all told, a request is a 400 at once."""
-    check_nodes(wide(MAX_SCHEMA_OBJECTS))
-    with pytest.raises(GrammarError, match="objects"):
-        check_nodes(wide(MAX_SCHEMA_OBJECTS + 1))
-    tool = {"type": "function", "function": {"name": "t", "parameters": wide(MAX_SCHEMA_OBJECTS // 4)}}
+def test_a_call_s_schemas_are_bounded_before_any_is_checked() -> None:
+    """Each value of a schema is checked against its draft in Python, holding the interpreter:
+    a 1.4 MB schema of 50,000 objects took 16 s, and every other request waited; 5,000 ``true``
+    subschemas 1.5 s; a ``type`` list of 3,000 mixed items 0.5 s (compared pairwise). Past
+    ``MAX_SCHEMA_NODES`` values or ``MAX_SCHEMA_LIST`` items, in a format or in the tools all
+    told, a call is refused at once."""
+    check_nodes(wide(MAX_SCHEMA_NODES))
+    with pytest.raises(GrammarError, match="values"):
+        check_nodes(wide(MAX_SCHEMA_NODES + 2))
+    with pytest.raises(GrammarError, match="values"):
+        check_nodes({"allOf": [{"anyOf": [True] * 600} for _ in range(20)]})
+    check_nodes({"type": "string", "enum": [f"v{i}" for i in range(MAX_SCHEMA_LIST)]})
+    with pytest.raises(GrammarError, match="list of more than"):
+        check_nodes({"properties": {"x": {"type": [None, *(f"a{i}" for i in range(MAX_SCHEMA_LIST))]}}})
+    tool = {"type": "function", "function": {"name": "t", "parameters": wide(MAX_SCHEMA_NODES // 4)}}
     checked_tools([{**tool, "function": {**tool["function"], "name": f"t{i}"}} for i in range(3)])
-    with pytest.raises(ValueError, match="all told"):
-        checked_tools([{**tool, "function": {**tool["function"], "name": f"t{i}"}} for i in range(5)])
     began = time.perf_counter()
-    with pytest.raises(GrammarError, match="objects"):  # (what a call's format compiles first)
-        schema_document(wide(50_000))
+    with pytest.raises(GrammarError, match="values"):  # (what a call's format compiles first)
+        schema_document(wide(100_000))
     too_many = [{**tool, "function": {**tool["function"], "name": f"t{i}"}} for i in range(5)]
-    with pytest.raises(ApiError, match="objects") as refused:  # (a request's tools, read up front)
+    with pytest.raises(ApiError, match="values") as refused:  # (a request's tools, read up front)
         chat_request({"messages": HI, "max_tokens": 1, "tools": too_many})
     assert refused.value.status == 400 and time.perf_counter() - began < 5.0  # (16 s against the draft)
 

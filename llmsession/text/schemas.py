@@ -21,10 +21,14 @@ from typing import Any
 from llmsession.errors import GrammarError
 
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays (the matcher recurses)
-# A call's schemas' objects, all told (its format's, or its tools' together): each is checked
-# against its draft in Python (~0.3 ms apiece here), holding the interpreter: 50,000 took 16 s, and
-# every other request waited. OpenAI's structured outputs take 5,000 properties.
-MAX_SCHEMA_OBJECTS = 5000
+# A call's schemas' values, all told (its format's, or its tools' together; every object, list,
+# string, number and boolean): each is checked against its draft in Python (~0.3 ms an object or
+# a boolean subschema here), holding the interpreter: 50,000 objects took 16 s, and every other
+# request waited. OpenAI's structured outputs take 5,000 properties (about 10,000 values).
+MAX_SCHEMA_NODES = 10_000
+# Items of a schema's list: the metaschema's ``uniqueItems`` compares mixed items pairwise (a
+# ``type`` list of 3,000 took 0.5 s, of 20,000 about a minute). OpenAI takes 1,000 enum values.
+MAX_SCHEMA_LIST = 1000
 UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's lenient warning: a JSON list follows
 REPEATED = re.compile(r" \(\d+ times?\)$")  # a warning given more than once says how often
 # References the validator would resolve on its own (a URL included): never on a caller's word.
@@ -53,15 +57,24 @@ def schema_document(given: Mapping[str, Any] | str | type) -> tuple[type | None,
     return schema_class, document
 
 
-def schema_objects(value: Any, limit: int) -> int:
-    """How many objects ``value`` holds (a schema's are its subschemas, nearly), counted no
-    further than one past ``limit`` (a structure that contains itself holds endlessly many)."""
-    objects = 0
+def schema_nodes(value: Any, limit: int) -> int:
+    """How many values ``value`` holds (itself, and every object, list and scalar in it),
+    counted no further than past ``limit`` (a structure that contains itself holds endlessly
+    many)."""
+    if not isinstance(value, dict | list):
+        return 1
+    nodes = 0
     for node, _ in containers(value):
-        objects += isinstance(node, dict)
-        if objects > limit:
+        nodes += _values(node)
+        if nodes > limit:
             break
-    return objects
+    return nodes
+
+
+def _values(node: dict[str, Any] | list[Any]) -> int:
+    """A container and its scalar items (its containers count when they are walked)."""
+    children = node.values() if isinstance(node, dict) else node
+    return 1 + sum(1 for child in children if not isinstance(child, dict | list))
 
 
 def containers(value: Any) -> Iterator[tuple[dict[str, Any] | list[Any], int]]:
@@ -78,17 +91,19 @@ def containers(value: Any) -> Iterator[tuple[dict[str, Any] | list[Any], int]]:
 
 def check_nodes(document: dict[str, Any]) -> None:
     """GrammarError if a schema nests past ``MAX_SCHEMA_DEPTH``, holds more than
-    ``MAX_SCHEMA_OBJECTS`` objects, or refers outside itself (a ``$ref`` that is not ``#...``, a
-    dynamic reference), which a validator would try to fetch; the matcher does not look
-    everywhere (inside ``not``, say)."""
-    objects = 0
+    ``MAX_SCHEMA_NODES`` values or a list of more than ``MAX_SCHEMA_LIST`` items, or refers
+    outside itself (a ``$ref`` that is not ``#...``, a dynamic reference), which a validator
+    would try to fetch; the matcher does not look everywhere (inside ``not``, say)."""
+    nodes = 0
     for node, level in containers(document):
         if level > MAX_SCHEMA_DEPTH:
             raise GrammarError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, list) and len(node) > MAX_SCHEMA_LIST:
+            raise GrammarError(f"json_schema: a list of more than {MAX_SCHEMA_LIST} items")
+        nodes += _values(node)
+        if nodes > MAX_SCHEMA_NODES:
+            raise GrammarError(f"json_schema: more than {MAX_SCHEMA_NODES} values")
         if isinstance(node, dict):
-            objects += 1
-            if objects > MAX_SCHEMA_OBJECTS:
-                raise GrammarError(f"json_schema: more than {MAX_SCHEMA_OBJECTS} objects (subschemas)")
             reference = node.get("$ref")
             if REFUSED & node.keys() or (isinstance(reference, str) and not reference.startswith("#")):
                 shown = sorted(REFUSED & node.keys()) or [str(reference)]

@@ -15,7 +15,7 @@ from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
 from llmsession.replies import ToolCall
 from llmsession.text.messages import unencodable
-from llmsession.text.schemas import MAX_SCHEMA_OBJECTS, checked_schema, schema_document, schema_objects
+from llmsession.text.schemas import MAX_SCHEMA_NODES, checked_schema, schema_document, schema_nodes
 
 __all__ = ["MAX_TOOLS", "Mode", "Tool", "ToolCall", "Tools", "checked_tools", "tool_from"]
 
@@ -144,12 +144,12 @@ def checked_tools(
         return None
     if len(specs) > MAX_TOOLS:
         raise ValueError(f"at most {MAX_TOOLS} tools, got {len(specs)}")
-    objects = 0  # (counted before any is checked against its draft: ``schemas``)
+    nodes = 0  # (counted before any is checked against its draft: ``schemas``)
     for spec in specs:
         if isinstance(spec, Mapping):
-            objects += schema_objects(spec.get("function"), MAX_SCHEMA_OBJECTS - objects)
-        if objects > MAX_SCHEMA_OBJECTS:
-            raise GrammarError(f"the tools' schemas hold more than {MAX_SCHEMA_OBJECTS} objects, all told")
+            nodes += schema_nodes(spec.get("function"), MAX_SCHEMA_NODES - nodes)
+        if nodes > MAX_SCHEMA_NODES:
+            raise GrammarError(f"the tools hold more than {MAX_SCHEMA_NODES} values, all told")
     tools = tuple(tool_from(spec, i) for i, spec in enumerate(specs))
     names = [tool.name for tool in tools]
     if len(set(names)) != len(names):
