@@ -1052,6 +1052,10 @@ def test_a_file_of_keys_that_would_not_be_the_server_meant_is_refused(
         with pytest.raises(SystemExit) as exited:
             parser().parse_args(["serve", "--api-key-file", str(tmp_path / name)])
         assert exited.value.code == 2 and said in capsys.readouterr().err, name
+    for given in ("sk-clé", "sk two", ""):  # (on the command line too, before anything loads)
+        with pytest.raises(SystemExit) as exited:
+            parser().parse_args(["serve", "--api-key", given])
+        assert exited.value.code == 2 and "printable ASCII" in capsys.readouterr().err
     (tmp_path / "keys").write_text("sk-a\n# sk-b\n\tsk-c \n")
     args = parser().parse_args(["serve", "--api-key", "sk-z", "--api-key-file", str(tmp_path / "keys")])
     assert args.api_key == ["sk-z"] and args.api_key_file == [["sk-a", "sk-c"]]  # (joined when it runs)

@@ -100,10 +100,22 @@ def key_file(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text") from None
     keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     for number, key in enumerate(keys, 1):
-        if any(c.isspace() or not c.isprintable() or not c.isascii() for c in key):
+        if not _presentable(key):
             raise argparse.ArgumentTypeError(
                 f"{text}: key {number} has whitespace, a control character or a non-ASCII one in it"
             )
     if not keys:
         raise argparse.ArgumentTypeError(f"{text} holds no key (one a line; # begins a comment)")
     return keys
+
+
+def api_key(text: str) -> str:
+    """A key given on the command line (``--api-key``, ``--operator-key``): one a header can
+    carry, checked before anything loads."""
+    if not text or not _presentable(text):
+        raise argparse.ArgumentTypeError("a key must be printable ASCII without whitespace")
+    return text
+
+
+def _presentable(key: str) -> bool:
+    return not any(c.isspace() or not c.isprintable() or not c.isascii() for c in key)

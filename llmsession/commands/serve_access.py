@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmsession.commands.argtypes import key_file
+from llmsession.commands.argtypes import api_key, key_file
 
 
 def add_access_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +14,7 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--api-key",
         action="append",
+        type=api_key,
         metavar="KEY",
         help="require `Authorization: Bearer KEY` (repeatable: each key is a tenant of its own)",
     )
@@ -28,6 +29,7 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--operator-key",
         action="append",
+        type=api_key,
         metavar="KEY",
         help="only these keys may load and unload models, read /api/ps and /metrics and set keep_alive "
         "(repeatable; default: any caller may; without --api-key the chat endpoints stay open)",
