@@ -575,19 +575,29 @@ def test_an_image_goes_to_a_server_with_a_projector(
     assert int(stats["prompt"]) > text_only, (stats, text_only)  # the images were in the prompt
     page.shot("image-reply")
     # Each turn sends the chat's images again: past what a request carries, the next turn would
-    # be refused, and every one after it. The page takes no more than fit, and says why.
-    page.js(
+    # be refused, and every one after it. The page takes no more than fit, and says why; two
+    # drops at once (each reads the room before the other's files load) are caught at sending.
+    drop = (
         "const bytes = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));"
-        "const data = new DataTransfer();"
-        "for (let i = 0; i < 7; i++) data.items.add(new File([bytes], `blue${i}.png`, {type: 'image/png'}));"
-        "for (const type of ['dragenter', 'dragover', 'drop'])"
-        "  document.getElementById('messages').dispatchEvent("
-        "    new DragEvent(type, {bubbles: true, cancelable: true, dataTransfer: data}));",
-        blue,
+        "for (let drop = 0; drop < arguments[1]; drop++) {"
+        "  const data = new DataTransfer();"
+        "  for (let i = 0; i < 7; i++)"
+        "    data.items.add(new File([bytes], `blue${i}.png`, {type: 'image/png'}));"
+        "  for (const type of ['dragenter', 'dragover', 'drop'])"
+        "    document.getElementById('messages').dispatchEvent("
+        "      new DragEvent(type, {bubbles: true, cancelable: true, dataTransfer: data}));"
+        "}"
     )
-    wait_for(lambda: len(page.by("#attachments img")) == MAX_IMAGES - 2, "as many as fit")
+    page.js(drop, blue, 2)
+    wait_for(lambda: len(page.by("#attachments img")) == 2 * (MAX_IMAGES - 2), "both drops' images")
     assert f"at most {MAX_IMAGES} images" in page.one("#banner").text
-    stats = page.send("And these?")
+    page.one("#input").send_keys("And these?")
+    page.one("#send").click()
+    wait_for(lambda: "remove some" in page.one("#banner").text, "the turn held back")
+    assert len(page.by(".message[data-role=user]")) == 1  # (nothing sent)
+    page.js("arguments[0].forEach(() => document.querySelector('#attachments button').click())", [0] * 6)
+    assert len(page.by("#attachments img")) == MAX_IMAGES - 2
+    stats = page.send("")
     assert len(page.by(".message[data-role=user] .images img")) == MAX_IMAGES  # (answered: not refused)
 
 

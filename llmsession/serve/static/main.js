@@ -175,6 +175,11 @@ async function send() {
     return;
   }
   if (unsendable(conv)) return respond(conv); // (shows the error)
+  if (store.imagesInRequest() > MAX_IMAGES) {
+    // (attached in another chat, or two drops at once: the server would refuse this turn and every later one)
+    showBanner(`A request carries at most ${MAX_IMAGES} images, this chat's earlier ones included: remove some.`);
+    return;
+  }
   const message = { role: "user", content: text };
   const images = store.takeAttachments();
   if (images.length) message.images = images;
