@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger("llmsession.cluster")
 FOLDER = "conversations"  # under the disk cache directory
@@ -171,21 +172,13 @@ class SharedSpill:
         checked: the claim checks it; a file that cannot be read so is claimed and refused)."""
         try:
             with (self.folder / f"{key}{SUFFIX}").open("rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                if size < _TAIL.size + _CHECKSUM:
-                    return True
-                f.seek(size - _TAIL.size)
-                length, magic, _tag = _TAIL.unpack(f.read(_TAIL.size))
-                if magic != SEAL_MAGIC or length > min(4096, size - _TAIL.size - _CHECKSUM):
-                    return True
-                f.seek(size - _TAIL.size - length)
-                parsed = json.loads(f.read(length))
+                _body, _checksum, seal, _tag = _sealed(f)
+            tenant = _seal_tenant(seal)
         except FileNotFoundError:
             return False
         except (OSError, ValueError):
             return True
-        tenant = parsed.get("tenant") if isinstance(parsed, dict) else 0
-        return not (tenant is None or isinstance(tenant, str)) or tenant in tenants
+        return tenant in tenants
 
     def _grab(self, key: str, kind: str) -> Path | None:
         """The conversation's file, renamed to a hidden name of this replica's (one rename
@@ -201,24 +194,11 @@ class SharedSpill:
         """The tenant a claimed file was sealed for, its seal checked and cut off (ValueError if
         it is not a sealed session file of this cluster's, for this conversation)."""
         with path.open("r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            if size < _TAIL.size + _CHECKSUM:
-                raise ValueError("it is too short to be sealed")
-            f.seek(size - _TAIL.size)
-            length, magic, tag = _TAIL.unpack(f.read(_TAIL.size))
-            if magic != SEAL_MAGIC or length > min(4096, size - _TAIL.size - _CHECKSUM):
-                raise ValueError("it carries no seal")
-            body = size - _TAIL.size - length  # (the session file's bytes end here)
-            f.seek(body - _CHECKSUM)
-            checksum, seal = f.read(_CHECKSUM), f.read(length)
+            body, checksum, seal, tag = _sealed(f)
             if not hmac.compare_digest(tag, self._tag(key, seal, checksum)):
                 raise ValueError("its seal does not match (not this cluster's, or changed)")
             f.truncate(body)
-        parsed = json.loads(seal)
-        tenant = parsed.get("tenant") if isinstance(parsed, dict) else 0
-        if tenant is not None and not isinstance(tenant, str):
-            raise ValueError("its seal names no tenant")
-        return tenant
+        return _seal_tenant(seal)
 
     def _tag(self, key: str, seal: bytes, checksum: bytes) -> bytes:
         message = b"\0".join((b"llmsession-conversation", key.encode(), seal, checksum))
@@ -239,6 +219,30 @@ class SharedSpill:
             except FileNotFoundError:
                 continue  # (claimed or removed meanwhile)
         return removed
+
+
+def _sealed(f: BinaryIO) -> tuple[int, bytes, bytes, bytes]:
+    """A sealed file's parts, read, not checked: where the session file's bytes end, its
+    checksum, the seal and its HMAC (ValueError if it is too short or carries no seal)."""
+    size = f.seek(0, os.SEEK_END)
+    if size < _TAIL.size + _CHECKSUM:
+        raise ValueError("it is too short to be sealed")
+    f.seek(size - _TAIL.size)
+    length, magic, tag = _TAIL.unpack(f.read(_TAIL.size))
+    if magic != SEAL_MAGIC or length > min(4096, size - _TAIL.size - _CHECKSUM):
+        raise ValueError("it carries no seal")
+    body = size - _TAIL.size - length  # (the session file's bytes end here)
+    f.seek(body - _CHECKSUM)
+    return body, f.read(_CHECKSUM), f.read(length), tag
+
+
+def _seal_tenant(seal: bytes) -> str | None:
+    """The tenant a seal names (ValueError if it names none)."""
+    parsed = json.loads(seal)
+    tenant = parsed.get("tenant") if isinstance(parsed, dict) else 0
+    if tenant is not None and not isinstance(tenant, str):
+        raise ValueError("its seal names no tenant")
+    return tenant
 
 
 def _orphaned_copies(now: float) -> int:
