@@ -68,9 +68,14 @@ def check_prefill(
 def prefilled(model: ModelCore, prompt: Prompt, text: str) -> Prefill:
     """``text`` tokenized (as the assistant's text is in any prompt) and put at the end of
     ``prompt``."""
-    tokens = model.tokenizer.vocabulary.tokenize(text, add_special=False)
+    tokens = prefill_tokens(model, text)
     prompt.extend(tokens)
     return Prefill(text, tuple(tokens))
+
+
+def prefill_tokens(model: ModelCore, text: str) -> list[int]:
+    """The tokens a prompt ends with for the assistant's ``text`` (as its text is in any prompt)."""
+    return model.tokenizer.vocabulary.tokenize(text, add_special=False)
 
 
 def prefill_of(transcript: Transcript) -> tuple[Transcript, str | None]:

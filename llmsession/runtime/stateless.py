@@ -36,7 +36,7 @@ from llmsession.engine.prompt import Prompt
 from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
-from llmsession.runtime.continuing import Prefill, check_prefill, prefill_of, prefilled
+from llmsession.runtime.continuing import Prefill, check_prefill, prefill_of, prefill_tokens, prefilled
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.keeping import Kept, choose, evicted, mains
@@ -138,7 +138,7 @@ class StatelessSessions:
             transcript, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
         )
         if text is not None:  # (as the call's prompt ends: ``continuing``)
-            tokens += self.model.tokenizer.vocabulary.tokenize(text, add_special=False)
+            tokens += prefill_tokens(self.model, text)
         return tokens
 
     def complete(
