@@ -14,7 +14,7 @@ import pytest
 from near_ties import assert_same_within_noise, scored
 from test_reuse import check_against_fresh, fresh_steps, short_prompt_noise, tolerance_for
 
-from llmsession import GenerationOptions, Model, UnsupportedFeatureError
+from llmsession import GenerationOptions, Model, SessionConfig, TemplateError, UnsupportedFeatureError
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)
 QUESTION: list[dict[str, Any]] = [
@@ -106,6 +106,13 @@ def test_what_a_prefill_cannot_be_combined_with_is_refused(smollm2: Model) -> No
             smollm2.chat(asked, options)
     with pytest.raises(UnsupportedFeatureError, match="n choices"):
         smollm2.chat_choices(asked, GREEDY, n=2)
+    # A NUL, which no rendered message may hold: the next turn, which sends the message back,
+    # would be refused so (a reply shows a NUL token as U+FFFD for the same reason).
+    nul = [*QUESTION, {"role": "assistant", "content": "My favourite\x00colour is"}]
+    with pytest.raises(TemplateError, match="NUL"):
+        smollm2.chat(nul, GREEDY)
+    with pytest.raises(TemplateError, match="NUL"):
+        smollm2.prompt_tokens(nul, config=SessionConfig())  # (as count_tokens counts a call)
     # Not a prefill: an assistant's call, an empty text, or nothing before it to answer.
     for ending in ([{"role": "assistant", "content": ""}], []):
         with pytest.raises(Exception, match="user message or tool results"):

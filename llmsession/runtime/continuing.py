@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmsession.errors import UnsupportedFeatureError
+from llmsession.errors import TemplateError, UnsupportedFeatureError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
 from llmsession.text.tools import Tools
@@ -42,9 +42,13 @@ class Prefill:
 
 
 def check_prefill(
-    model: ModelCore, options: GenerationOptions, tools: Tools | None, thinking: bool | str
+    model: ModelCore, text: str, options: GenerationOptions, tools: Tools | None, thinking: bool | str
 ) -> None:
-    """An ``UnsupportedFeatureError`` for what a prefill cannot be combined with."""
+    """An ``UnsupportedFeatureError`` for what a prefill cannot be combined with; a
+    ``TemplateError`` for a text with a NUL, which no rendered message may hold (the next turn,
+    which sends the message back, would be refused so)."""
+    if "\x00" in text:
+        raise TemplateError("a message must not contain NUL characters")
     if tools is not None:
         raise UnsupportedFeatureError(
             "a reply that continues the assistant's text (a prefill) cannot call tools"

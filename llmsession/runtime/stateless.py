@@ -98,7 +98,7 @@ class StatelessSessions:
         thinking = config.thinking
         tools = options_tools(options)
         if text is not None:
-            check_prefill(self.model, options, tools, thinking)
+            check_prefill(self.model, text, options, tools, thinking)
         record = self._kept_record(tenant, config)
         # Tokenized once: to choose the session, then as the session's prompt.
         prompt = self.model.prompt(
@@ -131,7 +131,7 @@ class StatelessSessions:
         transcript, text = prefill_of(Transcript(messages))
         thinking = config.thinking
         if text is not None:  # (counted only as a call could be made)
-            check_prefill(self.model, GenerationOptions(), tools, thinking)
+            check_prefill(self.model, text, GenerationOptions(), tools, thinking)
         record = self._kept_record(tenant, config)
         own, shared = record, record is None
         tokens = self.model.prompt_tokens(
