@@ -185,6 +185,33 @@ def test_a_pattern_that_backtracks_is_checked_after_the_reply_in_linear_time(smo
     assert "refused: True" in out.stdout, out.stdout
 
 
+def test_references_that_branch_are_checked_after_the_reply_within_a_budget(smollm2_path: Path) -> None:
+    """Each of 30 definitions is ``oneOf`` two references to the next: jsonschema walks all 2**30
+    ways without a memo (18 took 20 s here), holding the interpreter, in a reply's after-check
+    (the matcher skips ``not``, so the check has it) and in a call's arguments. The check
+    stops at ``MAX_CHECK_STEPS`` keyword checks and the reply is refused; at 8 definitions the
+    reply is checked whole and taken. In a subprocess, so that a regression fails here instead
+    of hanging the run."""
+    code = f"""
+    from llmsession import GenerationOptions, Model, ReplyMismatchError
+    def schema(depth):
+        defs = {{f"L{{i}}": {{"oneOf": [{{"$ref": f"#/$defs/L{{i + 1}}"}}] * 2}} for i in range(depth)}}
+        defs[f"L{{depth}}"] = {{"const": "zzz"}}
+        return {{"$defs": defs, "type": "string", "maxLength": 3, "not": {{"$ref": "#/$defs/L0"}}}}
+    with Model({str(smollm2_path)!r}, threads=1) as m:
+        said = [{{"role": "user", "content": "a"}}]
+        got = m.chat(said, GenerationOptions(json_schema=schema(8), max_tokens=8, temperature=0))
+        print("shallow:", got.finish_reason, isinstance(got.parsed, str) and got.parsed != "zzz")
+        try:
+            m.chat(said, GenerationOptions(json_schema=schema(30), max_tokens=8, temperature=0))
+        except ReplyMismatchError as error:
+            print("deep:", "100,000 keyword checks" in str(error))
+    """
+    out = run_python(code, timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "shallow: complete True" in out.stdout and "deep: True" in out.stdout, out.stdout
+
+
 def test_a_grammar_too_large_for_the_matcher_is_a_grammar_error_in_a_few_words(smollm2: Model) -> None:
     """llguidance panics on a grammar of more than 65,525 symbols; its message carried the
     panic's backtrace (2.5 KB of frames). The error says what it refused, bounded, and the

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,11 @@ MAX_SCHEMA_NODES = 10_000
 # Items of a schema's list: the metaschema's ``uniqueItems`` compares mixed items pairwise (a
 # ``type`` list of 3,000 took 0.5 s, of 20,000 about a minute). OpenAI takes 1,000 enum values.
 MAX_SCHEMA_LIST = 1000
+# Keyword checks one reply's validation may make: a schema's references can branch without
+# consuming the value (``oneOf`` of two references to the next of 18 definitions took 20 s here, of
+# 30 it would take days), and jsonschema keeps no memo: ~20 us a check there, 2-2.5 s at the bound. A
+# list of 1,000 objects of 20 integer properties each (a reply of ~100K tokens) took 44,000.
+MAX_CHECK_STEPS = 100_000
 UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's lenient warning: a JSON list follows
 REPEATED = re.compile(r" \(\d+ times?\)$")  # a warning given more than once says how often
 # References the validator would resolve on its own (a URL included): never on a caller's word.
@@ -167,16 +173,48 @@ def _checked_schema(text: str) -> Any:
     from llmsession.text import patterns  # (RE2, with the validator)
 
     patterns.check_patterns(document)
-    extended = jsonschema.validators.extend(draft, patterns.KEYWORDS)  # type: ignore[no-untyped-call]
+    keywords = {**draft.VALIDATORS, **patterns.KEYWORDS}
+    counted = {keyword: _counted(check) for keyword, check in keywords.items()}
+    extended = jsonschema.validators.extend(draft, counted)  # type: ignore[no-untyped-call]
     return extended(document, registry=referencing.Registry(), format_checker=draft.FORMAT_CHECKER)
 
 
+class _OverBudget(Exception):
+    """A reply's validation made ``MAX_CHECK_STEPS`` keyword checks."""
+
+
+_budget = threading.local()  # the checks the thread's validation may still make (``violation``)
+
+
+def _counted(check: Any) -> Any:
+    """A keyword's check that spends one of its validation's steps (``MAX_CHECK_STEPS``)."""
+
+    def counted(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        left = getattr(_budget, "left", None)
+        if left is not None:
+            if left <= 0:
+                raise _OverBudget
+            _budget.left = left - 1
+        return check(validator, value, instance, schema)
+
+    return counted
+
+
 def violation(validator: Any, value: Any) -> str:
-    """What in a complete reply breaks its schema ("" if nothing does)."""
+    """What in a complete reply breaks its schema ("" if nothing does), found within
+    ``MAX_CHECK_STEPS`` keyword checks (a reply not checked within them breaks it)."""
+    _budget.left = MAX_CHECK_STEPS
     try:
         problem = next(iter(validator.iter_errors(value)), None)
+    except _OverBudget:
+        return (
+            f"the reply could not be checked against its schema within {MAX_CHECK_STEPS:,} keyword "
+            "checks (its references branch too much)"
+        )
     except Exception as error:  # deep recursion, an unresolvable reference, a regex Python lacks
         return f"the reply could not be checked against its schema: {type(error).__name__}: {error}"
+    finally:
+        _budget.left = None
     if problem is None:
         return ""
     where = "/".join(str(p) for p in problem.absolute_path) or "the reply"
