@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,54 @@ def test_a_tenant_that_is_not_a_str_is_refused_before_the_session_is_kept(smollm
     assert not session.closed and "listed" not in smollm2.conversations()
     assert smollm2.take_conversation("anything") is None
     session.close()
+
+
+def test_a_slow_start_holds_up_no_other_call_and_its_session_stays_kept_and_busy(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call's start (a large JSON schema checked and compiled took a second) runs once its
+    session is chosen, outside the kept sessions' lock: another tenant's call went on waiting
+    for it whole. Meanwhile the session it took stays among the kept ones, in its place and
+    busy: its conversation is listed, not taken (``take_conversation``), and a call that
+    resends the same history answers on another session; after it, the turn is kept as any."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
+    first = smollm2.chat(history, GREEDY, tenant="alice", conversation="slow")
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": QUESTIONS[1]}]
+    held, release = threading.Event(), threading.Event()
+    real = LocalSession.start
+    starting: list[LocalSession] = []
+
+    def slow(self: LocalSession, said: Any, options: GenerationOptions, *rest: Any) -> Any:
+        if options.json_schema is not None:  # (alice's second turn)
+            starting.append(self)
+            held.set()
+            release.wait(60)
+        return real(self, said, options, *rest)
+
+    monkeypatch.setattr(LocalSession, "start", slow)
+    schema = GenerationOptions(max_tokens=8, json_schema={"type": "string", "maxLength": 2}, temperature=0)
+    replies: list[Any] = []
+    alice = threading.Thread(
+        target=lambda: replies.append(smollm2.chat(history, schema, tenant="alice", conversation="slow"))
+    )
+    alice.start()
+    try:
+        assert held.wait(60)
+        bob: list[Any] = []
+        other = threading.Thread(target=lambda: bob.append(smollm2.chat(history[:1], GREEDY, tenant="bob")))
+        other.start()
+        other.join(30)
+        assert not other.is_alive() and bob and bob[0].text, "bob's call waited for alice's start"
+        assert "slow" in smollm2.conversations()  # (kept in its place while it starts)
+        assert smollm2.take_conversation("slow") is None  # (busy: a call is starting on it)
+        again = smollm2.chat_stream(history, GREEDY, tenant="alice")  # (the same prefix meanwhile)
+        assert again.session is not starting[0]
+        assert "".join(step.delta for step in again) and again.reply is not None
+    finally:
+        release.set()
+        alice.join(60)
+    assert replies and replies[0].finish_reason == "complete", replies
+    assert replies[0].usage.reused_tokens >= first.usage.prompt_tokens, replies[0].usage
+    taken = smollm2.take_conversation("slow")
+    assert taken is not None and taken[0] is starting[0] and taken[1] == "alice"
+    taken[0].close()

@@ -28,7 +28,7 @@ from llmsession.remote.proxies import WorkerSession, WorkerStream, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.stateless import check_stateless, checked_label, split
+from llmsession.runtime.stateless_calls import check_stateless, checked_label, split
 from llmsession.text.renderer import Renderer
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript

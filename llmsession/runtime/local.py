@@ -22,7 +22,8 @@ from llmsession.runtime.core import ModelCore
 from llmsession.runtime.embedding import Inputs
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
-from llmsession.runtime.stateless import StatelessSessions, check_stateless, checked_label, split
+from llmsession.runtime.stateless import StatelessSessions
+from llmsession.runtime.stateless_calls import check_stateless, checked_label, split
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 

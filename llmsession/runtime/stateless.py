@@ -23,43 +23,29 @@ a fork, and side requests (titles, summaries) neither take nor evict a conversat
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from llmsession.config import SessionConfig
 from llmsession.engine.prefix import common_prefix
 from llmsession.engine.prompt import Prompt
-from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
-from llmsession.runtime.continuing import Prefill, check_prefill, prefill_of, prefill_tokens, prefilled
+from llmsession.runtime.continuing import check_prefill, prefill_of, prefill_tokens, prefilled
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.keeping import Kept, choose, evicted, mains
 from llmsession.runtime.session import LocalSession, resolved_config
+from llmsession.runtime.stateless_calls import Call, check_stateless, checked_label, keeps, split
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
 from llmsession.text.transcript import Transcript
 
 RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
-
-
-@dataclass(frozen=True)
-class Call:
-    """What a stateless call answers: the history its caller sent, the messages it answers,
-    its checked options and tools."""
-
-    history: list[Message]
-    said: list[Message]
-    options: GenerationOptions
-    tools: Tools | None
-    looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
-    conversation: str | None = None  # the label its session takes (``StatelessSessions.take``)
-    prefill: Prefill | None = None  # the assistant's text its reply continues (``continuing``)
 
 
 class StatelessSessions:
@@ -77,6 +63,7 @@ class StatelessSessions:
         self._labels: dict[LocalSession, str] = {}  # the conversation each answered last, if named
         self._pending: weakref.WeakKeyDictionary[LocalSession, str] = weakref.WeakKeyDictionary()
         self._records: OrderedDict[str | None, ReplyTokens] = OrderedDict()  # each tenant's replies
+        self._starting: set[LocalSession] = set()  # kept sessions a call took and is starting
         self._lock = threading.Lock()
 
     def stream(
@@ -180,30 +167,57 @@ class StatelessSessions:
         """Start ``call`` on the tenant's session whose cache shares most of ``prompt`` (owned
         from here), or on a new one; keep it for the next calls (``pooled``, else ``adopt``)."""
         keep = keeps(tenant, config)
-        with self._lock:
-            undo: Callable[[], None] | None = None
+        with self._lock:  # (chosen under the lock, started without it: ``_start``)
             try:
-                session, undo = (
+                taken, undo = (
                     self._take(tenant, prompt.items, config, call.conversation) if keep else (None, None)
                 )
-                session = session or LocalSession(self.model, config)
-                if record is not None:
-                    session.replies = record  # its prompts splice only its tenant's replies
-                session.looks_ahead = keep and call.looks_ahead  # else decode nothing ahead
-                session.messages = call.history
-                stream = session.start(
-                    call.said, call.options, prompt, call.tools, call.prefill
-                )  # owns prompt
             except BaseException:
-                prompt.close()  # idempotent: a refused prompt may be closed already
-                if undo is not None:  # (a call refused as it started loses no one's kept session)
-                    undo()
+                prompt.close()
                 raise
+        looks = dataclasses.replace(call, looks_ahead=keep and call.looks_ahead)  # else nothing ahead
+        session, stream = self._start(taken, undo, prompt, looks, record, config)
+        with self._lock:
+            if taken is not None and undo is not None:  # (kept meanwhile, starting: out now)
+                self._starting.discard(taken)
+                if taken in self._tenants:
+                    self._unkeep(taken)
             if keep and pooled:
                 self._keep(session, tenant, call.conversation)
             elif call.conversation is not None:
                 self._pending[session] = call.conversation  # (its label, for ``adopt``)
             return stream
+
+    def _start(
+        self,
+        taken: LocalSession | None,
+        undo: Callable[[], None] | None,
+        prompt: Prompt,
+        call: Call,
+        record: ReplyTokens | None,
+        config: SessionConfig,
+    ) -> tuple[LocalSession, Stream]:
+        """``call`` started on the session it took (or a new one), outside the kept sessions'
+        lock: a start compiles the call's constraint (a large schema's check took a second) and
+        every tenant's call would wait. A kept session taken stays among the kept ones, in its
+        place, starting (``_starting``: busy to every other call, to eviction and to ``take``)."""
+        session = taken
+        try:
+            session = session or LocalSession(self.model, config)
+            if record is not None:
+                session.replies = record  # its prompts splice only its tenant's replies
+            session.looks_ahead = call.looks_ahead
+            session.messages = call.history
+            stream = session.start(call.said, call.options, prompt, call.tools, call.prefill)  # owns prompt
+        except BaseException:
+            prompt.close()  # idempotent: a refused prompt may be closed already
+            if undo is not None:  # (a call refused as it started loses no one's kept session)
+                with self._lock:
+                    undo()
+            elif session is not None:  # (a new one, or a fork: no one's)
+                session.close()
+            raise
+        return session, stream
 
     def adopt(
         self,
@@ -247,7 +261,7 @@ class StatelessSessions:
                 for s in main
                 if self._labels.get(s) == conversation and (tenants is None or self._tenants[s] in tenants)
             ]
-            if not labelled or not labelled[0].idle:
+            if not labelled or not self._idle(labelled[0]):
                 return None
             session = labelled[0]
             return session, self._unkeep(session)
@@ -308,18 +322,19 @@ class StatelessSessions:
         if choice.fork:
             return chosen.fork(), None  # the fork's own transcript is replaced by the caller
         undo = self._undo_take(chosen, choice.index, tenant)
-        self._unkeep(chosen)
+        self._starting.add(chosen)
         return chosen, undo
 
     def _undo_take(self, session: LocalSession, index: int, tenant: str | None) -> Callable[[], None]:
         """What puts a kept session a call takes back as it is now, where it is among the kept
         ones (``index``), if the call fails to start (a schema that does not compile, a prompt
-        too long): the conversation keeps its cache."""
+        too long), the lock held: the conversation keeps its cache."""
         label, was = self._labels.get(session), (session.messages, session.looks_ahead, session.replies)
 
         def undo() -> None:
             session.messages, session.looks_ahead, session.replies = was
-            if not session.closed:
+            self._starting.discard(session)
+            if not session.closed and session not in self._tenants:  # (out since: ``close``)
                 self._sessions.insert(min(index, len(self._sessions)), session)
                 self._tenants[session] = tenant
                 if label is not None:
@@ -330,7 +345,14 @@ class StatelessSessions:
     def _seen(self, fitting: Callable[[LocalSession], bool]) -> list[Kept]:
         """The kept sessions as ``keeping`` sees them, least recently used first."""
         labels, tenants = self._labels, self._tenants
-        return [Kept(labels.get(s), s.cached_tokens, s.idle, fitting(s), tenants[s]) for s in self._sessions]
+        return [
+            Kept(labels.get(s), s.cached_tokens, self._idle(s), fitting(s), tenants[s])
+            for s in self._sessions
+        ]
+
+    def _idle(self, session: LocalSession) -> bool:
+        """No stream of ``session`` running, nor a call starting one (``_start``)."""
+        return session.idle and session not in self._starting
 
     def _forget_closed(self) -> None:
         """Sessions their callers closed (``chat_stream(...).session.close()``) are no one's."""
@@ -354,43 +376,4 @@ class StatelessSessions:
             self._labels.clear()
             self._pending.clear()
             self._records.clear()
-
-
-def keeps(tenant: str | None, config: SessionConfig) -> bool:
-    """Whether a call's session is kept for the next calls: not one kept apart without a
-    tenant (nobody's to follow)."""
-    return config.share_prefix or tenant is not None
-
-
-MAX_LABEL = 256  # characters of a conversation's name
-
-
-def checked_label(conversation: object) -> str | None:
-    """A call's ``conversation``: None, or a str of 1 to ``MAX_LABEL`` characters."""
-    if conversation is None:
-        return None
-    if not isinstance(conversation, str):
-        raise TypeError(f"conversation must be a str or None, got {type(conversation).__name__}")
-    if not 0 < len(conversation) <= MAX_LABEL:
-        raise ValueError(f"conversation must have 1 to {MAX_LABEL} characters, got {len(conversation)}")
-    return conversation
-
-
-def check_stateless(config: SessionConfig) -> None:
-    """A stateless call's session settings: its system prompt comes in its messages."""
-    if config.system is not None:
-        raise ValueError(
-            "a stateless call takes its system prompt as its first message, not SessionConfig.system"
-        )
-
-
-def split(transcript: Transcript) -> tuple[list[Message], list[Message]]:
-    """A stateless call's (checked) transcript as editable copies: the history, and what the
-    call answers (the last user message, or the tool results that end the list)."""
-    if not transcript.ends_with_question():
-        raise TemplateError("a stateless chat needs messages that end with a user message or tool results")
-    copied = cast(list[Message], transcript.messages())
-    start = len(copied) - 1
-    while copied[-1]["role"] == "tool" and start > 0 and copied[start - 1]["role"] == "tool":
-        start -= 1
-    return copied[:start], copied[start:]
+            self._starting.clear()

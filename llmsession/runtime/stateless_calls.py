@@ -1,0 +1,70 @@
+"""What a stateless call is before a kept session answers it (``stateless``): its checked
+label and settings, the history and the messages it answers, and the parts it starts with.
+Pure: no bindings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+from llmsession.config import SessionConfig
+from llmsession.errors import TemplateError
+from llmsession.options import GenerationOptions
+from llmsession.replies import Message
+from llmsession.runtime.continuing import Prefill
+from llmsession.text.tools import Tools
+from llmsession.text.transcript import Transcript
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a stateless call answers: the history its caller sent, the messages it answers,
+    its checked options and tools."""
+
+    history: list[Message]
+    said: list[Message]
+    options: GenerationOptions
+    tools: Tools | None
+    looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
+    conversation: str | None = None  # the label its session takes (``StatelessSessions.take``)
+    prefill: Prefill | None = None  # the assistant's text its reply continues (``continuing``)
+
+
+def keeps(tenant: str | None, config: SessionConfig) -> bool:
+    """Whether a call's session is kept for the next calls: not one kept apart without a
+    tenant (nobody's to follow)."""
+    return config.share_prefix or tenant is not None
+
+
+MAX_LABEL = 256  # characters of a conversation's name
+
+
+def checked_label(conversation: object) -> str | None:
+    """A call's ``conversation``: None, or a str of 1 to ``MAX_LABEL`` characters."""
+    if conversation is None:
+        return None
+    if not isinstance(conversation, str):
+        raise TypeError(f"conversation must be a str or None, got {type(conversation).__name__}")
+    if not 0 < len(conversation) <= MAX_LABEL:
+        raise ValueError(f"conversation must have 1 to {MAX_LABEL} characters, got {len(conversation)}")
+    return conversation
+
+
+def check_stateless(config: SessionConfig) -> None:
+    """A stateless call's session settings: its system prompt comes in its messages."""
+    if config.system is not None:
+        raise ValueError(
+            "a stateless call takes its system prompt as its first message, not SessionConfig.system"
+        )
+
+
+def split(transcript: Transcript) -> tuple[list[Message], list[Message]]:
+    """A stateless call's (checked) transcript as editable copies: the history, and what the
+    call answers (the last user message, or the tool results that end the list)."""
+    if not transcript.ends_with_question():
+        raise TemplateError("a stateless chat needs messages that end with a user message or tool results")
+    copied = cast(list[Message], transcript.messages())
+    start = len(copied) - 1
+    while copied[-1]["role"] == "tool" and start > 0 and copied[start - 1]["role"] == "tool":
+        start -= 1
+    return copied[:start], copied[start:]
