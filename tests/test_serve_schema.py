@@ -638,7 +638,7 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compared and set(compared) == {(32, 32)}
     assert tenant_name(key, "u" * 256) != tenant_name(key, "v") and len(tenant_name(key, "u" * 256)) == 64
     assert tenant_name(None, "a") != tenant_name("a", None)
-    for unheard in ("sk-clé", " sk-padded", "sk-\x07"):  # (no header could present it)
+    for unheard in ("sk-clé", " sk-padded", "sk-\x07", "sk two"):  # (no header or Bearer token carries it)
         with pytest.raises(ValueError, match="printable ASCII"):
             create_app(fake_model(), api_key=["sk-fine", unheard])
 

@@ -7,6 +7,8 @@ import argparse
 import math
 from pathlib import Path
 
+from llmsession.serve.access import presentable  # (the one rule: no web framework loaded)
+
 
 def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
@@ -100,7 +102,7 @@ def key_file(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text") from None
     keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     for number, key in enumerate(keys, 1):
-        if not _presentable(key):
+        if not presentable(key):
             raise argparse.ArgumentTypeError(
                 f"{text}: key {number} has whitespace, a control character or a non-ASCII one in it"
             )
@@ -112,10 +114,6 @@ def key_file(text: str) -> list[str]:
 def api_key(text: str) -> str:
     """A key given on the command line (``--api-key``, ``--operator-key``): one a header can
     carry, checked before anything loads."""
-    if not text or not _presentable(text):
+    if not presentable(text):
         raise argparse.ArgumentTypeError("a key must be printable ASCII without whitespace")
     return text
-
-
-def _presentable(key: str) -> bool:
-    return not any(c.isspace() or not c.isprintable() or not c.isascii() for c in key)

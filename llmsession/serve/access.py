@@ -13,10 +13,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
-
-from starlette.requests import Request
+from typing import TYPE_CHECKING
 
 from llmsession.serve.errors import ApiError
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 
 def _digest(key: str) -> bytes:
@@ -26,14 +28,19 @@ def _digest(key: str) -> bytes:
 Keys = str | Sequence[str] | None  # one key, several, or none
 
 
+def presentable(key: str) -> bool:
+    """Whether a key is one a request can present, as it is: printable ASCII (a header carries
+    no other) without whitespace (a Bearer token has none; one around it is dropped). The one
+    rule for keys given to ``create_app`` and on ``serve``'s command line or in its files."""
+    return bool(key) and not any(c.isspace() or not c.isprintable() or not c.isascii() for c in key)
+
+
 def _checked(keys: Keys, what: str) -> list[str]:
     listed = [keys] if isinstance(keys, str) else list(keys or [])
     if any(not isinstance(key, str) or not key for key in listed):
         raise ValueError(f"an {what} must be a non-empty str")
-    if not all(key.isascii() and key.isprintable() and key.strip() == key for key in listed):
-        raise ValueError(
-            f"an {what} must be printable ASCII without spaces around it (a header carries no other)"
-        )
+    if not all(presentable(key) for key in listed):
+        raise ValueError(f"an {what} must be printable ASCII without whitespace (a header carries no other)")
     return listed
 
 
