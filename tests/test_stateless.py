@@ -242,3 +242,51 @@ def test_a_slow_start_holds_up_no_other_call_and_its_session_stays_kept_and_busy
     taken = smollm2.take_conversation("slow")
     assert taken is not None and taken[0] is starting[0] and taken[1] == "alice"
     taken[0].close()
+
+
+@pytest.mark.parametrize("kind", ["choices", "unnamed"])
+def test_a_session_starting_counts_as_it_will_be_kept_and_evicts_no_others_main(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Two kept at most: alice's conversation X and bob's Z. A call of alice's takes X's
+    session and, while it starts, carol's new conversation is kept. Whatever order the two
+    would have had, bob's Z stays: ``n`` choices take the session out of the kept ones at once
+    (they keep it again when done), and an unnamed call's session is no conversation's main
+    while it starts (it kept X's label and made it a main: Z was closed)."""
+    held, release = threading.Event(), threading.Event()
+    real = LocalSession.start
+
+    def slow(self: LocalSession, *args: Any) -> Any:
+        if threading.current_thread().name == "alice":
+            held.set()
+            release.wait(60)
+        return real(self, *args)
+
+    with Model(smollm2_path, threads=1, stateless_sessions=2) as model:
+        asked = [{"role": "user", "content": QUESTIONS[0]}]
+        first = model.chat(asked, GREEDY, tenant="alice", conversation="X")
+        model.chat([{"role": "user", "content": QUESTIONS[2]}], GREEDY, tenant="bob", conversation="Z")
+        again = [
+            *asked,
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": QUESTIONS[1]},
+        ]
+        monkeypatch.setattr(LocalSession, "start", slow)
+
+        def alice() -> None:
+            if kind == "choices":
+                with model.chat_choices(again, GREEDY, n=2, tenant="alice", conversation="X") as choices:
+                    for choice in choices:  # (a choice starts when first read)
+                        assert "".join(step.delta for step in choice)
+            else:
+                model.chat(again, GREEDY, tenant="alice")
+
+        thread = threading.Thread(target=alice, name="alice")
+        thread.start()
+        try:
+            assert held.wait(60)
+            model.chat([{"role": "user", "content": QUESTIONS[3]}], GREEDY, tenant="carol", conversation="W")
+            assert "Z" in model.conversations(), model.conversations()
+        finally:
+            release.set()
+            thread.join(60)

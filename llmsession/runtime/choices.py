@@ -78,6 +78,13 @@ class Choices(Sequence[Stream]):
         if failed is not None:
             raise failed
 
+    def __enter__(self) -> Choices:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """``close``: every choice cancelled and finished, on any way out of the block."""
+        self.close()
+
 
 def separate(n: int, options: GenerationOptions, call: Callable[[GenerationOptions], Stream]) -> Choices:
     """``n`` choices as ``n`` calls of ``call`` (each seeded, started when first iterated):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -40,12 +39,17 @@ from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.keeping import Kept, choose, evicted, mains
 from llmsession.runtime.session import LocalSession, resolved_config
-from llmsession.runtime.stateless_calls import Call, check_stateless, checked_label, keeps, split
+from llmsession.runtime.stateless_calls import (
+    Call,
+    TenantReplies,
+    check_stateless,
+    checked_label,
+    keeps,
+    split,
+)
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools, options_tools
 from llmsession.text.transcript import Transcript
-
-RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
 
 
 class StatelessSessions:
@@ -62,8 +66,9 @@ class StatelessSessions:
         self._tenants: dict[LocalSession, str | None] = {}  # whose calls each kept session serves
         self._labels: dict[LocalSession, str] = {}  # the conversation each answered last, if named
         self._pending: weakref.WeakKeyDictionary[LocalSession, str] = weakref.WeakKeyDictionary()
-        self._records: OrderedDict[str | None, ReplyTokens] = OrderedDict()  # each tenant's replies
+        self._records = TenantReplies()
         self._starting: set[LocalSession] = set()  # kept sessions a call took and is starting
+        self._closed = False
         self._lock = threading.Lock()
 
     def stream(
@@ -169,24 +174,31 @@ class StatelessSessions:
         keep = keeps(tenant, config)
         with self._lock:  # (chosen under the lock, started without it: ``_start``)
             try:
-                taken, undo = (
-                    self._take(tenant, prompt.items, config, call.conversation) if keep else (None, None)
-                )
+                taken, undo = (None, None)
+                if keep:
+                    taken, undo = self._take(tenant, prompt.items, config, call.conversation, pooled)
             except BaseException:
                 prompt.close()
                 raise
         looks = dataclasses.replace(call, looks_ahead=keep and call.looks_ahead)  # else nothing ahead
         session, stream = self._start(taken, undo, prompt, looks, record, config)
-        with self._lock:
-            if taken is not None and undo is not None:  # (kept meanwhile, starting: out now)
-                self._starting.discard(taken)
-                if taken in self._tenants:
-                    self._unkeep(taken)
-            if keep and pooled:
-                self._keep(session, tenant, call.conversation)
-            elif call.conversation is not None:
-                self._pending[session] = call.conversation  # (its label, for ``adopt``)
-            return stream
+        try:
+            with self._lock:
+                self._starting.discard(session)
+                if self._closed:  # (the model closed meanwhile: kept by no one)
+                    session.close()
+                elif keep and pooled:
+                    if session in self._tenants:  # (taken, kept meanwhile: most recent now)
+                        self._unkeep(session)
+                    self._keep(session, tenant, call.conversation)
+                elif call.conversation is not None:
+                    self._pending[session] = call.conversation  # (its label, for ``adopt``)
+        except BaseException:  # (a Ctrl-C at the lock: the session is no one's starting one)
+            stream.close()
+            with self._lock:
+                self._starting.discard(session)
+            raise
+        return stream
 
     def _start(
         self,
@@ -290,24 +302,22 @@ class StatelessSessions:
         if config.share_prefix:
             return None
         with self._lock:
-            return self._record(tenant) if tenant is not None else ReplyTokens(capacity=256)
-
-    def _record(self, tenant: str | None) -> ReplyTokens:
-        """The replies a tenant's kept-apart calls generated, for splicing its next prompts
-        (the least recently used tenant's forgotten past ``RECORDS``)."""
-        record = self._records.pop(tenant, None) or ReplyTokens(capacity=256)
-        self._records[tenant] = record
-        while len(self._records) > RECORDS:
-            self._records.popitem(last=False)
-        return record
+            return self._records.of(tenant) if tenant is not None else ReplyTokens(capacity=256)
 
     def _take(
-        self, tenant: str | None, items: Sequence[object], config: SessionConfig, label: str | None
+        self,
+        tenant: str | None,
+        items: Sequence[object],
+        config: SessionConfig,
+        label: str | None,
+        pooled: bool,
     ) -> tuple[LocalSession | None, Callable[[], None] | None]:
         """The kept session a call takes (``keeping.choose``: its tenant's, with its settings,
         idle, sharing at least half its cache with ``items``; a fork where the call branches off
         or the session is another conversation's), else None (a new one); and what puts it back
-        if the call fails to start (``_undo_take``)."""
+        if the call fails to start (``_undo_take``). Taken for a call that keeps it (``pooled``),
+        it stays in its place, starting, with the call's label (as it will be kept); else it
+        leaves the kept ones now (``adopt`` keeps it again)."""
         self._forget_closed()
         wanted = resolved_config(self.model, config)  # (a session loaded elsewhere has its own ``asked``)
         kept = self._seen(lambda s: self._tenants[s] == tenant and s.config == wanted)
@@ -322,7 +332,13 @@ class StatelessSessions:
         if choice.fork:
             return chosen.fork(), None  # the fork's own transcript is replaced by the caller
         undo = self._undo_take(chosen, choice.index, tenant)
+        if not pooled:
+            self._unkeep(chosen)
+            return chosen, undo
         self._starting.add(chosen)
+        self._labels.pop(chosen, None)
+        if label is not None:
+            self._labels[chosen] = label
         return chosen, undo
 
     def _undo_take(self, session: LocalSession, index: int, tenant: str | None) -> Callable[[], None]:
@@ -334,11 +350,14 @@ class StatelessSessions:
         def undo() -> None:
             session.messages, session.looks_ahead, session.replies = was
             self._starting.discard(session)
-            if not session.closed and session not in self._tenants:  # (out since: ``close``)
+            if session.closed or self._closed:
+                return
+            if session not in self._tenants:  # (out: ``pooled`` False, or closed and forgotten)
                 self._sessions.insert(min(index, len(self._sessions)), session)
                 self._tenants[session] = tenant
-                if label is not None:
-                    self._labels[session] = label
+            self._labels.pop(session, None)
+            if label is not None:
+                self._labels[session] = label
 
         return undo
 
@@ -377,3 +396,4 @@ class StatelessSessions:
             self._pending.clear()
             self._records.clear()
             self._starting.clear()
+            self._closed = True

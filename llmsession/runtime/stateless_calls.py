@@ -4,6 +4,7 @@ Pure: no bindings."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import cast
 
@@ -12,6 +13,7 @@ from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Message
 from llmsession.runtime.continuing import Prefill
+from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
@@ -28,6 +30,28 @@ class Call:
     looks_ahead: bool = True  # a chat's next turn may be anticipated; a raw completion's not
     conversation: str | None = None  # the label its session takes (``StatelessSessions.take``)
     prefill: Prefill | None = None  # the assistant's text its reply continues (``continuing``)
+
+
+RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
+
+
+class TenantReplies:
+    """The replies each tenant's kept-apart calls generated, for splicing its next prompts (the
+    least recently used tenant's forgotten past ``RECORDS``). Not thread-safe: its owner's lock."""
+
+    def __init__(self) -> None:
+        self._records: OrderedDict[str, ReplyTokens] = OrderedDict()
+
+    def of(self, tenant: str) -> ReplyTokens:
+        """``tenant``'s record, most recently used now."""
+        record = self._records.pop(tenant, None) or ReplyTokens(capacity=256)
+        self._records[tenant] = record
+        while len(self._records) > RECORDS:
+            self._records.popitem(last=False)
+        return record
+
+    def clear(self) -> None:
+        self._records.clear()
 
 
 def keeps(tenant: str | None, config: SessionConfig) -> bool:
