@@ -354,6 +354,25 @@ def test_a_response_echoes_only_what_was_read_of_its_request(served: Served) -> 
                 assert echoed["tools"] == [TOOL] and echoed["tool_choice"] == FORCED
             else:
                 assert echoed["text"]["format"] == schema
+        # What it echoes is checked (a list as ``strict`` or a name, 8 MiB of it, was kept at
+        # sixteen times its JSON), and a text format echoes no schema, name or strictness.
+        for bad, param in (
+            ({"tools": [{**TOOL, "strict": [[]] * 3}]}, "tools[0].strict"),
+            ({"text": {"format": {**schema, "name": [[]]}}}, "text.format.name"),
+            ({"text": {"format": {**schema, "name": "a b"}}}, "text.format.name"),
+            ({"text": {"format": {**schema, "strict": "yes"}}}, "text.format.strict"),
+            ({"text": {"format": {**schema, "description": [[]]}}}, "text.format.description"),
+        ):
+            answer = http.post(
+                "/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 2, **bad}
+            )
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+        plain = {"type": "text", "schema": [[]] * 3, "name": [[]], "strict": [[]]}
+        answer = http.post(
+            "/responses",
+            json={"model": "m", "input": "Hi", "max_output_tokens": 2, "text": {"format": plain}},
+        )
+        assert answer.status_code == 200 and answer.json()["text"]["format"] == {"type": "text"}, answer.text
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ when a client sends them. Fields the engine has no use for (``include``, ``trunc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,12 +256,15 @@ def _tool(tool: object, at: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else kind_of(tool)
         raise ApiError(f"{at}: only function tools are supported here, got {kind!r:.40}", at)
+    if tool.get("strict") is not None and not isinstance(tool["strict"], bool):  # (echoed: checked)
+        raise ApiError(f"{at}.strict must be a boolean, got {kind_of(tool['strict'])}", f"{at}.strict")
     function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 
-# What a response echoes of its request is what was read of it: a field the engine has no use
-# for is not kept with the response (a body of 8 MiB of them took twenty times that in objects).
+# What a response echoes of its request is what was read of it, and checked: a field the engine
+# has no use for is not kept with the response (a body of 8 MiB of them took twenty times that in
+# objects; a list echoed as ``strict`` or a text format's ``schema``, sixteen times its JSON).
 def _echoed_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tool[k] for k in ("type", "name", "description", "parameters", "strict") if k in tool}
 
@@ -270,8 +274,11 @@ def _echoed_choice(choice: Any) -> Any:
 
 
 def _echoed_format(fmt: Any) -> dict[str, Any]:
-    keys = ("type", "name", "description", "schema", "strict")
-    return {k: fmt[k] for k in keys if k in fmt} if isinstance(fmt, dict) else {"type": "text"}
+    if not isinstance(fmt, dict):
+        return {"type": "text"}
+    if fmt.get("type") != "json_schema":
+        return {"type": fmt.get("type")}
+    return {k: fmt[k] for k in ("type", "name", "description", "schema", "strict") if k in fmt}
 
 
 def _format(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,10 +293,25 @@ def _format(body: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "json_schema":
+        _check_named_format(fmt)
         return {"response_format": {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}}
     if kind in ("json_object", "text"):
         return {"response_format": {"type": kind}}
     raise ApiError('text.format.type must be "text", "json_object" or "json_schema"', "text.format")
+
+
+FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (OpenAI's rule for a format's name)
+
+
+def _check_named_format(fmt: Mapping[str, Any]) -> None:
+    """A ``json_schema`` format's echoed fields: ``name`` (OpenAI's rule), ``description``, ``strict``."""
+    name = fmt.get("name")
+    if name is not None and not (isinstance(name, str) and FORMAT_NAME.fullmatch(name)):
+        raise ApiError("text.format.name must be 1-64 letters, digits, '_' or '-'", "text.format.name")
+    if fmt.get("description") is not None and not isinstance(fmt["description"], str):
+        raise ApiError("text.format.description must be a string", "text.format.description")
+    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+        raise ApiError("text.format.strict must be a boolean", "text.format.strict")
 
 
 def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
