@@ -6,6 +6,7 @@ OpenAI Agents SDK with a function tool."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -20,7 +21,9 @@ import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
 from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
+from llmsession.serve.doors import ResponsesDoor
 from llmsession.serve.responses_sse import Items, ResponseObject
+from llmsession.serve.runner import Event
 
 TOOL = {"type": "function", **WEATHER["function"], "strict": False}
 FORCED = {"type": "function", "name": "get_weather"}
@@ -438,3 +441,36 @@ def test_a_chain_of_responses_keeps_each_message_once(served: Served) -> None:
     assert [len(t) for t in transcripts] == [2, 4, 6]  # (a question and its reply each: no system)
     for before, after in itertools.pairwise(transcripts):
         assert all(a is b for a, b in zip(before, after, strict=False)), (before, after)
+
+
+class NoMore:
+    """A stand-in for a door's choices whose events all came first (pure logic)."""
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("finish", ["stop", "length", "cancelled"])
+def test_a_response_is_stored_before_its_client_reads_that_it_ended(finish: str) -> None:
+    """Stored once its client read ``response.completed``, a response could be continued or
+    fetched only after the server went on (a continuation got "still in progress" meanwhile,
+    and a client gone at that moment left it unstored). One cut short by its client going or
+    the server stopping (``cancelled``) is stored never, and says so in its status."""
+    reply = Reply("Hi", finish, Usage(), Timings())  # type: ignore[arg-type]
+    stored: list[dict[str, Any]] = []
+    door = ResponsesDoor(ResponseObject("m", {}), lambda body, _: stored.append(body))
+
+    async def read() -> list[str]:
+        kinds: list[str] = []
+        async for piece in door.stream(NoMore(), [Event(0, reply=reply)]):  # type: ignore[arg-type]
+            kind = json.loads(piece.decode().split("data: ", 1)[1])["type"]
+            if kind in ("response.completed", "response.incomplete", "response.failed"):
+                assert len(stored) == (finish != "cancelled"), kind  # (as its end is read)
+            kinds.append(kind)
+        return kinds
+
+    kinds = asyncio.run(read())
+    status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[finish]
+    assert kinds[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
+    assert door.whole([reply], None)["status"] == status and len(stored) == 2 * (finish != "cancelled")
+    assert all(item["status"] in ("completed", "incomplete") for item in door.whole([reply], None)["output"])

@@ -123,6 +123,12 @@ def prompt_usage(first: list[Event]) -> Usage | None:
 Keep = Callable[[dict[str, Any], Reply], None]  # a finished response, to store
 
 
+def kept(reply: Reply) -> bool:
+    """Whether a response to ``reply`` is stored: not one cut short by its client going or the
+    server stopping (``cancelled``: its text is whatever had come)."""
+    return reply.finish_reason != "cancelled"
+
+
 class ResponsesDoor:
     """OpenAI's responses: one choice. ``keep`` is given each finished response (stored, for
     ``store: true``); a failed or cancelled one is not. Past ``patience`` a stream begins with
@@ -137,7 +143,7 @@ class ResponsesDoor:
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         body = self.response.whole(replies[0])
-        if self.keep is not None:
+        if self.keep is not None and kept(replies[0]):
             self.keep(body, replies[0])
         return body
 
@@ -158,10 +164,10 @@ class ResponsesDoor:
                         yield piece
                 elif event.reply is not None:
                     pieces, final = response.finish(event.reply, items)
+                    if self.keep is not None and kept(event.reply):  # (before its client reads it ended)
+                        self.keep(final, event.reply)
                     for piece in pieces:
                         yield piece
-                    if self.keep is not None:
-                        self.keep(final, event.reply)
                     break
         finally:
             choices.cancel()

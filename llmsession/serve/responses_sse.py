@@ -119,9 +119,9 @@ class ResponseObject:
         return self.final(reply, items)
 
     def final(self, reply: Reply, items: Items) -> dict[str, Any]:
-        status = "incomplete" if reply.finish_reason == "length" else "completed"
+        status = _status(reply)
         for item in items.items:
-            item["status"] = status
+            item["status"] = "completed" if status == "completed" else "incomplete"  # (an item's)
         extra = {"incomplete_details": {"reason": "max_output_tokens"}} if status == "incomplete" else {}
         return self.body(status, items.items, reply.usage, **extra)
 
@@ -216,17 +216,19 @@ class ResponseObject:
         streamed ``completed`` when the next one opened; it is left out all the same.) Left with
         no item, it ends with an empty message, as the response not streamed does, given the
         next output index of the stream (the first of the response's)."""
-        status = "incomplete" if reply.finish_reason == "length" else "completed"
+        status = _status(reply)
         made = {call.id for call in reply.tool_calls}
         cut = items.open and items.call is not None and items.items[-1]["call_id"] not in made
         out = [] if items.items else self._open(items, _message(""))
-        out += self._close(items, "incomplete" if cut else status)
+        closing = "completed" if status == "completed" else "incomplete"  # (an item's status)
+        out += self._close(items, "incomplete" if cut else closing)
         kept = [item for item in items.items if item["type"] != "function_call" or item["call_id"] in made]
         if not kept:
-            out += self._open(items, _message("")) + self._close(items, status)
+            out += self._open(items, _message("")) + self._close(items, closing)
             kept = items.items[-1:]
         final = self.final(reply, Items(kept))
-        return [*out, self._event(f"response.{status}", response=final)], final
+        ending = "incomplete" if status == "cancelled" else status  # (the SDK's events have none)
+        return [*out, self._event(f"response.{ending}", response=final)], final
 
     def failed(self, error: ApiError, items: Items) -> bytes:
         """The stream's end after a failure: ``response.failed`` with the error (the item it
@@ -262,3 +264,9 @@ def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
         "arguments": arguments,
         "status": "completed",
     }
+
+
+def _status(reply: Reply) -> str:
+    """A finished response's status: ``incomplete`` at its token limit, ``cancelled`` when its
+    client went or the server stopped (never stored), else ``completed``."""
+    return {"length": "incomplete", "cancelled": "cancelled"}.get(reply.finish_reason, "completed")
