@@ -22,6 +22,8 @@ from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
 from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
 from llmsession.serve.doors import ResponsesDoor
+from llmsession.serve.errors import ApiError
+from llmsession.serve.responses import responses_ask, responses_request
 from llmsession.serve.responses_sse import Items, ResponseObject
 from llmsession.serve.runner import Event
 
@@ -474,3 +476,47 @@ def test_a_response_is_stored_before_its_client_reads_that_it_ended(finish: str)
     assert kinds[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
     assert door.whole([reply], None)["status"] == status and len(stored) == 2 * (finish != "cancelled")
     assert all(item["status"] in ("completed", "incomplete") for item in door.whole([reply], None)["output"])
+
+
+def png_url() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    data = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(data, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(data.getvalue()).decode()
+
+
+def test_a_chain_of_responses_is_bounded_by_its_new_input_not_its_whole_history() -> None:
+    """A continuation's stored transcript was read again as part of the new request, so a chain
+    hit one request's bounds: a third turn of three images each got "at most 8 images", an
+    agent's 340th step "at most 1,024 messages". The stored turns are read once, when asked;
+    the new input is bounded as any request is (pure: the requests as the route reads them)."""
+    pictured = [{"type": "input_image", "image_url": png_url()}] * 3
+    history: list[dict[str, Any]] = []
+    for turn in range(3):
+        asked = responses_request(
+            responses_ask(
+                {
+                    "model": "m",
+                    "input": [{"role": "user", "content": [*pictured, {"type": "input_text", "text": "?"}]}],
+                }
+            ),
+            history,
+        )
+        history = [*asked.messages.messages(), {"role": "assistant", "content": f"Seen {turn}."}]
+    long = [
+        message
+        for n in range(600)
+        for message in ({"role": "user", "content": f"{n}"}, {"role": "assistant", "content": "ok"})
+    ]
+    asked = responses_request(responses_ask({"model": "m", "input": "And now?"}), long)
+    assert len(asked.messages.messages()) == 1201
+    for too_many in (  # (the new input's own bounds stand)
+        {"model": "m", "input": [{"role": "user", "content": [*pictured, *pictured, *pictured]}]},
+        {"model": "m", "input": [{"role": "user", "content": "a"}] * 1025},
+    ):
+        with pytest.raises(ApiError):
+            responses_request(responses_ask(too_many), history)

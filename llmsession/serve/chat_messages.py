@@ -17,12 +17,13 @@ from llmsession.text.transcript import Transcript
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def transcript(raw: list[Any], images: ImageCount) -> Transcript:
+def transcript(raw: list[Any], images: ImageCount, kept: range = range(0)) -> Transcript:
     """The messages as the library's checked ``Transcript`` (its own check, made once), with
     something to answer, as a stateless call needs, or the assistant's text to continue after
-    it (a prefill: ``Transcript.prefilled``)."""
+    it (a prefill: ``Transcript.prefilled``). Those at ``kept`` are a stored response's, read
+    and counted when it was asked: the library's check only."""
     try:
-        checked = Transcript([_message(i, m, images) for i, m in enumerate(raw)])
+        checked = Transcript([m if i in kept else _message(i, m, images) for i, m in enumerate(raw)])
     except TemplateError as error:
         raise ApiError(str(error), "messages") from None
     if not checked.ends_with_question() and checked.prefilled() is None:

@@ -105,12 +105,14 @@ NAMES = {
 
 def responses_request(ask: ResponsesAsk, history: list[dict[str, Any]]) -> ChatRequest:
     """The chat request a read body asks for, after the transcript it continues: checked as a
-    chat's (an error names the field as the Responses API spells it). OpenAI's API has no
-    prefill: an input that ends with the assistant's text is refused, as a stored response
-    keeps its reply as a message of its own after the input."""
+    chat's (an error names the field as the Responses API spells it), the stored transcript by
+    the library's check only (its images are not read again, nor counted with the input's).
+    OpenAI's API has no prefill: an input that ends with the assistant's text is refused, as a
+    stored response keeps its reply as a message of its own after the input."""
     system = [{"role": "system", "content": ask.instructions}] if ask.instructions else []
+    stored = range(len(system), len(system) + len(history))  # (read when they were asked)
     try:
-        asked = chat_request({**ask.chat, "messages": [*system, *history, *ask.items]})
+        asked = chat_request({**ask.chat, "messages": [*system, *history, *ask.items]}, kept=stored)
     except ApiError as error:
         raise renamed(error, NAMES) from None
     if not asked.messages.ends_with_question():

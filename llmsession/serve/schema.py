@@ -64,17 +64,21 @@ class ChatRequest:
     keep_alive: float | None = None  # seconds its model stays loaded once idle (-1: keep)
 
 
-def chat_request(body: Mapping[str, Any], default_max_tokens: int = INT32_MAX) -> ChatRequest:
-    """A ``/v1/chat/completions`` body, checked (``ApiError`` for the first bad field)."""
+def chat_request(
+    body: Mapping[str, Any], default_max_tokens: int = INT32_MAX, kept: range = range(0)
+) -> ChatRequest:
+    """A ``/v1/chat/completions`` body, checked (``ApiError`` for the first bad field). The
+    messages at ``kept`` are a stored response's, read and counted when it was asked: neither
+    read again nor counted (a chain of responses is bounded by what the store keeps)."""
     model = optional(body, "model", str)
     keep_alive = keep_alive_of(body.get("keep_alive"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError("messages must be a non-empty list", "messages")
-    if len(raw) > MAX_MESSAGES:
+    if len(raw) - len(kept) > MAX_MESSAGES:
         raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     images = ImageCount()
-    messages = transcript(raw, images)
+    messages = transcript(raw, images, kept)
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
         raise ApiError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
