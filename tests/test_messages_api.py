@@ -537,3 +537,17 @@ def test_what_no_route_answers_under_anthropics_paths_is_in_its_error_body(serve
     with running(outer) as url:
         mounted = httpx.get(f"{url.removesuffix('/v1')}/llm/v1/messages", headers=auth, timeout=60)
     assert mounted.status_code == 405 and mounted.json()["type"] == "error", mounted.text
+
+
+def test_a_call_nested_too_deep_for_the_event_loop_is_its_input_as_text() -> None:
+    """A tool of schema ``{"type": "object"}`` takes arguments hundreds of lists deep (llguidance
+    allows them): read as ``input`` on the event loop's stack, or written into the body, they
+    raised RecursionError, a 500. Past ``MAX_INPUT_DEPTH`` the input is the call's JSON text."""
+    from llmsession.replies import ToolCall
+    from llmsession.serve.messages_sse import MAX_INPUT_DEPTH, tool_input
+
+    for depth in (2000, MAX_INPUT_DEPTH + 1):
+        deep = '{"a": ' + "[" * depth + "]" * depth + "}"
+        assert tool_input(ToolCall("toolu_1", "f", deep)) == {"arguments": deep}
+    fine = '{"a": ' + "[" * 100 + "]" * 100 + "}"
+    assert json.dumps(tool_input(ToolCall("toolu_1", "f", fine))) == fine

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmsession.replies import Reply, Snapshot, ToolCall, Usage
+from llmsession.serve.body import nests_deeper
 from llmsession.serve.errors import ApiError
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else "end_turn"
@@ -72,11 +73,18 @@ def stop_reason(reply: Reply) -> str:
     return STOP_REASONS.get(reply.finish_reason, "end_turn")
 
 
+MAX_INPUT_DEPTH = 128  # levels of a call's input written as an object (else as its JSON text)
+
+
 def tool_input(call: ToolCall) -> dict[str, Any]:
-    """A call's arguments as the object ``input`` is (any other JSON value kept under a key)."""
+    """A call's arguments as the object ``input`` is (any other JSON value kept under a key; one
+    nested past ``MAX_INPUT_DEPTH``, which the event loop's stack may not read or write again,
+    as its text: a schema of ``{"type": "object"}`` takes arguments 900 lists deep)."""
     try:
         value = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
+        return {"arguments": call.arguments}
+    if nests_deeper(value, MAX_INPUT_DEPTH):
         return {"arguments": call.arguments}
     return value if isinstance(value, dict) else {"arguments": value}
 
