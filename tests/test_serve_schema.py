@@ -307,6 +307,16 @@ CHECKED_UP_FRONT = [  # each used to pass the schema and fail only inside the ru
     ({"messages": HI, "stop": ["a"] * 17}, "stop"),
     ({"messages": HI, "stop": ["é" * 513]}, "stop"),
     ({"messages": HI, "user": "u" * 257}, "user"),
+    # A format's schema as the tools' are (it was refused as the call compiled it: after the
+    # stream's 5 s wait, a 200 then an error event).
+    *[
+        ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": bad}}}, param)
+        for bad, param in (
+            ({"type": "nope"}, "response_format"),
+            ({"$ref": "http://evil.example/x"}, "response_format"),
+            ({"type": "string", "pattern": "(?=a)a"}, "response_format"),
+        )
+    ],
 ]
 
 
