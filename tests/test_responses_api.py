@@ -520,3 +520,16 @@ def test_a_chain_of_responses_is_bounded_by_its_new_input_not_its_whole_history(
     ):
         with pytest.raises(ApiError):
             responses_request(responses_ask(too_many), history)
+
+
+def test_a_response_the_store_does_not_take_says_it_is_not_stored(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past what the store takes, a response is not kept: it said ``store: true`` and a later
+    retrieval or continuation was a 404 with nothing to tell why. The response not streamed
+    says ``store: false`` (a stream's last event is sent as it is)."""
+    monkeypatch.setattr(served.server.store, "size", 100)  # (bytes: any response is larger)
+    with served.http() as http:
+        answer = http.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["store"] is False, answer.text
+        assert http.get(f"/v1/responses/{answer.json()['id']}").status_code == 404

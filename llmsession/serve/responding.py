@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -28,6 +29,8 @@ from llmsession.serve.responses_sse import ResponseObject, response_id
 from llmsession.serve.schema import ChatRequest
 from llmsession.serve.store import ResponseStore
 from llmsession.serve.translation import Volatile
+
+log = logging.getLogger("llmsession.serve")
 
 
 class Serving(Protocol):
@@ -93,7 +96,12 @@ async def create(server: Serving, request: Request) -> Response:
         return await server.answer(request, asked, ResponsesDoor(response))
 
     def keep(body: dict[str, Any], reply: Reply) -> None:
-        store.put(key, body, [*transcript, assistant_message(reply)], after=stored if shared else None)
+        whole = [*transcript, assistant_message(reply)]
+        if not store.put(key, body, whole, after=stored if shared else None):
+            body["store"] = False  # (what the response not streamed says; a stream's is sent)
+            log.warning(
+                "response %s was not stored: larger than the store takes, or than its key may hold", ident
+            )
 
     store.begin(ident, key, response.body("in_progress", [], None))
     try:
