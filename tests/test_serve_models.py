@@ -343,6 +343,21 @@ def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tu
     assert capabilities["smol"]["chat"] is True and capabilities["smol"]["embeddings"] is False
 
 
+def test_an_embedding_model_embeds_whatever_context_the_chat_sessions_are_given(
+    smollm2_path: Path, fixture_path: Callable[[str], Path]
+) -> None:
+    """The server's session settings are checked against each chat model it loads; an
+    embedding model's inputs take its own context, yet it was checked too: with
+    ``--context-size 8192`` (bert's own is 512, made 2048) every embedding request was a 500,
+    remembered as long as the models beside it stayed loaded."""
+    models = Models({"smol": smollm2_path, "bert": fixture_path("bert-tiny.gguf")}, max_loaded=1, threads=1)
+    with models, running(create_app(models, session=SessionConfig(context_size=8192))) as url:
+        client = openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=120)
+        answer = client.embeddings.create(model="bert", input="cat", encoding_format="float")
+        assert len(answer.data[0].embedding) == 64
+        assert client.embeddings.create(model="bert", input="dog").data  # (nothing remembered)
+
+
 def test_a_card_says_what_its_model_does_once_it_is_known() -> None:
     from llmsession.api.modelfiles import kind_of
     from llmsession.serve.hosts import card

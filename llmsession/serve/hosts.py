@@ -138,7 +138,8 @@ class ManyModels:
             host = self._hosts.get(name)
             if host is None or host.model is not model:  # (loaded again: a new model, a new host)
                 try:
-                    fitting(model, name, self.settings)
+                    if model.pooling is None:  # (an embedding model's inputs take its own context)
+                        fitting(model, name, self.settings)
                 except ApiError as misfit:
                     self._misfits[name] = misfit, self._beside(name)
                     raise
