@@ -389,7 +389,12 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ),
     (CHAT, {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),  # nothing to answer
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": BAD_SCHEMA}, 400, None),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "x"}], "response_format": BAD_SCHEMA},
+        400,
+        "response_format",
+    ),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 10000}]}, 400, None),  # over the context
     # Numbers no double holds (issue 39: a 500), in every numeric field and anywhere else.
     (CHAT, raw_json(CHAT, f'"temperature": {HUGE}'), 400, "temperature"),
@@ -1185,3 +1190,26 @@ def test_logprobs_under_a_schema_list_only_allowed_tokens_and_split_characters_j
         e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
     ]
     assert "".join(e.token for e in streamed) == content
+
+
+def test_a_streams_queued_events_hold_no_copy_of_the_reply_so_far(smollm2: Model) -> None:
+    """A stream's events wait in its request's queue until its client reads them; each
+    snapshot held the whole text so far, so a client that read nothing (the decode goes on)
+    left the reply's square in memory: about 0.5 GB at 16K tokens, per choice. What waits is
+    as long as the reply (the doors read the deltas)."""
+    from llmsession.serve.runner import Event, Run
+
+    async def unread() -> list[Event]:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        released = asyncio.Event()
+        asked = [{"role": "user", "content": "Count from 1 to 50, separated by commas."}]
+        start = lambda: smollm2.chat_stream(asked, GenerationOptions(max_tokens=48, temperature=0))  # noqa: E731
+        Run(0, start, queue, lambda reply: None, released.set)
+        await asyncio.wait_for(released.wait(), 120)  # (the run ended, nothing read)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    events = asyncio.run(unread())
+    snapshots = [event.snapshot for event in events if event.snapshot is not None]
+    reply = events[-1].reply
+    assert reply is not None and len(snapshots) > 10 and "".join(s.delta for s in snapshots) == reply.text
+    assert sum(len(s.text) + len(s.delta) for s in snapshots) <= 2 * len(reply.text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -79,7 +80,9 @@ class Run:
         try:
             async for snapshot in self._stream:
                 if snapshot.delta or snapshot.tool_calls or snapshot.reasoning_delta or snapshot.usage:
-                    self._queue.put_nowait(Event(self.index, snapshot=snapshot))
+                    # Queued without the text so far (no door reads it): a client that reads
+                    # nothing left a copy of the whole reply per token queued, T**2 bytes.
+                    self._queue.put_nowait(Event(self.index, snapshot=dataclasses.replace(snapshot, text="")))
             if self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)
         except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
