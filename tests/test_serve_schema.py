@@ -840,3 +840,37 @@ def test_operator_keys_are_told_apart_from_tenants() -> None:
     assert operators_only.authorize(anonymous) is None and not anonymous.state.operator
     with pytest.raises(ValueError, match="operator key"):
         Access([], [""])
+
+
+@pytest.mark.parametrize("door", ["chat", "messages", "responses"])
+def test_a_door_that_cannot_write_an_event_ends_its_stream_with_an_error_event(
+    door: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error from the choices ends a stream with an error event in the API's words; one of
+    the door's own (an event it cannot write: a NaN score, which JSON has not) cut the stream
+    with none, and the official clients reported a broken connection."""
+    from llmsession.serve import doors, messages_sse, responses_sse
+    from llmsession.serve.runner import Event
+
+    def broken(*_: Any) -> Any:
+        raise ValueError("Out of range float values are not JSON compliant")
+
+    writer = {"chat": (sse.Completion, "pieces"), "messages": (messages_sse.AnthropicMessage, "pieces")}
+    cls, name = writer.get(door, (responses_sse.ResponseObject, "pieces"))
+    monkeypatch.setattr(cls, name, broken)
+    made = {
+        "chat": lambda: doors.CompletionDoor(sse.Completion("m")),
+        "messages": lambda: doors.MessagesDoor("m"),
+        "responses": lambda: doors.ResponsesDoor(responses_sse.ResponseObject("m", {})),
+    }[door]()
+    choices = SimpleNamespace(n=1, forks=None, cancel=lambda: None)
+
+    async def read() -> list[bytes]:
+        first = [Event(0, snapshot=Snapshot("a", "a"))]
+        return [piece async for piece in made.stream(choices, first)]  # type: ignore[arg-type]
+
+    said = b"".join(asyncio.run(read())).decode()
+    last = [line for line in said.splitlines() if line.startswith("data: ")]
+    ending = {"chat": '"server_error"', "messages": '"api_error"', "responses": '"response.failed"'}[door]
+    assert ending in (last[-2] if door == "chat" else last[-1]), said
+    assert door != "chat" or last[-1] == "data: [DONE]"

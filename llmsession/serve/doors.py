@@ -59,6 +59,9 @@ class CompletionDoor:
                 if completion.include_usage:
                     yield sse.event(completion.usage_chunk([replies[i] for i in range(choices.n)]))
             yield sse.DONE
+        except Exception as error:  # (its own: a chunk that cannot be written; logged, a 500's body)
+            yield sse.event(explain(error).body())
+            yield sse.DONE
         finally:
             choices.cancel()
 
@@ -94,6 +97,8 @@ class MessagesDoor:
                     for piece in message.finish(event.reply, blocks):
                         yield piece
                     break
+        except Exception as error:  # (its own: an event that cannot be written; logged, a 500's body)
+            yield message.error(explain(error))
         finally:
             choices.cancel()
 
@@ -169,5 +174,7 @@ class ResponsesDoor:
                     for piece in pieces:
                         yield piece
                     break
+        except Exception as error:  # (its own: an event that cannot be written; logged, a 500's body)
+            yield response.failed(explain(error), items)
         finally:
             choices.cancel()
