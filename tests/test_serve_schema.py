@@ -307,6 +307,7 @@ CHECKED_UP_FRONT = [  # each used to pass the schema and fail only inside the ru
     ({"messages": HI, "stop": ["a"] * 17}, "stop"),
     ({"messages": HI, "stop": ["é" * 513]}, "stop"),
     ({"messages": HI, "user": "u" * 257}, "user"),
+    ({"messages": [*HI, {"role": "assistant", "content": "Sure"}], "n": 2}, "n"),  # (it waited its turn)
     # A format's schema as the tools' are (it was refused as the call compiled it: after the
     # stream's 5 s wait, a 200 then an error event).
     *[

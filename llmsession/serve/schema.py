@@ -84,6 +84,8 @@ def chat_request(
     n = _integer(body, "n", 1, INT32_MAX)
     if n is not None and n > MAX_CHOICES:
         raise ApiError(f"n: at most {MAX_CHOICES} choices, got {n}", "n")
+    if n is not None and n > 1 and messages.prefilled() is not None:  # (before it waits its turn)
+        raise ApiError("n choices cannot continue the assistant's text (a prefill): ask for one", "n")
     stream = bool(optional(body, "stream", bool))
     stream_options = optional(body, "stream_options", dict) or {}
     include_usage = optional(stream_options, "include_usage", bool, "stream_options.include_usage")
