@@ -737,6 +737,9 @@ def test_metrics_label_the_page_and_a_bounded_set_of_paths() -> None:
     assert counted_path("/") == "/" and counted_path("/v1/chat/completions") == "/v1/chat/completions"
     assert counted_path("/static/app.js") == counted_path("/static/../../etc/passwd") == "/static/"
     assert {counted_path(f"/v1/x{i}") for i in range(100)} == {"other"}
+    for route in app_routes():  # (every route its own label: embeddings, operators' were "other")
+        path = route.path.replace("{name:path}", "{name}")
+        assert counted_path(route.path.replace("{id}", "x").replace("{name:path}", "a/b")) == path, path
 
 
 def nested(levels: int) -> dict[str, Any]:
@@ -875,3 +878,11 @@ def test_a_door_that_cannot_write_an_event_ends_its_stream_with_an_error_event(
     ending = {"chat": '"server_error"', "messages": '"api_error"', "responses": '"response.failed"'}[door]
     assert ending in (last[-2] if door == "chat" else last[-1]), said
     assert door != "chat" or last[-1] == "data: [DONE]"
+
+
+def app_routes() -> list[Any]:
+    """The routes of a server (its page's aside), as ``create_app`` makes them."""
+    from starlette.routing import Route
+
+    app = create_app(fake_model())
+    return [r for r in app.routes if isinstance(r, Route) and not r.path.startswith(("/static", "/favicon"))]

@@ -36,6 +36,10 @@ PATHS = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/api/ps",
+    "/models/load",
+    "/models/unload",
 )
 Style = Callable[[ApiError], dict[str, Any]]  # an API's error body
 
@@ -79,6 +83,8 @@ def counted_path(path: str) -> str:
         return path
     if path.startswith("/v1/responses/"):
         return "/v1/responses/{id}"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{name}"
     return "/static/" if path.startswith("/static/") else "other"
 
 
