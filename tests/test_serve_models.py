@@ -445,3 +445,16 @@ def test_with_operator_keys_a_tenant_neither_unloads_nor_reads_what_others_do(sm
         while any(s.loaded for s in models.status()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(s.loaded for s in models.status())  # (an operator's keep_alive: heeded)
+
+
+def test_a_model_that_cannot_load_now_tells_a_tenant_nothing_of_the_others() -> None:
+    """Why a model cannot load now is which others are held, their sizes and whether in use:
+    another tenant's activity, the operators' to read (``/api/ps``, the log), not the 503's."""
+    from llmsession.api._parking import full_message
+    from llmsession.errors import ModelsFullError
+    from llmsession.serve.hosts import no_room
+
+    held = [("secret-model", 300 << 20, False)]
+    error = no_room(ModelsFullError(full_message("chat", 100 << 20, None, held)), "chat")
+    assert error.status == 503 and error.retry_after == 5 and "cannot load now" in error.message
+    assert "secret-model" not in error.message and "MiB" not in error.message, error.message

@@ -5,6 +5,7 @@ reloads."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import re
@@ -113,11 +114,10 @@ class Folder:
         place = Path(under) if under is not None else Path(tempfile.gettempdir())
         place.mkdir(parents=True, exist_ok=True)
         self.path, self._remove = parking.own_folder(place, self)
-        self.count = 0
+        self._numbers = itertools.count(1)  # (atomic: parks run in the sweeper's and loaders' threads)
 
     def next_file(self) -> Path:
-        self.count += 1
-        return self.path / f"{self.count}.session"
+        return self.path / f"{next(self._numbers)}.session"
 
     def remove(self) -> None:
         self._remove()

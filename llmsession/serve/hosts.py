@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from llmsession.api.modelfiles import ModelStatus
     from llmsession.api.models import Models
 
+log = logging.getLogger("llmsession.serve")
+
 
 def not_found(name: str | None, names: list[str]) -> ApiError:
     asked = "no model named" if name else "a model must be named: one of"
@@ -32,12 +35,15 @@ def not_found(name: str | None, names: list[str]) -> ApiError:
     return ApiError(f"{asked}{shown} {', '.join(names)}", "model", "model_not_found", 404)
 
 
-def no_room(error: ModelsFullError) -> ApiError:
-    """A 503: the model cannot load now (what is held, as ``Models`` says it); retried after 5
-    seconds, unless it is larger than the memory limit by itself (no retry helps)."""
+def no_room(error: ModelsFullError, name: str) -> ApiError:
+    """A 503: the model cannot load now, retried after 5 seconds, unless it is larger than the
+    memory limit by itself (no retry helps). What is held, and by whom in use, is the
+    operators' to read (logged, and ``/api/ps``): not any tenant's."""
     if error.too_large:
         return ApiError(str(error), "model", "model_too_large", 503, "server_error")
-    return ApiError(str(error), "model", "model_not_loaded", 503, "server_error", 5)
+    log.warning("%s", error)
+    said = f"model {name!r} cannot load now: the models loaded are in use; retry shortly"
+    return ApiError(said, "model", "model_not_loaded", 503, "server_error", 5)
 
 
 class OneModel:
@@ -117,7 +123,7 @@ class ManyModels:
         except ModelNotFoundError:
             raise not_found(name, self.names) from None
         except ModelsFullError as error:
-            raise no_room(error) from None
+            raise no_room(error, served) from None
         finally:
             if not later:
                 turn.release()
