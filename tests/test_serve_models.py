@@ -458,3 +458,22 @@ def test_a_model_that_cannot_load_now_tells_a_tenant_nothing_of_the_others() -> 
     error = no_room(ModelsFullError(full_message("chat", 100 << 20, None, held)), "chat")
     assert error.status == 503 and error.retry_after == 5 and "cannot load now" in error.message
     assert "secret-model" not in error.message and "MiB" not in error.message, error.message
+
+
+def test_a_model_whose_file_fails_to_load_unloads_no_other_again(smollm2_path: Path, tmp_path: Path) -> None:
+    """A configured file that does not load (corrupt, truncated) made every request for it
+    unload the least recently used idle models first, then fail: a 500 that said nothing. Its
+    failure is remembered for a while (its file unchanged): the next request unloads nothing;
+    the client gets a typed 500 naming no path; a file replaced since is loaded again."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 4096)
+    models = Models({"smol": smollm2_path, "bad": bad}, max_loaded=1, threads=1)
+    with models, running(create_app(models, api_key=KEY)) as url:
+        for attempt in range(2):
+            assert chat(url, "smol", "Hi.").choices  # (loaded, then idle)
+            with pytest.raises(openai.InternalServerError) as failed:
+                chat(url, "bad", "Hi.")
+            assert failed.value.code == "model_load_failed" and str(tmp_path) not in failed.value.message
+            assert states(url)["smol"] == ("unloaded" if attempt == 0 else "loaded"), attempt
+        bad.write_bytes(smollm2_path.read_bytes())  # (mended: tried again at once)
+        assert chat(url, "bad", "Hi.").choices and states(url)["smol"] == "unloaded"

@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmsession.api import _parking
+from llmsession.errors import ModelLoadError
+
+LOAD_RETRY_SECONDS = 30.0  # a model whose file failed to load is not tried again before this
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -90,6 +93,31 @@ class Entry:
         self.loads = 0
         self.pooling: str | None = None  # (as its last load read it: an embedding model's)
         self.parked: list[_parking.Parked] = []
+        self._failed: tuple[float, tuple[int, int] | None, ModelLoadError] | None = None
+
+    def failed_load(self) -> ModelLoadError | None:
+        """Its last load's error while ``LOAD_RETRY_SECONDS`` have not passed and its files are
+        as they were: a bad file is not loaded again on every request (each load unloaded the
+        least recently used idle models first, and failed)."""
+        if self._failed is None:
+            return None
+        until, files, error = self._failed
+        if time.monotonic() < until and files == self._signature():
+            return error
+        self._failed = None
+        return None
+
+    def failing(self, error: BaseException) -> None:
+        """A load of it failed: a ``ModelLoadError`` (its file) is remembered (``failed_load``)."""
+        if isinstance(error, ModelLoadError):
+            self._failed = time.monotonic() + LOAD_RETRY_SECONDS, self._signature(), error
+
+    def _signature(self) -> tuple[int, int] | None:
+        try:
+            stat = self.file.path.stat()
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
 
     @property
     def idle(self) -> bool:

@@ -31,7 +31,7 @@ from llmsession.api import _parking
 from llmsession.api.model import Model
 from llmsession.api.modelfiles import Entry, ModelFile, ModelStatus, folder_models, kind_of, model_file
 from llmsession.config import MemoryConfig, ModelConfig, model_configs
-from llmsession.errors import ModelClosedError, ModelNotFoundError, ModelsFullError
+from llmsession.errors import ModelClosedError, ModelLoadError, ModelNotFoundError, ModelsFullError
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -111,6 +111,9 @@ class Models:
                 self._forget_closed()
                 if entry.model is not None and not entry.busy:
                     return self._used(entry, keep)
+                failed = entry.failed_load() if not entry.busy else None
+                if failed is not None:  # (nothing unloaded for a file that just failed)
+                    raise ModelLoadError(str(failed)) from None
                 doomed = None if entry.busy else self._room_for(name, entry.footprint)
                 if doomed is not None:
                     break
@@ -122,9 +125,10 @@ class Models:
                 self._unload(other)
                 done += 1
             model = self._load(entry)
-        except BaseException:
+        except BaseException as error:
             with self._changed:
                 entry.busy = False
+                entry.failing(error)
                 for other in doomed[done + 1 :]:  # (``_unload`` let go of the one that failed)
                     other.busy = False
                 self._changed.notify_all()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmsession.api.modelfiles import kind_of
 from llmsession.config import SessionConfig
-from llmsession.errors import ModelNotFoundError, ModelsFullError
+from llmsession.errors import ModelLoadError, ModelNotFoundError, ModelsFullError
 from llmsession.serve.chat import Held, Host
 from llmsession.serve.errors import ApiError
 from llmsession.serve.metrics import Metrics
@@ -124,6 +124,10 @@ class ManyModels:
             raise not_found(name, self.names) from None
         except ModelsFullError as error:
             raise no_room(error, served) from None
+        except ModelLoadError as error:  # (the operator's file: logged; its path is not the client's)
+            log.error("model %r failed to load: %s", served, error)
+            said = f"model {name!r:.80} failed to load on this server (its log says why)"
+            raise ApiError(said, "model", "model_load_failed", 500, "server_error", final=True) from None
         finally:
             if not later:
                 turn.release()
