@@ -597,6 +597,36 @@ def test_admission_queues_then_refuses() -> None:
     assert asyncio.run(scenario()) == ["released", "granted"]
 
 
+def test_admission_is_shared_fairly_between_callers() -> None:
+    """One key's flood held every place in the queue and the room in arrival order: another
+    key waited behind it all, or was refused. A full queue takes the other's request by
+    refusing the flood's newest, and room goes to the caller that runs the least now."""
+
+    async def scenario() -> tuple[list[str], int]:
+        admission = Admission(limit=1, queue=3)
+        granted: list[str] = []
+        assert await admission.acquire(1, caller="flood") == 1  # (running)
+
+        async def ask(caller: str) -> None:
+            weight = await admission.acquire(1, caller=caller)
+            granted.append(caller)
+            await asyncio.sleep(0)
+            admission.release(weight, caller)
+
+        flood = [asyncio.create_task(ask("flood")) for _ in range(3)]
+        await asyncio.sleep(0)  # (the queue is full of the flood's)
+        other = asyncio.create_task(ask("other"))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError):  # (the flood's own next request: no place of another's to take)
+            await admission.acquire(1, caller="flood")
+        admission.release(1, "flood")
+        ended = await asyncio.gather(other, *flood, return_exceptions=True)
+        return granted, sum(isinstance(e, ApiError) and e.status == 503 for e in ended)
+
+    granted, refused = asyncio.run(scenario())
+    assert refused == 1 and granted[:1] == ["other"] and granted.count("flood") == 2, granted
+
+
 def test_error_bodies_are_json() -> None:
     error = ApiError("nope", "n", "bad", 400)
     assert json.loads(json.dumps(error.body())) == {

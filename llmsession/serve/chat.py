@@ -180,6 +180,7 @@ class Call:
     ) -> None:
         self.host, self.request, self.asked, self.caller, self.door = host, request, asked, caller, door
         self.held = held  # (its model, held until it answered and its last run ended)
+        self._key: str | None = getattr(request.state, "key", None)  # (its caller's: a fair share)
 
     async def respond(self) -> Response:
         gone = asyncio.ensure_future(disconnected(self.request))
@@ -194,7 +195,7 @@ class Call:
     async def _respond(self, gone: asyncio.Future[None]) -> Response:
         asked, admission = self.asked, self.host.admission
         for retry in (False, True):
-            weight = await race(gone, admission.acquire(asked.n, behind=retry))
+            weight = await race(gone, admission.acquire(asked.n, behind=retry, caller=self._key))
             choices = self._start(weight)
             try:
                 patience = self.door.patience if asked.stream else None
@@ -218,7 +219,7 @@ class Call:
         held.hold()
 
         def released() -> None:
-            host.admission.release(weight)
+            host.admission.release(weight, self._key)
             host.metrics.flight(-1)
             held.drop()
 
@@ -244,7 +245,7 @@ class Call:
         """The request's choices once more, behind the requests running now (its stream has
         begun: its client's going away cancels this through the stream's ``cancel``)."""
         log.info("a stream found the memory budget full before its first token; it waits for a running one")
-        weight = await self.host.admission.acquire(self.asked.n, behind=True)
+        weight = await self.host.admission.acquire(self.asked.n, behind=True, caller=self._key)
         return self._start(weight)
 
 

@@ -181,20 +181,27 @@ class Relay:
 
 
 class Admission:
-    """At most ``limit`` choices decode at once, at most ``queue`` requests wait for room (first
-    come, first served); a request past that is refused with a 503 and ``Retry-After``. Used on
-    the event loop's thread only."""
+    """At most ``limit`` choices decode at once, at most ``queue`` requests wait for room; a
+    request past that is refused with a 503 and ``Retry-After``. Shared fairly between callers
+    (their keys): room goes to the waiting request whose caller runs the least now, then was
+    served longest ago (the earliest among equals: turn by turn), and a full queue takes a
+    caller's request by refusing the newest of the caller with the most waiting, if that is
+    another with more (one key's flood held every place in the queue, and every other key
+    waited behind it all or was refused). Used on the event loop's thread only."""
 
     def __init__(self, limit: int, queue: int) -> None:
         self.limit, self.queue = limit, queue
         self.used = 0
-        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._waiting: list[_Waiting] = []  # oldest first
+        self._running: collections.Counter[str | None] = collections.Counter()  # weight per caller
+        self._served: dict[str | None, int] = {}  # each caller's latest grant (of those present)
+        self._grants = 0
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def acquire(self, count: int, *, behind: bool = False) -> int:
+    async def acquire(self, count: int, *, behind: bool = False, caller: str | None = None) -> int:
         """Wait for room for ``count`` choices (at most ``limit``); the weight to ``release``.
         ``behind``: wait for a release by a request running now (a retry after the memory
         budget was full: room in sequences is not room in KV cells), 503 if none runs."""
@@ -202,27 +209,62 @@ class Admission:
         if behind and self.used == 0:
             raise busy("its memory is in use")
         if not behind and not self._waiting and self.used + count <= self.limit:
-            self.used += count
+            self._grant(count, caller)
             return count
         if len(self._waiting) >= self.queue:
-            raise busy("too many requests are waiting")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (count, future)
+            self._make_room(caller)
+        entry = _Waiting(count, caller, asyncio.get_running_loop().create_future())
         self._waiting.append(entry)
         try:
-            await future
+            await entry.future
         except asyncio.CancelledError:
             if entry in self._waiting:
                 self._waiting.remove(entry)
-            elif future.done() and not future.cancelled():
-                self.release(count)  # granted just as the request went away
+            elif entry.future.done() and not entry.future.cancelled():
+                self.release(count, caller)  # granted just as the request went away
             raise
         return count
 
-    def release(self, count: int) -> None:
+    def release(self, count: int, caller: str | None = None) -> None:
         self.used -= count
-        while self._waiting and self.used + self._waiting[0][0] <= self.limit:
-            count, future = self._waiting.popleft()
-            if not future.done():
-                self.used += count
-                future.set_result(None)
+        self._running[caller] -= count
+        if self._running[caller] <= 0:
+            del self._running[caller]
+        while self._waiting:
+            entry = min(self._waiting, key=self._turn)  # (the earliest of its turn)
+            if self.used + entry.count > self.limit:
+                break
+            self._waiting.remove(entry)
+            if not entry.future.done():
+                self._grant(entry.count, entry.caller)
+                entry.future.set_result(None)
+        present = {w.caller for w in self._waiting} | set(self._running)
+        self._served = {c: n for c, n in self._served.items() if c in present}  # (callers come and go)
+
+    def _turn(self, entry: _Waiting) -> tuple[int, int]:
+        """Whose turn it is: the caller running the least now, then the one served longest ago."""
+        return self._running[entry.caller], self._served.get(entry.caller, -1)
+
+    def _grant(self, count: int, caller: str | None) -> None:
+        self.used += count
+        self._running[caller] += count
+        self._grants += 1
+        self._served[caller] = self._grants
+
+    def _make_room(self, caller: str | None) -> None:
+        """A place in the full queue for ``caller``: the newest request of the caller with the
+        most waiting is refused, if that caller has more waiting than ``caller``; else 503."""
+        waiting = collections.Counter(w.caller for w in self._waiting)
+        most = max(waiting, key=lambda c: (waiting[c], self._running[c]))
+        if waiting[most] <= waiting[caller] + 1:
+            raise busy("too many requests are waiting")
+        newest = next(w for w in reversed(self._waiting) if w.caller == most)
+        self._waiting.remove(newest)
+        newest.future.set_exception(busy("too many requests of one caller are waiting"))
+
+
+@dataclass(eq=False)
+class _Waiting:
+    count: int
+    caller: str | None
+    future: asyncio.Future[None]
