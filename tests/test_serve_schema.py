@@ -627,6 +627,41 @@ def test_admission_is_shared_fairly_between_callers() -> None:
     assert refused == 1 and granted[:1] == ["other"] and granted.count("flood") == 2, granted
 
 
+def test_admission_counts_room_exactly_when_waiters_are_refused_or_cancelled() -> None:
+    """A waiter refused for another caller's place and cancelled in the same turn was released
+    though never granted (``used`` fell below what ran: more ran than the limit, then a retry
+    waited for a release that never came); a cancelled waiter could be chosen to refuse
+    (``InvalidStateError``, a 500); no queue at all was a ``ValueError``."""
+
+    async def scenario() -> None:
+        admission = Admission(limit=1, queue=2)
+        assert await admission.acquire(1, caller="a") == 1
+        b = [asyncio.create_task(admission.acquire(1, caller="b")) for _ in range(2)]
+        await asyncio.sleep(0)
+        c = asyncio.create_task(admission.acquire(1, caller="c"))
+        await asyncio.sleep(0)  # (c took b's newest place: b's newest is refused...)
+        b[1].cancel()  # (...and its client leaves in the same turn)
+        b[0].cancel()  # (a cancelled waiter, not yet gone from the queue...)
+        d = asyncio.create_task(admission.acquire(1, caller="d"))  # (...is no place to take back)
+        await asyncio.sleep(0)
+        await asyncio.gather(*b, return_exceptions=True)
+        admission.release(1, "a")
+        for waiter in (c, d):
+            admission.release(await waiter, "c" if waiter is c else "d")
+        assert admission.used == 0 and admission.waiting == 0
+
+    asyncio.run(scenario())
+
+    async def no_queue() -> None:
+        admission = Admission(limit=1, queue=0)
+        await admission.acquire(1)
+        with pytest.raises(ApiError) as refused:
+            await admission.acquire(1, caller="x")
+        assert refused.value.status == 503
+
+    asyncio.run(no_queue())
+
+
 def test_error_bodies_are_json() -> None:
     error = ApiError("nope", "n", "bad", 400)
     assert json.loads(json.dumps(error.body())) == {

@@ -220,7 +220,8 @@ class Admission:
         except asyncio.CancelledError:
             if entry in self._waiting:
                 self._waiting.remove(entry)
-            elif entry.future.done() and not entry.future.cancelled():
+                self._dispatch()  # (it may have been the one whose turn it was)
+            elif entry.granted:
                 self.release(count, caller)  # granted just as the request went away
             raise
         return count
@@ -230,14 +231,19 @@ class Admission:
         self._running[caller] -= count
         if self._running[caller] <= 0:
             del self._running[caller]
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Room to the waiting requests, turn by turn, while the one whose turn it is fits."""
+        self._waiting = [w for w in self._waiting if not w.future.done()]  # (cancelled: gone)
         while self._waiting:
             entry = min(self._waiting, key=self._turn)  # (the earliest of its turn)
             if self.used + entry.count > self.limit:
                 break
             self._waiting.remove(entry)
-            if not entry.future.done():
-                self._grant(entry.count, entry.caller)
-                entry.future.set_result(None)
+            self._grant(entry.count, entry.caller)
+            entry.granted = True
+            entry.future.set_result(None)
         present = {w.caller for w in self._waiting} | set(self._running)
         self._served = {c: n for c, n in self._served.items() if c in present}  # (callers come and go)
 
@@ -254,9 +260,12 @@ class Admission:
     def _make_room(self, caller: str | None) -> None:
         """A place in the full queue for ``caller``: the newest request of the caller with the
         most waiting is refused, if that caller has more waiting than ``caller``; else 503."""
+        self._waiting = [w for w in self._waiting if not w.future.done()]  # (cancelled: gone)
+        if len(self._waiting) < self.queue:
+            return
         waiting = collections.Counter(w.caller for w in self._waiting)
-        most = max(waiting, key=lambda c: (waiting[c], self._running[c]))
-        if waiting[most] <= waiting[caller] + 1:
+        most = max(waiting, key=lambda c: (waiting[c], self._running[c]), default=None)
+        if not waiting or waiting[most] <= waiting[caller] + 1:
             raise busy("too many requests are waiting")
         newest = next(w for w in reversed(self._waiting) if w.caller == most)
         self._waiting.remove(newest)
@@ -268,3 +277,4 @@ class _Waiting:
     count: int
     caller: str | None
     future: asyncio.Future[None]
+    granted: bool = False  # (its room is counted: released by whoever holds it)
