@@ -465,16 +465,20 @@ def test_a_response_is_stored_before_its_client_reads_that_it_ended(finish: str)
     async def read() -> list[str]:
         kinds: list[str] = []
         async for piece in door.stream(NoMore(), [Event(0, reply=reply)]):  # type: ignore[arg-type]
-            kind = json.loads(piece.decode().split("data: ", 1)[1])["type"]
+            said = json.loads(piece.decode().split("data: ", 1)[1])
+            kind = said["type"]
             if kind in ("response.completed", "response.incomplete", "response.failed"):
                 assert len(stored) == (finish != "cancelled"), kind  # (as its end is read)
+                assert said["response"]["store"] is (finish != "cancelled"), said  # (and says so)
             kinds.append(kind)
         return kinds
 
     kinds = asyncio.run(read())
     status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[finish]
     assert kinds[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
-    assert door.whole([reply], None)["status"] == status and len(stored) == 2 * (finish != "cancelled")
+    whole = door.whole([reply], None)
+    assert whole["status"] == status and whole["store"] is (finish != "cancelled")
+    assert len(stored) == 2 * (finish != "cancelled")
     assert all(item["status"] in ("completed", "incomplete") for item in door.whole([reply], None)["output"])
 
 
@@ -533,3 +537,7 @@ def test_a_response_the_store_does_not_take_says_it_is_not_stored(
         answer = http.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 2})
         assert answer.status_code == 200 and answer.json()["store"] is False, answer.text
         assert http.get(f"/v1/responses/{answer.json()['id']}").status_code == 404
+        asked = {"model": "m", "input": "Hi", "max_output_tokens": 2, "stream": True}
+        with http.stream("POST", "/v1/responses", json=asked) as streamed:
+            events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert events[-1]["response"]["store"] is False and events[0]["response"]["store"] is True

@@ -93,7 +93,7 @@ class Entry:
         self.loads = 0
         self.pooling: str | None = None  # (as its last load read it: an embedding model's)
         self.parked: list[_parking.Parked] = []
-        self._failed: tuple[float, tuple[int, int] | None, ModelLoadError] | None = None
+        self._failed: tuple[float, tuple[object, ...], ModelLoadError] | None = None
 
     def failed_load(self) -> ModelLoadError | None:
         """Its last load's error while ``LOAD_RETRY_SECONDS`` have not passed and its files are
@@ -107,17 +107,16 @@ class Entry:
         self._failed = None
         return None
 
-    def failing(self, error: BaseException) -> None:
-        """A load of it failed: a ``ModelLoadError`` (its file) is remembered (``failed_load``)."""
-        if isinstance(error, ModelLoadError):
+    def failing(self, error: BaseException, *, remembered: bool) -> None:
+        """A load of it failed: a ``ModelLoadError`` is remembered (``failed_load``) where its
+        files or this machine's memory are the cause (``remembered``: no RPC server, whose
+        "busy" or "cannot be reached" passes)."""
+        if remembered and isinstance(error, ModelLoadError):
             self._failed = time.monotonic() + LOAD_RETRY_SECONDS, self._signature(), error
 
-    def _signature(self) -> tuple[int, int] | None:
-        try:
-            stat = self.file.path.stat()
-        except OSError:
-            return None
-        return stat.st_mtime_ns, stat.st_size
+    def _signature(self) -> tuple[object, ...]:
+        """Its files as they are now (the model's and its projector's)."""
+        return tuple(_stat(path) for path in (self.file.path, self.file.mmproj_path))
 
     @property
     def idle(self) -> bool:
@@ -127,3 +126,13 @@ class Entry:
     def unloading(self) -> bool:
         """Busy with a model still set: unloading (a load sets its model once done)."""
         return self.busy and self.model is not None
+
+
+def _stat(path: Path | None) -> tuple[int, int] | None:
+    if path is None:
+        return None
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size

@@ -128,7 +128,7 @@ class Models:
         except BaseException as error:
             with self._changed:
                 entry.busy = False
-                entry.failing(error)
+                entry.failing(error, remembered=not self.config.rpc_servers)
                 for other in doomed[done + 1 :]:  # (``_unload`` let go of the one that failed)
                     other.busy = False
                 self._changed.notify_all()

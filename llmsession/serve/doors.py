@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -148,9 +149,16 @@ class ResponsesDoor:
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         body = self.response.whole(replies[0])
-        if self.keep is not None and kept(replies[0]):
-            self.keep(body, replies[0])
+        self._store(body, replies[0])
         return body
+
+    def _store(self, body: dict[str, Any], reply: Reply) -> None:
+        """``body`` kept (``store: true``), or saying it is not (a reply cut short by its
+        client or the server stopping; one the store does not take says so in ``keep``)."""
+        if self.keep is not None and kept(reply):
+            self.keep(body, reply)
+        elif self.keep is not None:
+            body["store"] = False
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         response, items = self.response, Items()
@@ -168,9 +176,8 @@ class ResponsesDoor:
                     for piece in response.pieces(event.snapshot, items):
                         yield piece
                 elif event.reply is not None:
-                    pieces, final = response.finish(event.reply, items)
-                    if self.keep is not None and kept(event.reply):  # (before its client reads it ended)
-                        self.keep(final, event.reply)
+                    stored = functools.partial(self._store, reply=event.reply)  # (before its end is read)
+                    pieces, _ = response.finish(event.reply, items, stored)
                     for piece in pieces:
                         yield piece
                     break

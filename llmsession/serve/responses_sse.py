@@ -18,6 +18,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +208,9 @@ class ResponseObject:
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
 
-    def finish(self, reply: Reply, items: Items) -> tuple[list[bytes], dict[str, Any]]:
+    def finish(
+        self, reply: Reply, items: Items, stored: Callable[[dict[str, Any]], None] | None = None
+    ) -> tuple[list[bytes], dict[str, Any]]:
         """The open item closed (an empty message if the reply said nothing), the last event;
         and the response it holds. A call the stream began that the reply does not make (cut
         short: ``Calling.conclude`` makes none of its calls then) closes ``incomplete``, and no
@@ -227,6 +230,8 @@ class ResponseObject:
             out += self._open(items, _message("")) + self._close(items, closing)
             kept = items.items[-1:]
         final = self.final(reply, Items(kept))
+        if stored is not None:  # (before the last event is written: it says whether it was)
+            stored(final)
         ending = "incomplete" if status == "cancelled" else status  # (the SDK's events have none)
         return [*out, self._event(f"response.{ending}", response=final)], final
 
