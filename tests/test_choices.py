@@ -161,3 +161,25 @@ def test_the_bridge_refuses_a_bound_that_would_never_step() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="ahead"):
             AsyncStream(lambda: iter(()), ahead=bad)  # type: ignore[arg-type, return-value]
+
+
+def test_making_choices_copies_no_message_each_choice_copies_its_own(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``chat_choices`` checks the messages and returns: a server calls it on its event loop,
+    where copying them (a message of 300,000 parts, under 8 MiB, took 0.75 s) stalled every
+    stream. Each choice makes its own copy as it starts, in its own thread; a transcript with
+    nothing to answer is still refused at once."""
+    from llmsession.runtime import local
+
+    copied: list[str] = []
+    real = local.split
+    monkeypatch.setattr(
+        local, "split", lambda t: (copied.append(threading.current_thread().name), real(t))[1]
+    )
+    choices = smollm2.chat_choices([{"role": "user", "content": QUESTION}], GREEDY, n=2, tenant="copies")
+    assert copied == []
+    replies = run_all(choices)
+    assert all(replies) and len(copied) == 2 and threading.current_thread().name not in copied
+    with pytest.raises(Exception, match="user message or tool results"):
+        smollm2.chat_choices([{"role": "assistant", "content": ""}], GREEDY, n=2)

@@ -28,7 +28,7 @@ from llmsession.remote.proxies import WorkerSession, WorkerStream, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.stateless_calls import check_stateless, checked_label, split
+from llmsession.runtime.stateless_calls import check_answerable, check_stateless, checked_label
 from llmsession.text.renderer import Renderer
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
@@ -171,7 +171,7 @@ class IsolatedModel:
         check_stateless(config)
         transcript = Transcript(messages)  # (checked now, as they are now: the calls come later)
         check_choices(transcript)
-        split(transcript)  # (something to answer, as in-process)
+        check_answerable(transcript)  # (something to answer, as in-process)
         return separate(
             n,
             checked_options(options),

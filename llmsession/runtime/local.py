@@ -3,7 +3,6 @@ kept for stateless calls, saved and loaded)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from llmsession.runtime.embedding import Inputs
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
 from llmsession.runtime.stateless import StatelessSessions
-from llmsession.runtime.stateless_calls import check_stateless, checked_label, split
+from llmsession.runtime.stateless_calls import check_answerable, check_stateless, checked_label, split
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
@@ -105,7 +104,7 @@ class LocalModel(ModelCore):
         options = checked_options(options)
         transcript = Transcript(messages)  # (checked now, as they are now: the prefill comes later)
         check_choices(transcript)
-        history, said = split(transcript)
+        check_answerable(transcript)  # (copied in each choice's thread: a server calls this on its loop)
 
         def prefill() -> Stream:
             prefilled = prefill_options(options)
@@ -114,8 +113,8 @@ class LocalModel(ModelCore):
             )
 
         def answer(fork: LocalSession, index: int, chosen: GenerationOptions) -> Stream:
-            fork.messages = copy.deepcopy(history)
-            return fork.stream(copy.deepcopy(said), chosen)
+            fork.messages, said = split(transcript)  # (its own editable copies)
+            return fork.stream(said, chosen)
 
         return self._forks(n, prefill, answer, options, tenant, config)
 

@@ -82,11 +82,16 @@ def check_stateless(config: SessionConfig) -> None:
         )
 
 
+def check_answerable(transcript: Transcript) -> None:
+    """A ``TemplateError`` unless a stateless call can answer ``transcript`` (without copying it)."""
+    if not transcript.ends_with_question():
+        raise TemplateError("a stateless chat needs messages that end with a user message or tool results")
+
+
 def split(transcript: Transcript) -> tuple[list[Message], list[Message]]:
     """A stateless call's (checked) transcript as editable copies: the history, and what the
     call answers (the last user message, or the tool results that end the list)."""
-    if not transcript.ends_with_question():
-        raise TemplateError("a stateless chat needs messages that end with a user message or tool results")
+    check_answerable(transcript)
     copied = cast(list[Message], transcript.messages())
     start = len(copied) - 1
     while copied[-1]["role"] == "tool" and start > 0 and copied[start - 1]["role"] == "tool":

@@ -78,7 +78,7 @@ def chat_request(
     if not isinstance(raw, list) or not raw:
         raise ApiError("messages must be a non-empty list", "messages")
     if len(raw) - len(kept) > MAX_MESSAGES:
-        raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
+        raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw) - len(kept)}", "messages")
     images = ImageCount()
     messages = transcript(raw, images, kept)
     n = _integer(body, "n", 1, INT32_MAX)
