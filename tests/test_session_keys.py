@@ -74,6 +74,25 @@ def test_past_capacity_spares_go_first_and_mains_wait_for_a_busy_side_request() 
     assert evicted(crowded, 2) == [0, 1, 2, 3, 4]  # (mains wait for one busy side request only)
 
 
+def test_past_capacity_a_tenant_over_its_share_loses_its_own_first() -> None:
+    """One tenant's many calls evicted the others' sessions, least recently used first: past
+    capacity, what a tenant holds over its share (capacity over the tenants) goes first. (A
+    tenant's calls reuse its own idle sessions when none is free: the pool grows past capacity
+    when its sessions are all busy, concurrent calls; the choice is pure, tested so.)"""
+    quiet = Kept(None, 500, True, True, "quiet")  # (the least recently used)
+    flood = [Kept(None, 50, True, True, "flood") for _ in range(4)]
+    assert evicted([quiet, *flood], 4) == [1]
+    assert evicted([quiet, *flood, Kept(None, 50, True, True, "flood")], 4) == [1, 2]
+    alone = [Kept(None, 50, True, True, "t") for _ in range(5)]
+    assert evicted(alone, 3) == [0, 1]  # (one tenant: least recently used first, as before)
+    under = [Kept(None, 50, True, True, t) for t in "abcde"]
+    assert evicted(under, 4) == [0]  # (nobody over the share: least recently used first)
+    named = [Kept("q", 500, True, True, "quiet"), *[Kept(f"f{i}", 50, True, True, "flood") for i in range(4)]]
+    assert evicted(named, 4) == [1]  # (mains too: the flood's own first)
+    busy = [*named, Kept(None, 5, False, True, "flood")]  # (mains wait for a busy side request)
+    assert evicted(busy, 4) == [1]
+
+
 def test_a_conversation_is_a_name_within_a_tenant() -> None:
     two = [Kept("a", 900, True, True, "t1"), Kept("a", 100, True, True, "t2")]
     assert mains(two) == {0, 1}

@@ -12,11 +12,13 @@ a main while anything else can go:
   conversation's main; a main only for a call that is itself a conversation's first (no main yet);
 - past capacity, idle non-mains go first, least recently used first; mains wait for as many
   sessions as side requests are still answering in (the count stays over capacity by those
-  until they are idle and the next call is kept).
+  until they are idle and the next call is kept). Among the spares, and among the mains, a
+  tenant's over its share (capacity over the tenants kept) go before anyone else's.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,13 +85,32 @@ def choose(
 
 
 def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
-    """The indices of the sessions to close so that at most ``capacity`` stay."""
+    """The indices of the sessions to close so that at most ``capacity`` stay: spares first,
+    then mains, which wait for as many side requests as are busy; in each, a tenant's over its
+    share (``capacity`` over the tenants kept) before anyone else's, least recently used first
+    (one tenant's many conversations evicted the others')."""
     excess = len(kept) - capacity
     if excess <= 0:
         return []
     main = mains(kept)
-    spare = [i for i, s in enumerate(kept) if s.idle and i not in main]
-    chosen = spare[:excess]
+    held = Counter(s.tenant for s in kept)
+    share = capacity / len(held)
+    spare = _fairly([i for i, s in enumerate(kept) if s.idle and i not in main], kept, held, share, excess)
     busy_sides = sum(1 for i, s in enumerate(kept) if not s.idle and i not in main)
-    held = [i for i, s in enumerate(kept) if s.idle and i in main]  # (they wait for busy side requests)
-    return chosen + held[: max(0, excess - len(chosen) - busy_sides)]
+    idle_mains = [i for i, s in enumerate(kept) if s.idle and i in main]
+    return spare + _fairly(idle_mains, kept, held, share, max(0, excess - len(spare) - busy_sides))
+
+
+def _fairly(
+    candidates: list[int], kept: Sequence[Kept], held: Counter[str | None], share: float, n: int
+) -> list[int]:
+    """``n`` of ``candidates`` (least recently used first), each the first whose tenant holds
+    more than ``share`` (``held``, counted down as they go), else the first."""
+    chosen: list[int] = []
+    left = list(candidates)
+    while left and len(chosen) < n:
+        pick = next((i for i in left if held[kept[i].tenant] > share), left[0])
+        left.remove(pick)
+        held[kept[pick].tenant] -= 1
+        chosen.append(pick)
+    return chosen
