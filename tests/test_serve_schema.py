@@ -661,6 +661,58 @@ def test_admission_counts_room_exactly_when_waiters_are_refused_or_cancelled() -
 
     asyncio.run(no_queue())
 
+    async def turn_passes_on() -> None:  # (a reviewer's read of 9a7b305)
+        admission = Admission(limit=4, queue=2)
+        await admission.acquire(3, caller="a")
+        big = asyncio.create_task(admission.acquire(4, caller="b"))  # (its turn: it does not fit)
+        small = asyncio.create_task(admission.acquire(1, caller="c"))
+        await asyncio.sleep(0)
+        big.cancel()  # (gone, and before its task runs again another comes)
+        late = asyncio.create_task(admission.acquire(1, caller="d"))
+        await asyncio.gather(big, return_exceptions=True)
+        assert await asyncio.wait_for(small, 5) == 1  # (the small one fits: not after a's release)
+        late.cancel()
+
+    asyncio.run(turn_passes_on())
+
+    async def retry_waits_for_a_release() -> None:
+        admission = Admission(limit=2, queue=4)
+        await admission.acquire(1, caller="a")
+        retry = asyncio.create_task(admission.acquire(1, behind=True, caller="r"))
+        other = asyncio.create_task(admission.acquire(2, caller="o"))  # (waits: it does not fit)
+        await asyncio.sleep(0)
+        other.cancel()  # (a waiter gone is no release: the retry waits on)
+        await asyncio.gather(other, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert not retry.done()
+        admission.release(1, "a")
+        assert await asyncio.wait_for(retry, 5) == 1
+
+    asyncio.run(retry_waits_for_a_release())
+
+    async def a_newcomer_waits_its_turn() -> list[str]:
+        admission, order = Admission(limit=1, queue=8), []
+
+        async def ask(caller: str) -> None:
+            await admission.acquire(1, caller=caller)
+            order.append(caller)
+
+        await admission.acquire(1, caller="a")  # (a runs, and asks again: served, it waits)
+        waiting = [asyncio.create_task(ask(c)) for c in ("a", "b")]
+        await asyncio.sleep(0)
+        admission.release(1, "a")  # (b's turn: a was served last)
+        await asyncio.sleep(0)
+        waiting.append(asyncio.create_task(ask("c")))  # (c comes while b runs)
+        await asyncio.sleep(0)
+        admission.release(1, "b")  # (a has waited since before c came: a's turn)
+        await asyncio.sleep(0)
+        admission.release(1, "a")
+        await asyncio.gather(*waiting)
+        return order
+
+    # (a newcomer counted as never served went first: callers taking turns starved a)
+    assert asyncio.run(a_newcomer_waits_its_turn()) == ["b", "a", "c"]
+
 
 def test_error_bodies_are_json() -> None:
     error = ApiError("nope", "n", "bad", 400)

@@ -195,7 +195,7 @@ class Admission:
         self._waiting: list[_Waiting] = []  # oldest first
         self._running: collections.Counter[str | None] = collections.Counter()  # weight per caller
         self._served: dict[str | None, int] = {}  # each caller's latest grant (of those present)
-        self._grants = 0
+        self._grants = self._releases = 0
 
     @property
     def waiting(self) -> int:
@@ -213,20 +213,23 @@ class Admission:
             return count
         if len(self._waiting) >= self.queue:
             self._make_room(caller)
-        entry = _Waiting(count, caller, asyncio.get_running_loop().create_future())
+        future = asyncio.get_running_loop().create_future()
+        entry = _Waiting(count, caller, future, self._grants, self._releases if behind else None)
         self._waiting.append(entry)
         try:
             await entry.future
         except asyncio.CancelledError:
-            if entry in self._waiting:
-                self._waiting.remove(entry)
-                self._dispatch()  # (it may have been the one whose turn it was)
-            elif entry.granted:
+            if entry.granted:
                 self.release(count, caller)  # granted just as the request went away
+            else:
+                if entry in self._waiting:
+                    self._waiting.remove(entry)
+                self._dispatch()  # (it may have been the one whose turn it was)
             raise
         return count
 
     def release(self, count: int, caller: str | None = None) -> None:
+        self._releases += 1
         self.used -= count
         self._running[caller] -= count
         if self._running[caller] <= 0:
@@ -236,8 +239,11 @@ class Admission:
     def _dispatch(self) -> None:
         """Room to the waiting requests, turn by turn, while the one whose turn it is fits."""
         self._waiting = [w for w in self._waiting if not w.future.done()]  # (cancelled: gone)
-        while self._waiting:
-            entry = min(self._waiting, key=self._turn)  # (the earliest of its turn)
+        while True:
+            ready = [w for w in self._waiting if w.behind is None or w.behind < self._releases]
+            if not ready:  # (a retry waits for a release by a request running when it came)
+                break
+            entry = min(ready, key=self._turn)  # (the earliest of its turn)
             if self.used + entry.count > self.limit:
                 break
             self._waiting.remove(entry)
@@ -247,9 +253,9 @@ class Admission:
         present = {w.caller for w in self._waiting} | set(self._running)
         self._served = {c: n for c, n in self._served.items() if c in present}  # (callers come and go)
 
-    def _turn(self, entry: _Waiting) -> tuple[int, int]:
+    def _turn(self, entry: _Waiting) -> tuple[int, float]:
         """Whose turn it is: the caller running the least now, then the one served longest ago."""
-        return self._running[entry.caller], self._served.get(entry.caller, -1)
+        return self._running[entry.caller], self._served.get(entry.caller, entry.since - 0.5)
 
     def _grant(self, count: int, caller: str | None) -> None:
         self.used += count
@@ -277,4 +283,6 @@ class _Waiting:
     count: int
     caller: str | None
     future: asyncio.Future[None]
+    since: int  # grants made when it came (a caller not served lately: as if served just before)
+    behind: int | None  # a retry's: the releases made when it came (it waits for one more)
     granted: bool = False  # (its room is counted: released by whoever holds it)
