@@ -91,6 +91,14 @@ def test_past_capacity_a_tenant_over_its_share_loses_its_own_first() -> None:
     assert evicted(named, 4) == [1]  # (mains too: the flood's own first)
     busy = [*named, Kept(None, 5, False, True, "flood")]  # (mains wait for a busy side request)
     assert evicted(busy, 4) == [1]
+    # (a reviewer's read: the flood's busy ones go once idle; the quiet tenant's stay meanwhile)
+    running = [
+        Kept(None, 50, True, True, "quiet"),
+        Kept(None, 50, True, True, "quiet"),
+        *[Kept(None, 50, False, True, "flood") for _ in range(5)],
+        Kept(None, 50, True, True, "flood"),
+    ]
+    assert evicted(running, 4) == [7]
 
 
 def test_a_conversation_is_a_name_within_a_tenant() -> None:

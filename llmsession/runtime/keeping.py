@@ -95,21 +95,37 @@ def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
     main = mains(kept)
     held = Counter(s.tenant for s in kept)
     share = capacity / len(held)
-    spare = _fairly([i for i, s in enumerate(kept) if s.idle and i not in main], kept, held, share, excess)
+    # Those of a tenant over its share that are busy go once idle: none of a tenant within its
+    # share goes for them meanwhile (a tenant's many concurrent calls evicted the others').
+    over_busy = sum(1 for s in kept if not s.idle and len(held) > 1 and held[s.tenant] > share)
+    innocent = [max(0, excess - over_busy)]  # (how many of tenants within their share may go)
+    spares = [i for i, s in enumerate(kept) if s.idle and i not in main]
+    spare = _fairly(spares, kept, held, share, excess, innocent)
     busy_sides = sum(1 for i, s in enumerate(kept) if not s.idle and i not in main)
     idle_mains = [i for i, s in enumerate(kept) if s.idle and i in main]
-    return spare + _fairly(idle_mains, kept, held, share, max(0, excess - len(spare) - busy_sides))
+    room = max(0, excess - len(spare) - busy_sides)
+    return spare + _fairly(idle_mains, kept, held, share, room, innocent)
 
 
 def _fairly(
-    candidates: list[int], kept: Sequence[Kept], held: Counter[str | None], share: float, n: int
+    candidates: list[int],
+    kept: Sequence[Kept],
+    held: Counter[str | None],
+    share: float,
+    n: int,
+    innocent: list[int],
 ) -> list[int]:
     """``n`` of ``candidates`` (least recently used first), each the first whose tenant holds
-    more than ``share`` (``held``, counted down as they go), else the first."""
+    more than ``share`` (``held``, counted down as they go), else the first while ``innocent``
+    (counted down) allows."""
     chosen: list[int] = []
     left = list(candidates)
     while left and len(chosen) < n:
-        pick = next((i for i in left if held[kept[i].tenant] > share), left[0])
+        pick = next((i for i in left if held[kept[i].tenant] > share), None)
+        if pick is None:
+            if innocent[0] <= 0:
+                break
+            pick, innocent[0] = left[0], innocent[0] - 1
         left.remove(pick)
         held[kept[pick].tenant] -= 1
         chosen.append(pick)
