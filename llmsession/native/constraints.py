@@ -30,7 +30,7 @@ from llmsession.native.llama import NativeModel
 from llmsession.native.sampler import Sampler
 from llmsession.options import GenerationOptions
 from llmsession.text.ecma import masked
-from llmsession.text.schemas import after_reply_validator, checked_schema, schema_document, violation
+from llmsession.text.schemas import after_reply_validator, schema_document, validator_of, violation
 
 log = logging.getLogger("llmsession")
 COMPACT = {"whitespace_flexible": False}  # small models given free whitespace may never stop
@@ -92,7 +92,7 @@ class Constraint:
             if options.json_schema is not None:
                 kind = "json_schema"
                 schema_class, document = schema_document(options.json_schema)
-                whole = checked_schema(json.dumps(document, sort_keys=True))  # GrammarError if invalid
+                whole = validator_of(document)  # GrammarError if invalid
                 document = masked(document)  # (its patterns as ECMA reads them: ``ecma``)
                 if opening is not None:
                     given = document.get("x-guidance")

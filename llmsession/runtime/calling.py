@@ -3,14 +3,13 @@ into text and calls, each call's arguments checked against its tool's schema."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmsession.errors import ReplyMismatchError
 from llmsession.replies import FinishReason, Snapshot, ToolCall
 from llmsession.text.harmony import canonical
-from llmsession.text.schemas import checked_schema, violation
+from llmsession.text.schemas import validator_of, violation
 from llmsession.text.stops import StopMatcher
 from llmsession.text.tool_formats import CallIds, CallStream, ToolFormat, parse
 from llmsession.text.tools import Tools
@@ -100,9 +99,7 @@ class Calling:
         for call in calls:
             tool = self.tools.by_name(call.name)
             assert tool is not None  # (parse checked it)
-            problem = violation(
-                checked_schema(json.dumps(dict(tool.parameters), sort_keys=True)), call.parsed
-            )
+            problem = violation(validator_of(tool.parameters), call.parsed)
             if problem:
                 error = ReplyMismatchError(f"the call of {call.name} does not match its schema: {problem}")
                 return text, tuple(calls), "tool_calls", error

@@ -97,14 +97,14 @@ def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
     share = capacity / len(held)
     # Those of a tenant over its share that are busy go once idle: none of a tenant within its
     # share goes for them meanwhile (a tenant's many concurrent calls evicted the others').
-    over_busy = sum(1 for s in kept if not s.idle and len(held) > 1 and held[s.tenant] > share)
-    innocent = [max(0, excess - over_busy)]  # (how many of tenants within their share may go)
+    over_busy = sum(1 for s in kept if not s.idle and held[s.tenant] > share)
+    innocent = max(0, excess - over_busy)  # (how many of tenants within their share may go)
     spares = [i for i, s in enumerate(kept) if s.idle and i not in main]
-    spare = _fairly(spares, kept, held, share, excess, innocent)
+    spare, innocent = _fairly(spares, kept, held, share, excess, innocent)
     busy_sides = sum(1 for i, s in enumerate(kept) if not s.idle and i not in main)
     idle_mains = [i for i, s in enumerate(kept) if s.idle and i in main]
     room = max(0, excess - len(spare) - busy_sides)
-    return spare + _fairly(idle_mains, kept, held, share, room, innocent)
+    return spare + _fairly(idle_mains, kept, held, share, room, innocent)[0]
 
 
 def _fairly(
@@ -113,20 +113,21 @@ def _fairly(
     held: Counter[str | None],
     share: float,
     n: int,
-    innocent: list[int],
-) -> list[int]:
+    innocent: int,
+) -> tuple[list[int], int]:
     """``n`` of ``candidates`` (least recently used first), each the first whose tenant holds
     more than ``share`` (``held``, counted down as they go), else the first while ``innocent``
-    (counted down) allows."""
+    allows; and how many of tenants within their share may still go. (One tenant alone is
+    always over its share: all of it, as before.)"""
     chosen: list[int] = []
     left = list(candidates)
     while left and len(chosen) < n:
         pick = next((i for i in left if held[kept[i].tenant] > share), None)
         if pick is None:
-            if innocent[0] <= 0:
+            if innocent <= 0:
                 break
-            pick, innocent[0] = left[0], innocent[0] - 1
+            pick, innocent = left[0], innocent - 1
         left.remove(pick)
         held[kept[pick].tenant] -= 1
         chosen.append(pick)
-    return chosen
+    return chosen, innocent

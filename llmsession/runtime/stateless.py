@@ -187,9 +187,7 @@ class StatelessSessions:
                 self._starting.discard(session)
                 if self._closed:  # (the model closed meanwhile: kept by no one)
                     session.close()
-                elif keep and pooled:
-                    if session in self._tenants:  # (taken, kept meanwhile: most recent now)
-                        self._unkeep(session)
+                elif keep and pooled:  # (one taken has the call's label since ``_take``)
                     self._keep(session, tenant, call.conversation)
                 elif call.conversation is not None:
                     self._pending[session] = call.conversation  # (its label, for ``adopt``)

@@ -155,9 +155,11 @@ class ResponsesDoor:
     def _store(self, body: dict[str, Any], reply: Reply) -> None:
         """``body`` kept (``store: true``), or saying it is not (a reply cut short by its
         client or the server stopping; one the store does not take says so in ``keep``)."""
-        if self.keep is not None and kept(reply):
+        if self.keep is None:
+            return
+        if kept(reply):
             self.keep(body, reply)
-        elif self.keep is not None:
+        else:
             body["store"] = False
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:

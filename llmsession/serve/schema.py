@@ -16,7 +16,6 @@ The body itself is parsed by ``body.parse_json``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -36,7 +35,7 @@ from llmsession.serve.body import kind_of, optional, plain_text, shown
 from llmsession.serve.chat_messages import transcript
 from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
-from llmsession.text.schemas import checked_schema, schema_document
+from llmsession.text.schemas import schema_document, validator_of
 from llmsession.text.tools import MAX_TOOLS, options_tools, replaced_options
 from llmsession.text.transcript import Transcript
 
@@ -235,7 +234,7 @@ def options(
     if checked.json_schema is not None:  # (as the tools are: a 400 before the call waits or streams)
         try:
             _, document = schema_document(checked.json_schema)
-            checked_schema(json.dumps(document, sort_keys=True))  # (remembered for the call's compile)
+            validator_of(document)  # (remembered for the call's compile)
         except (ValueError, TypeError) as error:
             raise ApiError(str(error), "response_format") from None
     return checked

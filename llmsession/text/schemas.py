@@ -153,6 +153,12 @@ def checked_schema(text: str) -> Any:
     return _remembered_schema(text) if len(text) <= REMEMBERED_SCHEMA_CHARS else _checked_schema(text)
 
 
+def validator_of(document: Mapping[str, Any]) -> Any:
+    """``checked_schema`` of a schema document by its canonical text (keys sorted): a schema's
+    check with its request, at its compile and after a reply share one remembered validator."""
+    return checked_schema(json.dumps(dict(document), sort_keys=True))
+
+
 @functools.lru_cache(maxsize=64)
 def _remembered_schema(text: str) -> Any:
     return _checked_schema(text)

@@ -4,7 +4,6 @@ reports them. How calls are written and read for each model family is in ``tool_
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import weakref
 from collections.abc import Mapping, Sequence
@@ -15,7 +14,7 @@ from llmsession.errors import GrammarError
 from llmsession.options import GenerationOptions
 from llmsession.replies import ToolCall
 from llmsession.text.messages import unencodable
-from llmsession.text.schemas import MAX_SCHEMA_NODES, checked_schema, schema_document, schema_nodes
+from llmsession.text.schemas import MAX_SCHEMA_NODES, schema_document, schema_nodes, validator_of
 
 __all__ = ["MAX_TOOLS", "Mode", "Tool", "ToolCall", "Tools", "checked_tools", "tool_from"]
 
@@ -81,7 +80,7 @@ def tool_from(spec: object, index: int) -> Tool:
         raise ValueError(f"tools[{index}]: 'description' must be a str")
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     _, document = schema_document(parameters)  # GrammarError (a ValueError) for a bad schema
-    checked_schema(json.dumps(document, sort_keys=True))  # against its draft, before anything decodes
+    validator_of(document)  # against its draft, before anything decodes
     return _checked(function.get("name"), description, document, index)
 
 
