@@ -414,6 +414,44 @@ def test_anthropic_paths_and_tool_result_images() -> None:
         messages_request({**body, "messages": [said[0], history[1], user({**result, "is_error": "yes"})]})
 
 
+def test_calls_and_results_pair_up_as_anthropic_checks_them() -> None:
+    """Each call is answered in the next message, each result answers a call of the message
+    before it: a refusal names the Anthropic block, not the chat message it became. Ids may
+    repeat (a model that writes its calls' ids may repeat one): each result takes one call."""
+    call = {"type": "tool_use", "id": "t1", "name": "look", "input": {}}
+    again = {**call, "input": {"at": 2}}
+    answer = {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}
+    text = {"type": "text", "text": "Go on."}
+
+    def refused(*said: dict[str, Any]) -> ApiError:
+        with pytest.raises(ApiError) as error:
+            messages_request(
+                {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}, *said]}
+            )
+        return error.value
+
+    fine = [{"role": "assistant", "content": [call, again]}, user(answer, answer, text)]
+    fine += [{"role": "assistant", "content": [call]}, user(answer)]
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}, *fine]}
+    roles = ["user", "assistant", "tool", "tool", "user", "assistant", "tool"]
+    assert [m["role"] for m in messages_request(body).messages] == roles
+    once = refused({"role": "assistant", "content": [call, again]}, user(answer, text))
+    assert once.param == "messages[1]" and "'t1'" in once.message
+    stray = refused({"role": "assistant", "content": "No call."}, user(text, answer))
+    assert stray.param == "messages[2].content[1].tool_use_id" and "previous message" in stray.message
+    late = refused(
+        {"role": "assistant", "content": [call]},
+        user(text),
+        {"role": "assistant", "content": "x"},
+        user(answer),
+    )
+    assert late.param == "messages[1]" and "'t1'" in late.message
+    answered_twice = refused({"role": "assistant", "content": [call]}, user(answer, answer))
+    assert answered_twice.param == "messages[2].content[1].tool_use_id"
+    ahead = refused(user(answer))
+    assert ahead.param == "messages[1].content[0].tool_use_id"
+
+
 class Shade(pydantic.BaseModel):
     """A reply the schema bounds (an enum and a bool: a short JSON text for a tiny model)."""
 

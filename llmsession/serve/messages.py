@@ -5,7 +5,8 @@ as one (``schema.chat_request``). Pure: no model, no web framework.
 What maps where: ``system`` (a string or text blocks, ``cache_control`` ignored) is the first
 message; a user message's ``tool_result`` blocks are ``tool`` messages, in their order among
 its text and image blocks (an ``is_error`` result's text begins "Error: "); an assistant's
-``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON text); its ``thinking`` blocks
+``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON text: each answered in the next
+message, as Anthropic requires, or the request is refused); its ``thinking`` blocks
 sent back are that turn's reasoning (``reasoning_content``: rendered as its template does, kept
 or dropped), ``redacted_thinking`` ones are dropped (nothing here can read them); tools'
 ``input_schema`` is a function's ``parameters``; ``tool_choice`` ``any`` is ``required``;
@@ -152,6 +153,7 @@ def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any
         raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     out: list[dict[str, Any]] = []
     origins: list[str] = []
+    pairs = _Pairs()
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -166,9 +168,49 @@ def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any
             made = _user(content, where, images) if role == "user" else [_assistant(content, where)]
         else:
             raise ApiError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+        pairs.check(made, where, content if isinstance(content, list) else [])
         out += made
         origins += [where] * len(made)
     return out, origins
+
+
+class _Pairs:
+    """Anthropic's rules for calls and results, naming its fields: every call is answered by a
+    ``tool_result`` in the next message, and every result answers a call of the message before
+    it. Ids may repeat (Anthropic's may not): a format whose model writes its calls' ids
+    (Mistral's) may write one twice, and a client sending that reply back is not refused; the
+    rule above pairs each result with its call regardless."""
+
+    def __init__(self) -> None:
+        self.open: list[str] = []  # the previous message's calls, unanswered
+        self.where = ""
+
+    def check(self, made: list[dict[str, Any]], where: str, blocks: list[Any]) -> None:
+        """One message's: ``made``, what it became; ``blocks``, its content's blocks (checked)."""
+        answered = [m["tool_call_id"] for m in made if m["role"] == "tool"]
+        for ident, j in zip(answered, _at(blocks, "tool_result"), strict=True):
+            if ident not in self.open:
+                at = f"{where}.content[{j}]"
+                raise ApiError(
+                    f"{at}: unexpected tool_use_id {ident!r:.80} in a tool_result block: each tool_result "
+                    "must answer a tool_use block of the previous message",
+                    f"{at}.tool_use_id",
+                )
+            self.open.remove(ident)
+        if self.open:
+            unanswered = ", ".join(f"{ident!r:.80}" for ident in self.open[:4]) + (
+                ", ..." if len(self.open) > 4 else ""
+            )
+            raise ApiError(
+                f"{self.where}: tool_use ids without tool_result blocks in the next message: {unanswered}",
+                self.where,
+            )
+        self.open, self.where = [call["id"] for m in made for call in m.get("tool_calls", ())], where
+
+
+def _at(blocks: list[Any], kind: str) -> list[int]:
+    """Where the ``kind`` blocks are among a message's (checked) blocks."""
+    return [j for j, block in enumerate(blocks) if block["type"] == kind]
 
 
 def _user(blocks: list[Any], where: str, images: bool) -> list[dict[str, Any]]:
