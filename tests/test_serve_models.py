@@ -6,6 +6,7 @@ after its model unloaded and reloaded, ``keep_alive: 0``, and a 503 when no room
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -400,6 +401,7 @@ def test_a_model_the_servers_settings_do_not_fit_is_a_500_once_loaded_then_witho
             chat(url, "smol", "Hi.")
         assert raised.value.status_code == 500 and "do not fit" in raised.value.message
         assert raised.value.body["type"] == "server_error"  # type: ignore[index]
+        assert states(url) == {"smol": "unloaded", "gemma": "unloaded"}  # (not kept for nothing)
         assert chat(url, "gemma", "Hi.").choices
         loads = {status.name: status.loads for status in models.status()}
         with pytest.raises(openai.InternalServerError, match="do not fit"):
@@ -460,11 +462,15 @@ def test_a_model_that_cannot_load_now_tells_a_tenant_nothing_of_the_others() -> 
     assert "secret-model" not in error.message and "MiB" not in error.message, error.message
 
 
-def test_a_model_whose_file_fails_to_load_unloads_no_other_again(smollm2_path: Path, tmp_path: Path) -> None:
+def test_a_model_whose_file_fails_to_load_unloads_no_other_again(
+    smollm2_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A configured file that does not load (corrupt, truncated) made every request for it
     unload the least recently used idle models first, then fail: a 500 that said nothing. Its
-    failure is remembered for a while (its file unchanged): the next request unloads nothing;
-    the client gets a typed 500 naming no path; a file replaced since is loaded again."""
+    failure is remembered for a while (its file unchanged): the next request unloads nothing
+    and is not logged again; the client gets a typed 500 naming no path; a file replaced since
+    is loaded again."""
+    caplog.set_level(logging.ERROR, logger="llmsession.serve")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 4096)
     models = Models({"smol": smollm2_path, "bad": bad}, max_loaded=1, threads=1)
@@ -475,5 +481,6 @@ def test_a_model_whose_file_fails_to_load_unloads_no_other_again(smollm2_path: P
                 chat(url, "bad", "Hi.")
             assert failed.value.code == "model_load_failed" and str(tmp_path) not in failed.value.message
             assert states(url)["smol"] == ("unloaded" if attempt == 0 else "loaded"), attempt
+        assert len([r for r in caplog.records if r.name == "llmsession.serve"]) == 1
         bad.write_bytes(smollm2_path.read_bytes())  # (mended: tried again at once)
         assert chat(url, "bad", "Hi.").choices and states(url)["smol"] == "unloaded"

@@ -10,10 +10,11 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from llmsession.api.modelfiles import kind_of
+from llmsession.api.modelfiles import LOAD_RETRY_SECONDS, kind_of
 from llmsession.config import SessionConfig
 from llmsession.errors import ModelLoadError, ModelNotFoundError, ModelsFullError
 from llmsession.serve.chat import Held, Host
@@ -88,6 +89,7 @@ class ManyModels:
         # The models the server's settings did not fit, and the others loaded then (their
         # memory may have made it smaller): refused without loading while those stay loaded.
         self._misfits: dict[str, tuple[ApiError, frozenset[str]]] = {}
+        self._failures: dict[str, tuple[str, float]] = {}  # (the load failure logged last, and when)
         self._lock = threading.Lock()
         # One thread a model waits for its load; the other requests for it wait in the event
         # loop (``_turns``), so loads never take the threads that parse bodies and answer.
@@ -125,7 +127,7 @@ class ManyModels:
         except ModelsFullError as error:
             raise no_room(error, served) from None
         except ModelLoadError as error:  # (the operator's file: logged; its path is not the client's)
-            log.error("model %r failed to load: %s", served, error)
+            self._failed(served, error)
             said = f"model {name!r:.80} failed to load on this server (its log says why)"
             raise ApiError(said, "model", "model_load_failed", 500, "server_error", final=True) from None
         finally:
@@ -134,9 +136,21 @@ class ManyModels:
         held = Held(lambda: self.models.release(served))
         try:
             return self._host(served, model), held
+        except ApiError:  # (a misfit: refused as it comes from now on, so not kept loaded)
+            held.drop()
+            await asyncio.get_running_loop().run_in_executor(self._loader, self.models.unload, served)
+            raise
         except BaseException:
             held.drop()
             raise
+
+    def _failed(self, name: str, error: ModelLoadError) -> None:
+        """A load failure logged, once while it is remembered (each refused request is not)."""
+        said, now = str(error), time.monotonic()
+        last = self._failures.get(name)
+        if last is None or last[0] != said or now - last[1] >= LOAD_RETRY_SECONDS:
+            log.error("model %r failed to load: %s", name, said)
+            self._failures[name] = said, now
 
     def _gone(self, done: asyncio.Future[Model], name: str, turn: asyncio.Lock) -> None:
         turn.release()
