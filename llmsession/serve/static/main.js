@@ -243,7 +243,7 @@ const actions = {
 
 function addFiles(files) {
   const card = store.connectedModel();
-  if (!card || !card.capabilities.images) {
+  if (!(card && card.capabilities && card.capabilities.images)) {
     showBanner("This server takes no images (it was started without a projector).");
     return;
   }
