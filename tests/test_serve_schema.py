@@ -304,6 +304,35 @@ CHECKED_UP_FRONT = [  # each used to pass the schema and fail only inside the ru
     ({"messages": [*HI, {"role": "assistant", "content": ""}]}, "messages"),  # (text continues: a prefill)
     ({"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]}, "messages"),
     ({"messages": HI * 1025}, "messages"),
+    # Each call answered once before the next assistant message, each result answering a call of
+    # the last assistant message.
+    *[
+        ({"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": calls}, *after]}, param)
+        for calls, after, param in (
+            ([TOOL_CALL], HI, "messages[1]"),  # (never answered)
+            ([TOOL_CALL], [*HI, {"role": "assistant", "content": "So"}], "messages[1]"),  # (nor by a prefill)
+            (
+                [TOOL_CALL],
+                [
+                    *HI,
+                    {"role": "assistant", "content": "So"},
+                    *HI,
+                    {"role": "tool", "tool_call_id": "c1", "content": "x"},
+                ],
+                "messages[1]",
+            ),  # (answered after the next reply)
+            (
+                [TOOL_CALL],
+                [{"role": "tool", "tool_call_id": "c1", "content": "x"}] * 2,
+                "messages[3]",
+            ),  # (twice)
+            (
+                [TOOL_CALL, {**TOOL_CALL, "id": "c2"}],
+                [{"role": "tool", "tool_call_id": "c2", "content": "x"}],
+                "messages[1]",
+            ),
+        )
+    ],
     ({"messages": HI, "stop": ["a"] * 17}, "stop"),
     ({"messages": HI, "stop": ["é" * 513]}, "stop"),
     ({"messages": HI, "user": "u" * 257}, "user"),
@@ -334,6 +363,13 @@ def test_answered_calls_and_long_users_within_the_limits_pass() -> None:
     calls = [*HI, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]
     asked = chat_request({"messages": [*calls, {"role": "tool", "tool_call_id": "c1", "content": "x"}]})
     assert asked.messages[-1]["role"] == "tool"
+    among = chat_request({"messages": [*calls, *HI, {"role": "tool", "tool_call_id": "c1", "content": "x"}]})
+    assert [m["role"] for m in among.messages] == [
+        "user",
+        "assistant",
+        "user",
+        "tool",
+    ]  # (words among results)
     assert chat_request({"messages": HI, "user": "u" * 256, "stop": ["é" * 512] * 16}).user == "u" * 256
 
 

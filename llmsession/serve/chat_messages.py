@@ -6,7 +6,7 @@ model, no web framework.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from llmsession.errors import TemplateError
 from llmsession.serve.body import kind_of, optional, plain_text, string
@@ -26,12 +26,46 @@ def transcript(raw: list[Any], images: ImageCount, kept: range = range(0)) -> Tr
         checked = Transcript([m if i in kept else _message(i, m, images) for i, m in enumerate(raw)])
     except TemplateError as error:
         raise ApiError(str(error), "messages") from None
+    _answered(checked)
     if not checked.ends_with_question() and checked.prefilled() is None:
         raise ApiError(
             "the last message must be a user message, tool results, or the assistant's text to continue",
             "messages",
         )
     return checked
+
+
+def _answered(messages: Transcript) -> None:
+    """An assistant message's calls are each answered once before the next assistant message,
+    and a tool message answers a call of the last assistant message (a call left unanswered, or
+    a result of a call turns back, made a prompt no template renders sensibly). OpenAI's rule,
+    but for a user's words among the results (Anthropic's clients send text beside results)."""
+    calls: list[str] = []  # the last assistant message's calls not answered yet
+    said = 0  # where that message is
+    for i, message in enumerate(messages):
+        if message["role"] == "tool":
+            ident = message.get("tool_call_id")
+            if ident not in calls:
+                where = f"messages[{i}]"
+                problem = f"tool_call_id {ident!r:.80} answers no call of the last assistant message"
+                raise ApiError(f"{where}: {problem} (or one answered already)", where)
+            calls.remove(ident)
+        elif message["role"] == "assistant":
+            if calls:
+                _unanswered(said, calls)
+            calls, said = [call["id"] for call in message.get("tool_calls") or ()], i
+    if calls and said != len(messages) - 1:  # (one ending with its calls is refused as such)
+        _unanswered(said, calls)
+
+
+def _unanswered(said: int, calls: list[str]) -> NoReturn:
+    unanswered = ", ".join(f"{ident!r:.80}" for ident in calls[:4]) + (", ..." if len(calls) > 4 else "")
+    where = f"messages[{said}]"
+    raise ApiError(
+        f"{where}: an assistant message's tool_calls must each be answered by a tool message after "
+        f"it; not answered: {unanswered}",
+        where,
+    )
 
 
 def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
