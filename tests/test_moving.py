@@ -146,6 +146,60 @@ def test_a_forged_or_changed_seal_is_refused_and_removed(tmp_path: Path, how: st
     assert not [p for p in spill.folder.iterdir() if KEY in p.name or p.name.startswith(".claimed")]
 
 
+def test_a_file_swapped_in_while_it_is_saved_is_never_sealed(tmp_path: Path) -> None:
+    """Someone who may write the shared folder (not read the secret) replaces the file being
+    saved once it is written: the seal covered the checksum read back from it, so their file
+    went out sealed for the conversation's tenant. It is saved and sealed apart now."""
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    forged = b"forged" * 100
+
+    def save_and_swap(path: Path) -> None:
+        fake_session(b"state" * 100)(path)
+        for hidden in spill.folder.glob(".*"):  # (the writer's files, named in the folder)
+            if not hidden.name.startswith(".replica-"):
+                theirs = tmp_path / "theirs"
+                theirs.write_bytes(forged + hashlib.sha256(forged).digest())
+                os.replace(theirs, hidden)
+
+    assert spill.put(KEY, "alice", save_and_swap)
+    claimed = SharedSpill(tmp_path, SECRET, "b").claim(KEY)
+    assert claimed is not None and claimed.path.read_bytes().startswith(b"state" * 100)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link to a sealed file"])
+def test_what_is_not_a_plain_file_in_a_conversations_place_is_refused_unread(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO blocked the claim's open forever (a thread and the conversation held); a link to
+    ``/dev/zero`` was copied without end; a link is never followed."""
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    path = spill.folder / f"{KEY}.conversation"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    else:
+        assert spill.put(OTHER_KEY, "alice", fake_session(b"state" * 100))
+        path.symlink_to(spill.folder / f"{OTHER_KEY}.conversation")
+    claimer = SharedSpill(tmp_path, SECRET, "b")
+    got: list[Any] = []
+    for tenants in (["alice"], None):  # (read for its tenant first, then claimed)
+        thread = threading.Thread(target=lambda t=tenants: got.append(claimer.claim(KEY, t)), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), f"a claim of a {kind} never returned"
+    assert got == [None, None] and claimer.refused == 1
+
+
+def test_an_announcement_never_follows_a_link(tmp_path: Path) -> None:
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    victim = tmp_path / "victim"
+    (spill.folder / ".replica-a").symlink_to(victim)
+    spill.announce()
+    assert not victim.exists() and spill.sees("a")
+    assert not (spill.folder / ".replica-a").is_symlink()
+
+
 def test_the_variant_that_must_pass_an_untouched_file_is_claimed(tmp_path: Path) -> None:
     """The control for the test above: the same file, unchanged, is accepted."""
     spill = SharedSpill(tmp_path, SECRET, "a")
@@ -196,13 +250,33 @@ def test_a_claimed_copy_a_killed_process_left_is_swept(tmp_path: Path) -> None:
     )
     dead = Path(tempfile.gettempdir()) / f"{COPY}{int(gone.stdout)}-left.llmsession"
     dead.write_bytes(b"a state a killed replica was loading")
+    saving = Path(tempfile.gettempdir()) / f".{COPY}{int(gone.stdout)}-x.llmsession.y.tmp"
+    saving.write_bytes(b"a state a killed replica was saving (the save's own hidden file)")
     unrelated = Path(tempfile.gettempdir()) / f"{COPY}not-a-pid.llmsession"
     unrelated.write_bytes(b"")
     assert spill.sweep() == 0  # (young: it may be a process's this one cannot see, loading it)
-    for path in (dead, claimed.path, unrelated):
+    for path in (dead, saving, claimed.path, unrelated):
         os.utime(path, (time.time() - COPY_S - 5, time.time() - COPY_S - 5))
-    assert spill.sweep() == 1
-    assert not dead.exists() and claimed.path.exists() and unrelated.exists()
+    assert spill.sweep() == 2
+    assert not dead.exists() and not saving.exists() and claimed.path.exists() and unrelated.exists()
+
+
+def test_a_claim_this_replica_cannot_copy_leaves_the_file_for_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full temporary folder here is not the file's fault: it was counted refused and
+    removed from the shared folder, and no replica could restore the conversation."""
+    spill = SharedSpill(tmp_path, SECRET, "a")
+    assert spill.put(KEY, "alice", fake_session(b"state" * 100))
+    full = SharedSpill(tmp_path, SECRET, "b")
+    own = tempfile.tempdir
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))  # (mkstemp fails there)
+    assert full.claim(KEY) is None and full.refused == 0
+    monkeypatch.setattr(tempfile, "tempdir", own)
+    assert [p.name for p in spill.folder.iterdir() if not p.name.startswith(".replica")] == [
+        f"{KEY}.conversation"
+    ]
+    assert SharedSpill(tmp_path, SECRET, "c").claim(KEY) is not None
 
 
 def test_the_secret_is_made_once_and_kept_private(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ each host's own) moves nothing. Pure Python: no Ray, no model.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -32,6 +33,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import tempfile
 import time
@@ -101,7 +103,21 @@ class SharedSpill:
     def announce(self) -> None:
         """Say that this replica sees the folder (again: an announcement ages out as hidden
         files do, after ``STALE_S``)."""
-        (self.folder / f".replica-{self.owner}").touch()
+        path = self.folder / f".replica-{self.owner}"
+        for _attempt in range(2):  # (never a link's target: a symlink put in its place is removed)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    log.warning("this replica cannot announce itself in %s: %s", self.folder, error)
+                    return
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                os.utime(fd)
+            finally:
+                os.close(fd)
+            return
 
     def sees(self, replica: str) -> bool:
         """Whether ``replica`` announced itself here (it sees the files saved here)."""
@@ -112,22 +128,29 @@ class SharedSpill:
         it is given); False if it cannot be (a key or tenant this folder does not take)."""
         if not KEY.fullmatch(key) or (tenant is not None and len(tenant) > MAX_TENANT):
             return False
-        hidden = self.folder / f".writing-{self.owner}-{secrets.token_hex(8)}"
-        try:
-            save(hidden)
-            with hidden.open("r+b") as f:
+        fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
+        os.close(fd)
+        mine, hidden = Path(name), None  # (saved and sealed where no one else writes: the seal is
+        try:  # over the checksum this replica wrote, never one read back from the shared folder)
+            save(mine)
+            with mine.open("r+b") as f:
                 f.seek(-_CHECKSUM, os.SEEK_END)
                 checksum = f.read(_CHECKSUM)
                 seal = json.dumps({"tenant": tenant, "by": self.owner, "at": time.time()}).encode()
-                tag = self._tag(key, seal, checksum)
                 f.seek(0, os.SEEK_END)
-                f.write(seal + _TAIL.pack(len(seal), SEAL_MAGIC, tag))
-                f.flush()
-                os.fsync(f.fileno())
+                f.write(seal + _TAIL.pack(len(seal), SEAL_MAGIC, self._tag(key, seal, checksum)))
+            fd, name = tempfile.mkstemp(prefix=f".writing-{self.owner}-", dir=self.folder)
+            hidden = Path(name)
+            with os.fdopen(fd, "wb") as out, mine.open("rb") as source:
+                shutil.copyfileobj(source, out)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(hidden, self.folder / f"{key}{SUFFIX}")  # (whole: a claim never sees it half made)
             return True
         finally:
-            hidden.unlink(missing_ok=True)
+            mine.unlink(missing_ok=True)
+            if hidden is not None:
+                hidden.unlink(missing_ok=True)
 
     def withdraw(self, key: str) -> bool:
         """Take back a file this replica saved (True), unless another claimed it first."""
@@ -148,31 +171,65 @@ class SharedSpill:
         claimed = self._grab(key, "claimed")
         if claimed is None:
             return None
-        fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
-        mine = Path(name)  # (0600, made here: what is checked and loaded is this copy, no one else's)
         try:
-            with os.fdopen(fd, "wb") as out, claimed.open("rb") as source:
-                shutil.copyfileobj(source, out)
+            source, size = _opened(claimed)
+        except (OSError, ValueError) as error:
+            return self._refused(claimed, error)
+        with source:  # (its seal first: a file no replica sealed is refused unread)
+            try:
+                self._checked(key, source)
+            except (OSError, ValueError) as error:
+                return self._refused(claimed, error)
+            mine = self._copied(source, size, claimed, key)
+        if mine is None:
+            return None
+        try:  # (0600, made here: what is checked and loaded is this copy, no one else's)
             tenant = self._unsealed(key, mine)
         except (OSError, ValueError) as error:
             mine.unlink(missing_ok=True)
-            self.refused += 1
-            log.warning("a conversation's file was refused: %s", error)
-            return None
-        finally:
-            claimed.unlink(missing_ok=True)
+            return self._refused(claimed, error)
+        claimed.unlink(missing_ok=True)
         if tenants is not None and tenant not in tenants:  # (replaced since it was read: rare)
             mine.unlink(missing_ok=True)
             self.refused += 1
             return None
         return Claimed(mine, tenant)
 
+    def _copied(self, source: BinaryIO, size: int, claimed: Path, key: str) -> Path | None:
+        """A private copy of a claimed file; None if this replica cannot make one (its temporary
+        folder full or not writable): the file is then put back, whole, for another replica."""
+        mine = None
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
+            mine = Path(name)
+            with os.fdopen(fd, "wb") as out:
+                _copy(source, out, size)
+            return mine
+        except OSError as error:
+            if mine is not None:
+                mine.unlink(missing_ok=True)
+            log.warning(
+                "a conversation's file could not be copied here (%s): left for another replica", error
+            )
+            with contextlib.suppress(OSError):  # (unless a newer one came meanwhile: it stays)
+                os.link(claimed, self.folder / f"{key}{SUFFIX}")
+            claimed.unlink(missing_ok=True)
+            return None
+
+    def _refused(self, claimed: Path, error: Exception) -> Claimed | None:
+        """A claimed file that is not a conversation of this cluster's, removed: None."""
+        claimed.unlink(missing_ok=True)
+        self.refused += 1
+        log.warning("a conversation's file was refused: %s", error)
+        return None
+
     def _for(self, key: str, tenants: Collection[str | None]) -> bool:
         """Whether the conversation's file names one of ``tenants`` in its seal (read, not
         checked: the claim checks it; a file that cannot be read so is claimed and refused)."""
         try:
-            with (self.folder / f"{key}{SUFFIX}").open("rb") as f:
-                _body, _checksum, seal, _tag = _sealed(f)
+            source, _size = _opened(self.folder / f"{key}{SUFFIX}")
+            with source:
+                _body, _checksum, seal, _tag = _sealed(source)
             tenant = _seal_tenant(seal)
         except FileNotFoundError:
             return False
@@ -194,11 +251,17 @@ class SharedSpill:
         """The tenant a claimed file was sealed for, its seal checked and cut off (ValueError if
         it is not a sealed session file of this cluster's, for this conversation)."""
         with path.open("r+b") as f:
-            body, checksum, seal, tag = _sealed(f)
-            if not hmac.compare_digest(tag, self._tag(key, seal, checksum)):
-                raise ValueError("its seal does not match (not this cluster's, or changed)")
+            body, seal = self._checked(key, f)
             f.truncate(body)
         return _seal_tenant(seal)
+
+    def _checked(self, key: str, f: BinaryIO) -> tuple[int, bytes]:
+        """Where a sealed file's session file ends, and its seal, checked (ValueError if it is
+        not this cluster's for this conversation, or changed)."""
+        body, checksum, seal, tag = _sealed(f)
+        if not hmac.compare_digest(tag, self._tag(key, seal, checksum)):
+            raise ValueError("its seal does not match (not this cluster's, or changed)")
+        return body, seal
 
     def _tag(self, key: str, seal: bytes, checksum: bytes) -> bytes:
         message = b"\0".join((b"llmsession-conversation", key.encode(), seal, checksum))
@@ -236,6 +299,29 @@ def _sealed(f: BinaryIO) -> tuple[int, bytes, bytes, bytes]:
     return body, f.read(_CHECKSUM), f.read(length), tag
 
 
+def _opened(path: Path) -> tuple[BinaryIO, int]:
+    """A file of the shared folder, opened for reading, and its size: never a symlink's target,
+    a FIFO (whose open would block) or a device (``/dev/zero`` never ends): OSError or ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("it is not a regular file")
+        return os.fdopen(fd, "rb"), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _copy(source: BinaryIO, out: BinaryIO, size: int) -> None:
+    """``size`` bytes of ``source`` from its start (what it held when opened: a file that grows
+    meanwhile is copied no further, and is refused by its seal)."""
+    source.seek(0)
+    while size > 0 and (chunk := source.read(min(size, 1 << 20))):
+        out.write(chunk)
+        size -= len(chunk)
+
+
 def _seal_tenant(seal: bytes) -> str | None:
     """The tenant a seal names (ValueError if it names none)."""
     parsed = json.loads(seal)
@@ -246,13 +332,15 @@ def _seal_tenant(seal: bytes) -> str | None:
 
 
 def _orphaned_copies(now: float) -> int:
-    """Remove this user's private copies of claimed files (``COPY``) whose process is gone,
-    older than ``COPY_S`` (a copy lives while its file loads: a process of another pid namespace
-    sharing the folder, whose pid this one does not see, is not cut short)."""
+    """Remove this user's private copies of claimed files (``COPY``), and of files being saved
+    (and the hidden file a save writes beside one), whose process is gone, older than ``COPY_S``
+    (a copy lives while its file loads: a process of another pid namespace sharing the folder,
+    whose pid this one does not see, is not cut short)."""
     removed = 0
     for entry in os.scandir(tempfile.gettempdir()):
-        owner = entry.name.removeprefix(COPY).partition("-")[0]
-        if not entry.name.startswith(COPY) or not owner.isdigit() or _alive(int(owner)):
+        name = entry.name.removeprefix(".")
+        owner = name.removeprefix(COPY).partition("-")[0]
+        if not name.startswith(COPY) or not owner.isdigit() or _alive(int(owner)):
             continue
         with contextlib.suppress(OSError):  # (another's, or removed meanwhile)
             stat = entry.stat(follow_symlinks=False)
