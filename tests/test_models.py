@@ -6,6 +6,7 @@ variant that must fail); a load with no room is refused and unloads nothing."""
 from __future__ import annotations
 
 import copy
+import shutil
 import subprocess
 import sys
 import threading
@@ -255,6 +256,21 @@ def test_a_folder_names_its_models_and_their_projectors(tmp_path: Path, smollm2_
         assert models.names == ["chat", "other"]
         assert models.file("chat") == ModelFile(tmp_path / "chat.gguf", tmp_path / "mmproj-chat.gguf")
         assert models.file("other").mmproj_path is None
+
+
+def test_the_parking_folder_is_made_again_when_taken_away(tmp_path: Path) -> None:
+    """A sweep of old temporary files took the folder: every later park failed (each named
+    conversation dropped at each unload) for the rest of the process."""
+    from llmsession.api import _parking
+
+    folder = _parking.Folder(tmp_path)
+    try:
+        shutil.rmtree(folder.path)
+        file = folder.next_file()
+        assert file.parent == folder.path and folder.path.is_dir()
+        assert folder.path.stat().st_mode & 0o777 == 0o700
+    finally:
+        folder.remove()
 
 
 def test_a_model_that_closed_by_itself_loads_again(smollm2_path: Path) -> None:

@@ -5,7 +5,9 @@ miss (never wrong bytes), and nothing left behind: on close, or by a process tha
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -170,6 +172,14 @@ def test_a_killed_process_folder_is_swept(tmp_path: Path) -> None:
     assert not dead.exists() and not here.exists() and not gone.exists()
     assert mine.exists() and elsewhere.exists()
     lot.close()
+
+
+def test_a_container_of_the_same_host_name_is_another_host() -> None:
+    """Two containers sharing a host name and a disk cache folder, in pid namespaces of their
+    own: each saw the other's live processes as gone and removed their folders."""
+    space = re.sub(r"[^0-9]", "", os.readlink("/proc/self/ns/pid"))
+    assert space and host_name().endswith(f".{space}")
+    assert host_name().removesuffix(f".{space}") == re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname())[:64]
 
 
 def test_without_a_disk_a_spilled_state_is_forgotten() -> None:

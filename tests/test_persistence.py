@@ -12,6 +12,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import internals
 import numpy as np
@@ -324,6 +325,29 @@ def test_a_model_file_gone_since_loading_is_a_typed_error(smollm2_path: Path, tm
         copy_path.unlink()
         with pytest.raises(SessionFileError, match="identify"):
             session.save(tmp_path / "chat.llmsession")
+
+
+def test_a_model_file_replaced_while_it_loads_is_not_its_identity(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file was pinned once loaded: other weights renamed over it during a load (minutes
+    for a large model) were taken for the weights in memory, their digest on its states."""
+    from llmsession.runtime import core
+
+    copy_path = tmp_path / "model.gguf"
+    copy_path.write_bytes(smollm2_path.read_bytes())
+    real = core.load_native
+
+    def load_then_replace(*args: Any, **kwargs: Any) -> Any:
+        loaded = real(*args, **kwargs)
+        replacement = tmp_path / "new.gguf"
+        replacement.write_bytes(smollm2_path.read_bytes())
+        replacement.replace(copy_path)  # (while the load was still under way)
+        return loaded
+
+    monkeypatch.setattr(core, "load_native", load_then_replace)
+    with Model(copy_path, threads=1) as model, pytest.raises(SessionFileError, match="changed since"):
+        model.identity()
 
 
 def test_a_model_file_replaced_since_loading_is_not_its_identity(smollm2_path: Path, tmp_path: Path) -> None:

@@ -117,6 +117,9 @@ class Folder:
         self._numbers = itertools.count(1)  # (atomic: parks run in the sweeper's and loaders' threads)
 
     def next_file(self) -> Path:
+        """A new file's name in the folder, made again if it was taken away (a sweep of old
+        temporary files: every later park failed); OSError if it is not this user's only."""
+        parking.private_folder(self.path)
         return self.path / f"{next(self._numbers)}.session"
 
     def remove(self) -> None:
@@ -141,13 +144,15 @@ def park(model: Model, folder: Folder) -> list[Parked]:
         if taken is None:  # (answering a call: it goes with the model)
             continue
         session, tenant = taken
-        file = folder.next_file()
+        file = None
         try:
+            file = folder.next_file()
             session.save(file)
             parked.append(Parked(file, tenant, conversation))
         except Exception as error:  # (dropped, never the unload)
             log.warning("a conversation could not be parked before its model unloaded: %s", error)
-            file.unlink(missing_ok=True)
+            if file is not None:
+                file.unlink(missing_ok=True)
         finally:
             session.close()
     return parked

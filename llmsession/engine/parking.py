@@ -56,8 +56,15 @@ def running(pid: int) -> bool:
 
 
 def host_name() -> str:
-    """This host's name as a folder name may hold it (a shared directory is several hosts')."""
-    return re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname())[:64] or "host"
+    """This host's name as a folder name may hold it (a shared directory is several hosts'),
+    with its pid namespace's number: two containers of one host name see different processes,
+    so each is the other's foreign host (a pid the other cannot see is not a process gone)."""
+    name = re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname())[:64] or "host"
+    try:
+        space = re.sub(r"[^0-9]", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:  # (no /proc: the host's name alone)
+        return name
+    return f"{name}.{space}" if space else name
 
 
 def sweep(directory: Path) -> None:

@@ -86,6 +86,7 @@ class ModelCore:
         cells: dict[str, Any] = {"flash_attention": self.flash_attention, "kv_type": self.kv_type}
         where: dict[str, Any] = {"gpu_layers": gpu_layers, "threads": self.threads, "rpc_servers": servers}
         prompts: dict[str, Any] = {"use_jinja": config.use_jinja, "chat_template": config.chat_template}
+        self._identities = FileIdentities(self.path, self.mmproj_path)  # (pinned before it loads)
         loaded = load_native(
             self.path,
             self.mmproj_path,
@@ -110,7 +111,6 @@ class ModelCore:
             raise
         self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
-        self._identities = FileIdentities(self.path, self.mmproj_path)
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
         self._specials: dict[str, Mapping[str, int]] = {}  # per tool format (``special_markers``)
