@@ -106,8 +106,7 @@ class GenerationOptions:
         _require("draft", self.draft, self.draft is None or self.draft in DRAFTS)
         budget_ok = self.reasoning_budget is None or _int_in(self.reasoning_budget, 0, INT32_MAX)
         _require("reasoning_budget", self.reasoning_budget, budget_ok)
-        format_ok = self.tool_format is None or self.tool_format in TOOL_FORMATS
-        _require("tool_format", self.tool_format, format_ok)
+        check_tool_format(self.tool_format)
         given = self._constraints()
         if len(given) > 1:
             raise ValueError(f"GenerationOptions: {' and '.join(given)} given; a reply takes one constraint")
@@ -168,6 +167,13 @@ def _is_real(value: object) -> bool:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         return False
     return value == 0 or REAL_RANGE[0] <= abs(value) <= REAL_RANGE[1]
+
+
+def check_tool_format(tool_format: object) -> None:
+    """A tool format (``TOOL_FORMATS``) or None, else ValueError (``Model.render`` and
+    ``prompt_tokens`` check theirs so: another raised a bare KeyError there)."""
+    if tool_format is not None and tool_format not in TOOL_FORMATS:
+        raise ValueError(f"tool_format must be one of {list(TOOL_FORMATS)} or None, got {tool_format!r:.40}")
 
 
 def _require(name: str, value: object, ok: bool) -> None:

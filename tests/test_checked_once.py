@@ -16,7 +16,7 @@ import pytest
 from serve_helpers import running
 from tool_helpers import WEATHER
 
-from llmsession import GenerationOptions, Model, TemplateError, Transcript
+from llmsession import GenerationOptions, Model, TemplateError, Transcript, UnsupportedFeatureError
 from llmsession.serve.app import create_app
 from llmsession.text import messages as messages_module
 from llmsession.text import tools as tools_module
@@ -125,6 +125,26 @@ def quiet(smollm2_path: Path) -> Iterator[Model]:
     the counts below would catch at a moment no test chooses."""
     with Model(smollm2_path, threads=1, anticipate=False) as model:
         yield model
+
+
+def test_prompt_tokens_refuses_images_it_cannot_count(quiet: Model) -> None:
+    """An image's marker was tokenized as text (a handful of tokens, not its positions), and on
+    a model without a projector, where ``chat`` refuses the same messages."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    said = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    for tenant in (None, "t"):
+        with pytest.raises(UnsupportedFeatureError, match="text-only"):
+            quiet.prompt_tokens(said, tenant=tenant)
+
+
+def test_render_and_prompt_tokens_take_the_tool_formats_a_reply_takes(quiet: Model) -> None:
+    """A bogus one raised a bare KeyError; "harmony" rendered a prompt no exchange decodes."""
+    for bad in ("bogus", "harmony"):
+        with pytest.raises(ValueError, match="tool_format must be one of"):
+            quiet.render(CHAT, tool_format=bad)
+        with pytest.raises(ValueError, match="tool_format must be one of"):
+            quiet.prompt_tokens(CHAT, tool_format=bad)
+    assert quiet.render(CHAT, tools=[WEATHER], tool_format="hermes")
 
 
 def test_the_library_reads_a_transcript_without_checking_it_again(quiet: Model, checked: list[int]) -> None:

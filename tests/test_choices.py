@@ -139,6 +139,12 @@ def test_bad_arguments_are_refused_before_anything_decodes(smollm2: Model) -> No
         smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, **{"context": 9})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="system prompt"):
         smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, config=SessionConfig(system="x"))
+    # A tenant or a conversation a call refuses, refused as the choices are made (it was at the
+    # first choice iterated, and again at each of the others).
+    with pytest.raises(TypeError, match="tenant must be"):
+        smollm2.chat_choices([{"role": "user", "content": "Hi"}], n=2, tenant=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="conversation must have"):
+        smollm2.complete_choices("Hi", n=2, conversation="")
 
 
 def test_a_choice_closed_before_the_forks_are_made_leaves_no_fork_open(smollm2: Model) -> None:

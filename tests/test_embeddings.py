@@ -105,7 +105,7 @@ def test_more_inputs_than_a_batch_holds_equal_each_alone(bert: Model) -> None:
 
 
 def test_bad_inputs_are_refused_before_anything_runs(bert: Model, smollm2: Model) -> None:
-    for bad in ([], [""], [[-1]], [[10**6]], [3.5], [[]]):
+    for bad in ([], [""], [[-1]], [[10**6]], [3.5], [[]], b"cat", [b"cat", "dog"], (bytearray(b"cat"),)):
         with pytest.raises(ValueError):
             bert.embed(bad)  # type: ignore[arg-type]
     with pytest.raises(ContextOverflowError, match="input 1 has"):

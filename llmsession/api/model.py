@@ -13,9 +13,11 @@ from llmsession.api.backend import Backend
 from llmsession.api.completions import RawCompletions
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_configs, session_config
 from llmsession.errors import UnsupportedFeatureError
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, check_tool_format
 from llmsession.replies import Reply
+from llmsession.text.images import image_parts
 from llmsession.text.tools import checked_tools
+from llmsession.text.transcript import Transcript
 
 if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is imported)
     import numpy as np
@@ -158,6 +160,7 @@ class Model(RawCompletions):
         pydantic classes, as ``GenerationOptions.tools`` takes them) renders, as Hugging
         Face's ``apply_chat_template(conversation, tools=...)`` does."""
         checked = checked_tools(tools, tool_choice)
+        check_tool_format(tool_format)
         return self._backend.render(
             messages, add_generation_prompt, thinking=thinking, tools=checked, tool_format=tool_format
         )
@@ -189,8 +192,13 @@ class Model(RawCompletions):
         ``tenant`` or a ``config``: as ``chat`` with them decodes it (a tenant kept apart,
         ``share_prefix=False``, splices only its own replies; ``config.thinking`` renders; the
         assistant's text it ends with, the text the call continues; without either, such a
-        transcript is rendered whole, as ``render`` renders it)."""
+        transcript is rendered whole, as ``render`` renders it). A transcript with images raises
+        ``UnsupportedFeatureError`` (their positions are the projector's, counted as it decodes)."""
         checked = checked_tools(tools, tool_choice)
+        check_tool_format(tool_format)
+        messages = Transcript(messages)  # (checked once, here: not again below)
+        if next(image_parts(messages), None) is not None:
+            raise UnsupportedFeatureError("prompt_tokens counts text-only transcripts; this one holds images")
         if tenant is None and config is None:
             return self._backend.prompt_tokens(
                 messages, thinking=thinking, tools=checked, tool_format=tool_format
@@ -347,7 +355,13 @@ class Model(RawCompletions):
         those) from an embedding model (its GGUF names a pooling: mean, CLS or last), one
         float32 row each, L2-normalized unless not ``normalize``; batched over sequences of a
         context of their own. A chat model raises ``UnsupportedFeatureError``; an input longer
-        than the model's context (at most 8,192 tokens), ``ContextOverflowError``."""
+        than the model's context (at most 8,192 tokens), ``ContextOverflowError``; bytes (a
+        sequence of ints, which would be read as token ids), ``ValueError``."""
+        bytes_like = bytes | bytearray | memoryview
+        if isinstance(inputs, bytes_like) or (
+            isinstance(inputs, list | tuple) and any(isinstance(item, bytes_like) for item in inputs)
+        ):
+            raise ValueError("embed takes text as str (decode bytes first), or token ids")
         return self._backend.embed(inputs, normalize)
 
     def memory(self) -> MemoryReport:

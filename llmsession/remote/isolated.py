@@ -28,7 +28,7 @@ from llmsession.remote.proxies import WorkerSession, WorkerStream, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.stateless_calls import check_answerable, check_stateless, checked_label
+from llmsession.runtime.stateless_calls import check_answerable, check_stateless, check_tenant, checked_label
 from llmsession.text.renderer import Renderer
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
@@ -169,6 +169,8 @@ class IsolatedModel:
         """``n`` stateless calls, each started when first iterated (the worker's sessions are
         not here to fork: each choice decodes the prompt, reusing what its session holds)."""
         check_stateless(config)
+        check_tenant(tenant)  # (both now, as a call checks them: not at the first choice)
+        checked_label(conversation)
         transcript = Transcript(messages)  # (checked now, as they are now: the calls come later)
         check_choices(transcript)
         check_answerable(transcript)  # (something to answer, as in-process)
@@ -189,6 +191,8 @@ class IsolatedModel:
         conversation: str | None = None,
     ) -> Choices:
         check_stateless(config)
+        check_tenant(tenant)
+        checked_label(conversation)
         return separate(
             n,
             checked_options(options),

@@ -22,7 +22,13 @@ from llmsession.runtime.embedding import Inputs
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.session import LocalSession
 from llmsession.runtime.stateless import StatelessSessions
-from llmsession.runtime.stateless_calls import check_answerable, check_stateless, checked_label, split
+from llmsession.runtime.stateless_calls import (
+    check_answerable,
+    check_stateless,
+    check_tenant,
+    checked_label,
+    split,
+)
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
 
@@ -101,6 +107,8 @@ class LocalModel(ModelCore):
     ) -> Choices:
         """``n`` choices of a stateless call sharing one prefill (``runtime.choices``)."""
         check_stateless(config)
+        check_tenant(tenant)  # (both now, as a call checks them: not at the first choice)
+        checked_label(conversation)
         options = checked_options(options)
         transcript = Transcript(messages)  # (checked now, as they are now: the prefill comes later)
         check_choices(transcript)
@@ -130,6 +138,8 @@ class LocalModel(ModelCore):
     ) -> Choices:
         """``n`` continuations of a raw prompt sharing one prefill."""
         check_stateless(config)
+        check_tenant(tenant)
+        checked_label(conversation)
         options = checked_options(options)
 
         def prefill() -> Stream:

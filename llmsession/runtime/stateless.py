@@ -43,6 +43,7 @@ from llmsession.runtime.stateless_calls import (
     Call,
     TenantReplies,
     check_stateless,
+    check_tenant,
     checked_label,
     keeps,
     split,
@@ -295,8 +296,7 @@ class StatelessSessions:
     def _kept_record(self, tenant: str | None, config: SessionConfig) -> ReplyTokens | None:
         """The replies a call kept apart may splice (its tenant's, or none of anyone's without a
         tenant); None for a call that shares."""
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+        check_tenant(tenant)
         if config.share_prefix:
             return None
         with self._lock:

@@ -63,6 +63,12 @@ def keeps(tenant: str | None, config: SessionConfig) -> bool:
 MAX_LABEL = 256  # characters of a conversation's name
 
 
+def check_tenant(tenant: object) -> None:
+    """A call's ``tenant``: None or a str (TypeError)."""
+    if tenant is not None and not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+
+
 def checked_label(conversation: object) -> str | None:
     """A call's ``conversation``: None, or a str of 1 to ``MAX_LABEL`` characters."""
     if conversation is None:
