@@ -5,6 +5,7 @@ SIGKILL and every conversation going on, and SIGTERM leaving no process of Ray's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import fcntl
@@ -548,6 +549,76 @@ def test_without_ray_the_command_names_the_extra(
     args = parser().parse_args(["serve", "--replicas", "2"])
     assert serve_replicas(args, Path("model.gguf"), ModelConfig(), MemoryConfig(), {}) == 2
     assert "pip install 'llmsession[cluster]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "threads"),
+    [([], 4), (["--max-replicas", "4"], 2), (["--max-replicas", "8"], 1)],
+)
+def test_the_cores_are_shared_among_the_most_replicas_that_may_run(
+    monkeypatch: pytest.MonkeyPatch, options: list[str], threads: int
+) -> None:
+    """Autoscaling up to 4 replicas on 8 cores gave each 8 threads (the cores split by
+    ``--replicas`` alone): 32 threads on 8 cores once scaled up."""
+    from llmsession.cluster import run as running
+    from llmsession.commands.cli import parser
+    from llmsession.commands.serve_cluster import serve_replicas
+    from llmsession.config import MemoryConfig, ModelConfig
+    from llmsession.native import machine
+
+    ran: list[RunCluster] = []
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(running, "run", ran.append)
+    args = parser().parse_args(["serve", "--replicas", "2", *options])
+    serve_replicas(args, Path("model.gguf"), ModelConfig(), MemoryConfig(), {})
+    assert [cluster.config.threads for cluster in ran] == [threads]
+
+
+def test_the_board_forgets_replicas_that_stopped_posting() -> None:
+    """Its texts were only filtered when read: with autoscaling, it held every replica ever."""
+    from llmsession.cluster.deployment import Boarded
+    from llmsession.cluster.metrics import STALE_S
+
+    board = Boarded()
+    board.texts["gone"] = (time.monotonic() - STALE_S - 1, "m 1\n")
+    board.put("r1", "m 2\n")
+    assert list(board.texts) == ["r1"] and board.fresh() == {"r1": "m 2\n"}
+
+
+def test_a_restore_its_client_left_during_is_still_told_once_it_brought_the_conversation() -> None:
+    """The client gone while the state was restored here: the restore went on and the state
+    came, but the replica never said it held the conversation (the one it left had let it go)."""
+    from types import SimpleNamespace
+
+    from llmsession.cluster.handoff import Tenant
+    from llmsession.cluster.peers import Mover
+
+    go = threading.Event()
+
+    def restore(key: str, tenant: Tenant) -> bool:
+        go.wait(10)
+        return True
+
+    handoff = SimpleNamespace(spill=SimpleNamespace(announce=lambda: None), restore=restore)
+    mover = Mover(handoff, "r2", ("engine", "app"), asks=False)  # type: ignore[arg-type]
+    told: list[str] = []
+
+    async def leave() -> None:
+        arriving = asyncio.ensure_future(
+            mover.arrive("k" * 32, None, Tenant("t"), lambda: told.append("held"))
+        )
+        await asyncio.sleep(0.2)
+        arriving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await arriving
+        go.set()
+        for _ in range(100):
+            if told:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(leave())
+    assert told == ["held"]
 
 
 def test_plain_serve_imports_no_ray() -> None:

@@ -47,19 +47,25 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class Board:
-    """Where replicas post their metrics' text, for the front's ``/metrics``."""
+class Boarded:
+    """Where replicas post their metrics' text, for the front's ``/metrics`` (``Board``, the
+    actor); a replica that stopped posting is forgotten (autoscaling starts new ones for ever)."""
 
     def __init__(self) -> None:
         self.texts: dict[str, tuple[float, str]] = {}
 
     def put(self, replica: str, text: str) -> None:
-        self.texts[replica] = (time.monotonic(), text)
+        now = time.monotonic()
+        for gone in [r for r, (at, _) in self.texts.items() if now - at > STALE_S]:
+            del self.texts[gone]
+        self.texts[replica] = (now, text)
 
     def fresh(self) -> dict[str, str]:
         now = time.monotonic()
         return {replica: text for replica, (at, text) in self.texts.items() if now - at <= STALE_S}
+
+
+Board = ray.remote(num_cpus=0, max_restarts=-1)(Boarded)
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,9 @@ class Engine:
         held, moved = key in self.held, False
         if self.mover is not None and self.mover.wants(scope, previous, held):
             tenant = await asyncio.to_thread(self._tenant, scope, body)  # (it parses the body)
-            moved = tenant is not None and await self.mover.arrive(key, previous, tenant)
+            moved = tenant is not None and await self.mover.arrive(
+                key, previous, tenant, lambda: self._remember(key)
+            )
             if moved:  # (held here now, whatever the answer: the front is told so)
                 self._remember(key)
         sent: asyncio.Queue[Message] = asyncio.Queue()

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from llmsession.cluster.deployment import (
     CONVERSATION_HEADER,
@@ -97,8 +97,11 @@ class Front:
             stream = handle.answer.remote(forwarded, body, key, previous, text)
             try:
                 first = await stream.__anext__()
-            except RayActorError:  # (died while it held the request, before answering)
-                if attempt == RETRIES:
+            except RayActorError as error:  # (died while it held the request, before answering)
+                stream.cancel()
+                # Only a replica that died is asked again of another: one unreachable for a
+                # moment (``ActorUnavailableError``) may be answering still (twice is worse).
+                if attempt == RETRIES or not isinstance(error, ActorDiedError):
                     await _error(send, 503, "no replica could answer the request; try again")
                     return
                 continue  # (it had not begun: another replica answers)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ray import serve
@@ -49,18 +49,26 @@ class Mover:
             return False
         return not held or previous not in (None, self.name)
 
-    async def arrive(self, key: str, previous: str | None, tenant: Tenant) -> bool:
+    async def arrive(
+        self, key: str, previous: str | None, tenant: Tenant, late: Callable[[], object] = lambda: None
+    ) -> bool:
         """Bring conversation ``key`` here with its state: asked of ``previous`` (the replica
         that answered it last), then restored from the shared folder; only if it is ``tenant``'s
-        (the request's). True if it was."""
+        (the request's). True if it was. Cancelled (its client gone) while it is restored, the
+        restore goes on, and ``late()`` is called once it succeeded (the previous replica let the
+        conversation go: this one holds it now, and must say so)."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
             async with lock:
                 if self.asks and previous not in (None, self.name):
                     await self._ask(key, str(previous), tenant)
+                restoring = asyncio.ensure_future(asyncio.to_thread(self.handoff.restore, key, tenant))
                 try:
-                    return await asyncio.to_thread(self.handoff.restore, key, tenant)
+                    return await asyncio.shield(restoring)
+                except asyncio.CancelledError:
+                    restoring.add_done_callback(lambda done: _restored(done) and late())
+                    raise
                 except Exception as error:  # (the turn goes on without it: a longer prefill)
                     log.warning("a conversation could not be restored here: %r", error)
                     return False
@@ -109,6 +117,13 @@ class Mover:
         """Announce this replica again, and remove the folder's files nobody claimed (blocking)."""
         self.handoff.spill.announce()
         self.handoff.spill.sweep()
+
+
+def _restored(done: asyncio.Future[bool]) -> bool:
+    """Whether a restore left on its own (its request cancelled) brought its conversation."""
+    if done.cancelled() or done.exception() is not None:
+        return False
+    return done.result()
 
 
 async def _awaited(call: Any) -> Any:

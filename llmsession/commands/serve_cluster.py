@@ -77,8 +77,9 @@ def serve_replicas(
     from llmsession.cluster.run import Cluster, run
     from llmsession.native.machine import usable_cores
 
-    if config.threads is None:  # (the machine's cores shared among the replicas)
-        config = dataclasses.replace(config, threads=max(1, usable_cores() // args.replicas))
+    if config.threads is None:  # (the machine's cores shared among the most replicas it may run)
+        most = max(args.replicas, args.max_replicas or 0)  # (--min-replicas is at most --replicas)
+        config = dataclasses.replace(config, threads=max(1, usable_cores() // most))
     threads = config.threads or 1
     cluster = Cluster(
         path=model_path,
