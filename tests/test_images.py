@@ -154,6 +154,34 @@ def test_editing_text_before_an_image_re_decodes_the_image(vision: Model, red: I
     assert_same_within_noise(vision, edited, fresh.respond("And now?", SCORED))
 
 
+def test_an_image_read_whole_is_refused_past_the_batch_size(
+    smollm2_path: Path, fixture_path: Callable[[str], Path], red: Image, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A projector whose images attend to all their own tokens at once (Gemma 3's, 256 tokens)
+    had them decoded in batch-size pieces, each attending to itself only: a wrong reading of
+    the image, silently. The fixture's projector is causal: its chunks are marked as such."""
+    from llmsession.native.projector import ImageChunk
+
+    made = ImageChunk.__init__
+
+    def whole(self: ImageChunk, *args: Any, **given: Any) -> None:
+        made(self, *args, **{**given, "non_causal": True})
+
+    monkeypatch.setattr(ImageChunk, "__init__", whole)
+    asked = ["What is this?", red]
+    # (one live session: the shared context's batch holds at least a row per sequence)
+    settings: dict[str, Any] = {
+        "mmproj_path": fixture_path("mmproj-tiny.gguf"),
+        "threads": 1,
+        "max_live_sessions": 1,
+    }
+    small = Model(smollm2_path, batch_size=IMAGE_TOKENS - 1, **settings)
+    with small, pytest.raises(ImageError, match=f"batch_size of {IMAGE_TOKENS} or more"):
+        small.session().respond(asked, GenerationOptions(max_tokens=2))
+    with Model(smollm2_path, batch_size=IMAGE_TOKENS, **settings) as model:
+        assert model.session().respond(asked, GenerationOptions(max_tokens=2)).usage.completion_tokens > 0
+
+
 def test_a_cancelled_image_turn_keeps_the_session_correct(vision: Model, red: Image) -> None:
     session = vision.session()
     stream = session.stream(["Describe:", red], GenerationOptions(max_tokens=40, temperature=0))

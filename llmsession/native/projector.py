@@ -189,6 +189,11 @@ class Projector(Owner):
             raise ContextOverflowError(
                 f"position {start + chunk.n_pos} exceeds the context size {context.n_ctx}"
             )
+        if chunk.non_causal and chunk.n_tokens > context.n_batch:  # (decoded in pieces, each would
+            raise ImageError(  # attend to itself only: a silently wrong reading of the image)
+                f"this projector's images take {chunk.n_tokens} tokens in one batch, more than the "
+                f"batch size {context.n_batch}: give it a batch_size of {chunk.n_tokens} or more"
+            )
         context.check_seq(seq)
         context.set_abortable(True)
         next_pos = ffi.new("llama_pos *", start)
