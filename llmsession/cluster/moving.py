@@ -3,10 +3,13 @@ replica sees (``--disk-cache-dir``: a folder on one host, a network filesystem o
 
 A replica that lets a conversation go (it is stopping, or the replica the conversation went to
 asks for it) saves its session (``Session.save``: the transcript, the KV state and what that
-depends on, under a sha256) and appends a seal: the conversation's tenant and an HMAC, under
-the cluster's secret (``load_secret``), of the conversation's key, that tenant and the file's
-checksum. The file is written under a hidden name and renamed to ``<key>.conversation`` when
-whole, so it is never read half written; a newer one replaces an older one at once.
+depends on, under a sha256) to a private file and appends a seal: the conversation's tenant and
+an HMAC, under the cluster's secret (``load_secret``), of the conversation's key, that tenant
+and the file's checksum (as this replica wrote it: nothing read back from the shared folder is
+sealed). The sealed file is copied into the folder under a hidden name and renamed to
+``<key>.conversation`` when whole, so it is never read half written; a newer one replaces an
+older one at once. A file in a conversation's place is opened without following a link, and
+only a regular file's is read (a FIFO or a device is refused unread), its seal first.
 
 A replica given a conversation it does not hold claims its file by renaming it to a hidden name
 of its own (one rename wins; the others find nothing) and copies it into a private file (in
