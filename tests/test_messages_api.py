@@ -435,10 +435,23 @@ def test_calls_and_results_pair_up_as_anthropic_checks_them() -> None:
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}, *fine]}
     roles = ["user", "assistant", "tool", "tool", "user", "assistant", "tool"]
     assert [m["role"] for m in messages_request(body).messages] == roles
+    # Consecutive messages of one role are one turn, as Anthropic merges them.
+    other = {**call, "id": "t2"}
+    split_up = [{"role": "assistant", "content": [call]}, {"role": "assistant", "content": [other]}]
+    split_up += [user(answer), user({**answer, "tool_use_id": "t2"}, text)]
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}, *split_up]}
+    assert [m["role"] for m in messages_request(body).messages] == [
+        "user",
+        "assistant",
+        "assistant",
+        "tool",
+        "tool",
+        "user",
+    ]
     once = refused({"role": "assistant", "content": [call, again]}, user(answer, text))
     assert once.param == "messages[1]" and "'t1'" in once.message
     stray = refused({"role": "assistant", "content": "No call."}, user(text, answer))
-    assert stray.param == "messages[2].content[1].tool_use_id" and "previous message" in stray.message
+    assert stray.param == "messages[2].content[1].tool_use_id" and "turn before" in stray.message
     late = refused(
         {"role": "assistant", "content": [call]},
         user(text),

@@ -370,6 +370,15 @@ def test_answered_calls_and_long_users_within_the_limits_pass() -> None:
         "user",
         "tool",
     ]  # (words among results)
+    # One turn in two assistant messages (a Responses reasoning item between its calls).
+    second = {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Hm.",
+        "tool_calls": [{**TOOL_CALL, "id": "c2"}],
+    }
+    results = [{"role": "tool", "tool_call_id": ident, "content": "x"} for ident in ("c1", "c2")]
+    assert len(chat_request({"messages": [*calls, second, *results]}).messages) == 5
     assert chat_request({"messages": HI, "user": "u" * 256, "stop": ["é" * 512] * 16}).user == "u" * 256
 
 

@@ -36,24 +36,30 @@ def transcript(raw: list[Any], images: ImageCount, kept: range = range(0)) -> Tr
 
 
 def _answered(messages: Transcript) -> None:
-    """An assistant message's calls are each answered once before the next assistant message,
-    and a tool message answers a call of the last assistant message (a call left unanswered, or
-    a result of a call turns back, made a prompt no template renders sensibly). OpenAI's rule,
-    but for a user's words among the results (Anthropic's clients send text beside results)."""
-    calls: list[str] = []  # the last assistant message's calls not answered yet
-    said = 0  # where that message is
+    """An assistant turn's calls are each answered once before the next assistant turn, and a
+    tool message answers a call of the last one (a call left unanswered, or a result of a call
+    turns back, made a prompt no template renders sensibly). OpenAI's rule, but for a user's
+    words among the results (Anthropic's clients send text beside results) and a turn in several
+    assistant messages (a reasoning item between a Responses turn's calls begins another)."""
+    calls: list[str] = []  # the last assistant turn's calls not answered yet
+    said = 0  # where that turn began
+    previous = None
     for i, message in enumerate(messages):
-        if message["role"] == "tool":
+        role = message["role"]
+        if role == "tool":
             ident = message.get("tool_call_id")
             if ident not in calls:
                 where = f"messages[{i}]"
-                problem = f"tool_call_id {ident!r:.80} answers no call of the last assistant message"
+                problem = f"tool_call_id {ident!r:.80} answers no call of the last assistant turn"
                 raise ApiError(f"{where}: {problem} (or one answered already)", where)
             calls.remove(ident)
-        elif message["role"] == "assistant":
+        elif role == "assistant" and previous == "assistant":
+            calls += [call["id"] for call in message.get("tool_calls") or ()]
+        elif role == "assistant":
             if calls:
                 _unanswered(said, calls)
             calls, said = [call["id"] for call in message.get("tool_calls") or ()], i
+        previous = role
     if calls and said != len(messages) - 1:  # (one ending with its calls is refused as such)
         _unanswered(said, calls)
 

@@ -28,6 +28,7 @@ from typing import Any
 from llmsession.options import INT32_MAX
 from llmsession.serve.body import kind_of, string
 from llmsession.serve.errors import ApiError
+from llmsession.serve.messages_pairs import Pairs
 from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
 from llmsession.serve.translation import converted_tools, renamed
 from llmsession.text.tools import replaced_options
@@ -153,7 +154,7 @@ def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any
         raise ApiError(f"messages: at most {MAX_MESSAGES} messages, got {len(raw)}", "messages")
     out: list[dict[str, Any]] = []
     origins: list[str] = []
-    pairs = _Pairs()
+    pairs = Pairs()
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -168,49 +169,12 @@ def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any
             made = _user(content, where, images) if role == "user" else [_assistant(content, where)]
         else:
             raise ApiError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
-        pairs.check(made, where, content if isinstance(content, list) else [])
+        pairs.check(made, where, content if isinstance(content, list) else [], role)
         out += made
         origins += [where] * len(made)
+    if pairs.role == "user":  # (one that ends with calls is refused as such, below)
+        pairs.finish()
     return out, origins
-
-
-class _Pairs:
-    """Anthropic's rules for calls and results, naming its fields: every call is answered by a
-    ``tool_result`` in the next message, and every result answers a call of the message before
-    it. Ids may repeat (Anthropic's may not): a format whose model writes its calls' ids
-    (Mistral's) may write one twice, and a client sending that reply back is not refused; the
-    rule above pairs each result with its call regardless."""
-
-    def __init__(self) -> None:
-        self.open: list[str] = []  # the previous message's calls, unanswered
-        self.where = ""
-
-    def check(self, made: list[dict[str, Any]], where: str, blocks: list[Any]) -> None:
-        """One message's: ``made``, what it became; ``blocks``, its content's blocks (checked)."""
-        answered = [m["tool_call_id"] for m in made if m["role"] == "tool"]
-        for ident, j in zip(answered, _at(blocks, "tool_result"), strict=True):
-            if ident not in self.open:
-                at = f"{where}.content[{j}]"
-                raise ApiError(
-                    f"{at}: unexpected tool_use_id {ident!r:.80} in a tool_result block: each tool_result "
-                    "must answer a tool_use block of the previous message",
-                    f"{at}.tool_use_id",
-                )
-            self.open.remove(ident)
-        if self.open:
-            unanswered = ", ".join(f"{ident!r:.80}" for ident in self.open[:4]) + (
-                ", ..." if len(self.open) > 4 else ""
-            )
-            raise ApiError(
-                f"{self.where}: tool_use ids without tool_result blocks in the next message: {unanswered}",
-                self.where,
-            )
-        self.open, self.where = [call["id"] for m in made for call in m.get("tool_calls", ())], where
-
-
-def _at(blocks: list[Any], kind: str) -> list[int]:
-    """Where the ``kind`` blocks are among a message's (checked) blocks."""
-    return [j for j, block in enumerate(blocks) if block["type"] == kind]
 
 
 def _user(blocks: list[Any], where: str, images: bool) -> list[dict[str, Any]]:
