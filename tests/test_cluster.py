@@ -587,38 +587,44 @@ def test_the_board_forgets_replicas_that_stopped_posting() -> None:
 
 def test_a_restore_its_client_left_during_is_still_told_once_it_brought_the_conversation() -> None:
     """The client gone while the state was restored here: the restore went on and the state
-    came, but the replica never said it held the conversation (the one it left had let it go)."""
+    came, but the replica never said it held the conversation (the one it left had let it go);
+    and the client's retry at once ran beside it (found the file claimed, and began cold): it
+    waits for the restore its first try left."""
     from types import SimpleNamespace
 
     from llmsession.cluster.handoff import Tenant
     from llmsession.cluster.peers import Mover
 
     go = threading.Event()
+    order: list[str] = []
 
     def restore(key: str, tenant: Tenant) -> bool:
-        go.wait(10)
+        order.append(f"begin {tenant.name}")
+        if tenant.name == "first":
+            go.wait(10)
+        order.append(f"end {tenant.name}")
         return True
 
     handoff = SimpleNamespace(spill=SimpleNamespace(announce=lambda: None), restore=restore)
     mover = Mover(handoff, "r2", ("engine", "app"), asks=False)  # type: ignore[arg-type]
     told: list[str] = []
 
-    async def leave() -> None:
-        arriving = asyncio.ensure_future(
-            mover.arrive("k" * 32, None, Tenant("t"), lambda: told.append("held"))
+    async def leave_and_retry() -> bool:
+        first = asyncio.ensure_future(
+            mover.arrive("k" * 32, None, Tenant("first"), lambda: told.append("held"))
         )
         await asyncio.sleep(0.2)
-        arriving.cancel()
+        first.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await arriving
+            await first
+        retry = asyncio.ensure_future(mover.arrive("k" * 32, None, Tenant("retry")))
+        await asyncio.sleep(0.2)
         go.set()
-        for _ in range(100):
-            if told:
-                break
-            await asyncio.sleep(0.05)
+        return await retry
 
-    asyncio.run(leave())
-    assert told == ["held"]
+    assert asyncio.run(leave_and_retry())
+    assert told == ["held"] and order == ["begin first", "end first", "begin retry", "end retry"]
+    assert mover._locks == {}
 
 
 def test_plain_serve_imports_no_ray() -> None:

@@ -271,6 +271,9 @@ def test_the_parking_folder_is_made_again_when_taken_away(tmp_path: Path) -> Non
         assert folder.path.stat().st_mode & 0o777 == 0o700
     finally:
         folder.remove()
+    with pytest.raises(OSError, match="removed"):  # (never made again once its models closed)
+        folder.next_file()
+    assert not folder.path.exists()
 
 
 def test_a_model_that_closed_by_itself_loads_again(smollm2_path: Path) -> None:

@@ -166,7 +166,7 @@ def test_a_file_swapped_in_while_it_is_saved_is_never_sealed(tmp_path: Path) -> 
     assert claimed is not None and claimed.path.read_bytes().startswith(b"state" * 100)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link to a sealed file"])
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link to a sealed file", "directory"])
 def test_what_is_not_a_plain_file_in_a_conversations_place_is_refused_unread(
     tmp_path: Path, kind: str
 ) -> None:
@@ -178,6 +178,9 @@ def test_what_is_not_a_plain_file_in_a_conversations_place_is_refused_unread(
         os.mkfifo(path)
     elif kind == "link to /dev/zero":
         path.symlink_to("/dev/zero")
+    elif kind == "directory":  # (it raised out of the claim, and stayed for good)
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
     else:
         assert spill.put(OTHER_KEY, "alice", fake_session(b"state" * 100))
         path.symlink_to(spill.folder / f"{OTHER_KEY}.conversation")
@@ -189,6 +192,9 @@ def test_what_is_not_a_plain_file_in_a_conversations_place_is_refused_unread(
         thread.join(10)
         assert not thread.is_alive(), f"a claim of a {kind} never returned"
     assert got == [None, None] and claimer.refused == 1
+    assert [p.name for p in spill.folder.iterdir() if not p.name.startswith(".replica")] == (
+        [f"{OTHER_KEY}.conversation"] if kind == "link to a sealed file" else []
+    )
 
 
 def test_an_announcement_never_follows_a_link(tmp_path: Path) -> None:

@@ -115,14 +115,19 @@ class Folder:
         place.mkdir(parents=True, exist_ok=True)
         self.path, self._remove = parking.own_folder(place, self)
         self._numbers = itertools.count(1)  # (atomic: parks run in the sweeper's and loaders' threads)
+        self._removed = False
 
     def next_file(self) -> Path:
         """A new file's name in the folder, made again if it was taken away (a sweep of old
-        temporary files: every later park failed); OSError if it is not this user's only."""
+        temporary files: every later park failed); OSError if it is not this user's only, or
+        once removed (a park still under way as its models closed leaves nothing behind)."""
+        if self._removed:
+            raise OSError("the parking folder was removed with its models")
         parking.private_folder(self.path)
         return self.path / f"{next(self._numbers)}.session"
 
     def remove(self) -> None:
+        self._removed = True
         self._remove()
 
 

@@ -220,8 +220,12 @@ class SharedSpill:
             return None
 
     def _refused(self, claimed: Path, error: Exception) -> Claimed | None:
-        """A claimed file that is not a conversation of this cluster's, removed: None."""
-        claimed.unlink(missing_ok=True)
+        """A claimed file that is not a conversation of this cluster's, removed (a directory
+        put in its place too, never what its links point to): None."""
+        if claimed.is_dir() and not claimed.is_symlink():
+            shutil.rmtree(claimed, ignore_errors=True)
+        else:
+            claimed.unlink(missing_ok=True)
         self.refused += 1
         log.warning("a conversation's file was refused: %s", error)
         return None

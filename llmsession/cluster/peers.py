@@ -59,25 +59,45 @@ class Mover:
         conversation go: this one holds it now, and must say so)."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
+        orphaned = False  # (a restore left on its own holds the lock until it is done)
         try:
-            async with lock:
+            await lock.acquire()
+            try:
                 if self.asks and previous not in (None, self.name):
                     await self._ask(key, str(previous), tenant)
                 restoring = asyncio.ensure_future(asyncio.to_thread(self.handoff.restore, key, tenant))
                 try:
                     return await asyncio.shield(restoring)
                 except asyncio.CancelledError:
-                    restoring.add_done_callback(lambda done: _restored(done) and late())
+                    orphaned = True
+                    restoring.add_done_callback(lambda done: self._orphan_done(done, key, late))
                     raise
                 except Exception as error:  # (the turn goes on without it: a longer prefill)
                     log.warning("a conversation could not be restored here: %r", error)
                     return False
+            finally:
+                if not orphaned:
+                    lock.release()
         finally:
-            lock, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
+            if not orphaned:
+                self._let_go(key)
+
+    def _orphan_done(self, done: asyncio.Future[bool], key: str, late: Callable[[], object]) -> None:
+        """A restore its request left: said to be here if it came, then the next arrival's turn
+        (a retry at once found the file claimed by it, and began cold)."""
+        try:
+            if _restored(done):
+                late()
+        finally:
+            self._locks[key][0].release()
+            self._let_go(key)
+
+    def _let_go(self, key: str) -> None:
+        lock, users = self._locks[key]
+        if users == 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
 
     async def _ask(self, key: str, previous: str, tenant: Tenant) -> None:
         """Ask ``previous`` to save ``key`` for this replica (it declines if it is not the one
