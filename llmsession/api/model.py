@@ -15,7 +15,7 @@ from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_co
 from llmsession.errors import UnsupportedFeatureError
 from llmsession.options import GenerationOptions, check_tool_format
 from llmsession.replies import Reply
-from llmsession.text.messages import is_image_part
+from llmsession.text.messages import image_parts
 from llmsession.text.tools import checked_tools
 from llmsession.text.transcript import Transcript
 
@@ -197,10 +197,7 @@ class Model(RawCompletions):
         checked = checked_tools(tools, tool_choice)
         check_tool_format(tool_format)
         messages = Transcript(messages)  # (checked once, here: not again below)
-        if any(
-            not isinstance(m.get("content"), str | None) and any(map(is_image_part, m["content"]))
-            for m in messages
-        ):
+        if next(image_parts(messages), None) is not None:
             raise UnsupportedFeatureError("prompt_tokens counts text-only transcripts; this one holds images")
         if tenant is None and config is None:
             return self._backend.prompt_tokens(

@@ -131,10 +131,12 @@ class SharedSpill:
         it is given); False if it cannot be (a key or tenant this folder does not take)."""
         if not KEY.fullmatch(key) or (tenant is not None and len(tenant) > MAX_TENANT):
             return False
-        fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
+        # Saved and sealed where no one else writes: the seal is over the checksum this replica
+        # wrote, never one read back from the shared folder.
+        fd, mine = _private_file()
         os.close(fd)
-        mine, hidden = Path(name), None  # (saved and sealed where no one else writes: the seal is
-        try:  # over the checksum this replica wrote, never one read back from the shared folder)
+        hidden: Path | None = None
+        try:
             save(mine)
             with mine.open("r+b") as f:
                 f.seek(-_CHECKSUM, os.SEEK_END)
@@ -203,8 +205,7 @@ class SharedSpill:
         folder full or not writable): the file is then put back, whole, for another replica."""
         mine = None
         try:
-            fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
-            mine = Path(name)
+            fd, mine = _private_file()
             with os.fdopen(fd, "wb") as out:
                 _copy(source, out, size)
             return mine
@@ -304,6 +305,13 @@ def _sealed(f: BinaryIO) -> tuple[int, bytes, bytes, bytes]:
     body = size - _TAIL.size - length  # (the session file's bytes end here)
     f.seek(body - _CHECKSUM)
     return body, f.read(_CHECKSUM), f.read(length), tag
+
+
+def _private_file() -> tuple[int, Path]:
+    """A new file of this process's own (0600) in the temporary folder, named as the sweep of
+    orphaned copies reads it (``COPY``, then the process's id)."""
+    fd, name = tempfile.mkstemp(prefix=f"{COPY}{os.getpid()}-", suffix=".llmsession")
+    return fd, Path(name)
 
 
 def _opened(path: Path) -> tuple[BinaryIO, int]:

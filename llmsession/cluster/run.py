@@ -30,6 +30,12 @@ ROUTERS = {
 }
 
 
+def most_replicas(replicas: int, max_replicas: int | None) -> int:
+    """The most engine replicas a cluster may run: ``replicas``, or more with autoscaling
+    (``--min-replicas`` is at most ``replicas``)."""
+    return max(replicas, max_replicas or 0)
+
+
 @dataclass(frozen=True)
 class Cluster:
     """What ``serve --replicas`` runs: the model (file and configs, as one replica loads it),
@@ -63,7 +69,7 @@ class Cluster:
     def most_replicas(self) -> int:
         """The most engine replicas it may run (what Ray must have CPUs for, and the front must
         let through)."""
-        return max(self.replicas, self.max_replicas or 0)
+        return most_replicas(self.replicas, self.max_replicas)
 
     def engine_options(self) -> dict[str, Any]:
         """The engine deployment's Ray Serve options: a fixed count of replicas, or Ray's

@@ -74,11 +74,11 @@ def serve_replicas(
     except ModuleNotFoundError:
         error("`llmsession serve --replicas` needs Ray Serve: pip install 'llmsession[cluster]'")
         return 2
-    from llmsession.cluster.run import Cluster, run
+    from llmsession.cluster.run import Cluster, most_replicas, run
     from llmsession.native.machine import usable_cores
 
     if config.threads is None:  # (the machine's cores shared among the most replicas it may run)
-        most = max(args.replicas, args.max_replicas or 0)  # (--min-replicas is at most --replicas)
+        most = most_replicas(args.replicas, args.max_replicas)
         config = dataclasses.replace(config, threads=max(1, usable_cores() // most))
     threads = config.threads or 1
     cluster = Cluster(

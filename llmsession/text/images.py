@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from llmsession.errors import ImageError
-from llmsession.text.messages import is_image_part
+from llmsession.text.messages import image_parts as image_parts  # (beside is_image_part: reads no image)
 
 # The encoded formats read (what OpenAI's and Anthropic's APIs take, and BMP): PIL would otherwise
 # try each of its plugins on hostile bytes, EPS among them (Ghostscript, where it is installed).
@@ -137,12 +137,3 @@ def _data_url_bytes(url: str) -> bytes:
 def message_images(messages: Sequence[Mapping[str, Any]]) -> Iterator[Image]:
     """Every image of a transcript, in the order the prompt places their markers."""
     return (image_from_part(part) for part in image_parts(messages))
-
-
-def image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[object]:
-    """Every image part of a transcript, in order, not decoded."""
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) or content is None:
-            continue
-        yield from (part for part in content if is_image_part(part))

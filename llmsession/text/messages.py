@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -201,6 +201,15 @@ def is_image_part(part: object) -> bool:
     if isinstance(part, Mapping):
         return part.get("type") in IMAGE_PART_TYPES
     return not isinstance(part, str)
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[object]:
+    """Every image part of a transcript, in order, not decoded."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            continue
+        yield from (part for part in content if is_image_part(part))
 
 
 def part_text(part: str | Mapping[str, Any]) -> str:
