@@ -287,14 +287,14 @@ class Engine:
             live = lease.shared_context.residency.entry(lease.key).state is State.LIVE
             if not live and self.lot.holds(lease.key):
                 return self.lot.peek(lease.key)
-        with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
+        with self.hold(), self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
             return seat.context.state_get(seat.seq) if lease.cache.items else None
 
     def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item], *, foreign: bool = True) -> bool:
         """Load a saved state (a file's: ``foreign``, its cells no other session's prefix) into a cold
         session; False (still cold) if refused (values not finite among them) or not of ``record``."""
         lease.cache.foreign |= foreign  # (before its cells are there to be taken: ``sharing``)
-        with self.seat(lease, len(record), threading.Event()) as seat:
+        with self.hold(), self.seat(lease, len(record), threading.Event()) as seat:
             context = seat.context
             if (
                 context.state_set(blob, seat.seq, values=foreign)

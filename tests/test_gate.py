@@ -1,0 +1,69 @@
+"""Every native call on a model's shared contexts is made under its engine's gate, whoever
+makes it: llama.cpp's context is not thread-safe, and a save, a load or a fork that copied a
+state without the gate ran ``llama_state_seq_get_data`` / ``set_data`` beside another session's
+``llama_decode`` on the same context (a restore allocates cells in the pool the decode is
+writing: a crash, or two sequences in one cell). Each call is checked as it is made."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import internals
+import pytest
+
+from llmsession import GenerationOptions, Model
+from llmsession.native.context import NativeContext
+
+CALLS = ("decode", "decode_many", "encode", "seq_rm", "seq_cp", "clear", "pos_min", "pos_max")
+CALLS += ("state_size", "state_get", "state_set", "last_logits")
+GREEDY = GenerationOptions(max_tokens=4, temperature=0)
+
+
+@pytest.fixture
+def ungated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Model], list[str]]]:
+    """Once given a model: the calls made on its shared contexts without its gate held."""
+    seen: list[str] = []
+    watched: list[Any] = []
+
+    def watch(model: Model) -> list[str]:
+        engine = internals.local(model).engine
+        watched.append(engine)
+        for name in CALLS:
+            original = getattr(NativeContext, name)
+
+            @functools.wraps(original)
+            def checked(self: Any, *args: Any, _name: str = name, _o: Any = original, **kw: Any) -> Any:
+                for each in watched:
+                    shared = any(home._context is self for home in each._shared_contexts.values())
+                    if shared and not each.gate.held_here:
+                        seen.append(f"{_name} in {threading.current_thread().name}")
+                return _o(self, *args, **kw)
+
+            monkeypatch.setattr(NativeContext, name, checked)
+        return seen
+
+    yield watch
+
+
+@pytest.mark.parametrize("layout", ["per_session", "shared"])
+def test_save_load_and_fork_touch_the_shared_context_under_the_gate(
+    smollm2_path: Path, tmp_path: Path, layout: str, ungated: Callable[[Model], list[str]]
+) -> None:
+    # (one live session: a fork's two states do not fit at once, so it copies the state)
+    settings: dict[str, Any] = dict(threads=1, flash_attention=False, anticipate=False, kv_layout=layout)
+    with Model(smollm2_path, kv_tokens=1024, max_live_sessions=1, **settings) as model:
+        seen = ungated(model)
+        session = model.session(system="You are terse.")
+        session.respond("Name a colour.", GREEDY)
+        session.save(tmp_path / "chat.llmsession")
+        forked = session.fork()
+        forked.respond("Another?", GREEDY)
+        loaded = model.load_session(tmp_path / "chat.llmsession")
+        loaded.respond("And a third?", GREEDY)
+        session.respond("One more?", GREEDY)
+        assert internals.local(model).engine.counters.exchanges >= 4
+    assert seen == [], seen
