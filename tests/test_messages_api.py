@@ -602,3 +602,21 @@ def test_a_call_nested_too_deep_for_the_event_loop_is_its_input_as_text() -> Non
         assert tool_input(ToolCall("toolu_1", "f", deep)) == {"arguments": deep}
     fine = '{"a": ' + "[" * 100 + "]" * 100 + "}"
     assert json.dumps(tool_input(ToolCall("toolu_1", "f", fine))) == fine
+
+
+def test_a_call_no_response_body_can_hold_is_its_input_as_text() -> None:
+    """Arguments that are JSON but no body can write: ``1e999`` (read as infinity), ``NaN``, a
+    lone surrogate's escape. Read into ``input``, the non-streamed body's encoding raised, a 500
+    (the stream had sent the text). They are the call's JSON text; a large finite number is not."""
+    from starlette.responses import JSONResponse
+
+    from llmsession.replies import ToolCall
+    from llmsession.serve.messages_sse import tool_input
+
+    unwritable = ('{"x": 1e999}', '{"x": -1E+999}', '{"x": NaN}', '{"x": "\\ud83d smile"}', '{"\\udc00": 1}')
+    for arguments in unwritable:
+        value = tool_input(ToolCall("toolu_1", "f", arguments))
+        assert value == {"arguments": arguments}, arguments
+        JSONResponse({"input": value})  # (what the body's encoding does)
+    finite = tool_input(ToolCall("toolu_1", "f", '{"x": 1e300, "y": "\\ud83d\\ude00"}'))
+    assert finite == {"x": 1e300, "y": "😀"}

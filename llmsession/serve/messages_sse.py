@@ -79,14 +79,26 @@ MAX_INPUT_DEPTH = 128  # levels of a call's input written as an object (else as 
 def tool_input(call: ToolCall) -> dict[str, Any]:
     """A call's arguments as the object ``input`` is (any other JSON value kept under a key; one
     nested past ``MAX_INPUT_DEPTH``, which the event loop's stack may not read or write again,
-    as its text: a schema of ``{"type": "object"}`` takes arguments 900 lists deep)."""
+    as its text: a schema of ``{"type": "object"}`` takes arguments 900 lists deep), and so one no
+    response body can hold: a number past a double's range (``1e999`` is JSON, read as infinity)
+    or a lone surrogate's escape (``"\\ud83d"``), which the body's encoding refuses: a 500, where
+    the stream had sent the text."""
     try:
         value = json.loads(call.arguments)
     except (ValueError, RecursionError):
         return {"arguments": call.arguments}
-    if nests_deeper(value, MAX_INPUT_DEPTH):
+    if nests_deeper(value, MAX_INPUT_DEPTH) or not _writable(value):
         return {"arguments": call.arguments}
     return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _writable(value: Any) -> bool:
+    """Whether ``value`` is written as a response body writes it (``JSONResponse``'s rules)."""
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        return False
+    return True
 
 
 @dataclass
