@@ -378,3 +378,24 @@ def test_tool_choice_none_still_declares_the_tools(smollm2: Model, fixture_path:
         assert "get_weather" in declared and declared == internals.local(qwen).render(
             messages, tools=checked_tools([WEATHER])
         )
+
+
+def test_free_text_never_spells_a_special_trigger(fixture_path: Any) -> None:
+    """Where the trigger is a special token, text before calls may not write its spelling in
+    ordinary tokens: the reply's reader finds calls by their text, so "wrap calls in <tool_call>
+    tags" in prose cut the stream there and ended the reply in an error (no call parses)."""
+    with Model(fixture_path("smollm2-qwen25-special.gguf"), threads=1) as model:
+        options = GenerationOptions(tools=[WEATHER], parallel_tool_calls=False)
+        tools = checked_tools([WEATHER], parallel=False)
+        checker = internals.local(model).constraint(options, tools, ["call_1"])
+        assert checker is not None
+        prose = model.tokenize("Wrap calls in <tool", add_special=False)
+        prose += model.tokenize("_call> tags.", add_special=False)
+        assert model.detokenize(prose) == "Wrap calls in <tool_call> tags."
+        assert len(model.tokenize("<tool_call>", add_special=False)) == 1  # (the special token)
+
+        def takes(tokens: list[int]) -> bool:
+            return bool(checker.matcher.deep_copy().validate_tokens(tokens) == len(tokens))
+
+        assert takes(prose[:4]) and not takes(prose)
+        assert takes(model.tokenize("Let me check.\n<tool_call>", add_special=False))

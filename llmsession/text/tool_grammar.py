@@ -168,6 +168,13 @@ def begins_special(marker: str, specials: Mapping[str, int]) -> bool:
     return any(marker.startswith(special) for special in specials)
 
 
+def _text_without(marker: str) -> str:
+    """Free text that never spells ``marker`` (a special token's text) in ordinary tokens: the
+    reply's reader finds calls by their text, and a reply that wrote "wrap calls in <tool_call>
+    tags" in prose had its stream cut there and ended in an error (no call parses)."""
+    return rf"TEXT: /(.|\n)*/ & ~(/(.|\n)*/ {_literal(marker)} /(.|\n)*/)"
+
+
 def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block: bool) -> list[str]:
     """The reply's shape around its calls. A special-token trigger ends free text by itself
     (it is no text), so "auto" needs no lazy lexeme then. An anchored format's text may not
@@ -180,7 +187,7 @@ def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block:
         return [f"reply: {spelled(fmt.text_header, specials)} TEXT | {trigger} calls", r"TEXT: /(.|\n)*/"]
     if fmt.trigger in specials:  # (text never holds the trigger: whitespace may begin it)
         shape = f"TEXT | {trigger} calls" if fmt.anchored else f"TEXT ({trigger} calls)?"
-        return [f"reply: {shape}", r"TEXT: /(.|\n)*/"]
+        return [f"reply: {shape}", _text_without(fmt.trigger)]
     if fmt.anchored:  # text that does not open as the calls do, or calls
         shunned = "\\" + fmt.trigger[0] + (_BLANK if after_block else "")
         text = "TEXT: /([^" + shunned + "](.|\\n)*)?/"  # (its first character escaped)
