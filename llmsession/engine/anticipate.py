@@ -16,6 +16,7 @@ prompt begins with what it decodes, else stops it within a graph node.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -191,7 +192,11 @@ def stop_all(engine: Engine | None = None) -> None:
     exit, before ``weakref.finalize``'s exit hook frees the contexts a thread may decode into
     (atexit runs the newest hook first; ours is registered with the first anticipation, after
     the model's finalizers registered theirs)."""
-    for ahead in list(_running):
+    while True:  # (an exchange that ends meanwhile adds to the set: its iteration raises)
+        with contextlib.suppress(RuntimeError):
+            running = list(_running)
+            break
+    for ahead in running:
         if engine is None or ahead.engine is engine:
             ahead.settle(None)
 

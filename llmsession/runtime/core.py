@@ -385,7 +385,7 @@ class ModelCore:
         memory, then the projector and the model, each once the calls using it outside sessions
         are done (a prompt's images tokenized, a text tokenized or rendered: ``native.in_use``).
         Any later use raises ModelClosedError."""
-        for session in list(self.sessions):
+        for session in exiting.members(self.sessions):
             session.shut()
         anticipate.stop_all(self.engine)  # collected sessions' too
         self.embedder.close()  # (waits for an embed under way)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import weakref
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Closable(Protocol):
@@ -28,14 +30,16 @@ def track(model: Closable) -> None:
         _hook.append(atexit.register(close_all))
 
 
+def members(items: weakref.WeakSet[T]) -> list[T]:
+    """What a weak set holds now: read again where another thread added to it meanwhile (its
+    iteration raised RuntimeError: a model's ``close`` stopped halfway, its memory never freed)."""
+    while True:
+        with contextlib.suppress(RuntimeError):
+            return list(items)
+
+
 def close_all() -> None:
     """Close every tracked model (the exit hook): each waits for its streams' steps in flight."""
-    for _ in range(3):  # (a model another thread adds meanwhile changes the set: read again)
-        with contextlib.suppress(RuntimeError):
-            models = list(_open)
-            break
-    else:
-        return
-    for model in models:
+    for model in members(_open):
         with contextlib.suppress(Exception):
             model.close()
