@@ -473,7 +473,8 @@ def test_a_model_whose_file_fails_to_load_unloads_no_other_again(
     caplog.set_level(logging.ERROR, logger="llmsession.serve")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 4096)
-    models = Models({"smol": smollm2_path, "bad": bad}, max_loaded=1, threads=1)
+    # (flash attention set: the file mended below is new, and a probe of it would take seconds)
+    models = Models({"smol": smollm2_path, "bad": bad}, max_loaded=1, threads=1, flash_attention=False)
     with models, running(create_app(models, api_key=KEY)) as url:
         for attempt in range(2):
             assert chat(url, "smol", "Hi.").choices  # (loaded, then idle)
