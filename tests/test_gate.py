@@ -67,3 +67,24 @@ def test_save_load_and_fork_touch_the_shared_context_under_the_gate(
         session.respond("One more?", GREEDY)
         assert internals.local(model).engine.counters.exchanges >= 4
     assert seen == [], seen
+
+
+def test_parking_anticipation_stateless_calls_and_choices_touch_it_under_the_gate(
+    smollm2_path: Path, ungated: Callable[[Model], list[str]]
+) -> None:
+    settings: dict[str, Any] = dict(threads=1, flash_attention=False, kv_tokens=2048, max_live_sessions=2)
+    with Model(smollm2_path, **settings) as model:
+        seen = ungated(model)
+        sessions = [model.session(system=f"You are assistant {i}.") for i in range(3)]
+        for round_ in range(2):  # (three sessions on two sequences: each parks and comes back)
+            for session in sessions:
+                internals.settled(session).respond(f"Say {round_}.", GREEDY)
+        history = [{"role": "user", "content": "Name a fruit."}]
+        reply = model.chat(history, GREEDY)
+        model.chat(
+            [*history, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "More?"}]
+        )
+        choices = list(model.chat_choices(history, GenerationOptions(max_tokens=4, seed=1), n=2))
+        assert len(choices) == 2
+        assert internals.local(model).engine.counters.parks >= 1
+    assert seen == [], seen
