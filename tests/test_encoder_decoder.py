@@ -86,3 +86,25 @@ def test_stateless_chat_and_fork(t5: Model) -> None:
 def test_an_encoder_model_with_a_projector_is_refused(fixture_path: Callable[[str], Path]) -> None:
     with pytest.raises(UnsupportedFeatureError, match="images"):
         Model(fixture_path("t5-tiny.gguf"), mmproj_path=fixture_path("mmproj-tiny.gguf"))
+
+
+def test_closing_the_engine_closes_an_exchange_s_own_context_under_its_gate(
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """An exchange's own context is the engine's to close: freed only by the model's close, which
+    does not take the gate, it was freed under a step that a session missed by the close (made as
+    it began) was decoding in it (a use-after-free). Closed by the engine, its next step is a
+    ModelClosedError."""
+    import threading
+
+    from llmsession import ModelClosedError
+
+    with Model(fixture_path("t5-tiny.gguf"), threads=1) as model:
+        engine = internals.local(model).engine
+        lease = engine.lease(swa_full=True, batch_size=64)
+        with engine.single_use(lease, 64, threading.Event()) as seat:
+            seat.encode(model.tokenize("Hello there", add_special=False))
+            engine.close()
+            assert seat.context.closed
+            with pytest.raises(ModelClosedError):
+                seat.encode(model.tokenize("Hello", add_special=False))

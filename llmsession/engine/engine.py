@@ -83,6 +83,7 @@ class Engine:
         self.counters = Counters()
         self.moves = Mover(self.lot, self.counters)  # carries out the ledger's steps
         self._shared_contexts: dict[bool, SharedContext] = {}  # by swa_full: one a layout
+        self._single_use: set[NativeContext] = set()  # an encoder-decoder's exchanges' own contexts
         self._keys = itertools.count()
         self._dead: list[Lease] = []  # leases of collected sessions, freed at the next safe point
         self._closed = False
@@ -256,6 +257,7 @@ class Engine:
             context = self.make_context(
                 n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads, flash_attention=self.flash_attention
             )
+            self._single_use.add(context)
         lease.cache.reset()
         try:
             yield Seat(
@@ -263,6 +265,7 @@ class Engine:
             )
         finally:
             with self.hold():
+                self._single_use.discard(context)
                 context.close()
                 lease.cache.reset()
 
@@ -366,6 +369,8 @@ class Engine:
             self._closed = True
             for home in self._shared_contexts.values():
                 home.close()
+            for context in self._single_use:  # (under the gate: an exchange may be decoding in it)
+                context.close()
             self.lot.close()
 
     # -- the ledger's steps (``moves``) ---------------------------------------------------------
