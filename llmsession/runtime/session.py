@@ -246,13 +246,17 @@ class LocalSession(Session):
     def shut(self, *, model_closing: bool = True) -> None:
         """Its model is closing (or, not ``model_closing``, it is): stop the running stream
         (waiting out its current step) and refuse any later use. The transcript stays readable."""
+        self._stop_latest(model_closing)  # (a prefill in another thread stops within a graph node)
+        with self._guard.lock:
+            self._stop_latest(model_closing)  # (one another thread started meanwhile: it says so too)
+            self._quiesce()
+            self._guard.closed = True
+
+    def _stop_latest(self, model_closing: bool) -> None:
         latest = self._latest
         if latest is not None and not latest.done:
             latest.model_closed = model_closing  # (its stream then says the model was closed)
-            latest.cancelled.set()  # a prefill in another thread stops within a graph node
-        with self._guard.lock:
-            self._quiesce()
-            self._guard.closed = True
+            latest.cancelled.set()
 
     # -- internals ----------------------------------------------------------------------------
     def _prompter(self) -> Callable[[list[Message]], Prompt]:
