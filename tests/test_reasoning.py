@@ -468,6 +468,13 @@ def test_a_tool_grammar_lets_a_real_vocabularys_model_reason_before_it_calls(fix
             assert taken(choice, "<think>\nrain", THINK, closing=True)  # (a budget's close)
         assert taken("auto", "<think>\nrain\n</think>\n\nIt rains.", THINK)
         assert not taken("required", "<think>\nrain\n</think>\n\nIt rains.", THINK)
+        # a thought never spells its closing marker in ordinary tokens: the reader ends the block
+        # at its text (the rest was content for it, reasoning for the grammar)
+        spelled = model.tokenize("<think>\nrain </", False) + model.tokenize("think>\n\nIt rains.", False)
+        assert model.detokenize(spelled) == "<think>\nrain </think>\n\nIt rains."
+        auto = GenerationOptions(tools=(WEATHER,))
+        checker = core.constraint(auto, options_tools(auto), ["call_0"], THINK)
+        assert checker is not None and checker.matcher.deep_copy().validate_tokens(spelled) < len(spelled)
         # an anchored format's calls after the block are the grammar's: its text may not begin
         # with the blank line (the content is split from it without: the calls would be read)
         generic = '{"tool_calls": [{"name": "%s", "arguments": {"city": "Paris"}}]}'

@@ -156,7 +156,8 @@ def _start(
         "markers that begin with a special token"
     )
     block = f"thought: {spelled(thought.open, specials)} THOUGHT {spelled(thought.close, specials)}"
-    text = r"THOUGHT: /(.|\n)*/"
+    closing = max((s for s in specials if thought.close.startswith(s)), key=len)  # (its special token)
+    text = _text_without(closing, "THOUGHT")
     if thought.resume:  # (gpt-oss: a new message's header, no blank line)
         return ["start: thought? reply", f"{block} {spelled(thought.resume, specials)}", text]
     return ["start: (thought GAP)? reply", block, text, GAP]
@@ -168,11 +169,12 @@ def begins_special(marker: str, specials: Mapping[str, int]) -> bool:
     return any(marker.startswith(special) for special in specials)
 
 
-def _text_without(marker: str) -> str:
+def _text_without(marker: str, name: str = "TEXT") -> str:
     """Free text that never spells ``marker`` (a special token's text) in ordinary tokens: the
-    reply's reader finds calls by their text, and a reply that wrote "wrap calls in <tool_call>
-    tags" in prose had its stream cut there and ended in an error (no call parses)."""
-    return rf"TEXT: /(.|\n)*/ & ~(/(.|\n)*/ {_literal(marker)} /(.|\n)*/)"
+    reply's readers find calls and a block's end by their text, and a reply that wrote "wrap
+    calls in <tool_call> tags" in prose had its stream cut there and ended in an error (no call
+    parses); a thought that wrote "</think>" ended there for the reader, not the grammar."""
+    return rf"{name}: /(.|\n)*/ & ~(/(.|\n)*/ {_literal(marker)} /(.|\n)*/)"
 
 
 def _reply(fmt: ToolFormat, mode: str, specials: Mapping[str, int], after_block: bool) -> list[str]:
