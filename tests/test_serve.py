@@ -33,6 +33,7 @@ from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
+from llmsession.replies import Reply
 from llmsession.serve import app as app_module
 from llmsession.serve import doors
 from llmsession.serve.app import PARSERS, create_app
@@ -905,6 +906,42 @@ def test_slow_bodies_hold_no_parser_and_are_refused_at_their_deadline(
             connection.close()
 
 
+def test_one_keys_slow_bodies_leave_room_for_another_keys(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One key's slow senders (headers, then a byte of a declared body) held every reader's
+    place and every other key's bodies waited behind them (then behind the next ones, queued):
+    one key reads at most ``READERS_PER_KEY`` bodies at once, a 503 past that, and another
+    key's request is answered beside them."""
+    monkeypatch.setattr(app_module, "BODY_SECONDS", 4)
+    monkeypatch.setattr(app_module, "READERS_PER_KEY", 2)
+    server = served.server
+    monkeypatch.setattr(server, "reading", asyncio.Semaphore(3))  # (READERS: 3, all taken without the rule)
+    host, port = served.url.removeprefix("http://").removesuffix("/v1").split(":")
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n{{"
+    )
+    slow = [socket.create_connection((host, int(port)), timeout=15) for _ in range(3)]
+    try:
+        for connection in slow:
+            connection.sendall(head.encode())
+            time.sleep(0.3)  # (each is reading its body before the next comes)
+        refused = slow[2].recv(4096).split(b"\r\n", 1)[0]
+        assert refused.split(b" ")[1] == b"503", refused
+        began = time.monotonic()
+        reply = ask(served, "Hi", max_tokens=2, key=OTHER_KEY, user="beside-a-keys-slow-bodies")
+        assert reply.choices[0].message.content is not None
+        assert time.monotonic() - began < 3, "another key's request waited behind the slow bodies"
+    finally:
+        for connection in slow:
+            connection.close()
+    deadline = time.monotonic() + 10
+    while server.reading_of and time.monotonic() < deadline:  # (the slow ones end as they close)
+        time.sleep(0.1)
+    assert not server.reading_of, server.reading_of
+
+
 def test_metrics_count_requests_tokens_and_sessions(served: Served) -> None:
     ask(served, "Hello there.", user="metrics")
     with served.http(key="sk-wrong") as http:
@@ -1213,3 +1250,30 @@ def test_a_streams_queued_events_hold_no_copy_of_the_reply_so_far(smollm2: Model
     reply = events[-1].reply
     assert reply is not None and len(snapshots) > 10 and "".join(s.delta for s in snapshots) == reply.text
     assert sum(len(s.text) + len(s.delta) for s in snapshots) <= 2 * len(reply.text)
+
+
+def test_a_stream_whose_client_reads_nothing_ends_at_its_backlog(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that opens a stream and stops reading, its connection open (uvicorn's send has
+    no deadline): the decode ran on to ``max_tokens`` and every event stayed queued for as long
+    as the client stayed, ~5 KB a token with top logprobs. Past ``MAX_BACKLOG`` unread events
+    the request's choices are cancelled."""
+    from llmsession.serve import runner
+
+    monkeypatch.setattr(runner, "MAX_BACKLOG", 16)
+
+    async def unread() -> tuple[int, object]:
+        released = asyncio.Event()
+        asked = [{"role": "user", "content": "Count from 1 to 500, separated by commas."}]
+        options = GenerationOptions(max_tokens=200, temperature=0)
+        choices = runner.Choices(
+            1, lambda i: smollm2.chat_stream(asked, options), lambda r: None, released.set
+        )
+        await asyncio.wait_for(released.wait(), 120)  # (the run ended, nothing read)
+        events = [choices.queue.get_nowait() for _ in range(choices.queue.qsize())]
+        return len(events), events[-1].reply
+
+    queued, reply = asyncio.run(unread())
+    assert isinstance(reply, Reply) and reply.finish_reason == "cancelled", reply
+    assert reply.usage.completion_tokens < 40 and queued <= 16 + 8, (reply.usage, queued)

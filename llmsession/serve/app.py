@@ -10,6 +10,7 @@ way of answering (``doors``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -34,7 +35,7 @@ from llmsession.serve.access import Access, Keys, heeded
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
 from llmsession.serve.doors import CompletionDoor, MessagesDoor
-from llmsession.serve.errors import ApiError, too_large
+from llmsession.serve.errors import ApiError, busy, too_large
 from llmsession.serve.hosts import ManyModels, OneModel
 from llmsession.serve.http import Counting, declared, guarded, refusing
 from llmsession.serve.messages import messages_request
@@ -53,6 +54,7 @@ MAX_BODY_BYTES = 8 << 20
 PARSERS = 4  # requests checking their body at once (read before: a slow sender holds no slot)
 BODY_SECONDS = 60  # the most a request's body may take to arrive (then a 408)
 READERS = 64  # bodies being read at once (each up to --max-body-bytes in memory)
+READERS_PER_KEY = READERS // 4  # of them one key's (its 64 slow senders held every place for all)
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
 FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
@@ -89,6 +91,7 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.parsing = asyncio.Semaphore(PARSERS)
         self.reading = asyncio.Semaphore(READERS)
+        self.reading_of: collections.Counter[str | None] = collections.Counter()  # by key
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
         self.embedding_waiting = 0  # requests waiting for it (``embeddings.MAX_WAITING``)
         self.created = int(time.time())
@@ -118,7 +121,9 @@ class Server:
         it is all read: by its ``Content-Length`` first; and (408) if it has not all come within
         ``BODY_SECONDS``. Read before a parser's slot is taken (four clients sending a byte now
         and then held all four, and every other request waited), ``READERS`` at once: what
-        bodies hold in memory stays bounded, and a slow sender is gone at its deadline."""
+        bodies hold in memory stays bounded, and a slow sender is gone at its deadline. One key
+        sends at most ``READERS_PER_KEY`` at once (a 503 past that): its slow senders held every
+        place, and every other key's bodies waited behind them."""
         limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
         too_big = too_large(limit)
         if declared(request) > limit:
@@ -133,7 +138,11 @@ class Server:
                     raise too_big
                 chunks.append(chunk)
 
+        key: str | None = getattr(request.state, "key", None)
+        if self.reading_of[key] >= READERS_PER_KEY:
+            raise busy(f"this key is sending {READERS_PER_KEY} request bodies already")
         request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
+        self.reading_of[key] += 1
         try:
             async with self.reading:
                 await asyncio.wait_for(read(), BODY_SECONDS)
@@ -143,6 +152,10 @@ class Server:
             request.state.body_late = True  # (``drain`` waits no longer for it: the 408 closes)
             late = f"the request body did not arrive within {BODY_SECONDS} s"
             raise ApiError(late, None, None, 408) from None
+        finally:
+            self.reading_of[key] -= 1
+            if not self.reading_of[key]:
+                del self.reading_of[key]
         request.state.body_read = True  # (``drain`` reads no further)
         return b"".join(chunks)
 

@@ -46,6 +46,10 @@ class Forked(Protocol):
 
 
 RUNNING: set[asyncio.Future[None]] = set()  # every run's task, until it ends
+# Events a request's client may leave unread before its choices are cancelled: a stream whose
+# client stops reading (its connection open) queued every token's event while the decode ran
+# on, ~5 KB a token with 20 top logprobs, held until the client went (never, for a stalled one).
+MAX_BACKLOG = 4096
 
 
 class Run:
@@ -83,6 +87,8 @@ class Run:
                     # Queued without the text so far (no door reads it): a client that reads
                     # nothing left a copy of the whole reply per token queued, T**2 bytes.
                     self._queue.put_nowait(Event(self.index, snapshot=dataclasses.replace(snapshot, text="")))
+                    if self._queue.qsize() >= MAX_BACKLOG:  # (its client reads nothing: it ends here)
+                        self._stream.cancel()
             if self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)
         except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
@@ -178,6 +184,8 @@ class Relay:
                 continue
             self._let_go()  # (something reached the stream: no running again)
             self.queue.put_nowait(event)
+            if self.queue.qsize() >= MAX_BACKLOG:  # (its client reads nothing: as ``Run``)
+                choices.cancel()
 
 
 class Admission:
