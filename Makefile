@@ -30,8 +30,8 @@ lint: $(INSTALLED)
 test: setup lint
 	$(PY) scripts/gen_bindings.py --check
 	$(PY) scripts/fetch_browser.py
-	@# Two runs, both always: the tests that decode with two threads most of their time alone on
-	@# both cores, then the rest on two workers with a core each (tests/conftest.py, `parallel`).
+	@# Two runs, both always: the few tests that need both cores alone on them, then the rest on
+	@# two workers with a core each (tests/conftest.py, SERIAL_FILES and `parallel`).
 	status=0; \
 	$(PY) -m pytest -q --no-skips --durations=30 -m "not parallel" || status=$$?; \
 	$(PY) -m pytest -q --no-skips --durations=15 -m parallel -n 2 --dist loadfile --max-worker-restart=0 || status=$$?; \

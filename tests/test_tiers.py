@@ -56,8 +56,8 @@ def test_the_tiers_split_the_suite_and_a_parallel_worker_has_a_core_of_its_own(t
     )
     assert pinned.returncode == 0, pinned.stdout + pinned.stderr
     assert ("1 failed" in lone.stdout) == (len(os.sched_getaffinity(0)) > 1), lone.stdout
-    files = ("tests/test_bindings.py", "tests/test_stops.py", "tests/test_session.py")
+    files = ("tests/test_bindings.py", "tests/test_stops.py", "tests/test_attention.py")
     tiers = ("parallel", "not parallel")
     lanes = [pytest_run(tmp_path, "--collect-only", "-m", tier, *files).stdout for tier in tiers]
-    assert "test_stops.py::" in lanes[0] and "test_session.py::" not in lanes[0], lanes[0]
-    assert "test_session.py::" in lanes[1] and "test_stops.py::" not in lanes[1], lanes[1]
+    assert "test_stops.py::" in lanes[0] and "test_attention.py::" not in lanes[0], lanes[0]
+    assert "test_attention.py::" in lanes[1] and "test_stops.py::" not in lanes[1], lanes[1]
