@@ -913,7 +913,10 @@ def test_one_keys_slow_bodies_leave_room_for_another_keys(
     place and every other key's bodies waited behind them (then behind the next ones, queued):
     one key reads at most ``READERS_PER_KEY`` bodies at once, a 503 past that, and another
     key's request is answered beside them."""
-    monkeypatch.setattr(app_module, "BODY_SECONDS", 4)
+    from llmsession.serve import http
+
+    monkeypatch.setattr(app_module, "BODY_SECONDS", 20)  # (the slow ones hold their places throughout)
+    monkeypatch.setattr(http, "DRAIN_SECONDS", 0.5)  # (the 503 waits no longer for the body)
     monkeypatch.setattr(app_module, "READERS_PER_KEY", 2)
     server = served.server
     monkeypatch.setattr(server, "reading", asyncio.Semaphore(3))  # (READERS: 3, all taken without the rule)
@@ -927,12 +930,12 @@ def test_one_keys_slow_bodies_leave_room_for_another_keys(
         for connection in slow:
             connection.sendall(head.encode())
             time.sleep(0.3)  # (each is reading its body before the next comes)
-        refused = slow[2].recv(4096).split(b"\r\n", 1)[0]
-        assert refused.split(b" ")[1] == b"503", refused
         began = time.monotonic()
         reply = ask(served, "Hi", max_tokens=2, key=OTHER_KEY, user="beside-a-keys-slow-bodies")
         assert reply.choices[0].message.content is not None
         assert time.monotonic() - began < 3, "another key's request waited behind the slow bodies"
+        refused = slow[2].recv(4096).split(b"\r\n", 1)[0]
+        assert refused.split(b" ")[1] == b"503", refused
     finally:
         for connection in slow:
             connection.close()
@@ -1257,23 +1260,29 @@ def test_a_stream_whose_client_reads_nothing_ends_at_its_backlog(
 ) -> None:
     """A client that opens a stream and stops reading, its connection open (uvicorn's send has
     no deadline): the decode ran on to ``max_tokens`` and every event stayed queued for as long
-    as the client stayed, ~5 KB a token with top logprobs. Past ``MAX_BACKLOG`` unread events
-    the request's choices are cancelled."""
+    as the client stayed, ~5 KB a token with top logprobs. Past ``MAX_BACKLOG`` unread events a
+    choice (of ``n``: their events share the queue) the request's choices are cut, and each ends
+    in an error, not in a finish that reads as the reply's natural end."""
     from llmsession.serve import runner
+    from llmsession.serve.errors import ApiError
 
-    monkeypatch.setattr(runner, "MAX_BACKLOG", 16)
+    monkeypatch.setattr(runner, "MAX_BACKLOG", 8)
 
-    async def unread() -> tuple[int, object]:
-        released = asyncio.Event()
+    async def unread(n: int) -> tuple[list[runner.Event], list[Reply]]:
+        released, replies = asyncio.Event(), list[Reply]()
         asked = [{"role": "user", "content": "Count from 1 to 500, separated by commas."}]
         options = GenerationOptions(max_tokens=200, temperature=0)
-        choices = runner.Choices(
-            1, lambda i: smollm2.chat_stream(asked, options), lambda r: None, released.set
-        )
-        await asyncio.wait_for(released.wait(), 120)  # (the run ended, nothing read)
-        events = [choices.queue.get_nowait() for _ in range(choices.queue.qsize())]
-        return len(events), events[-1].reply
+        forks = smollm2.chat_choices(asked, options, n=n)
+        choices = runner.Choices(n, forks.__getitem__, replies.append, released.set, forks)
+        await asyncio.wait_for(released.wait(), 120)  # (the runs ended, nothing read)
+        return [choices.queue.get_nowait() for _ in range(choices.queue.qsize())], replies
 
-    queued, reply = asyncio.run(unread())
-    assert isinstance(reply, Reply) and reply.finish_reason == "cancelled", reply
-    assert reply.usage.completion_tokens < 40 and queued <= 16 + 8, (reply.usage, queued)
+    for n in (1, 2):
+        events, replies = asyncio.run(unread(n))
+        ends = [e for e in events if e.last]
+        assert len(ends) == n and all(isinstance(e.error, ApiError) for e in ends), ends
+        assert all(e.error.code == "client_too_slow" for e in ends if isinstance(e.error, ApiError))
+        assert len(events) <= 8 * n + 4 * n, len(events)  # (a token each, at most, after the cut)
+        assert all(r.finish_reason == "cancelled" and r.usage.completion_tokens < 40 for r in replies), (
+            replies
+        )

@@ -122,8 +122,9 @@ class Server:
         ``BODY_SECONDS``. Read before a parser's slot is taken (four clients sending a byte now
         and then held all four, and every other request waited), ``READERS`` at once: what
         bodies hold in memory stays bounded, and a slow sender is gone at its deadline. One key
-        sends at most ``READERS_PER_KEY`` at once (a 503 past that): its slow senders held every
-        place, and every other key's bodies waited behind them."""
+        sends at most ``READERS_PER_KEY`` at once (a 503 past that; a server without keys has one
+        tenant, who may use them all): its slow senders held every place, and every other key's
+        bodies waited behind them."""
         limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
         too_big = too_large(limit)
         if declared(request) > limit:
@@ -138,8 +139,8 @@ class Server:
                     raise too_big
                 chunks.append(chunk)
 
-        key: str | None = getattr(request.state, "key", None)
-        if self.reading_of[key] >= READERS_PER_KEY:
+        key: str | None = getattr(request.state, "key", None)  # (None: a server of no keys)
+        if key is not None and self.reading_of[key] >= READERS_PER_KEY:
             raise busy(f"this key is sending {READERS_PER_KEY} request bodies already")
         request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
         self.reading_of[key] += 1

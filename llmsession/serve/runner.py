@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmsession import AsyncStream, MemoryBudgetError
 from llmsession.replies import Reply, Snapshot, Usage
-from llmsession.serve.errors import busy
+from llmsession.serve.errors import ApiError, busy
 
 if TYPE_CHECKING:
     from llmsession import Stream
@@ -46,10 +46,17 @@ class Forked(Protocol):
 
 
 RUNNING: set[asyncio.Future[None]] = set()  # every run's task, until it ends
-# Events a request's client may leave unread before its choices are cancelled: a stream whose
-# client stops reading (its connection open) queued every token's event while the decode ran
-# on, ~5 KB a token with 20 top logprobs, held until the client went (never, for a stalled one).
+# Events a choice's client may leave unread (past what the sockets hold) before the request's
+# choices are cut, ending in an error: a stream whose client stops reading (its connection open;
+# uvicorn's send has no deadline) queued every token's event while the decode ran on, ~5 KB a
+# token with 20 top logprobs, held for as long as the client stayed.
 MAX_BACKLOG = 4096
+
+
+def overrun(index: int, n: int) -> Event:
+    """The last event of a choice cut because its client read nothing (a 4xx: a client's fault)."""
+    said = f"the client left over {MAX_BACKLOG * n} events unread: the reply was cut"
+    return Event(index, error=ApiError(said, None, "client_too_slow", 408))
 
 
 class Run:
@@ -65,10 +72,13 @@ class Run:
         queue: asyncio.Queue[Event],
         ended: Callable[[Reply], None],
         released: Callable[[], None],
+        n: int = 1,
     ) -> None:
         """``ended`` is called with the reply, and ``released`` once the stream's thread is
-        done with the model (its stream closed: what it frees is free), both on the loop."""
+        done with the model (its stream closed: what it frees is free), both on the loop;
+        ``n``, the request's choices (their events share ``queue``)."""
         self.index, self._queue, self._ended, self._released = index, queue, ended, released
+        self._n, self._overrun = n, False
         self._stream = AsyncStream(start, ahead=None)
         task = asyncio.ensure_future(self._run())
         RUNNING.add(task)  # (the loop holds tasks weakly: a request that went away drops its runs)
@@ -87,9 +97,12 @@ class Run:
                     # Queued without the text so far (no door reads it): a client that reads
                     # nothing left a copy of the whole reply per token queued, T**2 bytes.
                     self._queue.put_nowait(Event(self.index, snapshot=dataclasses.replace(snapshot, text="")))
-                    if self._queue.qsize() >= MAX_BACKLOG:  # (its client reads nothing: it ends here)
+                    if self._queue.qsize() >= MAX_BACKLOG * self._n and not self._overrun:
+                        self._overrun = True  # (its client reads nothing: it ends here)
                         self._stream.cancel()
-            if self._stream.reply is not None:  # (a stream ends with its reply, or raises)
+            if self._overrun:
+                last = overrun(self.index, self._n)
+            elif self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)
         except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
             last = Event(self.index, error=error)
@@ -121,7 +134,7 @@ class Choices:
         self.n, self.queue, self.forks = n, asyncio.Queue[Event](), forks
         self.finished = asyncio.Event()
         self._left, self._released = n, released
-        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done) for i in range(n)]
+        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done, n) for i in range(n)]
 
     def _one_done(self) -> None:
         self._left -= 1
@@ -152,6 +165,7 @@ class Relay:
         self.n, self.forks = choices.n, choices.forks
         self.queue = asyncio.Queue[Event]()
         self._choices, self._again, self._drop = choices, again, drop
+        self._overrun = False
         hold()
         self._holding = True
         self._pump = asyncio.ensure_future(self._forward())
@@ -183,8 +197,11 @@ class Relay:
                     self._let_go()  # (the new choices hold the model themselves)
                 continue
             self._let_go()  # (something reached the stream: no running again)
+            if self._overrun and event.last:
+                event = overrun(event.index, self.n)  # (cut, as ``Run`` ends one)
             self.queue.put_nowait(event)
-            if self.queue.qsize() >= MAX_BACKLOG:  # (its client reads nothing: as ``Run``)
+            if self.queue.qsize() >= MAX_BACKLOG * self.n and not self._overrun:
+                self._overrun = True  # (its client reads nothing: as ``Run``)
                 choices.cancel()
 
 
