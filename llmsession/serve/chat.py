@@ -204,8 +204,6 @@ class Call:
                 choices.cancel()
                 raise
             failed = next((e.error for e in first if e.error is not None), None)
-            if failed is None and not asked.stream:  # (rendered off the loop: 4 MB a choice
-                return await asyncio.to_thread(JSONResponse, self._whole(choices, first))  # with logprobs)
             if failed is None:
                 return self._answer(choices, first, retried=retry)
             choices.cancel()
@@ -231,14 +229,13 @@ class Call:
             released()
             raise
 
-    def _whole(self, choices: Choices, first: list[Event]) -> dict[str, Any]:
-        replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
-        prompt = choices.forks.prompt if choices.forks is not None else None
-        return self.door.whole([e.reply for e in replies if e.reply is not None], prompt)
-
     def _answer(self, choices: Choices, first: list[Event], *, retried: bool) -> Response:
-        """The reply's stream from the first events on (one begun before any, past the door's
-        patience, may still find the memory budget full: ``Relay``); a whole reply is ``_whole``'s."""
+        """The whole reply, or a stream of it from the first events on (one begun before any,
+        past the door's patience, may still find the memory budget full: ``Relay``)."""
+        if not self.asked.stream:
+            replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
+            prompt = choices.forks.prompt if choices.forks is not None else None
+            return JSONResponse(self.door.whole([e.reply for e in replies if e.reply is not None], prompt))
         flow: Choices | Relay = choices
         if not first and not retried:
             flow = Relay(choices, self._again, self.held.hold, self.held.drop)
