@@ -46,6 +46,7 @@ SERIAL_FILES = {  # every file but these is ``parallel``: their tests need both 
     # (servers, subprocesses, Ray, a browser) and the Python of each worker overlap the other's.
     "test_attention",
     "test_persistence",
+    "test_tiers",  # (it checks that a lone run keeps every core: on a pinned worker it could not)
 }
 
 
