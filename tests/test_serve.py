@@ -1286,3 +1286,46 @@ def test_a_stream_whose_client_reads_nothing_ends_at_its_backlog(
         assert all(r.finish_reason == "cancelled" and r.usage.completion_tokens < 40 for r in replies), (
             replies
         )
+
+
+def test_a_relay_cut_for_its_backlog_ends_only_what_the_cut_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's ``Relay`` cut for its unread backlog: a choice the cut ended ends in the
+    client's error, but an error of the server's (a bug, a worker's failure) and a reply that
+    had finished first go on as they are (they read as the client's fault before)."""
+    from types import SimpleNamespace
+
+    from llmsession.replies import Snapshot
+    from llmsession.serve import runner
+    from llmsession.serve.errors import ApiError
+
+    monkeypatch.setattr(runner, "MAX_BACKLOG", 2)
+    bug = RuntimeError("a real bug")
+
+    class Fake:  # (the choices a Relay reads: their queue, n, forks, cancel)
+        n, forks = 2, None
+
+        def __init__(self) -> None:
+            self.queue: asyncio.Queue[runner.Event] = asyncio.Queue()
+            self.cancelled = 0
+
+        def cancel(self) -> None:
+            self.cancelled += 1
+
+    async def relayed() -> tuple[int, list[runner.Event]]:
+        fake = Fake()
+        relay = runner.Relay(fake, None, lambda: None, lambda: None)  # type: ignore[arg-type]
+        for _ in range(4):
+            fake.queue.put_nowait(runner.Event(0, snapshot=Snapshot("a", "")))
+        fake.queue.put_nowait(runner.Event(0, error=bug))
+        fake.queue.put_nowait(runner.Event(1, reply=SimpleNamespace(finish_reason="stop")))  # type: ignore[arg-type]
+        fake.queue.put_nowait(runner.Event(1, reply=SimpleNamespace(finish_reason="cancelled")))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        got = [relay.queue.get_nowait() for _ in range(relay.queue.qsize())]
+        relay.cancel()
+        return fake.cancelled, got
+
+    cancelled, got = asyncio.run(relayed())
+    ends = [event for event in got if event.last]
+    assert cancelled >= 1 and len(ends) == 3, got
+    assert ends[0].error is bug and ends[1].reply is not None and ends[1].reply.finish_reason == "stop"
+    assert isinstance(ends[2].error, ApiError) and ends[2].error.code == "client_too_slow", ends[2]

@@ -53,6 +53,11 @@ RUNNING: set[asyncio.Future[None]] = set()  # every run's task, until it ends
 MAX_BACKLOG = 4096
 
 
+def cut(reply: Reply | None) -> bool:
+    """Whether a reply ended by the cut (one that ended first, or an error, is what it is)."""
+    return reply is None or reply.finish_reason == "cancelled"
+
+
 def overrun(index: int, n: int) -> Event:
     """The last event of a choice cut because its client read nothing (a 4xx: a client's fault)."""
     said = f"the client left over {MAX_BACKLOG * n} events unread: the reply was cut"
@@ -100,7 +105,7 @@ class Run:
                     if self._queue.qsize() >= MAX_BACKLOG * self._n and not self._overrun:
                         self._overrun = True  # (its client reads nothing: it ends here)
                         self._stream.cancel()
-            if self._overrun:
+            if self._overrun and cut(self._stream.reply):
                 last = overrun(self.index, self._n)
             elif self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)
@@ -197,7 +202,7 @@ class Relay:
                     self._let_go()  # (the new choices hold the model themselves)
                 continue
             self._let_go()  # (something reached the stream: no running again)
-            if self._overrun and event.last:
+            if self._overrun and event.error is None and event.last and cut(event.reply):
                 event = overrun(event.index, self.n)  # (cut, as ``Run`` ends one)
             self.queue.put_nowait(event)
             if self.queue.qsize() >= MAX_BACKLOG * self.n and not self._overrun:
