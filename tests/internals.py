@@ -173,3 +173,15 @@ def leases(model: Model) -> int:
     """How many sessions' places the engine holds (in every layout's context), as they are:
     ``Model.memory`` would free the collected ones' first."""
     return sum(len(home.leases) for home in local(model).engine._shared_contexts.values())
+
+
+def shared_contexts(model: Model) -> list[NativeContext]:
+    """The shared contexts a model's engine has made (none is made by asking), read on any thread."""
+    engine = local(model).engine
+    while True:  # (a sliding-window layout's goes and comes under the engine's gate)
+        try:
+            homes = list(engine._shared_contexts.values())
+            break
+        except RuntimeError:
+            continue
+    return [home._context for home in homes if home._context is not None]

@@ -31,15 +31,15 @@ def ungated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Model], list[
 
     def watch(model: Model) -> list[str]:
         engine = internals.local(model).engine
-        watched.append(engine)
+        watched.append((model, engine.gate))
         for name in CALLS:
             original = getattr(NativeContext, name)
 
             @functools.wraps(original)
             def checked(self: Any, *args: Any, _name: str = name, _o: Any = original, **kw: Any) -> Any:
-                for each in watched:
-                    shared = any(home._context is self for home in each._shared_contexts.values())
-                    if shared and not each.gate.held_here:
+                for each, gate in watched:
+                    shared = any(context is self for context in internals.shared_contexts(each))
+                    if shared and not gate.held_here:
                         seen.append(f"{_name} in {threading.current_thread().name}")
                 return _o(self, *args, **kw)
 

@@ -290,8 +290,8 @@ class Engine:
             live = lease.shared_context.residency.entry(lease.key).state is State.LIVE
             if not live and self.lot.holds(lease.key):
                 return self.lot.peek(lease.key)
-        with self.hold(), self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
-            return seat.context.state_get(seat.seq) if lease.cache.items else None
+            with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
+                return seat.context.state_get(seat.seq) if lease.cache.items else None
 
     def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item], *, foreign: bool = True) -> bool:
         """Load a saved state (a file's: ``foreign``, its cells no other session's prefix) into a cold
