@@ -342,3 +342,64 @@ def test_shared_cells_never_move_a_session() -> None:
     residency.acquire("c", 5, place=True)
     assert residency.acquire("d", 5, place=True) == []
     assert residency.entry("d").seq == 3
+
+
+def ledger(residency: Residency, keys: str) -> list[tuple[object, ...]]:
+    return [
+        (k, e.state, e.seq, e.cells, e.busy, e.stamp, e.parked_bytes)
+        for k in keys
+        for e in [residency.entry(k)]
+    ]
+
+
+def test_a_failing_size_leaves_the_ledger_as_it_was() -> None:
+    """``park_bytes`` asks the native context: when it fails halfway through evicting or moving
+    sessions, nothing is left busy, evicted or moved on paper; the next try runs as if first."""
+    failing = {"b"}
+
+    def size(key: object) -> int:
+        if key in failing:
+            raise RuntimeError("the context could not size a state")
+        return 40
+
+    residency = Residency(Budget(kv_cells=16, max_live=3, host_bytes=1000), park_bytes=size)
+    for key in "abc":
+        residency.add(key)
+    for key in "ab":
+        residency.acquire(key, 6)
+        residency.release(key, 6)
+    before = ledger(residency, "abc")
+    with pytest.raises(RuntimeError):
+        residency.acquire("c", 12)  # a is parked (least recent), then b fails to size
+    assert ledger(residency, "abc") == before, "c busy, a parked on paper: never evicted by the engine"
+    assert residency.acquire("c", 4) == []  # it fits beside a and b
+    before = ledger(residency, "abc")
+    with pytest.raises(RuntimeError):
+        residency.grow("c", 14)  # a is parked, then b fails to size
+    assert ledger(residency, "abc") == before
+    residency.release("c", 4)
+    failing.clear()
+    assert residency.acquire("c", 12) == [Move("park", "a", 0), Move("park", "b", 1)]
+    assert residency.entry("a").state is residency.entry("b").state is State.PARKED
+
+
+def test_a_failing_size_while_placing_leaves_nobody_busy() -> None:
+    failing = set()
+
+    def size(key: object) -> int:
+        if key in failing:
+            raise RuntimeError("the context could not size a state")
+        return 40
+
+    residency = Residency(Budget(kv_cells=16, max_live=4, host_bytes=1000, own_cells=True), park_bytes=size)
+    for key in "abcd":
+        residency.add(key)
+        residency.acquire(key, 4)
+        residency.release(key, 4)
+    residency.acquire("a", 5, place=True)
+    failing.update("bc")  # c (in 2) would trade places with b (in 1): each is sized first
+    with pytest.raises(RuntimeError):
+        residency.acquire("c", 5, place=True)
+    assert not residency.entry("c").busy and residency.entry("c").seq == 2
+    failing.clear()
+    assert residency.acquire("c", 5, place=True) == [Move("swap", "c", 2, 1, "b")]

@@ -16,8 +16,10 @@ engine applies them to the native context in order.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, NamedTuple
@@ -136,7 +138,30 @@ class Residency:
         ``touch``: this counts as a use (background work does not make a session recent).
         ``place``: an exchange that generates, put where it joins the sequences in exchanges
         (``placement``), moving idle sessions if need be; else the lowest free sequence (or
-        its own)."""
+        its own). All or nothing: a failure on the way (``park_bytes`` asks the native
+        context) leaves the ledger as it was: the session not busy, no one evicted on paper."""
+        with self._all_or_nothing(key):
+            return self._acquire(key, cells, parkable=parkable, touch=touch, place=place)
+
+    @contextmanager
+    def _all_or_nothing(self, key: Key) -> Iterator[None]:
+        """Put the ledger back as it was if the block fails (the same entries: callers may hold
+        them; a cold one other than ``key``'s is never touched, so only the others are copied)."""
+        touched = [
+            (e, dataclasses.replace(e))
+            for k, e in self._entries.items()
+            if k == key or e.state is not State.COLD
+        ]
+        free, clock = list(self._free_seqs), self._clock
+        try:
+            yield
+        except BaseException:
+            for entry, was in touched:
+                entry.__dict__.update(was.__dict__)
+            self._free_seqs, self._clock = free, clock
+            raise
+
+    def _acquire(self, key: Key, cells: int, *, parkable: bool, touch: bool, place: bool) -> list[Move]:
         entry = self._entries[key]
         if cells > self.budget.kv_cells:
             raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
@@ -161,7 +186,8 @@ class Residency:
             raise ValueError(f"{key!r} is not in an exchange")
         if cells > self.budget.kv_cells:
             raise BudgetError(f"{cells} cells exceed the shared context's {self.budget.kv_cells}")
-        steps = self._make_room(key, cells)
+        with self._all_or_nothing(key):
+            steps = self._make_room(key, cells)
         entry.cells = cells
         return steps
 
