@@ -9,7 +9,8 @@
   busy) or any more (closed, its worker process gone); the request itself may be fine.
 
 ``ModelLoadError`` (a file that cannot be loaded) and ``NativeError`` (llama.cpp reported a
-failure) stand alone under ``LlmSessionError``."""
+failure; ``ModelOutputError``: the model computed what no answer can hold) stand alone under
+``LlmSessionError``."""
 
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ class SessionFileError(RequestError):
 
 class NativeError(LlmSessionError):
     """A llama.cpp or libmtmd call reported failure."""
+
+
+class ModelOutputError(NativeError):
+    """The model computed values no answer can hold (an embedding that is NaN or infinite): a
+    broken or mis-converted model file; asked again, it computes the same."""
 
 
 class MemoryBudgetError(UnavailableError):

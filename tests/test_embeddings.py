@@ -8,6 +8,7 @@ is refused naming the reason."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import internals
 import numpy as np
 import openai
@@ -24,7 +26,14 @@ import pytest
 from llama_cffi import include_dir, lib_dir
 from serve_helpers import KEY, running
 
-from llmsession import ContextOverflowError, Model, ModelClosedError, Models, UnsupportedFeatureError
+from llmsession import (
+    ContextOverflowError,
+    Model,
+    ModelClosedError,
+    ModelOutputError,
+    Models,
+    UnsupportedFeatureError,
+)
 from llmsession.runtime.embedding import SEQUENCES
 from llmsession.serve.app import create_app
 
@@ -252,3 +261,23 @@ def test_an_embed_that_begins_as_its_model_closes_makes_no_context(bert_path: Pa
         with pytest.raises(ModelClosedError):
             embedder.embed("cat", model.tokenize)
         assert embedder._context is None
+
+
+def test_a_model_that_computes_nan_is_a_typed_error_not_a_vector(bert_path: Path, tmp_path: Path) -> None:
+    """A broken file (a NaN in its last norm): ``embed`` raises ``ModelOutputError`` naming the
+    input, never NaN arrays; the server answers a 500 saying so (it was a bare one: JSON holds
+    no NaN), which the client is told not to send again."""
+    broken = tmp_path / "bert-nan.gguf"
+    shutil.copyfile(bert_path, broken)
+    reader = gguf.GGUFReader(broken, "r+")
+    next(t for t in reader.tensors if t.name == "blk.1.layer_output_norm.bias").data[:] = np.nan
+    del reader  # (its map written back)
+    with Model(broken, threads=1) as model:
+        with pytest.raises(ModelOutputError, match="input 0 is not finite"):
+            model.embed(["cat", "dog"])
+        with running(create_app(model, api_key=KEY)) as url:
+            client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+            with pytest.raises(openai.InternalServerError, match="not finite") as failed:
+                client.embeddings.create(model=client.models.list().data[0].id, input="cat")
+    assert failed.value.code == "model_output_invalid"
+    assert failed.value.response.headers["x-should-retry"] == "false"

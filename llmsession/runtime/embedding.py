@@ -13,7 +13,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from llmsession.errors import ContextOverflowError, ModelClosedError, UnsupportedFeatureError
+from llmsession.errors import (
+    ContextOverflowError,
+    ModelClosedError,
+    ModelOutputError,
+    UnsupportedFeatureError,
+)
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.shape import architecture, meta
@@ -70,6 +75,11 @@ class Embedder:
             context = self._context or self._made()  # (ModelClosedError once closed)
             rows = [row for group in self._groups(lists, context.n_ctx) for row in self._run(context, group)]
         out = np.stack(rows).astype(np.float32, copy=False)
+        broken = np.flatnonzero(~np.isfinite(out).all(axis=1))
+        if broken.size:  # (a broken or mis-converted model: never NaN handed on as a vector)
+            raise ModelOutputError(
+                f"the model's embedding of input {broken[0]} is not finite (NaN or infinity)"
+            )
         if normalize:
             norms = np.linalg.norm(out, axis=1, keepdims=True)
             out /= np.where(norms > 0, norms, 1.0).astype(np.float32)

@@ -24,7 +24,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from llmsession.config import SessionConfig
-from llmsession.errors import BackendError, MemoryBudgetError, ModelClosedError, UnavailableError
+from llmsession.errors import (
+    BackendError,
+    MemoryBudgetError,
+    ModelClosedError,
+    ModelOutputError,
+    UnavailableError,
+)
 from llmsession.replies import Reply, Usage
 from llmsession.serve.errors import ApiError, as_asked, from_library, internal
 from llmsession.serve.metrics import Metrics
@@ -56,6 +62,8 @@ def explain(error: BaseException) -> ApiError:
         log.warning("a request found the model busy", exc_info=error)  # (the server's own doing)
     elif isinstance(error, BackendError):
         log.error("the model's worker process failed", exc_info=error)
+    elif isinstance(error, ModelOutputError):  # (the operator's to know: the file is broken)
+        log.error("the model computed what no answer can hold: %s", error)
     return known
 
 

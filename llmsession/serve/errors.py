@@ -22,6 +22,7 @@ from llmsession.errors import (
     ContextOverflowError,
     MemoryBudgetError,
     ModelClosedError,
+    ModelOutputError,
     ReplyMismatchError,
     RequestError,
     UnavailableError,
@@ -92,6 +93,8 @@ def from_library(error: BaseException) -> ApiError | None:
         return ApiError(str(error), None, "reply_mismatch", 500, "server_error")
     if isinstance(error, RequestError):
         return ApiError(str(error))
+    if isinstance(error, ModelOutputError):  # (the model's own: the same on every try)
+        return ApiError(str(error), None, "model_output_invalid", 500, "server_error", final=True)
     return None
 
 
