@@ -21,6 +21,7 @@ import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
 from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
+from llmsession.serve import responding
 from llmsession.serve.doors import ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.responses import responses_ask, responses_request
@@ -42,7 +43,7 @@ def client(served: Served, key: str = KEY) -> openai.OpenAI:
     return served.client(key)
 
 
-def test_a_response_answers_and_is_kept(served: Served) -> None:
+def test_a_response_answers_and_is_kept(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     made = client(served).responses.create(
         model="m", instructions="Be brief.", input="Name a colour.", max_output_tokens=16, **GREEDY
     )
@@ -54,8 +55,11 @@ def test_a_response_answers_and_is_kept(served: Served) -> None:
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert usage.input_tokens_details.cache_write_tokens == 0  # (a field the SDK requires)
+    rendering: list[object] = []  # (a kept body is answered as rendered when kept: never again)
+    monkeypatch.setattr(responding, "JSONResponse", lambda *a: rendering.append(a))
     again = client(served).responses.retrieve(made.id)
-    assert again.output_text == made.output_text and again.id == made.id
+    assert again.model_dump() == made.model_dump() and rendering == []
+    monkeypatch.undo()
     with pytest.raises(openai.NotFoundError):
         client(served, OTHER_KEY).responses.retrieve(made.id)  # another key's: unknown
     with pytest.raises(openai.NotFoundError):

@@ -4,10 +4,12 @@ sized from its predecessor without serializing the whole chain again."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.responses import JSONResponse
 
 from llmsession.serve.store import ResponseStore, json_size
 
@@ -143,3 +145,17 @@ def test_a_response_in_progress_is_its_owners_until_it_ends_and_deleted_it_is_no
     assert store.delete("r2", "a")  # (kept, its stream not closed yet: deleted, it goes)
     store.end("r2")
     assert store.get("r2", "a") is None and store.running("r2", "a") is None and len(store) == 1
+
+
+def test_a_kept_body_is_rendered_once_as_it_was_when_kept() -> None:
+    store = ResponseStore()
+    kept = {"id": "r", "output": [{"text": "é \u2028 ok"}], "store": True}
+    assert store.put("a", kept, said("hi"))
+    kept["output"] = "changed later"
+    stored = store.get("r", "a")
+    assert stored is not None and json.loads(stored.rendered) == {
+        "id": "r",
+        "output": [{"text": "é \u2028 ok"}],
+        "store": True,
+    }
+    assert stored.rendered == JSONResponse({**json.loads(stored.rendered)}).body

@@ -127,4 +127,6 @@ async def stored(server: Serving, request: Request) -> Response:
     if request.method == "DELETE":
         server.store.delete(ident, key)
         return JSONResponse({"id": ident, "object": "response", "deleted": True})
-    return JSONResponse(kept.body if kept is not None else running)
+    if kept is not None:  # (as it was rendered when kept)
+        return Response(kept.rendered, media_type="application/json")
+    return JSONResponse(running)

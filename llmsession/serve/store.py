@@ -3,16 +3,17 @@ returns and what a ``previous_response_id`` continues. Pure.
 
 Each is kept with the digest of the key that made it: another key's id is unknown (a 404, never
 continued, never retrieved). Bounded by count and by bytes (the response's body and its
-transcript, as JSON); one larger than the byte bound is not kept. Past a bound, the key holding
-the most (bytes, or responses when only the count is over) forgets its least recently used
-first: a key that floods the store evicts its own responses, never a smaller key's, and a lone
-key may use it all. A response that would make its key the largest with nothing else of its own
-left to forget is not kept (``put`` is False) rather than evict a smaller key's. A
-continuation's transcript is sized as its predecessor's size and its new part's, so a long
-chain is never serialized whole on the event loop. The engine state behind a response is not
-here: a continuation resends the transcript to the stateless sessions, whose kept session
-still holds it (or its parked state), so only the new input is decoded. A response in
-progress is known by its owner from its start (``begin``, ``end``): retrieved as it began,
+transcript, as JSON); one larger than the byte bound is not kept. Its body is kept as the JSON
+a ``GET`` answers, rendered once (on the event loop, where every ``GET`` rendered it). Past a
+bound, the key holding the most (bytes, or responses when only the count is over) forgets its
+least recently used first: a key that floods the store evicts its own responses, never a
+smaller key's, and a lone key may use it all. A response that would make its key the largest
+with nothing else of its own left to forget is not kept (``put`` is False) rather than evict a
+smaller key's. A continuation's transcript is sized as its predecessor's size and its new
+part's, so a long chain is never serialized whole on the event loop. The engine state behind a
+response is not here: a continuation resends the transcript to the stateless sessions, whose
+kept session still holds it (or its parked state), so only the new input is decoded. A response
+in progress is known by its owner from its start (``begin``, ``end``): retrieved as it began,
 deleted (then it is not kept when it ends).
 """
 
@@ -30,7 +31,7 @@ MAX_BYTES = 64 << 20
 @dataclass(frozen=True)
 class Stored:
     owner: str | None  # the digest of the key that made it (None: a server without keys)
-    body: dict[str, Any]
+    rendered: bytes  # its body, as a ``GET`` answers it (rendered once: one of 8 MiB takes ~80 ms)
     transcript: list[dict[str, Any]]  # its conversation, its own reply included (no instructions)
     size: int  # the body's and the transcript's, as JSON
     transcript_size: int = 0
@@ -38,6 +39,11 @@ class Stored:
 
 def json_size(value: object) -> int:
     return len(json.dumps(value, ensure_ascii=False))
+
+
+def rendered(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON, as Starlette's ``JSONResponse`` renders it."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class ResponseStore:
@@ -68,12 +74,13 @@ class ResponseStore:
         base = 0 if after is None else len(after.transcript)
         rest = transcript[base:]
         spent = (after.transcript_size if after is not None else 0) + json_size(rest)
-        size = json_size(body) + spent
+        whole = rendered(body)
+        size = len(whole) + spent
         ident = body["id"]
         if size > self.size or ident in self._forgotten:
             return False
         self._drop(ident)
-        self._kept[ident] = Stored(owner, body, transcript, size, spent)
+        self._kept[ident] = Stored(owner, whole, transcript, size, spent)
         self._lru.setdefault(owner, OrderedDict())[ident] = None
         self._bytes[owner] = self._bytes.get(owner, 0) + size
         self.used += size
