@@ -116,6 +116,33 @@ def test_keys_come_in_the_templates_order_once(vocabulary: Any) -> None:
         read_body("a:1,a:2}", 0)
 
 
+def test_values_nest_only_as_deep_as_the_reader_reads(vocabulary: Any) -> None:
+    """The reader takes values 32 levels deep: the mask let a model nest free-form arguments
+    deeper (a call the reply then failed to read, a 500); a schema that requires more is
+    refused before anything decodes."""
+    untyped = {"type": "object", "properties": {"k": {}}}
+    lists = {n: "k:" + "[" * n + "1" + "]" * n for n in (31, 32)}
+    maps = {n: "k:" + "{a:" * n + "1" + "}" * n for n in (31, 32)}
+    for deepest, past in ((lists[31], lists[32]), (maps[31], maps[32])):
+        assert accepts(vocabulary, untyped, deepest) and read_body(deepest + "}", 0)
+        assert accepts(vocabulary, {"type": "object"}, deepest)  # (no properties: any pairs)
+        assert not accepts(vocabulary, untyped, past)
+        with pytest.raises(ValueError, match="too deep"):
+            read_body(past + "}", 0)
+
+    def nested(required: list[str]) -> dict[str, Any]:
+        deep: dict[str, Any] = {"type": "integer"}
+        for _ in range(33):  # (the innermost's integer at 33: one past)
+            deep = {"type": "object", "properties": {"a": deep}, "required": required}
+        return deep
+
+    with pytest.raises(GrammarError, match="32 levels deep"):
+        BodyGrammar("g", lambda text: spelled(text, {})).body(nested(["a"]))
+    deep = nested([])  # (all optional: written empty where the reader stops)
+    assert accepts(vocabulary, deep, "a:" + "{a:" * 31 + "{}" + "}" * 31)
+    assert not accepts(vocabulary, deep, "a:" + "{a:" * 31 + "{a:1}" + "}" * 31)
+
+
 def test_deep_and_wide_schemas_stay_small() -> None:
     """An array of arrays names its items once (the grammar grew 2^depth); a thousand
     properties chain without recursion; a key the template cannot write bare is refused."""

@@ -129,23 +129,48 @@ class BodyGrammar:
         special = quote.startswith("<[")  # a special token: a string may hold any text before it
         self.quote, self.special = quote, special
         self.rules[f"{prefix}_str"] = self._string({})
-        scalars = [f"{prefix}_str", NUMBER, '"true"', '"false"', '"None"']
-        array = f'"[" ({prefix}_any ("," {prefix}_any)*)? "]"'
-        mapping = f'"{{" ({prefix}_pair ("," {prefix}_pair)*)? "}}"'
-        self.rules[f"{prefix}_any"] = " | ".join([*scalars, array, mapping])
-        self.rules[f"{prefix}_pair"] = f'/{_KEY.pattern}/ ":" {prefix}_any'
 
-    def body(self, schema: Mapping[str, Any]) -> str:
-        """The rule name of an object schema's body (any pairs when it declares no properties)."""
+    def _any(self, depth: int) -> str:
+        """The rule of any value at ``depth`` (a call's own pairs hold values at 1): containers
+        only while their items are within ``MAX_DEPTH``, as the reader takes them."""
+        name = f"{self.prefix}_any{depth}"
+        if name not in self.rules:
+            self.rules[name] = ""  # (named before its levels below: each level is written once)
+            scalars = [f"{self.prefix}_str", NUMBER, '"true"', '"false"', '"None"']
+            inner, pairs = (self._any(depth + 1), self._pairs(depth)) if depth < MAX_DEPTH else (None, "")
+            array = f'"[" ({inner} ("," {inner})*)? "]"' if inner else '"[" "]"'
+            self.rules[name] = " | ".join([*scalars, array, f'"{{" {pairs} "}}"'])
+        return name
+
+    def _pairs(self, depth: int) -> str:
+        """Any pairs of a mapping at ``depth`` (their values one deeper)."""
+        pair = f"{self.prefix}_pair{depth}"
+        if pair not in self.rules:
+            self.rules[pair] = f'/{_KEY.pattern}/ ":" {self._any(depth + 1)}'
+        return f'({pair} ("," {pair})*)?'
+
+    def body(self, schema: Mapping[str, Any], depth: int = 0) -> str:
+        """The rule of the body of an object schema at ``depth`` (a call's own: 0), any pairs
+        when it declares no properties; past the reader's depth an empty one, or a refusal
+        where a property is required there."""
         properties = schema.get("properties")
-        if not isinstance(properties, Mapping) or not properties:
-            return f'({self.prefix}_pair ("," {self.prefix}_pair)*)?'
         listed = schema.get("required")  # (draft 3's is a bool on the property: not Gemma 4's)
         required = {key for key in listed if isinstance(key, str)} if isinstance(listed, list) else set()
+        if depth >= MAX_DEPTH:
+            if isinstance(properties, Mapping) and required & set(properties):
+                raise GrammarError(
+                    f"Gemma 4's calls are read at most {MAX_DEPTH} levels deep: a schema requires more"
+                )
+            return ""
+        if not isinstance(properties, Mapping) or not properties:
+            return self._pairs(depth)
         for key in properties:
             if not isinstance(key, str) or not _KEY.fullmatch(key):
                 raise GrammarError(f"Gemma 4 writes property names bare: {key!r} cannot be one")
-        pairs = [(self.say(f"{k}:") + " " + self.value(v), k in required) for k, v in dictsort(properties)]
+        pairs = [
+            (self.say(f"{k}:") + " " + self.value(v, depth + 1), k in required)
+            for k, v in dictsort(properties)
+        ]
         return self._chain(pairs)
 
     def _chain(self, pairs: list[tuple[str, bool]]) -> str:
@@ -162,9 +187,10 @@ class BodyGrammar:
                 self.rules[name] = rule
         return names[0, True]
 
-    def value(self, schema: Any) -> str:
+    def value(self, schema: Any, depth: int) -> str:
+        """The rule of a value at ``depth`` that ``schema`` describes."""
         if not isinstance(schema, Mapping):
-            return f"{self.prefix}_any"
+            return self._any(depth)
         if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
             return "(" + " | ".join(self.say(format_argument(v, False)) for v in schema["enum"]) + ")"
         kind = schema.get("type")
@@ -177,13 +203,15 @@ class BodyGrammar:
         if kind == "boolean":
             return '("true" | "false")'
         if kind == "array":
+            if depth >= MAX_DEPTH:  # (only an empty one: its items would be past the reader)
+                return '"[" "]"'
             item = f"{self.prefix}_a{len(self.rules)}"
             self.rules[item] = ""  # (named once: an array of arrays does not double the grammar)
-            self.rules[item] = self.value(schema.get("items"))
+            self.rules[item] = self.value(schema.get("items"), depth + 1)
             return f'"[" ({item} ("," {item})*)? "]"'
         if kind == "object":
-            return '"{" ' + self.body(schema) + ' "}"'
-        return f"{self.prefix}_any"
+            return '"{" ' + self.body(schema, depth) + ' "}"'
+        return self._any(depth)
 
     def _string(self, schema: Mapping[str, Any]) -> str:
         """A quoted string holding no quote, at most ``maxLength`` characters (a model may not
