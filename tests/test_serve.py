@@ -35,7 +35,7 @@ from test_reuse import batch_noise
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
 from llmsession.replies import Reply
 from llmsession.serve import app as app_module
-from llmsession.serve import doors
+from llmsession.serve import doors, sse
 from llmsession.serve.app import PARSERS, create_app
 
 BODY_LIMIT = 1 << 20
@@ -1174,10 +1174,26 @@ def scored(served: Served, question: str, max_tokens: int, top: int) -> dict[str
     }
 
 
-def test_logprobs_join_up_to_the_text_whole_streamed_and_raw(served: Served) -> None:
+def on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_logprobs_join_up_to_the_text_whole_streamed_and_raw(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scores in a whole body, as its stream sends them; the body made and rendered off the
+    event loop (one of 4,096 tokens with 20 alternatives stopped every stream for 0.7 s)."""
     client = served.client()
     asked = scored(served, "Write a line about the sea, with an accent: café.", 20, 2)
+    made, body = [], sse.Completion.body
+    monkeypatch.setattr(sse.Completion, "body", lambda *a: made.append(on_a_loop()) or body(*a))
     whole = client.chat.completions.create(**asked)
+    assert made == [False]
+    monkeypatch.undo()
     scores = whole.choices[0].logprobs
     assert scores is not None and scores.content is not None
     assert "".join(e.token for e in scores.content) == whole.choices[0].message.content

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from llmsession.config import SessionConfig
@@ -34,6 +35,7 @@ from llmsession.errors import (
 from llmsession.replies import Reply, Usage
 from llmsession.serve.errors import ApiError, as_asked, from_library, internal
 from llmsession.serve.metrics import Metrics
+from llmsession.serve.rendering import rendered
 from llmsession.serve.runner import Admission, Choices, Event, Relay
 from llmsession.serve.schema import ChatRequest
 
@@ -137,6 +139,7 @@ class Door(Protocol):
     its API's keep-alive events)."""
 
     patience: float | None
+    keeps: bool  # its whole body is kept by state of the event loop's (a stored response)
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]: ...
 
@@ -213,7 +216,7 @@ class Call:
                 raise
             failed = next((e.error for e in first if e.error is not None), None)
             if failed is None:
-                return self._answer(choices, first, retried=retry)
+                return await self._answer(choices, first, retried=retry)
             choices.cancel()
             if retry or not isinstance(failed, MemoryBudgetError):
                 raise as_asked(explain(failed), asked.options)
@@ -237,13 +240,19 @@ class Call:
             released()
             raise
 
-    def _answer(self, choices: Choices, first: list[Event], *, retried: bool) -> Response:
+    async def _answer(self, choices: Choices, first: list[Event], *, retried: bool) -> Response:
         """The whole reply, or a stream of it from the first events on (one begun before any,
-        past the door's patience, may still find the memory budget full: ``Relay``)."""
+        past the door's patience, may still find the memory budget full: ``Relay``). A whole
+        body is made and rendered off the event loop, in slices (``rendering``), but where the
+        door keeps it (in the loop's store)."""
         if not self.asked.stream:
-            replies = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
+            ended = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
+            replies = [e.reply for e in ended if e.reply is not None]
             prompt = choices.forks.prompt if choices.forks is not None else None
-            return JSONResponse(self.door.whole([e.reply for e in replies if e.reply is not None], prompt))
+            made = functools.partial(self.door.whole, replies, prompt)
+            body = made() if self.door.keeps else None
+            text = await asyncio.to_thread(lambda: rendered(made() if body is None else body))
+            return Response(text, media_type="application/json")
         flow: Choices | Relay = choices
         if not first and not retried:
             flow = Relay(choices, self._again, self.held.hold, self.held.drop)

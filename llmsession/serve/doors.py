@@ -27,6 +27,7 @@ class CompletionDoor:
     """OpenAI's chat completions (or, ``completion.text``, raw completions)."""
 
     patience: float | None = None  # (a stream begins with its first events: its status is theirs)
+    keeps = False
 
     def __init__(self, completion: sse.Completion) -> None:
         self.completion = completion
@@ -71,6 +72,8 @@ class MessagesDoor:
     """Anthropic's messages: one choice. A stream whose prompt takes longer than ``patience``
     to decode begins anyway, with ``ping`` every ``PING_SECONDS`` until its first text (an
     agent's 20K-token prompt would otherwise hold a silent connection for a minute)."""
+
+    keeps = False
 
     def __init__(self, model: str, patience: float | None = None) -> None:
         self.message = AnthropicMessage(model)
@@ -145,6 +148,7 @@ class ResponsesDoor:
         self, response: ResponseObject, keep: Keep | None = None, patience: float | None = None
     ) -> None:
         self.response, self.keep = response, keep
+        self.keeps = keep is not None  # (the store is the event loop's)
         self.patience: float | None = PING_SECONDS if patience is None else patience
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:

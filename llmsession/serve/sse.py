@@ -3,12 +3,14 @@
 A stream is one ``id`` for every chunk: each choice's first delta has ``role: "assistant"``, then
 its content deltas and tool-call deltas (a call's index, id, type and name first, its arguments
 appended after), then a chunk with its ``finish_reason``; with ``include_usage`` every chunk has
-``usage: null`` and a last chunk has no choices and the usage; then ``data: [DONE]``.
+``usage: null`` and a last chunk has no choices and the usage; then ``data: [DONE]``. A whole
+body's scores are JSON text already (``rendering``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmsession.replies import Alternative, FinishReason, Reply, Snapshot, TokenLogprob, ToolCallDelta, Usage
+from llmsession.serve.rendering import Fragment
 
 # "complete" (a constraint was satisfied) is a natural end; "cancelled" happens only when the
 # client is gone or the server stops, so nobody reads it.
@@ -84,7 +87,48 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def _float(value: float) -> str:
+    if not math.isfinite(value):  # (as ``json`` refuses it: never ``NaN`` in a body)
+        raise ValueError(f"a score is not finite: {value}")
+    return float.__repr__(value)
+
+
+def _alternative_json(a: Alternative) -> str:
+    token, score, spelled = (
+        json.dumps(a.token, ensure_ascii=False),
+        _float(a.logprob),
+        ",".join(map(str, a.bytes)),
+    )
+    return f'{{"token":{token},"logprob":{score},"bytes":[{spelled}]}}'
+
+
+def _entry_json(e: TokenLogprob) -> str:
+    token, score, spelled = (
+        json.dumps(e.token, ensure_ascii=False),
+        _float(e.logprob),
+        ",".join(map(str, e.bytes)),
+    )
+    top = ",".join(map(_alternative_json, e.top))
+    return f'{{"token":{token},"logprob":{score},"bytes":[{spelled}],"top_logprobs":[{top}]}}'
+
+
+def whole_chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """``chat_logprobs`` for a whole body: its entries as JSON text (``Fragment``), written
+    token by token in short calls and no dict each (4,096 tokens with 20 alternatives were
+    86,000 dicts: the garbage collector's passes over them stopped the event loop)."""
+    return {"content": Fragment("[" + ",".join(map(_entry_json, entries)) + "]"), "refusal": None}
+
+
+def whole_text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """``text_logprobs`` for a whole body: its mappings as JSON text (``Fragment``)."""
+    scores = text_logprobs(entries, offset, mappings=False)
+    top = (json.dumps(_likeliest_by_text(e.top), ensure_ascii=False, allow_nan=False) for e in entries)
+    return {**scores, "top_logprobs": Fragment("[" + ",".join(top) + "]")}
+
+
+def text_logprobs(
+    entries: Sequence[TokenLogprob], offset: int = 0, *, mappings: bool = True
+) -> dict[str, Any]:
     """A raw completion's ``logprobs``, in the legacy shape: parallel lists, where each token's
     text starts (from ``offset``), and the likeliest tokens as a mapping."""
     starts, at = [], offset
@@ -94,7 +138,7 @@ def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str,
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [_likeliest_by_text(e.top) for e in entries],
+        "top_logprobs": [_likeliest_by_text(e.top) for e in entries] if mappings else None,
         "text_offset": starts,
     }
 
@@ -134,7 +178,7 @@ class Completion:
             {
                 "index": i,
                 **said(r),
-                "logprobs": self._logprobs(r.logprobs),
+                "logprobs": self._logprobs(r.logprobs, whole=True),
                 "finish_reason": FINISH[r.finish_reason],
             }
             for i, r in enumerate(replies)
@@ -169,12 +213,18 @@ class Completion:
         choice = {"index": index, **said, "logprobs": scores, "finish_reason": finish}
         return self.chunk([choice])
 
-    def _logprobs(self, entries: Sequence[TokenLogprob] | None, streamed: Streamed | None = None) -> Any:
-        """A choice's ``logprobs`` for ``entries`` (None unless asked), sent after ``streamed``."""
+    def _logprobs(
+        self, entries: Sequence[TokenLogprob] | None, streamed: Streamed | None = None, whole: bool = False
+    ) -> Any:
+        """A choice's ``logprobs`` for ``entries`` (None unless asked), sent after ``streamed``
+        (``whole``: in a whole body, rendered by ``rendering.rendered``)."""
         if not self.logprobs:
             return None
-        done = streamed or Streamed()
-        scores = text_logprobs(entries or (), done.chars) if self.text else chat_logprobs(entries or ())
+        done, entries = streamed or Streamed(), entries or ()
+        if self.text:
+            scores = (whole_text_logprobs if whole else text_logprobs)(entries, done.chars)
+        else:
+            scores = (whole_chat_logprobs if whole else chat_logprobs)(entries)
         done.add(entries or ())
         return scores
 
