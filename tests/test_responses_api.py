@@ -21,7 +21,7 @@ import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
 from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
-from llmsession.serve import responding
+from llmsession.serve import images, responding
 from llmsession.serve.doors import ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.responses import responses_ask, responses_request
@@ -545,3 +545,21 @@ def test_a_response_the_store_does_not_take_says_it_is_not_stored(
         with http.stream("POST", "/v1/responses", json=asked) as streamed:
             events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
         assert events[-1]["response"]["store"] is False and events[0]["response"]["store"] is True
+
+
+def test_a_continued_responses_images_count_with_its_stored_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call decodes every image of the transcript it continues: a chain adding 8 a turn
+    (each turn's input within the bound) made the 30th call decode 240 (an 8 MiB body holds
+    8 of 4,096 x 4,096 pixels: 50 MB each, decoded at once). Their pixels count with the new
+    ones' (here each image is as large as 2 pixels: 16 in all)."""
+    monkeypatch.setattr(images, "MAX_TOTAL_PIXELS", 16 * 2 * 2)
+    picture = {"type": "input_image", "image_url": png_url()}
+    stored = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 8}
+    history = [stored, {"role": "assistant", "content": "Red."}]
+    for more in (1, 8):  # (16 in all: within)
+        asked = responses_ask({"model": "m", "input": [{"role": "user", "content": [picture] * more}]})
+        assert responses_request(asked, history).messages
+    asked = responses_ask({"model": "m", "input": [{"role": "user", "content": [picture]}]})
+    with pytest.raises(ApiError, match="pixels of images in all") as refused:
+        responses_request(asked, [*history, *history])
+    assert refused.value.param is not None and refused.value.param.startswith("input")

@@ -22,6 +22,8 @@ def transcript(raw: list[Any], images: ImageCount, kept: range = range(0)) -> Tr
     something to answer, as a stateless call needs, or the assistant's text to continue after
     it (a prefill: ``Transcript.prefilled``). Those at ``kept`` are a stored response's, read
     and counted when it was asked: the library's check only."""
+    for i in kept:
+        images.kept(raw[i], f"messages[{i}]")
     try:
         checked = Transcript([m if i in kept else _message(i, m, images) for i, m in enumerate(raw)])
     except TemplateError as error:

@@ -4,7 +4,8 @@ The library decodes an image's every pixel (``text.images``) and bounds neither 
 their size (PIL refuses only past 178 MP), so a request of a few MiB could make the server decode
 gigabytes. Here an image is a base64 ``data:`` URL (nothing is fetched), at most ``MAX_IMAGES``
 per request, each at most ``MAX_PIXELS``: its size is read from its header (``Image.open`` reads
-no pixels).
+no pixels). A continued response's stored images are decoded again by every call: with the new
+ones, at most ``MAX_TOTAL_PIXELS`` in all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from llmsession.serve.errors import ApiError
 
 MAX_IMAGES = 8
 MAX_PIXELS = 4096 * 4096  # ~16.8 MP
+MAX_TOTAL_PIXELS = MAX_IMAGES * MAX_PIXELS  # a call's images, a continued transcript's too
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # ``llmsession.Image.FORMATS`` (a pure module's copy)
 
 
@@ -25,6 +27,17 @@ class ImageCount:
 
     def __init__(self) -> None:
         self.count = 0
+        self.pixels = 0  # the new images' and those of the stored responses it continues
+
+    def kept(self, message: object, where: str) -> None:
+        """A stored response's message, checked when it was asked: its images are not counted
+        with the new input's, but each call that continues it decodes them again, so their
+        pixels count (a chain adding 8 images a turn had no bound at all)."""
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part["image_url"]["url"]
+                self._add(*_size(base64.b64decode(url.partition(",")[2]), where), where)
 
     def check(self, url: object, where: str) -> None:
         """``url`` is a readable image of at most ``MAX_PIXELS``, and one too many is refused."""
@@ -43,6 +56,13 @@ class ImageCount:
         width, height = _size(data, where)
         if width * height > MAX_PIXELS:
             raise ApiError(f"{where}: an image has at most {MAX_PIXELS} pixels, got {width}x{height}", where)
+        self._add(width, height, where)
+
+    def _add(self, width: int, height: int, where: str) -> None:
+        self.pixels += width * height
+        if self.pixels > MAX_TOTAL_PIXELS:
+            said = f"at most {MAX_TOTAL_PIXELS} pixels of images in all"
+            raise ApiError(f"{where}: {said}, with those of the responses it continues", where)
 
 
 def _size(data: bytes, where: str) -> tuple[int, int]:
