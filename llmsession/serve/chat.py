@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from llmsession.config import SessionConfig
 from llmsession.errors import (
@@ -153,9 +153,18 @@ def session_settings(settings: SessionConfig, asked: ChatRequest) -> SessionConf
     return dataclasses.replace(settings, share_prefix=False, thinking=thinking)
 
 
+SEND_SECONDS = 60.0  # the longest one write of a stream may wait for its client to read
+
+
+class Unread(Exception):
+    """A stream's client read nothing for ``SEND_SECONDS``, its connection open."""
+
+
 class EventStream(StreamingResponse):
     """Server-sent events; ``on_close`` runs however the response ends (a finished stream, a
-    client gone, a server stopping), so the exchanges behind it never outlive it."""
+    client gone, a server stopping, a client that reads nothing for ``SEND_SECONDS``: uvicorn's
+    send has no deadline, so its stream, its model's hold and its store entry stayed for as long
+    as the client kept the connection open), so the exchanges behind it never outlive it."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -167,8 +176,16 @@ class EventStream(StreamingResponse):
         self.closing.append(on_close)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), SEND_SECONDS)
+            except asyncio.TimeoutError:  # (on 3.10, not the builtin)
+                raise Unread from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed)
+        except Unread:  # (uvicorn closes the connection of a response left unfinished)
+            log.warning("a stream's client read nothing for %s s: the stream ended", SEND_SECONDS)
         finally:
             failed: list[BaseException] = []
             for on_close in self.closing:  # (each runs, whatever the one before raised)

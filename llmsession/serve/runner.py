@@ -58,6 +58,32 @@ def cut(reply: Reply | None) -> bool:
     return reply is None or reply.finish_reason == "cancelled"
 
 
+def dropped_unread(queue: asyncio.Queue[Event]) -> None:
+    """A cut for an unread backlog: the events its client left unread go (they held the memory
+    for as long as the client kept its connection open), but every choice's last."""
+    kept = [event for event in (queue.get_nowait() for _ in range(queue.qsize())) if event.last]
+    for event in kept:
+        queue.put_nowait(event)
+
+
+class Backlog:
+    """The queue a request's choices share, and whether they were cut for an unread backlog:
+    past ``MAX_BACKLOG`` events a choice, every choice is cancelled (``cut``) and the unread
+    events go."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.queue, self.cut = n, asyncio.Queue[Event](), False
+        self.cancels: list[Callable[[], None]] = []  # each choice's
+
+    def put(self, event: Event) -> None:
+        self.queue.put_nowait(event)
+        if self.queue.qsize() >= MAX_BACKLOG * self.n and not self.cut:
+            self.cut = True  # (its client reads nothing: every choice ends here)
+            for cancel in self.cancels:
+                cancel()
+            dropped_unread(self.queue)
+
+
 def overrun(index: int, n: int) -> Event:
     """The last event of a choice cut because its client read nothing (a 4xx: a client's fault)."""
     said = f"the client left over {MAX_BACKLOG * n} events unread: the reply was cut"
@@ -74,17 +100,16 @@ class Run:
         self,
         index: int,
         start: Callable[[], Stream],
-        queue: asyncio.Queue[Event],
+        backlog: Backlog,
         ended: Callable[[Reply], None],
         released: Callable[[], None],
-        n: int = 1,
     ) -> None:
         """``ended`` is called with the reply, and ``released`` once the stream's thread is
         done with the model (its stream closed: what it frees is free), both on the loop;
-        ``n``, the request's choices (their events share ``queue``)."""
-        self.index, self._queue, self._ended, self._released = index, queue, ended, released
-        self._n, self._overrun = n, False
+        ``backlog``, the queue the request's choices share."""
+        self.index, self._backlog, self._ended, self._released = index, backlog, ended, released
         self._stream = AsyncStream(start, ahead=None)
+        backlog.cancels.append(self._stream.cancel)
         task = asyncio.ensure_future(self._run())
         RUNNING.add(task)  # (the loop holds tasks weakly: a request that went away drops its runs)
         task.add_done_callback(RUNNING.discard)
@@ -101,12 +126,9 @@ class Run:
                 if snapshot.delta or snapshot.tool_calls or snapshot.reasoning_delta or snapshot.usage:
                     # Queued without the text so far (no door reads it): a client that reads
                     # nothing left a copy of the whole reply per token queued, T**2 bytes.
-                    self._queue.put_nowait(Event(self.index, snapshot=dataclasses.replace(snapshot, text="")))
-                    if self._queue.qsize() >= MAX_BACKLOG * self._n and not self._overrun:
-                        self._overrun = True  # (its client reads nothing: it ends here)
-                        self._stream.cancel()
-            if self._overrun and cut(self._stream.reply):
-                last = overrun(self.index, self._n)
+                    self._backlog.put(Event(self.index, snapshot=dataclasses.replace(snapshot, text="")))
+            if self._backlog.cut and cut(self._stream.reply):
+                last = overrun(self.index, self._backlog.n)
             elif self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)
         except BaseException as error:  # reported to the request (a 4xx, or a logged 500)
@@ -118,7 +140,7 @@ class Run:
                 if self._stream.reply is not None:
                     self._ended(self._stream.reply)  # (counted, as far as it got)
             finally:
-                self._queue.put_nowait(last)
+                self._backlog.queue.put_nowait(last)  # (never cut: every choice's last is read)
                 self._released()
 
 
@@ -136,10 +158,11 @@ class Choices:
         released: Callable[[], None],
         forks: Forked | None = None,
     ) -> None:
-        self.n, self.queue, self.forks = n, asyncio.Queue[Event](), forks
+        backlog = Backlog(n)
+        self.n, self.queue, self.forks = n, backlog.queue, forks
         self.finished = asyncio.Event()
         self._left, self._released = n, released
-        self.runs = [Run(i, partial(start, i), self.queue, ended, self._one_done, n) for i in range(n)]
+        self.runs = [Run(i, partial(start, i), backlog, ended, self._one_done) for i in range(n)]
 
     def _one_done(self) -> None:
         self._left -= 1
@@ -208,6 +231,7 @@ class Relay:
             if self.queue.qsize() >= MAX_BACKLOG * self.n and not self._overrun:
                 self._overrun = True  # (its client reads nothing: as ``Run``)
                 choices.cancel()
+                dropped_unread(self.queue)
 
 
 class Admission:
