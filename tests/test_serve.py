@@ -1380,3 +1380,65 @@ def test_a_stream_whose_client_reads_nothing_ends_past_its_send_deadline(
         return time.monotonic() - began
 
     assert asyncio.run(ended()) < 5 and closed == ["cancelled"]
+
+
+def test_a_client_gone_as_its_request_is_admitted_starts_nothing(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that left while its request waited for a parser: once parsed, its admission
+    (granted at once) and its disconnect were both seen in one turn of the loop, and the race
+    took the admission: the prompt was rendered, tokenized and begun for nobody (ASGI, as
+    uvicorn calls the app: the body, then a disconnect)."""
+    from llmsession.serve import chat
+    from llmsession.serve.app import PARSERS
+
+    started: list[int] = []
+    start = chat.Call._start
+    monkeypatch.setattr(
+        chat.Call, "_start", lambda call, weight: started.append(weight) or start(call, weight)
+    )
+    app = create_app(smollm2)
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}).encode()
+    headers = [(b"host", b"localhost"), (b"content-type", b"application/json")]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def scenario() -> list[Any]:
+        parsing = app.state.server.parsing
+        for _ in range(PARSERS):  # (every parser busy: the request waits, its body read)
+            await parsing.acquire()
+        left, pending = asyncio.Event(), [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> Any:
+            if pending:
+                return pending.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        sent: list[Any] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        answered = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.sleep(0.2)
+        left.set()
+        for _ in range(PARSERS):
+            parsing.release()
+        await asyncio.wait_for(answered, 30)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert sent[0]["status"] == 499 and started == [], (sent[0], started)

@@ -28,6 +28,7 @@ from llmsession.serve import operators
 from llmsession.serve.app import Server, create_app
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels
+from llmsession.serve.metrics import Metrics
 
 CONTEXT = SessionConfig(context_size=2048)  # (the server's: smaller than the models' own)
 SYSTEM = "You are a careful assistant. " + "Answer in a few words, plainly. " * 10
@@ -485,3 +486,55 @@ def test_a_model_whose_file_fails_to_load_unloads_no_other_again(
         assert len([r for r in caplog.records if r.name == "llmsession.serve"]) == 1
         bad.write_bytes(smollm2_path.read_bytes())  # (mended: tried again at once)
         assert chat(url, "bad", "Hi.").choices and states(url)["smol"] == "unloaded"
+
+
+class LoadingModels:
+    """A stand-in for ``Models`` (pure logic) whose one model loads until ``loaded`` is set,
+    then finds no room, as a load behind models in use does."""
+
+    def __init__(self) -> None:
+        self.names, self.loaded = ["big"], threading.Event()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def acquire(self, name: str, keep_alive: float | None = None) -> Any:
+        from llmsession.errors import ModelsFullError
+
+        self.loaded.wait(30)
+        raise ModelsFullError("the models loaded are in use")
+
+
+def test_requests_waiting_for_a_model_to_load_are_bounded_and_shared_by_key() -> None:
+    """Every request for a model that loads waits for the load, holding its parsed request
+    (up to 8 MiB of body): one key could keep thousands waiting. At most ``queue`` wait for one
+    model, a quarter of them one key's (503s past that); one that leaves frees its place."""
+    models = LoadingModels()
+    hosts = ManyModels(models, SessionConfig(), 8, Metrics())  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        def wait(key: str) -> asyncio.Task[Any]:
+            return asyncio.ensure_future(hosts.held("big", None, key))
+
+        async def refused(key: str) -> str:
+            with pytest.raises(ApiError) as caught:
+                await hosts.held("big", None, key)
+            assert caught.value.status == 503
+            return caught.value.message
+
+        waiting = [wait("a"), wait("a")]
+        await asyncio.sleep(0.05)
+        said = [await refused("a")]  # (a quarter of 8 are one key's)
+        waiting[0].cancel()
+        await asyncio.sleep(0.05)
+        waiting[0] = wait("a")  # (a place given back)
+        waiting += [wait(key) for key in "bbccdd"]
+        await asyncio.sleep(0.05)
+        said.append(await refused("e"))  # (8 wait)
+        models.loaded.set()
+        ends = await asyncio.gather(*waiting, return_exceptions=True)
+        return said, [str(end) for end in ends if isinstance(end, ApiError)]
+
+    said, ends = asyncio.run(scenario())
+    assert "this key's" in said[0] and "too many requests wait" in said[1], said
+    assert len(ends) == 8 and all("cannot load now" in end for end in ends), ends

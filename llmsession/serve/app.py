@@ -33,7 +33,7 @@ from llmsession.options import INT32_MAX
 from llmsession.serve import embeddings, operators, responding, sse
 from llmsession.serve.access import Access, Keys, heeded
 from llmsession.serve.body import parse_json
-from llmsession.serve.chat import Call, Caller, Door, Host, session_settings
+from llmsession.serve.chat import Call, Caller, ClientGone, Door, Host, session_settings, unless_gone
 from llmsession.serve.doors import CompletionDoor, MessagesDoor
 from llmsession.serve.errors import ApiError, busy, too_large
 from llmsession.serve.hosts import ManyModels, OneModel
@@ -227,7 +227,11 @@ class Server:
         ):
             raise ApiError("count_tokens counts text-only transcripts here", "messages")
         options, tenant = asked.options, tenant_name(request.state.key, asked.user)
-        host, held = await self.hosts.held(asked.model, heeded(request, asked.keep_alive))
+        waited = self.hosts.held(asked.model, heeded(request, asked.keep_alive), request.state.key)
+        try:
+            host, held = await unless_gone(request, waited)
+        except ClientGone:
+            return Response(status_code=499)  # (nobody reads it)
         try:
             config = session_settings(host.settings, asked)  # (as the call's)
             async with self.parsing:  # (a few at once, off the event loop)
@@ -266,7 +270,11 @@ class Server:
             conversation: str | None = named
         else:  # (a session header the client sends: ``naming``)
             conversation = named_conversation(tenant, request.headers)
-        host, held = await self.hosts.held(asked.model, heeded(request, asked.keep_alive))
+        waited = self.hosts.held(asked.model, heeded(request, asked.keep_alive), key)
+        try:  # (a model of several may be loading: the client may leave meanwhile)
+            host, held = await unless_gone(request, waited)
+        except ClientGone:
+            return Response(status_code=499)  # (nobody reads it)
         try:
             limit = host.admission.limit
             if asked.n > limit:

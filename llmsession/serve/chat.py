@@ -224,6 +224,9 @@ class Call:
         asked, admission = self.asked, self.host.admission
         for retry in (False, True):
             weight = await race(gone, admission.acquire(asked.n, behind=retry, caller=self._key))
+            if gone.done():  # (gone as it was admitted, in one turn of the loop: nothing starts)
+                admission.release(weight, self._key)
+                raise ClientGone
             choices = self._start(weight)
             try:
                 patience = self.door.patience if asked.stream else None
@@ -320,6 +323,16 @@ async def race(gone: asyncio.Future[None], work: Awaitable[T]) -> T:
     if task.done() and not task.cancelled():
         return task.result()
     raise ClientGone
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client goes away first (``race``): a request that waits
+    for its model to load waits no longer for nobody."""
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        return await race(gone, work)
+    finally:
+        gone.cancel()
 
 
 async def disconnected(request: Request) -> None:

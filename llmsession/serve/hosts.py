@@ -7,10 +7,13 @@ sessions) and the server's shared counters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +21,7 @@ from llmsession.api.modelfiles import LOAD_RETRY_SECONDS, kind_of
 from llmsession.config import SessionConfig
 from llmsession.errors import ModelLoadError, ModelNotFoundError, ModelsFullError
 from llmsession.serve.chat import Held, Host
-from llmsession.serve.errors import ApiError
+from llmsession.serve.errors import ApiError, busy
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
 
@@ -63,7 +66,9 @@ class OneModel:
     def served(self, name: str | None) -> str:
         return self.host.name
 
-    async def held(self, name: str | None, keep_alive: float | None) -> tuple[Host, Held]:
+    async def held(
+        self, name: str | None, keep_alive: float | None, caller: str | None = None
+    ) -> tuple[Host, Held]:
         return self.host, Held()
 
     def cards(self) -> list[dict[str, Any]]:
@@ -95,6 +100,7 @@ class ManyModels:
         # loop (``_turns``), so loads never take the threads that parse bodies and answer.
         self._loader = ThreadPoolExecutor(len(self.names) + 1, thread_name_prefix="llmsession-load")
         self._turns: dict[str, asyncio.Lock] = {}
+        self._waiters: Counter[str | tuple[str, str | None]] = Counter()  # by model, and by key
 
     def images(self, name: str | None) -> bool:
         return name in self.models and self.models.file(name or "").mmproj_path is not None
@@ -104,11 +110,36 @@ class ManyModels:
             raise not_found(name, self.names)
         return name
 
-    async def held(self, name: str | None, keep_alive: float | None) -> tuple[Host, Held]:
+    async def held(
+        self, name: str | None, keep_alive: float | None, caller: str | None = None
+    ) -> tuple[Host, Held]:
         """The host of model ``name``, loaded (in a thread; concurrent first requests wait for
-        one load) and held until the request's ``Held`` is dropped."""
+        one load) and held until the request's ``Held`` is dropped. At most ``queue`` requests
+        wait for one model, a quarter of them a ``caller``'s (its key): a 503 past that (each
+        waits holding its parsed request, for as long as a load takes)."""
         served = self.served(name)
         self._misfit(served)
+        with self._waiting(served, caller):
+            return await self._held(served, name, keep_alive)
+
+    @contextlib.contextmanager
+    def _waiting(self, served: str, caller: str | None) -> Iterator[None]:
+        mine = (served, caller)
+        if self._waiters[served] >= self.queue:
+            raise busy(f"too many requests wait for model {served!r}")
+        if caller is not None and self._waiters[mine] >= max(1, self.queue // 4):
+            raise busy(f"too many of this key's requests wait for model {served!r}")
+        self._waiters[served] += 1
+        self._waiters[mine] += 1
+        try:
+            yield
+        finally:
+            for counted in (served, mine):
+                self._waiters[counted] -= 1
+                if not self._waiters[counted]:
+                    del self._waiters[counted]
+
+    async def _held(self, served: str, name: str | None, keep_alive: float | None) -> tuple[Host, Held]:
         turn = self._turns.setdefault(served, asyncio.Lock())
         await turn.acquire()
         later = False  # (a cancelled wait gives the turn back once the loader thread is done)
