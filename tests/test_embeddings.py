@@ -281,3 +281,23 @@ def test_a_model_that_computes_nan_is_a_typed_error_not_a_vector(bert_path: Path
                 client.embeddings.create(model=client.models.list().data[0].id, input="cat")
     assert failed.value.code == "model_output_invalid"
     assert failed.value.response.headers["x-should-retry"] == "false"
+
+
+def test_an_embeddings_request_is_bounded_in_tokens_and_a_chat_model_tokenizes_nothing(
+    served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request runs at a time, the others waiting behind it: 2,048 inputs of 8,192 token ids
+    each fit in a body (16M tokens, minutes of every core, run on past a disconnect). At most
+    ``MAX_TOKENS`` in all (OpenAI's 300,000); a chat model refuses before it tokenizes 8 MiB."""
+    from llmsession.serve import embeddings
+
+    client = openai.OpenAI(base_url=served, api_key=KEY, max_retries=0, timeout=60)
+    monkeypatch.setattr(embeddings, "MAX_TOKENS", 12)
+    assert client.embeddings.create(model="bert", input=["cat"] * 4).usage.prompt_tokens <= 12
+    with pytest.raises(openai.BadRequestError, match="at most 12 tokens in all"):
+        client.embeddings.create(model="bert", input=["the quick brown fox"] * 4)
+    tokenized: list[str] = []
+    monkeypatch.setattr(Model, "tokenize", lambda model, text, *a, **k: tokenized.append(text) or [1])
+    with pytest.raises(openai.BadRequestError, match="chat model"):
+        client.embeddings.create(model="smol", input=["cat"] * 100)
+    assert tokenized == []

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
 MAX_WAITING = 16  # embedding requests waiting for the one run at a time; past it a 503
 MAX_INPUT_TOKENS = 8192  # token ids an input given as ids may have
+MAX_TOKENS = 300_000  # tokens a request's inputs have in all (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,20 @@ def is_id(value: object) -> bool:
 
 
 def embedded(model: Model, ask: EmbeddingsAsk) -> tuple[np.ndarray, int]:
-    """The inputs' embeddings and their tokens in all (texts tokenized once, here)."""
+    """The inputs' embeddings and their tokens in all (texts tokenized once, here, for a model
+    that has embeddings: a chat model's refusal came after 8 MiB of text was tokenized)."""
+    if model.pooling in (None, "rank"):
+        kind = "a chat model: its file names no pooling" if model.pooling is None else "a reranking model"
+        raise ApiError(f"this is {kind}, so it has no embeddings", "model")
     lists = [model.tokenize(item) if isinstance(item, str) else item for item in ask.inputs]
+    tokens = sum(len(tokens) for tokens in lists)
+    if tokens > MAX_TOKENS:  # (one run at a time: the others wait behind it, and it runs on)
+        raise ApiError(f"input: at most {MAX_TOKENS} tokens in all, got {tokens}", "input")
     try:
         vectors = model.embed(lists)
     except ValueError as error:  # (checked before anything runs: a token id past the vocabulary)
         raise ApiError(str(error), "input") from None
-    return vectors, sum(len(tokens) for tokens in lists)
+    return vectors, tokens
 
 
 def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> dict[str, Any]:
