@@ -35,6 +35,8 @@ log = logging.getLogger("llmsession.cluster")
 INTERNAL_PREFIX = b"x-llmsession-"  # headers only the cluster sets: a client's are dropped
 RETRIES = 1  # another replica tries a request whose replica died holding it, before answering
 BODY_TIMEOUT_S = 60.0  # for a request's body to arrive (a slow upload holds the front)
+UNKEYED_BODY_S = 5.0  # for the body of a caller without a key, read only to be dropped
+PARSERS = 4  # bodies the front reads for their conversation at once (a thread each)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -66,6 +68,7 @@ class Front:
         self.hints = router == "conversation"
         self.by_text = router == "prefix-affinity"
         self.last: OrderedDict[str, str] = OrderedDict()  # key -> the replica that answered it last
+        self.parsing = asyncio.Semaphore(PARSERS)
 
     def __serve_build_asgi_app__(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:  # (a function: ASGI 3)
@@ -87,8 +90,9 @@ class Front:
         if body is None:
             return
         path = scope.get("path", "/")
-        key, pinned = await asyncio.to_thread(routing, path, headers, body)  # (a large body's parse)
-        text = Text(await asyncio.to_thread(prompt_text, path, body)) if self.by_text else None
+        async with self.parsing:  # (a large body's parse, a few at once: 128 could run together)
+            key, pinned = await asyncio.to_thread(routing, path, headers, body)
+            text = Text(await asyncio.to_thread(prompt_text, path, body)) if self.by_text else None
         forwarded["headers"].append((CONVERSATION_HEADER, key.encode()))
         session = session_id(key, pinned, self.last.get(key)) if self.hints else key
         for attempt in range(RETRIES + 1):
@@ -96,43 +100,58 @@ class Front:
             handle = self.engine.options(stream=True, session_id=session)
             stream = handle.answer.remote(forwarded, body, key, previous, text)
             try:
-                first = await stream.__anext__()
-            except RayActorError as error:  # (died while it held the request, before answering)
-                stream.cancel()
-                # Only a replica that died is asked again of another: one unreachable for a
-                # moment (``ActorUnavailableError``) may be answering still (twice is worse).
-                if attempt == RETRIES or not isinstance(error, ActorDiedError):
-                    await _error(send, 503, "no replica could answer the request; try again")
+                if await self._relay(stream, scope, key, send, last=attempt == RETRIES):
                     return
-                continue  # (it had not begun: another replica answers)
-            if conversational(scope):  # (a probe or a listing holds no conversation)
-                self._answered(key, first)
-            first = {
-                **first,
-                "headers": [(k, v) for k, v in first.get("headers", []) if k.lower() != MOVED_HEADER],
-            }
-            if path == "/metrics" and first.get("status") == 200 and await self._metrics(send, first):
-                stream.cancel()  # (its own text is not needed: the board had every replica's)
-                return
-            await send(first)
-            try:
-                async for message in stream:
-                    await send(message)
-            except RayActorError:  # (the replica died mid-answer: the connection is cut, so the
-                log.warning("a replica died while answering %s", path)  # client sees it unfinished)
-                raise
-            return
+            finally:  # (however it ended: a client gone mid-answer stops the replica's run)
+                stream.cancel()
+
+    async def _relay(self, stream: Any, scope: Scope, key: str, send: Send, *, last: bool) -> bool:
+        """The replica's answer, relayed; False if the replica died before it began and another
+        may answer (not ``last``). Ray does not cancel a replica's generator for a client that
+        left: the caller cancels ``stream`` however this ends."""
+        path = scope.get("path", "/")
+        try:
+            first = await stream.__anext__()
+        except RayActorError as error:  # (died while it held the request, before answering)
+            # Only a replica that died is asked again of another: one unreachable for a moment
+            # (``ActorUnavailableError``) may be answering still (twice is worse).
+            if last or not isinstance(error, ActorDiedError):
+                await _error(send, 503, "no replica could answer the request; try again")
+                return True
+            return False  # (it had not begun: another replica answers)
+        except Exception as error:  # (Ray's own: no replica yet, a task's failure): in JSON,
+            log.warning("no replica answered %s: %r", path, error)  # not Ray's bare text
+            await _error(send, 503, "no replica could answer the request; try again")
+            return True
+        if conversational(scope):  # (a probe or a listing holds no conversation)
+            self._answered(key, first)
+        first = {
+            **first,
+            "headers": [(k, v) for k, v in first.get("headers", []) if k.lower() != MOVED_HEADER],
+        }
+        if path == "/metrics" and first.get("status") == 200 and await self._metrics(send, first):
+            return True  # (its own text is not needed: the board had every replica's)
+        await send(first)
+        try:
+            async for message in stream:
+                await send(message)
+        except RayActorError:  # (the replica died mid-answer: the connection is cut, so the
+            log.warning("a replica died while answering %s", path)  # client sees it unfinished)
+            raise
+        return True
 
     async def _read(self, receive: Receive, send: Send, headers: Mapping[str, str]) -> bytes | None:
         """The request's body, bounded in size and time; None once the request is answered
         (408, 413) or its client has left. A caller who presents none of the servers' keys has
         its body read and dropped, never kept or parsed, and b"" passed on to the replica (its
-        401, or what it answers without a key: a probe, a 404), past the size or the time too.
+        401, or what it answers without a key: a probe, a 404), past the size or the time too
+        (``UNKEYED_BODY_S``: a trickle of bytes held one of the front's places for a minute).
         (Read, not left: Ray's proxy queues what the app has not read, unbounded, and a client
         that asked for the connection to close would be reset before it read its 401.)"""
         keyed = self.access is None or self.access.admits(headers)
+        waits = BODY_TIMEOUT_S if keyed else UNKEYED_BODY_S  # (a trickle without a key: not a minute)
         try:
-            body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), BODY_TIMEOUT_S)
+            body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), waits)
         except asyncio.TimeoutError:  # (on 3.10, not the builtin)
             if not keyed:
                 return b""
