@@ -34,9 +34,9 @@ from test_reuse import batch_noise
 
 from llmsession import GenerationOptions, MemoryBudgetError, Model, ModelClosedError
 from llmsession.replies import Reply
-from llmsession.serve import app as app_module
-from llmsession.serve import doors, sse
-from llmsession.serve.app import PARSERS, create_app
+from llmsession.serve import bodies, doors, sse
+from llmsession.serve.app import create_app
+from llmsession.serve.bodies import PARSERS
 
 BODY_LIMIT = 1 << 20
 
@@ -881,7 +881,7 @@ def test_slow_bodies_hold_no_parser_and_are_refused_at_their_deadline(
     parser's slot, and every other request waited as long as they sent; now a request is
     answered beside them, and each gets a 408 once its body is past the deadline (then, not
     after waiting for the rest of a body already late)."""
-    monkeypatch.setattr(app_module, "BODY_SECONDS", 4)
+    monkeypatch.setattr(bodies, "BODY_SECONDS", 4)
     host, port = served.url.removeprefix("http://").removesuffix("/v1").split(":")
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -915,11 +915,11 @@ def test_one_keys_slow_bodies_leave_room_for_another_keys(
     key's request is answered beside them."""
     from llmsession.serve import http
 
-    monkeypatch.setattr(app_module, "BODY_SECONDS", 20)  # (the slow ones hold their places throughout)
+    monkeypatch.setattr(bodies, "BODY_SECONDS", 20)  # (the slow ones hold their places throughout)
     monkeypatch.setattr(http, "DRAIN_SECONDS", 0.5)  # (the 503 waits no longer for the body)
-    monkeypatch.setattr(app_module, "READERS_PER_KEY", 2)
+    monkeypatch.setattr(bodies, "READERS_PER_KEY", 2)
     server = served.server
-    monkeypatch.setattr(server, "reading", asyncio.Semaphore(3))  # (READERS: 3, all taken without the rule)
+    monkeypatch.setattr(server.bodies, "reading", asyncio.Semaphore(3))  # (READERS: 3, all taken)
     host, port = served.url.removeprefix("http://").removesuffix("/v1").split(":")
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -940,9 +940,9 @@ def test_one_keys_slow_bodies_leave_room_for_another_keys(
         for connection in slow:
             connection.close()
     deadline = time.monotonic() + 10
-    while server.reading_of and time.monotonic() < deadline:  # (the slow ones end as they close)
+    while server.bodies.reading_of and time.monotonic() < deadline:  # (the slow ones end as they close)
         time.sleep(0.1)
-    assert not server.reading_of, server.reading_of
+    assert not server.bodies.reading_of, server.bodies.reading_of
 
 
 def test_metrics_count_requests_tokens_and_sessions(served: Served) -> None:
@@ -1390,7 +1390,6 @@ def test_a_client_gone_as_its_request_is_admitted_starts_nothing(
     took the admission: the prompt was rendered, tokenized and begun for nobody (ASGI, as
     uvicorn calls the app: the body, then a disconnect)."""
     from llmsession.serve import chat
-    from llmsession.serve.app import PARSERS
 
     started: list[int] = []
     start = chat.Call._start
@@ -1442,3 +1441,65 @@ def test_a_client_gone_as_its_request_is_admitted_starts_nothing(
 
     sent = asyncio.run(scenario())
     assert sent[0]["status"] == 499 and started == [], (sent[0], started)
+
+
+def test_bodies_waiting_for_a_parser_count_in_their_keys_share(smollm2: Model) -> None:
+    """A body read waited for one of the few parsers holding its bytes (up to 8 MiB), no longer
+    counted anywhere: one key sending body after body kept any number of them in memory. Until
+    a parser takes it, it counts among the bodies its key sends (a 503 past the share)."""
+    from llmsession.serve.bodies import READERS_PER_KEY
+
+    app = create_app(smollm2, api_key=KEY)
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1}).encode()
+    headers = [
+        (b"host", b"localhost"),
+        (b"authorization", f"Bearer {KEY}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def scenario() -> list[int]:
+        parsing = app.state.server.parsing
+        for _ in range(PARSERS):  # (every parser busy)
+            await parsing.acquire()
+        statuses: list[int] = []
+
+        def post() -> asyncio.Future[None]:
+            pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> Any:
+                if pending:
+                    return pending.pop()
+                await asyncio.sleep(3600)
+
+            async def send(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            return asyncio.ensure_future(app(scope, receive, send))
+
+        waiting = [post() for _ in range(READERS_PER_KEY)]
+        await asyncio.sleep(0.3)  # (each body read, each waiting for a parser)
+        waiting.append(post())
+        await asyncio.sleep(0.3)
+        refused = list(statuses)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return refused
+
+    assert asyncio.run(scenario()) == [503]

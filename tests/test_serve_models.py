@@ -26,6 +26,7 @@ from llmsession.commands.cli import parser
 from llmsession.commands.serve_models import model_files, several
 from llmsession.serve import operators
 from llmsession.serve.app import Server, create_app
+from llmsession.serve.bodies import Bodies
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels
 from llmsession.serve.metrics import Metrics
@@ -212,15 +213,17 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
 def test_an_operators_body_declared_too_large_is_refused_without_waiting_for_a_parser(
     max_body: int, bound: int
 ) -> None:
-    """Pure logic of the route (the server's parts it reads, the real ``Server.body``): with
+    """Pure logic of the route (the server's parts it reads, the real ``Server.parsed_body``): with
     every parser slot held by slow uploads, a body whose ``Content-Length`` is over the bound
     (the operators' 64 KiB, or the server's limit if tighter) is a 413 at once, not after the
     uploads, and says that bound."""
 
     class Parts:
         hosts = ManyModels.__new__(ManyModels)  # (only its type is read before the body)
-        parsing, embedding, max_body_bytes = asyncio.Semaphore(1), asyncio.Semaphore(1), max_body
-        body = Server.body
+        embedding, max_body_bytes = asyncio.Semaphore(1), max_body
+        bodies = Bodies(max_body)
+        parsing = bodies.parsing
+        parsed_body = Server.parsed_body
 
     async def refused() -> tuple[int, str]:
         parts = Parts()

@@ -10,7 +10,6 @@ way of answering (``doors``).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -21,7 +20,7 @@ from collections.abc import Callable, Sequence
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -32,12 +31,13 @@ from llmsession.errors import ModelClosedError
 from llmsession.options import INT32_MAX
 from llmsession.serve import embeddings, operators, responding, sse
 from llmsession.serve.access import Access, Keys, heeded
+from llmsession.serve.bodies import Bodies
 from llmsession.serve.body import parse_json
 from llmsession.serve.chat import Call, Caller, ClientGone, Door, Host, session_settings, unless_gone
 from llmsession.serve.doors import CompletionDoor, MessagesDoor
-from llmsession.serve.errors import ApiError, busy, too_large
+from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, OneModel
-from llmsession.serve.http import Counting, declared, guarded, refusing
+from llmsession.serve.http import Counting, guarded, refusing
 from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.metrics import Metrics
@@ -51,10 +51,6 @@ from llmsession.serve.translation import Volatile
 from llmsession.text.tools import replaced_options
 
 MAX_BODY_BYTES = 8 << 20
-PARSERS = 4  # requests checking their body at once (read before: a slow sender holds no slot)
-BODY_SECONDS = 60  # the most a request's body may take to arrive (then a 408)
-READERS = 64  # bodies being read at once (each up to --max-body-bytes in memory)
-READERS_PER_KEY = READERS // 4  # of them one key's (its 64 slow senders held every place for all)
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
 FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
@@ -89,9 +85,8 @@ class Server:
         self.access = Access(api_keys, operator_keys)
         self.authorize, self.authorize_operator = self.access.authorize, self.access.authorize_operator
         self.max_body_bytes = max_body_bytes
-        self.parsing = asyncio.Semaphore(PARSERS)
-        self.reading = asyncio.Semaphore(READERS)
-        self.reading_of: collections.Counter[str | None] = collections.Counter()  # by key
+        self.bodies = Bodies(max_body_bytes)
+        self.parsing = self.bodies.parsing  # (a count of tokens takes one too)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
         self.embedding_waiting = 0  # requests waiting for it (``embeddings.MAX_WAITING``)
         self.created = int(time.time())
@@ -116,49 +111,11 @@ class Server:
     def admission(self) -> Admission:
         return self.host.admission
 
-    async def body(self, request: Request, limit: int | None = None) -> bytes:
-        """The request body, refused (413) past the size limit (or ``limit``, if tighter) before
-        it is all read: by its ``Content-Length`` first; and (408) if it has not all come within
-        ``BODY_SECONDS``. Read before a parser's slot is taken (four clients sending a byte now
-        and then held all four, and every other request waited), ``READERS`` at once: what
-        bodies hold in memory stays bounded, and a slow sender is gone at its deadline. One key
-        sends at most ``READERS_PER_KEY`` at once (a 503 past that; a server without keys has one
-        tenant, who may use them all): its slow senders held every place, and every other key's
-        bodies waited behind them."""
-        limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
-        too_big = too_large(limit)
-        if declared(request) > limit:
-            raise too_big
-        chunks: list[bytes] = []
-
-        async def read() -> None:
-            size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                chunks.append(chunk)
-
-        key: str | None = getattr(request.state, "key", None)  # (None: a server of no keys)
-        if key is not None and self.reading_of[key] >= READERS_PER_KEY:
-            raise busy(f"this key is sending {READERS_PER_KEY} request bodies already")
-        request.state.body_asked = True  # (a client waiting for 100 Continue is now sending)
-        self.reading_of[key] += 1
-        try:
-            async with self.reading:
-                await asyncio.wait_for(read(), BODY_SECONDS)
-        except ClientDisconnect:
-            raise ApiError("the client went away", None, None, 499) from None
-        except asyncio.TimeoutError:  # (not yet the builtin one on Python 3.10)
-            request.state.body_late = True  # (``drain`` waits no longer for it: the 408 closes)
-            late = f"the request body did not arrive within {BODY_SECONDS} s"
-            raise ApiError(late, None, None, 408) from None
-        finally:
-            self.reading_of[key] -= 1
-            if not self.reading_of[key]:
-                del self.reading_of[key]
-        request.state.body_read = True  # (``drain`` reads no further)
-        return b"".join(chunks)
+    def parsed_body(
+        self, request: Request, limit: int | None = None
+    ) -> contextlib.AbstractAsyncContextManager[bytes]:
+        """The request's body, read and bounded (``bodies``), a parser's slot held in the block."""
+        return self.bodies.parsed(request, limit)
 
     # -- routes ---------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -256,8 +213,7 @@ class Server:
             asked = checked(body)
             return dataclasses.replace(asked, messages=volatile.dropped(asked.messages))
 
-        body = await self.body(request)
-        async with self.parsing:  # (a few parsed at once, off the event loop)
+        async with self.parsed_body(request) as body:  # (a few parsed at once, off the event loop)
             return await asyncio.to_thread(read, body)
 
     async def answer(self, request: Request, asked: ChatRequest, door: Door) -> Response:

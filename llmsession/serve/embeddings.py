@@ -104,8 +104,7 @@ def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> d
 
 
 async def embeddings(server: Server, request: Request) -> Response:
-    body = await server.body(request)  # (before a parser's slot: ``Server.body``)
-    async with server.parsing:  # (a few at once, as a chat's)
+    async with server.parsed_body(request) as body:  # (a few at once, as a chat's)
         ask = await asyncio.to_thread(lambda: embeddings_request(parse_json(body)))
     name = server.hosts.served(ask.model)
     if server.embedding_waiting >= MAX_WAITING:  # (each waits holding its inputs)

@@ -5,6 +5,7 @@ key: ``GET /api/ps`` (Ollama's: the models loaded now, what each holds and when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,12 +27,13 @@ class Server(Protocol):
     """What these routes need of ``app.Server``."""
 
     hosts: OneModel | ManyModels
-    parsing: asyncio.Semaphore  # bodies read and checked at once
     embedding: asyncio.Semaphore  # embedding runs at once
     embedding_waiting: int  # requests waiting for one
     max_body_bytes: int  # the server's bound on a body
 
-    async def body(self, request: Request, limit: int | None = None) -> bytes: ...
+    def parsed_body(
+        self, request: Request, limit: int | None = None
+    ) -> contextlib.AbstractAsyncContextManager[bytes]: ...
 
 
 def several(server: Server) -> ManyModels:
@@ -50,8 +52,7 @@ async def named(server: Server, request: Request) -> tuple[ManyModels, str]:
     limit = min(MAX_OPERATOR_BODY, server.max_body_bytes)  # (the bound ``Server.body`` keeps)
     if declared(request) > limit:  # (refused at once, not after a parser slot)
         raise too_large(limit)
-    raw = await server.body(request, MAX_OPERATOR_BODY)  # (before a parser's slot: ``Server.body``)
-    async with server.parsing:
+    async with server.parsed_body(request, MAX_OPERATOR_BODY) as raw:  # (a few at once)
         body = await asyncio.to_thread(parse_json, raw)
     name = body.get("model")
     if not isinstance(name, str) or name not in hosts.models:

@@ -11,6 +11,7 @@ progress.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Protocol
@@ -39,9 +40,10 @@ class Serving(Protocol):
     hosts: OneModel | ManyModels
     store: ResponseStore
     volatile: Volatile
-    parsing: asyncio.Semaphore
 
-    async def body(self, request: Request, limit: int | None = None) -> bytes: ...
+    def parsed_body(
+        self, request: Request, limit: int | None = None
+    ) -> contextlib.AbstractAsyncContextManager[bytes]: ...
     def front_named(self, request: Request) -> tuple[str | None, str | None]: ...
     async def answer(self, request: Request, asked: ChatRequest, door: Door) -> Response: ...
 
@@ -68,8 +70,7 @@ async def create(server: Serving, request: Request) -> Response:
     response for retrieval and continuation."""
     key: str | None = request.state.key
     store = server.store
-    body = await server.body(request)  # (before a parser's slot: ``Server.body``)
-    async with server.parsing:
+    async with server.parsed_body(request) as body:  # (a few parsed at once, off the loop)
         ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
         history: list[dict[str, Any]] = []
         stored = None
