@@ -103,6 +103,13 @@ HOSTILE = [
     "{{ 'abc'|truncate(-5) }}",  # an AssertionError in a filter
     "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # a RecursionError
     "{{ cycler().next() }}",  # a RuntimeError
+    # Built in many steps, each within the bounds (a string doubled line by line by ~ or +;
+    # loops nested; a macro calling itself twice a level): steps counted, joins bounded.
+    "{% set a = 'x' * 1000000 %}" + "{% set a = a ~ a %}" * 40 + "{{ a|length }}",
+    "{% set a = 'x' * 1000000 %}" + "{% set a = a + a %}" * 40 + "{{ a|length }}",
+    "{% set a = ['x'] * 1000000 %}" + "{% set a = a + a %}" * 40 + "{{ a|length }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
 ]
 
 
@@ -123,9 +130,11 @@ def test_a_templates_ordinary_arithmetic_and_formatting_render() -> None:
         "{{ [1, 2]|tojson(indent=1) }}{{ ['a', 'b']|join('+') }}{{ 'a b'|wordwrap(1) }}"
         "{{ 'c'|replace('c', 'd') }}"
         "{{ [1, 2, 3]|batch(2)|list }}"
+        "{{ 'a' ~ 1 ~ none }}{{ 'b' + 'c' }}{{ [1] + [2] }}{{ 1 + 2 }}{% for c in 'xy' %}{{ c }}{% endfor %}"
     )
     expected = (
         "========[1, 1]10240.5 1,0001  2.2%  x  |a  |a, bcby yhi!a\n  b[\n 1,\n 2\n]a+ba\nbd[[1, 2], [3]]"
+        "a1Nonebc[1, 2]3xy"
     )
     assert render_jinja(everyday, []) == expected
     long = [{"content": "word\n" * 300_000}]  # (1.5 M characters: within what one step may make)

@@ -4,8 +4,8 @@ The environment matches transformers': a sandbox with ``trim_blocks`` and ``lstr
 the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that
 does not escape HTML. Not provided: the ``{% generation %}`` tag transformers adds for
 assistant masks (templates using it fail with a TemplateError). A template is the model file's
-code: what it raises is a TemplateError, and its arithmetic and formatting are bounded
-(``jinja_bounds``); its loops are not bounded in time.
+code: what it raises is a TemplateError, and its arithmetic, formatting and joining are
+bounded, and its steps (loop iterations, calls) counted (``jinja_bounds``).
 
 jinja2 is a dependency, imported only when a template is first rendered (a bare import stays light);
 without it, a model's prompts fall back to llama.cpp's built-in templates (``renderer``).
@@ -78,6 +78,14 @@ def _compile(template: str) -> jinja2.Template:
         raise TemplateError(f"the chat template does not parse: {type(exc).__name__}: {exc}") from exc
 
 
+def _size(messages: Sequence[Mapping[str, Any]], variables: Mapping[str, Any]) -> int:
+    """The characters a render's input holds, about (its share of steps: ``counted``)."""
+    try:
+        return len(json.dumps([list(messages), dict(variables)], ensure_ascii=False, default=repr))
+    except (RecursionError, ValueError):  # (nested past the encoder: the base share only)
+        return 0
+
+
 def render_jinja(
     template: str,
     messages: Sequence[Mapping[str, Any]],
@@ -90,16 +98,19 @@ def render_jinja(
     """``template`` rendered over ``messages``; ``variables`` become template variables
     (``enable_thinking``, ``tools``, ...). ``tools`` and ``documents`` default to None, as in
     transformers. Any failure while rendering is a TemplateError."""
+    from llmsession.text.jinja_bounds import counted
+
     compiled = _compile(template)
     context = {"tools": None, "documents": None, **variables}
     try:
-        text: str = compiled.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            **context,
-        )
+        with counted(_size(messages, context)):
+            text: str = compiled.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos_token,
+                eos_token=eos_token,
+                **context,
+            )
     except TemplateError:
         raise
     except Exception as exc:  # (the file's code: an assert, a recursing macro, a bound met)

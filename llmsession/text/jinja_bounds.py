@@ -7,22 +7,33 @@ for a power), a SecurityError that ``jinja`` makes a TemplateError: repetition, 
 and ``str.format`` fields, the str methods that pad, replace, join, expand tabs or translate
 (however reached: ``s.ljust``, ``s['ljust']``, ``map(attribute=...)``) and the filters that do
 (``center``, ``indent``, ``format``, ``replace``, ``join``, ``wordwrap``, ``batch``); ``lipsum``
-is not offered. A template's loops are not bounded: what it builds in many steps stays the
-file's to answer for. Pure: jinja2 only.
+is not offered. Joining (``~``, ``+``) is bounded as one operation too, so a string doubled
+line by line stops at the bound. And a render takes at most ``MOST_STEPS`` steps (each
+iteration of a loop, each call: a macro's, a function's, a method's), so nested loops or a
+macro calling itself twice a level end in a TemplateError, not in hours (``counted``). Pure:
+jinja2 only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import re
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jinja2.sandbox
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
 
 MOST_CHARS = 1 << 24  # what one operation may make (16 Mi characters: far past any real prompt)
+MOST_STEPS = 1 << 18  # loop iterations and calls in one render, beside its input's own share:
+STEPS_PER_CHAR = 32  # (Gemma 4's template takes ~4 a character of messages and tools: 540K for
+# 1,024 messages and 128 tools of 10 properties, ~5 s; a macro bomb with no input stops in ~1 s)
+_steps = threading.local()  # what the render on this thread may still take (``counted``)
 MOST_BITS = 1 << 16  # an integer power's size
 NUMBERS = re.compile(r"[0-9]+")  # (every number in a format spec: its width and precision)
 PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*[0-9.*]*")  # (a %-field's key, flags, width, precision)
@@ -52,6 +63,47 @@ def _percent(text: str) -> None:
     if any("*" in field.split(")")[-1] for field in fields):
         raise SecurityError("the chat template's % format takes no width from its arguments")
     _spec(" ".join(field.split(")")[-1] for field in fields))
+
+
+@contextlib.contextmanager
+def counted(chars: int = 0) -> Iterator[None]:
+    """A render's steps, counted on this thread (a render outside one is not bounded in them):
+    ``MOST_STEPS``, and ``STEPS_PER_CHAR`` for each of the ``chars`` its input holds."""
+    before = getattr(_steps, "left", None)
+    _steps.left = MOST_STEPS + STEPS_PER_CHAR * chars
+    try:
+        yield
+    finally:
+        _steps.left = before
+
+
+def _step() -> None:
+    left = getattr(_steps, "left", None)
+    if left is not None:
+        if left <= 0:
+            raise SecurityError("the chat template took too many steps (loops and calls) for its input")
+        _steps.left = left - 1
+
+
+def _iterated(items: Any) -> Iterator[Any]:
+    """A loop's items, one step each."""
+    for item in items:
+        _step()
+        yield item
+
+
+def _joined_up(parts: tuple[Any, ...]) -> str:
+    """``a ~ b ~ ...``, bounded as one operation (doubled line by line, a string had no bound)."""
+    texts = [str(part) for part in parts]
+    _bounded(sum(map(len, texts)), "joining (~)")
+    return "".join(texts)
+
+
+def _plus(left: Any, right: Any) -> Any:
+    sized = (str, list, tuple, bytes)  # (a list's items, each at least a character)
+    if isinstance(left, sized) and isinstance(right, sized):
+        _bounded(len(left) + len(right), "joining (+)")
+    return operator.add(left, right)
 
 
 def _times(left: Any, right: Any) -> Any:
@@ -156,14 +208,28 @@ FILTERS: dict[str, Callable[..., int]] = {
 }
 
 
-class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """transformers' sandbox, with the amplifiers above bounded."""
+class _Generator(CodeGenerator):
+    """Jinja's code generator, ``~`` joined through ``_joined_up``."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.joined_up((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with the amplifiers above bounded, and its steps counted."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _Generator
+    joined_up = staticmethod(_joined_up)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.binop_table = {**self.binop_table, "*": _times, "**": _power, "%": _modulo}
+        self.binop_table = {**self.binop_table, "*": _times, "**": _power, "%": _modulo, "+": _plus}
+        self.globals["_llmsession_iterated"] = _iterated
         for name, reckon in FILTERS.items():
             self.filters[name] = _filter(self.filters[name], reckon, name)
         self.filters["join"] = self._join_filter(self.filters["join"])
@@ -171,6 +237,17 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         return self.binop_table[operator](left, right)
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _step()  # (a macro calling itself twice a level made 2**n calls)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        """The template's tree, each loop's items taken a step each (``_iterated``)."""
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Call(nodes.Name("_llmsession_iterated", "load"), [loop.iter], [], None, None)
+        return tree
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         return self._bounded_method(obj, attribute, super().getattr(obj, attribute))
