@@ -110,6 +110,14 @@ HOSTILE = [
     "{% set a = ['x'] * 1000000 %}" + "{% set a = a + a %}" * 40 + "{{ a|length }}",
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+    # One step past the bounds by a way around them: bytes, an attribute, a nested key, a date.
+    "{{ 'x'.encode() * 10**8 }}",
+    "{{ 'x'.encode().ljust(10**9) }}",
+    "{{ ('%999999999s'.encode() % 'x'.encode())|length }}",
+    "{{ (1).to_bytes(10**9, 'big')|length }}",
+    "{{ (['a'] * 100)|join('x' * 1000000, attribute=0) }}",
+    "{{ '%(a(b))999999999s' % {'a(b)': 'x'} }}",
+    "{{ strftime_now('%1000000Y') }}",
 ]
 
 
@@ -131,10 +139,11 @@ def test_a_templates_ordinary_arithmetic_and_formatting_render() -> None:
         "{{ 'c'|replace('c', 'd') }}"
         "{{ [1, 2, 3]|batch(2)|list }}"
         "{{ 'a' ~ 1 ~ none }}{{ 'b' + 'c' }}{{ [1] + [2] }}{{ 1 + 2 }}{% for c in 'xy' %}{{ c }}{% endfor %}"
+        "{{ strftime_now('%Y')|length }}{{ (65).to_bytes(1, 'big') }}{{ '%(a)s' % {'a': 'z'} }}"
     )
     expected = (
         "========[1, 1]10240.5 1,0001  2.2%  x  |a  |a, bcby yhi!a\n  b[\n 1,\n 2\n]a+ba\nbd[[1, 2], [3]]"
-        "a1Nonebc[1, 2]3xy"
+        "a1Nonebc[1, 2]3xy4b'A'z"
     )
     assert render_jinja(everyday, []) == expected
     long = [{"content": "word\n" * 300_000}]  # (1.5 M characters: within what one step may make)

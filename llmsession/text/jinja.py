@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -24,6 +25,8 @@ from llmsession.text.messages import lone_surrogate
 
 if TYPE_CHECKING:
     import jinja2
+
+WIDTH = re.compile(r"%[-_0^#]*[0-9]")  # (a strftime field given a width)
 
 
 def _require_jinja2() -> None:
@@ -54,6 +57,11 @@ def _tojson(
 
 
 def _strftime_now(fmt: str) -> str:
+    """The time now, as ``fmt`` writes it: at most 1,024 characters of format and no field
+    widths (glibc pads ``%1000000Y`` as asked, and Python grows its buffer up to 256 times the
+    format's length to hold it)."""
+    if not isinstance(fmt, str) or len(fmt) > 1024 or WIDTH.search(fmt):
+        raise TemplateError("the chat template's strftime_now takes a short format without field widths")
     return datetime.now().strftime(fmt)
 
 

@@ -4,8 +4,9 @@ the model file's code, and one expression (``'a' * 10**10``, ``9**(9**9)`` or ``
 otherwise take the process's memory or time at load or at a request. What one operation would
 make is reckoned before it runs and refused past ``MOST_CHARS`` characters (``MOST_BITS`` bits
 for a power), a SecurityError that ``jinja`` makes a TemplateError: repetition, powers, ``%``
-and ``str.format`` fields, the str methods that pad, replace, join, expand tabs or translate
-(however reached: ``s.ljust``, ``s['ljust']``, ``map(attribute=...)``) and the filters that do
+and ``str.format`` fields (a key may nest parentheses), the str and bytes methods that pad,
+replace, join, expand tabs or translate (however reached: ``s.ljust``, ``s['ljust']``,
+``map(attribute=...)``), ``int.to_bytes``, and the filters that do
 (``center``, ``indent``, ``format``, ``replace``, ``join``, ``wordwrap``, ``batch``); ``lipsum``
 is not offered. Joining (``~``, ``+``) is bounded as one operation too, so a string doubled
 line by line stops at the bound. And a render takes at most ``MOST_STEPS`` steps (each
@@ -36,7 +37,7 @@ STEPS_PER_CHAR = 32  # (Gemma 4's template takes ~4 a character of messages and 
 _steps = threading.local()  # what the render on this thread may still take (``counted``)
 MOST_BITS = 1 << 16  # an integer power's size
 NUMBERS = re.compile(r"[0-9]+")  # (every number in a format spec: its width and precision)
-PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*[0-9.*]*")  # (a %-field's key, flags, width, precision)
+SPEC = re.compile(r"[-#0 +]*[0-9.*]*")  # (a %-field's flags, width, precision, after its key)
 
 
 def _bounded(chars: int, what: str) -> None:
@@ -48,7 +49,7 @@ def _bounded(chars: int, what: str) -> None:
 
 def _length(value: Any) -> int:
     """The characters ``value`` is written as (a str's own; a container's, as rendered)."""
-    return len(value) if isinstance(value, str) else len(str(value))
+    return len(value) if isinstance(value, str | bytes) else len(str(value))
 
 
 def _spec(spec: str, what: str = "format width") -> None:
@@ -57,12 +58,30 @@ def _spec(spec: str, what: str = "format width") -> None:
         _bounded(int(number) if len(number) < 10 else MOST_CHARS + 1, what)
 
 
-def _percent(text: str) -> None:
+def _fields(text: str) -> Iterator[str]:
+    """The flags, width and precision of each %-field, as Python reads them: a key in
+    parentheses may nest them (``%(a(b))9s``: a regex stopping at the first one missed the width)."""
+    at = text.find("%")
+    while at >= 0:
+        at += 1
+        if text.startswith("(", at):
+            depth = 0
+            for end in range(at, len(text)):
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                if depth == 0:
+                    break
+            at = end + 1
+        spec = SPEC.match(text, at)
+        yield spec.group() if spec is not None else ""
+        at = text.find("%", (spec.end() if spec is not None else at) + 1)
+
+
+def _percent(text: str | bytes) -> None:
     """Refuse %-style fields whose width is too large or taken from the arguments (``*``)."""
-    fields = PERCENT.findall(text)
-    if any("*" in field.split(")")[-1] for field in fields):
+    fields = list(_fields(text.decode("latin-1") if isinstance(text, bytes) else text))
+    if any("*" in field for field in fields):
         raise SecurityError("the chat template's % format takes no width from its arguments")
-    _spec(" ".join(field.split(")")[-1] for field in fields))
+    _spec(" ".join(fields))
 
 
 @contextlib.contextmanager
@@ -108,7 +127,7 @@ def _plus(left: Any, right: Any) -> Any:
 
 def _times(left: Any, right: Any) -> Any:
     for seq, n in ((left, right), (right, left)):
-        if isinstance(seq, str | list | tuple) and isinstance(n, int) and n > 0:
+        if isinstance(seq, str | bytes | list | tuple) and isinstance(n, int) and n > 0:
             _bounded(_length(seq) * n, "repetition")
     return operator.mul(left, right)
 
@@ -121,7 +140,7 @@ def _power(left: Any, right: Any) -> Any:
 
 
 def _modulo(left: Any, right: Any) -> Any:
-    if isinstance(left, str):
+    if isinstance(left, str | bytes):
         _percent(left)
     return operator.mod(left, right)
 
@@ -134,12 +153,16 @@ def _replaced(text: str, old: Any, new: Any) -> int:
     return len(text) + text.count(old) * max(0, len(new) - len(old))
 
 
-def _joined(separator: str, items: list[Any]) -> int:
+def _joined(separator: str | bytes, items: list[Any]) -> int:
     return sum(map(_length, items)) + len(separator) * max(0, len(items) - 1)
 
 
-def _made(text: str, name: str, args: tuple[Any, ...]) -> int:
-    """At most what ``text.name(*args)`` makes, in characters (the str methods that amplify)."""
+def _made(text: str | bytes, name: str, args: tuple[Any, ...]) -> int:
+    """At most what ``text.name(*args)`` makes, in characters (the str and bytes methods that
+    amplify; bytes reckoned as the text of their latin-1 reading, one character a byte)."""
+    if isinstance(text, bytes):
+        text = text.decode("latin-1")
+        args = tuple(a.decode("latin-1") if isinstance(a, bytes) else a for a in args)
     first = args[0] if args else None
     if name == "expandtabs":
         return len(text) + text.count("\t") * (first if isinstance(first, int) else 8)
@@ -154,7 +177,19 @@ def _made(text: str, name: str, args: tuple[Any, ...]) -> int:
 AMPLIFIERS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "replace", "translate", "join"})
 
 
-def _method(text: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+def _sized(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``int.to_bytes``, refusing a length past the bound."""
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        length = args[0] if args else kwargs.get("length", 1)
+        if isinstance(length, int):
+            _bounded(length, f"int.{name}")
+        return method(*args, **kwargs)
+
+    return bounded
+
+
+def _method(text: str | bytes, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """``text``'s ``name`` method, refusing what it would make past the bound."""
 
     def bounded(*args: Any, **kwargs: Any) -> Any:
@@ -257,8 +292,10 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     @staticmethod
     def _bounded_method(obj: Any, name: Any, value: Any) -> Any:
-        if isinstance(obj, str) and name in AMPLIFIERS and callable(value):
+        if isinstance(obj, str | bytes) and name in AMPLIFIERS and callable(value):
             return _method(obj, name, value)
+        if isinstance(obj, int) and name == "to_bytes" and callable(value):
+            return _sized(name, value)
         return value
 
     @staticmethod
@@ -266,7 +303,7 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         @functools.wraps(original)
         def bounded(ctx: Any, value: Any, d: str = "", attribute: Any = None) -> Any:
             items = list(value) if isinstance(value, Iterable) else value
-            if attribute is None and isinstance(items, list) and isinstance(d, str):
+            if isinstance(items, list) and isinstance(d, str):  # (an attribute's too: a part each)
                 _bounded(_joined(d, items), "join filter")
             return original(ctx, items, d, attribute)
 
