@@ -288,3 +288,36 @@ def test_over_http_a_users_control_tokens_count_as_their_plain_spelling(served: 
         model="m", messages=[{"role": "user", "content": INJECTION}]
     )
     assert counted.input_tokens == prompt_tokens(INJECTION) > 31
+
+
+def test_a_vocabularys_long_or_deeply_nested_control_tokens_make_a_guard() -> None:
+    """The guard's pattern nested a group a character: a model file with a control token of
+    600 characters (or ``a``, ``aa``, ... 700 of them) made every request fail (a RecursionError
+    read as a message nested too deep). A run of one way on is one literal; a trie nested past
+    the bound is the texts longest first, matching as the trie does (pure: random vocabularies)."""
+    import random
+    import re
+
+    from llmsession.text.guard import trie_pattern
+
+    long = "<" + "x" * 5000 + ">"
+    guard = Guard([Guarded(long), Guarded("<|im_end|>")])
+    marked = guard.marked_text(f"see {long} and <|im_end|>")
+    assert (
+        long not in marked
+        and "<|im_end|>" not in marked
+        and guard.shown(marked) == f"see {long} and <|im_end|>"
+    )
+    nested = trie_pattern(["a" * n for n in range(1, 700)])
+    assert nested is not None and len(nested.match("a" * 800).group()) == 699
+    draw = random.Random(7)
+    for _ in range(300):
+        texts = [
+            "".join(draw.choice("ab<|") for _ in range(draw.randint(1, 6)))
+            for _ in range(draw.randint(1, 12))
+        ]
+        text = "".join(draw.choice("ab<|x") for _ in range(40))
+        alternation = re.compile("|".join(re.escape(t) for t in sorted(set(texts), key=len, reverse=True)))
+        trie = trie_pattern(texts)
+        assert trie is not None
+        assert [m.group() for m in trie.finditer(text)] == [m.group() for m in alternation.finditer(text)]

@@ -31,20 +31,45 @@ GUARDED_FIELDS = ("name", "tool_call_id")  # (beside their text: a sender's too)
 SPACES = " \t\n\v\f\r"  # (C's isspace: what a token's lstrip or rstrip takes)
 
 
+MOST_NESTED = 100  # a trie's branching depth written as nested groups (``re`` recurses on them)
+
+
+class _TooDeep(Exception):
+    pass
+
+
 def trie_pattern(texts: Sequence[str]) -> re.Pattern[str] | None:
     """A pattern matching any of ``texts`` (the longest where several start at one place),
-    written as a trie: Gemma's 6,000 control tokens share their first characters."""
+    written as a trie: Gemma's 6,000 control tokens share their first characters. A run of
+    characters with one way on is one literal; a trie branching deeper than ``MOST_NESTED``
+    (a hostile vocabulary: ``a``, ``aa``, ``aaa``, ...) is written as the texts one after
+    another, the longest first (a token of 600 characters nested 600 groups: a RecursionError
+    at every request)."""
+    if not texts:
+        return None
     trie: dict[str, Any] = {}
     for text in texts:
         node = trie
         for char in text:
             node = node.setdefault(char, {})
         node[""] = {}
-    return re.compile(_alternatives(trie)) if texts else None
+    try:
+        return re.compile(_alternatives(trie, 0))
+    except (_TooDeep, RecursionError):
+        return re.compile("|".join(re.escape(t) for t in sorted(set(texts), key=len, reverse=True)))
 
 
-def _alternatives(node: Mapping[str, Any]) -> str:
-    branches = [re.escape(char) + _alternatives(child) for char, child in node.items() if char]
+def _alternatives(node: Mapping[str, Any], depth: int) -> str:
+    if depth > MOST_NESTED:
+        raise _TooDeep
+    branches = []
+    for char, child in node.items():
+        if char:
+            run = [char]
+            while "" not in child and len(child) == 1:  # (one way on: a literal)
+                ((char, child),) = child.items()
+                run.append(char)
+            branches.append(re.escape("".join(run)) + _alternatives(child, depth + 1))
     if not branches:
         return ""
     body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
