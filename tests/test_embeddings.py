@@ -301,3 +301,14 @@ def test_an_embeddings_request_is_bounded_in_tokens_and_a_chat_model_tokenizes_n
     with pytest.raises(openai.BadRequestError, match="chat model"):
         client.embeddings.create(model="smol", input=["cat"] * 100)
     assert tokenized == []
+
+
+def test_an_embedding_context_is_sized_whatever_length_the_file_says() -> None:
+    """A file's trained length of 2**32 - 1 reads as -1 (an int32): the context was -1, a raw
+    OverflowError at load. Unknown or absurd, it is taken as the most an input may have."""
+    from llmsession.runtime.embedding import MAX_CONTEXT, MIN_BATCH, context_size
+
+    assert context_size(-1, 1000) == context_size(0, 1000) == MAX_CONTEXT
+    assert context_size(2**31 - 1, 1000) == MAX_CONTEXT and context_size(600, 1000) == 600
+    assert context_size(-1, 30_000) == 2236  # (a batch's logits: 256 MiB of 30,000 floats a row)
+    assert context_size(-1, 250_000) == MIN_BATCH == context_size(2**31 - 1, 10**9)

@@ -46,6 +46,14 @@ def is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def context_size(trained: int, n_vocab: int) -> int:
+    """An embedding context's positions: the model's trained length (unknown, 0 or less: a
+    file's 2**32 - 1 reads as -1, which made a context of -1 a raw OverflowError at load) up to
+    ``MAX_CONTEXT``, and what a batch's logits leave room for, ``MIN_BATCH`` at least."""
+    most = min(MAX_CONTEXT, trained) if trained > 0 else MAX_CONTEXT
+    return min(most, max(MIN_BATCH, LOGITS_BYTES // (4 * max(1, n_vocab))))
+
+
 class Embedder:
     """An embedding model's embedding context and the lock its calls take."""
 
@@ -104,8 +112,7 @@ class Embedder:
     def _made(self) -> NativeContext:
         if self._closed:  # (an embed that began as its model closed: no context under its free)
             raise ModelClosedError("the model is closed")
-        trained = min(MAX_CONTEXT, self.model.n_ctx_train or MAX_CONTEXT)
-        n_ctx = min(trained, max(MIN_BATCH, LOGITS_BYTES // (4 * max(1, self.model.n_vocab))))
+        n_ctx = context_size(self.model.n_ctx_train, self.model.n_vocab)
         self._context = NativeContext(
             self.model, n_ctx=n_ctx, n_batch=n_ctx, threads=self.threads, n_seq_max=SEQUENCES, embeddings=True
         )
