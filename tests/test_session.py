@@ -21,6 +21,7 @@ from llmsession import (
     ModelLoadError,
     Reply,
     SessionBusyError,
+    SessionConfig,
     TemplateError,
 )
 from llmsession.native.context import NativeContext
@@ -519,3 +520,24 @@ def test_nul_characters_are_never_silently_truncated(smollm2: Model) -> None:
     with pytest.raises(TemplateError, match="must not contain NUL"):
         session.respond("before\0after", GenerationOptions(max_tokens=2))
     assert session.messages == []
+
+
+def test_a_sessions_settings_are_read_only(smollm2: Model) -> None:
+    """Its settings were plain attributes its exchanges read, checked only when it was made:
+    ``batch_size = 4096`` cut prompts into batches llama.cpp refuses (a bare ValueError, and its
+    cache cleared), ``share_prefix = False`` was half taken, a worker's ignored them all. They
+    read ``config``, and cannot be assigned."""
+    with smollm2.session(config=SessionConfig(context_size=1024, batch_size=64)) as session:
+        assert (
+            (session.context_size, session.batch_size)
+            == (1024, 64)
+            == (
+                session.config.context_size,
+                session.config.batch_size,
+            )
+        )
+        assert session.share_prefix is session.config.share_prefix and session.thinking is False
+        for name, value in (("batch_size", 4096), ("context_size", 10**6), ("share_prefix", False)):
+            with pytest.raises(AttributeError):
+                setattr(session, name, value)
+        assert session.respond("Hi.", GenerationOptions(max_tokens=2)).text is not None

@@ -10,7 +10,7 @@ import dataclasses
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from llmsession.config import SessionConfig
 from llmsession.errors import BackendError, ModelClosedError, ReplyMismatchError
@@ -61,9 +61,6 @@ class WorkerSession(Session):
         self._streaming: weakref.ref[WorkerStream] | None = None  # its last stream, superseded by the next
         self._sync(messages)
         self._config = config
-        self.context_size, self.batch_size = cast(int, config.context_size), config.batch_size
-        self.thinking, self.swa_full = config.thinking, config.swa_full
-        self.share_prefix = config.share_prefix
         self._closed = False
         self._refusal = "this session is closed (or its model keeps it: keep_conversation)"
         weakref.finalize(self, model.worker.tell, None, "drop", (self._key,))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply, Snapshot
@@ -71,11 +71,6 @@ class Session(ABC):
     ends it and frees its state."""
 
     messages: list[Message]
-    context_size: int
-    batch_size: int
-    thinking: bool | str
-    swa_full: bool
-    share_prefix: bool
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Session:
         if cls is Session:
@@ -86,6 +81,33 @@ class Session(ABC):
     @abstractmethod
     def config(self) -> SessionConfig:
         """The settings this session runs with: as asked, its context and batch resolved."""
+
+    # Each setting, read from ``config`` (read-only: a session's memory was laid out for them;
+    # assigned, one was skipped by the checks, half taken or, in a worker, silently ignored).
+    @property
+    def context_size(self) -> int:
+        """The most positions the session's KV state holds (``config.context_size``)."""
+        return cast(int, self.config.context_size)
+
+    @property
+    def batch_size(self) -> int:
+        """The most tokens one decode of a prompt takes (``config.batch_size``)."""
+        return self.config.batch_size
+
+    @property
+    def thinking(self) -> bool | str:
+        """Whether (or how hard) its template thinks (``config.thinking``)."""
+        return self.config.thinking
+
+    @property
+    def swa_full(self) -> bool:
+        """Whether a sliding-window model keeps every position (``config.swa_full``)."""
+        return self.config.swa_full
+
+    @property
+    def share_prefix(self) -> bool:
+        """Whether it shares its cells with other sessions (``config.share_prefix``)."""
+        return self.config.share_prefix
 
     @property
     @abstractmethod

@@ -108,12 +108,6 @@ class LocalSession(Session):
         self._config = resolved_config(model, config)  # (compared on every stateless call)
         self.asked = config  # (what a stateless call that may take this session asks for)
         self.model = model
-        self.context_size, self.batch_size = cast(int, self._config.context_size), self._config.batch_size
-        self.thinking, self.swa_full, self.share_prefix = (
-            config.thinking,
-            config.swa_full,
-            config.share_prefix,
-        )
         system = config.system
         self.messages: list[Message] = [{"role": "system", "content": system}] if system is not None else []
         self.lease = model.engine.lease(
