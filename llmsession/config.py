@@ -44,7 +44,8 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r:.40}")
 
 
-def _path(name: str, value: object) -> Path | None:
+def checked_path(name: str, value: object) -> Path | None:
+    """``value`` as a ``Path`` (a str or ``os.PathLike``; None stays None), else a TypeError."""
     if value is None or isinstance(value, Path):
         return value
     if (isinstance(value, str) and value) or isinstance(value, os.PathLike):
@@ -107,7 +108,7 @@ class ModelConfig:
     stateless_sessions: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mmproj_path", _path("mmproj_path", self.mmproj_path))
+        object.__setattr__(self, "mmproj_path", checked_path("mmproj_path", self.mmproj_path))
         if self.threads is not None:
             check_int("threads", self.threads, 1, MAX_THREADS)
         if self.gpu_layers is not None:
@@ -174,7 +175,7 @@ class MemoryConfig:
         check_int("max_live_sessions", self.max_live_sessions, 1, MAX_LIVE_SESSIONS)
         check_int("host_cache_bytes", self.host_cache_bytes, 0, 2**62)
         _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
-        object.__setattr__(self, "disk_cache_dir", _path("disk_cache_dir", self.disk_cache_dir))
+        object.__setattr__(self, "disk_cache_dir", checked_path("disk_cache_dir", self.disk_cache_dir))
         check_int("batch_size", self.batch_size, 1, MAX_POSITIONS)
         if self.checkpoints is None:  # (the default, as earlier versions took it)
             object.__setattr__(self, "checkpoints", CheckpointConfig())

@@ -378,3 +378,14 @@ def test_a_model_unloading_says_so_and_a_loading_one_says_loading(
         unloading.join()
         status = models.status()[0]
         assert not (status.loaded or status.busy or status.unloading)
+
+
+def test_a_model_file_named_by_strings_is_read_as_paths(smollm2_path: Path) -> None:
+    """``ModelFile("model.gguf")``, as the README writes it, made ``Models`` fail on its first
+    look at the file (``str`` has no ``stat``): paths are made ``Path``s, anything else refused."""
+    named = ModelFile(str(smollm2_path), None)
+    assert named == ModelFile(smollm2_path) and isinstance(named.path, Path)
+    with Models({"smol": named}, threads=1) as models:
+        assert [status.name for status in models.status()] == ["smol"]
+    with pytest.raises(TypeError, match="path"):
+        ModelFile(3)  # type: ignore[arg-type]

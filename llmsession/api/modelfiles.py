@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmsession.api import _parking
+from llmsession.config import checked_path
 from llmsession.errors import ModelLoadError
 
 LOAD_RETRY_SECONDS = 30.0  # a model whose file failed to load is not tried again before this
@@ -19,10 +20,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelFile:
-    """One model of a ``Models``: its GGUF file, and its projector (images) if it has one."""
+    """One model of a ``Models``: its GGUF file, and its projector (images) if it has one
+    (each a ``Path``, or a str or ``os.PathLike`` made one; anything else is a TypeError)."""
 
     path: Path
     mmproj_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        path = checked_path("path", self.path)
+        if path is None:
+            raise TypeError("path must be a path (str or os.PathLike), got None")
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "mmproj_path", checked_path("mmproj_path", self.mmproj_path))
 
 
 @dataclass(frozen=True)
