@@ -389,3 +389,25 @@ def test_a_model_file_named_by_strings_is_read_as_paths(smollm2_path: Path) -> N
         assert [status.name for status in models.status()] == ["smol"]
     with pytest.raises(TypeError, match="path"):
         ModelFile(3)  # type: ignore[arg-type]
+
+
+def test_models_never_closed_are_collected_with_what_they_loaded(smollm2_path: Path) -> None:
+    """The sweeper thread ran a bound method of its ``Models``: one dropped without ``close``
+    was never collected, its loaded models (their KV memory) and its thread alive to the
+    interpreter's exit. Dropped, it goes, and closes what it loaded."""
+    import gc
+    import threading
+    import weakref
+
+    before = set(threading.enumerate())
+    models = Models({"smol": smollm2_path}, threads=1, flash_attention=False)
+    sweepers = [t for t in set(threading.enumerate()) - before if t.name == "llmsession-models"]
+    loaded = models.acquire("smol")
+    models.release("smol")
+    owner = weakref.ref(models)
+    del models
+    gc.collect()
+    assert owner() is None and loaded.closed
+    for sweeper in sweepers:
+        sweeper.join(5)
+    assert len(sweepers) == 1 and not sweepers[0].is_alive()

@@ -23,11 +23,12 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmsession.api import _parking
+from llmsession.api import _parking, _sweeper
 from llmsession.api.model import Model
 from llmsession.api.modelfiles import Entry, ModelFile, ModelStatus, folder_models, kind_of, model_file
 from llmsession.config import MemoryConfig, ModelConfig, model_configs
@@ -68,8 +69,12 @@ class Models:
         self._changed = threading.Condition()
         self._closed = False
         self._folder = _parking.Folder(self.memory.disk_cache_dir)  # (parked conversations, private)
-        self._sweeper = threading.Thread(target=self._sweep, name="llmsession-models", daemon=True)
+        swept = (weakref.WeakMethod(self._swept), self._changed)  # (weakly: ``_sweeper``)
+        self._sweeper = threading.Thread(
+            target=_sweeper.sweeping, args=swept, name="llmsession-models", daemon=True
+        )
         self._sweeper.start()
+        self._drop = weakref.finalize(self, _sweeper.dropped, self._entries, self._changed, self._folder)
 
     @classmethod
     def from_folder(cls, folder: str | Path, **kwargs: Any) -> Models:
@@ -362,34 +367,23 @@ class Models:
             unloading=entry.unloading,
         )
 
-    def _due(self, now: float) -> tuple[list[Entry], float | None]:
-        """The idle models past their keep-alive, and the seconds until the next one is due."""
-        due, wait = [], None
-        for entry in self._entries.values():
-            keep = self._keep(entry)
-            if not entry.idle or keep is None or keep < 0:
-                continue
-            left = entry.last_used + keep - now
-            if left <= 0:
-                due.append(entry)
-            else:
-                wait = left if wait is None else min(wait, left)
-        return due, wait
-
-    def _sweep(self) -> None:
-        """The sweeper thread: unloads models idle past their keep-alive."""
-        while True:
-            with self._changed:
-                if self._closed:
-                    return
-                due, wait = self._due(time.monotonic())
-                if not due:
-                    self._changed.wait(wait)
-                    continue
-                for entry in due:
-                    entry.busy = True
+    def _swept(self) -> float | None:
+        """Unload the models idle past their keep-alive (the lock held on entry, and on return);
+        the seconds until the next is due (None: none is), or -1 once closed."""
+        if self._closed:
+            return -1
+        due, wait = _sweeper.due(self._entries.values(), self._keep, time.monotonic())
+        if not due:
+            return wait
+        for entry in due:
+            entry.busy = True
+        self._changed.release()
+        try:
             for entry in due:
                 try:
                     self._unload(entry)
                 except Exception:  # (logged: the sweeper must go on)
                     log.exception("unloading an idle model failed")
+        finally:
+            self._changed.acquire()
+        return 0
