@@ -157,14 +157,15 @@ def test_parked_states_spill_to_disk_and_come_back(
 def test_a_disk_tier_whose_folder_cannot_be_made_forgets_instead(
     smollm2_path: Path, control: Model, tmp_path: Path
 ) -> None:
-    """The first spill makes the model's folder in ``disk_cache_dir``: gone by then (or full,
-    or not writable), the state is forgotten (a miss) and every exchange still answers; it
-    raised in the middle of the ledger's moves, failing the exchange that needed the room."""
+    """The first spill makes the model's folder in ``disk_cache_dir``: one that cannot be made
+    (a file in its place, a full disk, no right to write), the state is forgotten (a miss) and
+    every exchange still answers; it raised in the middle of the ledger's moves, failing the
+    exchange that needed the room."""
     gone = tmp_path / "gone"
     with Model(
         smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=1, host_cache_bytes=0, disk_cache_dir=gone
     ) as model:
-        gone.rmdir()  # (made when the model loaded, empty until the first spill)
+        gone.write_text("a file where the folder would be")  # (made at the first spill: it cannot be)
         problems, _alive = round_robin(model, control, n=2, turns=2)
         counters = model.memory().counters
     assert problems == []
@@ -273,3 +274,17 @@ def test_sessions_in_threads_share_the_context_safely(smollm2: Model) -> None:
         if replies[i].text != alone[i]:  # then every choice must be within the split noise
             problems = check_against_fresh(session, replies[i], tolerance, final=False, at_least=1)
             assert problems == [], (replies[i].text, alone[i])
+
+
+def test_a_disk_cache_dir_that_cannot_be_made_is_a_miss_not_a_failed_load(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A file where the folder should be (or no right to write) raised a raw FileExistsError
+    from the model's construction, after its weights had loaded: the README's promise is a
+    spill's miss, logged, tried again at the next spill."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    with Model(smollm2_path, threads=1, flash_attention=False, disk_cache_dir=taken) as model:
+        assert (
+            model.chat([{"role": "user", "content": "Hi."}], GenerationOptions(max_tokens=2)).text is not None
+        )

@@ -120,8 +120,6 @@ class ParkingLot:
 
     def __init__(self, disk_dir: str | Path | None = None) -> None:
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
-        if self.disk_dir is not None:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._host: dict[Key, Buffer] = {}
         self._writing: dict[Key, Buffer] = {}  # on their way to disk
         self._disk: dict[Key, tuple[Path, int, int]] = {}  # file, size, crc32
@@ -193,8 +191,12 @@ class ParkingLot:
         return True
 
     def _private_folder(self) -> Path:
+        """The lot's folder, made at the first spill (with ``disk_dir``: one that cannot be made,
+        a file there or no right to write, was a raw OSError after the weights had loaded; it is
+        a spill's miss, as a full disk is)."""
         if self._folder is None:
             assert self.disk_dir is not None
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._folder, self._remove_folder = own_folder(self.disk_dir, self)
         return self._folder
 
