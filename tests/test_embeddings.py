@@ -312,3 +312,14 @@ def test_an_embedding_context_is_sized_whatever_length_the_file_says() -> None:
     assert context_size(2**31 - 1, 1000) == MAX_CONTEXT and context_size(600, 1000) == 600
     assert context_size(-1, 30_000) == 2236  # (a batch's logits: 256 MiB of 30,000 floats a row)
     assert context_size(-1, 250_000) == MIN_BATCH == context_size(2**31 - 1, 10**9)
+
+
+def test_bad_inputs_are_the_same_value_error_in_a_worker(bert: Model, bert_path: Path) -> None:
+    """An isolated model turned what it was given into plain lists before checking it: a numpy
+    array of ids or a bare int was a TypeError there, a ValueError in-process."""
+    with Model(bert_path, threads=1, isolated=True) as isolated:
+        for bad in (np.array([1, 2]), 5):
+            for model in (bert, isolated):
+                with pytest.raises(ValueError, match="embed takes"):
+                    model.embed(bad)  # type: ignore[arg-type]
+        assert np.allclose(isolated.embed(["cat"]), bert.embed(["cat"]), atol=1e-6)

@@ -110,12 +110,17 @@ class IsolatedModel:
         return list(self._model_call("call_tokens", transcript, tenant, config, tools, tool_format))
 
     def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
-        items = (
-            inputs
-            if isinstance(inputs, str)
-            else [x if isinstance(x, str | int) else list(x) for x in inputs]
-        )
-        # (plain lists and str: what the worker's pipe carries)
+        """As in-process: what is not a str, a list of str or token ids, or a list of those is
+        the same ValueError (a numpy array's ints or a bare int were a TypeError here)."""
+        if isinstance(inputs, str):
+            items: Any = inputs
+        elif isinstance(inputs, Sequence) and not isinstance(inputs, np.ndarray):
+            items = [
+                x if isinstance(x, str | int) else list(x) if isinstance(x, Sequence) else x for x in inputs
+            ]
+        else:
+            raise ValueError("embed takes a non-empty str, list of str, list of token ids, or list of those")
+        # (plain lists and str: what the worker's pipe carries; the worker checks the rest)
         return np.asarray(self._model_call("embed", items, normalize), dtype=np.float32)
 
     def identity(self) -> str:
