@@ -780,6 +780,19 @@ def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
     assert handed[-1] == body  # (chat open to all: every body is passed on)
 
 
+async def posted(front: Any, sent: list[Any]) -> None:
+    """A chat request of ``{}`` through ``front`` (no key), what it sends back into ``sent``."""
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    await front.asgi(scope, receive, send)
+
+
 def test_a_client_that_leaves_mid_answer_cancels_the_replicas_run() -> None:
     """Ray cancels the front's task for a client that left, not the replica's generator the
     front relays (its handle's stream): the replica decoded on to the end for nobody, its slot
@@ -820,15 +833,7 @@ def test_a_client_that_leaves_mid_answer_cancels_the_replicas_run() -> None:
 
     async def asked(leaves: bool) -> int:
         sent: list[Any] = []
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-
-        async def send(message: Any) -> None:
-            sent.append(message)
-
-        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-        task = asyncio.ensure_future(Front(Engine(), 1 << 20, board=None).asgi(scope, receive, send))
+        task = asyncio.ensure_future(posted(Front(Engine(), 1 << 20, board=None), sent))
         if leaves:
             while len(sent) < 3:
                 await asyncio.sleep(0.01)
@@ -916,14 +921,6 @@ def test_a_request_no_replica_takes_is_a_json_503() -> None:
             return type("Handle", (), {"answer": answer})()
 
     sent: list[Any] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"{}", "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    asyncio.run(Front(Engine(), 1 << 20, board=None).asgi(scope, receive, send))
+    asyncio.run(posted(Front(Engine(), 1 << 20, board=None), sent))
     assert sent[0]["status"] == 503 and json.loads(sent[1]["body"])["error"]["code"] == 503
     assert failing.cancelled == 1

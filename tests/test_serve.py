@@ -1382,6 +1382,26 @@ def test_a_stream_whose_client_reads_nothing_ends_past_its_send_deadline(
     assert asyncio.run(ended()) < 5 and closed == ["cancelled"]
 
 
+def chat_scope(body: bytes, key: str | None = None) -> dict[str, Any]:
+    """An ASGI scope of a chat request with ``body``, as uvicorn gives the app (HTTP/1.1)."""
+    headers = [(b"host", b"localhost"), (b"content-type", b"application/json")]
+    headers += [(b"authorization", f"Bearer {key}".encode())] if key else []
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
 def test_a_client_gone_as_its_request_is_admitted_starts_nothing(
     smollm2: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1398,21 +1418,7 @@ def test_a_client_gone_as_its_request_is_admitted_starts_nothing(
     )
     app = create_app(smollm2)
     body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}).encode()
-    headers = [(b"host", b"localhost"), (b"content-type", b"application/json")]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [*headers, (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = chat_scope(body)
 
     async def scenario() -> list[Any]:
         parsing = app.state.server.parsing
@@ -1451,26 +1457,7 @@ def test_bodies_waiting_for_a_parser_count_in_their_keys_share(smollm2: Model) -
 
     app = create_app(smollm2, api_key=KEY)
     body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1}).encode()
-    headers = [
-        (b"host", b"localhost"),
-        (b"authorization", f"Bearer {KEY}".encode()),
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = chat_scope(body, KEY)
 
     async def scenario() -> list[int]:
         parsing = app.state.server.parsing
