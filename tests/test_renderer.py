@@ -6,6 +6,7 @@ ChatML); ``use_jinja`` and ``chat_template`` override, and ``renderer`` says wha
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import internals
@@ -234,3 +235,40 @@ def test_chat_template_overrides_by_name_text_or_file(gemma3_path: Path, tmp_pat
         Model(gemma3_path, threads=2, kv_tokens=1024, chat_template="nosuch")
     with pytest.raises(TemplateError, match="cannot read the chat template file"):
         Model(gemma3_path, threads=2, kv_tokens=1024, chat_template=tmp_path / "missing.jinja")
+
+
+def test_a_templates_steps_are_counted_however_it_loops_and_its_time_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop wrapper was a name a template could define itself (its loops then uncounted); a
+    recursive loop's ``loop(items)`` iterated uncounted; a step may be heavy (a sum of millions).
+    (Bounds lowered here: the same refusals, sooner.)"""
+    from llmsession.text import jinja_bounds
+
+    monkeypatch.setattr(jinja_bounds, "MOST_STEPS", 5000)
+    monkeypatch.setattr(jinja_bounds, "MOST_SECONDS", 1.0)
+    for template, said in (
+        (
+            "{% macro _llmsession_iterated(x) %}{% endmacro %}{% set iterated = 0 %}"
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "too many steps",
+        ),
+        (
+            "{% for x in [1] recursive %}{% if loop.depth < 9 %}{{ loop(range(100)) }}"
+            "{% endif %}{% endfor %}",
+            "too many steps",
+        ),
+        ("{% set big = [1] * 3000000 %}{% for i in range(1000) %}{{ big|sum }}{% endfor %}", "too long"),
+    ):
+        began = time.monotonic()
+        with pytest.raises(TemplateError, match=said):
+            render_jinja(template, HI)
+        assert time.monotonic() - began < 10
+    assert (
+        render_jinja(
+            "{% for m in messages recursive %}{{ m.role }}{{ loop.length }}{{ loop.cycle('a', 'b') }}"
+            "{% if m.children %}{{ loop(m.children) }}{% endif %}{% endfor %}",
+            [{"role": "u", "children": [{"role": "c", "children": []}]}, {"role": "v", "children": []}],
+        )
+        == "u2ac1av2b"
+    )

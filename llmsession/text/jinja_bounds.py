@@ -22,6 +22,7 @@ import functools
 import operator
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,11 +30,15 @@ import jinja2.sandbox
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
+from jinja2.filters import make_attrgetter
+from jinja2.runtime import LoopContext
 
 MOST_CHARS = 1 << 24  # what one operation may make (16 Mi characters: far past any real prompt)
 MOST_STEPS = 1 << 18  # loop iterations and calls in one render, beside its input's own share:
 STEPS_PER_CHAR = 32  # (Gemma 4's template takes ~4 a character of messages and tools: 540K for
 # 1,024 messages and 128 tools of 10 properties, ~5 s; a macro bomb with no input stops in ~1 s)
+MOST_SECONDS = 10.0  # a render's time, beside its input's share (Gemma 4's: ~36 us a character)
+SECONDS_PER_CHAR = 3e-4
 _steps = threading.local()  # what the render on this thread may still take (``counted``)
 MOST_BITS = 1 << 16  # an integer power's size
 NUMBERS = re.compile(r"[0-9]+")  # (every number in a format spec: its width and precision)
@@ -87,13 +92,16 @@ def _percent(text: str | bytes) -> None:
 @contextlib.contextmanager
 def counted(chars: int = 0) -> Iterator[None]:
     """A render's steps, counted on this thread (a render outside one is not bounded in them):
-    ``MOST_STEPS``, and ``STEPS_PER_CHAR`` for each of the ``chars`` its input holds."""
-    before = getattr(_steps, "left", None)
+    ``MOST_STEPS``, and ``STEPS_PER_CHAR`` for each of the ``chars`` its input holds; and its
+    time, ``MOST_SECONDS`` and ``SECONDS_PER_CHAR`` a character (a step may be a sum of five
+    million items: counted, 2**18 of them took hours)."""
+    before = getattr(_steps, "left", None), getattr(_steps, "until", None)
     _steps.left = MOST_STEPS + STEPS_PER_CHAR * chars
+    _steps.until = time.monotonic() + MOST_SECONDS + SECONDS_PER_CHAR * chars
     try:
         yield
     finally:
-        _steps.left = before
+        _steps.left, _steps.until = before
 
 
 def _step() -> None:
@@ -101,6 +109,8 @@ def _step() -> None:
     if left is not None:
         if left <= 0:
             raise SecurityError("the chat template took too many steps (loops and calls) for its input")
+        if time.monotonic() > _steps.until:
+            raise SecurityError("the chat template took too long for its input")
         _steps.left = left - 1
 
 
@@ -260,11 +270,11 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "%", "+"})
     code_generator_class = _Generator
     joined_up = staticmethod(_joined_up)
+    iterated = staticmethod(_iterated)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.binop_table = {**self.binop_table, "*": _times, "**": _power, "%": _modulo, "+": _plus}
-        self.globals["_llmsession_iterated"] = _iterated
         for name, reckon in FILTERS.items():
             self.filters[name] = _filter(self.filters[name], reckon, name)
         self.filters["join"] = self._join_filter(self.filters["join"])
@@ -275,13 +285,16 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _step()  # (a macro calling itself twice a level made 2**n calls)
+        if isinstance(__obj, LoopContext) and args:  # (a recursive loop's ``loop(items)``)
+            args = (_iterated(args[0]), *args[1:])
         return super().call(__context, __obj, *args, **kwargs)
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        """The template's tree, each loop's items taken a step each (``_iterated``)."""
+        """The template's tree, each loop's items taken a step each (``_iterated``, reached as
+        the environment's: a name the template could define itself would be its own)."""
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(nodes.For):
-            loop.iter = nodes.Call(nodes.Name("_llmsession_iterated", "load"), [loop.iter], [], None, None)
+            loop.iter = nodes.Call(nodes.EnvironmentAttribute("iterated"), [loop.iter], [], None, None)
         return tree
 
     def getattr(self, obj: Any, attribute: str) -> Any:
@@ -303,8 +316,13 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         @functools.wraps(original)
         def bounded(ctx: Any, value: Any, d: str = "", attribute: Any = None) -> Any:
             items = list(value) if isinstance(value, Iterable) else value
-            if isinstance(items, list) and isinstance(d, str):  # (an attribute's too: a part each)
-                _bounded(_joined(d, items), "join filter")
+            if isinstance(items, list) and isinstance(d, str):  # (an attribute's too: its parts)
+                parts = (
+                    items
+                    if attribute is None
+                    else list(map(make_attrgetter(ctx.environment, attribute), items))
+                )
+                _bounded(_joined(d, parts), "join filter")
             return original(ctx, items, d, attribute)
 
         return bounded
