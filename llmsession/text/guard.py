@@ -34,17 +34,13 @@ SPACES = " \t\n\v\f\r"  # (C's isspace: what a token's lstrip or rstrip takes)
 MOST_NESTED = 100  # a trie's branching depth written as nested groups (``re`` recurses on them)
 
 
-class _TooDeep(Exception):
-    pass
-
-
 def trie_pattern(texts: Sequence[str]) -> re.Pattern[str] | None:
     """A pattern matching any of ``texts`` (the longest where several start at one place),
     written as a trie: Gemma's 6,000 control tokens share their first characters. A run of
-    characters with one way on is one literal; a trie branching deeper than ``MOST_NESTED``
-    (a hostile vocabulary: ``a``, ``aa``, ``aaa``, ...) is written as the texts one after
-    another, the longest first (a token of 600 characters nested 600 groups: a RecursionError
-    at every request)."""
+    characters with one way on is one literal, and a branch deeper than ``MOST_NESTED`` (a
+    hostile vocabulary: ``a``, ``aa``, ``aaa``, ...) is its texts' rests one after another, the
+    longest first (a token of 600 characters nested 600 groups: a RecursionError at every
+    request; the whole vocabulary as one alternation, minutes for a long text)."""
     if not texts:
         return None
     trie: dict[str, Any] = {}
@@ -53,15 +49,12 @@ def trie_pattern(texts: Sequence[str]) -> re.Pattern[str] | None:
         for char in text:
             node = node.setdefault(char, {})
         node[""] = {}
-    try:
-        return re.compile(_alternatives(trie, 0))
-    except (_TooDeep, RecursionError):
-        return re.compile("|".join(re.escape(t) for t in sorted(set(texts), key=len, reverse=True)))
+    return re.compile(_alternatives(trie, 0))
 
 
 def _alternatives(node: Mapping[str, Any], depth: int) -> str:
     if depth > MOST_NESTED:
-        raise _TooDeep
+        return _flat(node)
     branches = []
     for char, child in node.items():
         if char:
@@ -74,6 +67,19 @@ def _alternatives(node: Mapping[str, Any], depth: int) -> str:
         return ""
     body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
     return f"(?:{body})?" if "" in node else body
+
+
+def _flat(node: Mapping[str, Any]) -> str:
+    """The rests of the texts below ``node`` as one group, the longest first (walked without
+    recursion: it may be thousands deep)."""
+    rests, stack = [], [("", node)]
+    while stack:
+        prefix, at = stack.pop()
+        stack += [(prefix + char, child) for char, child in at.items() if char]
+        if "" in at and prefix:
+            rests.append(prefix)
+    body = "|".join(re.escape(rest) for rest in sorted(rests, key=len, reverse=True))
+    return (f"(?:{body})?" if "" in node else f"(?:{body})") if rests else ""
 
 
 @dataclass(frozen=True)
