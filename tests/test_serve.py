@@ -1490,3 +1490,29 @@ def test_bodies_waiting_for_a_parser_count_in_their_keys_share(smollm2: Model) -
         return refused
 
     assert asyncio.run(scenario()) == [503]
+
+
+def test_a_cut_for_an_unread_backlog_keeps_a_choice_that_had_ended_whole() -> None:
+    """Of ``n`` choices, one that had ended before the cut kept its end but lost its unread
+    deltas: its client read a natural finish after a cut text. Its events stay; the others'
+    unread deltas go (pure logic)."""
+    from types import SimpleNamespace
+
+    from llmsession.replies import Snapshot
+    from llmsession.serve import runner
+
+    async def cut() -> list[runner.Event]:
+        queue: asyncio.Queue[runner.Event] = asyncio.Queue()
+        for index, text in ((0, "a"), (1, "b"), (0, "c"), (1, "d")):
+            queue.put_nowait(runner.Event(index, snapshot=Snapshot(text, "")))
+        queue.put_nowait(runner.Event(0, reply=SimpleNamespace(finish_reason="stop")))  # type: ignore[arg-type]
+        queue.put_nowait(runner.Event(1, snapshot=Snapshot("e", "")))
+        runner.dropped_unread(queue)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    kept = asyncio.run(cut())
+    assert [(e.index, e.snapshot.delta if e.snapshot else "end") for e in kept] == [
+        (0, "a"),
+        (0, "c"),
+        (0, "end"),
+    ]

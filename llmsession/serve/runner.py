@@ -60,10 +60,13 @@ def cut(reply: Reply | None) -> bool:
 
 def dropped_unread(queue: asyncio.Queue[Event]) -> None:
     """A cut for an unread backlog: the events its client left unread go (they held the memory
-    for as long as the client kept its connection open), but every choice's last."""
-    kept = [event for event in (queue.get_nowait() for _ in range(queue.qsize())) if event.last]
-    for event in kept:
-        queue.put_nowait(event)
+    for as long as the client kept its connection open), but every choice's last, and every
+    event of a choice that had ended (its reply whole, not cut short before a natural end)."""
+    events = [queue.get_nowait() for _ in range(queue.qsize())]
+    ended = {event.index for event in events if event.last}
+    for event in events:
+        if event.last or event.index in ended:
+            queue.put_nowait(event)
 
 
 class Backlog:

@@ -122,7 +122,10 @@ def whole_chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
 def whole_text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     """``text_logprobs`` for a whole body: its mappings as JSON text (``Fragment``)."""
     scores = text_logprobs(entries, offset, mappings=False)
-    top = (json.dumps(_likeliest_by_text(e.top), ensure_ascii=False, allow_nan=False) for e in entries)
+    top = (
+        json.dumps(_likeliest_by_text(e.top), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        for e in entries
+    )
     return {**scores, "top_logprobs": Fragment("[" + ",".join(top) + "]")}
 
 
