@@ -21,8 +21,8 @@ def sweeping(swept: weakref.WeakMethod[Callable[[], float | None]], changed: thr
         while True:
             step = swept()
             wait = -1 if step is None else step()
-            del step  # (not held while it waits)
-            if wait is not None and wait < 0:
+            del step  # (not held while it waits: the last reference may go here, and its
+            if (wait is not None and wait < 0) or swept() is None:  # finalizer's wake-up with it)
                 return
             if wait != 0:
                 changed.wait(wait)

@@ -201,6 +201,7 @@ class Models:
     def close(self) -> None:
         """Close every loaded model (in-flight uses end with ``ModelClosedError``) and remove
         the parked conversations; idempotent."""
+        self._drop.detach()  # (closed here: nothing is left for its collection to close)
         with self._changed:
             if self._closed:
                 return

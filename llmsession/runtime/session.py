@@ -259,7 +259,7 @@ class LocalSession(Session):
         tools, tool_format = self._tools
         return partial(
             self.model.prompt,
-            thinking=self.thinking,
+            thinking=self.asked.thinking,  # (as asked: an effort its template reads is rendered)
             own=self.replies,
             shared=self.share_prefix,
             tools=tools,
@@ -295,7 +295,7 @@ class LocalSession(Session):
         budget = options.reasoning_budget
         reasoning = thinking(model.native, model.reasoning, prompt, budget, held, calling is not None)
         markup = model.reasoning
-        thinks = markup is not None and (self.thinking or markup.markers.always)
+        thinks = markup is not None and (self.asked.thinking or markup.markers.always)
         opens = reasoning is not None and not reasoning.prompted and thinks
         thought = markup.grammar_markers if markup and opens else None  # (it may reason, then call)
         after = reasoning is not None and reasoning.prompted  # (the calls' grammar begins after it)
