@@ -10,9 +10,10 @@ replace, join, expand tabs or translate (however reached: ``s.ljust``, ``s['ljus
 (``center``, ``indent``, ``format``, ``replace``, ``join``, ``wordwrap``, ``batch``); ``lipsum``
 is not offered. Joining (``~``, ``+``) is bounded as one operation too, so a string doubled
 line by line stops at the bound. And a render takes at most ``MOST_STEPS`` steps (each
-iteration of a loop, each call: a macro's, a function's, a method's), so nested loops or a
-macro calling itself twice a level end in a TemplateError, not in hours (``counted``). Pure:
-jinja2 only.
+iteration of a loop, a recursive loop's too, each call: a macro's, a function's, a method's)
+and at most ``MOST_SECONDS``, each more with the size of its input, so nested loops or a macro
+calling itself twice a level end in a TemplateError, not in hours (``counted``). Pure: jinja2
+only.
 """
 
 from __future__ import annotations
