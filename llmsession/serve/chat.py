@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -269,9 +268,10 @@ class Call:
             ended = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
             replies = [e.reply for e in ended if e.reply is not None]
             prompt = choices.forks.prompt if choices.forks is not None else None
-            made = functools.partial(self.door.whole, replies, prompt)
-            body = made() if self.door.keeps else None
-            text = await asyncio.to_thread(lambda: rendered(made() if body is None else body))
+            if self.door.keeps:  # (made here, rendered off the loop)
+                text = await asyncio.to_thread(rendered, self.door.whole(replies, prompt))
+            else:  # (made and rendered off the loop)
+                text = await asyncio.to_thread(lambda: rendered(self.door.whole(replies, prompt)))
             return Response(text, media_type="application/json")
         flow: Choices | Relay = choices
         if not first and not retried:

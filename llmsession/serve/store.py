@@ -24,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from llmsession.serve.rendering import rendered
+
 MAX_RESPONSES = 1024
 MAX_BYTES = 64 << 20
 
@@ -39,11 +41,6 @@ class Stored:
 
 def json_size(value: object) -> int:
     return len(json.dumps(value, ensure_ascii=False))
-
-
-def rendered(body: dict[str, Any]) -> bytes:
-    """``body`` as JSON, as Starlette's ``JSONResponse`` renders it."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class ResponseStore:
