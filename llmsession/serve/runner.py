@@ -194,9 +194,10 @@ class Relay:
         drop: Callable[[], None],
     ) -> None:
         self.n, self.forks = choices.n, choices.forks
-        self.queue = asyncio.Queue[Event]()
+        self._backlog = Backlog(self.n)  # (its client may read nothing: as ``Run``'s)
+        self._backlog.cancels.append(lambda: self._choices.cancel())
+        self.queue = self._backlog.queue
         self._choices, self._again, self._drop = choices, again, drop
-        self._overrun = False
         hold()
         self._holding = True
         self._pump = asyncio.ensure_future(self._forward())
@@ -228,13 +229,9 @@ class Relay:
                     self._let_go()  # (the new choices hold the model themselves)
                 continue
             self._let_go()  # (something reached the stream: no running again)
-            if self._overrun and event.error is None and event.last and cut(event.reply):
+            if self._backlog.cut and event.error is None and event.last and cut(event.reply):
                 event = overrun(event.index, self.n)  # (cut, as ``Run`` ends one)
-            self.queue.put_nowait(event)
-            if self.queue.qsize() >= MAX_BACKLOG * self.n and not self._overrun:
-                self._overrun = True  # (its client reads nothing: as ``Run``)
-                choices.cancel()
-                dropped_unread(self.queue)
+            self._backlog.put(event)
 
 
 class Admission:
