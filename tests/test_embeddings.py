@@ -216,9 +216,9 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
     release = threading.Event()
     real = embeddings.embedded
 
-    def held_up(model: Model, ask: Any) -> Any:
+    def held_up(model: Model, ask: Any, stop: threading.Event) -> Any:
         release.wait(60)
-        return real(model, ask)
+        return real(model, ask, stop)
 
     monkeypatch.setattr(embeddings, "embedded", held_up)
     with Model(bert_path, threads=1) as bert:
@@ -323,3 +323,22 @@ def test_bad_inputs_are_the_same_value_error_in_a_worker(bert: Model, bert_path:
                 with pytest.raises(ValueError, match="embed takes"):
                     model.embed(bad)  # type: ignore[arg-type]
         assert np.allclose(isolated.embed(["cat"]), bert.embed(["cat"]), atol=1e-6)
+
+
+def test_a_client_gone_stops_its_embedding_run_and_a_piece_names_inputs_as_sent(served: str) -> None:
+    """A request ran to its end whoever waited: 300,000 tokens are seconds to minutes of every
+    core, and every other embedding request waited behind it. It runs a batch's worth at a
+    time now, and stops between two once its client is gone; an input refused in a later piece
+    is named by its place in the request."""
+    import httpx
+
+    client = openai.OpenAI(base_url=served, api_key=KEY, max_retries=0, timeout=60)
+    client.embeddings.create(model="bert", input="cat")  # (the model loaded)
+    big = {"model": "bert", "input": [[5, 6, 7, 8] * 35] * 2048}  # (286,720 tokens: ~5 s on one core)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served}/embeddings", json=big, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    begun = time.monotonic()
+    client.embeddings.create(model="bert", input="cat")  # (waits for the run before it to stop)
+    assert time.monotonic() - begun < 1.5
+    with pytest.raises(openai.BadRequestError, match="input 20: token ids must be in"):
+        client.embeddings.create(model="bert", input=[[5, 6]] * 20 + [[10**6]])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,8 +17,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llmsession.errors import ContextOverflowError
 from llmsession.serve.access import heeded
 from llmsession.serve.body import parse_json, string
+from llmsession.serve.chat import ClientGone, unless_gone
 from llmsession.serve.errors import ApiError, busy
 from llmsession.serve.schema import keep_alive_of
 
@@ -28,6 +32,10 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
 MAX_WAITING = 16  # embedding requests waiting for the one run at a time; past it a 503
 MAX_INPUT_TOKENS = 8192  # token ids an input given as ids may have
 MAX_TOKENS = 300_000  # tokens a request's inputs have in all (OpenAI's limit)
+# A request is run a piece at a time (a batch's worth: at most this many inputs and tokens,
+# one input at least), so that a client gone stops it between two (300,000 tokens are seconds
+# to minutes of every core, and every other embedding request waits behind it).
+PIECE_INPUTS, PIECE_TOKENS = 16, 8192
 
 
 @dataclass(frozen=True)
@@ -72,21 +80,45 @@ def is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def embedded(model: Model, ask: EmbeddingsAsk) -> tuple[np.ndarray, int]:
+def embedded(model: Model, ask: EmbeddingsAsk, stop: threading.Event) -> tuple[np.ndarray, int]:
     """The inputs' embeddings and their tokens in all (texts tokenized once, here, for a model
-    that has embeddings: a chat model's refusal came after 8 MiB of text was tokenized)."""
+    that has embeddings: a chat model's refusal came after 8 MiB of text was tokenized), run a
+    piece at a time (``pieces``); ``ClientGone`` once ``stop`` is set."""
     if model.pooling in (None, "rank"):
         kind = "a chat model: its file names no pooling" if model.pooling is None else "a reranking model"
         raise ApiError(f"this is {kind}, so it has no embeddings", "model")
     lists = [model.tokenize(item) if isinstance(item, str) else item for item in ask.inputs]
     tokens = sum(len(tokens) for tokens in lists)
-    if tokens > MAX_TOKENS:  # (one run at a time: the others wait behind it, and it runs on)
+    if tokens > MAX_TOKENS:  # (one run at a time: the others wait behind it)
         raise ApiError(f"input: at most {MAX_TOKENS} tokens in all, got {tokens}", "input")
-    try:
-        vectors = model.embed(lists)
-    except ValueError as error:  # (checked before anything runs: a token id past the vocabulary)
-        raise ApiError(str(error), "input") from None
-    return vectors, tokens
+    rows = []
+    for start, end in pieces(lists):
+        if stop.is_set():
+            raise ClientGone
+        try:
+            rows.append(model.embed(lists[start:end]))
+        except ValueError as error:  # (a token id past the vocabulary)
+            raise ApiError(renumbered(error, start), "input") from None
+        except ContextOverflowError as error:  # (an input longer than the context)
+            raise ContextOverflowError(renumbered(error, start)) from None
+    return np.concatenate(rows), tokens
+
+
+def renumbered(error: Exception, start: int) -> str:
+    """The library's words on a piece's input, naming it as the request numbers it."""
+    return re.sub(r"input (\d+)", lambda found: f"input {int(found[1]) + start}", str(error), count=1)
+
+
+def pieces(lists: list[list[int]]) -> list[tuple[int, int]]:
+    """``lists`` cut in order into runs of at most ``PIECE_INPUTS`` inputs and ``PIECE_TOKENS``
+    tokens (an input longer alone is a piece alone): (start, end) each."""
+    cuts, start, size = [], 0, 0
+    for index, tokens in enumerate(lists):
+        if index > start and (index - start == PIECE_INPUTS or size + len(tokens) > PIECE_TOKENS):
+            cuts.append((start, index))
+            start, size = index, 0
+        size += len(tokens)
+    return [*cuts, (start, len(lists))]
 
 
 def answer(vectors: np.ndarray, tokens: int, name: str, ask: EmbeddingsAsk) -> dict[str, Any]:
@@ -109,6 +141,20 @@ async def embeddings(server: Server, request: Request) -> Response:
     name = server.hosts.served(ask.model)
     if server.embedding_waiting >= MAX_WAITING:  # (each waits holding its inputs)
         raise busy("too many embedding requests are waiting")
+    stop = threading.Event()
+    try:  # (the client may leave while a model loads, while it waits its turn, while it runs)
+        vectors, tokens = await unless_gone(request, run(server, request, ask, stop))
+    except ClientGone:
+        stop.set()  # (a run begun ends at its next piece; its model and turn are given back then)
+        return Response(status_code=499)  # (nobody reads it)
+    # (2,048 vectors of floats are tens of MB of JSON: a second or more, never on the loop)
+    return await asyncio.to_thread(lambda: JSONResponse(answer(vectors, tokens, name, ask)))
+
+
+async def run(
+    server: Server, request: Request, ask: EmbeddingsAsk, stop: threading.Event
+) -> tuple[np.ndarray, int]:
+    """The request's embeddings, once its model is held and the one run at a time is its."""
     server.embedding_waiting += 1  # (from here: a model of several may be loading first)
     try:
         host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive))
@@ -124,16 +170,6 @@ async def embeddings(server: Server, request: Request) -> Response:
         server.embedding.release()
         held.drop()
 
-    try:
-        gone = await request.is_disconnected()  # (gone while it waited: nothing to run for)
-    except BaseException:
-        ended()
-        raise
-    if gone:
-        ended()
-        return Response(status_code=499)
-    run = asyncio.ensure_future(asyncio.to_thread(embedded, host.model, ask))
-    run.add_done_callback(ended)  # (a cancelled request leaves the run holding them until it ends)
-    vectors, tokens = await asyncio.shield(run)
-    # (2,048 vectors of floats are tens of MB of JSON: a second or more, never on the loop)
-    return await asyncio.to_thread(lambda: JSONResponse(answer(vectors, tokens, name, ask)))
+    going = asyncio.ensure_future(asyncio.to_thread(embedded, host.model, ask, stop))
+    going.add_done_callback(ended)  # (a cancelled request leaves the run holding them until it ends)
+    return await asyncio.shield(going)
