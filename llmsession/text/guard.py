@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmsession.text.starts import Starts
+
 OPEN, CLOSE = "\ue002", "\ue003"  # (``text.splice``'s stand-ins use \ue000 and \ue001)
 ESCAPED = json.dumps(OPEN)[1:-1]  # (JSON's escape of it: a template or tool format may dump text)
 NAMED = r"([0-9]{1,6}(?:\.[0-9]{1,4})?)"  # a guarded text's index, or index.n: its first n characters
@@ -101,10 +103,7 @@ class Guard:
         self._content = trie_pattern(self.texts)
         self._controls = trie_pattern([g.text for g in kept])
         self._index = {text: i for i, text in enumerate(self.texts)}
-        self._starts = {
-            t[:n]: f"{i}.{n}" for i, t in enumerate(self.texts) for n in range(1, min(len(t), 10**4))
-        }
-        self._longest = max(map(len, self._starts), default=0)
+        self._starts = Starts(self.texts, 10**4)
 
     def marked_text(self, text: str) -> str:
         """``text`` with each guarded text (and the opening character) as its placeholder, and
@@ -118,11 +117,10 @@ class Guard:
         """``text`` cut before the longest start of a guarded text it ends with, that start as
         its placeholder and the whitespace after it; (``text``, "") where it ends with none."""
         end = len(text.rstrip())  # (Python's whitespace: what a template's ``trim`` takes)
-        for cut in range(max(0, end - self._longest), end):
-            named = self._starts.get(text[cut:end])
-            if named is not None:
-                return text[:cut], f"{OPEN}{named}{CLOSE}{text[end:]}"
-        return text, ""
+        start = self._starts.ending(text, end)
+        if start is None:
+            return text, ""
+        return text[: end - start[0]], f"{OPEN}{start[1]}{CLOSE}{text[end:]}"
 
     def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The messages with their users' and tools' text parts, names and call ids
