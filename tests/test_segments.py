@@ -3,7 +3,9 @@ tokenized, on every template family's vocabulary; a cut anywhere else does not."
 
 from __future__ import annotations
 
+import random
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,3 +179,20 @@ def test_a_model_that_adds_bos_keeps_its_spliced_prompts(
         session.close()
     whole = [text for text in tokenized if "Name a colour" in text and "And another one?" in text]
     assert tokenized and not whole
+
+
+def test_anchors_are_found_in_time_linear_in_the_vocabulary() -> None:
+    """Each text found was checked against every special token in pairs: a hostile vocabulary
+    of 20,000 tokens whose template spells 2,000 of them took 4 minutes, holding the tokenizer's
+    lock. One automaton now, whose answer is the pairs' (pure: random vocabularies)."""
+    specials = [(f"<unused{i}>", False) for i in range(20_000)]
+    spelled = "".join(f"<unused{i}>" for i in range(0, 20_000, 10))
+    began = time.monotonic()
+    found = anchors(specials, spelled)
+    assert time.monotonic() - began < 5
+    assert found == [f"<unused{i}>" for i in range(0, 20_000, 10)]  # (<unused5> is no start of <unused55>)
+    draw = random.Random(3)
+    for _ in range(2000):
+        texts = list({"".join(draw.choice("ab<>") for _ in range(draw.randint(1, 5))) for _ in range(9)})
+        pairs = [a for a in texts if not any(can_overlap(a, t) for t in texts)]
+        assert anchors([(t, False) for t in texts], "".join(texts)) == pairs, texts

@@ -16,6 +16,8 @@ import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
 
+from llmsession.text.automaton import Overlaps
+
 
 def can_overlap(a: str, b: str) -> bool:
     """Whether occurrences of ``a`` and ``b`` can overlap in some text (for ``a == b``: two
@@ -39,7 +41,10 @@ def anchors(specials: Sequence[tuple[str, bool]], candidates: str) -> list[str]:
         for text, lstrip in specials
         if not lstrip and not text[0].isspace() and not text[-1].isspace() and text in candidates
     ]
-    return [a for a in found if not can_overlap(a, a) and not any(can_overlap(a, t) for t in texts if t != a)]
+    if not found:
+        return []
+    overlaps = Overlaps(texts)  # (every pair of ``can_overlap``: 20,000 texts, 2,000 found, 4 minutes)
+    return [a for a in found if overlaps.alone(a)]
 
 
 def anchor_pattern(texts: Iterable[str]) -> re.Pattern[str] | None:

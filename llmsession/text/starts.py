@@ -1,13 +1,14 @@
 """The longest start of a guarded text that a text ends with (``Guard``'s tail), found in one
-pass over the text by Aho and Corasick's automaton over the guarded texts' proper starts. A
-table of every start, and a try at every cut, were both quadratic in a token's length: a hostile
-vocabulary's token of 10,000 characters made a table of 50 MB at load, and 10,000 lookups of
-slices up to as long at every message. Pure: no bindings."""
+pass over the text by Aho and Corasick's automaton (``automaton``) over the guarded texts'
+proper starts. A table of every start, and a try at every cut, were both quadratic in a token's
+length: a hostile vocabulary's token of 10,000 characters made a table of 50 MB at load, and
+10,000 lookups of slices up to as long at every message. Pure: no bindings."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
+
+from llmsession.text.automaton import failures
 
 
 class Starts:
@@ -28,24 +29,8 @@ class Starts:
                     self._depth.append(n)
                 self._names[child] = f"{index}.{n}"
                 node = child
-        self._goto, self._fail = goto, self._failures(goto)
+        self._goto, self._fail = goto, failures(goto)[0]
         self.longest = max(self._depth)
-
-    @staticmethod
-    def _failures(goto: list[dict[str, int]]) -> list[int]:
-        """Each node's longest proper suffix that is a node too (breadth first: a node's is found
-        from its parent's)."""
-        fail = [0] * len(goto)
-        queue = deque(goto[0].values())
-        while queue:
-            node = queue.popleft()
-            for char, child in goto[node].items():
-                back = fail[node]
-                while back and char not in goto[back]:
-                    back = fail[back]
-                fail[child] = goto[back].get(char, 0)
-                queue.append(child)
-        return fail
 
     def ending(self, text: str, end: int) -> tuple[int, str] | None:
         """The longest start ``text[:end]`` ends with: its length and name; None for none."""
