@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import struct
@@ -1054,3 +1055,30 @@ def app_routes() -> list[Any]:
 
     app = create_app(fake_model())
     return [r for r in app.routes if isinstance(r, Route) and not r.path.startswith(("/static", "/favicon"))]
+
+
+def test_a_place_granted_as_its_caller_is_cancelled_is_given_back() -> None:
+    """``race`` gave up only work still running: a place granted in the turns between its
+    waiting task's end and the caller's resuming was lost with the caller's cancel (a replica's
+    stopped request, a shutdown), and the server had one place fewer for good. Whatever turn
+    the cancel comes in, the places add up; a hold on a model is given back the same way."""
+    from llmsession.serve.chat import race
+
+    async def scenario(turns: int) -> int:
+        admission = Admission(limit=1, queue=2)
+        running = await admission.acquire(1)
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asking = asyncio.ensure_future(race(gone, admission.acquire(1), admission.release))
+        for _ in range(3):
+            await asyncio.sleep(0)  # (it waits in the queue)
+        admission.release(running)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            admission.release(await asking)  # (it had its place before the cancel: its own to give)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return admission.used
+
+    assert [asyncio.run(scenario(turns)) for turns in range(6)] == [0] * 6

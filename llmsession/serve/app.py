@@ -33,7 +33,7 @@ from llmsession.serve import embeddings, operators, responding, sse
 from llmsession.serve.access import Access, Keys, heeded
 from llmsession.serve.bodies import Bodies
 from llmsession.serve.body import parse_json
-from llmsession.serve.chat import Call, Caller, ClientGone, Door, Host, session_settings, unless_gone
+from llmsession.serve.chat import Call, Caller, ClientGone, Door, Host, dropped, session_settings, unless_gone
 from llmsession.serve.doors import CompletionDoor, MessagesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, OneModel
@@ -186,7 +186,7 @@ class Server:
         options, tenant = asked.options, tenant_name(request.state.key, asked.user)
         waited = self.hosts.held(asked.model, heeded(request, asked.keep_alive), request.state.key)
         try:
-            host, held = await unless_gone(request, waited)
+            host, held = await unless_gone(request, waited, dropped)
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
         try:
@@ -228,7 +228,7 @@ class Server:
             conversation = named_conversation(tenant, request.headers)
         waited = self.hosts.held(asked.model, heeded(request, asked.keep_alive), key)
         try:  # (a model of several may be loading: the client may leave meanwhile)
-            host, held = await unless_gone(request, waited)
+            host, held = await unless_gone(request, waited, dropped)
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
         try:

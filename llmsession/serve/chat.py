@@ -222,7 +222,8 @@ class Call:
     async def _respond(self, gone: asyncio.Future[None]) -> Response:
         asked, admission = self.asked, self.host.admission
         for retry in (False, True):
-            weight = await race(gone, admission.acquire(asked.n, behind=retry, caller=self._key))
+            granted = admission.acquire(asked.n, behind=retry, caller=self._key)
+            weight = await race(gone, granted, lambda weight: admission.release(weight, self._key))
             if gone.done():  # (gone as it was admitted, in one turn of the loop: nothing starts)
                 admission.release(weight, self._key)
                 raise ClientGone
@@ -310,29 +311,43 @@ async def until(
     return events
 
 
-async def race(gone: asyncio.Future[None], work: Awaitable[T]) -> T:
+async def race(
+    gone: asyncio.Future[None], work: Awaitable[T], lost: Callable[[T], object] | None = None
+) -> T:
     """``work``'s result, unless the client goes away first: then ``work`` is cancelled (a
-    place in the queue is given up) and ``ClientGone`` raised."""
+    place in the queue is given up) and ``ClientGone`` raised. A result that came as the caller
+    itself was cancelled (a replica's request stopped, the server shutting down) is given to
+    ``lost`` (what it holds given back: it was lost, and a place with it, for good)."""
     task = asyncio.ensure_future(work)
     watched: set[asyncio.Future[Any]] = {task, gone}
     try:
         await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:
         if not task.done():
             task.cancel()  # (``Admission.acquire`` leaves the queue, or gives back what it got)
-    if task.done() and not task.cancelled():
+        elif lost is not None and not task.cancelled() and task.exception() is None:
+            lost(task.result())
+        raise
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
         return task.result()
     raise ClientGone
 
 
-async def unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result, unless the client goes away first (``race``): a request that waits
-    for its model to load waits no longer for nobody."""
+async def unless_gone(request: Request, work: Awaitable[T], lost: Callable[[T], object] | None = None) -> T:
+    """``work``'s result, unless the client goes away first (``race``, ``lost`` as there): a
+    request that waits for its model to load waits no longer for nobody."""
     gone = asyncio.ensure_future(disconnected(request))
     try:
-        return await race(gone, work)
+        return await race(gone, work, lost)
     finally:
         gone.cancel()
+
+
+def dropped(got: tuple[Any, Held]) -> None:
+    """A ``Hosts.held`` result's hold given back (``race``'s ``lost``)."""
+    got[1].drop()
 
 
 async def disconnected(request: Request) -> None:
