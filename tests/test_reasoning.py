@@ -613,3 +613,33 @@ def test_a_close_whose_token_goes_on_with_refused_text_gives_way_to_the_marker(
     assert reply.finish_reason == "complete" and reply.reasoning == said.split("</think>")[0], reply
     assert "</think>" in internals.local(r1).native.detokenize(list(internals.record(session)), special=True)
     assert session.respond("Again?", GenerationOptions(max_tokens=2, temperature=0)).text is not None
+
+
+@pytest.mark.parametrize(
+    ("thinking", "script"),
+    [
+        (False, "\n\nHello 世界 there"),
+        (True, "<think>\nhmm, 世\n</think>\n\n世界 ok"),
+        (True, "<think>\nhmm</think>x"),
+    ],
+)
+def test_a_split_replys_logprobs_are_its_content_tokens_each_with_its_own_bytes(
+    qwen3: Model, monkeypatch: pytest.MonkeyPatch, thinking: bool, script: str
+) -> None:
+    """Where a template has reasoning, a token was scored only if its text came out as content
+    at once: one the splitter held (whitespace before the reply, which could still be ``<think>``)
+    lost its score, and the next entry spelled both texts with its own bytes; a character's first
+    bytes, held by the decoder, had no entry either, so the next one's bytes were not UTF-8. Every
+    content token has its entry now, its own bytes and its share of the text; reasoning none."""
+    with scripted(monkeypatch, qwen3, script) as played:
+        options = GenerationOptions(logprobs=1, max_tokens=40, temperature=0)
+        reply = qwen3.session(thinking=thinking).respond("Say it.", options)
+    assert not played.refused and not played.off_script, played
+    entries = reply.logprobs
+    expected = script.rsplit("</think>", 1)[-1].lstrip("\n") if thinking else script
+    assert entries is not None and reply.text == expected
+    assert "".join(e.token for e in entries) == reply.text
+    content = reply.text.encode() if thinking else script.encode()  # (thinking: the blank line is markup)
+    assert b"".join(e.bytes for e in entries) == content
+    if not thinking:
+        assert len(entries) == len(qwen3.tokenize(script, add_special=False))

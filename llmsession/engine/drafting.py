@@ -15,10 +15,17 @@ but for the split noise between a batched and a one-token decode on some CPUs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from llmsession.replies import Usage
+
+
+class Dropping(Protocol):
+    """What memory a reply's tokens are in (a ``Seat``): its last items dropped."""
+
+    def drop_last(self, n_items: int) -> None: ...
+
 
 LONGEST, SHORTEST = 4, 2  # the n-gram lengths matched, longest first
 HISTORY = 4096  # the transcript's last tokens indexed (a lookup begins with the reply's second step)
@@ -109,3 +116,11 @@ class Drafter:
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else (1.0 - WEIGHT) * old + WEIGHT * new
+
+
+def unhold(seat: Dropping, n_items: int, usage: Usage, *, said: bool) -> None:
+    """A reply ended inside its last step's kept drafts, at the first of the last ``n_items``
+    (``said``: its last token): memory stops before it, drafts never said are not accepted."""
+    if n_items > 0:
+        seat.drop_last(n_items)
+        usage.accepted_drafts -= n_items - said

@@ -19,7 +19,7 @@ from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING
 
-from llmsession.engine.drafting import Drafter
+from llmsession.engine.drafting import Drafter, unhold
 from llmsession.engine.prefill import prefill
 from llmsession.engine.prefix import starts_a_chunk
 from llmsession.engine.prompt import Prompt
@@ -198,7 +198,10 @@ class Exchange:
             # The detokenizer may still hold the first bytes of a character the reply was cut
             # inside of (max_tokens, cancel): they stay in the token record, not in the text.
             if self.thinking is not None and not stops.stopped:
-                more = stops.push(self.thinking.flush())
+                kept_back = self.thinking.flush()
+                if self.scoring is not None:
+                    self.scoring.settle(kept_back)  # (the tokens of the text it held: content?)
+                more = stops.push(kept_back)
                 if more or self.thinking.pending:
                     yield more
             tail = "" if stops.stopped else stops.flush()
@@ -230,25 +233,17 @@ class Exchange:
                 self.finish = (
                     "cancelled" if self.cancelled.is_set() else "complete" if sampler.complete else "stop"
                 )
-                _unhold(seat, held - index, usage, said=False)
+                unhold(seat, held - index, usage, said=False)
                 return True
             usage.completion_tokens += 1
-            piece = native.piece(token, special=token in self.spelled)
-            text = detokenizer.push(piece)
-            if self.thinking is not None:
-                text = self.thinking.split(text, usage, counted=not self.thinking.forced(index))
-                if self.thinking.after_close and self.constraint is not None:  # (before it began)
-                    written = self.thinking.after_close
-                    sampler.catch_up(native.tokenize(written, add_special=False, parse_special=False))
-            if self.scoring is not None and (text or self.thinking is None):  # (reasoning: no scores)
-                self.scoring.note(token, piece, text, detokenizer.before, sampled=index == 0)
+            text = self._text(token, index, usage, sampler, detokenizer)
             delta = stops.push(text)
             if delta or (self.thinking is not None and self.thinking.pending):
                 try:
                     yield delta
                 except GeneratorExit:  # closed here: the reply keeps this token, memory all but it
                     self.tokens.append(token)
-                    _unhold(seat, held - index, usage, said=True)
+                    unhold(seat, held - index, usage, said=True)
                     raise
             if index >= held:
                 batch.append(token)
@@ -261,11 +256,27 @@ class Exchange:
                 self.finish = "complete"  # finished by the last token it was allowed
             # else "length": the last token needs no decode; forced ones before it do
             if index < held:
-                _unhold(seat, held - index, usage, said=True)
+                unhold(seat, held - index, usage, said=True)
             else:
                 self._keep_forced(seat, batch[:-1], pos + held)
             return True
         return False
+
+    def _text(
+        self, token: int, index: int, usage: Usage, sampler: TokenSampler, detok: IncrementalDetokenizer
+    ) -> str:
+        """The reply's text the ``index``-th pending token completes, less the reasoning it
+        holds; scored if logprobs are asked for (``Scoring.noted``)."""
+        piece = self.place.native.piece(token, special=token in self.spelled)
+        completed = text = detok.push(piece)
+        if self.thinking is not None:
+            text = self.thinking.split(completed, usage, counted=not self.thinking.forced(index))
+            if self.thinking.after_close and self.constraint is not None:  # (before it began)
+                written = self.thinking.after_close
+                sampler.catch_up(self.place.native.tokenize(written, add_special=False, parse_special=False))
+        if self.scoring is not None:
+            self.scoring.noted(token, piece, completed, text, detok.before, index == 0, self.thinking)
+        return text
 
     def _cut(self, usage: Usage, at: int, sampler: TokenSampler, token: int) -> list[int]:
         return [] if self.thinking is None else self.thinking.instead(usage, at, token, sampler)
@@ -379,11 +390,3 @@ class Exchange:
         steps.close()
         if not self.done:
             self._record(Reply("", "cancelled", Usage(prompt_tokens=len(self.prompt.items)), Timings()))
-
-
-def _unhold(seat: Seat, n_items: int, usage: Usage, *, said: bool) -> None:
-    """A reply ended inside its last step's kept drafts, at the first of the last ``n_items``
-    (``said``: its last token): memory stops before it, drafts never said are not accepted."""
-    if n_items > 0:
-        seat.drop_last(n_items)
-        usage.accepted_drafts -= n_items - said

@@ -284,6 +284,11 @@ class Splitter:
         return None if at < 0 else probe[at + len(close) :]
 
     @property
+    def holding(self) -> bool:
+        """Text is held back, not yet known to be reasoning, content or markup."""
+        return bool(self._held)
+
+    @property
     def labelling(self) -> bool:
         """The block's channel name (``Markers.label``) is still to be read."""
         return self._label
