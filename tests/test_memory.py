@@ -178,7 +178,8 @@ def test_a_park_that_fails_leaves_no_cells_behind_in_the_sequence_it_freed(
     """A state read that fails while a session is parked to make room (the ledger already has
     it parked and its sequence free): the sequence is emptied and that session cold, so the next
     one placed there decodes from nothing, as a fresh decode does. Its cells stayed: the next
-    prompt was refused by llama.cpp, or decoded beside them."""
+    prompt was refused by llama.cpp, or decoded beside them. The ledger has it cold too: its
+    state's bytes stayed counted as parked, and made other sessions cold instead of parked."""
     with Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=1, anticipate=False) as model:
         first, second = model.session(), model.session()
         first.respond("Tell me about rivers.", REPLY)
@@ -193,6 +194,8 @@ def test_a_park_that_fails_leaves_no_cells_behind_in_the_sequence_it_freed(
             second.respond("Tell me about bridges.", REPLY)
         monkeypatch.setattr(NativeContext, "state_get", real)
         assert reads == [0] and internals.record(first) == ()
+        memory = model.memory()  # (the ledger had it parked: its bytes made others cold)
+        assert memory.parked_bytes == 0, memory
         tolerance = tolerance_for(short_prompt_noise(control))
         for session in (second, first):  # (each takes sequence 0 in turn: the other is parked)
             reply = session.respond("Tell me about bridges.", GREEDY)

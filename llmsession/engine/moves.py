@@ -40,8 +40,8 @@ class Mover:
 
     def _abandon(self, home: SharedContext, steps: list[Move]) -> None:
         """The sequences ``steps`` (from one that failed on) free, emptied, their sessions cold
-        (a swap that failed has done so itself: it moves two sessions); a parked state the
-        ledger lets go leaves RAM as it says."""
+        (a swap that failed has done so itself: it moves two sessions), a park's in the ledger
+        too; a parked state the ledger lets go leaves RAM as it says."""
         for step in steps[1:] if steps[0].action == "swap" else steps:
             if step.action == "release":
                 self.lot.discard(step.key)
@@ -49,6 +49,8 @@ class Mover:
             if step.action in ("park", "evict", "swap"):
                 home.context.seq_rm(-1, step.seq)
                 home.leases[step.key].cache.reset()  # type: ignore[index]
+            if step.action == "park":
+                home.residency.lost(step.key)  # (the lot holds nothing of it)
             if step.action == "swap":
                 home.context.seq_rm(-1, step.to)
                 if step.other is not None:

@@ -130,6 +130,13 @@ class Residency:
         entry.state, entry.parked_bytes = State.COLD, 0
         return steps
 
+    def lost(self, key: Key) -> None:
+        """A session the ledger parked whose state never reached the lot (its park failed, or
+        came after one that did): cold, its bytes no longer counted (they made others cold)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.state is State.PARKED:
+            entry.state, entry.parked_bytes = State.COLD, 0
+
     def acquire(
         self, key: Key, cells: int, *, parkable: bool = True, touch: bool = True, place: bool = False
     ) -> list[Move]:
