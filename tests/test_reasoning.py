@@ -355,8 +355,15 @@ def test_the_apis_carry_the_reasoning(served: Served) -> None:
         reasoning={"effort": "minimal"},
         temperature=0,
     ) as events:
-        names = [e.type for e in events]
+        seen = list(events)
+    names = [e.type for e in seen]
     assert "response.reasoning_text.delta" in names and "response.reasoning_text.done" in names
+    # (a reasoning item's text is its content's part, added and done as a message's is)
+    parts = [(e.type, e.part.type) for e in seen if e.type.startswith("response.content_part.")]
+    assert parts[:2] == [
+        ("response.content_part.added", "reasoning_text"),
+        ("response.content_part.done", "reasoning_text"),
+    ]
 
     claude = anthropic.Anthropic(base_url=served.url.removesuffix("/v1"), api_key=KEY, max_retries=0)
     thought = claude.messages.create(

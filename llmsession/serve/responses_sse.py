@@ -113,7 +113,7 @@ class ResponseObject:
         items = Items()
         if reply.reasoning:
             items.items.append(_reasoning(reply.reasoning))
-        if reply.text or not (reply.tool_calls or reply.reasoning):  # (as the stream's items)
+        if reply.text or not (reply.tool_calls or reply.reasoning or _status(reply) != "completed"):
             items.items.append(_message(reply.text))
         for call in reply.tool_calls:
             items.items.append(_call(call.id, call.name, call.arguments))
@@ -174,8 +174,10 @@ class ResponseObject:
         if item["type"] in ("message", "reasoning"):
             shown["content"] = []
         out = [self._event("response.output_item.added", output_index=index, item=shown)]
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            if item["type"] == "reasoning":
+                part = {"type": "reasoning_text", "text": ""}
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             out.append(self._event("response.content_part.added", **where, part=part))
         return out
@@ -195,6 +197,7 @@ class ResponseObject:
         elif item["type"] == "reasoning":
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             out.append(self._event("response.reasoning_text.done", **where, text=item["content"][0]["text"]))
+            out.append(self._event("response.content_part.done", **where, part=item["content"][0]))
         else:
             where = {"item_id": item["id"], "output_index": index}
             out.append(
@@ -217,16 +220,19 @@ class ResponseObject:
         such call is an output of the response, as the response not streamed has none: what is
         stored must be what a continuation can answer. (An earlier call of the same reply was
         streamed ``completed`` when the next one opened; it is left out all the same.) Left with
-        no item, it ends with an empty message, as the response not streamed does, given the
-        next output index of the stream (the first of the response's)."""
+        no item, a completed response ends with an empty message, as the response not streamed
+        does, given the next output index of the stream (the first of the response's); one cut
+        short has none, as OpenAI's (an empty message under ``text.format`` failed the SDK's
+        parse of its text before the ``response.incomplete`` came)."""
         status = _status(reply)
         made = {call.id for call in reply.tool_calls}
         cut = items.open and items.call is not None and items.items[-1]["call_id"] not in made
-        out = [] if items.items else self._open(items, _message(""))
+        empty = status == "completed"  # (an answer that said nothing; one cut short has no item)
+        out = [] if items.items or not empty else self._open(items, _message(""))
         closing = "completed" if status == "completed" else "incomplete"  # (an item's status)
         out += self._close(items, "incomplete" if cut else closing)
         kept = [item for item in items.items if item["type"] != "function_call" or item["call_id"] in made]
-        if not kept:
+        if not kept and empty:
             out += self._open(items, _message("")) + self._close(items, closing)
             kept = items.items[-1:]
         final = self.final(reply, Items(kept))
