@@ -620,3 +620,41 @@ def test_a_call_no_response_body_can_hold_is_its_input_as_text() -> None:
         JSONResponse({"input": value})  # (what the body's encoding does)
     finite = tool_input(ToolCall("toolu_1", "f", '{"x": 1e300, "y": "\\ud83d\\ude00"}'))
     assert finite == {"x": 1e300, "y": "😀"}
+
+
+@pytest.mark.parametrize(
+    ("pieces", "made"),
+    [
+        (['{"x": [1,', " 2]}"], '{"x": [1, 2]}'),
+        (['{"x": "\\ud83d', ' smile"}'], '{"x": "\\ud83d smile"}'),  # (the SDK's parse raised)
+        (['{"x": 1e9', "99}"], '{"x": 1e999}'),  # (infinity streamed, its text in the body)
+        (["[1]"], "[1]"),  # (the value itself streamed, under a key in the body)
+        (['{"x": "ab'], None),  # (cut short: no call made, one streamed)
+    ],
+)
+def test_a_streamed_call_is_the_bodys_as_the_sdk_reads_it(pieces: list[str], made: str | None) -> None:
+    """Pure: a call's pieces were streamed as the model wrote them, so a stream and a body of one
+    reply could disagree (a value not an object, a number past a double, a call cut short) or
+    the SDK's partial parse of a lone surrogate's escape raised mid-stream. Each call the reply
+    makes is its block at the end, its input the body's."""
+    from anthropic._streaming import SSEDecoder
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from llmsession.replies import Reply, Snapshot, Timings, ToolCall, ToolCallDelta, Usage
+    from llmsession.serve.messages_sse import AnthropicMessage, Blocks
+
+    used = Usage(prompt_tokens=5, completion_tokens=3)
+    snapshots = [Snapshot("a", "a"), Snapshot("", "a", (ToolCallDelta(0, "toolu_1", "f"),))]
+    snapshots += [Snapshot("", "a", (ToolCallDelta(0, arguments=piece),)) for piece in pieces]
+    calls = () if made is None else (ToolCall("toolu_1", "f", made),)
+    reply = Reply("a", "tool_calls" if calls else "length", used, Timings(), tool_calls=calls)
+    message, blocks = AnthropicMessage("m"), Blocks()
+    events = [message.start(used)]
+    for snapshot in snapshots:
+        events += message.pieces(snapshot, blocks)
+    events += message.finish(reply, blocks)
+    read: Any = None
+    buffers: dict[str, Any] = {}  # (the SDK's own: each block's JSON so far)
+    for sse in SSEDecoder().iter_bytes(iter([b"".join(events)])):
+        read = accumulate_event(event=sse.json(), current_snapshot=read, json_bufs=buffers)
+    assert [block.to_dict() for block in read.content] == message.body(reply)["content"]

@@ -83,10 +83,11 @@ class MessagesDoor:
         return self.message.body(replies[0])
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
-        message, blocks = self.message, Blocks()
+        message, blocks, loop = self.message, Blocks(), asyncio.get_running_loop()
         try:
             yield message.start(prompt_usage(first))
             yield message.ping()
+            said = loop.time()  # (a call's pieces show nothing until its end: pings meanwhile)
             async for event in waited(choices, first):
                 if event is None:
                     yield message.ping()
@@ -95,8 +96,12 @@ class MessagesDoor:
                     yield message.error(explain(event.error))
                     break
                 if event.snapshot is not None:
-                    for piece in message.pieces(event.snapshot, blocks):
+                    pieces = message.pieces(event.snapshot, blocks)
+                    if not pieces and loop.time() - said >= PING_SECONDS:
+                        pieces = [message.ping()]
+                    for piece in pieces:
                         yield piece
+                    said = said if not pieces else loop.time()
                 elif event.reply is not None:
                     for piece in message.finish(event.reply, blocks):
                         yield piece

@@ -107,7 +107,6 @@ class Blocks:
 
     index: int = -1
     kind: str | None = None  # "thinking", "text", "tool_use" or None (none open)
-    call: int | None = None  # the open tool_use block's call index
 
 
 @dataclass(frozen=True)
@@ -145,8 +144,8 @@ class AnthropicMessage:
         return event("message_start", {"type": "message_start", "message": message})
 
     def pieces(self, snapshot: Snapshot, blocks: Blocks) -> list[bytes]:
-        """A snapshot's events: its text in the open text block (one opened if need be), then
-        each call's pieces, a block per call."""
+        """A snapshot's events: its reasoning and text, each in its open block (one opened if
+        need be). Its calls' pieces are not shown: each call is a block at the end (``finish``)."""
         out: list[bytes] = []
         if snapshot.reasoning_delta:
             if blocks.kind != "thinking":
@@ -156,14 +155,6 @@ class AnthropicMessage:
             if blocks.kind != "text":
                 out += self._open(blocks, "text", {"type": "text", "text": ""})
             out.append(_delta(blocks.index, {"type": "text_delta", "text": snapshot.delta}))
-        for piece in snapshot.tool_calls:
-            if blocks.kind != "tool_use" or blocks.call != piece.index:
-                block = {"type": "tool_use", "id": piece.id or "", "name": piece.name or "", "input": {}}
-                out += self._open(blocks, "tool_use", block)
-                blocks.call = piece.index
-            if piece.arguments:
-                json_delta = {"type": "input_json_delta", "partial_json": piece.arguments}
-                out.append(_delta(blocks.index, json_delta))
         return out
 
     def _open(self, blocks: Blocks, kind: str, block: dict[str, Any]) -> list[bytes]:
@@ -180,13 +171,26 @@ class AnthropicMessage:
         out = []
         if blocks.kind == "thinking":  # (a thinking block ends with its signature: none here)
             out.append(_delta(blocks.index, {"type": "signature_delta", "signature": ""}))
-        blocks.kind, blocks.call = None, None
+        blocks.kind = None
         return [*out, event("content_block_stop", {"type": "content_block_stop", "index": blocks.index})]
 
     def finish(self, reply: Reply, blocks: Blocks) -> list[bytes]:
-        """The last block closed (an empty text block if none was opened), the stop reason and
-        usage, the end."""
-        out = [] if blocks.index >= 0 else self._open(blocks, "text", {"type": "text", "text": ""})
+        """The last block closed (an empty text block if the reply has none), a block for each
+        call the reply made, its input in one ``input_json_delta`` (the body's ``input``, so a
+        stream and a body agree: a call's pieces as they came were the model's text, which
+        the SDK's partial parse refused where it held a lone surrogate's escape, and which held
+        a call the reply cut short does not make), the stop reason and usage, the end."""
+        out = (
+            []
+            if blocks.index >= 0 or reply.tool_calls
+            else self._open(blocks, "text", {"type": "text", "text": ""})
+        )
+        for call in reply.tool_calls:
+            out += self._open(
+                blocks, "tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            )
+            json_delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input(call))}
+            out.append(_delta(blocks.index, json_delta))
         out += self._close(blocks)
         delta = {"stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence}
         payload = {"type": "message_delta", "delta": delta, "usage": usage(reply.usage)}
