@@ -189,3 +189,17 @@ def test_making_choices_copies_no_message_each_choice_copies_its_own(
     assert all(replies) and len(copied) == 2 and threading.current_thread().name not in copied
     with pytest.raises(Exception, match="user message or tool results"):
         smollm2.chat_choices([{"role": "assistant", "content": ""}], GREEDY, n=2)
+
+
+def test_a_choices_time_to_first_token_counts_the_prefill_it_shares(smollm2: Model) -> None:
+    """A choice's time to first token runs from the choices' call, as an exchange's does from
+    its own: it was the fork's alone (a one-token prefill), the prompt's decode left out, and
+    the server's time-to-first-token histogram said every ``n`` request answered at once."""
+    long = " ".join([QUESTION] * 12)  # (~250 tokens: its decode is most of a first token's time)
+    messages = [{"role": "user", "content": long}]
+    alone = smollm2.session(share_prefix=False).respond(long, GREEDY).timings
+    replies = run_all(smollm2.chat_choices(messages, GREEDY, n=2, tenant="choices-ttft", share_prefix=False))
+    for reply in replies:
+        timings = reply.timings  # type: ignore[attr-defined]
+        assert timings.time_to_first_token_s >= timings.prefill_s >= 0.5 * alone.prefill_s, (timings, alone)
+        assert timings.time_to_first_token_s >= 0.5 * alone.time_to_first_token_s, (timings, alone)

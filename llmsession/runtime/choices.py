@@ -11,7 +11,9 @@ never begins (its ``reply`` stays None)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 
 from llmsession.errors import MemoryBudgetError, ModelClosedError
@@ -188,6 +190,41 @@ class Lazy(Stream):
                 ended()
 
 
+class After(Stream):
+    """A fork's stream, its reply's timings counting the prefill before it (``before``): a
+    choice's time to first token runs from the choices' call, as an exchange's does from its
+    own (it was the fork's alone, the prompt's decode left out)."""
+
+    def __init__(self, stream: Stream, before: Timings) -> None:
+        self.session = stream.session
+        self._stream, self._before = stream, before
+        self._reply: Reply | None = None
+
+    @property
+    def reply(self) -> Reply | None:
+        if self._reply is None and (reply := self._stream.reply) is not None:
+            own, before = reply.timings, self._before
+            timings = replace(
+                own,
+                time_to_first_token_s=before.time_to_first_token_s + own.time_to_first_token_s,
+                render_s=before.render_s + own.render_s,
+                tokenize_s=before.tokenize_s + own.tokenize_s,
+                plan_s=before.plan_s + own.plan_s,
+                prefill_s=before.prefill_s + own.prefill_s,
+            )
+            self._reply = replace(reply, timings=timings)
+        return self._reply
+
+    def __next__(self) -> Snapshot:
+        return next(self._stream)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 class Forks:
     """The forks of one prefill: ``prefill`` (a stateless call of one token whose session is
     left out of the kept ones), then ``n`` forks, then ``settle`` (the session kept, or closed);
@@ -211,6 +248,7 @@ class Forks:
         self._sessions: list[LocalSession] | None = None
         self._dropped: set[int] = set()  # choices closed before the forks were made
         self._error: BaseException | None = None
+        self._before: Timings | None = None  # the prefill's, from the first choice's start
 
     def choices(self) -> Choices:
         streams: list[Stream] = [
@@ -231,7 +269,8 @@ class Forks:
         assert self._sessions is not None and self.prompt is not None
         if not self._sessions:  # the prefill was cancelled: no forks
             return Ended(self.prompt)
-        return self._answer(self._sessions[index], index, seeded(self._options, index))
+        stream = self._answer(self._sessions[index], index, seeded(self._options, index))
+        return stream if self._before is None else After(stream, self._before)
 
     def _close(self, index: int) -> None:
         with self._once:
@@ -252,6 +291,7 @@ class Forks:
     def _prepare(self) -> list[LocalSession]:
         """The prefill decoded, then the forks made (none if it was cancelled); its session is
         settled on every path, errors included."""
+        begun = time.perf_counter()
         stream = self._prefill()
         base = stream.session
         assert isinstance(base, LocalSession)
@@ -289,5 +329,6 @@ class Forks:
             fork.looks_ahead = False  # (closed after its reply: nothing will follow it)
             if index in self._dropped:
                 fork.close()
-        self.prompt = reply.usage
+        self.prompt, own = reply.usage, reply.timings
+        self._before = replace(own, time_to_first_token_s=time.perf_counter() - begun, first_sample_s=0.0)
         return forks

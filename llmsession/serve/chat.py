@@ -104,7 +104,14 @@ class Host:
             forks = self.model.complete_choices(asked.prompt, asked.options, n=asked.n, **whose)
         else:
             forks = self.model.chat_choices(asked.messages, asked.options, n=asked.n, **whose)
-        return Choices(asked.n, forks.__getitem__, self.metrics.reply, released, forks)
+        counted: list[Reply] = []
+
+        def ended(reply: Reply) -> None:  # (each fork's usage counts the shared prompt as reused)
+            shared = forks.prompt  # (None: separate calls, a model in a worker process)
+            self.metrics.reply(reply, forked=shared is not None, prompt=None if counted else shared)
+            counted.append(reply)
+
+        return Choices(asked.n, forks.__getitem__, ended, released, forks)
 
 
 class Held:

@@ -7,7 +7,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 
-from llmsession.replies import Reply
+from llmsession.replies import Reply, Usage
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SESSION_STATES = ("live", "parked", "disk", "cold")
@@ -35,14 +35,17 @@ class Metrics:
         with self._lock:
             self.in_flight += change
 
-    def reply(self, reply: Reply) -> None:
-        """An exchange that ended (cancelled ones too: their tokens were decoded)."""
+    def reply(self, reply: Reply, *, forked: bool = False, prompt: Usage | None = None) -> None:
+        """An exchange that ended (cancelled ones too: their tokens were decoded); ``forked``,
+        one choice of several that share a prefill, whose own usage counts the whole prompt as
+        reused: the prompt is ``prompt`` (the prefill's, given with one of them only)."""
         usage, ttft = reply.usage, reply.timings.time_to_first_token_s
+        asked = prompt if forked else usage
         with self._lock:
             self.finishes[reply.finish_reason] += 1
-            self.prompt_tokens += usage.prompt_tokens
+            self.prompt_tokens += 0 if asked is None else asked.prompt_tokens
             self.completion_tokens += usage.completion_tokens
-            self.cached_tokens += usage.reused_tokens
+            self.cached_tokens += 0 if asked is None else asked.reused_tokens
             self.drafted_tokens += usage.drafted_tokens
             self.accepted_drafts += usage.accepted_drafts
             if usage.completion_tokens:  # (a reply cancelled before its first token has none)
