@@ -257,3 +257,38 @@ def test_every_use_of_a_closed_model_raises_and_what_stays_readable(either: Mode
     assert either.closed and either.threads == 1 and either.pooling is None
     assert session.closed and session.cached_tokens == 0
     assert len(session.messages) == 2 and session.config.context_size == 512
+
+
+def test_a_context_that_fails_half_built_is_freed_and_its_model_closes(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A context was its model's child before it was whole: one that failed after (its batch
+    refused memory) and was kept alive by the error made the model's ``close`` stop at it (an
+    AttributeError: no batch), its weights never freed; its context and thread pool stayed
+    until collected. Half-built, both are freed at once and it is no child."""
+    from llmsession.native import context as context_module
+    from llmsession.native.context import NativeContext
+    from llmsession.native.llama import NativeModel
+    from llmsession.native.threadpool import ThreadPool
+
+    freed: list[ThreadPool] = []
+    free = ThreadPool.free
+
+    def counted(pool: ThreadPool) -> None:
+        freed.append(pool)
+        free(pool)
+
+    def refused(*args: object) -> None:
+        raise MemoryError("a batch (injected)")
+
+    native = NativeModel(str(smollm2_path))
+    try:
+        monkeypatch.setattr(ThreadPool, "free", counted)
+        monkeypatch.setattr(context_module, "Batch", refused)
+        with pytest.raises(MemoryError) as failed:
+            NativeContext(native, n_ctx=256, n_batch=32, threads=2)
+        assert len(freed) == 1 and native.children() == []
+        monkeypatch.undo()
+    finally:
+        native.close()  # (raised here before, the error's frame holding the half-built context)
+    assert native.closed and failed.value is not None

@@ -109,29 +109,55 @@ class NativeContext(Owner):
         if embeddings:
             params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
         pool = ThreadPool(params.n_threads)
-        pointer, reported, rows = _made(lib, ffi, model, params, cells=embeddings)
+        try:
+            pointer, reported, rows = _made(lib, ffi, model, params, cells=embeddings)
+        except BaseException:
+            pool.free()  # (its worker threads: no context holds it)
+            raise
         if pointer == ffi.NULL:
             pool.free()
         else:
             self._free = weakref.finalize(self, _free_context, lib, pointer, pool, model)
+        try:  # (half-built, it is freed here and no model's child: its close would fail)
+            self._built(model, pointer, pool, params, reported, rows, embeddings, own_cells, n_ctx)
+        except BaseException:
+            if pointer != ffi.NULL:
+                self._free()
+            raise
+        model.adopt(self)
+        self._flag = AbortFlag()
+        self._abort_cb = abort_callback(self._flag)
+        self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)
+
+    def _built(
+        self,
+        model: NativeModel,
+        pointer: Any,
+        pool: ThreadPool,
+        params: Any,
+        reported: int,
+        rows: int,
+        embeddings: bool,
+        own_cells: bool,
+        n_ctx: int,
+    ) -> None:
+        """The context's pointer checked, its thread pool attached, what it is read."""
+        lib, _ = bindings()
         raise_pending()
         self._ptr = not_null(pointer, "creating a llama context")
         lib.llama_attach_threadpool(self._ptr, pool.ptr, pool.ptr)
         POOLED.add(self)
-        model.adopt(self)
         # What llama.cpp reported making (its compute buffers; an embedding context's cells too),
         # and its output buffer, which grows (never shrinks) to the rows a decode asks for.
         row = model.n_vocab + (model.n_embd_out if embeddings or model.has_encoder else 0)
         self.reported, self.buffers = reported, reported + rows * row * 4
         self._memory = lib.llama_get_memory(self.ptr)
+        n_seq_max = params.n_seq_max
         self.own_cells, self.n_seq_max = own_cells and n_seq_max > 1, n_seq_max
         whole = lib.llama_n_ctx_seq(self.ptr) if self.own_cells else lib.llama_n_ctx(self.ptr)
         self.n_ctx: int = min(n_ctx // n_seq_max if self.own_cells else n_ctx, whole)  # a sequence's
         self.state_layout = self._expected_state(model, whole, params.type_k)
-        self.n_batch, self.batch = n_batch, Batch(n_batch, rows)
-        self._flag = AbortFlag()
-        self._abort_cb = abort_callback(self._flag)
-        self._abort_installed: tuple[Any, Any] | None = None  # (callback, data)
+        self.n_batch, self.batch = params.n_batch, Batch(params.n_batch, rows)
 
     def _expected_state(self, model: NativeModel, cells: int, kv_type: int) -> StateLayout | None:
         """What a sequence's state holds (``stateblob``): the model's parts, each recurrent part's
