@@ -146,6 +146,7 @@ class Reply:
     logprobs: tuple[TokenLogprob, ...] | None = None  # with ``logprobs`` asked: its text's tokens
     stop_sequence: str | None = None  # the stop string that ended it (``GenerationOptions.stop``)
     reasoning: str = ""  # a thinking template's reasoning, split from ``text``
+    context_full: bool = False  # "length" at the session's context size, not at ``max_tokens``
 
 
 def assistant_message(reply: Reply) -> dict[str, Any]:

@@ -16,13 +16,14 @@ from typing import Any, Literal
 
 import anthropic
 import httpx
+import openai
 import pydantic
 import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running, serving
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from llmsession import Model, Transcript
+from llmsession import GenerationOptions, Model, SessionConfig, Transcript
 from llmsession.commands.cli import parser
 from llmsession.commands.serve import volatile_lines
 from llmsession.serve import doors
@@ -658,3 +659,35 @@ def test_a_streamed_call_is_the_bodys_as_the_sdk_reads_it(pieces: list[str], mad
     for sse in SSEDecoder().iter_bytes(iter([b"".join(events)])):
         read = accumulate_event(event=sse.json(), current_snapshot=read, json_bufs=buffers)
     assert [block.to_dict() for block in read.content] == message.body(reply)["content"]
+
+
+def test_a_reply_the_context_ends_says_so(smollm2_path: Path) -> None:
+    """A reply that filled its session's context said ``max_tokens`` (a ``length`` like any):
+    an agent told so raises its limit and meets the same end. Anthropic's own stop reason for
+    it, ``model_context_window_exceeded``, where it was the context (``Reply.context_full``);
+    ``max_tokens`` where it was the limit; chat completions say ``length`` for both, as OpenAI's
+    and llama-server's do."""
+    said = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    with Model(smollm2_path, threads=1) as model:
+        long = model.session(context_size=64).respond(said[0]["content"], GenerationOptions(max_tokens=500))
+        assert long.finish_reason == "length" and long.context_full
+        short = model.session(context_size=64).respond(said[0]["content"], GenerationOptions(max_tokens=3))
+        assert short.finish_reason == "length" and not short.context_full
+        app = create_app(model, api_key=KEY, session=SessionConfig(context_size=64))
+        with running(app) as url:
+            claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=KEY, max_retries=0)
+            full = claude.messages.create(model="m", max_tokens=500, messages=said, extra_body=GREEDY)
+            assert full.stop_reason == "model_context_window_exceeded", full
+            capped = claude.messages.create(model="m", max_tokens=3, messages=said, extra_body=GREEDY)
+            assert capped.stop_reason == "max_tokens" and capped.usage.output_tokens == 3, capped
+            with claude.messages.stream(
+                model="m", max_tokens=500, messages=said, extra_body=GREEDY
+            ) as stream:
+                assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
+            chat = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0).chat.completions.create(
+                model="m",
+                messages=said,
+                max_tokens=500,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            assert chat.choices[0].finish_reason == "length"

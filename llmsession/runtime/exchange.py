@@ -70,6 +70,7 @@ class Exchange:
     phase: Phase = Phase.READY
     finish: FinishReason = "length"
     stop_sequence: str | None = None  # the stop string the reply was cut at
+    context_full: bool = False  # its "length" was the context's, not ``max_tokens``
     reply: Reply | None = None
     model_closed: bool = False  # its model was closed before it finished
     calling: Calling | None = None  # its tools, when the reply may call them
@@ -254,7 +255,8 @@ class Exchange:
                 continue
             elif sampler.finished and all(native.is_eog(t) for t in pending[index + 1 :]):
                 self.finish = "complete"  # finished by the last token it was allowed
-            # else "length": the last token needs no decode; forced ones before it do
+            else:  # "length": the last token needs no decode; forced ones before it do
+                self.context_full = usage.completion_tokens < options.max_tokens
             if index < held:
                 unhold(seat, held - index, usage, said=True)
             else:
@@ -373,7 +375,8 @@ class Exchange:
         if self.thinking is not None:
             self.text = self.thinking.preamble + self.text  # (as generated: its reasoning first)
         reasoning = "" if self.thinking is None else self.thinking.reasoning
-        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs, stop, reasoning))
+        full = self.context_full and finish == "length"
+        self._record(Reply(text, finish, usage, timings, parsed, calls, logprobs, stop, reasoning, full))
         if error is not None:
             raise error
 

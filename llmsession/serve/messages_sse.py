@@ -70,6 +70,8 @@ def usage(used: Usage | None) -> dict[str, Any]:
 def stop_reason(reply: Reply) -> str:
     if reply.stop_sequence is not None:
         return "stop_sequence"
+    if reply.context_full:  # (an agent that raised max_tokens would meet the same end)
+        return "model_context_window_exceeded"
     return STOP_REASONS.get(reply.finish_reason, "end_turn")
 
 
