@@ -1519,3 +1519,24 @@ def test_a_cut_for_an_unread_backlog_keeps_a_choice_that_had_ended_whole() -> No
         (0, "c"),
         (0, "end"),
     ]
+
+
+def test_a_choice_whose_events_a_cut_dropped_ends_in_the_cuts_error_though_it_had_ended() -> None:
+    """A decode that ended on its own just as the cut came (its last event not yet queued): its
+    unread deltas were dropped, and its reply, not cut short, was sent as a natural end after a
+    text with a hole in it (stored whole by the Responses door, streamed cut). A choice whose
+    events went ends in the cut's error, whatever its reply (pure logic)."""
+    from types import SimpleNamespace
+
+    from llmsession.replies import Snapshot
+    from llmsession.serve import runner
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        backlog = runner.Backlog(2)
+        backlog.put(runner.Event(1, reply=SimpleNamespace(finish_reason="stop")))  # type: ignore[arg-type]
+        for _ in range(runner.MAX_BACKLOG * 2):  # (choice 0's deltas, unread, to the cut)
+            backlog.put(runner.Event(0, snapshot=Snapshot("a", "")))
+        natural: Any = SimpleNamespace(finish_reason="stop")
+        return backlog.cut, backlog.lost(0, natural), backlog.lost(1, natural)
+
+    assert asyncio.run(scenario()) == (True, True, False)

@@ -58,15 +58,20 @@ def cut(reply: Reply | None) -> bool:
     return reply is None or reply.finish_reason == "cancelled"
 
 
-def dropped_unread(queue: asyncio.Queue[Event]) -> None:
+def dropped_unread(queue: asyncio.Queue[Event]) -> set[int]:
     """A cut for an unread backlog: the events its client left unread go (they held the memory
     for as long as the client kept its connection open), but every choice's last, and every
-    event of a choice that had ended (its reply whole, not cut short before a natural end)."""
+    event of a choice that had ended (its reply whole, not cut short before a natural end).
+    The choices whose events went."""
     events = [queue.get_nowait() for _ in range(queue.qsize())]
     ended = {event.index for event in events if event.last}
+    dropped = set()
     for event in events:
         if event.last or event.index in ended:
             queue.put_nowait(event)
+        else:
+            dropped.add(event.index)
+    return dropped
 
 
 class Backlog:
@@ -77,6 +82,7 @@ class Backlog:
     def __init__(self, n: int) -> None:
         self.n, self.queue, self.cut = n, asyncio.Queue[Event](), False
         self.cancels: list[Callable[[], None]] = []  # each choice's
+        self._dropped: set[int] = set()  # the choices whose unread events the cut dropped
 
     def put(self, event: Event) -> None:
         self.queue.put_nowait(event)
@@ -84,7 +90,13 @@ class Backlog:
             self.cut = True  # (its client reads nothing: every choice ends here)
             for cancel in self.cancels:
                 cancel()
-            dropped_unread(self.queue)
+            self._dropped = dropped_unread(self.queue)
+
+    def lost(self, index: int, reply: Reply | None) -> bool:
+        """Whether choice ``index``, ending with ``reply``, reaches its client cut: ended by the
+        cut, or with events of it dropped (a decode that had ended on its own as the cut came:
+        its reply said whole, text missing from the stream)."""
+        return self.cut and (cut(reply) or index in self._dropped)
 
 
 def overrun(index: int, n: int) -> Event:
@@ -130,7 +142,7 @@ class Run:
                     # Queued without the text so far (no door reads it): a client that reads
                     # nothing left a copy of the whole reply per token queued, T**2 bytes.
                     self._backlog.put(Event(self.index, snapshot=dataclasses.replace(snapshot, text="")))
-            if self._backlog.cut and cut(self._stream.reply):
+            if self._backlog.lost(self.index, self._stream.reply):
                 last = overrun(self.index, self._backlog.n)
             elif self._stream.reply is not None:  # (a stream ends with its reply, or raises)
                 last = Event(self.index, reply=self._stream.reply)
@@ -229,7 +241,7 @@ class Relay:
                     self._let_go()  # (the new choices hold the model themselves)
                 continue
             self._let_go()  # (something reached the stream: no running again)
-            if self._backlog.cut and event.error is None and event.last and cut(event.reply):
+            if event.error is None and event.last and self._backlog.lost(event.index, event.reply):
                 event = overrun(event.index, self.n)  # (cut, as ``Run`` ends one)
             self._backlog.put(event)
 
