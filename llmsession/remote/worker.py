@@ -72,6 +72,7 @@ class Worker:
         self.model: LocalModel | None = None
         self.loading_since: float | None = None
         self.busy = False  # a request that wants an answer is running
+        self.interrupts = threading.Lock()  # ``busy`` changes, and the reader interrupts, under it
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.send_lock:
@@ -87,12 +88,15 @@ class Worker:
                     if isinstance(stream, Stream):
                         stream.cancel()
                 elif message[0] == "interrupt":  # the caller's Ctrl-C, for the step it waited for
-                    if self.busy:
-                        _thread.interrupt_main()
+                    with self.interrupts:
+                        if self.busy:
+                            _thread.interrupt_main()
                 else:
                     self.requests.put(message)
         except (EOFError, OSError):  # the parent is gone: so is the reason to finish anything
             os._exit(0)
+        except BaseException:  # (a message torn by the parent's Ctrl-C: nothing more can be read)
+            os._exit(1)
 
     def beat(self) -> None:
         """While a request runs (idle, there is nobody to tell, and nobody reads)."""
@@ -120,15 +124,34 @@ class Worker:
     def serve_one(self) -> bool:
         """Run the next request and answer it; False after ``close``."""
         request, op, args = self.requests.get()
-        self.busy = request is not None
+        with self.interrupts:
+            self.busy = request is not None
         try:
-            value, error = getattr(self, f"op_{op}")(*args), None
+            outcome: tuple[str, Any] = ("ok", getattr(self, f"op_{op}")(*args))
         except BaseException as caught:  # returned to the caller, who raises it
-            value, error = None, portable(caught)
+            outcome = ("error", caught)
+        while True:  # (nothing between the step's end and here calls: no interrupt is taken)
+            try:
+                self.settle()
+                break
+            except KeyboardInterrupt:  # (asked for as the step ended, taken as ``settle`` began)
+                pass
         if request is not None:
-            self.send(("ok", request, value) if error is None else ("error", request, error))
-        self.busy = False
+            kind, value = outcome
+            self.send((kind, request, value if kind == "ok" else portable(value)))
         return op != "close"
+
+    def settle(self) -> None:
+        """No interrupt after this: none is asked for once ``busy`` is off, and one asked for
+        as the step ended is taken here (it came later, between the step and its answer: the
+        answer was lost, the caller waiting out the whole timeout, or torn halfway written)."""
+        with self.interrupts:
+            self.busy = False
+        try:
+            for _ in range(2):  # (a pending interrupt is raised at a jump back)
+                pass
+        except KeyboardInterrupt:
+            pass
 
     def keep(self, thing: Session | Stream) -> int:
         key = next(self.ids)
