@@ -287,14 +287,14 @@ def test_a_stream_dropped_in_one_thread_is_finished_before_another_threads_call(
     transcript out of order). The finishing is slowed here to make the race certain."""
     import llmsession.runtime.exchange as exchange
 
-    unhold = exchange._unhold
+    unhold = exchange.unhold  # (``engine.drafting``'s, as the exchange imports it)
 
     def slow_unhold(*args: Any, **kwargs: Any) -> None:
         if threading.current_thread().name == "dropper":
             threading.Event().wait(0.5)
         unhold(*args, **kwargs)
 
-    monkeypatch.setattr(exchange, "_unhold", slow_unhold)
+    monkeypatch.setattr(exchange, "unhold", slow_unhold)
     session = smollm2.session("Be brief.")
     options = GenerationOptions(max_tokens=4, temperature=0)
     dropped = threading.Event()
