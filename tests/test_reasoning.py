@@ -626,6 +626,7 @@ def test_a_close_whose_token_goes_on_with_refused_text_gives_way_to_the_marker(
     ("thinking", "script"),
     [
         (False, "\n\nHello 世界 there"),
+        (False, "😀 first"),  # (a character's first bytes before the splitter knows where)
         (True, "<think>\nhmm, 世\n</think>\n\n世界 ok"),
         (True, "<think>\nhmm</think>x"),
     ],
@@ -650,3 +651,17 @@ def test_a_split_replys_logprobs_are_its_content_tokens_each_with_its_own_bytes(
     assert b"".join(e.bytes for e in entries) == content
     if not thinking:
         assert len(entries) == len(qwen3.tokenize(script, add_special=False))
+
+
+def test_a_reply_cut_inside_its_reasoning_streams_no_scores(
+    qwen3: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokens held at a cut (``</th``, which may close the block) were reasoning: the end
+    gave the last of them an entry of no text, streamed though the reply has no content."""
+    script = "<think>\nabc def </think>\n\nok"
+    with scripted(monkeypatch, qwen3, script) as played:
+        cut = len(qwen3.tokenize("<think>\nabc def </th", add_special=False))
+        stream = qwen3.session(thinking=True).stream("Say it.", GenerationOptions(logprobs=1, max_tokens=cut))
+        streamed = [entry for snapshot in stream for entry in snapshot.logprobs]
+    assert not played.refused and stream.reply is not None and stream.reply.text == "", stream.reply
+    assert streamed == [] and stream.reply.logprobs == ()

@@ -201,7 +201,7 @@ class Exchange:
             if self.thinking is not None and not stops.stopped:
                 kept_back = self.thinking.flush()
                 if self.scoring is not None:
-                    self.scoring.settle(kept_back)  # (the tokens of the text it held: content?)
+                    self.scoring.flushed(kept_back)  # (the tokens of the text it held: content?)
                 more = stops.push(kept_back)
                 if more or self.thinking.pending:
                     yield more

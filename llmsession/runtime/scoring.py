@@ -73,8 +73,16 @@ class Scoring:
         answering = splitter.done and not splitter.inside
         if content or (not splitter.holding and answering and not text):  # (a character's first bytes)
             self.settle(content)
-        elif not splitter.holding:
+        elif not splitter.holding and text:  # (its text, and what was held, is reasoning or markup)
             self._waiting.clear()
+        # (else it waits: held, or a character's first bytes before the splitter knows where)
+
+    def flushed(self, content: str) -> None:
+        """The reply's end: what the splitter held came out as ``content`` (none: the waiting
+        tokens were reasoning or markup, and have no entries)."""
+        if content:
+            self.settle(content)
+        self._waiting.clear()
 
     def settle(self, content: str) -> None:
         """The waiting tokens' entries, ``content`` shared among them from the end (the first
@@ -83,7 +91,7 @@ class Scoring:
         waiting, self._waiting, end = self._waiting, [], len(content)
         shares: list[TokenLogprob] = []
         for position, entry in enumerate(reversed(waiting)):
-            if end == 0 and position > 0:
+            if end == 0 and position > 0 and entry.token:  # (a character's first bytes: its own)
                 break
             size = end if position == len(waiting) - 1 else min(len(entry.token), end)
             shares.append(replace(entry, token=content[end - size : end]))
