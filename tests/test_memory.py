@@ -291,3 +291,26 @@ def test_a_disk_cache_dir_that_cannot_be_made_is_a_miss_not_a_failed_load(
         assert (
             model.chat([{"role": "user", "content": "Hi."}], GenerationOptions(max_tokens=2)).text is not None
         )
+
+
+def test_a_seat_that_fails_once_the_ledger_said_yes_leaves_its_session_free(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the ledger's yes and the block that gives the session back, an error (or a
+    Ctrl-C, between two bytecodes) left the session busy for good: never evicted, so with one
+    live session no other could ever run. From the ledger's yes on, every path gives it back."""
+    from llmsession.engine import engine as engine_module
+
+    with Model(smollm2_path, threads=2, kv_tokens=1024, max_live_sessions=1, anticipate=False) as model:
+        first, second = model.session(), model.session()
+        first.respond("Tell me about rivers.", REPLY)
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise MemoryError("a seat (injected)")
+
+        seat = engine_module.Seat
+        monkeypatch.setattr(engine_module, "Seat", refused)
+        with pytest.raises(MemoryError, match="injected"):
+            first.respond("And lakes?", REPLY)
+        monkeypatch.setattr(engine_module, "Seat", seat)
+        assert second.respond("Tell me about bridges.", REPLY).text  # (the first evicted for it)

@@ -215,35 +215,33 @@ class Engine:
         evicting anyone, else ``MemoryBudgetError``; it is neither counted nor made recent.
         ``joins``: an exchange that generates, placed beside the others in exchanges
         (``placement``; saving, loading and forking a state move nobody)."""
-        home = lease.shared_context
-        with self.hold():
-            if self._closed:
-                raise ModelClosedError("the model is closed")
-            self._reap()
-            if cells > home.budget.kv_cells:
-                most = home.budget.kv_cells
-                raise MemoryBudgetError(f"{cells} positions exceed a live session's {most} cells")
-            if not exchange and not home.residency.fits(lease.key, cells):
-                raise MemoryBudgetError("background work evicts no one")
-            # (a BudgetError is the MemoryBudgetError callers see)
-            steps = home.residency.acquire(
-                lease.key, cells, parkable=lease.parkable, touch=exchange, place=joins
-            )
-            try:
+        home, busy = lease.shared_context, False
+        try:  # (from the ledger's yes on, on every path: not left busy, never evicted again)
+            with self.hold():
+                if self._closed:
+                    raise ModelClosedError("the model is closed")
+                self._reap()
+                if cells > home.budget.kv_cells:
+                    most = home.budget.kv_cells
+                    raise MemoryBudgetError(f"{cells} positions exceed a live session's {most} cells")
+                if not exchange and not home.residency.fits(lease.key, cells):
+                    raise MemoryBudgetError("background work evicts no one")
+                # (a BudgetError is the MemoryBudgetError callers see)
+                steps = home.residency.acquire(
+                    lease.key, cells, parkable=lease.parkable, touch=exchange, place=joins
+                )
+                busy = True  # (nothing between the ledger's answer and here takes an interrupt)
                 self.apply(home, steps)
                 seq = home.residency.entry(lease.key).seq
                 if not any(s.action == "restore" and s.key == lease.key for s in steps):
                     self.moves.settle(home, lease, seq)
-            except BaseException:  # (not left busy: it may be evicted again)
-                home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
-                raise
-            self.counters.exchanges += exchange
-        seat = Seat(self, lease, home.context, seq, cancelled)
-        try:
+                self.counters.exchanges += exchange
+                seat = Seat(self, lease, home.context, seq, cancelled)
             yield seat
         finally:
-            with self.hold():
-                home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
+            if busy:
+                with self.hold():
+                    home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
 
     @contextmanager
     def single_use(self, lease: Lease, n_ctx: int, cancelled: _threading.Event) -> Iterator[Seat]:
