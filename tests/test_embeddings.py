@@ -240,8 +240,8 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + 30
-            while server.embedding_waiting < embeddings.MAX_WAITING:
-                assert time.monotonic() < deadline, server.embedding_waiting
+            while server.embedding_waiting[embeddings.WAITING] < embeddings.MAX_WAITING:
+                assert time.monotonic() < deadline, server.embedding_waiting.counts
                 time.sleep(0.01)
             ask()  # (one more: past the bound)
             assert statuses == [503]

@@ -47,6 +47,7 @@ from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 from llmsession.serve.store import ResponseStore
+from llmsession.serve.tally import Tally
 from llmsession.serve.translation import Volatile
 from llmsession.text.tools import replaced_options
 
@@ -88,7 +89,7 @@ class Server:
         self.bodies = Bodies(max_body_bytes)
         self.parsing = self.bodies.parsing  # (a count of tokens takes one too)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
-        self.embedding_waiting = 0  # requests waiting for it (``embeddings.MAX_WAITING``)
+        self.embedding_waiting = Tally()  # requests waiting for it (``embeddings.MAX_WAITING``)
         self.created = int(time.time())
         self.fronted = False  # a cluster's replica: the front names each request's conversation
 

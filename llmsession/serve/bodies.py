@@ -7,14 +7,14 @@ one key's, each counted until a parser takes it: what bodies hold in memory stay
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 from collections.abc import AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 
-from llmsession.serve.errors import ApiError, busy, too_large
+from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.http import declared
+from llmsession.serve.tally import Tally
 
 PARSERS = 4  # requests checking their body at once (read before: a slow sender holds no slot)
 BODY_SECONDS = 60  # the most a request's body may take to arrive (then a 408)
@@ -29,7 +29,7 @@ class Bodies:
         self.max_body_bytes = max_body_bytes
         self.parsing = asyncio.Semaphore(PARSERS)
         self.reading = asyncio.Semaphore(READERS)
-        self.reading_of: collections.Counter[str | None] = collections.Counter()  # by key
+        self.reading_of = Tally()  # by key
 
     @contextlib.asynccontextmanager
     async def parsed(self, request: Request, limit: int | None = None) -> AsyncIterator[bytes]:
@@ -49,16 +49,10 @@ class Bodies:
     async def _reading(self, request: Request) -> AsyncIterator[None]:
         """A place among the bodies read at once, and in its key's share (``_read``)."""
         key: str | None = getattr(request.state, "key", None)  # (None: a server of no keys)
-        if key is not None and self.reading_of[key] >= READERS_PER_KEY:
-            raise busy(f"this key is sending {READERS_PER_KEY} request bodies already")
-        self.reading_of[key] += 1
-        try:
+        why = f"this key is sending {READERS_PER_KEY} request bodies already"
+        with self.reading_of.counting((key, None if key is None else READERS_PER_KEY, why)):
             async with self.reading:
                 yield
-        finally:
-            self.reading_of[key] -= 1
-            if not self.reading_of[key]:
-                del self.reading_of[key]
 
     async def _read(self, request: Request, limit: int | None) -> bytes:
         """The request body, refused (413) past the size limit (or ``limit``, if tighter) before

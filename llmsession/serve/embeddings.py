@@ -17,11 +17,11 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmsession.errors import ContextOverflowError
+from llmsession.errors import ContextOverflowError, ModelOutputError
 from llmsession.serve.access import heeded
 from llmsession.serve.body import parse_json, string
 from llmsession.serve.chat import ClientGone, unless_gone
-from llmsession.serve.errors import ApiError, busy
+from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import keep_alive_of
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
 MAX_WAITING = 16  # embedding requests waiting for the one run at a time; past it a 503
+WAITING = "embeddings"  # (their count's name in ``Server.embedding_waiting``)
 MAX_INPUT_TOKENS = 8192  # token ids an input given as ids may have
 MAX_TOKENS = 300_000  # tokens a request's inputs have in all (OpenAI's limit)
 # A request is run a piece at a time (a batch's worth: at most this many inputs and tokens,
@@ -101,6 +102,8 @@ def embedded(model: Model, ask: EmbeddingsAsk, stop: threading.Event) -> tuple[n
             raise ApiError(renumbered(error, start), "input") from None
         except ContextOverflowError as error:  # (an input longer than the context)
             raise ContextOverflowError(renumbered(error, start)) from None
+        except ModelOutputError as error:  # (a broken model's NaN)
+            raise ModelOutputError(renumbered(error, start)) from None
     return np.concatenate(rows), tokens
 
 
@@ -139,8 +142,6 @@ async def embeddings(server: Server, request: Request) -> Response:
     async with server.parsed_body(request) as body:  # (a few at once, as a chat's)
         ask = await asyncio.to_thread(lambda: embeddings_request(parse_json(body)))
     name = server.hosts.served(ask.model)
-    if server.embedding_waiting >= MAX_WAITING:  # (each waits holding its inputs)
-        raise busy("too many embedding requests are waiting")
     stop = threading.Event()
     try:  # (the client may leave while a model loads, while it waits its turn, while it runs)
         vectors, tokens = await unless_gone(request, run(server, request, ask, stop))
@@ -154,17 +155,15 @@ async def embeddings(server: Server, request: Request) -> Response:
 async def run(
     server: Server, request: Request, ask: EmbeddingsAsk, stop: threading.Event
 ) -> tuple[np.ndarray, int]:
-    """The request's embeddings, once its model is held and the one run at a time is its."""
-    server.embedding_waiting += 1  # (from here: a model of several may be loading first)
-    try:
+    """The request's embeddings, once its model is held and the one run at a time is its (at
+    most ``MAX_WAITING`` wait, a model of several perhaps loading first: each holds its inputs)."""
+    with server.embedding_waiting.counting((WAITING, MAX_WAITING, "too many embedding requests are waiting")):
         host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive))
         try:
             await server.embedding.acquire()  # (one run at a time: the rest wait here, not in threads)
         except BaseException:
             held.drop()
             raise
-    finally:
-        server.embedding_waiting -= 1
 
     def ended(_: object = None) -> None:  # (the run over: the next may start, the model go)
         server.embedding.release()

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -21,9 +20,10 @@ from llmsession.api.modelfiles import LOAD_RETRY_SECONDS, kind_of
 from llmsession.config import SessionConfig
 from llmsession.errors import ModelLoadError, ModelNotFoundError, ModelsFullError
 from llmsession.serve.chat import Held, Host
-from llmsession.serve.errors import ApiError, busy
+from llmsession.serve.errors import ApiError
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
+from llmsession.serve.tally import Tally
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -100,7 +100,7 @@ class ManyModels:
         # loop (``_turns``), so loads never take the threads that parse bodies and answer.
         self._loader = ThreadPoolExecutor(len(self.names) + 1, thread_name_prefix="llmsession-load")
         self._turns: dict[str, asyncio.Lock] = {}
-        self._waiters: Counter[str | tuple[str, str | None]] = Counter()  # by model, and by key
+        self._waiters = Tally()  # by model, and by model and key
 
     def images(self, name: str | None) -> bool:
         return name in self.models and self.models.file(name or "").mmproj_path is not None
@@ -124,20 +124,12 @@ class ManyModels:
 
     @contextlib.contextmanager
     def _waiting(self, served: str, caller: str | None) -> Iterator[None]:
-        mine = (served, caller)
-        if self._waiters[served] >= self.queue:
-            raise busy(f"too many requests wait for model {served!r}")
-        if caller is not None and self._waiters[mine] >= max(1, self.queue // 4):
-            raise busy(f"too many of this key's requests wait for model {served!r}")
-        self._waiters[served] += 1
-        self._waiters[mine] += 1
-        try:
+        share = None if caller is None else max(1, self.queue // 4)
+        with self._waiters.counting(
+            (served, self.queue, f"too many requests wait for model {served!r}"),
+            ((served, caller), share, f"too many of this key's requests wait for model {served!r}"),
+        ):
             yield
-        finally:
-            for counted in (served, mine):
-                self._waiters[counted] -= 1
-                if not self._waiters[counted]:
-                    del self._waiters[counted]
 
     async def _held(self, served: str, name: str | None, keep_alive: float | None) -> tuple[Host, Held]:
         turn = self._turns.setdefault(served, asyncio.Lock())

@@ -17,6 +17,7 @@ from llmsession.serve.body import parse_json
 from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.hosts import ManyModels, not_found
 from llmsession.serve.http import declared
+from llmsession.serve.tally import Tally
 
 if TYPE_CHECKING:
     from llmsession.api.modelfiles import ModelStatus
@@ -28,7 +29,7 @@ class Server(Protocol):
 
     hosts: OneModel | ManyModels
     embedding: asyncio.Semaphore  # embedding runs at once
-    embedding_waiting: int  # requests waiting for one
+    embedding_waiting: Tally  # requests waiting for one
     max_body_bytes: int  # the server's bound on a body
 
     def parsed_body(
