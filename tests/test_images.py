@@ -319,3 +319,33 @@ def test_a_template_that_reads_parts_gets_the_image_as_the_media_marker(
         assert text == f"<|im_start|>user\nLook:{model.media_marker}<|im_end|>\n<|im_start|>assistant\n"
         reply = model.session().respond(["Look:", red, "What is it?"], GREEDY)
         assert reply.usage.prompt_tokens > IMAGE_TOKENS and reply.usage.completion_tokens > 0
+
+
+def test_a_prompts_size_counts_its_images_as_the_exchange_does(
+    vision: Model, smollm2: Model, fixture_path: Callable[[str], Path]
+) -> None:
+    """``Model.prompt_size``: the prompt tokens a call's usage will say, an image's as the
+    projector makes them; Anthropic's ``count_tokens`` is it, so a transcript with images is
+    counted (it was refused: ``prompt_tokens`` has no ids for an image's positions)."""
+    import anthropic
+    from serve_helpers import KEY, running
+
+    from llmsession.serve.app import create_app
+
+    png = base64.b64encode(fixture_path("image-red.png").read_bytes()).decode()
+    url = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    said = [{"role": "user", "content": [{"type": "text", "text": "Describe:"}, url]}]
+    size = vision.prompt_size(said, tenant="sized")
+    reply = vision.chat(said, GenerationOptions(max_tokens=2), tenant="sized-apart")
+    assert size == reply.usage.prompt_tokens > IMAGE_TOKENS
+    text = [{"role": "user", "content": "Describe a red square."}]
+    assert vision.prompt_size(text) == len(vision.prompt_tokens(text, config=None, tenant="t"))
+    with pytest.raises(UnsupportedFeatureError, match="mmproj_path"):
+        smollm2.prompt_size(said)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    asked: Any = [{"role": "user", "content": [{"type": "text", "text": "Describe:"}, block]}]
+    with running(create_app(vision, api_key=KEY)) as served:
+        claude = anthropic.Anthropic(base_url=served.removesuffix("/v1"), api_key=KEY, max_retries=0)
+        counted = claude.messages.count_tokens(model="m", messages=asked).input_tokens
+        used = claude.messages.create(model="m", max_tokens=2, messages=asked).usage
+    assert counted == used.input_tokens + (used.cache_read_input_tokens or 0) > IMAGE_TOKENS

@@ -326,16 +326,18 @@ def test_n_choices_on_a_worker_model_are_n_calls_checked_at_once(isolated: Model
 
 
 def test_a_tenant_counts_its_prompt_as_its_call_decodes_it(isolated: Model, smollm2: Model) -> None:
-    """``prompt_tokens(tenant=...)`` through the worker: the call's own reply spliced in, as the
-    in-process model counts it; each equal to what the next call decodes and reuses."""
+    """``prompt_tokens(tenant=...)`` and ``prompt_size`` through the worker: the call's own
+    reply spliced in, as the in-process model counts it; each equal to what the next call
+    decodes and reuses."""
     kept = SessionConfig(share_prefix=False)
     for model in (isolated, smollm2):
         asked = [{"role": "user", "content": "Name a bird."}]
         first = model.chat(asked, GenerationOptions(max_tokens=12, temperature=0), tenant="t", config=kept)
         asked += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
         counted = model.prompt_tokens(asked, tenant="t", config=kept)
+        size = model.prompt_size(asked, tenant="t", config=kept)  # (the worker's count, images too)
         reply = model.chat(asked, GenerationOptions(max_tokens=2), tenant="t", config=kept)
-        assert len(counted) == reply.usage.prompt_tokens
+        assert len(counted) == size == reply.usage.prompt_tokens
         assert reply.usage.reused_tokens >= reply.usage.prompt_tokens - 16
 
 

@@ -183,8 +183,10 @@ def test_count_tokens_is_the_prompt_usage_adds_up_to(served: Served) -> None:
     assert counted.input_tokens == used.input_tokens + (used.cache_read_input_tokens or 0)
     assert used.input_tokens <= 16  # (the reply's end and the new turn: the rest was reused)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
-    with pytest.raises(anthropic.BadRequestError, match="text-only"):
+    with pytest.raises(anthropic.BadRequestError, match="projector"):  # (as it is answered)
         client(served).messages.count_tokens(model="m", messages=[user(image)])
+    with pytest.raises(anthropic.BadRequestError, match="projector"):
+        client(served).messages.create(model="m", max_tokens=2, messages=[user(image)])
     # A tool's image result, which a model without images reads as a line of text: counted as
     # answered (count_tokens took it for an image, and refused the transcript).
     call = {"type": "tool_use", "id": "toolu_shot", "name": "get_weather", "input": {"city": "Paris"}}

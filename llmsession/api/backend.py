@@ -65,6 +65,14 @@ class Backend(Protocol):
         tools: Tools | None,
         tool_format: str | None,
     ) -> list[int]: ...
+    def call_size(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> int: ...
     def chat_stream(
         self,
         messages: Sequence[Mapping[str, Any]],

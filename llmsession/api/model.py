@@ -11,13 +11,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from llmsession.api.backend import Backend
 from llmsession.api.completions import RawCompletions
+from llmsession.api.prompts import Prompts
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_configs, session_config
 from llmsession.errors import UnsupportedFeatureError
-from llmsession.options import GenerationOptions, check_tool_format
+from llmsession.options import GenerationOptions
 from llmsession.replies import Reply
-from llmsession.text.messages import image_parts
-from llmsession.text.tools import checked_tools
-from llmsession.text.transcript import Transcript
 
 if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is imported)
     import numpy as np
@@ -67,7 +65,7 @@ class Setting(Generic[T]):
         raise AttributeError(f"{self.name} is fixed when the model is loaded")
 
 
-class Model(RawCompletions):
+class Model(Prompts, RawCompletions):
     """A model file loaded once; any number of sessions chat with it under one memory budget.
 
     ``config`` (``ModelConfig``: threads, devices, attention, KV cells, prompts, isolation) and
@@ -145,66 +143,6 @@ class Model(RawCompletions):
         if system is not None:
             settings["system"] = system
         return self._backend.session(session_config(config, settings))
-
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any] | type] | None = None,
-        tool_choice: str | Mapping[str, Any] = "auto",
-        tool_format: str | None = None,
-        add_generation_prompt: bool = True,
-        thinking: bool = False,
-    ) -> str:
-        """The exact prompt text an exchange with these messages (and OpenAI tool specs or
-        pydantic classes, as ``GenerationOptions.tools`` takes them) renders, as Hugging
-        Face's ``apply_chat_template(conversation, tools=...)`` does."""
-        checked = checked_tools(tools, tool_choice)
-        check_tool_format(tool_format)
-        return self._backend.render(
-            messages, add_generation_prompt, thinking=thinking, tools=checked, tool_format=tool_format
-        )
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """Tokens with special tokens parsed; BOS is added once even if the text starts with it."""
-        if not isinstance(text, str):
-            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
-        return self._backend.tokenize(text, add_special)
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        """The text of token ids, as a reply shows them (a byte that is no text, and a NUL, as
-        U+FFFD); an id outside the vocabulary raises ValueError naming it."""
-        return self._backend.detokenize(tokens)
-
-    def prompt_tokens(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any] | type] | None = None,
-        tool_choice: str | Mapping[str, Any] = "auto",
-        tool_format: str | None = None,
-        thinking: bool = False,
-        tenant: str | None = None,
-        config: SessionConfig | None = None,
-    ) -> list[int]:
-        """The tokens of a text-only transcript's prompt, with these tools, as an exchange
-        decodes them (``render``'s text, with the replies generated here as they were). With a
-        ``tenant`` or a ``config``: as ``chat`` with them decodes it (a tenant kept apart,
-        ``share_prefix=False``, splices only its own replies; ``config.thinking`` renders; the
-        assistant's text it ends with, the text the call continues; without either, such a
-        transcript is rendered whole, as ``render`` renders it). A transcript with images raises
-        ``UnsupportedFeatureError`` (their positions are the projector's, counted as it decodes)."""
-        checked = checked_tools(tools, tool_choice)
-        check_tool_format(tool_format)
-        messages = Transcript(messages)  # (checked once, here: not again below)
-        if next(image_parts(messages), None) is not None:
-            raise UnsupportedFeatureError("prompt_tokens counts text-only transcripts; this one holds images")
-        if tenant is None and config is None:
-            return self._backend.prompt_tokens(
-                messages, thinking=thinking, tools=checked, tool_format=tool_format
-            )
-        settings = session_config(config, {"thinking": True} if thinking else {})
-        return self._backend.call_tokens(messages, tenant, settings, checked, tool_format)
 
     def chat(
         self,

@@ -109,6 +109,17 @@ class IsolatedModel:
         transcript = Transcript(messages)  # checked as in-process, before pickling
         return list(self._model_call("call_tokens", transcript, tenant, config, tools, tool_format))
 
+    def call_size(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> int:
+        transcript = Transcript(messages)  # checked as in-process, before pickling
+        return int(self._model_call("call_size", transcript, tenant, config, tools, tool_format))
+
     def embed(self, inputs: Inputs, normalize: bool = True) -> np.ndarray:
         """As in-process: what is not a str, a list of str or token ids, or a list of those is
         the same ValueError (a numpy array's ints or a bare int were a TypeError here)."""

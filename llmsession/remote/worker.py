@@ -43,6 +43,7 @@ MODEL_CALLS = frozenset(
         "detokenize",
         "prompt_tokens",
         "call_tokens",
+        "call_size",
         "conversations",
         "identity",
         "projector_identity",

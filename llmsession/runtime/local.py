@@ -83,6 +83,17 @@ class LocalModel(ModelCore):
         """A stateless call's prompt tokens (``api.Model.prompt_tokens(tenant=...)``)."""
         return self.stateless.tokens(messages, tenant, config, tools, tool_format)
 
+    def call_size(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> int:
+        """A stateless call's prompt size, images too (``api.Model.prompt_size``)."""
+        return self.stateless.size(messages, tenant, config, tools, tool_format)
+
     def complete_stream(
         self,
         prompt: str,

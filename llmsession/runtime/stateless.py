@@ -27,6 +27,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from llmsession.config import SessionConfig
@@ -34,7 +35,8 @@ from llmsession.engine.prefix import common_prefix
 from llmsession.engine.prompt import Prompt
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message
-from llmsession.runtime.continuing import check_prefill, prefill_of, prefill_tokens, prefilled
+from llmsession.runtime import counting
+from llmsession.runtime.continuing import check_prefill, prefill_of, prefilled
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.face import Stream
 from llmsession.runtime.keeping import Kept, choose, evicted, mains
@@ -120,19 +122,20 @@ class StatelessSessions:
     ) -> list[int]:
         """The tokens a stateless call with these messages would decode as its prompt, spliced
         from the replies its tenant's calls may splice (``Model.prompt_tokens(tenant=...)``)."""
-        check_stateless(config)
-        transcript, text = prefill_of(Transcript(messages))
-        thinking = config.thinking
-        if text is not None:  # (counted only as a call could be made)
-            check_prefill(self.model, text, GenerationOptions(), tools, thinking)
-        record = self._kept_record(tenant, config)
-        own, shared = record, record is None
-        tokens = self.model.prompt_tokens(
-            transcript, thinking=thinking, tools=tools, tool_format=tool_format, own=own, shared=shared
-        )
-        if text is not None:  # (as the call's prompt ends: ``continuing``)
-            tokens += prefill_tokens(self.model, text)
-        return tokens
+        record = partial(self._kept_record, tenant, config)
+        return counting.call_tokens(self.model, messages, record, config, tools, tool_format)
+
+    def size(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tenant: str | None,
+        config: SessionConfig,
+        tools: Tools | None,
+        tool_format: str | None,
+    ) -> int:
+        """How many items such a call's prompt has, images too (``Model.prompt_size``)."""
+        record = partial(self._kept_record, tenant, config)
+        return counting.call_size(self.model, messages, record, config, tools, tool_format)
 
     def complete(
         self,

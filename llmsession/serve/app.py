@@ -179,11 +179,6 @@ class Server:
         """Anthropic's ``count_tokens``: the prompt's tokens, as a message's usage adds them up
         (what was decoded and what was reused)."""
         asked = await self.read(request, lambda body: self._messages_request(body, counting=True))
-        if any(
-            not isinstance(m["content"], str | None) and any(p["type"] != "text" for p in m["content"])
-            for m in asked.messages
-        ):
-            raise ApiError("count_tokens counts text-only transcripts here", "messages")
         options, tenant = asked.options, tenant_name(request.state.key, asked.user)
         waited = self.hosts.held(asked.model, heeded(request, asked.keep_alive), request.state.key)
         try:
@@ -193,8 +188,8 @@ class Server:
         try:
             config = session_settings(host.settings, asked)  # (as the call's)
             async with self.parsing:  # (a few at once, off the event loop)
-                tokens = await asyncio.to_thread(
-                    host.model.prompt_tokens,
+                size = await asyncio.to_thread(  # (an image's tokens as the projector makes them)
+                    host.model.prompt_size,
                     asked.messages,
                     tools=options.tools,
                     tool_choice=options.tool_choice,
@@ -203,7 +198,7 @@ class Server:
                 )
         finally:
             held.drop()
-        return JSONResponse({"input_tokens": len(tokens)})
+        return JSONResponse({"input_tokens": size})
 
     async def read(self, request: Request, checked: Callable[[bytes], ChatRequest]) -> ChatRequest:
         """A request's body, read and checked (a few at once, off the event loop), its system
