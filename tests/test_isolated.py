@@ -477,3 +477,27 @@ def test_a_stream_dropped_unfinished_is_in_the_transcript_as_in_process(
         session.respond("Again", GREEDY)
         asked = [m["content"] for m in session.messages if m["role"] == "user"]
         assert asked == ["Hi", "Again"], (model.isolated, asked)
+
+
+def test_what_a_call_made_for_a_caller_who_stopped_waiting_is_let_go(smollm2_path: Path) -> None:
+    """A Ctrl-C while the parent waited (before any byte of the answer came) left the worker to
+    answer nobody: the session it made for the call stayed in the worker until the model
+    closed. The next call reads that answer and lets its objects go."""
+    with Model(smollm2_path, threads=1, isolated=True) as model:
+        worker = internals.worker(model)
+        before = len(model.memory().sessions)
+        poll = worker.conn.poll
+
+        def interrupted(*args: Any) -> bool:
+            worker.conn.poll = poll  # type: ignore[method-assign]
+            time.sleep(0.3)  # (the worker answers meanwhile: its answer waits in the pipe)
+            raise KeyboardInterrupt
+
+        worker.conn.poll = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            model.session()
+        assert not model.closed and model.tokenize("hi")  # (reads the unread answer, lets it go)
+        deadline = time.monotonic() + 10
+        while len(model.memory().sessions) != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(model.memory().sessions) == before

@@ -40,6 +40,7 @@ class WorkerProcess:
         self.queued: collections.deque[tuple[Any, ...]] = collections.deque()
         self.requests = itertools.count()
         self.failure: str | None = None
+        self.unread: dict[int, str] = {}  # requests whose caller stopped waiting (a Ctrl-C): their ops
 
     def call(self, op: str, *args: Any, limit: float | None = None) -> Any:
         with self.lock:
@@ -47,7 +48,11 @@ class WorkerProcess:
                 raise BackendError(self.failure)
             request = next(self.requests)
             self.send((request, op, args))
-            return self.answer(request, limit or self.timeout)
+            try:
+                return self.answer(request, limit or self.timeout)
+            except KeyboardInterrupt:  # (its answer comes later, to nobody: ``_unread``)
+                self.unread[request] = op
+                raise
 
     def tell(self, *message: Any) -> None:
         """A message that wants no answer (a cancel, an interrupt, an object dropped here),
@@ -111,6 +116,10 @@ class WorkerProcess:
                 if kind == "error":
                     raise value
                 return value
+            op = self.unread.pop(answered, None)
+            if op is not None and kind == "ok":
+                for letting_go in let_go(op, value):
+                    self.tell(*letting_go)
 
     def death(self) -> str:
         try:
@@ -130,6 +139,22 @@ class WorkerProcess:
             self.process.kill()
         self.process.wait()
         self.conn.close()
+
+
+def let_go(op: str, value: Any) -> list[tuple[Any, ...]]:
+    """What lets go of the objects an answer nobody read made in the worker (a session's or a
+    stream's key: they stayed there until the model closed, a stream's exchange unfinished)."""
+    if op in ("session", "load_session"):
+        return [(None, "drop", (value[0],))]
+    if op == "take_conversation" and value is not None:
+        return [(None, "drop", (value[0][0],))]
+    if op in ("chat_stream", "complete_stream"):
+        return [(None, "close_stream", (value,))]
+    if op == "stream":
+        return [(None, "close_stream", (value[0],))]
+    if op == "session_call" and isinstance(value[0], tuple):  # (a fork's handle)
+        return [(None, "drop", (value[0][0],))]
+    return []
 
 
 def _signal_name(number: int) -> str:
