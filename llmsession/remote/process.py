@@ -27,13 +27,17 @@ class WorkerProcess:
         # ggml's abort handler would attach gdb to print a backtrace: slow, and nothing for us
         env = {"GGML_NO_BACKTRACE": "1", **os.environ}
         with theirs:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "llmsession.remote.worker", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdout=sys.__stderr__.fileno() if sys.__stderr__ else subprocess.DEVNULL,  # never ours
-                env=env,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the caller, who passes it on
-            )
+            try:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "llmsession.remote.worker", str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    stdout=sys.__stderr__.fileno() if sys.__stderr__ else subprocess.DEVNULL,  # never ours
+                    env=env,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the caller, who passes it on
+                )
+            except BaseException:  # (no process: our end is nobody's)
+                ours.close()
+                raise
         self.conn = Connection(ours.detach())
         self.timeout = timeout
         self.lock, self.send_lock = threading.Lock(), threading.Lock()
