@@ -501,3 +501,22 @@ def test_what_a_call_made_for_a_caller_who_stopped_waiting_is_let_go(smollm2_pat
         while len(model.memory().sessions) != before and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(model.memory().sessions) == before
+
+
+def test_a_worker_that_cannot_start_leaves_no_socket_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our end of the socket pair stayed open when the process could not be started, for as
+    long as the error was kept (its traceback holds the frame that held it)."""
+    import subprocess
+
+    from llmsession.remote.process import WorkerProcess
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no such executable (injected)")
+
+    monkeypatch.setattr(subprocess, "Popen", refused)
+    before, kept = len(os.listdir("/proc/self/fd")), []
+    for _ in range(3):
+        with pytest.raises(OSError, match="injected") as failed:
+            WorkerProcess(timeout=1)
+        kept.append(failed.value)  # (as a caller that reports it later keeps it)
+    assert len(os.listdir("/proc/self/fd")) == before
