@@ -338,6 +338,14 @@ def test_a_tenant_counts_its_prompt_as_its_call_decodes_it(isolated: Model, smol
         size = model.prompt_size(asked, tenant="t", config=kept)  # (the worker's count, images too)
         reply = model.chat(asked, GenerationOptions(max_tokens=2), tenant="t", config=kept)
         assert len(counted) == size == reply.usage.prompt_tokens
+        prefilled = [*asked, {"role": "assistant", "content": "Because"}]  # (the call continues it)
+        size = model.prompt_size(prefilled, tenant="t", config=kept)
+        assert (
+            size
+            == model.chat(
+                prefilled, GenerationOptions(max_tokens=2), tenant="t", config=kept
+            ).usage.prompt_tokens
+        )
         assert reply.usage.reused_tokens >= reply.usage.prompt_tokens - 16
 
 

@@ -90,6 +90,7 @@ class Prompts:
         tools: Sequence[Mapping[str, Any] | type] | None = None,
         tool_choice: str | Mapping[str, Any] = "auto",
         tool_format: str | None = None,
+        thinking: bool = False,
         tenant: str | None = None,
         config: SessionConfig | None = None,
     ) -> int:
@@ -99,5 +100,5 @@ class Prompts:
         encoded); a model without a projector refuses images (``UnsupportedFeatureError``)."""
         checked = checked_tools(tools, tool_choice)
         check_tool_format(tool_format)
-        settings = session_config(config, {})
+        settings = session_config(config, {"thinking": True} if thinking else {})
         return self._backend.call_size(Transcript(messages), tenant, settings, checked, tool_format)

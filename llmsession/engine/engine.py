@@ -231,12 +231,17 @@ class Engine:
                     lease.key, cells, parkable=lease.parkable, touch=exchange, place=joins
                 )
                 busy = True  # (nothing between the ledger's answer and here takes an interrupt)
-                self.apply(home, steps)
-                seq = home.residency.entry(lease.key).seq
-                if not any(s.action == "restore" and s.key == lease.key for s in steps):
-                    self.moves.settle(home, lease, seq)
-                self.counters.exchanges += exchange
-                seat = Seat(self, lease, home.context, seq, cancelled)
+                try:
+                    self.apply(home, steps)
+                    seq = home.residency.entry(lease.key).seq
+                    if not any(s.action == "restore" and s.key == lease.key for s in steps):
+                        self.moves.settle(home, lease, seq)
+                    self.counters.exchanges += exchange
+                    seat = Seat(self, lease, home.context, seq, cancelled)
+                except BaseException:  # (given back under the hold: no other call sees it busy)
+                    home.residency.release(lease.key, len(lease.cache.items), parkable=lease.parkable)
+                    busy = False
+                    raise
             yield seat
         finally:
             if busy:

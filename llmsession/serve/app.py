@@ -87,7 +87,10 @@ class Server:
         self.authorize, self.authorize_operator = self.access.authorize, self.access.authorize_operator
         self.max_body_bytes = max_body_bytes
         self.bodies = Bodies(max_body_bytes)
-        self.parsing = self.bodies.parsing  # (a count of tokens takes one too)
+        self.parsing = self.bodies.parsing
+        # Counts of tokens at once: an image's waits for the projector while a chat's image is
+        # encoded, and with a parser's slot held, four stalled every request's body.
+        self.counting = asyncio.Semaphore(2)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
         self.embedding_waiting = Tally()  # requests waiting for it (``embeddings.MAX_WAITING``)
         self.created = int(time.time())
@@ -187,7 +190,7 @@ class Server:
             return Response(status_code=499)  # (nobody reads it)
         try:
             config = session_settings(host.settings, asked)  # (as the call's)
-            async with self.parsing:  # (a few at once, off the event loop)
+            async with self.counting:  # (a few at once, off the event loop; not a parser's slot)
                 size = await asyncio.to_thread(  # (an image's tokens as the projector makes them)
                     host.model.prompt_size,
                     asked.messages,
