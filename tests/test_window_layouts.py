@@ -101,3 +101,16 @@ def same_within_noise(model: Model, reply: Any, expected: Any) -> None:
     """``assert_same_within_noise``, its noise measured (45 s here) only where the replies part."""
     if reply.text != expected.text or len(reply.logprobs) != len(expected.logprobs):
         assert_same_within_noise(model, reply, expected)
+
+
+def test_a_full_window_cache_in_a_pool_of_several_keeps_the_window_test(gemma3_path: Path) -> None:
+    """A full window cache (``swa_full``, the default) skipped the window test: its cells were
+    taken to be never reused. In a pool of several sequences (``kv_layout="shared"``) a decode
+    takes another sequence's out-of-window cells, and llama.cpp drops those positions from the
+    window layers: a rewind, or a prefix copied to another session, then attended to less than
+    a fresh decode does. There the test holds; a sequence of cells of its own needs none."""
+    for layout in ("shared", "per_session"):
+        with Model(gemma3_path, **{**LOAD, "kv_layout": layout}) as model:
+            n_swa = internals.local(model).native.n_swa
+            with model.session() as session:
+                assert n_swa > 0 and session.lease.cache.n_swa == (n_swa if layout == "shared" else 0)

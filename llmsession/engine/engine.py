@@ -103,7 +103,9 @@ class Engine:
             self._reap()  # (sessions made and dropped before a seat would pile up otherwise)
             home = self._shared_context(swa_full)
             recurrent = self.config.checkpoints if self.native.is_recurrent else None
-            window = 0 if swa_full else n_swa
+            # (a pool of several: a decode takes another's out-of-window cells, and llama.cpp
+            # drops those positions from the window layers, swa_full or not: the window test holds)
+            window = 0 if swa_full and (home.budget.own_cells or home.budget.max_live == 1) else n_swa
             lease = Lease(home, next(self._keys), n_swa, window, checkpoints=recurrent, shares=shares)
             home.leases[lease.key] = lease
             home.residency.add(lease.key)

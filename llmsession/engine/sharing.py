@@ -105,9 +105,11 @@ def _from_parked(
 
 def _keep_prefix(lease: Lease, seq: int, donor: Lease, shared: int, kind: str) -> int:
     """Cut ``seq`` (holding the donor's positions) after the ``shared`` prefix, which its lease
-    then records; 0, with the sequence emptied, if the cut is not exact."""
-    context = lease.shared_context.context
-    if not context.seq_rm(shared, seq) or context.pos_max(seq) != shared - 1:
+    then records; 0, with the sequence emptied, if the cut is not exact or a sliding window's
+    layers lack a position the next one attends to."""
+    context, window = lease.shared_context.context, lease.cache.n_swa
+    exact = context.seq_rm(shared, seq) and context.pos_max(seq) == shared - 1
+    if not exact or (window and context.pos_min(seq) > max(0, shared - window)):  # (what it attends to)
         context.seq_rm(-1, seq)
         return 0
     lease.cache.extend(donor.cache.items[:shared])
