@@ -301,3 +301,26 @@ def test_a_mutated_state_is_refused(states: dict[str, Saved], data: st.DataObjec
         )
         struct.pack_into("<" + code, blob, at, new)
     assert refused_quickly(bytes(blob), state) is not None
+
+
+def test_a_sliding_window_state_past_its_window_loads_cold(
+    gemma3_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restoring a Gemma 3 state longer than its window is wrong in the pinned llama.cpp
+    (#25295): ``save`` writes none (``Lease.parkable``), but a file that holds one (another
+    writer's, or an edited one) was restored, and the session answered unlike a fresh one."""
+    from llmsession.engine.lease import Lease
+
+    path = tmp_path / "long.llmsession"
+    with Model(gemma3_path, threads=2, kv_tokens=2048, max_live_sessions=1, anticipate=False) as model:
+        n_swa = internals.local(model).native.n_swa
+        session = model.session(context_size=1024)
+        long = " ".join(["The lighthouse keeper counted the ships that passed the harbour."] * 50)
+        session.respond(long, GenerationOptions(max_tokens=1, temperature=0))
+        assert len(internals.record(session)) > n_swa > 0
+        with monkeypatch.context() as patched:  # (a writer that does not refuse it)
+            patched.setattr(Lease, "parkable", property(lambda lease: True))
+            session.save(path)
+        session.close()
+        reply = model.load_session(path).respond("And then?", GenerationOptions(max_tokens=1))
+    assert reply.usage.restored_tokens == 0 and "25295" in reply.usage.cache_note, reply.usage

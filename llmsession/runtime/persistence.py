@@ -100,6 +100,9 @@ def restore(
     """Load the saved KV state into a new session's cold ``lease`` where it is valid: (how many
     positions were restored, the note its next reply reports)."""
     reason = _mismatch(saved, compat(model, swa_full), context_size, model.native.n_vocab)
+    n_swa = model.native.n_swa
+    if not reason and 0 < n_swa < len(saved.record):  # (``save`` writes none: ``Lease.parkable``)
+        reason = f"a sliding-window state of over {n_swa} positions is not restored right (llama.cpp #25295)"
     try:
         if not reason and not model.engine.adopt(lease, saved.blobs["state"], saved.record):
             reason = "the saved state is not one this build writes for this model"
