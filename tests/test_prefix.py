@@ -544,3 +544,20 @@ def test_regenerate_after_the_window_slid(n_swa: int, corrupt: bool) -> None:
     assert applied == (Plan(9, 9, False) if corrupt else CLEARED)
     decode(cache, memory, prompt[applied.reused :])
     assert (CORRUPT in memory.cells.values()) == corrupt
+
+
+def test_an_aborted_decode_keeps_a_record_whose_window_is_whole() -> None:
+    """In a pool of several sequences another decode takes this one's cells as they leave its
+    window (pos_min = L - window + 1: all the next position needs). Undoing an aborted decode
+    cut nothing, yet the window test's margin cleared the whole record (a retry decoded the
+    conversation again); a cut keeps the margin."""
+    memory, cache = FakeKV(window=WINDOW), PrefixCache(WINDOW)
+    prompt: list[Item] = list(range(10))
+    decode(cache, memory, prompt[cache.prepare(prompt, memory).reused :])
+    memory.cells = {p: s for p, s in memory.cells.items() if p >= 10 - WINDOW + 1}  # (taken by another)
+    cache.recover(memory)
+    assert len(cache.items) == 10
+    decode(cache, memory, [10])
+    assert CORRUPT not in memory.cells.values()
+    cache.cut(memory, 9)  # (a rejected draft: position 9 attends to 6-8, and 6 is gone)
+    assert len(cache.items) == 0

@@ -190,7 +190,8 @@ class PrefixCache:
     def _forget_from(self, memory: Memory, keep: int) -> None:
         """Memory and record cut to ``keep`` items where memory can be cut there (a recurrent
         state only through a checkpoint, as its cells may be partly written); else rewound."""
-        if self.checkpoints is None and memory.seq_rm(keep) and self._holds_context(memory, keep):
+        cutting = keep < len(self._items)
+        if self.checkpoints is None and memory.seq_rm(keep) and self._holds_context(memory, keep, cutting):
             self._truncate(keep)  # (a sliding window may have moved past what the next one needs)
         else:
             self.rewind(memory, keep)
@@ -220,15 +221,18 @@ class PrefixCache:
         if self.checkpoints is not None:
             self.checkpoints.drop_above(cut)
 
-    def _holds_context(self, memory: Memory, reused: int) -> bool:
+    def _holds_context(self, memory: Memory, reused: int, cutting: bool = True) -> bool:
         """Whether memory still holds what position `reused` attends to (llama-server's test).
 
-        A sliding window needs the n_swa positions before it (one more, to be safe); otherwise
-        something below the cut must survive. Recurrent and hybrid memories report their latest
-        state as pos_min, so a rewind on them clears here rather than leaning on rollback
-        snapshots; an empty memory under a non-empty record is caught the same way.
+        A sliding window needs the n_swa - 1 positions before it (one more, to be safe, where
+        the record is cut: not where an aborted decode is undone, nothing cut, in a pool whose
+        other sequences take this one's cells as they leave its window); otherwise something
+        below the cut must survive. Recurrent and hybrid memories report their latest state as
+        pos_min, so a rewind on them clears here rather than leaning on rollback snapshots; an
+        empty memory under a non-empty record is caught the same way.
         """
-        limit = max(0, reused - self.n_swa) if self.n_swa else reused - 1
+        exact = 0 if cutting else 1
+        limit = max(0, reused - self.n_swa + exact) if self.n_swa else reused - 1
         return 0 <= memory.pos_min() <= limit
 
     def extend(self, items: Sequence[Item]) -> None:
