@@ -10,6 +10,20 @@ from collections import deque
 from collections.abc import Sequence
 
 
+def grown(goto: list[dict[str, int]], text: str) -> list[int]:
+    """``text`` added to the trie ``goto`` (its root ``goto[0]``; new nodes appended): the nodes
+    of its starts, the first character's first."""
+    path, node = [], 0
+    for char in text:
+        child = goto[node].get(char)
+        if child is None:
+            child = goto[node][char] = len(goto)
+            goto.append({})
+        path.append(child)
+        node = child
+    return path
+
+
 def failures(goto: Sequence[dict[str, int]]) -> tuple[list[int], list[int]]:
     """Each node's failure, and the nodes breadth first (a node's failure is found from its
     parent's, so it comes before every node it is the failure of)."""
@@ -34,16 +48,7 @@ class Overlaps:
 
     def __init__(self, texts: Sequence[str]) -> None:
         goto: list[dict[str, int]] = [{}]
-        self._node: dict[str, int] = {}
-        for text in texts:
-            node = 0
-            for char in text:
-                child = goto[node].get(char)
-                if child is None:
-                    child = goto[node][char] = len(goto)
-                    goto.append({})
-                node = child
-            self._node[text] = node
+        self._node = {text: grown(goto, text)[-1] for text in texts}
         fail, order = failures(goto)
         ends = set(self._node.values())
         within = [False] * len(goto)  # a text ends here: the node's or a suffix of it

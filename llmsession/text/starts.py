@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmsession.text.automaton import failures
+from llmsession.text.automaton import failures, grown
 
 
 class Starts:
@@ -17,18 +17,13 @@ class Starts:
 
     def __init__(self, texts: Sequence[str], most: int) -> None:
         goto: list[dict[str, int]] = [{}]  # (a node a start; its children by next character)
-        self._names, self._depth = [""], [0]
+        named: dict[int, tuple[int, str]] = {}  # a node's length and name
         for index, text in enumerate(texts):
-            node = 0
-            for n in range(1, min(len(text), most)):
-                child = goto[node].get(text[n - 1])
-                if child is None:
-                    child = goto[node][text[n - 1]] = len(goto)
-                    goto.append({})
-                    self._names.append("")
-                    self._depth.append(n)
-                self._names[child] = f"{index}.{n}"
-                node = child
+            for n, node in enumerate(grown(goto, text[: max(0, min(len(text), most) - 1)]), 1):
+                named[node] = (n, f"{index}.{n}")
+        self._depth, self._names = [0] * len(goto), [""] * len(goto)
+        for node, (n, name) in named.items():
+            self._depth[node], self._names[node] = n, name
         self._goto, self._fail = goto, failures(goto)[0]
         self.longest = max(self._depth)
 
