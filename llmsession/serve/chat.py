@@ -104,12 +104,13 @@ class Host:
             forks = self.model.complete_choices(asked.prompt, asked.options, n=asked.n, **whose)
         else:
             forks = self.model.chat_choices(asked.messages, asked.options, n=asked.n, **whose)
-        counted: list[Reply] = []
+        counted = False  # (the shared prompt: with the first reply)
 
         def ended(reply: Reply) -> None:  # (each fork's usage counts the shared prompt as reused)
+            nonlocal counted
             shared = forks.prompt  # (None: separate calls, a model in a worker process)
             self.metrics.reply(reply, forked=shared is not None, prompt=None if counted else shared)
-            counted.append(reply)
+            counted = True
 
         return Choices(asked.n, forks.__getitem__, ended, released, forks)
 

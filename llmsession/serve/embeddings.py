@@ -100,10 +100,8 @@ def embedded(model: Model, ask: EmbeddingsAsk, stop: threading.Event) -> tuple[n
             rows.append(model.embed(lists[start:end]))
         except ValueError as error:  # (a token id past the vocabulary)
             raise ApiError(renumbered(error, start), "input") from None
-        except ContextOverflowError as error:  # (an input longer than the context)
-            raise ContextOverflowError(renumbered(error, start)) from None
-        except ModelOutputError as error:  # (a broken model's NaN)
-            raise ModelOutputError(renumbered(error, start)) from None
+        except (ContextOverflowError, ModelOutputError) as error:  # (too long an input; a NaN)
+            raise type(error)(renumbered(error, start)) from None
     return np.concatenate(rows), tokens
 
 
