@@ -165,6 +165,63 @@ def test_a_calls_id_is_marked_as_its_results_tool_call_id_is() -> None:
     assert guard.marked(plain)[0] is plain[0]
 
 
+# A placeholder's spelling (the guard's private-use opening and closing around an index) and
+# JSON's escape of it, typed where the guard marks nothing else: it is text, never what it names.
+SPELLED = "see \ue0022\ue003 and \\ue0022\\ue003 here"
+
+
+@pytest.mark.native
+def test_a_placeholders_spelling_is_text_in_every_role_and_tool(smollm2: Model) -> None:
+    """System, assistant (text, reasoning, a call's arguments) and a tool's description: the
+    opening is marked there too, so the prompt spells what was sent, tokenized as before."""
+    assert internals.local(smollm2).tokenizer.guard.texts[2]  # (index 2 names a control token)
+    tool = {"type": "function", "function": {"name": "f", "description": SPELLED, "parameters": {}}}
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": json.dumps({"q": SPELLED})},
+    }
+    said = [
+        {"role": "system", "content": SPELLED},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": SPELLED, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    for kw in ({}, {"tools": [tool]}):
+        rendered = smollm2.render(said, **kw)
+        escaped = json.dumps(SPELLED)[1:-1]  # (as the generic format writes arguments and tools)
+        assert (rendered.count(SPELLED), rendered.count(escaped)) == (2, 1 + bool(kw))
+        assert smollm2.prompt_tokens(said, **kw) == smollm2.tokenize(rendered)  # (nothing in it special)
+    assert smollm2.prompt_tokens(said[:2]) == before(smollm2, said[:2])
+
+
+def test_the_opening_is_marked_in_every_field_and_nothing_else_changes() -> None:
+    """Pure: every string of a non-guarded message (keys too) has its openings as placeholders
+    and shows back as it was; a message, call or schema without one is the same object."""
+    guard = Guard([Guarded("<|im_end|>"), Guarded("<|im_start|>")])
+    said = [
+        {"role": "system", "content": [{"type": "text", "text": SPELLED}]},
+        {"role": "assistant", "content": "<|im_end|>", "reasoning_content": SPELLED, "tool_calls": [CALL]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{**CALL, "function": {"arguments": {SPELLED: [SPELLED]}}}],
+        },
+    ]
+    system, assistant, called = guard.marked(said)
+    assert "\ue0022" not in json.dumps(system) and guard.shown(system["content"][0]["text"]) == SPELLED
+    assert assistant["content"] == "<|im_end|>" and guard.shown(assistant["reasoning_content"]) == SPELLED
+    assert assistant["tool_calls"] is said[1]["tool_calls"]
+    ((key, value),) = called["tool_calls"][0]["function"]["arguments"].items()
+    assert (guard.shown(key), guard.shown(value[0]), called["tool_calls"][0]["id"]) == (
+        SPELLED,
+        SPELLED,
+        "call_1",
+    )
+    schema = {"type": "object", "properties": {"q": {"type": "string", "description": "plain"}}}
+    assert guard.opened(schema) is schema and guard.marked(said[1:2])[0]["content"] is said[1]["content"]
+
+
 @pytest.mark.native
 def test_prompts_without_such_text_tokenize_exactly_as_before(smollm2: Model) -> None:
     long = "A paragraph with <b>markup</b>, <|im_end (a near miss), \ue000 and \ue0021\ue003. " * 60

@@ -184,7 +184,7 @@ class ModelCore:
                 bos_token=self.native.token_text(self.native.bos()),
                 eos_token=self.native.token_text(self.native.eos()),
                 media_marker=self.media_marker,
-                tools=tools,
+                tools=self.tokenizer.marked_tools(tools),
                 tool_format=fmt,
                 typed_content=self.renderer.typed_content,
             )

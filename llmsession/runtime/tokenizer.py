@@ -8,11 +8,13 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from llmsession.text.guard import ESCAPED, OPEN, Guard, Guarded
 from llmsession.text.segments import anchor_pattern, anchors, tokenize_in_segments
 from llmsession.text.splice import ReplyTokens
+from llmsession.text.tools import Tools
 
 STRETCHES = 1024  # tokenized texts (between spliced replies, segments), kept for the next prompts
 STRETCH_TOKENS = 1 << 19  # and their tokens in all, at most (each memory: about 18 MB of tuples)
@@ -60,6 +62,23 @@ class PromptTokenizer:
         """The messages to render: their users' and tools' special tokens' texts as placeholders
         (``text.guard``), which the prompt's tokenizing reads as those texts, special tokens off."""
         return self.guard.marked(messages)
+
+    def marked_tools(self, tools: Tools | None) -> Tools | None:
+        """``tools`` to render: the opening character of a placeholder in their descriptions and
+        schemas as its placeholder, so that the prompt's tokenizing reads them as they are."""
+        if tools is None:
+            return None
+        opened = self.guard.opened
+        marked = [
+            replace(t, description=opened(t.description), parameters=opened(t.parameters))
+            for t in tools.tools
+        ]
+        if all(
+            new.description is old.description and new.parameters is old.parameters
+            for new, old in zip(marked, tools.tools, strict=True)
+        ):
+            return tools
+        return replace(tools, tools=tuple(marked))
 
     def shown(self, text: str) -> str:
         """A rendered prompt as it reads: its placeholders as the texts they stand for."""

@@ -5,7 +5,8 @@ could close their own turn and write one of another role.
 Before rendering, each occurrence in such a message's text of a *guarded* text (a control or
 unknown token's, which llama.cpp parses only with special tokens on; user-defined ones it parses
 either way) becomes a placeholder that names it (private-use characters no template alters, and
-no text holds: the opening character in the text is itself replaced by one). After rendering, the
+no text holds: the opening character is itself replaced by one, in every message's text and every
+tool's, the system's and assistant's too, so no text spells one). After rendering, the
 text between the two control tokens around a placeholder (the fragment llama.cpp would tokenize
 as one) is tokenized with special tokens off, the originals put back; the rest as before. A
 prompt without placeholders tokenizes exactly as before. Pure: no bindings.
@@ -25,6 +26,7 @@ from llmsession.text.starts import Starts
 OPEN, CLOSE = "\ue002", "\ue003"  # (``text.splice``'s stand-ins use \ue000 and \ue001)
 ESCAPED = json.dumps(OPEN)[1:-1]  # (JSON's escape of it: a template or tool format may dump text)
 NAMED = r"([0-9]{1,6}(?:\.[0-9]{1,4})?)"  # a guarded text's index, or index.n: its first n characters
+OPENING = re.compile(f"{OPEN}|{re.escape(ESCAPED)}")
 PLACEHOLDER = re.compile(
     f"{OPEN}{NAMED}{CLOSE}|{re.escape(ESCAPED)}{NAMED}{re.escape(json.dumps(CLOSE)[1:-1])}"
 )
@@ -124,43 +126,46 @@ class Guard:
 
     def marked(self, messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The messages with their users' and tools' text parts, names and call ids
-        ``marked_text`` (others as they are)."""
-        return [
-            self._marked_message(m) if m.get("role") in GUARDED_ROLES else self._marked_call_ids(m)
-            for m in messages
-        ]
-
-    def _marked_call_ids(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``message`` with its calls' ids marked as their results' ``tool_call_id`` are, so
-        that a renderer matching the two (Gemma 4's) still finds them equal."""
-        calls = message.get("tool_calls")
-        if not isinstance(calls, list | tuple):
-            return message
-        marked = [self._marked_call(call) for call in calls]
-        if all(new is old for new, old in zip(marked, calls, strict=True)):
-            return message
-        return {**message, "tool_calls": marked}
-
-    def _marked_call(self, call: Any) -> Any:
-        if isinstance(call, Mapping) and isinstance(call.get("id"), str):
-            marked = self.marked_text(call["id"])
-            return call if marked is call["id"] else {**call, "id": marked}
-        return call
+        ``marked_text``, and the opening character ``opened`` wherever else it is (others as
+        they are)."""
+        return [self._marked_message(m) for m in messages]
 
     def _marked_message(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
+        guarded = message.get("role") in GUARDED_ROLES
         changes: dict[str, Any] = {}
-        content = message.get("content")
-        if isinstance(content, str):
-            changes["content"] = self.marked_text(content)
-        elif isinstance(content, list | tuple):
-            marked = [self._marked_part(part) for part in content]
-            if any(new is not old for new, old in zip(marked, content, strict=True)):
-                changes["content"] = marked
-        for key in GUARDED_FIELDS:  # (a template may write them in the turn's header)
-            if isinstance(message.get(key), str):
-                changes[key] = self.marked_text(message[key])
-        changes = {key: value for key, value in changes.items() if value is not message[key]}
+        for key, value in message.items():
+            new: Any
+            if key == "tool_calls" and isinstance(value, list | tuple):
+                new = [self._marked_call(call) for call in value]
+                new = value if all(a is b for a, b in zip(new, value, strict=True)) else new
+            elif guarded and key == "content":
+                new = self._marked_content(value)
+            elif guarded and key in GUARDED_FIELDS and isinstance(value, str):
+                new = self.marked_text(value)  # (a template may write them in the turn's header)
+            else:
+                new = self.opened(value)
+            if new is not value:
+                changes[key] = new
         return {**message, **changes} if changes else message
+
+    def _marked_call(self, call: Any) -> Any:
+        """A call with its id marked as its result's ``tool_call_id`` is (so that a renderer
+        matching the two, Gemma 4's, still finds them equal), the rest ``opened``."""
+        if not isinstance(call, Mapping) or not isinstance(call.get("id"), str):
+            return self.opened(call)
+        rest = self.opened({key: value for key, value in call.items() if key != "id"})
+        marked = self.marked_text(call["id"])
+        return (
+            call if marked is call["id"] and all(rest[k] is call[k] for k in rest) else {**rest, "id": marked}
+        )
+
+    def _marked_content(self, content: Any) -> Any:
+        if isinstance(content, str):
+            return self.marked_text(content)
+        if not isinstance(content, list | tuple):
+            return self.opened(content)
+        marked = [self._marked_part(part) for part in content]
+        return content if all(a is b for a, b in zip(marked, content, strict=True)) else marked
 
     def _marked_part(self, part: Any) -> Any:
         if isinstance(part, str):
@@ -168,7 +173,25 @@ class Guard:
         if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
             text = self.marked_text(part["text"])
             return part if text is part["text"] else {**part, "text": text}
-        return part
+        return self.opened(part)
+
+    def opened(self, value: Any) -> Any:
+        """``value`` (a system or assistant message's field, a tool's schema: text, or lists and
+        mappings of it) with the opening character, as it is or JSON's, as its placeholder in
+        every string (so that text spelling a placeholder is read as it is, not as what the
+        placeholder names); the same object where nothing holds it."""
+        if isinstance(value, str):
+            if OPEN not in value and ESCAPED not in value:
+                return value
+            return OPENING.sub(lambda m: f"{OPEN}{self._index[m.group()]}{CLOSE}", value)
+        if isinstance(value, Mapping):
+            items = [(self.opened(key), self.opened(item)) for key, item in value.items()]
+            same = all(a is b and c is d for (a, c), (b, d) in zip(items, value.items(), strict=True))
+            return value if same else dict(items)
+        if isinstance(value, list | tuple):
+            marked = [self.opened(item) for item in value]
+            return value if all(a is b for a, b in zip(marked, value, strict=True)) else marked
+        return value
 
     def shown(self, text: str) -> str:
         """``text`` with its placeholders as what they stand for (in JSON's escapes where the
