@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
@@ -132,6 +133,10 @@ CASES = [
         ("B", "Hi"),
     ),
     (f"<|start|>assistant{HARMONY.open}X", HARMONY, False, ("X", "")),
+    (" \n \t ", THINK, False, ("", " \n \t ")),  # (whitespace alone: content)
+    (" \n Hi <think>", THINK, False, ("", " \n Hi <think>")),
+    ("\n \n<think> \n A \n \n B \n </think>\n Hi", THINK, False, ("A \n \n B", "Hi")),
+    ("\n \n<|chan", GEMMA4, False, ("", "\n \n<|chan")),
 ]
 
 
@@ -143,6 +148,20 @@ def test_every_split_of_a_reply_gives_the_same_reasoning_and_content(
     reasoning, content, preamble = split(text, [min(c, len(text)) for c in cuts], markers, inside)
     assert (reasoning, content) == expected
     assert preamble + content == text  # (the reply as generated, for splicing)
+
+
+def test_long_whitespace_costs_its_length_not_its_square() -> None:
+    """Whitespace before the block and inside it was held by joining every new piece to all
+    held before (64,000 spaces a piece at a time: over 2 s); it is set aside as it comes."""
+    began = time.monotonic()
+    splitter = Splitter(THINK)
+    parts = [splitter.push(" ") for _ in range(64_000)] + [splitter.push("<think>A")]
+    twin = splitter.copy()
+    parts += [splitter.push("\n") for _ in range(64_000)] + [splitter.push("B</think>Hi"), splitter.flush()]
+    assert time.monotonic() - began < 1.2  # (about 0.45 s here, on the AVX2 EPYC)
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == ("A" + "\n" * 64_000 + "B", "Hi")
+    assert splitter.preamble == " " * 64_000 + "<think>A" + "\n" * 64_000 + "B</think>"
+    assert twin.push(" \n") == ("", "") and twin.flush() == ("", "") and not splitter.holding
 
 
 def test_markers_are_read_from_the_template() -> None:

@@ -129,7 +129,8 @@ class Splitter:
         self.done = False  # the block closed (or content began): the rest is content
         self._header = bool(markers.headers)  # a header may still begin the content
         self._held = ""  # text not yet known to be reasoning, content or a marker
-        self._spaces = ""  # reasoning's whitespace, held until more reasoning follows it
+        self._blank: list[str] = []  # whitespace before it, before anything (a list: no square)
+        self._spaces: list[str] = []  # reasoning's whitespace, held until more reasoning follows it
         self._leading = inside  # drop the whitespace that starts the reasoning
         self._label = inside and bool(markers.label)
         self._strip = False  # drop the whitespace that starts the content after a block
@@ -165,14 +166,15 @@ class Splitter:
     def copy(self) -> Splitter:
         """A twin in this state: text pushed to it leaves this one as it is."""
         twin = copy.copy(self)
-        twin._raw = list(self._raw)
+        twin._raw, twin._blank, twin._spaces = list(self._raw), list(self._blank), list(self._spaces)
         return twin
 
     def flush(self) -> tuple[str, str]:
         """The end of the reply: what was held back, where it belongs (an unclosed block's
         text is reasoning; a marker cut off is text, but for a new message's header after a
         block, or the block it may open, cut short: markup, neither)."""
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._blank) + self._held, ""
+        self._blank = []
         if self.inside:
             return self._reasoning(held), ""
         if self.done and self._header and any(h.startswith(held) for h in self.markers.headers):
@@ -186,14 +188,19 @@ class Splitter:
         """Before anything: a reply that opens with the marker (after whitespace) reasons, any
         other is content. False while the text may still become the marker."""
         stripped, openings = self._held.lstrip(), self.markers.openings
+        if not stripped:  # (set aside: whitespace may go on for long before the marker)
+            self._blank.append(self._held)
+            self._held = ""
+            return False
         for opening in openings:
             if stripped.startswith(opening):
-                self._held = stripped[len(opening) :]
+                self._held, self._blank = stripped[len(opening) :], []
                 self.inside = self.started = self._leading = True
                 self._label = bool(self.markers.label)
                 return True
-        if stripped and not any(opening.startswith(stripped) for opening in openings):
+        if not any(opening.startswith(stripped) for opening in openings):
             self.done = True  # (content from here on)
+            self._held, self._blank = "".join(self._blank) + self._held, []
             return True
         return False
 
@@ -222,7 +229,7 @@ class Splitter:
             if self._held.startswith(opening):
                 self._held = self._held[len(opening) :]
                 self.inside, self.done, self._header, self._leading = True, False, True, True
-                self._spaces, self._again = "\n" if self._reasoned else "", False  # (joined by a newline)
+                self._spaces, self._again = ["\n"] if self._reasoned else [], False  # (joined by a newline)
                 return True
         if any(opening.startswith(self._held) for opening in self.markers.openings):
             return False
@@ -247,9 +254,9 @@ class Splitter:
             piece = self._reasoning(self._held[:at])
             self._held = self._held[at + len(marker) :]
             if marker != markers.close and marker not in markers.breaks:  # (opened again: markup)
-                self._spaces, self._leading = "\n" if self._reasoned else "", True
+                self._spaces, self._leading = ["\n"] if self._reasoned else [], True
                 return piece, bool(self._held)
-            self._spaces = ""
+            self._spaces = []
             self.inside, self.done, self._strip = False, True, not self.keep_spaces
             self._header = self._header and marker == markers.close  # (a break is the header)
             return piece, bool(self._held)
@@ -263,10 +270,12 @@ class Splitter:
         if self._leading:
             text = text.lstrip()
             self._leading = not text
-        text = self._spaces + text
         body = text.rstrip()
-        self._spaces = text[len(body) :]
-        self._reasoned = self._reasoned or bool(body)
+        if not body:  # (more whitespace: held on, not joined to what was held, no square)
+            self._spaces.append(text)
+            return ""
+        body, self._spaces = "".join(self._spaces) + body, [text[len(body) :]]
+        self._reasoned = True
         return body
 
     def _content(self, text: str) -> str:
@@ -286,7 +295,7 @@ class Splitter:
     @property
     def holding(self) -> bool:
         """Text is held back, not yet known to be reasoning, content or markup."""
-        return bool(self._held)
+        return bool(self._held or self._blank)
 
     @property
     def labelling(self) -> bool:
@@ -304,7 +313,8 @@ class Splitter:
         """The text generated before the content (the block, its markers, the whitespace
         dropped): the reply as generated is this and its content, once flushed."""
         raw = "".join(self._raw)
-        return raw[: len(raw) - len(self._held) - self._content_chars]
+        held = len(self._held) + sum(map(len, self._blank))
+        return raw[: len(raw) - held - self._content_chars]
 
 
 def _partial(text: str, marker: str) -> int:
