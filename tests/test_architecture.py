@@ -19,6 +19,7 @@ LAYERS = (
         "llmsession.config",
         "llmsession.replies",
         "llmsession.buffers",
+        "llmsession.files",
     ),
     ("llmsession.text",),
     ("llmsession.native",),

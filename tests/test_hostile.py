@@ -30,6 +30,7 @@ from llmsession import (
     SessionFileError,
     TemplateError,
 )
+from llmsession import files
 from llmsession.commands import cli
 from llmsession.engine import sessionfile
 
@@ -523,6 +524,47 @@ def test_hostile_session_files_are_typed_errors_quickly(smollm2_path: Path, tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     times = [float(line.split()[2]) for line in out.stdout.splitlines() if line.startswith("typed")]
     assert len(times) == 6 and max(times) < 2, out.stdout
+
+
+def test_a_fifo_or_a_device_named_as_a_model_an_image_or_a_template_is_a_typed_error(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """The model's opening, an image part's path and a template file were opened as they came:
+    a FIFO blocked for ever (no writer), ``/dev/zero`` read until memory ran out. Only regular
+    files are read now, and a typed error says why."""
+    os.mkfifo(tmp_path / "fifo")
+    code = f"""
+    import time
+    from pathlib import Path
+    from llmsession import ImageError, Model, ModelLoadError, TemplateError
+    from llmsession.text.images import image_from_part
+    fifo, model = {str(tmp_path / "fifo")!r}, {str(smollm2_path)!r}
+    calls = [(lambda p=p: Model(p), ModelLoadError) for p in (fifo, "/dev/zero", "/proc")]
+    calls += [(lambda p=p: image_from_part({{"type": "image", "image": p}}), ImageError) for p in (fifo, "/dev/zero", "/proc")]
+    calls += [(lambda p=p: Model(model, threads=1, chat_template=Path(p)), TemplateError) for p in (fifo, "/dev/zero")]
+    for call, typed in calls:
+        began = time.perf_counter()
+        try:
+            call()
+        except typed as e:
+            print("typed in %.2f s: %s" % (time.perf_counter() - began, e))
+        else:
+            raise SystemExit("read it")
+    """
+    out = run_python(code, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("typed")]
+    assert len(lines) == 8 and max(float(line.split()[2]) for line in lines) < 2, out.stdout
+    assert all(line.endswith("not a regular file") for line in lines), out.stdout  # (/proc: a directory)
+
+
+def test_a_regular_file_is_read_up_to_its_bound_and_no_further(tmp_path: Path) -> None:
+    (tmp_path / "small").write_bytes(b"x" * 10)
+    assert files.read_regular(tmp_path / "small", 10) == b"x" * 10
+    with pytest.raises(OSError, match="larger than 9 bytes"):
+        files.read_regular(tmp_path / "small", 9)
+    with pytest.raises(FileNotFoundError):
+        files.read_regular(tmp_path / "gone", 9)
 
 
 def test_a_record_that_does_not_match_its_state_restores_nothing(smollm2: Model, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 from llmsession.engine.prefix import ImagePosition, Item
 from llmsession.errors import SessionFileError
+from llmsession.files import opened_regular
 from llmsession.options import MAX_POSITIONS
 
 MAGIC = b"LLMSESS1"
@@ -220,27 +221,21 @@ def _read_regular(path: Path, max_header: int) -> bytearray:
     header of at most ``max_header`` bytes before the rest is read (a model's file, or a
     sparse one of 100 GB, is refused unread)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        f, size = opened_regular(path)
     except OSError as error:
         raise SessionFileError(f"cannot read {path}: {error.strerror or error}") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise SessionFileError(f"cannot read {path}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        if info.st_size > MAX_FILE_BYTES:
-            raise SessionFileError(
-                f"{path} has {info.st_size} bytes; a session file has at most {MAX_FILE_BYTES}"
-            )
+    with f:
+        if size > MAX_FILE_BYTES:
+            raise SessionFileError(f"{path} has {size} bytes; a session file has at most {MAX_FILE_BYTES}")
         opening = f.read(len(MAGIC) + _LENGTH.size)
-        if info.st_size < len(opening) + _DIGEST or opening[: len(MAGIC)] != MAGIC:
+        if size < len(opening) + _DIGEST or opening[: len(MAGIC)] != MAGIC:
             raise SessionFileError(f"{path} is not an llmsession file (or is truncated)")
         if _LENGTH.unpack_from(opening, len(MAGIC))[0] > max_header:
             raise SessionFileError(f"{path}: its header is longer than {max_header} bytes")
         try:
-            data = bytearray(info.st_size)
+            data = bytearray(size)
         except MemoryError:
-            raise SessionFileError(f"{path}: its {info.st_size} bytes do not fit in memory") from None
+            raise SessionFileError(f"{path}: its {size} bytes do not fit in memory") from None
         data[: len(opening)] = opening
         if f.readinto(memoryview(data)[len(opening) :]) != len(data) - len(opening) or f.read(1):
             raise SessionFileError(f"{path} changed while it was read")

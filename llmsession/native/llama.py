@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmsession.errors import ModelClosedError, ModelLoadError, NativeError, TemplateError
+from llmsession.files import opened_regular
 from llmsession.native.inuse import InUse, free_model, holding
 from llmsession.native.stateblob import Shape
 from llmsession.text.detokenize import shown
@@ -373,7 +374,8 @@ def non_negative(code: int) -> bool:
 def check_gguf_file(path: Path, kind: str = "model") -> None:
     """Clear errors for what llama.cpp would only log: missing, unreadable, not a GGUF."""
     try:
-        with path.open("rb") as f:
+        f, _ = opened_regular(path)  # (a FIFO would block here, and in llama.cpp's open)
+        with f:
             magic = f.read(4)
     except FileNotFoundError:
         raise ModelLoadError(f"{kind} file not found: {path}") from None

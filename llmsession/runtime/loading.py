@@ -14,6 +14,7 @@ from llmsession.config import MemoryConfig
 from llmsession.engine.budget import CELLS_QUANTUM, MemoryPlan, own_cells, uses_own_cells
 from llmsession.engine.sizing import Sizing, size_kv
 from llmsession.errors import NativeError, TemplateError, UnsupportedFeatureError
+from llmsession.files import read_regular
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
 from llmsession.native.machine import default_threads, usable_cores
@@ -22,6 +23,7 @@ from llmsession.native.shape import architecture, kv_bytes_per_cell
 from llmsession.text.renderer import Renderer, choose_renderer, is_jinja
 
 log = logging.getLogger("llmsession")
+MAX_TEMPLATE_BYTES = 1 << 24  # a chat template file, at most (the largest known are under 100 KB)
 
 
 def choose_flash_attention(asked: bool | None, kv_type: str, gpu_layers: int) -> bool | None:
@@ -275,10 +277,12 @@ def chosen_renderer(
     if use_jinja is not None and not isinstance(use_jinja, bool):
         raise TypeError(f"use_jinja must be True, False or None, got {use_jinja!r}")
     if isinstance(chat_template, Path):
+        path = chat_template
         try:
-            chat_template = chat_template.read_text(encoding="utf-8")
+            chat_template = read_regular(path, MAX_TEMPLATE_BYTES).decode("utf-8")
         except (OSError, UnicodeDecodeError) as error:
-            raise TemplateError(f"cannot read the chat template file: {error}") from None
+            why = getattr(error, "strerror", None) or error
+            raise TemplateError(f"cannot read the chat template file {path}: {why}") from None
     renderer = choose_renderer(
         native.chat_template(),
         architecture(native),

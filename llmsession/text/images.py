@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from llmsession.errors import ImageError
+from llmsession.files import read_regular
 from llmsession.text.messages import image_parts as image_parts  # (beside is_image_part: reads no image)
 
 # The encoded formats read (what OpenAI's and Anthropic's APIs take, and BMP): PIL would otherwise
 # try each of its plugins on hostile bytes, EPS among them (Ghostscript, where it is installed).
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_FILE_BYTES = 1 << 28  # an image file read from a path, at most (16.8 MP as BMP is 50 MB)
 
 # PIL loads when the first encoded image is decoded (a PIL image passed in has loaded it already).
 if TYPE_CHECKING:
@@ -73,7 +75,7 @@ def _rgb_pixels(source: ImageSource) -> np.ndarray:
     if isinstance(source, str | Path):
         path = Path(source)
         try:
-            data = path.read_bytes()
+            data = read_regular(path, MAX_FILE_BYTES)  # (not a FIFO's or a device's endless bytes)
         except OSError as error:
             raise ImageError(f"cannot read image file {path}: {error.strerror or error}") from None
         return _decode(data, str(path))
