@@ -29,8 +29,8 @@ from llmsession import (
     ReplyMismatchError,
     SessionFileError,
     TemplateError,
+    files,
 )
-from llmsession import files
 from llmsession.commands import cli
 from llmsession.engine import sessionfile
 
@@ -540,8 +540,10 @@ def test_a_fifo_or_a_device_named_as_a_model_an_image_or_a_template_is_a_typed_e
     from llmsession.text.images import image_from_part
     fifo, model = {str(tmp_path / "fifo")!r}, {str(smollm2_path)!r}
     calls = [(lambda p=p: Model(p), ModelLoadError) for p in (fifo, "/dev/zero", "/proc")]
-    calls += [(lambda p=p: image_from_part({{"type": "image", "image": p}}), ImageError) for p in (fifo, "/dev/zero", "/proc")]
-    calls += [(lambda p=p: Model(model, threads=1, chat_template=Path(p)), TemplateError) for p in (fifo, "/dev/zero")]
+    image = lambda p: image_from_part({{"type": "image", "image": p}})
+    calls += [(lambda p=p: image(p), ImageError) for p in (fifo, "/dev/zero", "/proc")]
+    template = lambda p: Model(model, threads=1, chat_template=Path(p))
+    calls += [(lambda p=p: template(p), TemplateError) for p in (fifo, "/dev/zero")]
     for call, typed in calls:
         began = time.perf_counter()
         try:
