@@ -384,6 +384,39 @@ def test_answered_calls_and_long_users_within_the_limits_pass() -> None:
     assert chat_request({"messages": HI, "user": "u" * 256, "stop": ["é" * 512] * 16}).user == "u" * 256
 
 
+def test_thousands_of_calls_and_results_are_paired_in_linear_time() -> None:
+    """Calls were a list that each result searched: 50,000 calls in one message answered in
+    reverse took 2.2 s through chat completions and 41 s through Messages (its results paired
+    before their count was checked). Counted ids, and the count checked first."""
+    from llmsession.serve.messages import chat_body
+
+    k = 50_000
+    calls = [{**TOOL_CALL, "id": f"c{i}"} for i in range(k)]
+    said = [*HI, {"role": "assistant", "content": None, "tool_calls": calls}]
+    said += [{"role": "tool", "tool_call_id": f"c{k - 1 - i}", "content": "r"} for i in range(1021)]
+    uses = [{"type": "tool_use", "id": f"a{i}", "name": "f", "input": {}} for i in range(k)]
+    results = [{"type": "tool_result", "tool_use_id": f"a{k - 1 - i}", "content": "r"} for i in range(k)]
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": uses}]
+    for call, refused in (
+        (lambda: chat_request({"messages": said}), "not answered: 'c0', 'c1', 'c2', 'c3', ..."),
+        (
+            lambda: chat_body({"model": "m", "messages": [*turns, {"role": "user", "content": results}]}),
+            "at most",
+        ),
+    ):
+        began = time.monotonic()
+        with pytest.raises(ApiError, match=refused):
+            call()
+        assert time.monotonic() - began < 1.4  # (0.6 s and 0.3 s here, on the AVX2 EPYC)
+    twice = [{"type": "tool_use", "id": "a", "name": "f", "input": {}}] * 2  # (ids may repeat)
+    answers = [{"type": "tool_result", "tool_use_id": "a", "content": "r"}] * 2
+    body = {"model": "m", "max_tokens": 1, "messages": [turns[0], {"role": "assistant", "content": twice}]}
+    paired, _ = chat_body({**body, "messages": [*body["messages"], {"role": "user", "content": answers}]})
+    assert len(paired["messages"]) == 4
+    with pytest.raises(ApiError, match="unexpected tool_use_id 'a'"):
+        chat_body({**body, "messages": [*body["messages"], {"role": "user", "content": answers * 2}]})
+
+
 def test_logprobs_off_and_any_seed_are_accepted() -> None:
     assert chat_request({"messages": HI, "logprobs": False, "top_logprobs": 0}).options.logprobs is None
     for seed in (-1, 2**32 - 1, 2**64 + 5, 1e20):

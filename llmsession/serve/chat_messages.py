@@ -6,6 +6,7 @@ model, no web framework.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, NoReturn
 
 from llmsession.errors import TemplateError
@@ -43,31 +44,33 @@ def _answered(messages: Transcript) -> None:
     turns back, made a prompt no template renders sensibly). OpenAI's rule, but for a user's
     words among the results (Anthropic's clients send text beside results) and a turn in several
     assistant messages (a reasoning item between a Responses turn's calls begins another)."""
-    calls: list[str] = []  # the last assistant turn's calls not answered yet
+    calls: Counter[str] = Counter()  # the last assistant turn's calls not answered yet (counted: a list
+    # was thousands of calls times thousands of results)
     said = 0  # where that turn began
     previous = None
     for i, message in enumerate(messages):
         role = message["role"]
         if role == "tool":
             ident = message.get("tool_call_id")
-            if ident not in calls:
+            if not isinstance(ident, str) or calls[ident] <= 0:
                 where = f"messages[{i}]"
                 problem = f"tool_call_id {ident!r:.80} answers no call of the last assistant turn"
                 raise ApiError(f"{where}: {problem} (or one answered already)", where)
-            calls.remove(ident)
+            calls[ident] -= 1
         elif role == "assistant" and previous == "assistant":
-            calls += [call["id"] for call in message.get("tool_calls") or ()]
+            calls.update(call["id"] for call in message.get("tool_calls") or ())
         elif role == "assistant":
-            if calls:
+            if calls.total() > 0:
                 _unanswered(said, calls)
-            calls, said = [call["id"] for call in message.get("tool_calls") or ()], i
+            calls, said = Counter(call["id"] for call in message.get("tool_calls") or ()), i
         previous = role
-    if calls and said != len(messages) - 1:  # (one ending with its calls is refused as such)
+    if calls.total() > 0 and said != len(messages) - 1:  # (one ending with its calls is refused as such)
         _unanswered(said, calls)
 
 
-def _unanswered(said: int, calls: list[str]) -> NoReturn:
-    unanswered = ", ".join(f"{ident!r:.80}" for ident in calls[:4]) + (", ..." if len(calls) > 4 else "")
+def _unanswered(said: int, calls: Counter[str]) -> NoReturn:
+    left = list(calls.elements())
+    unanswered = ", ".join(f"{ident!r:.80}" for ident in left[:4]) + (", ..." if len(left) > 4 else "")
     where = f"messages[{said}]"
     raise ApiError(
         f"{where}: an assistant message's tool_calls must each be answered by a tool message after "

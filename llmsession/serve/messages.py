@@ -169,6 +169,8 @@ def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any
             made = _user(content, where, images) if role == "user" else [_assistant(content, where)]
         else:
             raise ApiError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+        if len(out) + len(made) > MAX_MESSAGES:  # (before pairing: a message may hold thousands)
+            raise ApiError(f"messages: at most {MAX_MESSAGES} messages and tool results in all", "messages")
         pairs.check(made, where, content if isinstance(content, list) else [], role)
         out += made
         origins += [where] * len(made)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from llmsession.serve.errors import ApiError
@@ -16,7 +17,8 @@ class Pairs:
     result with its call regardless."""
 
     def __init__(self) -> None:
-        self.open: list[str] = []  # the last assistant turn's calls, unanswered
+        self.open: Counter[str] = Counter()  # the last assistant turn's calls, unanswered (ids counted:
+        # thousands of calls and results in one message were a list's square)
         self.where = ""  # the message that turn began with
         self.role: str | None = None
 
@@ -24,27 +26,28 @@ class Pairs:
         """One message's: ``made``, what it became; ``blocks``, its content's blocks (checked)."""
         answered = [m["tool_call_id"] for m in made if m["role"] == "tool"]
         for ident, j in zip(answered, _at(blocks, "tool_result"), strict=True):
-            if ident not in self.open:
+            if self.open[ident] <= 0:
                 at = f"{where}.content[{j}]"
                 raise ApiError(
                     f"{at}: unexpected tool_use_id {ident!r:.80} in a tool_result block: each tool_result "
                     "must answer a tool_use block of the turn before",
                     f"{at}.tool_use_id",
                 )
-            self.open.remove(ident)
+            self.open[ident] -= 1
         called = [call["id"] for m in made for call in m.get("tool_calls", ())]
         if role == "assistant" and self.role == "assistant":  # (the same turn, on)
-            self.open += called
+            self.open.update(called)
         elif role == "assistant":
             self.finish()
-            self.open, self.where = called, where
+            self.open, self.where = Counter(called), where
         self.role = role
 
     def finish(self) -> None:
         """The turn after the last calls is over: each must have been answered."""
-        if self.open:
-            unanswered = ", ".join(f"{ident!r:.80}" for ident in self.open[:4])
-            more = ", ..." if len(self.open) > 4 else ""
+        left = list(self.open.elements())
+        if left:
+            unanswered = ", ".join(f"{ident!r:.80}" for ident in left[:4])
+            more = ", ..." if len(left) > 4 else ""
             raise ApiError(
                 f"{self.where}: tool_use ids without tool_result blocks in the next turn: {unanswered}{more}",
                 self.where,
