@@ -117,7 +117,7 @@ def test_streamed_pieces_join_up_to_the_calls(name: str, made: list[Any], data: 
     # ends the calls: test_tool_repeats)
     ids = CallIds(fmt)
     written = [ToolCall(ids(i), tool, as_read(fmt, args)) for i, (tool, args) in enumerate(made)]
-    said = "" if fmt.anchored else "Let me look."
+    said = "" if fmt.anchored else f"Let me {fmt.trigger[:-1]} look."  # (all but the trigger, searched once)
     reply = fmt.reply_text(said, written)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=12)))
     stream, text, pieces = CallStream(fmt, ids), "", []

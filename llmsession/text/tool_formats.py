@@ -211,6 +211,7 @@ class CallStream:
         self.fmt, self.ids = fmt, ids
         self.raw, self.sent = "", 0  # the reply so far; how much of it went out as text
         self.calls_at = -1  # where its calls begin, once they do
+        self.searched = 0  # where the trigger may begin, at the earliest (searched before it)
         self.plain = False  # the reply did not open with the calls of a format whose calls must
         self.arguments: list[int] = []  # per call announced: how much of its arguments went out
         self.cut = -1  # where a repeated call's separator begins: the reply's calls end there
@@ -226,7 +227,8 @@ class CallStream:
         if self.plain:
             return self._text(len(self.raw)), ()
         if self.calls_at < 0:
-            at = self.raw.find(trigger)
+            at = self.raw.find(trigger, self.searched)  # (not from the start: no square)
+            self.searched = max(0, len(self.raw) - len(trigger) + 1) if at < 0 else self.searched
             if at < 0:
                 held = max(
                     _held(self.raw, self.fmt.before + self.fmt.trigger), _held(self.raw, self.fmt.trigger)
