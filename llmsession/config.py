@@ -23,6 +23,7 @@ KvLayout = Literal["per_session", "shared"]  # live sessions' cells: their own e
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
 MAX_LIVE_SESSIONS = 256  # LLAMA_MAX_SEQ
 MAX_STATELESS_SESSIONS = 1 << 16
+LONGEST_WAIT = (2**31 - 1) / 1000 - 1  # seconds: what Connection.poll and a socket take (in ms, an int)
 MiB = 1 << 20
 
 
@@ -136,8 +137,10 @@ class ModelConfig:
         timeout = self.worker_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"worker_timeout must be a number of seconds, got {timeout!r:.40}")
-        if not timeout > 0:  # (NaN too; infinity waits for ever, as asked)
+        if not timeout > 0:  # (NaN too)
             raise ValueError(f"worker_timeout must be positive, got {timeout!r}")
+        # infinity, or any wait longer than a poll or a socket takes (24.8 days), waits for ever
+        object.__setattr__(self, "worker_timeout", float(min(timeout, LONGEST_WAIT)))
         if self.stateless_sessions is not None:
             check_int("stateless_sessions", self.stateless_sessions, 1, MAX_STATELESS_SESSIONS)
 

@@ -221,6 +221,25 @@ def test_a_silent_worker_is_reported_within_the_timeout(smollm2_path: Path) -> N
         assert session.messages == []
 
 
+def test_a_wait_for_ever_and_a_relative_path_are_as_in_process(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``worker_timeout=inf`` waits for ever: every call raised a bare OverflowError (a poll's
+    limit in milliseconds is an int) and the model's close left its worker running. A relative
+    path named the worker's working directory, the one of the model's load."""
+    with Model(smollm2_path, threads=1, isolated=True, worker_timeout=float("inf")) as model:
+        monkeypatch.chdir(tmp_path)
+        session = model.session()
+        session.respond("Hi", GenerationOptions(max_tokens=2, temperature=0.0))
+        session.save("here.llms")
+        assert (tmp_path / "here.llms").is_file()
+        assert model.load_session(Path("here.llms")).messages == session.messages
+        with pytest.raises(TypeError, match="must be a str or a Path"):
+            session.save(b"here.llms")  # type: ignore[arg-type]
+        worker = internals.worker(model).process
+    assert worker.poll() is not None or worker.wait(10) is not None
+
+
 def face_problems(face: type, implementation: type) -> list[str]:
     """What keeps ``implementation`` from being one side of ``face``: it must derive from the
     face alone (not from the other implementation, overriding it whole) and leave nothing

@@ -24,7 +24,7 @@ from llmsession.engine.budget import MemoryReport
 from llmsession.errors import BackendError, ModelClosedError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
-from llmsession.remote.proxies import WorkerSession, WorkerStream, portable
+from llmsession.remote.proxies import WorkerSession, WorkerStream, absolute, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.face import Session, Stream
@@ -216,7 +216,7 @@ class IsolatedModel:
         )
 
     def load_session(self, path: str | Path, overrides: Mapping[str, Any]) -> WorkerSession:
-        return WorkerSession(self, self.call("load_session", str(path), dict(overrides)))
+        return WorkerSession(self, self.call("load_session", absolute(path), dict(overrides)))
 
     def conversations(self) -> list[str]:
         return list(self._model_call("conversations"))
@@ -235,10 +235,12 @@ class IsolatedModel:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._worker.failure is None:
-                with contextlib.suppress(BackendError):
-                    self._worker.call("close")
-            self._worker.stop()
+            try:
+                if self._worker.failure is None:
+                    with contextlib.suppress(BackendError):
+                        self._worker.call("close")
+            finally:  # (whatever the close raised: the process goes)
+                self._worker.stop()
 
     @property
     def closed(self) -> bool:
