@@ -23,6 +23,7 @@ from llmsession import (
     SessionBusyError,
     SessionConfig,
     TemplateError,
+    Transcript,
 )
 from llmsession.native.context import NativeContext
 from llmsession.text.detokenize import IncrementalDetokenizer
@@ -541,3 +542,28 @@ def test_a_sessions_settings_are_read_only(smollm2: Model) -> None:
             with pytest.raises(AttributeError):
                 setattr(session, name, value)
         assert session.respond("Hi.", GenerationOptions(max_tokens=2)).text is not None
+
+
+def test_messages_set_to_a_transcript_or_a_tuple_take_the_reply_and_others_fail_first(
+    smollm2: Model, tmp_path: Path
+) -> None:
+    """``messages`` is the caller's to edit: a Transcript or a tuple set there decoded the whole
+    reply, then failed to add it (a bare TypeError, the reply in no transcript); a message no
+    file can hold failed inside a save, after the state was read."""
+    options = GenerationOptions(max_tokens=2, temperature=0.0)
+    with smollm2.session() as session:
+        for given in (
+            Transcript([{"role": "system", "content": "Be terse."}]),
+            ({"role": "system", "content": "Hi."},),
+        ):
+            session.messages = given  # type: ignore[assignment]
+            reply = session.respond("Hi", options)
+            assert session.messages[-1]["content"] == reply.text and len(session.messages) == 3
+        session.messages = None  # type: ignore[assignment]
+        with pytest.raises(TypeError, match="must be a list of messages"):
+            session.respond("Hi", options)
+        for bad in ("hi", {"role": "user", "content": "\ud800"}):
+            session.messages = [{"role": "user", "content": "Hi"}, bad]  # type: ignore[list-item]
+            with pytest.raises(TemplateError):
+                session.save(tmp_path / "s.llms")
+        assert not (tmp_path / "s.llms").exists()

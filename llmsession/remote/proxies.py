@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,18 @@ from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
 from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.session import said_messages
+from llmsession.runtime.session import editable, said_messages
 from llmsession.text.messages import check_messages
 from llmsession.text.schemas import schema_document
 from llmsession.text.tools import tool_from
+
+
+def absolute(path: str | Path) -> str:
+    """A file's path as this process reads it, for a worker (whose working directory is the
+    one this had when the model loaded): a text path or a ``PathLike`` of one, as in process."""
+    if not isinstance(path, str | os.PathLike) or not isinstance(text := os.fspath(path), str):
+        raise TypeError(f"a session file's path must be a str or a Path, got {type(path).__name__}")
+    return os.path.abspath(text)
 
 
 class Host(Protocol):
@@ -89,7 +98,7 @@ class WorkerSession(Session):
 
     def stream(self, content: Any, options: GenerationOptions | None = None) -> WorkerStream:
         self._check_open()
-        check_messages([*self.messages, *said_messages(content)])  # as in-process, before pickling
+        check_messages([*editable(self.messages), *said_messages(content)])  # as in-process, before pickling
         options, schema_class = portable(options)
         edits = self._edits()
         before = self._streaming() if self._streaming is not None else None
@@ -120,6 +129,7 @@ class WorkerSession(Session):
     def _edits(self) -> list[Any] | None:
         """The transcript if it was changed here since the worker's was last seen, else None:
         the worker's stays (it holds exchanges of streams dropped unfinished, as locally)."""
+        self.messages = editable(self.messages)
         return None if self.messages == self._synced else self.messages
 
     def _sync(self, messages: list[Any]) -> None:
@@ -146,7 +156,7 @@ class WorkerSession(Session):
         return WorkerSession(self._model, self._session_call("fork"))
 
     def save(self, path: str | Path) -> None:
-        self._session_call("save", str(path))
+        self._session_call("save", absolute(path))
 
     def close(self) -> None:
         if not self._closed and not self._model.closed:

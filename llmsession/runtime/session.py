@@ -37,6 +37,7 @@ from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
 from llmsession.runtime.stream import CLOSE_WAIT_S, Finishing, Guard, LocalStream
 from llmsession.runtime.thinking import thinking
+from llmsession.text.messages import check_messages
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import reads_effort
 from llmsession.text.tool_formats import CallIds
@@ -60,6 +61,18 @@ def said_messages(content: Any) -> list[Message]:
     ):
         return [cast(Message, dict(m)) for m in content]
     return [{"role": "user", "content": content}]
+
+
+def editable(messages: Any) -> list[Message]:
+    """A session's ``messages`` as the list it keeps (the reply is added to it): a Transcript or
+    a tuple a caller set becomes one, anything else is a TypeError before any work."""
+    if isinstance(messages, list):
+        return messages
+    if isinstance(messages, Transcript):
+        return cast(list[Message], messages.messages())
+    if isinstance(messages, tuple):
+        return list(messages)
+    raise TypeError(f"session.messages must be a list of messages, got {type(messages).__name__}")
 
 
 def too_many(config: MemoryPlan, most: int) -> str:
@@ -151,6 +164,7 @@ class LocalSession(Session):
                 began = time.perf_counter()
             checked = options_tools(options) if prompt is None else tools
             self._tools = (checked, options.tool_format)
+            self.messages = editable(self.messages)
             if prompt is None:
                 prompt = self._prompter()([*self.messages, *said])
             else:  # made by the caller just before
@@ -181,6 +195,8 @@ class LocalSession(Session):
 
     def save(self, path: str | Path) -> None:
         target = target_file(path)  # a path that cannot be written is refused before any work
+        self.messages = editable(self.messages)
+        check_messages(self.messages)  # (a message no file can hold, before the state is read)
         with self._guard:
             self._quiesce()
             persistence.save(self.model, self.lease, self.messages, self.settings, target)
