@@ -560,6 +560,44 @@ def test_a_fifo_or_a_device_named_as_a_model_an_image_or_a_template_is_a_typed_e
     assert all(line.endswith("not a regular file") for line in lines), out.stdout  # (/proc: a directory)
 
 
+def test_closing_from_inside_a_step_is_a_busy_error_not_a_hang(smollm2_path: Path) -> None:
+    """A validator (or a signal handler, a finalizer) run inside a step that closes its session
+    or its model waited for the step's own lock: for ever. Refused now, nothing shut, and both
+    close once the step has returned."""
+    code = f"""
+    import time
+    from pydantic import BaseModel, Field, field_validator
+    from llmsession import GenerationOptions, Model, SessionBusyError
+    model = Model({str(smollm2_path)!r}, threads=1, anticipate=False)
+    session = model.session()
+    for close in (session.close, model.close):
+        class Answer(BaseModel):
+            word: str = Field(max_length=12)  # (whole within max_tokens: the validator runs)
+            @field_validator("word")
+            @classmethod
+            def closing(cls, value: str) -> str:
+                close()
+                return value
+        began = time.perf_counter()
+        try:
+            options = GenerationOptions(max_tokens=64, temperature=0.0, json_schema=Answer)
+            reply = session.respond("Say a word.", options)
+            print("replied", reply.finish_reason, repr(reply.text))
+        except SessionBusyError as e:
+            print("busy in %.2f s: %s" % (time.perf_counter() - began, e))
+        assert not session.closed and not model.closed
+    reply = session.respond("Hi", GenerationOptions(max_tokens=2))
+    assert session.messages[-1]["content"] == reply.text and reply.usage.completion_tokens > 0
+    session.close()
+    model.close()
+    assert session.closed and model.closed
+    """
+    out = run_python(code, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    busy = [line for line in out.stdout.splitlines() if line.startswith("busy")]
+    assert len(busy) == 2 and all("from inside its own step" in line for line in busy), out.stdout
+
+
 def test_a_regular_file_is_read_up_to_its_bound_and_no_further(tmp_path: Path) -> None:
     (tmp_path / "small").write_bytes(b"x" * 10)
     assert files.read_regular(tmp_path / "small", 10) == b"x" * 10

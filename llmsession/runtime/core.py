@@ -13,7 +13,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,10 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmsession")
 DEFAULT_MEDIA_MARKER = "<__media__>"
-
-
-class Shuttable(Protocol):
-    def shut(self) -> None: ...
 
 
 class ModelCore:
@@ -109,7 +105,7 @@ class ModelCore:
         except BaseException:  # (an embedding model's context is made here, and may fail)
             loaded.close()
             raise
-        self.sessions: weakref.WeakSet[Shuttable] = weakref.WeakSet()
+        self.sessions: weakref.WeakSet[exiting.Shuttable] = weakref.WeakSet()
         self.replies = ReplyTokens()  # every reply generated here, for splicing
         self._guidance: llguidance.LLTokenizer | None = None
         self._guidance_lock = threading.Lock()
@@ -384,9 +380,8 @@ class ModelCore:
         """Stop every session's stream (each finishes its current step first), free the shared
         memory, then the projector and the model, each once the calls using it outside sessions
         are done (a prompt's images tokenized, a text tokenized or rendered: ``native.in_use``).
-        Any later use raises ModelClosedError."""
-        for session in exiting.members(self.sessions):
-            session.shut()
+        Any later use raises ModelClosedError; from inside a session's step, SessionBusyError."""
+        exiting.shut_all(self.sessions)
         anticipate.stop_all(self.engine)  # collected sessions' too
         self.embedder.close()  # (waits for an embed under way)
         self.engine.close()

@@ -12,11 +12,26 @@ import contextlib
 import weakref
 from typing import Protocol, TypeVar
 
+from llmsession.errors import SessionBusyError
+
 T = TypeVar("T")
 
 
 class Closable(Protocol):
     def close(self) -> None: ...
+
+
+class Shuttable(Protocol):
+    @property
+    def stepping_here(self) -> bool: ...
+    def shut(self) -> None: ...
+
+
+STEPPING_HERE = (
+    "this session is generating in this thread: it cannot be closed, nor its model, from inside "
+    "its own step (a signal handler, a validator or a finalizer run there); cancel its stream "
+    "there, and close once the step has returned"
+)
 
 
 _open: weakref.WeakSet[Closable] = weakref.WeakSet()
@@ -36,6 +51,16 @@ def members(items: weakref.WeakSet[T]) -> list[T]:
     while True:
         with contextlib.suppress(RuntimeError):
             return list(items)
+
+
+def shut_all(sessions: weakref.WeakSet[Shuttable]) -> None:
+    """Every session in ``sessions`` shut (its stream stopped after its step in flight); none
+    where this thread is inside one's step (a SessionBusyError: waiting would be for ever)."""
+    shut = members(sessions)
+    if any(session.stepping_here for session in shut):
+        raise SessionBusyError(STEPPING_HERE)
+    for session in shut:
+        session.shut()
 
 
 def close_all() -> None:

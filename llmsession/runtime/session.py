@@ -25,7 +25,7 @@ from llmsession.engine import anticipate
 from llmsession.engine.budget import MemoryPlan
 from llmsession.engine.prompt import Prompt
 from llmsession.engine.sessionfile import target_file
-from llmsession.errors import ContextOverflowError, ModelClosedError
+from llmsession.errors import ContextOverflowError, ModelClosedError, SessionBusyError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Message, Reply, assistant_message
 from llmsession.runtime import persistence
@@ -33,6 +33,7 @@ from llmsession.runtime.calling import Calling
 from llmsession.runtime.continuing import Prefill
 from llmsession.runtime.core import ModelCore
 from llmsession.runtime.exchange import Exchange
+from llmsession.runtime.exiting import STEPPING_HERE
 from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
 from llmsession.runtime.stream import CLOSE_WAIT_S, Finishing, Guard, LocalStream
@@ -253,9 +254,17 @@ class LocalSession(Session):
     def closed(self) -> bool:
         return self._guard.closed
 
+    @property
+    def stepping_here(self) -> bool:
+        """This thread is inside one of its steps (``shut`` would refuse)."""
+        return self._guard.held_here
+
     def shut(self, *, model_closing: bool = True) -> None:
         """Its model is closing (or, not ``model_closing``, it is): stop the running stream
-        (waiting out its current step) and refuse any later use. The transcript stays readable."""
+        (waiting out its current step) and refuse any later use. The transcript stays readable.
+        From inside its own step (this thread's), a SessionBusyError: nothing is shut."""
+        if self._guard.held_here:
+            raise SessionBusyError(STEPPING_HERE)
         self._stop_latest(model_closing)  # (a prefill in another thread stops within a graph node)
         with self._guard.lock:
             self._stop_latest(model_closing)  # (one another thread started meanwhile: it says so too)

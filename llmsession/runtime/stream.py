@@ -23,6 +23,7 @@ class Guard:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.owner: int | None = None  # the thread holding the lock (set once it holds it)
         self.closed = False
         self.refusal = "this session is closed (or its model is)"
 
@@ -32,9 +33,17 @@ class Guard:
         if self.closed:
             self.lock.release()
             raise ModelClosedError(self.refusal)
+        self.owner = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
+        self.owner = None
         self.lock.release()
+
+    @property
+    def held_here(self) -> bool:
+        """This thread is inside a step (a signal handler, a validator or a finalizer run in it:
+        waiting for the guard there would wait for ever)."""
+        return self.owner == threading.get_ident()
 
     @contextmanager
     def waiting(self, seconds: float) -> Iterator[None]:
@@ -45,8 +54,10 @@ class Guard:
         try:
             if self.closed:
                 raise ModelClosedError(self.refusal)
+            self.owner = threading.get_ident()
             yield
         finally:
+            self.owner = None
             self.lock.release()
 
 
@@ -95,9 +106,11 @@ class LocalStream(Stream):
         # thread is the one holding the guard (a collected object's close, say): busy, as before.
         if not self._guard.lock.acquire(timeout=CLOSE_WAIT_S):
             raise SessionBusyError("this session is generating in another thread")
+        self._guard.owner = threading.get_ident()
         try:
             self.abandon()
         finally:
+            self._guard.owner = None
             self._guard.lock.release()
 
 
