@@ -399,3 +399,37 @@ def test_free_text_never_spells_a_special_trigger(fixture_path: Any) -> None:
 
         assert takes(prose[:4]) and not takes(prose)
         assert takes(model.tokenize("Let me check.\n<tool_call>", add_special=False))
+
+
+def test_a_replys_calls_are_checked_within_one_budget_not_one_each() -> None:
+    """Each call's arguments were checked with a budget of its own: eight calls of a schema
+    whose references branch, each just within it, took eight budgets (7.5 s here). One budget
+    for the reply's calls now; past it, the reply is refused as unchecked."""
+    import time
+
+    from llmsession.runtime.calling import Calling
+    from llmsession.text.schemas import MAX_CHECK_STEPS
+
+    defs: dict[str, Any] = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}", "minimum": 10}, {"$ref": f"#/$defs/d{i + 1}"}]}
+        for i in range(14)
+    }
+    defs["d14"] = {"type": "integer"}
+    schema = {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+    tools = checked_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert tools is not None
+    hermes = FORMATS["hermes"]
+    ids = CallIds(hermes)
+    calling = Calling(tools, hermes, ids)
+    began = time.monotonic()
+    _, calls, _, one = calling.conclude(
+        hermes.reply_text("", [ToolCall(ids(0), "f", '{"x": 1}')]), "complete"
+    )
+    alone = time.monotonic() - began
+    assert one is None and len(calls) == 1  # (one call: within the budget)
+    eight = hermes.reply_text("", [ToolCall(ids(k), "f", json.dumps({"x": k})) for k in range(8)])
+    began = time.monotonic()
+    _, calls, finish, error = Calling(tools, hermes, ids).conclude(eight, "complete")
+    assert (len(calls), finish) == (8, "tool_calls") and error is not None
+    assert f"within {MAX_CHECK_STEPS:,} keyword checks" in str(error)
+    assert time.monotonic() - began < 2.5 * alone + 0.5  # (8 budgets before: 7.5 s against 0.94 s)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmsession.errors import ReplyMismatchError
 from llmsession.replies import FinishReason, Snapshot, ToolCall
 from llmsession.text.harmony import canonical
-from llmsession.text.schemas import validator_of, violation
+from llmsession.text.schemas import validator_of, violations
 from llmsession.text.stops import StopMatcher
 from llmsession.text.tool_formats import CallIds, CallStream, ToolFormat, parse
 from llmsession.text.tools import Tools
@@ -96,11 +97,13 @@ class Calling:
             return raw, (), finish, ReplyMismatchError(f"the reply's tool calls do not parse: {unparsed}")
         if not calls:
             return text, (), "stop", None
-        for call in calls:
-            tool = self.tools.by_name(call.name)
-            assert tool is not None  # (parse checked it)
-            problem = violation(validator_of(tool.parameters), call.parsed)
-            if problem:
-                error = ReplyMismatchError(f"the call of {call.name} does not match its schema: {problem}")
-                return text, tuple(calls), "tool_calls", error
+        at, problem = violations((validator_of(self._parameters(call)), call.parsed) for call in calls)
+        if problem:
+            error = ReplyMismatchError(f"the call of {calls[at].name} does not match its schema: {problem}")
+            return text, tuple(calls), "tool_calls", error
         return text, tuple(calls), "tool_calls", None
+
+    def _parameters(self, call: ToolCall) -> Any:
+        tool = self.tools.by_name(call.name)
+        assert tool is not None  # (parse checked it)
+        return tool.parameters

@@ -16,7 +16,7 @@ import functools
 import json
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from llmsession.errors import GrammarError
@@ -209,7 +209,25 @@ def _counted(check: Any) -> Any:
 def violation(validator: Any, value: Any) -> str:
     """What in a complete reply breaks its schema ("" if nothing does), found within
     ``MAX_CHECK_STEPS`` keyword checks (a reply not checked within them breaks it)."""
+    return violations([(validator, value)])[1]
+
+
+def violations(checks: Iterable[tuple[Any, Any]]) -> tuple[int, str]:
+    """The first of ``checks`` (a validator and a value: a reply's calls, say) whose value
+    breaks its schema, and what breaks it ((-1, "") if none does), all found within one
+    ``MAX_CHECK_STEPS`` (eight calls each just within it took eight times as long)."""
     _budget.left = MAX_CHECK_STEPS
+    try:
+        for index, (validator, value) in enumerate(checks):
+            problem = _problem(validator, value)
+            if problem:
+                return index, problem
+        return -1, ""
+    finally:
+        _budget.left = None
+
+
+def _problem(validator: Any, value: Any) -> str:
     try:
         problem = next(iter(validator.iter_errors(value)), None)
     except _OverBudget:
@@ -219,8 +237,6 @@ def violation(validator: Any, value: Any) -> str:
         )
     except Exception as error:  # deep recursion, an unresolvable reference, a regex Python lacks
         return f"the reply could not be checked against its schema: {type(error).__name__}: {error}"
-    finally:
-        _budget.left = None
     if problem is None:
         return ""
     where = "/".join(str(p) for p in problem.absolute_path) or "the reply"
