@@ -27,6 +27,7 @@ from llmsession import (
     GrammarError,
     Model,
     ReplyMismatchError,
+    SessionConfig,
     SessionFileError,
     TemplateError,
     files,
@@ -435,6 +436,21 @@ def test_a_tenant_reuses_only_what_its_own_calls_left(smollm2: Model) -> None:
         smollm2.chat(history, GREEDY, tenant=7)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="share_prefix"):
         smollm2.chat(history, GREEDY, share_prefix="no")
+
+
+def test_counting_under_many_tenants_pushes_no_tenants_replies_out(smollm2: Model) -> None:
+    """Counting a prompt (``count_tokens``) made and touched its tenant's record of replies: a
+    caller counting under 64 names (``metadata.user_id``) pushed every other tenant's out, their
+    next prompts then tokenized otherwise than their replies were generated. Read only now."""
+    history = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    smollm2.chat(history, GREEDY, share_prefix=False, tenant="alice")
+    records = internals.local(smollm2).stateless._records._records
+    alices = records["alice"]
+    apart = SessionConfig(share_prefix=False)
+    for i in range(100):
+        smollm2.prompt_size(history, tenant=f"counter{i}", config=apart)
+        smollm2.prompt_tokens(history, tenant=f"counter{i}", config=apart)
+    assert records.get("alice") is alices and not any(name.startswith("counter") for name in records)
 
 
 # 4. save never replaces what is not a regular file ----------------------------------------------------

@@ -94,7 +94,7 @@ class StatelessSessions:
         tools = options_tools(options)
         if text is not None:
             check_prefill(self.model, text, options, tools, thinking)
-        record = self._kept_record(tenant, config)
+        record = self._record(tenant, config)
         # Tokenized once: to choose the session, then as the session's prompt.
         prompt = self.model.prompt(
             transcript,
@@ -122,7 +122,7 @@ class StatelessSessions:
     ) -> list[int]:
         """The tokens a stateless call with these messages would decode as its prompt, spliced
         from the replies its tenant's calls may splice (``Model.prompt_tokens(tenant=...)``)."""
-        record = partial(self._kept_record, tenant, config)
+        record = partial(self._record, tenant, config, peek=True)
         return counting.call_tokens(self.model, messages, record, config, tools, tool_format)
 
     def size(
@@ -134,7 +134,7 @@ class StatelessSessions:
         tool_format: str | None,
     ) -> int:
         """How many items such a call's prompt has, images too (``Model.prompt_size``)."""
-        record = partial(self._kept_record, tenant, config)
+        record = partial(self._record, tenant, config, peek=True)
         return counting.call_size(self.model, messages, record, config, tools, tool_format)
 
     def complete(
@@ -156,7 +156,7 @@ class StatelessSessions:
             raise ValueError("a raw completion cannot call tools (it has no chat template)")
         prompt = self.model.raw_prompt(text)  # (checked before the tenant's record is touched)
         try:
-            record = self._kept_record(tenant, config)
+            record = self._record(tenant, config)
         except BaseException:
             prompt.close()
             raise
@@ -296,14 +296,14 @@ class StatelessSessions:
         self._labels.pop(session, None)
         return self._tenants.pop(session)
 
-    def _kept_record(self, tenant: str | None, config: SessionConfig) -> ReplyTokens | None:
-        """The replies a call kept apart may splice (its tenant's, or none of anyone's without a
-        tenant); None for a call that shares."""
+    def _record(self, tenant: str | None, config: SessionConfig, peek: bool = False) -> ReplyTokens | None:
+        """The replies a call kept apart may splice: its tenant's (``peek``, counting: as they are,
+        ``TenantReplies.of``), none of anyone's without a tenant; None for a call that shares."""
         check_tenant(tenant)
         if config.share_prefix:
             return None
         with self._lock:
-            return self._records.of(tenant) if tenant is not None else ReplyTokens(capacity=256)
+            return self._records.of(tenant, peek)
 
     def _take(
         self,

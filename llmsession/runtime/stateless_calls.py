@@ -42,8 +42,12 @@ class TenantReplies:
     def __init__(self) -> None:
         self._records: OrderedDict[str, ReplyTokens] = OrderedDict()
 
-    def of(self, tenant: str) -> ReplyTokens:
-        """``tenant``'s record, most recently used now."""
+    def of(self, tenant: str | None, peek: bool = False) -> ReplyTokens:
+        """``tenant``'s record, most recently used now (none of anyone's without a tenant);
+        ``peek`` (a count: no call made): as it is, its place unchanged, an empty one not kept if
+        none (a tenant counting under many names pushed every other's record out)."""
+        if tenant is None or peek:
+            return (self._records.get(tenant) if tenant is not None else None) or ReplyTokens(capacity=256)
         record = self._records.pop(tenant, None) or ReplyTokens(capacity=256)
         self._records[tenant] = record
         while len(self._records) > RECORDS:
