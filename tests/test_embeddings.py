@@ -24,7 +24,7 @@ import numpy as np
 import openai
 import pytest
 from llama_cffi import include_dir, lib_dir
-from serve_helpers import KEY, running
+from serve_helpers import KEY, OTHER_KEY, running
 
 from llmsession import (
     ContextOverflowError,
@@ -206,9 +206,10 @@ def test_closing_the_model_while_it_embeds_waits_for_the_run(bert_path: Path) ->
 def test_embedding_requests_past_the_waiting_bound_are_a_503(
     bert_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One run at a time, and at most ``MAX_WAITING`` requests waiting for it (each holds its
-    inputs, up to 2,048 of them): the next is refused with a 503 the client may retry, and the
-    waiting ones are answered once the run ends."""
+    """One run at a time, and at most ``KEYS_WAITING`` of a key's requests waiting for it (each
+    holds its inputs, up to 2,048 of them): the key's next is refused with a 503 the client may
+    retry, another key's waits, and the waiting ones are answered once the run ends (one key's
+    requests took every place: ``MAX_WAITING``, the bound of all, is theirs and another's)."""
     import httpx
 
     from llmsession.serve import embeddings
@@ -222,33 +223,40 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
 
     monkeypatch.setattr(embeddings, "embedded", held_up)
     with Model(bert_path, threads=1) as bert:
-        app = create_app(bert, api_key=KEY)
+        app = create_app(bert, api_key=[KEY, OTHER_KEY])
         server = app.state.server
         with running(app) as url:
             statuses: list[int] = []
 
-            def ask() -> None:
+            def ask(key: str = KEY) -> None:
                 answer = httpx.post(
                     f"{url}/embeddings",
                     json={"model": "bert", "input": "cat"},
-                    headers={"Authorization": f"Bearer {KEY}"},
+                    headers={"Authorization": f"Bearer {key}"},
                     timeout=60,
                 )
                 statuses.append(answer.status_code)
 
-            threads = [threading.Thread(target=ask) for _ in range(1 + embeddings.MAX_WAITING)]
+            def waiting(n: int) -> None:
+                deadline = time.monotonic() + 30
+                while server.waiting[embeddings.WAITING] < n:
+                    assert time.monotonic() < deadline, server.waiting.counts
+                    time.sleep(0.01)
+
+            threads = [threading.Thread(target=ask) for _ in range(1 + embeddings.KEYS_WAITING)]
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 30
-            while server.embedding_waiting[embeddings.WAITING] < embeddings.MAX_WAITING:
-                assert time.monotonic() < deadline, server.embedding_waiting.counts
-                time.sleep(0.01)
-            ask()  # (one more: past the bound)
+            waiting(embeddings.KEYS_WAITING)
+            ask()  # (one more of the key's: past its bound)
             assert statuses == [503]
+            threads.append(threading.Thread(target=ask, args=(OTHER_KEY,)))  # (another key's: it waits)
+            threads[-1].start()
+            waiting(embeddings.KEYS_WAITING + 1)
+            assert embeddings.KEYS_WAITING + 1 <= embeddings.MAX_WAITING and statuses == [503]
             release.set()
             for thread in threads:
                 thread.join(60)
-    assert statuses == [503] + [200] * (1 + embeddings.MAX_WAITING)
+    assert statuses == [503] + [200] * (2 + embeddings.KEYS_WAITING)
 
 
 def test_an_embed_that_begins_as_its_model_closes_makes_no_context(bert_path: Path) -> None:

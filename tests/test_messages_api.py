@@ -693,3 +693,52 @@ def test_a_reply_the_context_ends_says_so(smollm2_path: Path) -> None:
                 temperature=0,  # type: ignore[arg-type]
             )
             assert chat.choices[0].finish_reason == "length"
+
+
+def test_a_keys_token_counts_past_its_share_are_a_503_and_another_keys_wait(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts waited for their turn without a bound: one key's flood of large bodies, each held
+    parsed, grew without end and took every turn. At most ``KEYS_COUNTING`` of a key's count or
+    wait, ``MAX_COUNTING`` of all."""
+    import threading
+
+    from llmsession.serve import app as served_app
+
+    release, real = threading.Event(), smollm2.prompt_size
+
+    def held_up(*args: Any, **kwargs: Any) -> int:
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(smollm2, "prompt_size", held_up)
+    app = create_app(smollm2, api_key=[KEY, OTHER_KEY])
+    statuses: list[int] = []
+    with running(app) as url:
+
+        def count(key: str = KEY) -> None:
+            body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+            headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+            answer = httpx.post(f"{url}/messages/count_tokens", json=body, headers=headers, timeout=60)
+            statuses.append(answer.status_code)
+
+        def under_way(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while app.state.server.waiting["count_tokens"] < n:
+                assert time.monotonic() < deadline, app.state.server.waiting.counts
+                time.sleep(0.01)
+
+        threads = [threading.Thread(target=count) for _ in range(served_app.KEYS_COUNTING)]
+        for thread in threads:
+            thread.start()
+        under_way(served_app.KEYS_COUNTING)
+        count()  # (one more of the key's: past its share)
+        assert statuses == [503]
+        threads.append(threading.Thread(target=count, args=(OTHER_KEY,)))
+        threads[-1].start()
+        under_way(served_app.KEYS_COUNTING + 1)
+        assert served_app.KEYS_COUNTING < served_app.MAX_COUNTING and statuses == [503]
+        release.set()
+        for thread in threads:
+            thread.join(60)
+    assert statuses == [503] + [200] * (1 + served_app.KEYS_COUNTING)

@@ -55,6 +55,8 @@ MAX_BODY_BYTES = 8 << 20
 CONVERSATION_HEADER = "x-llmsession-conversation"  # a cluster's front names the conversation
 FRONT_KEY = re.compile(r"[0-9a-f]{32}")  # (how it names them: ``cluster.keys``)
 REPLICA_HEADER = "x-llmsession-replica"  # and its replica names itself
+MAX_COUNTING = 32  # count_tokens requests waiting or counting at once; past it a 503
+KEYS_COUNTING = 16  # of them one key's, at most (one key's flood left no place for the others)
 # Text of a system prompt that changes every request and carries nothing for the model: removed
 # before rendering, so a resent conversation is read from the cache (``create_app``). Claude
 # Code's billing line, up to its per-request hash (``cch=<hex>;``) and the line break after it,
@@ -92,7 +94,7 @@ class Server:
         # encoded, and with a parser's slot held, four stalled every request's body.
         self.counting = asyncio.Semaphore(2)
         self.embedding = asyncio.Semaphore(1)  # (an embedding run takes the cores, as a decode)
-        self.embedding_waiting = Tally()  # requests waiting for it (``embeddings.MAX_WAITING``)
+        self.waiting = Tally()  # requests waiting for either (``embeddings.MAX_WAITING``, ``MAX_COUNTING``)
         self.created = int(time.time())
         self.fronted = False  # a cluster's replica: the front names each request's conversation
 
@@ -190,15 +192,23 @@ class Server:
             return Response(status_code=499)  # (nobody reads it)
         try:
             config = session_settings(host.settings, asked)  # (as the call's)
-            async with self.counting:  # (a few at once, off the event loop; not a parser's slot)
-                size = await asyncio.to_thread(  # (an image's tokens as the projector makes them)
-                    host.model.prompt_size,
-                    asked.messages,
-                    tools=options.tools,
-                    tool_choice=options.tool_choice,
-                    tenant=tenant,
-                    config=config,
-                )
+            with self.waiting.counting(  # (each holds its request, parsed)
+                ("count_tokens", MAX_COUNTING, "too many token counts are waiting"),
+                (
+                    ("count_tokens", request.state.key),
+                    KEYS_COUNTING,
+                    "too many of this key's token counts are waiting",
+                ),
+            ):
+                async with self.counting:  # (a few at once, off the event loop; not a parser's slot)
+                    size = await asyncio.to_thread(  # (an image's tokens as the projector makes them)
+                        host.model.prompt_size,
+                        asked.messages,
+                        tools=options.tools,
+                        tool_choice=options.tool_choice,
+                        tenant=tenant,
+                        config=config,
+                    )
         finally:
             held.drop()
         return JSONResponse({"input_tokens": size})

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from llmsession.serve.operators import Server
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
-MAX_WAITING = 16  # embedding requests waiting for the one run at a time; past it a 503
-WAITING = "embeddings"  # (their count's name in ``Server.embedding_waiting``)
+MAX_WAITING = 32  # embedding requests waiting for the one run at a time; past it a 503
+KEYS_WAITING = 16  # of them one key's, at most (one key's flood left no place for the others)
+WAITING = "embeddings"  # (their count's name in ``Server.waiting``; a key's: with the key)
 MAX_INPUT_TOKENS = 8192  # token ids an input given as ids may have
 MAX_TOKENS = 300_000  # tokens a request's inputs have in all (OpenAI's limit)
 # A request is run a piece at a time (a batch's worth: at most this many inputs and tokens,
@@ -154,8 +155,12 @@ async def run(
     server: Server, request: Request, ask: EmbeddingsAsk, stop: threading.Event
 ) -> tuple[np.ndarray, int]:
     """The request's embeddings, once its model is held and the one run at a time is its (at
-    most ``MAX_WAITING`` wait, a model of several perhaps loading first: each holds its inputs)."""
-    with server.embedding_waiting.counting((WAITING, MAX_WAITING, "too many embedding requests are waiting")):
+    most ``MAX_WAITING`` wait, ``KEYS_WAITING`` of a key, a model of several perhaps loading
+    first: each holds its inputs)."""
+    with server.waiting.counting(
+        (WAITING, MAX_WAITING, "too many embedding requests are waiting"),
+        ((WAITING, request.state.key), KEYS_WAITING, "too many of this key's embedding requests are waiting"),
+    ):
         host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive))
         try:
             await server.embedding.acquire()  # (one run at a time: the rest wait here, not in threads)

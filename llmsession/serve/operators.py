@@ -29,7 +29,7 @@ class Server(Protocol):
 
     hosts: OneModel | ManyModels
     embedding: asyncio.Semaphore  # embedding runs at once
-    embedding_waiting: Tally  # requests waiting for one
+    waiting: Tally  # requests waiting for one
     max_body_bytes: int  # the server's bound on a body
 
     def parsed_body(
