@@ -796,10 +796,10 @@ def test_a_route_error_is_counted_and_logged_as_the_client_sees_it(
     and the traceback of a bug is logged once (uvicorn logs nothing of it)."""
     admission = served.server.admission
 
-    async def closing(count: int, *, behind: bool = False, caller: str | None = None) -> int:
+    async def closing(count: int, *, behind: bool = False, caller: str | None = None, size: int = 0) -> int:
         raise ModelClosedError("the model was closed")
 
-    async def broken(count: int, *, behind: bool = False, caller: str | None = None) -> int:
+    async def broken(count: int, *, behind: bool = False, caller: str | None = None, size: int = 0) -> int:
         raise RuntimeError("/srv/secret: a bug")
 
     chat = '"/v1/chat/completions",status="{}"'

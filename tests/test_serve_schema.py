@@ -707,6 +707,38 @@ def test_admission_is_shared_fairly_between_callers() -> None:
     assert refused == 1 and granted[:1] == ["other"] and granted.count("flood") == 2, granted
 
 
+def test_the_bodies_waiting_for_room_are_bounded_in_bytes_too() -> None:
+    """Each request waiting for room is held parsed (up to nine times its body: 64 bodies of
+    8 MiB held 4.5 GB). Past ``max_bytes`` of bodies the queue is full: the flood's newest
+    gives its place to another caller's, and its own next is refused."""
+
+    async def scenario() -> tuple[list[str], int]:
+        admission = Admission(limit=1, queue=64, max_bytes=100)
+        granted: list[str] = []
+        assert await admission.acquire(1, caller="flood") == 1  # (running)
+
+        async def ask(caller: str, size: int) -> None:
+            weight = await admission.acquire(1, caller=caller, size=size)
+            granted.append(caller)
+            await asyncio.sleep(0)
+            admission.release(weight, caller)
+
+        flood = [asyncio.create_task(ask("flood", 40)) for _ in range(2)]
+        await asyncio.sleep(0)  # (80 bytes waiting: room for 20 more)
+        with pytest.raises(ApiError, match="too many requests are waiting"):
+            await admission.acquire(1, caller="flood", size=40)
+        other = asyncio.create_task(ask("other", 40))  # (the flood's newest goes for it)
+        await asyncio.sleep(0)
+        small = asyncio.create_task(ask("small", 10))  # (fits beside them)
+        await asyncio.sleep(0)
+        admission.release(1, "flood")
+        ended = await asyncio.gather(other, small, *flood, return_exceptions=True)
+        return granted, sum(isinstance(e, ApiError) and e.status == 503 for e in ended)
+
+    granted, refused = asyncio.run(scenario())
+    assert refused == 1 and sorted(granted) == ["flood", "other", "small"], granted
+
+
 def test_admission_counts_room_exactly_when_waiters_are_refused_or_cancelled() -> None:
     """A waiter refused for another caller's place and cancelled in the same turn was released
     though never granted (``used`` fell below what ran: more ran than the limit, then a retry

@@ -39,6 +39,7 @@ class Bodies:
         bound, 8 MiB each, however many one key sent one after another."""
         async with self._reading(request):
             body = await self._read(request, limit)
+            request.state.body_bytes = len(body)  # (what a request waiting for room holds: ``Admission``)
             await self.parsing.acquire()
         try:
             yield body

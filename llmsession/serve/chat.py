@@ -230,7 +230,8 @@ class Call:
     async def _respond(self, gone: asyncio.Future[None]) -> Response:
         asked, admission = self.asked, self.host.admission
         for retry in (False, True):
-            granted = admission.acquire(asked.n, behind=retry, caller=self._key)
+            size = getattr(self.request.state, "body_bytes", 0)  # (a body waiting is held parsed)
+            granted = admission.acquire(asked.n, behind=retry, caller=self._key, size=size)
             weight = await race(gone, granted, lambda weight: admission.release(weight, self._key))
             if gone.done():  # (gone as it was admitted, in one turn of the loop: nothing starts)
                 admission.release(weight, self._key)

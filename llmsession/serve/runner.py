@@ -51,6 +51,7 @@ RUNNING: set[asyncio.Future[None]] = set()  # every run's task, until it ends
 # uvicorn's send has no deadline) queued every token's event while the decode ran on, ~5 KB a
 # token with 20 top logprobs, held for as long as the client stayed.
 MAX_BACKLOG = 4096
+MAX_WAITING_BYTES = 96 << 20  # bodies of the requests waiting for room, in all (``Admission``)
 
 
 def cut(reply: Reply | None) -> bool:
@@ -253,10 +254,12 @@ class Admission:
     served longest ago (the earliest among equals: turn by turn), and a full queue takes a
     caller's request by refusing the newest of the caller with the most waiting, if that is
     another with more (one key's flood held every place in the queue, and every other key
-    waited behind it all or was refused). Used on the event loop's thread only."""
+    waited behind it all or was refused). The bodies of the requests waiting are at most
+    ``max_bytes`` in all, as if the queue were full past them (each is held parsed, up to nine
+    times its size: 64 bodies of 8 MiB held 4.5 GB). Used on the event loop's thread only."""
 
-    def __init__(self, limit: int, queue: int) -> None:
-        self.limit, self.queue = limit, queue
+    def __init__(self, limit: int, queue: int, max_bytes: int = MAX_WAITING_BYTES) -> None:
+        self.limit, self.queue, self.max_bytes = limit, queue, max_bytes
         self.used = 0
         self._waiting: list[_Waiting] = []  # oldest first
         self._running: collections.Counter[str | None] = collections.Counter()  # weight per caller
@@ -267,20 +270,22 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def acquire(self, count: int, *, behind: bool = False, caller: str | None = None) -> int:
+    async def acquire(
+        self, count: int, *, behind: bool = False, caller: str | None = None, size: int = 0
+    ) -> int:
         """Wait for room for ``count`` choices (at most ``limit``); the weight to ``release``.
         ``behind``: wait for a release by a request running now (a retry after the memory
-        budget was full: room in sequences is not room in KV cells), 503 if none runs."""
+        budget was full: room in sequences is not room in KV cells), 503 if none runs.
+        ``size``: its body's bytes (``max_bytes``)."""
         count = min(count, self.limit)
         if behind and self.used == 0:
             raise busy("its memory is in use")
         if not behind and not self._waiting and self.used + count <= self.limit:
             self._grant(count, caller)
             return count
-        if len(self._waiting) >= self.queue:
-            self._make_room(caller)
+        self._make_room(caller, size)
         future = asyncio.get_running_loop().create_future()
-        entry = _Waiting(count, caller, future, self._grants, self._releases if behind else None)
+        entry = _Waiting(count, caller, future, self._grants, self._releases if behind else None, size)
         self._waiting.append(entry)
         try:
             await entry.future
@@ -329,19 +334,22 @@ class Admission:
         self._grants += 1
         self._served[caller] = self._grants
 
-    def _make_room(self, caller: str | None) -> None:
-        """A place in the full queue for ``caller``: the newest request of the caller with the
-        most waiting is refused, if that caller has more waiting than ``caller``; else 503."""
+    def _make_room(self, caller: str | None, size: int) -> None:
+        """A place in the queue for a request of ``caller`` with a body of ``size`` bytes, where
+        it is full (or its bodies would pass ``max_bytes``): the newest request of the caller
+        with the most waiting is refused, while that caller has more waiting than ``caller``;
+        else 503."""
         self._waiting = [w for w in self._waiting if not w.future.done()]  # (cancelled: gone)
-        if len(self._waiting) < self.queue:
-            return
-        waiting = collections.Counter(w.caller for w in self._waiting)
-        most = max(waiting, key=lambda c: (waiting[c], self._running[c]), default=None)
-        if not waiting or waiting[most] <= waiting[caller] + 1:
-            raise busy("too many requests are waiting")
-        newest = next(w for w in reversed(self._waiting) if w.caller == most)
-        self._waiting.remove(newest)
-        newest.future.set_exception(busy("too many requests of one caller are waiting"))
+        held = sum(w.size for w in self._waiting)
+        while len(self._waiting) >= self.queue or (self._waiting and held + size > self.max_bytes):
+            waiting = collections.Counter(w.caller for w in self._waiting)
+            most = max(waiting, key=lambda c: (waiting[c], self._running[c]), default=None)
+            if not waiting or waiting[most] <= waiting[caller] + 1:
+                raise busy("too many requests are waiting")
+            newest = next(w for w in reversed(self._waiting) if w.caller == most)
+            self._waiting.remove(newest)
+            held -= newest.size
+            newest.future.set_exception(busy("too many requests of one caller are waiting"))
 
 
 @dataclass(eq=False)
@@ -351,4 +359,5 @@ class _Waiting:
     future: asyncio.Future[None]
     since: int  # grants made when it came (a caller not served lately: as if served just before)
     behind: int | None  # a retry's: the releases made when it came (it waits for one more)
+    size: int = 0  # its body's bytes
     granted: bool = False  # (its room is counted: released by whoever holds it)
