@@ -104,8 +104,10 @@ class Mover:
         that holds it: Ray routes a call for a replica that is gone to another)."""
         call: Any = None
         try:
-            if self._handle is None:  # (it reads the controller: not on the event loop)
-                self._handle = await asyncio.to_thread(serve.get_deployment_handle, *self.peers)
+            if self._handle is None:  # (it reads the controller: not on the event loop, nor for ever:
+                # a slow controller held the conversation's lock and every request of it here)
+                looked_up = asyncio.to_thread(serve.get_deployment_handle, *self.peers)
+                self._handle = await asyncio.wait_for(looked_up, ASK_S)
             pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
             until = time.time() + ASK_S - ASK_MARGIN_S  # (from the ask, not from when the holder reads it)
             call = pinned.surrender.remote(key, previous, self.name, until, tenant)
