@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from near_ties import assert_same_within_noise, scored
 
-from llmsession import GenerationOptions, Image, Model, SessionFileError
+from llmsession import GenerationOptions, Image, Model, SessionConfig, SessionFileError, TemplateError
 from llmsession.engine.sessionfile import read, write
 from llmsession.runtime.persistence import IMAGE_KEY
 
@@ -267,7 +267,7 @@ def test_a_save_is_atomic(smollm2: Model, tmp_path: Path) -> None:
     session.save(saved)
     first = saved.read_bytes()
     session.messages.append({"role": "user", "content": object()})
-    with pytest.raises(TypeError):
+    with pytest.raises(TemplateError):  # (checked before anything is written; it was a TypeError inside)
         session.save(saved)
     assert saved.read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.llmsession"]
@@ -366,3 +366,107 @@ def test_a_model_file_replaced_since_loading_is_not_its_identity(smollm2_path: P
         replacement.replace(copy_path)
         with pytest.raises(SessionFileError, match="changed since the model was loaded"):
             session.save(tmp_path / "chat.llmsession")
+
+
+def test_a_loaded_session_splices_its_replies_as_they_were_generated(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A constrained reply is often split otherwise than the tokenizer splits its text. The file
+    kept the state but not those splits: a session loaded by another model (another process, a
+    replica a conversation moved to) re-tokenized the reply, broke the match there and decoded
+    the rest again. The file keeps each reply's tokens now: the next turn decodes what a session
+    never saved decodes; the same file without them decodes more (the variant that must fail)."""
+    from test_defects import generated_tokens
+
+    shaped = GenerationOptions(
+        max_tokens=48,
+        temperature=0,
+        json_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    )
+    saved, bare = tmp_path / "chat.llms", tmp_path / "bare.llms"
+    with Model(smollm2_path, threads=2, anticipate=False) as model:
+        session = model.session(system="You are terse.", context_size=1024)
+        reply = session.respond("Name a city in France.", shaped)
+        plain = model.tokenize(model.render(session.messages, add_generation_prompt=False))
+        assert plain[: len(internals.record(session))] != list(internals.record(session))  # (split otherwise)
+        session.save(saved)
+        control = session.respond(SECOND, GREEDY)  # (the session never saved: the reference)
+    without = read(saved)
+    assert (reply.text, generated_tokens(session, reply)) in without.replies
+    without.replies = []
+    write(bare, without)
+    with Model(smollm2_path, threads=2, anticipate=False) as other:  # (its own record of replies: empty)
+        native = internals.local(other).native
+        cold = other.load_session(bare).respond(SECOND, GREEDY)  # (first: the next brings its replies)
+        again = other.load_session(saved).respond(SECOND, GREEDY)
+        forged = read(saved)  # (a split that does not spell its text, an id past the vocabulary)
+        spaced = native.tokenize(reply.text.replace('"', '" '), add_special=False)
+        forged.replies = [(reply.text, spaced), ("Hi", [native.n_vocab])]
+        write(bare, forged)
+        held = internals.own_replies(other.load_session(bare))
+        assert held.get(reply.text) is None and held.get("Hi") is None
+    assert again.usage.reused_tokens == control.usage.reused_tokens
+    assert again.usage.decoded_prompt_tokens == control.usage.decoded_prompt_tokens
+    assert again.text == control.text
+    assert cold.usage.decoded_prompt_tokens > control.usage.decoded_prompt_tokens
+
+
+def test_a_moved_conversation_splices_its_replies_on_the_model_that_keeps_it(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A cluster moves a conversation so: taken from one model, saved, loaded by another and kept
+    for its tenant's stateless calls. Those splice the tenant's record, which held none of its
+    replies there: its next call decoded from the first reply split otherwise on (the file's
+    replies now join the tenant's record)."""
+    shaped = GenerationOptions(
+        max_tokens=48,
+        temperature=0,
+        json_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    )
+    apart = SessionConfig(share_prefix=False)
+    said = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a city in France."},
+    ]
+    moved = tmp_path / "moved.llms"
+    with Model(smollm2_path, threads=2, anticipate=False) as model:
+        first = model.chat(said, shaped, tenant="t", conversation="c", config=apart)
+        said += [{"role": "assistant", "content": first.text}, {"role": "user", "content": SECOND}]
+        taken = model.take_conversation("c")
+        assert taken is not None
+        taken[0].save(moved)
+        taken[0].close()
+    with Model(smollm2_path, threads=2, anticipate=False) as other:
+        other.keep_conversation(other.load_session(moved), tenant="t", conversation="c")
+        again = other.chat(said, GREEDY, tenant="t", conversation="c", config=apart)
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # (all but the sampled last)
+    assert again.usage.reused_tokens >= held and again.usage.restored_tokens > 0
+
+
+def test_saved_replies_are_checked_and_bounded() -> None:
+    from llmsession.engine.sessionfile import decode_replies
+    from llmsession.text.splice import ReplyTokens
+
+    assert decode_replies([["Hi", [1, 2]], ["", []]], limit=2) == [("Hi", [1, 2]), ("", [])]
+    for bad in (
+        {},
+        [["Hi"]],
+        [[1, [1]]],
+        [["Hi", [True]]],
+        [["Hi", [-1]]],
+        [["Hi", [2**31]]],
+        [["Hi", "12"]],
+    ):
+        with pytest.raises(SessionFileError):
+            decode_replies(bad)
+    with pytest.raises(SessionFileError, match="over 2 tokens"):
+        decode_replies([["a", [1]], ["b", [2, 3]]], limit=2)
+    record, copy_ = ReplyTokens(), ReplyTokens()
+    for split in ((1, 2), (3,), (4, 5)):
+        record.remember("ab", split)
+    copy_ = record.copy()
+    copy_.remember("c", (6,))
+    assert record.absorb(copy_) is record and record.items() == [
+        ("ab", ((1, 2), (3,), (4, 5))),
+        ("c", ((6,),)),
+    ]

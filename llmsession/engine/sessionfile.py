@@ -50,6 +50,7 @@ class SavedSession:
     messages: list[dict[str, Any]]
     images: dict[str, tuple[int, int]] = field(default_factory=dict)  # digest -> (width, height)
     blobs: Mapping[str, Buffer] = field(default_factory=dict)
+    replies: list[tuple[str, list[int]]] = field(default_factory=list)  # (text, tokens as generated)
 
 
 def encode_record(items: Sequence[Item]) -> list[Any]:
@@ -94,6 +95,25 @@ def decode_record(encoded: Any, limit: int = MAX_POSITIONS) -> list[Item]:
     return items
 
 
+def decode_replies(encoded: Any, limit: int = MAX_POSITIONS) -> list[tuple[str, list[int]]]:
+    """The replies' texts and the tokens they were generated with, of at most ``limit`` tokens
+    in all (the ids checked against the vocabulary where they are used: ``persistence``)."""
+    if not isinstance(encoded, list):
+        raise SessionFileError("the replies are not a list")
+    out, held = [], 0
+    for entry in encoded:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise SessionFileError(f"a reply entry is malformed: {entry!r:.80}")
+        text, tokens = entry
+        if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < 2**31 for t in tokens)):
+            raise SessionFileError(f"a reply's tokens are malformed: {tokens!r:.80}")
+        held += len(tokens)
+        if held > limit:
+            raise SessionFileError(f"the replies hold over {limit} tokens")
+        out.append((text, tokens))
+    return out
+
+
 def _record_entry(entry: Any) -> int | tuple[str, int, int, int]:
     """A token, or an image run as (digest, n, from, count), checked."""
     if isinstance(entry, int) and not isinstance(entry, bool):
@@ -122,6 +142,7 @@ def write(path: str | Path, saved: SavedSession) -> None:
         "record": encode_record(saved.record),
         "messages": saved.messages,
         "images": {digest: list(size) for digest, size in saved.images.items()},
+        "replies": [[text, tokens] for text, tokens in saved.replies],
         "blobs": [
             {"name": n, "size": memoryview(b).nbytes, "sha256": hashlib.sha256(b).hexdigest()}
             for n, b in blobs
@@ -206,6 +227,7 @@ def read(path: str | Path, max_positions: int = MAX_POSITIONS) -> SavedSession:
         messages=messages,
         images={digest: (size[0], size[1]) for digest, size in images.items()},
         blobs=blobs,
+        replies=decode_replies(header.get("replies", []), limit=max_positions),
     )
 
 

@@ -200,6 +200,7 @@ class LocalModel(ModelCore):
             raise SessionFileError(f"{path}: invalid saved settings: {error}") from None
         session = LocalSession(self, session_config(SessionConfig(**settings), dict(overrides)))
         session.messages = persistence.saved_messages(saved)
+        persistence.remember_replies(self, saved, session.replies, session.share_prefix)
         session.carry.load_note = persistence.restore(
             self,
             session.lease,

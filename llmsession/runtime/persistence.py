@@ -28,6 +28,7 @@ from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
 from llmsession.text.images import Image, image_from_part
 from llmsession.text.messages import is_image_part
+from llmsession.text.splice import ReplyTokens
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -51,10 +52,15 @@ def compat(model: ModelCore, swa_full: bool) -> dict[str, Any]:
 
 
 def save(
-    model: ModelCore, lease: Lease, messages: list[Message], settings: dict[str, Any], path: str | Path
+    model: ModelCore,
+    lease: Lease,
+    messages: list[Message],
+    settings: dict[str, Any],
+    path: str | Path,
+    replies: ReplyTokens | None = None,
 ) -> None:
-    """Write a session's transcript and, when restoring it is exact, its KV state (the caller
-    holds the session's lock)."""
+    """Write a session's transcript and, when restoring it is exact, its KV state and the tokens
+    its latest ``replies`` were generated with (the caller holds the session's lock)."""
     images: dict[str, Image] = {}
     encoded = [_encode_message(message, images) for message in messages]
     blobs: dict[str, Buffer] = {f"image:{d}": i.pixels.tobytes() for d, i in images.items()}
@@ -73,8 +79,36 @@ def save(
             messages=encoded,
             images={digest: (image.width, image.height) for digest, image in images.items()},
             blobs=blobs,
+            replies=_latest(replies, len(record)) if replies is not None and record else [],
         ),
     )
+
+
+def _latest(replies: ReplyTokens, most: int) -> list[tuple[str, list[int]]]:
+    """The latest split of each reply, the most recently used first, at most ``most`` tokens
+    in all (a state's positions: its replies are among them)."""
+    out, held = [], 0
+    for text, splits in reversed(replies.items()):
+        held += len(splits[-1])
+        if held > most:
+            break
+        out.append((text, list(splits[-1])))
+    return out[::-1]
+
+
+def remember_replies(model: ModelCore, saved: SavedSession, own: ReplyTokens, shared: bool) -> None:
+    """A loaded session's replies, as they were generated, in its ``own`` record (and the
+    model's, if it ``shared``): its next prompt splices them as the saved state holds them
+    (re-tokenized, a reply the model split otherwise than the tokenizer broke the match there
+    and decoded the rest again). Only a split whose pieces spell its text exactly, byte for
+    byte (a detokenized text may clean up spaces: `` .`` read as ``.``), of ids of this
+    vocabulary: a file's word is not trusted."""
+    native = model.native
+    for text, tokens in saved.replies:
+        if all(t < native.n_vocab for t in tokens):
+            spelled = {b"".join(native.piece(t, special=s) for t in tokens) for s in (False, True)}
+            if text.encode("utf-8", "surrogatepass") in spelled:
+                model.remember_reply(text, tokens, own, shared=shared)
 
 
 def read_saved(model: ModelCore, path: str | Path) -> tuple[SavedSession, dict[str, Any]]:

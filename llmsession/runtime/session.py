@@ -200,7 +200,7 @@ class LocalSession(Session):
         check_messages(self.messages)  # (a message no file can hold, before the state is read)
         with self._guard:
             self._quiesce()
-            persistence.save(self.model, self.lease, self.messages, self.settings, target)
+            persistence.save(self.model, self.lease, self.messages, self.settings, target, self.replies)
 
     def close(self) -> None:
         if self._guard.closed:

@@ -90,15 +90,14 @@ class StatelessSessions:
         transcript, text = prefill_of(Transcript(messages))  # (checked unless it is one: then read)
         history, said = split(transcript)
         options = checked_options(options)
-        thinking = config.thinking
         tools = options_tools(options)
         if text is not None:
-            check_prefill(self.model, text, options, tools, thinking)
+            check_prefill(self.model, text, options, tools, config.thinking)
         record = self._record(tenant, config)
         # Tokenized once: to choose the session, then as the session's prompt.
         prompt = self.model.prompt(
             transcript,
-            thinking=thinking,
+            thinking=config.thinking,
             own=record,
             shared=record is None,
             tools=tools,
@@ -286,6 +285,7 @@ class StatelessSessions:
             self._sessions.remove(session)
         self._sessions.append(session)  # busy until its stream is done
         self._tenants[session] = tenant
+        session.replies = self._records.joined(tenant, session.replies, apart=not session.share_prefix)
         if label is not None:
             self._labels[session] = label
         self._evict()

@@ -54,6 +54,13 @@ class TenantReplies:
             self._records.popitem(last=False)
         return record
 
+    def joined(self, tenant: str | None, own: ReplyTokens, apart: bool) -> ReplyTokens:
+        """What a kept session of ``tenant`` splices from: where it is kept ``apart``, the
+        tenant's record, with the session's ``own`` replies in it (one loaded from a file, a
+        conversation moved here: its replies as generated, else its next prompt re-tokenized
+        them and decoded again from the first the model split otherwise); else its own."""
+        return self.of(tenant).absorb(own) if apart and tenant is not None else own
+
     def clear(self) -> None:
         self._records.clear()
 

@@ -49,6 +49,18 @@ class ReplyTokens:
                 self._held, kept = self._held - len(kept[0]), kept[1:]
             self._tokens[text] = kept
 
+    def absorb(self, other: ReplyTokens) -> ReplyTokens:
+        """This record, with every split ``other`` holds remembered in it too (a session loaded
+        from a file that now splices its tenant's replies: its own come along). A split held
+        already is left as it is (a fork's copy of this record brings nothing new)."""
+        if other is not self:
+            for text, splits in other.items():
+                with self._lock:
+                    held = self._tokens.get(text, ())
+                for split in (s for s in splits if s not in held):
+                    self.remember(text, split)
+        return self
+
     def copy(self) -> ReplyTokens:
         twin = ReplyTokens(self.capacity, self.max_held)
         with self._lock:
