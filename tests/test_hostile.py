@@ -586,6 +586,8 @@ def test_closing_from_inside_a_step_is_a_busy_error_not_a_hang(smollm2_path: Pat
     from llmsession import GenerationOptions, Model, SessionBusyError
     model = Model({str(smollm2_path)!r}, threads=1, anticipate=False)
     session = model.session()
+    said = [{{"role": "user", "content": "Hi"}}]
+    model.chat(said, GenerationOptions(max_tokens=2), conversation="kept")
     for close in (session.close, model.close):
         class Answer(BaseModel):
             word: str = Field(max_length=12)  # (whole within max_tokens: the validator runs)
@@ -602,6 +604,9 @@ def test_closing_from_inside_a_step_is_a_busy_error_not_a_hang(smollm2_path: Pat
         except SessionBusyError as e:
             print("busy in %.2f s: %s" % (time.perf_counter() - began, e))
         assert not session.closed and not model.closed
+    assert model.conversations() == ["kept"]  # (the stateless calls' kept sessions stay too)
+    again = model.chat(said, GenerationOptions(max_tokens=2), conversation="kept")
+    assert again.usage.reused_tokens > 0, again.usage
     reply = session.respond("Hi", GenerationOptions(max_tokens=2))
     assert session.messages[-1]["content"] == reply.text and reply.usage.completion_tokens > 0
     session.close()

@@ -53,13 +53,19 @@ def members(items: weakref.WeakSet[T]) -> list[T]:
             return list(items)
 
 
+def not_stepping(sessions: weakref.WeakSet[Shuttable]) -> list[Shuttable]:
+    """The sessions now, none of whose steps this thread is inside: else a SessionBusyError
+    (a close from there would wait for ever), before anything is shut or cleared."""
+    now = members(sessions)
+    if any(session.stepping_here for session in now):
+        raise SessionBusyError(STEPPING_HERE)
+    return now
+
+
 def shut_all(sessions: weakref.WeakSet[Shuttable]) -> None:
     """Every session in ``sessions`` shut (its stream stopped after its step in flight); none
-    where this thread is inside one's step (a SessionBusyError: waiting would be for ever)."""
-    shut = members(sessions)
-    if any(session.stepping_here for session in shut):
-        raise SessionBusyError(STEPPING_HERE)
-    for session in shut:
+    where this thread is inside one's step (``not_stepping``)."""
+    for session in not_stepping(sessions):
         session.shut()
 
 

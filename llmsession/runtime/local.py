@@ -14,7 +14,7 @@ from llmsession.engine.budget import MemoryReport
 from llmsession.errors import ModelClosedError, SessionFileError
 from llmsession.options import GenerationOptions, check_int, checked_options
 from llmsession.replies import Message
-from llmsession.runtime import dropped, persistence
+from llmsession.runtime import dropped, exiting, persistence
 from llmsession.runtime.choices import MAX_CHOICES, Answer, Choices, Forks, prefill_options
 from llmsession.runtime.continuing import check_choices
 from llmsession.runtime.core import ModelCore
@@ -259,6 +259,7 @@ class LocalModel(ModelCore):
         return super().projector_identity()
 
     def close(self) -> None:
+        exiting.not_stepping(self.sessions)  # (refused before the kept sessions are let go)
         self.stateless.close()
         dropped.finish_dropped()  # (what a garbage collection dropped finishes before memory goes)
         super().close()
