@@ -33,7 +33,7 @@ def read_regular(path: str | os.PathLike[str], most: int) -> bytes:
     with f:
         if size > most:
             raise OSError(errno.EFBIG, f"larger than {most} bytes ({size})", str(path))
-        data = f.read(most + 1)
+        data = f.read(min(size, most) + 1)  # (not ``most``: a buffer of it is made at once)
     if len(data) > most:
         raise OSError(errno.EFBIG, f"grew past {most} bytes while it was read", str(Path(path)))
     return data
