@@ -196,7 +196,7 @@ class Server:
                 ("count_tokens", MAX_COUNTING, "too many token counts are waiting"),
                 (
                     ("count_tokens", request.state.key),
-                    KEYS_COUNTING,
+                    None if request.state.key is None else KEYS_COUNTING,  # (no keys: one tenant)
                     "too many of this key's token counts are waiting",
                 ),
             ):

@@ -292,7 +292,8 @@ class Call:
         """The request's choices once more, behind the requests running now (its stream has
         begun: its client's going away cancels this through the stream's ``cancel``)."""
         log.info("a stream found the memory budget full before its first token; it waits for a running one")
-        weight = await self.host.admission.acquire(self.asked.n, behind=True, caller=self._key)
+        size = getattr(self.request.state, "body_bytes", 0)
+        weight = await self.host.admission.acquire(self.asked.n, behind=True, caller=self._key, size=size)
         return self._start(weight)
 
 

@@ -156,10 +156,15 @@ async def run(
 ) -> tuple[np.ndarray, int]:
     """The request's embeddings, once its model is held and the one run at a time is its (at
     most ``MAX_WAITING`` wait, ``KEYS_WAITING`` of a key, a model of several perhaps loading
-    first: each holds its inputs)."""
+    first: each holds its inputs; a server without keys has one tenant, who may use them all)."""
+    key = request.state.key
     with server.waiting.counting(
         (WAITING, MAX_WAITING, "too many embedding requests are waiting"),
-        ((WAITING, request.state.key), KEYS_WAITING, "too many of this key's embedding requests are waiting"),
+        (
+            (WAITING, key),
+            None if key is None else KEYS_WAITING,
+            "too many of this key's embedding requests are waiting",
+        ),
     ):
         host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive))
         try:
