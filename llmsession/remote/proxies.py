@@ -160,6 +160,10 @@ class WorkerSession(Session):
 
     def close(self) -> None:
         if not self._closed and not self._model.closed:
+            try:
+                editable(self.messages)
+            except TypeError:  # (no exchange can take them: the worker's go unedited, as they are)
+                self.messages = copy.deepcopy(self._synced) if self._synced is not None else []
             self._session_call("close")
         self._closed = True
 
