@@ -39,7 +39,7 @@ class Mover:
         request router delivers such asks; Ray's do not)."""
         self.handoff, self.name, self.peers, self.asks = handoff, name, peers, asks
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # a conversation's arrivals, one at a time
-        self._handle: Any = None
+        self._lookup: asyncio.Future[Any] | None = None  # the peers' handle (``_peers``)
         handoff.spill.announce()
 
     def wants(self, scope: Mapping[str, Any], previous: str | None, held: bool) -> bool:
@@ -103,15 +103,12 @@ class Mover:
         """Ask ``previous`` to save ``key`` for this replica (it declines if it is not the one
         that holds it: Ray routes a call for a replica that is gone to another)."""
         call: Any = None
+        began = time.time()  # (one wait for the lookup and the ask)
+        until = began + ASK_S - ASK_MARGIN_S  # (from the ask, not from when the holder reads it)
         try:
-            if self._handle is None:  # (it reads the controller: not on the event loop, nor for ever:
-                # a slow controller held the conversation's lock and every request of it here)
-                looked_up = asyncio.to_thread(serve.get_deployment_handle, *self.peers)
-                self._handle = await asyncio.wait_for(looked_up, ASK_S)
-            pinned = self._handle.options(session_id=f"{key}{PIN}{previous}")
-            until = time.time() + ASK_S - ASK_MARGIN_S  # (from the ask, not from when the holder reads it)
+            pinned = (await self._peers(began + ASK_S)).options(session_id=f"{key}{PIN}{previous}")
             call = pinned.surrender.remote(key, previous, self.name, until, tenant)
-            await asyncio.wait_for(_awaited(call), ASK_S)
+            await asyncio.wait_for(_awaited(call), max(0.0, began + ASK_S - time.time()))
         except asyncio.CancelledError:  # (the client left: the holder is told, if it is not too late)
             if call is not None:
                 call.cancel()
@@ -122,6 +119,18 @@ class Mover:
             log.info("the replica that held a conversation did not hand it on in %.0f s", ASK_S)
         except Exception as error:  # (gone, or failed: what the folder has is restored)
             log.info("the replica that held a conversation did not hand it on: %r", error)
+
+    async def _peers(self, deadline: float) -> Any:
+        """The peers' handle, looked up once, in a thread (it reads Ray's controller, with no
+        timeout of its own), waited for until ``deadline`` only: a slow controller held the
+        conversation's lock, and every request of it here. One lookup under way serves every
+        ask (each began another, and the blocked threads filled the loop's pool)."""
+        lookup = self._lookup
+        if lookup is None or (lookup.done() and (lookup.cancelled() or lookup.exception() is not None)):
+            lookup = self._lookup = asyncio.ensure_future(
+                asyncio.to_thread(serve.get_deployment_handle, *self.peers)
+            )
+        return await asyncio.wait_for(asyncio.shield(lookup), max(0.0, deadline - time.time()))
 
     def surrender(self, key: str, replica: str, asker: str, until: float, tenant: Tenant) -> bool:
         """``asker`` was given conversation ``key`` by a request of ``tenant``: save it for that
