@@ -8,7 +8,6 @@ import errno
 import io
 import os
 import stat
-from pathlib import Path
 
 
 def opened_regular(path: str | os.PathLike[str]) -> tuple[io.BufferedReader, int]:
@@ -35,5 +34,5 @@ def read_regular(path: str | os.PathLike[str], most: int) -> bytes:
             raise OSError(errno.EFBIG, f"larger than {most} bytes ({size})", str(path))
         data = f.read(min(size, most) + 1)  # (not ``most``: a buffer of it is made at once)
     if len(data) > most:
-        raise OSError(errno.EFBIG, f"grew past {most} bytes while it was read", str(Path(path)))
+        raise OSError(errno.EFBIG, f"grew past {most} bytes while it was read", str(path))
     return data

@@ -46,8 +46,10 @@ class TenantReplies:
         """``tenant``'s record, most recently used now (none of anyone's without a tenant);
         ``peek`` (a count: no call made): as it is, its place unchanged, an empty one not kept if
         none (a tenant counting under many names pushed every other's record out)."""
-        if tenant is None or peek:
-            return (self._records.get(tenant) if tenant is not None else None) or ReplyTokens(capacity=256)
+        if tenant is None:
+            return ReplyTokens(capacity=256)
+        if peek:
+            return self._records.get(tenant) or ReplyTokens(capacity=256)
         record = self._records.pop(tenant, None) or ReplyTokens(capacity=256)
         self._records[tenant] = record
         while len(self._records) > RECORDS:
