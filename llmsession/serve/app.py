@@ -47,7 +47,7 @@ from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
 from llmsession.serve.store import ResponseStore
-from llmsession.serve.tally import Tally
+from llmsession.serve.tally import Tally, keys_share
 from llmsession.serve.translation import Volatile
 from llmsession.text.tools import replaced_options
 
@@ -196,7 +196,7 @@ class Server:
                 ("count_tokens", MAX_COUNTING, "too many token counts are waiting"),
                 (
                     ("count_tokens", request.state.key),
-                    None if request.state.key is None else KEYS_COUNTING,  # (no keys: one tenant)
+                    keys_share(request.state.key, KEYS_COUNTING),
                     "too many of this key's token counts are waiting",
                 ),
             ):

@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from llmsession.serve.errors import ApiError, too_large
 from llmsession.serve.http import declared
-from llmsession.serve.tally import Tally
+from llmsession.serve.tally import Tally, keys_share
 
 PARSERS = 4  # requests checking their body at once (read before: a slow sender holds no slot)
 BODY_SECONDS = 60  # the most a request's body may take to arrive (then a 408)
@@ -51,7 +51,7 @@ class Bodies:
         """A place among the bodies read at once, and in its key's share (``_read``)."""
         key: str | None = getattr(request.state, "key", None)  # (None: a server of no keys)
         why = f"this key is sending {READERS_PER_KEY} request bodies already"
-        with self.reading_of.counting((key, None if key is None else READERS_PER_KEY, why)):
+        with self.reading_of.counting((key, keys_share(key, READERS_PER_KEY), why)):
             async with self.reading:
                 yield
 

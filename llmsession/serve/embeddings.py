@@ -23,6 +23,7 @@ from llmsession.serve.body import parse_json, string
 from llmsession.serve.chat import ClientGone, unless_gone
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import keep_alive_of
+from llmsession.serve.tally import keys_share
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -162,7 +163,7 @@ async def run(
         (WAITING, MAX_WAITING, "too many embedding requests are waiting"),
         (
             (WAITING, key),
-            None if key is None else KEYS_WAITING,
+            keys_share(key, KEYS_WAITING),
             "too many of this key's embedding requests are waiting",
         ),
     ):

@@ -23,7 +23,7 @@ from llmsession.serve.chat import Held, Host
 from llmsession.serve.errors import ApiError
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.runner import Admission
-from llmsession.serve.tally import Tally
+from llmsession.serve.tally import Tally, keys_share
 
 if TYPE_CHECKING:
     from llmsession.api.model import Model
@@ -124,7 +124,7 @@ class ManyModels:
 
     @contextlib.contextmanager
     def _waiting(self, served: str, caller: str | None) -> Iterator[None]:
-        share = None if caller is None else max(1, self.queue // 4)
+        share = keys_share(caller, max(1, self.queue // 4))
         with self._waiters.counting(
             (served, self.queue, f"too many requests wait for model {served!r}"),
             ((served, caller), share, f"too many of this key's requests wait for model {served!r}"),

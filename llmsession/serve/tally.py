@@ -13,6 +13,12 @@ from collections.abc import Hashable, Iterator
 from llmsession.serve.errors import busy
 
 
+def keys_share(key: str | None, most: int) -> int | None:
+    """The bound of one key's count: ``most``; none on a server without keys (``key`` None),
+    whose one tenant may use every place."""
+    return None if key is None else most
+
+
 class Tally:
     """Counts by kind (``counting``)."""
 
