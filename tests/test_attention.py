@@ -21,7 +21,7 @@ from llmsession import GenerationOptions, Model
 from llmsession.engine.attention import BATCH, STEPS, AttentionProbe
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel
-from llmsession.native.shape import attention_scores_bytes
+from llmsession.native.shape import attention_scores_bytes, cost_shape
 from llmsession.runtime import attention
 
 GREEDY = GenerationOptions(max_tokens=4, temperature=0)
@@ -115,6 +115,41 @@ def test_the_probe_is_measured_once_and_kept(
     os.mkfifo(file)  # a pipe where the file was: not read (it would never end), measured again
     assert attention.probed(native, path, 2, 4096) is measured[-1].choose(4096) and len(measured) == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([attention.LOCK_FILE, attention.PROBES_FILE])
+
+
+def test_files_of_one_shape_share_a_probe_and_another_shape_is_measured(
+    smollm2: Model,
+    gemma3: Model,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fixture_path: Callable[[str], Path],
+) -> None:
+    """SmolLM2's weights under another family's template (a test fixture) decode as SmolLM2
+    does: one probe for both, where the file's path, size and time once made one each (the
+    suite measured 14, ~10 s each on a worker's core). Gemma 3 is another shape: measured."""
+    monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
+    measured: list[NativeModel] = []
+    probe = AttentionProbe((1.0, 1.1, 0.1, 0.1), (0.5, 0.6, 0.05, 0.05), depth=attention.PROBE_DEPTH)
+
+    def counted(native: NativeModel, *_args: Any, **_kwargs: Any) -> AttentionProbe:
+        measured.append(native)
+        return probe
+
+    monkeypatch.setattr(attention, "measure", counted)
+    qwen_path = fixture_path("smollm2-qwen25-template.gguf")
+    qwen, smol = NativeModel(qwen_path), internals.local(smollm2).native
+    try:
+        assert qwen.chat_template() != smol.chat_template()
+        assert cost_shape(qwen) == cost_shape(smol)
+        for native, path in ((smol, smollm2.path), (qwen, qwen_path)):
+            assert attention.probed(native, path, 1, 4096) is True
+        assert len(measured) == 1
+    finally:
+        qwen.close()
+    gemma = internals.local(gemma3).native
+    assert cost_shape(gemma) != cost_shape(internals.local(smollm2).native)
+    assert attention.probed(gemma, gemma3.path, 1, 4096) is True and len(measured) == 2
+    assert len(json.loads((tmp_path / attention.PROBES_FILE).read_text())) == 2
 
 
 def test_a_probe_lock_held_past_its_wait_is_a_failed_probe_not_a_hung_load(

@@ -48,3 +48,33 @@ def kv_bytes_per_cell(model: NativeModel, kv_type: str = "f16") -> int:
     k = _int_meta(model, f"{arch}.attention.key_length") or head
     v = _int_meta(model, f"{arch}.attention.value_length") or head
     return max(1, round(int(n_layer) * int(n_head_kv) * (k + v) * KV_TYPE_BYTES[kv_type]))
+
+
+def cost_shape(model: NativeModel) -> dict[str, object]:
+    """What a decode's cost depends on: the architecture, its sizes and the tensors' types and
+    bytes (llama.cpp's description, ``"llama ?B Q4_1"``, its parameter count and size); not the
+    weights' values nor the rest of the metadata. Copies of one file and files that differ only in
+    their chat template (the tests' fixtures: SmolLM2's weights under other families' templates)
+    have one shape; so do two fine-tunes of one base, quantized alike, and they decode alike."""
+    lib, ffi = bindings()
+    ptr = model.ptr
+    buf = ffi.new("char[256]")
+    described = lib.llama_model_desc(ptr, buf, 256)
+    return {
+        "architecture": architecture(model),
+        "description": ffi.string(buf).decode("utf-8", "replace") if described >= 0 else "",
+        "bytes": int(lib.llama_model_size(ptr)),
+        "parameters": int(lib.llama_model_n_params(ptr)),
+        "sizes": [
+            int(f(ptr))
+            for f in (
+                lib.llama_model_n_layer,
+                lib.llama_model_n_embd,
+                lib.llama_model_n_head,
+                lib.llama_model_n_head_kv,
+                lib.llama_model_n_swa,
+                lib.llama_model_n_ctx_train,
+            )
+        ],
+        "vocabulary": model.n_vocab,
+    }

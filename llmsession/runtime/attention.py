@@ -1,7 +1,8 @@
 """Flash attention chosen at load where the caller left it to us, on the CPU with f16 cells: from
 a probe of this model on this machine (``engine.attention``), measured once (about 4.5 seconds
-for SmolLM2 here) and kept in the cache folder for every later load of the same file, build, CPU and
-thread count."""
+for SmolLM2 here) and kept in the cache folder for every later load of a model of the same
+shape (``shape.cost_shape``: the file, a copy of it, or another of the same architecture, sizes
+and tensor types), build, CPU and thread count."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from llmsession.engine.attention import BATCH, PROBE_DEPTH, AttentionProbe, prob
 from llmsession.native.context import NativeContext
 from llmsession.native.llama import NativeModel, build_commit, system_info
 from llmsession.native.machine import cpu_name, usable_cores
-from llmsession.native.shape import attention_scores_bytes
+from llmsession.native.shape import attention_scores_bytes, cost_shape
 from llmsession.runtime.embedding import pooling_of
 
 log = logging.getLogger("llmsession")
@@ -64,7 +65,7 @@ def probed(native: NativeModel, path: Path, threads: int, context: int, batch: i
         log.debug("flash attention off for %s: %d threads on %d cores", path.name, threads, usable_cores())
         return False
     try:
-        probe = _kept_or_measured(native, path, threads, min(PROBE_DEPTH, native.n_ctx_train // 2))
+        probe = _kept_or_measured(native, threads, min(PROBE_DEPTH, native.n_ctx_train // 2))
     except Exception as error:  # (a context llama.cpp would not make, no cache folder: as before)
         log.debug("flash attention off for %s: the probe failed (%s)", path.name, error)
         return False
@@ -73,9 +74,9 @@ def probed(native: NativeModel, path: Path, threads: int, context: int, batch: i
     return flash
 
 
-def _kept_or_measured(native: NativeModel, path: Path, threads: int, depth: int) -> AttentionProbe:
+def _kept_or_measured(native: NativeModel, threads: int, depth: int) -> AttentionProbe:
     key = probe_key(
-        model=_identity(path), build=build_commit(), system=system_info(), cpu=cpu_name(), threads=threads
+        model=cost_shape(native), build=build_commit(), system=system_info(), cpu=cpu_name(), threads=threads
     )
     folder = cache_root()
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,11 +149,6 @@ def _timed(context: NativeContext, ids: list[int], start: int) -> float:
     began = time.perf_counter()
     context.decode(ids, start)
     return time.perf_counter() - began
-
-
-def _identity(path: Path) -> list[Any]:
-    stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
 def _read(file: Path) -> dict[str, Any]:
