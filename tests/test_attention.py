@@ -174,6 +174,26 @@ def test_a_probe_lock_held_past_its_wait_is_a_failed_probe_not_a_hung_load(
     assert not (tmp_path / attention.PROBES_FILE).exists()
 
 
+def test_a_kept_probe_is_read_while_another_process_measures(
+    smollm2: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load whose probe is kept does not wait for the lock another load holds while it measures
+    another model (in the suite: a worker's every load waited ~10 s behind each of the other's
+    probes; a fleet's replicas likewise)."""
+    monkeypatch.setattr(attention, "cache_root", lambda: tmp_path)
+    native, path = internals.local(smollm2).native, smollm2.path
+    probe = AttentionProbe((1.0, 1.1, 0.1, 0.1), (0.5, 0.6, 0.05, 0.05), depth=attention.PROBE_DEPTH)
+    monkeypatch.setattr(attention, "measure", lambda *_a, **_k: probe)
+    assert attention.probed(native, path, 1, 4096) is True  # measured and kept
+    monkeypatch.setattr(attention, "measure", lambda *_a, **_k: pytest.fail("measured again"))
+    monkeypatch.setattr(attention, "LOCK_WAIT_S", 5.0)
+    with open(tmp_path / attention.LOCK_FILE, "a") as held:  # (another open file: another holder)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        began = time.monotonic()
+        assert attention.probed(native, path, 1, 4096) is True
+        assert time.monotonic() - began < 2.5, "the load waited for the lock with its probe kept"
+
+
 def test_the_kept_probe_decides_the_models_setting(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -79,6 +79,10 @@ def _kept_or_measured(native: NativeModel, threads: int, depth: int) -> Attentio
         model=cost_shape(native), build=build_commit(), system=system_info(), cpu=cpu_name(), threads=threads
     )
     folder = cache_root()
+    kept = AttentionProbe.from_json(_read(folder / PROBES_FILE).get(key))
+    if kept is not None and kept.depth == depth:
+        return kept  # (read without the lock, the file only ever replaced whole: no load waits
+        # behind another model's probe)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / LOCK_FILE, "a") as lock:
         _lock(lock.fileno(), LOCK_WAIT_S)  # (released as the file closes)
@@ -86,7 +90,7 @@ def _kept_or_measured(native: NativeModel, threads: int, depth: int) -> Attentio
         probe = AttentionProbe.from_json(probes.pop(key, None))
         if probe is None or probe.depth != depth:
             probe = measure(native, threads, depth)
-        _write(folder / PROBES_FILE, {**probes, key: probe.to_json()})  # (newest last)
+        _write(folder / PROBES_FILE, {**probes, key: probe.to_json()})  # (newest measured last)
     return probe
 
 
@@ -169,7 +173,7 @@ def _read(file: Path) -> dict[str, Any]:
 
 
 def _write(file: Path, probes: dict[str, Any]) -> None:
-    """Keep the newest ``MAX_PROBES`` probes, written whole at once (best effort)."""
+    """Keep the ``MAX_PROBES`` probes measured last, written whole at once (best effort)."""
     kept = dict(list(probes.items())[-MAX_PROBES:])
     try:
         fd, name = tempfile.mkstemp(prefix=".probes-", dir=file.parent)
