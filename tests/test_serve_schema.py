@@ -849,6 +849,23 @@ def test_a_retry_waits_behind_the_requests_running() -> None:
 
     asyncio.run(scenario())
 
+    async def a_newcomer_is_not_held_behind_it() -> None:
+        """A request with room in sequences waited for the next release behind a retry's wait
+        for memory (minutes, with a long stream running and places free)."""
+        admission = Admission(limit=4, queue=2)
+        await admission.acquire(1)
+        retry = asyncio.create_task(admission.acquire(1, behind=True))
+        await asyncio.sleep(0)
+        assert await asyncio.wait_for(admission.acquire(2), 5) == 2 and admission.used == 3
+        assert not retry.done()  # (still waiting for a release: memory, not places)
+        too_many = asyncio.create_task(admission.acquire(2))  # (does not fit: waits)
+        await asyncio.sleep(0)
+        assert not too_many.done() and admission.waiting == 2
+        admission.release(2)
+        assert await retry == 1 and await too_many == 2 and admission.used == 4
+
+    asyncio.run(a_newcomer_is_not_held_behind_it())
+
 
 def fake_model(live: int = 2) -> Any:
     memory = SimpleNamespace(max_live_sessions=live)

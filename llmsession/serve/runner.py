@@ -287,6 +287,8 @@ class Admission:
         future = asyncio.get_running_loop().create_future()
         entry = _Waiting(count, caller, future, self._grants, self._releases if behind else None, size)
         self._waiting.append(entry)
+        if not behind:  # (behind only a retry's wait for a release, it may fit now)
+            self._dispatch()
         try:
             await entry.future
         except asyncio.CancelledError:
