@@ -349,3 +349,42 @@ def test_a_prompts_size_counts_its_images_as_the_exchange_does(
         counted = claude.messages.count_tokens(model="m", messages=asked).input_tokens
         used = claude.messages.create(model="m", max_tokens=2, messages=asked).usage
     assert counted == used.input_tokens + (used.cache_read_input_tokens or 0) > IMAGE_TOKENS
+
+
+def test_a_function_call_outputs_image_reaches_the_model_through_responses(
+    vision: Model, smollm2: Model, fixture_path: Callable[[str], Path]
+) -> None:
+    """Codex's ``view_image`` result, an ``input_image`` part of a ``function_call_output``, sent
+    by the official client (a 400 before): the model with a projector reads the picture after
+    the tool's text (the usage counts it as that transcript's prompt, its image's tokens in it),
+    a model without reads a line in the tool's text instead."""
+    import openai
+    from serve_helpers import KEY, running
+
+    from llmsession.serve.app import create_app
+
+    png = base64.b64encode(fixture_path("image-red.png").read_bytes()).decode()
+    url = f"data:image/png;base64,{png}"
+    arguments = '{"path": "red.png"}'
+    call = {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": arguments}
+    output = {
+        "type": "function_call_output",
+        "call_id": "c1",
+        "output": [{"type": "input_image", "image_url": url}],
+    }
+    called = {"id": "c1", "type": "function", "function": {"name": "view_image", "arguments": arguments}}
+    said = [
+        {"role": "user", "content": "Look at red.png."},
+        {"role": "assistant", "content": "", "tool_calls": [called]},
+    ]
+    shown = [{"role": "tool", "tool_call_id": "c1", "content": "[image: below]"}]
+    shown.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]})
+    blind = [{"role": "tool", "tool_call_id": "c1", "content": "[input_image part: not shown to this model]"}]
+    for model, read in ((vision, shown), (smollm2, blind)):
+        with running(create_app(model, api_key=KEY)) as served:
+            client = openai.OpenAI(base_url=served, api_key=KEY, max_retries=0)
+            items: Any = [{"role": "user", "content": "Look at red.png."}, call, output]
+            response = client.responses.create(model="m", input=items, max_output_tokens=2, store=False)
+        assert response.status in ("completed", "incomplete") and response.usage is not None, response
+        assert response.usage.input_tokens == model.prompt_size([*said, *read], tenant="counted")
+    assert vision.prompt_size([*said, *shown]) > vision.prompt_size([*said, *shown[:1]]) + IMAGE_TOKENS

@@ -566,3 +566,35 @@ def test_a_continued_responses_images_count_with_its_stored_ones(monkeypatch: py
     with pytest.raises(ApiError, match="pixels of images in all") as refused:
         responses_request(asked, [*history, *history])
     assert refused.value.param is not None and refused.value.param.startswith("input")
+
+
+def test_a_function_call_outputs_image_follows_the_outputs_or_is_a_line_of_text() -> None:
+    """Codex's ``view_image`` (and an MCP tool's picture) comes back as an ``input_image`` part of
+    a ``function_call_output``: it was a 400, and Codex resends the history every turn, so the
+    whole session was stuck. On a model with images the picture follows the outputs as the user's
+    (before what the user says next); on one without, a line says it was left out, as a file."""
+    call = {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"}
+    picture = {"type": "input_image", "image_url": png_url(), "detail": "auto"}
+    output = {
+        "type": "function_call_output",
+        "call_id": "c1",
+        "output": [{"type": "input_text", "text": "ok"}, picture, {"type": "input_file", "file_data": "x"}],
+    }
+    said = {"role": "user", "content": "What is in it?"}
+    for after in ([said], []):
+        body = {"model": "m", "input": [{"role": "user", "content": "Look."}, call, output, *after]}
+        seeing = responses_request(responses_ask(body), []).messages.messages()
+        assert [m["role"] for m in seeing] == ["user", "assistant", "tool", "user"]
+        assert seeing[2]["content"] == "ok\n[image: below]\n[input_file part: not shown to this model]"
+        shown = [p["type"] for p in seeing[3]["content"]]
+        assert shown == (["image_url", "text"] if after else ["image_url"]), seeing[3]
+        blind = responses_request(responses_ask(body, images=False), []).messages.messages()
+        assert [m["role"] for m in blind] == ["user", "assistant", "tool", *(["user"] if after else [])]
+        assert blind[2]["content"] == "ok\n[input_image part: not shown to this model]\n" + (
+            "[input_file part: not shown to this model]"
+        )
+    for bad in ({"type": "input_image"}, {"type": "audio"}, "text"):
+        broken = {**output, "output": [bad]}
+        with pytest.raises(ApiError) as refused:
+            responses_ask({"model": "m", "input": [call, broken]})
+        assert refused.value.param == "input[1].output[0]", refused.value

@@ -25,7 +25,7 @@ from llmsession.serve.chat import Door, EventStream
 from llmsession.serve.doors import ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, OneModel
-from llmsession.serve.responses import responses_ask, responses_request
+from llmsession.serve.responses import ResponsesAsk, responses_ask, responses_request
 from llmsession.serve.responses_sse import ResponseObject, response_id
 from llmsession.serve.schema import ChatRequest
 from llmsession.serve.store import ResponseStore
@@ -64,6 +64,14 @@ def continued(
     return fresh, False
 
 
+def _read(server: Serving, body: bytes) -> ResponsesAsk:
+    """A body, checked, its outputs' images as the model it names takes them (one without
+    images reads each as a line of text)."""
+    parsed = parse_json(body)
+    named = parsed.get("model") if isinstance(parsed, dict) else None
+    return responses_ask(parsed, images=server.hosts.images(named if isinstance(named, str) else None))
+
+
 async def create(server: Serving, request: Request) -> Response:
     """``POST /v1/responses``: a ``previous_response_id`` continues that response's transcript
     (the stateless sessions hold its state: only the new input is decoded); ``store`` keeps the
@@ -71,7 +79,7 @@ async def create(server: Serving, request: Request) -> Response:
     key: str | None = request.state.key
     store = server.store
     async with server.parsed_body(request) as body:  # (a few parsed at once, off the loop)
-        ask = await asyncio.to_thread(lambda: responses_ask(parse_json(body)))
+        ask = await asyncio.to_thread(_read, server, body)
         history: list[dict[str, Any]] = []
         stored = None
         if ask.previous is not None:

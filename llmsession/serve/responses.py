@@ -47,8 +47,9 @@ class ResponsesAsk:
     echo: dict[str, Any] = field(default_factory=dict)
 
 
-def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
-    """A ``/v1/responses`` body, checked; ``ApiError`` names the first bad field."""
+def responses_ask(body: Mapping[str, Any], *, images: bool = True) -> ResponsesAsk:
+    """A ``/v1/responses`` body, checked; ``ApiError`` names the first bad field. ``images``: the
+    model takes images (else a function call output's image is a line of text that says so)."""
     model = string(body.get("model"), "model")
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
@@ -91,7 +92,7 @@ def responses_ask(body: Mapping[str, Any]) -> ResponsesAsk:
     for name in ("tools", "tool_choice", "text"):  # (the rest it echoes is flat, or checked flat)
         if nests_deeper(echo[name], MAX_ECHOED_DEPTH):
             raise ApiError(f"{name}: nested deeper than {MAX_ECHOED_DEPTH} levels", name)
-    items = _input(body.get("input"))
+    items = _input(body.get("input"), images)
     return ResponsesAsk(chat, items, instructions, previous, True if store is None else store, echo)
 
 
@@ -120,7 +121,10 @@ def responses_request(ask: ResponsesAsk, history: list[dict[str, Any]]) -> ChatR
     return asked
 
 
-def _input(value: object) -> list[dict[str, Any]]:
+def _input(value: object, images: bool = True) -> list[dict[str, Any]]:
+    """The input items as chat messages. The images function call outputs hold (Codex's
+    ``view_image``) follow the outputs as a user message's, before what the user says next (a
+    tool message holds text)."""
     if isinstance(value, str):
         if not value:
             raise ApiError("input must be a non-empty string or a list of items", "input")
@@ -131,16 +135,23 @@ def _input(value: object) -> list[dict[str, Any]]:
         raise ApiError(f"input: at most {MAX_MESSAGES} items, got {len(value)}", "input")
     out: list[dict[str, Any]] = []
     thought: dict[str, Any] | None = None  # a reasoning item's stand-in (last), before its turn
+    shown: list[dict[str, Any]] = []  # the images of the outputs just read
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(f"{where} must be an object, got {kind_of(item)}", where)
         kind = item.get("type", "message")
         added: dict[str, Any] | None = None  # (a reasoning item's stand-in, if it adds one)
+        pictures = None  # (the outputs' images, as a user message: one that follows joins them)
+        if shown and kind != "function_call_output":
+            pictures, shown = {"role": "user", "content": shown}, []
+            out.append(pictures)
         if thought is not None and kind not in ("message", "function_call"):
             out.pop()  # (reasoning no assistant turn followed: nothing to render it with)
         if kind == "message":
             message = _message(item, where)
+            if pictures is not None and message["role"] == "user":
+                message = {"role": "user", "content": [*out.pop()["content"], *_parts(message)]}
             if thought is not None:
                 out.pop()  # (the stand-in, last: its reasoning goes with an assistant turn)
                 if message["role"] == "assistant":
@@ -149,7 +160,7 @@ def _input(value: object) -> list[dict[str, Any]]:
         elif kind == "function_call":
             _call(item, where, out)  # (joined to the reasoning's stand-in: its turn now)
         elif kind == "function_call_output":
-            out.append(_output(item, where))
+            out.append(_output(item, where, images, shown))
         elif kind == "reasoning":
             added = _thought(item, where, out)  # (None: it held nothing to render)
         else:
@@ -157,6 +168,8 @@ def _input(value: object) -> list[dict[str, Any]]:
         thought = added
     if thought is not None:
         out.pop()  # (reasoning nothing followed: no turn to render it with)
+    if shown:
+        out.append({"role": "user", "content": shown})
     if not out:
         raise ApiError("input holds nothing to answer", "input")
     return out
@@ -201,15 +214,19 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
                 {"type": "text", "text": string(part.get("text", part.get("refusal")), f"{at}.text")}
             )
         elif kind == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str):
-                raise ApiError(f"{at}: an image must be a base64 data: URL (nothing is fetched)", at)
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append(_image_part(part, at))
         else:
             raise ApiError(f"{at}: only text and input_image parts are supported here, got {kind!r:.40}", at)
     if ROLES[role] != "user" and all(p["type"] == "text" for p in parts):  # (images: the check's)
         return {"role": ROLES[role], "content": "".join(p["text"] for p in parts)}
     return {"role": ROLES[role], "content": parts}
+
+
+def _image_part(part: dict[str, Any], at: str) -> dict[str, Any]:
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise ApiError(f"{at}: an image must be a base64 data: URL (nothing is fetched)", at)
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _call(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
@@ -225,13 +242,31 @@ def _call(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
         out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _parts(message: dict[str, Any]) -> list[dict[str, Any]]:
+    content = message["content"]
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def _output(item: dict[str, Any], where: str, images: bool, shown: list[dict[str, Any]]) -> dict[str, Any]:
+    """A function call's output as a ``tool`` message; the images among its parts go to
+    ``shown`` (a line in the text says where), or, for a model without images, a line says one
+    was left out (a file, likewise: nothing reads it here)."""
     ident, output = item.get("call_id"), item.get("output")
     if isinstance(output, list):
-        texts = [p.get("text") for p in output if isinstance(p, dict) and p.get("type") in TEXT_PARTS]
-        if len(texts) != len(output) or not all(isinstance(t, str) for t in texts):
-            raise ApiError(f"{where}.output: only text parts are supported here", f"{where}.output")
-        output = "".join(texts)  # type: ignore[arg-type]
+        texts = []
+        for k, part in enumerate(output):
+            at = f"{where}.output[{k}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in TEXT_PARTS:
+                texts.append(string(part.get("text"), f"{at}.text"))
+            elif kind == "input_image" and images:
+                shown.append(_image_part(part, at))
+                texts.append("[image: below]")
+            elif kind in ("input_image", "input_file"):
+                texts.append(f"[{kind} part: not shown to this model]")
+            else:
+                raise ApiError(f"{at}: an output holds text, image and file parts, got {kind!r:.40}", at)
+        output = "\n".join(texts)
     if not (isinstance(ident, str) and isinstance(output, str)):
         raise ApiError(f"{where}: a function_call_output needs a call_id and an output string", where)
     return {"role": "tool", "tool_call_id": ident, "content": output}
