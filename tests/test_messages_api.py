@@ -80,6 +80,21 @@ def billing() -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
+def test_anthropics_client_lists_and_retrieves_the_models(served: Served) -> None:
+    """``/v1/models`` is OpenAI's list and Anthropic's page at once: ``anthropic``'s
+    ``models.list()`` read OpenAI's alone as models with no ``display_name`` (an AttributeError
+    on reading it) and no ``has_more``."""
+    page = client(served).models.list()
+    assert [m.id for m in page.data] == [served.name] and page.has_more is False
+    (model,) = page.data
+    assert model.type == "model" and model.display_name == served.name and model.created_at.year >= 2026
+    assert page.first_id == page.last_id == served.name
+    assert client(served).models.retrieve(served.name).display_name == served.name
+    with pytest.raises(anthropic.NotFoundError):
+        client(served).models.retrieve("no-such-model")
+    assert served.client().models.list().data[0].id == served.name  # (OpenAI's client, alike)
+
+
 def test_a_message_answers_with_anthropic_fields(served: Served) -> None:
     said = [{"role": "user", "content": "Name a colour."}]
     message = client(served).messages.create(model="claude-x", max_tokens=12, system=SYSTEM, messages=said)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import functools
 import re
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -131,8 +133,13 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.model_name, **several})
 
     async def models(self, request: Request) -> Response:
-        cards = await asyncio.to_thread(self.hosts.cards)
-        return JSONResponse({"object": "list", "data": [{**c, "created": self.created} for c in cards]})
+        """The models, as OpenAI's list and Anthropic's page at once (each client reads its own
+        fields: ``anthropic``'s ``models.list()`` needs ``has_more`` and each ``display_name``)."""
+        cards = [self._card(c) for c in await asyncio.to_thread(self.hosts.cards)]
+        first, last = (cards[0]["id"], cards[-1]["id"]) if cards else (None, None)
+        return JSONResponse(
+            {"object": "list", "data": cards, "has_more": False, "first_id": first, "last_id": last}
+        )
 
     async def model_card(self, request: Request) -> Response:
         name = request.path_params["name"]
@@ -140,7 +147,19 @@ class Server:
         chosen = next((c for c in cards if c["id"] == name), None)
         if chosen is None:
             raise ApiError(f"no model {name!r:.80}", "model", "model_not_found", 404)
-        return JSONResponse({**chosen, "created": self.created})
+        return JSONResponse(self._card(chosen))
+
+    def _card(self, card: dict[str, Any]) -> dict[str, Any]:
+        """A model's card with OpenAI's ``created`` and Anthropic's ``type``, ``display_name`` and
+        ``created_at``."""
+        made = datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat()
+        return {
+            **card,
+            "created": self.created,
+            "type": "model",
+            "display_name": card["id"],
+            "created_at": made,
+        }
 
     async def metrics_text(self, request: Request) -> Response:
         """The counters: the whole server's, for an operator (any key, on a server without
