@@ -312,7 +312,7 @@ def test_a_response_id_moves_its_conversation_only_for_its_own_tenant(cluster: C
     """A response's id names its conversation's key and replica: another tenant who has seen it
     (bob, under the same API key: another user) can send a request to either replica under that
     key, but the conversation moves only for alice's. The variant that must move: alice's own
-    id pointed at the other replica takes the conversation there (a 404 after: nothing stored
+    id pointed at the other replica takes the conversation there (a 400 after: nothing stored
     there), so the count is seen to change; bob's request that would bring it back does not."""
     auth = {"Authorization": f"Bearer {KEY}"}
     said = [{"role": "user", "content": "Tenant check: name three colours. " * 8}]
@@ -338,12 +338,13 @@ def test_a_response_id_moves_its_conversation_only_for_its_own_tenant(cluster: C
     before = settled()
     pointed = {**body, "input": "And another?", "previous_response_id": ident.rsplit("_", 1)[0] + "_" + other}
     moved = httpx.post(f"{cluster.url}/v1/responses", json=pointed, headers=auth, timeout=120)
-    assert moved.status_code == 404 and moved.headers[REPLICA] == other, moved.text
+    assert moved.status_code == 400 and moved.headers[REPLICA] == other, moved.text  # (not found)
     wait_for(lambda: moves() == before + 1, 30)  # (alice's: the conversation went with it)
     for user in ("bob", None):  # (another user; no user at all: another tenant too)
         back = {**body, "input": "And another?", "previous_response_id": ident, "user": user}
         refused = httpx.post(f"{cluster.url}/v1/responses", json=back, headers=auth, timeout=120)
-        assert refused.status_code == 404 and refused.headers[REPLICA] == holder, refused.text
+        assert refused.status_code == 400 and refused.headers[REPLICA] == holder, refused.text
+        assert refused.json()["error"]["code"] == "previous_response_not_found", refused.text
     resent = [*said, *first.json()["output"], {"role": "user", "content": "And another?"}]
     again = httpx.post(
         f"{cluster.url}/v1/responses", json={**body, "input": resent}, headers=auth, timeout=120

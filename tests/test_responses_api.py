@@ -115,10 +115,12 @@ def test_a_continued_response_decodes_only_its_new_input(served: Served) -> None
     seen = first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens > seen
     assert second.usage.input_tokens_details.cached_tokens >= seen - 1
-    with pytest.raises(openai.NotFoundError):
-        client(served, OTHER_KEY).responses.create(model="m", previous_response_id=first.id, input="Hi")
-    with pytest.raises(openai.NotFoundError):
-        client(served).responses.create(model="m", previous_response_id="resp_nothing", input="Hi")
+    # (another key's, or none: OpenAI's 400 with the code clients read to resend the transcript)
+    for key, ident in ((OTHER_KEY, first.id), (KEY, "resp_nothing")):
+        with pytest.raises(openai.BadRequestError) as unknown:
+            client(served, key).responses.create(model="m", previous_response_id=ident, input="Hi")
+        assert unknown.value.code == "previous_response_not_found", unknown.value.body
+        assert unknown.value.param == "previous_response_id" and ident in unknown.value.message
     # store: false, the whole transcript resent as items
     items: list[Any] = [{"role": "user", "content": "Name a lake in Italy."}]
     turn = client(served).responses.create(

@@ -52,6 +52,14 @@ def not_found(kind: str, ident: str, param: str | None = None) -> ApiError:
     return ApiError(f"no {kind} with id {ident!r:.80}", param, "not_found", 404)
 
 
+def unknown_previous(ident: str) -> ApiError:
+    """A ``previous_response_id`` nothing is stored under (or another tenant's), as OpenAI says
+    it: a 400 with ``previous_response_not_found``, the code clients and proxies read to send
+    the whole transcript again instead (a 404 is for retrieving one)."""
+    message = f"Previous response with id {ident!r:.80} not found."
+    return ApiError(message, "previous_response_id", "previous_response_not_found", 400)
+
+
 def continued(
     history: list[dict[str, Any]], fresh: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], bool]:
@@ -90,7 +98,7 @@ async def create(server: Serving, request: Request) -> Response:
                         f"response {ask.previous!r:.80} is still in progress: continue it once it ended",
                         "previous_response_id",
                     )
-                raise not_found("response", ask.previous, "previous_response_id")
+                raise unknown_previous(ask.previous)
             history = stored.transcript
         asked = await asyncio.to_thread(responses_request, ask, history)
         start = 1 if ask.instructions else 0  # (the checked transcript's copy, made off the event loop)
