@@ -52,7 +52,7 @@ class GenerationOptions:
     regex: str | None = None
     grammar: str | None = None
     tools: tuple[Mapping[str, Any] | type, ...] | None = None
-    tool_choice: str | Mapping[str, Any] = "auto"
+    tool_choice: str | Mapping[str, Any] = "auto"  # "auto", "none", "required", a function, allowed_tools
     parallel_tool_calls: bool = True
     tool_format: str | None = None  # "hermes", "llama3", "mistral", "generic"; None: from the template
     logprobs: int | None = None  # score each token, with this many likeliest alternatives (0-20)

@@ -600,3 +600,48 @@ def test_a_function_call_outputs_image_follows_the_outputs_or_is_a_line_of_text(
         with pytest.raises(ApiError) as refused:
             responses_ask({"model": "m", "input": [call, broken]})
         assert refused.value.param == "input[1].output[0]", refused.value
+
+
+def test_allowed_tools_narrow_the_calls_on_both_openai_doors(served: Served) -> None:
+    """``tool_choice`` ``allowed_tools`` (a 400 before): a forced call names the one tool it
+    lists, every tool still declared; as Responses spells it and as chat completions does."""
+    clock = {
+        "type": "function",
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    }
+    listed = [{"type": "function", "name": "get_time"}]
+    choice: Any = {"type": "allowed_tools", "mode": "required", "tools": listed}
+    asked: Any = {"model": "m", "input": "What's the weather in Paris?", "max_output_tokens": 64, **GREEDY}
+    made = client(served).responses.create(**asked, tools=[TOOL, clock], tool_choice=choice)
+    assert [(o.type, getattr(o, "name", None)) for o in made.output] == [("function_call", "get_time")]
+    assert made.tool_choice.type == "allowed_tools" and made.tool_choice.tools == listed  # type: ignore[union-attr]
+    functions = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in (TOOL, clock)
+    ]
+    chat = client(served).chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+        tools=functions,  # type: ignore[arg-type]
+        tool_choice={  # type: ignore[arg-type]
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": "required",
+                "tools": [{"type": "function", "function": {"name": "get_time"}}],
+            },
+        },
+        max_tokens=64,
+        **GREEDY,
+    )
+    calls = chat.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"], chat  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(served).responses.create(
+            **asked, tools=[TOOL], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": listed}
+        )
+    assert refused.value.param == "tool_choice", refused.value.body

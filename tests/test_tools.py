@@ -433,3 +433,38 @@ def test_a_replys_calls_are_checked_within_one_budget_not_one_each() -> None:
     assert (len(calls), finish) == (8, "tool_calls") and error is not None
     assert f"within {MAX_CHECK_STEPS:,} keyword checks" in str(error)
     assert time.monotonic() - began < 2.5 * alone + 0.5  # (8 budgets before: 7.5 s against 0.94 s)
+
+
+def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(smollm2: Model) -> None:
+    """OpenAI's ``allowed_tools``: calls name only the tools it lists, every tool still declared
+    (the prompt is the one without it: read from the cache). The variant that must differ: the
+    same forced reply with every tool allowed calls the weather tool this question is about."""
+    question = "What's the weather in Paris?"
+    clock = {**TIME, "function": {**TIME["function"], "parameters": {**TIME["function"]["parameters"]}}}
+    clock["function"]["parameters"]["additionalProperties"] = False  # (a call that ends)
+
+    def allowed(mode: str, *names: str) -> dict[str, Any]:
+        tools = [{"type": "function", "function": {"name": name}} for name in names]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+    narrowed = checked_tools([WEATHER, TIME], allowed("required", "get_time"))
+    assert narrowed is not None and [t.name for t in narrowed.callable] == ["get_time"]
+    assert narrowed.mode == "required" and len(narrowed.tools) == 2
+    base = {"max_tokens": 64, "temperature": 0, "tools": [WEATHER, clock], "parallel_tool_calls": False}
+    replies = {}
+    for label, choice in (("all", "required"), ("time", allowed("required", "get_time"))):
+        session = smollm2.session()
+        reply = session.respond(question, GenerationOptions(**base, tool_choice=choice))
+        assert reply.finish_reason == "tool_calls", (label, reply)
+        replies[label] = (reply.tool_calls[0].name, reply.usage.prompt_tokens)
+    assert replies["all"][0] == "get_weather" and replies["time"][0] == "get_time", replies
+    assert replies["all"][1] == replies["time"][1]  # (the same prompt: every tool declared)
+    for bad in (
+        allowed("sometimes", "get_time"),
+        allowed("auto"),
+        allowed("auto", "get_date"),
+        {"type": "allowed_tools"},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": ["get_time"]}},
+    ):
+        with pytest.raises(ValueError, match="allowed_tools"):
+            checked_tools([WEATHER, TIME], bad)

@@ -278,10 +278,19 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
     if tools is not None:
         out["tools"] = converted_tools(tools, _tool)
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        listed = choice.get("tools")
+        functions = [  # (the check is the library's: a name among the tools, a mode it knows)
+            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            for t in (listed if isinstance(listed, list) else [])
+        ]
+        allowed = {"mode": choice.get("mode"), "tools": functions}
+        out["tool_choice"] = {"type": "allowed_tools", "allowed_tools": allowed}
+    elif isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise ApiError(
-                'tool_choice must be "auto", "none", "required" or a function by name', "tool_choice"
+                'tool_choice must be "auto", "none", "required", a function by name or allowed_tools',
+                "tool_choice",
             )
         out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif choice is not None:
@@ -307,6 +316,11 @@ def _echoed_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _echoed_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":  # (checked when asked)
+        listed = choice.get("tools")
+        listed = listed if isinstance(listed, list) else []
+        tools = [{"type": "function", "name": t.get("name")} for t in listed if isinstance(t, dict)]
+        return {"type": "allowed_tools", "mode": choice.get("mode"), "tools": tools}
     return {"type": "function", "name": choice["name"]} if isinstance(choice, dict) else choice
 
 

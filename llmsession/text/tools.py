@@ -40,12 +40,15 @@ class Tool:
 @dataclass(frozen=True)
 class Tools:
     """The tools of one exchange and how the reply may use them: ``mode`` "auto" (text, or
-    calls), "required" (calls only), "named" (one call of ``name``) or "none" (text only)."""
+    calls), "required" (calls only), "named" (one call of ``name``) or "none" (text only);
+    ``allowed``: the names calls may take, where OpenAI's ``allowed_tools`` narrowed them (every
+    tool is still declared in the prompt: it stays the same, and is read from the cache)."""
 
     tools: tuple[Tool, ...]
     mode: Mode = "auto"
     name: str | None = None
     parallel: bool = True
+    allowed: frozenset[str] | None = None
 
     def by_name(self, name: str) -> Tool | None:
         return next((tool for tool in self.tools if tool.name == name), None)
@@ -55,6 +58,8 @@ class Tools:
         """The tools a call may name."""
         if self.mode == "named":
             return tuple(tool for tool in self.tools if tool.name == self.name)
+        if self.allowed is not None:
+            return tuple(tool for tool in self.tools if tool.name in self.allowed)
         return () if self.mode == "none" else self.tools
 
     def specs(self) -> list[dict[str, Any]]:
@@ -153,6 +158,9 @@ def checked_tools(
     names = [tool.name for tool in tools]
     if len(set(names)) != len(names):
         raise ValueError(f"two tools share a name: {sorted({n for n in names if names.count(n) > 1})}")
+    if isinstance(choice, Mapping) and choice.get("type") == "allowed_tools":
+        mode, allowed = _allowed(choice.get("allowed_tools"), names)
+        return Tools(tools, mode, None, parallel, allowed)
     mode, name = _choice(choice, names)
     return Tools(tools, mode, name, parallel)
 
@@ -169,5 +177,23 @@ def _choice(choice: object, names: list[str]) -> tuple[Mode, str | None]:
             return "named", name
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools {names}")
     raise ValueError(
-        f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r:.80}'
+        'tool_choice must be "auto", "none", "required", a named function or allowed_tools, '
+        f"got {choice!r:.80}"
     )
+
+
+def _allowed(allowed: object, names: list[str]) -> tuple[Mode, frozenset[str]]:
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required",
+    "tools": [{"type": "function", "function": {"name": ...}}, ...]}}``: calls of those only."""
+    mode = allowed.get("mode") if isinstance(allowed, Mapping) else None
+    listed = allowed.get("tools") if isinstance(allowed, Mapping) else None
+    if mode not in ("auto", "required") or not isinstance(listed, Sequence) or not listed:
+        raise ValueError('tool_choice allowed_tools needs a mode ("auto" or "required") and tools')
+    chosen = set()
+    for entry in listed:
+        function = entry.get("function") if isinstance(entry, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(entry, Mapping) or entry.get("type") != "function" or name not in names:
+            raise ValueError(f"tool_choice allowed_tools: {entry!r:.80} is not a function among the tools")
+        chosen.add(cast(str, name))
+    return cast(Mode, mode), frozenset(chosen)
