@@ -894,7 +894,9 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ApiError):
             server.authorize(request(token))
     assert compared and set(compared) == {(32, 32)}
-    assert tenant_name(key, "u" * 256) != tenant_name(key, "v") and len(tenant_name(key, "u" * 256)) == 64
+    assert tenant_name(key, "u" * 256) != tenant_name(key, "v") and len(tenant_name(key, "u" * 256)) == 97
+    assert tenant_name(key, "u").split("/")[0] == tenant_name(key, "v").split("/")[0]  # (one owner: a key)
+    assert tenant_name(key, "u").split("/")[0] != tenant_name("other", "u").split("/")[0]
     assert tenant_name(None, "a") != tenant_name("a", None)
     for unheard in ("sk-clé", " sk-padded", "sk-\x07", "sk two"):  # (no header or Bearer token carries it)
         with pytest.raises(ValueError, match="printable ASCII"):

@@ -17,7 +17,7 @@ from near_ties import assert_same_within_noise, scored
 from serve_helpers import KEY, OTHER_KEY, running
 
 from llmsession import GenerationOptions, Model
-from llmsession.runtime.keeping import Kept, choose, evicted, mains
+from llmsession.runtime.keeping import Kept, choose, evicted, mains, owner
 from llmsession.serve.app import create_app
 from llmsession.serve.naming import named_conversation
 
@@ -99,6 +99,18 @@ def test_past_capacity_a_tenant_over_its_share_loses_its_own_first() -> None:
         Kept(None, 50, True, True, "flood"),
     ]
     assert evicted(running, 4) == [7]
+
+
+def test_a_key_that_names_many_users_has_one_share() -> None:
+    """A server's tenant is ``owner/name`` (its key, and the user a request names): each user
+    name counted as a tenant of its own, a key sending a new ``user`` with every request held
+    every share but one, and the quiet key's session went first. Its owner's share is one."""
+    quiet = Kept(None, 500, True, True, "quietkey/u")  # (the least recently used)
+    flood = [Kept(None, 50, True, True, f"floodkey/u{i}") for i in range(4)]
+    assert evicted([quiet, *flood], 4) == [1]  # (the flooding key's oldest, not the quiet one)
+    flat = [quiet, *[Kept(None, 50, True, True, f"floodkey-u{i}") for i in range(4)]]
+    assert evicted(flat, 4) == [0]  # (names without an owner: each its own, as before)
+    assert owner("k/u/v") == "k" and owner("k") == "k" and owner(None) is None
 
 
 def test_a_conversation_is_a_name_within_a_tenant() -> None:

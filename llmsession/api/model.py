@@ -162,9 +162,11 @@ class Model(Prompts, RawCompletions):
         the messages', so ``system`` is refused).
 
         ``tenant`` names whose call this is (a user, an API key): a call reuses only sessions
-        its own tenant's calls left. With ``share_prefix=False`` nothing crosses either way: a
-        call without a tenant starts from nothing of any other call's, and no call starts from
-        its cells; with a tenant it reuses only that tenant's sessions.
+        its own tenant's calls left; one named ``owner/name`` shares its owner's fair share of
+        the kept sessions with the owner's other names (a server's key owns its users). With
+        ``share_prefix=False`` nothing crosses either way: a call without a tenant starts from
+        nothing of any other call's, and no call starts from its cells; with a tenant it reuses
+        only that tenant's sessions.
 
         ``conversation`` names the conversation the call continues (a session id its client
         sent, 1 to 256 characters): the session that answers it is labelled so, for

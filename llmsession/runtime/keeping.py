@@ -12,8 +12,10 @@ a main while anything else can go:
   conversation's main; a main only for a call that is itself a conversation's first (no main yet);
 - past capacity, idle non-mains go first, least recently used first; mains wait for as many
   sessions as side requests are still answering in (the count stays over capacity by those
-  until they are idle and the next call is kept). Among the spares, and among the mains, a
-  tenant's over its share (capacity over the tenants kept) go before anyone else's.
+  until they are idle and the next call is kept). Among the spares, and among the mains, an
+  owner's over its share (capacity over the owners kept) go before anyone else's. A tenant named
+  ``owner/name`` is its owner's (a server's API key owns the users it names: a key that sends many
+  user names has one share, not one for each); any other name is its own owner.
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
     if excess <= 0:
         return []
     main = mains(kept)
-    held = Counter(s.tenant for s in kept)
+    held = Counter(owner(s.tenant) for s in kept)
     share = capacity / len(held)
     # Those of a tenant over its share that are busy go once idle: none of a tenant within its
     # share goes for them meanwhile (a tenant's many concurrent calls evicted the others').
-    over_busy = sum(1 for s in kept if not s.idle and held[s.tenant] > share)
+    over_busy = sum(1 for s in kept if not s.idle and held[owner(s.tenant)] > share)
     innocent = max(0, excess - over_busy)  # (how many of tenants within their share may go)
     spares = [i for i, s in enumerate(kept) if s.idle and i not in main]
     spare, innocent = _fairly(spares, kept, held, share, excess, innocent)
@@ -105,6 +107,11 @@ def evicted(kept: Sequence[Kept], capacity: int) -> list[int]:
     idle_mains = [i for i, s in enumerate(kept) if s.idle and i in main]
     room = max(0, excess - len(spare) - busy_sides)
     return spare + _fairly(idle_mains, kept, held, share, room, innocent)[0]
+
+
+def owner(tenant: str | None) -> str | None:
+    """Whose share a tenant's sessions count in: ``owner`` of ``owner/name``, else the tenant."""
+    return tenant.split("/", 1)[0] if tenant is not None else None
 
 
 def _fairly(
@@ -122,12 +129,12 @@ def _fairly(
     chosen: list[int] = []
     left = list(candidates)
     while left and len(chosen) < n:
-        pick = next((i for i in left if held[kept[i].tenant] > share), None)
+        pick = next((i for i in left if held[owner(kept[i].tenant)] > share), None)
         if pick is None:
             if innocent <= 0:
                 break
             pick, innocent = left[0], innocent - 1
         left.remove(pick)
-        held[kept[pick].tenant] -= 1
+        held[owner(kept[pick].tenant)] -= 1
         chosen.append(pick)
     return chosen, innocent

@@ -25,9 +25,12 @@ def digest(*parts: str) -> str:
 
 
 def tenant_name(key: str | None, user: str | None) -> str:
-    """A tenant's name, as the server keeps records by it: a sha256 of its key's digest
-    (``Access.authorize``) and the ``user`` its request names (bounded, whatever was sent)."""
-    return hashlib.sha256(repr((key, user)).encode()).hexdigest()
+    """A tenant's name, as the server keeps records by it: ``owner/name``, the owner a sha256 of
+    its key's digest (``Access.authorize``), the name one of the key and the ``user`` its request
+    names (bounded, whatever was sent). The library shares kept sessions fairly between owners
+    (``keeping``): a key that names many users has one share."""
+    owner = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    return owner + "/" + hashlib.sha256(repr((key, user)).encode()).hexdigest()
 
 
 def named_conversation(tenant: str, headers: Mapping[str, str]) -> str | None:
