@@ -602,6 +602,42 @@ def test_gpt_oss_analysis_is_the_reasoning_and_its_final_channel_the_content(
         assert f"{HARMONY.open}A greeting.<|end|><|start|>assistant{HARMONY.headers[1]}Hello!" in text, text
 
 
+def test_thinking_off_closes_a_switchless_templates_block_at_once(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's template has no switch: asked not to think (Anthropic's ``thinking`` disabled,
+    chat's ``enable_thinking`` false), it reasoned anyway, without a bound, and a client reading
+    ``content[0].text`` found a thinking block. Off is a budget of 0: the block closes at once."""
+    reply = f"{HARMONY.open}one two three four five six seven"
+    with (
+        Model(fixture_path("smollm2-gpt-oss-special.gguf"), threads=2) as model,
+        running(create_app(model, api_key=KEY)) as url,
+    ):
+        claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=KEY, max_retries=0)
+        said: Any = [{"role": "user", "content": "Hi"}]
+        with scripted(monkeypatch, model, reply):
+            off = claude.messages.create(
+                model="m", max_tokens=24, messages=said, thinking={"type": "disabled"}
+            )
+        shown = [(b.type, getattr(b, "thinking", "")) for b in off.content if b.type != "text"]
+        assert off.content[-1].type == "text" and all(not thought for _, thought in shown), off
+        # (the forced close takes the place of a scripted token: as a budget's, above)
+        assert off.content[-1].text.split()[0] in ("one", "two"), off  # type: ignore[union-attr]
+        served = Served(model, url, "m", None)
+        with scripted(monkeypatch, model, reply):
+            chat = served.client().chat.completions.create(
+                model="m",
+                messages=said,
+                max_tokens=24,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+        message: Any = chat.choices[0].message
+        assert not getattr(message, "reasoning_content", None) and message.content.split()[0] in (
+            "one",
+            "two",
+        )
+
+
 def test_a_budget_counts_gemma4s_reasoning_not_its_channels_name(
     fixture_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -58,14 +58,16 @@ def messages_request(body: Mapping[str, Any], *, counting: bool = False, images:
 
 
 def _thinking(value: object) -> tuple[bool | None, int | None]:
-    """``thinking``: whether the template thinks (None: the server's setting) and its budget."""
+    """``thinking``: whether the template thinks (None: the server's setting) and its budget.
+    ``disabled`` is a budget of 0 as well: a template with no switch (gpt-oss, one whose prompt
+    always opens the block) thinks anyway, and the budget closes its block at once."""
     if value is None:
         return None, None
     if not isinstance(value, dict):
         raise ApiError("thinking must be an object", "thinking")
     kind = value.get("type")
     if kind == "disabled":
-        return False, None
+        return False, 0
     if kind == "adaptive":
         return True, None
     if kind != "enabled":

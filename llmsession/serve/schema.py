@@ -147,8 +147,8 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[bool | Effort | None, int | Non
         )
     kwargs = optional(body, "chat_template_kwargs", dict) or {}
     enabled = optional(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
-    if effort is None:
-        return enabled, None
+    if effort is None:  # (thinking off is a budget of 0: a template with no switch thinks anyway)
+        return enabled, 0 if enabled is False else None
     if effort == "none" or enabled is False:
         return bool(enabled), EFFORTS[effort]  # (enable_thinking true with no effort: a budget of 0)
     return TEMPLATE_EFFORTS[effort], EFFORTS[effort]
