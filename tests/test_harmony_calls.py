@@ -203,6 +203,44 @@ def test_the_same_call_made_twice_is_read_from_the_cache(model: Model) -> None:
     assert all(decoded <= new + 1 for decoded, new in added[1:]), added
 
 
+def test_a_call_after_reasoning_is_read_from_the_cache_when_resent(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply that reasons, then calls with its arguments in tokens of its own ("Paris" as
+    "Par" "is": the grammar lets any split through, and a model's sampling may take one), resent
+    as a stateless call (Codex, an agent SDK): the turn decodes only what it adds. The reply was
+    remembered only as its whole text, reasoning and all, which a resent turn never says apart
+    (its content is what is looked up, the reasoning rendered by the template): the call was
+    tokenized afresh and the prompt parted from the cache at "Par"."""
+    native = internals.local(model).native
+    thought = f"{CHANNELS.open}The user wants the weather.<|end|><|start|>assistant"
+    head, tail = TEMPLATE_SPELLING.split("Paris")
+    pieces = [thought + head, "Par", "is", tail]
+    script = [t for piece in pieces for t in model.tokenize(piece, add_special=False)]
+    assert script != model.tokenize("".join(pieces), add_special=False)  # (not as it tokenizes)
+    said: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
+    with scripted(monkeypatch, model, "") as played:
+        played.script[:0] = script  # (before the end of turn)
+        first = model.chat(said, options("required"), tenant="reasoned")
+    assert not played.refused and not played.off_script, played
+    assert first.reasoning == "The user wants the weather." and len(first.tool_calls) == 1, first
+    (call,) = first.tool_calls
+    assert call.parsed == {"city": "Paris"} and native.n_vocab > max(script)
+    turn = {"role": "assistant", "content": "", "reasoning_content": first.reasoning}
+    said += [
+        {**turn, "tool_calls": [call.message_part()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "21"},
+    ]
+    after = model.chat(
+        said, GenerationOptions(max_tokens=4, temperature=0, tools=[WEATHER, TIME]), tenant="reasoned"
+    )
+    seen = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert after.usage.decoded_prompt_tokens <= after.usage.prompt_tokens - seen + 1, (
+        first.usage,
+        after.usage,
+    )
+
+
 def test_auto_answers_in_the_final_channel(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     with scripted(
         monkeypatch, model, f"{CHANNELS.open}No tool.<|end|><|start|>assistant{CHANNELS.headers[1]}Hi!"

@@ -38,7 +38,7 @@ from llmsession.runtime.loading import (
     probes_attention,
     session_positions,
 )
-from llmsession.runtime.spliced import Rendering, text_tokens
+from llmsession.runtime.spliced import Rendering, remembered, text_tokens
 from llmsession.runtime.thinking import markup_for
 from llmsession.runtime.tokenizer import PromptTokenizer
 from llmsession.text.gemma4 import is_gemma4_template
@@ -260,17 +260,18 @@ class ModelCore:
         return text_tokens(self, plain, text, Rendering(thinking, tools, tool_format), own, shared)
 
     def remember_reply(
-        self, text: str, tokens: Sequence[int], own: ReplyTokens | None = None, shared: bool = True
+        self,
+        text: str,
+        tokens: Sequence[int],
+        own: ReplyTokens | None = None,
+        shared: bool = True,
+        block: str = "",
     ) -> None:
         """A reply generated here: later prompts hold it as ``tokens`` if they spell ``text``
         (in the session's ``own`` record too, which its prompts consult first; only there
-        unless ``shared``). A reply's text spells the special tokens of its calls' markers."""
-        spellings = (self.native.detokenize(tokens), self.native.detokenize(tokens, special=True))
-        if tokens and text in spellings:
-            if shared:
-                self.replies.remember(text, tokens)
-            if own is not None:
-                own.remember(text, tokens)
+        unless ``shared``); one that opened with a reasoning ``block``, its content too
+        (``spliced.remembered``)."""
+        remembered(self.native, text, tokens, (self.replies if shared else None, own), block)
 
     def prompt(
         self,

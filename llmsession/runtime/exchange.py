@@ -380,6 +380,11 @@ class Exchange:
         if error is not None:
             raise error
 
+    @property
+    def block(self) -> str:
+        """The reply's reasoning block as generated, before its content ("": none)."""
+        return "" if self.thinking is None else self.thinking.preamble
+
     def _record(self, reply: Reply) -> None:
         self.prompt.close()
         self.reply, self.phase = reply, Phase.FINISHED

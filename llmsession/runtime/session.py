@@ -352,7 +352,7 @@ class LocalSession(Session):
         text, tokens = exchange.text, exchange.tokens
         if prefill is not None:
             text, tokens, reply = prefill.text + text, [*prefill.tokens, *tokens], prefill.whole(reply)
-        self.model.remember_reply(text, tokens, self.replies, shared=self.share_prefix)
+        self.model.remember_reply(text, tokens, self.replies, self.share_prefix, exchange.block)
         self.messages += [*exchange.said, cast(Message, assistant_message(reply))]
         if not (self._superseded or exchange.model_closed or not self.looks_ahead):
             self._look_ahead()

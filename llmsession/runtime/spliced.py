@@ -4,6 +4,7 @@ conversation's prompt match the cells its replies left, token for token."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -93,6 +94,44 @@ def text_tokens(
     if spliced != plain and spelled == native.detokenize(plain, special=True):
         return spliced
     return plain
+
+
+def remembered(
+    native: NativeModel,
+    text: str,
+    tokens: Sequence[int],
+    records: tuple[ReplyTokens | None, ReplyTokens | None],
+    block: str = "",
+) -> None:
+    """``text`` as the ``tokens`` it was generated as, in the ``records`` (the model's, the
+    session's) where they spell it (a reply's text spells its calls' markers' special tokens).
+    A reply that opened with a reasoning ``block`` is its content's tokens as well: a resent
+    turn says its content apart from its reasoning (``tool_formats.said_text``)."""
+    spellings = (native.detokenize(tokens), native.detokenize(tokens, special=True))
+    if tokens and text in spellings:
+        for record in records:
+            if record is not None:
+                record.remember(text, tokens)
+    for cut, chars in block_cuts(native, tokens, block) if block and text.startswith(block) else ():
+        remembered(native, text[chars:], tokens[cut:], records)
+
+
+def block_cuts(native: NativeModel, tokens: Sequence[int], block: str) -> list[tuple[int, int]]:
+    """Where a reply's ``tokens`` may be cut after its reasoning ``block``: each count of its
+    first tokens that spells the block, or the block without some of the whitespace it ends
+    with (the splitter drops what the content's first token began with: gpt-oss's call
+    `` to=...``), and the characters they spell. None where a token spans the block's text."""
+    wanted, at, cuts = block.encode(), 0, []
+    least = len(block.rstrip().encode())
+    for i, token in enumerate(tokens):
+        if at >= least and i > 0:
+            with contextlib.suppress(UnicodeDecodeError):  # (inside a character: no cut)
+                cuts.append((i, len(wanted[:at].decode())))
+        piece = native.piece(token, special=True)
+        if at == len(wanted) or wanted[at : at + len(piece)] != piece:
+            break
+        at += len(piece)
+    return cuts
 
 
 def _with_bos(native: NativeModel, text: str, tokens: Sequence[int]) -> str:
