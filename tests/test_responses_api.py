@@ -645,39 +645,3 @@ def test_allowed_tools_narrow_the_calls_on_both_openai_doors(served: Served) -> 
             **asked, tools=[TOOL], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": listed}
         )
     assert refused.value.param == "tool_choice", refused.value.body
-
-
-def test_logprobs_asked_by_include_score_the_output_text(served: Served) -> None:
-    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: every part and delta
-    sent ``logprobs: []`` whatever was asked. The text's tokens are scored as chat scores them,
-    their bytes spell the text, and a stream's deltas join up to its final part's (the SDK's
-    helper reads a stream to ``response.completed``: a reply that ends by itself)."""
-    asked: Any = {"model": "m", "input": "Say hello to Paris.", "max_output_tokens": 120, **GREEDY}
-    scored = {**asked, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
-    made = client(served).responses.create(**scored)
-    (part,) = made.output[0].content  # type: ignore[union-attr]
-    entries = part.logprobs or []  # type: ignore[union-attr]
-    assert entries and b"".join(bytes(e.bytes) for e in entries).decode() == made.output_text
-    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
-    chat = client(served).chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": "Say hello to Paris."}],
-        max_tokens=120,
-        logprobs=True,
-        top_logprobs=2,
-        **GREEDY,
-    )
-    chatted = chat.choices[0].logprobs.content or []  # type: ignore[union-attr]
-    if chat.choices[0].message.content == made.output_text:  # (a near-tie may part them: AVX2)
-        assert [e.token for e in chatted] == [e.token for e in entries]
-    with client(served).responses.stream(**scored) as stream:
-        sent = [s for event in stream if event.type == "response.output_text.delta" for s in event.logprobs]
-        final = stream.get_final_response()
-    (streamed,) = final.output[0].content  # type: ignore[union-attr]
-    assert [s.token for s in sent] == [s.token for s in streamed.logprobs or []]  # type: ignore[union-attr]
-    assert b"".join(bytes(s.bytes) for s in sent).decode() == final.output_text
-    plain = client(served).responses.create(**asked, include=["reasoning.encrypted_content"])
-    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]  (not asked: none)
-    with pytest.raises(openai.BadRequestError) as refused:
-        client(served).responses.create(**asked, include="message.output_text.logprobs")  # type: ignore[arg-type]
-    assert refused.value.param == "include"

@@ -18,13 +18,12 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsession.replies import Reply, Snapshot, TokenLogprob, Usage
+from llmsession.replies import Reply, Snapshot, Usage
 from llmsession.serve.errors import ApiError
-from llmsession.serve.sse import chat_logprobs
 
 
 def new_id(prefix: str) -> str:
@@ -75,8 +74,6 @@ class Items:
     items: list[dict[str, Any]] = field(default_factory=list)
     open: bool = False
     call: int | None = None  # the open function_call's index among the reply's calls
-    scores: list[dict[str, Any]] = field(default_factory=list)  # tokens' logprobs not yet sent
-    scored: int = 0  # the reply's tokens whose logprobs were taken (sent, or in ``scores``)
 
 
 @dataclass
@@ -90,7 +87,6 @@ class ResponseObject:
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
-    logprobs: bool = False  # asked for (``include``): the output text's parts carry its tokens'
 
     def body(
         self, status: str, output: list[dict[str, Any]], used: Usage | None, **extra: Any
@@ -119,8 +115,6 @@ class ResponseObject:
             items.items.append(_reasoning(reply.reasoning))
         if reply.text or not (reply.tool_calls or reply.reasoning or _status(reply) != "completed"):
             items.items.append(_message(reply.text))
-            if self.logprobs:
-                items.items[-1]["content"][0]["logprobs"] = _scores(reply.logprobs or ())
         for call in reply.tool_calls:
             items.items.append(_call(call.id, call.name, call.arguments))
         return self.final(reply, items)
@@ -153,20 +147,13 @@ class ResponseObject:
             item["content"][0]["text"] += snapshot.reasoning_delta
             where = {"item_id": item["id"], "output_index": len(items.items) - 1, "content_index": 0}
             out.append(self._event("response.reasoning_text.delta", **where, delta=snapshot.reasoning_delta))
-        if self.logprobs and snapshot.logprobs:  # (sent with the next text: a stop may hold it)
-            items.scores += _scores(snapshot.logprobs)
-            items.scored += len(snapshot.logprobs)
         if snapshot.delta:
             if not (items.open and items.items[-1]["type"] == "message"):
                 out += self._close(items) + self._open(items, _message(""))
             item = items.items[-1]
             item["content"][0]["text"] += snapshot.delta
-            scores, items.scores = items.scores, []
-            item["content"][0]["logprobs"] += scores
             where = {"item_id": item["id"], "output_index": len(items.items) - 1, "content_index": 0}
-            out.append(
-                self._event("response.output_text.delta", **where, delta=snapshot.delta, logprobs=scores)
-            )
+            out.append(self._event("response.output_text.delta", **where, delta=snapshot.delta, logprobs=[]))
         for piece in snapshot.tool_calls:
             if not (items.open and items.call == piece.index):
                 out += self._close(items) + self._open(items, _call(piece.id or "", piece.name or "", ""))
@@ -204,14 +191,8 @@ class ResponseObject:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
-            part["logprobs"] += items.scores  # (the text's last tokens', held back until it ended)
-            items.scores = []
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out.append(
-                self._event(
-                    "response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]
-                )
-            )
+            out.append(self._event("response.output_text.done", **where, text=part["text"], logprobs=[]))
             out.append(self._event("response.content_part.done", **where, part=part))
         elif item["type"] == "reasoning":
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
@@ -244,8 +225,6 @@ class ResponseObject:
         short has none, as OpenAI's (an empty message under ``text.format`` failed the SDK's
         parse of its text before the ``response.incomplete`` came)."""
         status = _status(reply)
-        if self.logprobs:  # (scores of tokens the stream never showed: held back, then not stopped)
-            items.scores += _scores((reply.logprobs or ())[items.scored :])
         made = {call.id for call in reply.tool_calls}
         cut = items.open and items.call is not None and items.items[-1]["call_id"] not in made
         empty = status == "completed"  # (an answer that said nothing; one cut short has no item)
@@ -269,12 +248,6 @@ class ResponseObject:
             items.items[-1]["status"] = "incomplete"
         failure = {"code": error.code or error.kind, "message": error.message}
         return self._event("response.failed", response=self.body("failed", items.items, None, error=failure))
-
-
-def _scores(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """Tokens' logprobs as an ``output_text`` part's (chat's entries: ``token``, ``logprob``,
-    ``bytes``, ``top_logprobs``)."""
-    return list(chat_logprobs(entries)["content"])
 
 
 def _reasoning(text: str) -> dict[str, Any]:
