@@ -866,6 +866,34 @@ def test_a_retry_waits_behind_the_requests_running() -> None:
 
     asyncio.run(a_newcomer_is_not_held_behind_it())
 
+    async def nor_refused_for_its_place_in_the_queue() -> None:
+        """(A reviewer's read: with the queue full of retries, one with places free was a 503.)"""
+        admission = Admission(limit=4, queue=1)
+        await admission.acquire(1)
+        retry = asyncio.create_task(admission.acquire(1, behind=True))
+        await asyncio.sleep(0)
+        assert admission.waiting == 1 and await asyncio.wait_for(admission.acquire(1), 5) == 1
+        admission.release(1)
+        assert await retry == 1
+
+    asyncio.run(nor_refused_for_its_place_in_the_queue())
+
+
+def test_thinking_off_is_a_budget_of_0_whatever_the_effort() -> None:
+    """``enable_thinking`` false: a template without a switch (gpt-oss) reasons anyway, and an
+    effort beside it (``high``: no budget) left it without bound."""
+    for effort in (None, "none", "low", "high"):
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+        if effort is not None:
+            body["reasoning_effort"] = effort
+        asked = chat_request(body)
+        assert (asked.thinking, asked.options.reasoning_budget) == (False, 0), (effort, asked.thinking)
+    plain = chat_request(
+        {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "high"}
+    )
+    assert plain.options.reasoning_budget is None  # (thinking on: the effort's, none for high)
+
 
 def fake_model(live: int = 2) -> Any:
     memory = SimpleNamespace(max_live_sessions=live)
@@ -897,6 +925,7 @@ def test_keys_are_compared_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tenant_name(key, "u" * 256) != tenant_name(key, "v") and len(tenant_name(key, "u" * 256)) == 97
     assert tenant_name(key, "u").split("/")[0] == tenant_name(key, "v").split("/")[0]  # (one owner: a key)
     assert tenant_name(key, "u").split("/")[0] != tenant_name("other", "u").split("/")[0]
+    assert tenant_name(None, "u").split("/")[0] != tenant_name(None, "v").split("/")[0]  # (no keys: users)
     assert tenant_name(None, "a") != tenant_name("a", None)
     for unheard in ("sk-clé", " sk-padded", "sk-\x07", "sk two"):  # (no header or Bearer token carries it)
         with pytest.raises(ValueError, match="printable ASCII"):

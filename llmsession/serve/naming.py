@@ -28,8 +28,9 @@ def tenant_name(key: str | None, user: str | None) -> str:
     """A tenant's name, as the server keeps records by it: ``owner/name``, the owner a sha256 of
     its key's digest (``Access.authorize``), the name one of the key and the ``user`` its request
     names (bounded, whatever was sent). The library shares kept sessions fairly between owners
-    (``keeping``): a key that names many users has one share."""
-    owner = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    (``keeping``): a key that names many users has one share. Without a key (a server without
+    keys) each user is its own owner, as before."""
+    owner = hashlib.sha256(repr(key if key is not None else ("user", user)).encode()).hexdigest()[:32]
     return owner + "/" + hashlib.sha256(repr((key, user)).encode()).hexdigest()
 
 

@@ -280,15 +280,14 @@ class Admission:
         count = min(count, self.limit)
         if behind and self.used == 0:
             raise busy("its memory is in use")
-        if not behind and not self._waiting and self.used + count <= self.limit:
-            self._grant(count, caller)
+        ready = any(w.behind is None or w.behind < self._releases for w in self._waiting)
+        if not behind and not ready and self.used + count <= self.limit:  # (behind retries' waits
+            self._grant(count, caller)  # for memory only: places free are taken at once)
             return count
         self._make_room(caller, size)
         future = asyncio.get_running_loop().create_future()
         entry = _Waiting(count, caller, future, self._grants, self._releases if behind else None, size)
         self._waiting.append(entry)
-        if not behind:  # (behind only a retry's wait for a release, it may fit now)
-            self._dispatch()
         try:
             await entry.future
         except asyncio.CancelledError:

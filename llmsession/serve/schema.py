@@ -149,8 +149,8 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[bool | Effort | None, int | Non
     enabled = optional(kwargs, "enable_thinking", bool, "chat_template_kwargs.enable_thinking")
     if effort is None:  # (thinking off is a budget of 0: a template with no switch thinks anyway)
         return enabled, 0 if enabled is False else None
-    if effort == "none" or enabled is False:
-        return bool(enabled), EFFORTS[effort]  # (enable_thinking true with no effort: a budget of 0)
+    if effort == "none" or enabled is False:  # (enable_thinking true with no effort: a budget of 0;
+        return bool(enabled), 0 if enabled is False else EFFORTS[effort]  # false: 0, whatever effort)
     return TEMPLATE_EFFORTS[effort], EFFORTS[effort]
 
 
