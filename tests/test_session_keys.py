@@ -218,3 +218,22 @@ def test_a_plain_server_takes_no_conversation_key_from_a_client(served: tuple[Mo
     ident = response.json()["id"]
     assert "0" * 32 not in ident and "replica-x" not in ident, ident
     assert "0" * 32 not in model.conversations()
+
+
+def test_a_key_naming_many_users_pushes_out_its_own_reply_records_first() -> None:
+    """The replies kept apart for splicing, past ``RECORDS`` tenants: a key sending a new user
+    with every call pushed every other key's record out (its next prompt tokenized otherwise
+    than generated: a cache miss). Now the flooding owner's own go first; without an owner in
+    the names, the least recently used, as before."""
+    from llmsession.runtime.stateless_calls import RECORDS, TenantReplies
+
+    replies = TenantReplies()
+    quiet = replies.of("quietkey/alice")
+    for i in range(3 * RECORDS):
+        replies.of(f"floodkey/u{i}")
+    assert replies.of("quietkey/alice", peek=True) is quiet
+    flat = TenantReplies()
+    first = flat.of("alice")
+    for i in range(RECORDS):
+        flat.of(f"u{i}")
+    assert flat.of("alice", peek=True) is not first  # (forgotten: each name its own owner)

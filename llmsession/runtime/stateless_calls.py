@@ -4,7 +4,7 @@ Pure: no bindings."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import cast
 
@@ -13,6 +13,7 @@ from llmsession.errors import TemplateError
 from llmsession.options import GenerationOptions
 from llmsession.replies import Message
 from llmsession.runtime.continuing import Prefill
+from llmsession.runtime.keeping import owner
 from llmsession.text.splice import ReplyTokens
 from llmsession.text.tools import Tools
 from llmsession.text.transcript import Transcript
@@ -36,8 +37,10 @@ RECORDS = 64  # tenants whose kept-apart replies are remembered for splicing
 
 
 class TenantReplies:
-    """The replies each tenant's kept-apart calls generated, for splicing its next prompts (the
-    least recently used tenant's forgotten past ``RECORDS``). Not thread-safe: its owner's lock."""
+    """The replies each tenant's kept-apart calls generated, for splicing its next prompts (past
+    ``RECORDS``, the least recently used of an owner's over its share, else of anyone's, is
+    forgotten: ``keeping.owner``, so that a key naming a new user with every call no longer pushes
+    every other key's record out). Not thread-safe: its owner's lock."""
 
     def __init__(self) -> None:
         self._records: OrderedDict[str, ReplyTokens] = OrderedDict()
@@ -53,7 +56,9 @@ class TenantReplies:
         record = self._records.pop(tenant, None) or ReplyTokens(capacity=256)
         self._records[tenant] = record
         while len(self._records) > RECORDS:
-            self._records.popitem(last=False)
+            held = Counter(owner(name) for name in self._records)
+            over = (name for name in self._records if held[owner(name)] > RECORDS / len(held))
+            self._records.pop(next(over, next(iter(self._records))))
         return record
 
     def joined(self, tenant: str | None, own: ReplyTokens, apart: bool) -> ReplyTokens:
