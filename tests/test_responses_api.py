@@ -645,3 +645,19 @@ def test_allowed_tools_narrow_the_calls_on_both_openai_doors(served: Served) -> 
             **asked, tools=[TOOL], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": listed}
         )
     assert refused.value.param == "tool_choice", refused.value.body
+
+
+def test_allowed_tools_of_another_kind_are_refused_not_taken_for_functions() -> None:
+    """(A reviewer's read: any entry with a name became a function, and was echoed as one.)"""
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    for entry in ({"type": "custom", "name": "get_weather"}, {"type": "mcp", "name": "get_weather"}, "x"):
+        choice = {"type": "allowed_tools", "mode": "auto", "tools": [entry]}
+        with pytest.raises(ApiError) as refused:
+            responses_request(
+                responses_ask({"model": "m", "input": "Hi", "tools": tools, "tool_choice": choice}), []
+            )
+        assert refused.value.param == "tool_choice", refused.value
+    good = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+    assert responses_request(
+        responses_ask({"model": "m", "input": "Hi", "tools": tools, "tool_choice": good}), []
+    )

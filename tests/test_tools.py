@@ -465,6 +465,7 @@ def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(smollm2: Model) -> N
         allowed("auto", "get_date"),
         {"type": "allowed_tools"},
         {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": ["get_time"]}},
+        allowed("auto", *["get_time"] * 129),  # (past MAX_TOOLS: a reviewer's read)
     ):
         with pytest.raises(ValueError, match="allowed_tools"):
             checked_tools([WEATHER, TIME], bad)

@@ -77,4 +77,7 @@ def cost_shape(model: NativeModel) -> dict[str, object]:
             )
         ],
         "vocabulary": model.n_vocab,
+        # (a mixture of experts' count, and how many each token runs: an edit of the latter alone
+        # changes a token's cost, not the file's bytes)
+        "experts": [meta(model, f"{architecture(model)}.{k}") for k in ("expert_count", "expert_used_count")],
     }

@@ -281,7 +281,9 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         listed = choice.get("tools")
         functions = [  # (the check is the library's: a name among the tools, a mode it knows)
-            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            {"type": "function", "function": {"name": t.get("name")}}
+            if isinstance(t, dict) and t.get("type") == "function"
+            else t
             for t in (listed if isinstance(listed, list) else [])
         ]
         allowed = {"mode": choice.get("mode"), "tools": functions}

@@ -187,8 +187,10 @@ def _allowed(allowed: object, names: list[str]) -> tuple[Mode, frozenset[str]]:
     "tools": [{"type": "function", "function": {"name": ...}}, ...]}}``: calls of those only."""
     mode = allowed.get("mode") if isinstance(allowed, Mapping) else None
     listed = allowed.get("tools") if isinstance(allowed, Mapping) else None
-    if mode not in ("auto", "required") or not isinstance(listed, Sequence) or not listed:
+    if mode not in ("auto", "required") or not isinstance(listed, list | tuple) or not listed:
         raise ValueError('tool_choice allowed_tools needs a mode ("auto" or "required") and tools')
+    if len(listed) > MAX_TOOLS:
+        raise ValueError(f"tool_choice allowed_tools: at most {MAX_TOOLS} tools, got {len(listed)}")
     chosen = set()
     for entry in listed:
         function = entry.get("function") if isinstance(entry, Mapping) else None
