@@ -57,11 +57,11 @@ def cost_shape(model: NativeModel) -> dict[str, object]:
     their chat template (the tests' fixtures: SmolLM2's weights under other families' templates)
     have one shape; so do two fine-tunes of one base, quantized alike, and they decode alike."""
     lib, ffi = bindings()
-    ptr = model.ptr
+    ptr, arch = model.ptr, architecture(model)
     buf = ffi.new("char[256]")
     described = lib.llama_model_desc(ptr, buf, 256)
     return {
-        "architecture": architecture(model),
+        "architecture": arch,
         "description": ffi.string(buf).decode("utf-8", "replace") if described >= 0 else "",
         "bytes": int(lib.llama_model_size(ptr)),
         "parameters": int(lib.llama_model_n_params(ptr)),
@@ -79,5 +79,5 @@ def cost_shape(model: NativeModel) -> dict[str, object]:
         "vocabulary": model.n_vocab,
         # (a mixture of experts' count, and how many each token runs: an edit of the latter alone
         # changes a token's cost, not the file's bytes)
-        "experts": [meta(model, f"{architecture(model)}.{k}") for k in ("expert_count", "expert_used_count")],
+        "experts": [meta(model, f"{arch}.{k}") for k in ("expert_count", "expert_used_count")],
     }
