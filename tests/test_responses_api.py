@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,20 @@ import openai
 import pytest
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
-from llmsession.replies import Reply, Snapshot, Timings, ToolCallDelta, Usage
+from llmsession.replies import (
+    Alternative,
+    Reply,
+    Snapshot,
+    Timings,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 from llmsession.serve import images, responding
 from llmsession.serve.doors import ResponsesDoor
 from llmsession.serve.errors import ApiError
+from llmsession.serve.rendering import rendered
 from llmsession.serve.responses import responses_ask, responses_request
 from llmsession.serve.responses_sse import Items, ResponseObject
 from llmsession.serve.runner import Event
@@ -485,7 +496,8 @@ def test_a_response_is_stored_before_its_client_reads_that_it_ended(finish: str)
     kinds = asyncio.run(read())
     status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[finish]
     assert kinds[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
-    whole = door.whole([reply], None)
+    whole = door.whole([reply], None)  # (made off the event loop, then settled on it)
+    door.settle(whole, [reply])
     assert whole["status"] == status and whole["store"] is (finish != "cancelled")
     assert len(stored) == 2 * (finish != "cancelled")
     assert all(item["status"] in ("completed", "incomplete") for item in door.whole([reply], None)["output"])
@@ -661,3 +673,102 @@ def test_allowed_tools_of_another_kind_are_refused_not_taken_for_functions() -> 
     assert responses_request(
         responses_ask({"model": "m", "input": "Hi", "tools": tools, "tool_choice": good}), []
     )
+
+
+def test_logprobs_asked_by_include_score_the_output_text(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: every part and delta
+    sent ``logprobs: []`` whatever was asked. The text's tokens are scored as chat scores them,
+    their bytes spell the text, and a stream's deltas join up to its final part's (the SDK's
+    helper reads a stream to ``response.completed``: a reply that ends by itself). A stored
+    response's body is made off the event loop (its scores were dicts made on it), and kept
+    with its scores."""
+    threads: dict[str, str] = {}
+    made_whole, put = ResponseObject.whole, responding.ResponseStore.put
+
+    def whole(self: ResponseObject, reply: Reply) -> dict[str, Any]:
+        threads["whole"] = threading.current_thread().name
+        return made_whole(self, reply)
+
+    def kept(self: Any, *args: Any, **kwargs: Any) -> bool:
+        threads["put"] = threading.current_thread().name
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(ResponseObject, "whole", whole)
+    monkeypatch.setattr(responding.ResponseStore, "put", kept)
+    asked: Any = {"model": "m", "input": "Say hello to Paris.", "max_output_tokens": 120, **GREEDY}
+    scored = {**asked, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    made = client(served).responses.create(**scored)
+    assert threads["whole"] != threads["put"], threads  # (the store is the loop's; the body not)
+    (part,) = made.output[0].content  # type: ignore[union-attr]
+    entries = part.logprobs or []  # type: ignore[union-attr]
+    assert entries and b"".join(bytes(e.bytes) for e in entries).decode() == made.output_text
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    again = client(served).responses.retrieve(made.id)
+    assert again.output[0].content[0].logprobs == entries  # type: ignore[union-attr]
+    chat = client(served).chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Say hello to Paris."}],
+        max_tokens=120,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
+    chatted = chat.choices[0].logprobs.content or []  # type: ignore[union-attr]
+    if chat.choices[0].message.content == made.output_text:  # (a near-tie may part them: AVX2)
+        assert [e.token for e in chatted] == [e.token for e in entries]
+    with client(served).responses.stream(**scored) as stream:
+        sent = [s for event in stream if event.type == "response.output_text.delta" for s in event.logprobs]
+        final = stream.get_final_response()
+    (streamed,) = final.output[0].content  # type: ignore[union-attr]
+    assert [s.token for s in sent] == [s.token for s in streamed.logprobs or []]  # type: ignore[union-attr]
+    assert b"".join(bytes(s.bytes) for s in sent).decode() == final.output_text
+    plain = client(served).responses.create(**asked, include=["reasoning.encrypted_content"])
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]  (not asked: none)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(served).responses.create(**asked, include="message.output_text.logprobs")  # type: ignore[arg-type]
+    assert refused.value.param == "include"
+
+
+def _scored(text: str) -> TokenLogprob:
+    return TokenLogprob(text, text.encode(), -0.5, (Alternative(text, text.encode(), -0.5),))
+
+
+def test_scores_go_with_their_message_when_a_call_follows_or_they_come_late() -> None:
+    """Pure: a stream scored as asked (``include``), text then a call. A token's score that
+    comes after its text was streamed (a stop string held it, then did not match) goes with the
+    next delta, and one the reply alone holds (the call opened meanwhile) with the message, not
+    lost with the call; every delta's, the done events' and the last response's scores are the
+    message's text's, in order, and the same as the response not streamed says."""
+    entries = tuple(map(_scored, ("Sure", ",", " here", ".")))
+    call = ToolCall("call_a", "f", '{"x": 1}')
+    reply = Reply("Sure, here.", "tool_calls", Usage(), Timings(), tool_calls=(call,), logprobs=entries)
+    snapshots = [
+        Snapshot("Sure", "Sure", logprobs=entries[:1]),
+        Snapshot(",", "Sure,"),  # (its score held back: it comes with the next)
+        Snapshot(" here.", "Sure, here.", logprobs=entries[1:3]),
+        Snapshot("", "Sure, here.", (ToolCallDelta(0, "call_a", "f", '{"x": 1}'),)),
+    ]  # (the last score, ".", only in the reply)
+    started, items, events = ResponseObject("m", {}, logprobs=True), Items(), []
+    for snapshot in snapshots:
+        events += started.pieces(snapshot, items)
+    out, final = started.finish(reply, items)
+    read = [json.loads(e.decode().split("data: ", 1)[1]) for e in [*events, *out]]
+    tokens = ["Sure", ",", " here", "."]
+    deltas = [s["token"] for e in read if e["type"] == "response.output_text.delta" for s in e["logprobs"]]
+    assert deltas == tokens[:3], read
+    done = [e for e in read if e["type"] == "response.output_text.done"]
+    parts = [e["part"] for e in read if e["type"] == "response.content_part.done"]
+    assert [[s["token"] for s in e["logprobs"]] for e in done] == [tokens[:3]]  # (closed before ".")
+    assert [[s["token"] for s in p["logprobs"]] for p in parts] == [tokens[:3]]
+    message, made = final["output"][0], final["output"][1]
+    assert made["type"] == "function_call" and made["call_id"] == "call_a"
+    scores = json.loads(rendered(message["content"][0]["logprobs"]))
+    assert [s["token"] for s in scores] == tokens, scores
+    assert scores == json.loads(rendered(read[-1]["response"]["output"][0]["content"][0]["logprobs"]))
+    whole = ResponseObject("m", {}, logprobs=True).whole(reply)
+    assert json.loads(rendered(whole["output"][0]["content"][0]["logprobs"])) == scores
+    assert scores[0]["top_logprobs"] == [{"token": "Sure", "logprob": -0.5, "bytes": list(b"Sure")}]
+    unscored = ResponseObject("m", {}).whole(reply)
+    assert unscored["output"][0]["content"][0]["logprobs"] == []  # (not asked: none)

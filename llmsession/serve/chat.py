@@ -146,9 +146,13 @@ class Door(Protocol):
     its API's keep-alive events)."""
 
     patience: float | None
-    keeps: bool  # its whole body is kept by state of the event loop's (a stored response)
 
-    def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]: ...
+    def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
+        """The whole body (made off the event loop)."""
+
+    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
+        """What the door does with a whole body before it is sent, on the event loop (a
+        stored response is kept in the loop's store)."""
 
     def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]: ...
 
@@ -272,16 +276,15 @@ class Call:
     async def _answer(self, choices: Choices, first: list[Event], *, retried: bool) -> Response:
         """The whole reply, or a stream of it from the first events on (one begun before any,
         past the door's patience, may still find the memory budget full: ``Relay``). A whole
-        body is made and rendered off the event loop, in slices (``rendering``), but where the
-        door keeps it (in the loop's store)."""
+        body is made and rendered off the event loop, in slices (``rendering``), and settled on
+        it (``Door.settle``) in between."""
         if not self.asked.stream:
             ended = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
             replies = [e.reply for e in ended if e.reply is not None]
             prompt = choices.forks.prompt if choices.forks is not None else None
-            if self.door.keeps:  # (made here, rendered off the loop)
-                text = await asyncio.to_thread(rendered, self.door.whole(replies, prompt))
-            else:  # (made and rendered off the loop)
-                text = await asyncio.to_thread(lambda: rendered(self.door.whole(replies, prompt)))
+            body = await asyncio.to_thread(self.door.whole, replies, prompt)
+            self.door.settle(body, replies)
+            text = await asyncio.to_thread(rendered, body)
             return Response(text, media_type="application/json")
         flow: Choices | Relay = choices
         if not first and not retried:

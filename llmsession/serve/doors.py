@@ -27,13 +27,15 @@ class CompletionDoor:
     """OpenAI's chat completions (or, ``completion.text``, raw completions)."""
 
     patience: float | None = None  # (a stream begins with its first events: its status is theirs)
-    keeps = False
 
     def __init__(self, completion: sse.Completion) -> None:
         self.completion = completion
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return dataclasses.replace(self.completion, prompt=prompt).body(replies)
+
+    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
+        pass
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         """Every choice's role, then its pieces as they come, its finish, the usage if asked,
@@ -73,14 +75,15 @@ class MessagesDoor:
     to decode begins anyway, with ``ping`` every ``PING_SECONDS`` until its first text (an
     agent's 20K-token prompt would otherwise hold a silent connection for a minute)."""
 
-    keeps = False
-
     def __init__(self, model: str, patience: float | None = None) -> None:
         self.message = AnthropicMessage(model)
         self.patience: float | None = PING_SECONDS if patience is None else patience
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return self.message.body(replies[0])
+
+    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
+        pass
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         message, blocks, loop = self.message, Blocks(), asyncio.get_running_loop()
@@ -153,13 +156,14 @@ class ResponsesDoor:
         self, response: ResponseObject, keep: Keep | None = None, patience: float | None = None
     ) -> None:
         self.response, self.keep = response, keep
-        self.keeps = keep is not None  # (the store is the event loop's)
         self.patience: float | None = PING_SECONDS if patience is None else patience
 
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
-        body = self.response.whole(replies[0])
+        return self.response.whole(replies[0])
+
+    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
+        """``body`` kept (the store is the event loop's)."""
         self._store(body, replies[0])
-        return body
 
     def _store(self, body: dict[str, Any], reply: Reply) -> None:
         """``body`` kept (``store: true``), or saying it is not (a reply cut short by its

@@ -109,6 +109,7 @@ async def create(server: Serving, request: Request) -> Response:
     asked = dataclasses.replace(asked, messages=dropped)
     ident = response_id(*server.front_named(request))
     response = ResponseObject(server.hosts.served(asked.model), ask.echo, ask.previous, ask.store, ident)
+    response.logprobs = asked.options.logprobs is not None
     if not ask.store:
         return await server.answer(request, asked, ResponsesDoor(response))
 

@@ -10,6 +10,14 @@ for a call ``response.function_call_arguments.delta``..., ``.done``; then
 ``max_output_tokens`` cut it, ``response.failed`` when it failed), every event with its
 ``sequence_number``. The items a stream announced are the ones its last event's response holds,
 with the same ids (the SDK's ``responses.stream`` helper checks).
+
+Asked for (``include``), the output text's tokens are scored as chat's ``logprobs`` are: each
+``response.output_text.delta`` with its text's, and a message's part with all of its text's.
+They are JSON text made token by token (``sse.entries_json``) and placed whole
+(``rendering.Fragment``), never dicts rendered on the event loop: a part's list is sent in four
+closing events and kept once more in the store. Scores that come after their text was streamed
+(held back by a stop string that then did not match) go with the next delta, else with the
+message they belong to, the reply's last.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from typing import Any
 
 from llmsession.replies import Reply, Snapshot, Usage
 from llmsession.serve.errors import ApiError
+from llmsession.serve.rendering import rendered
+from llmsession.serve.sse import entries_json, joined
 
 
 def new_id(prefix: str) -> str:
@@ -64,6 +74,12 @@ def event(payload: dict[str, Any]) -> bytes:
     return f"event: {payload['type']}\ndata: {text}\n\n".encode()
 
 
+def scored_event(payload: dict[str, Any]) -> bytes:
+    """``event``, for a payload that may hold scores already rendered (``Fragment``)."""
+    kind: str = payload["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + rendered(payload) + b"\n\n"
+
+
 KEEP_ALIVE = b": keep-alive\n\n"  # (an SSE comment: clients skip it)
 
 
@@ -74,6 +90,10 @@ class Items:
     items: list[dict[str, Any]] = field(default_factory=list)
     open: bool = False
     call: int | None = None  # the open function_call's index among the reply's calls
+    scores: list[str] = field(default_factory=list)  # tokens' scores (JSON) not yet sent
+    said: list[str] = field(default_factory=list)  # those the last message's deltas sent
+    part: dict[str, Any] | None = None  # the last message's ``output_text`` part
+    scored: int = 0  # the reply's tokens whose scores were taken (sent, or in ``scores``)
 
 
 @dataclass
@@ -87,6 +107,7 @@ class ResponseObject:
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
+    logprobs: bool = False  # asked for (``include``): the output text's parts carry its tokens'
 
     def body(
         self, status: str, output: list[dict[str, Any]], used: Usage | None, **extra: Any
@@ -115,6 +136,8 @@ class ResponseObject:
             items.items.append(_reasoning(reply.reasoning))
         if reply.text or not (reply.tool_calls or reply.reasoning or _status(reply) != "completed"):
             items.items.append(_message(reply.text))
+            if self.logprobs:
+                items.items[-1]["content"][0]["logprobs"] = joined(entries_json(reply.logprobs or ()))
         for call in reply.tool_calls:
             items.items.append(_call(call.id, call.name, call.arguments))
         return self.final(reply, items)
@@ -129,7 +152,8 @@ class ResponseObject:
     # -- the stream --------------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> bytes:
         self.sequence += 1
-        return event({"type": kind, "sequence_number": self.sequence - 1, **fields})
+        payload = {"type": kind, "sequence_number": self.sequence - 1, **fields}
+        return scored_event(payload) if self.logprobs else event(payload)
 
     def opening(self) -> list[bytes]:
         started = self.body("in_progress", [], None)
@@ -147,13 +171,25 @@ class ResponseObject:
             item["content"][0]["text"] += snapshot.reasoning_delta
             where = {"item_id": item["id"], "output_index": len(items.items) - 1, "content_index": 0}
             out.append(self._event("response.reasoning_text.delta", **where, delta=snapshot.reasoning_delta))
+        if self.logprobs and snapshot.logprobs:  # (sent with the next text: their own may be sent)
+            items.scores += entries_json(snapshot.logprobs)
+            items.scored += len(snapshot.logprobs)
         if snapshot.delta:
             if not (items.open and items.items[-1]["type"] == "message"):
                 out += self._close(items) + self._open(items, _message(""))
             item = items.items[-1]
             item["content"][0]["text"] += snapshot.delta
+            scores, items.scores = items.scores, []
+            items.said += scores
             where = {"item_id": item["id"], "output_index": len(items.items) - 1, "content_index": 0}
-            out.append(self._event("response.output_text.delta", **where, delta=snapshot.delta, logprobs=[]))
+            out.append(
+                self._event(
+                    "response.output_text.delta",
+                    **where,
+                    delta=snapshot.delta,
+                    logprobs=joined(scores) if self.logprobs else [],
+                )
+            )
         for piece in snapshot.tool_calls:
             if not (items.open and items.call == piece.index):
                 out += self._close(items) + self._open(items, _call(piece.id or "", piece.name or "", ""))
@@ -174,6 +210,8 @@ class ResponseObject:
         if item["type"] in ("message", "reasoning"):
             shown["content"] = []
         out = [self._event("response.output_item.added", output_index=index, item=shown)]
+        if item["type"] == "message":
+            items.said, items.part = [], item["content"][0]
         if item["type"] in ("message", "reasoning"):
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             if item["type"] == "reasoning":
@@ -191,8 +229,13 @@ class ResponseObject:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
+            self._settle(items)
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out.append(self._event("response.output_text.done", **where, text=part["text"], logprobs=[]))
+            out.append(
+                self._event(
+                    "response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]
+                )
+            )
             out.append(self._event("response.content_part.done", **where, part=part))
         elif item["type"] == "reasoning":
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
@@ -225,6 +268,8 @@ class ResponseObject:
         short has none, as OpenAI's (an empty message under ``text.format`` failed the SDK's
         parse of its text before the ``response.incomplete`` came)."""
         status = _status(reply)
+        if self.logprobs:  # (scores of text streamed before them: held back, then not stopped)
+            items.scores += entries_json((reply.logprobs or ())[items.scored :])
         made = {call.id for call in reply.tool_calls}
         cut = items.open and items.call is not None and items.items[-1]["call_id"] not in made
         empty = status == "completed"  # (an answer that said nothing; one cut short has no item)
@@ -235,6 +280,8 @@ class ResponseObject:
         if not kept and empty:
             out += self._open(items, _message("")) + self._close(items, closing)
             kept = items.items[-1:]
+        if items.scores:  # (a call was open: they are the last message's, its text streamed)
+            self._settle(items)
         final = self.final(reply, Items(kept))
         if stored is not None:  # (before the last event is written: it says whether it was)
             stored(final)
@@ -248,6 +295,14 @@ class ResponseObject:
             items.items[-1]["status"] = "incomplete"
         failure = {"code": error.code or error.kind, "message": error.message}
         return self._event("response.failed", response=self.body("failed", items.items, None, error=failure))
+
+    def _settle(self, items: Items) -> None:
+        """The last message's part given every score of its text (scores not yet sent are
+        its text's last tokens')."""
+        items.said += items.scores
+        items.scores = []
+        if items.part is not None and self.logprobs:
+            items.part["logprobs"] = joined(items.said)
 
 
 def _reasoning(text: str) -> dict[str, Any]:

@@ -112,11 +112,21 @@ def _entry_json(e: TokenLogprob) -> str:
     return f'{{"token":{token},"logprob":{score},"bytes":[{spelled}],"top_logprobs":[{top}]}}'
 
 
+def entries_json(entries: Sequence[TokenLogprob]) -> list[str]:
+    """``chat_logprobs``' entries, each as its JSON text: written token by token in short calls
+    and no dict each (4,096 tokens with 20 alternatives were 86,000 dicts: the garbage
+    collector's passes over them stopped the event loop)."""
+    return list(map(_entry_json, entries))
+
+
+def joined(texts: Sequence[str]) -> Fragment:
+    """JSON texts as one JSON list, placed as it is by ``rendering.rendered``."""
+    return Fragment("[" + ",".join(texts) + "]")
+
+
 def whole_chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """``chat_logprobs`` for a whole body: its entries as JSON text (``Fragment``), written
-    token by token in short calls and no dict each (4,096 tokens with 20 alternatives were
-    86,000 dicts: the garbage collector's passes over them stopped the event loop)."""
-    return {"content": Fragment("[" + ",".join(map(_entry_json, entries)) + "]"), "refusal": None}
+    """``chat_logprobs`` for a whole body: its entries as JSON text (``Fragment``)."""
+    return {"content": joined(entries_json(entries)), "refusal": None}
 
 
 def whole_text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
