@@ -11,7 +11,7 @@ import time
 import pytest
 from near_ties import assert_same_within_noise, scored
 
-from llmsession import GenerationOptions, Model, Reply
+from llmsession import GenerationOptions, Model, Reply, SessionBusyError
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 
@@ -131,6 +131,18 @@ def test_closed_before_its_first_step_it_never_starts(smollm2: Model) -> None:
     asyncio.run(main())
     assert session.messages == [] and session.cached_tokens == 0
 
+    async def iterated_after(end: str) -> None:  # (it began then: an exchange, cancelled, kept)
+        stream = session.astream("Hello", GREEDY)
+        if end == "aclose":
+            await stream.aclose()
+        else:
+            stream.cancel()
+        assert [snapshot async for snapshot in stream] == [] and stream.reply is None
+
+    for end in ("aclose", "cancel"):
+        asyncio.run(iterated_after(end))
+    assert session.messages == [] and session.cached_tokens == 0 and astream_threads() == []
+
 
 def test_bad_options_fail_at_once(smollm2: Model) -> None:
     with pytest.raises(TypeError):
@@ -229,3 +241,40 @@ def test_a_stream_whose_thread_cannot_start_fails_and_closes_at_once(
     runner.join(20)
     assert not runner.is_alive() and outcome[0] == "closed", outcome
     assert session.respond("Hi", GenerationOptions(max_tokens=2)).text is not None  # (the session is free)
+
+
+def test_another_tasks_unfinished_stream_is_busy_and_a_tasks_own_gives_way(smollm2: Model) -> None:
+    """Two tasks on one session: a call from the second while the first reads its stream
+    between two steps cut the first's reply short with no error; it is busy now. A task's own
+    stream left unfinished (a ``break``, the stream kept) gives way to its next call, as in a
+    thread."""
+    session = smollm2.session()
+    options = GenerationOptions(max_tokens=6, temperature=0)
+
+    async def main() -> None:
+        stream = session.astream("Tell me about Paris.", options)
+        stepped, go = asyncio.Event(), asyncio.Event()
+
+        async def read() -> None:
+            async for _ in stream:
+                stepped.set()
+                await go.wait()
+
+        reading = asyncio.create_task(read())
+        await stepped.wait()
+        try:
+            with pytest.raises(SessionBusyError):
+                await session.arespond("Hi", options)
+        finally:
+            go.set()
+            await reading
+        assert stream.reply is not None and stream.reply.finish_reason == "length", stream.reply
+        kept = session.astream("Again.", options)
+        async for _ in kept:
+            break
+        assert (await session.arespond("More.", options)).text
+        assert kept.reply is not None and kept.reply.finish_reason == "cancelled"
+
+    asyncio.run(main())
+    said = [m["content"] for m in session.messages if m["role"] == "user"]
+    assert said == ["Tell me about Paris.", "Again.", "More."], said

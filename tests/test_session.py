@@ -567,3 +567,63 @@ def test_messages_set_to_a_transcript_or_a_tuple_take_the_reply_and_others_fail_
             with pytest.raises(TemplateError):
                 session.save(tmp_path / "s.llms")
         assert not (tmp_path / "s.llms").exists()
+
+
+def test_another_threads_unfinished_stream_is_busy_not_cut_short(smollm2: Model) -> None:
+    """A call from a thread while another thread reads a stream of the session between two
+    steps finished that stream: its reader's reply was cut short (``cancelled``) with no error
+    on either side. It is busy now (as a step in flight is); the stream's own thread may still
+    move on from it, and one no live thread reads any more is finished for the next call."""
+    session = smollm2.session()
+    options = GenerationOptions(max_tokens=6, temperature=0)
+    stream = session.stream("Tell me about Paris.", options)
+    stepped, tried = threading.Event(), threading.Event()
+
+    def read() -> None:
+        next(stream)
+        stepped.set()
+        assert tried.wait(60)
+        for _ in stream:
+            pass
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert stepped.wait(60)
+    try:
+        for busy in (lambda: session.respond("Hi", options), session.fork, session.clear_cached_context):
+            with pytest.raises(SessionBusyError):
+                busy()
+    finally:
+        tried.set()
+        reader.join()
+    assert stream.reply is not None and stream.reply.finish_reason == "length", stream.reply
+    left: list[Any] = []
+    ended = threading.Thread(target=lambda: left.append(session.stream("Bye.", options)) or next(left[0]))
+    ended.start()
+    ended.join()  # (its thread ended, its stream unfinished: no one reads it)
+    assert session.respond("Again.", options).text
+    assert left[0].reply.finish_reason == "cancelled"
+    set_aside = session.stream("Once more.", options)
+    next(set_aside)
+    assert session.respond("And again.", options).text  # (this thread's own: finished first)
+    assert set_aside.reply is not None and set_aside.reply.finish_reason == "cancelled"
+    said = [m["content"] for m in session.messages if m["role"] == "user"]
+    assert said == ["Tell me about Paris.", "Bye.", "Again.", "Once more.", "And again."], said
+
+
+@pytest.mark.parametrize("kind", [tuple, Transcript])
+def test_messages_set_as_a_tuple_or_transcript_while_a_stream_runs_keep_its_exchange(
+    smollm2: Model, kind: Any
+) -> None:
+    """``session.messages`` may be set to a tuple or a ``Transcript`` (the next call takes it as
+    a list): set while a stream ran, its last step raised a TypeError and the exchange was lost
+    from the transcript (its tokens cached)."""
+    session = smollm2.session("sys")
+    stream = session.stream("Hi", GenerationOptions(max_tokens=4, temperature=0))
+    next(stream)
+    session.messages = kind(session.messages)
+    for _ in stream:
+        pass
+    assert stream.reply is not None
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
+    assert session.messages[-1]["content"] == stream.reply.text

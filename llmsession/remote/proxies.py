@@ -19,7 +19,8 @@ from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
 from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.session import editable, said_messages
+from llmsession.runtime.readers import Reader
+from llmsession.runtime.said import editable, said_messages
 from llmsession.text.messages import check_messages
 from llmsession.text.schemas import schema_document
 from llmsession.text.tools import tool_from
@@ -101,8 +102,8 @@ class WorkerSession(Session):
         check_messages([*editable(self.messages), *said_messages(content)])  # as in-process, before pickling
         options, schema_class = portable(options)
         edits = self._edits()
-        before = self._streaming() if self._streaming is not None else None
-        if before is not None and not before._done:  # (the worker finishes it first, even for
+        before = self._unfinished()
+        if before is not None:  # (the worker finishes it first, even for
             before._owner = None  # a call that fails after: its end, read later, changes nothing here)
             self._unseen = True  # (ours is then the worker's, with its exchange, unless edited here)
         with self._after_failure(edits):
@@ -141,8 +142,20 @@ class WorkerSession(Session):
 
     _synced: list[Any] | None
 
+    def _unfinished(self) -> WorkerStream | None:
+        """Its last stream, if unfinished (the worker finishes it before the next call): busy if
+        another live thread or task reads it (``readers``)."""
+        before = self._streaming() if self._streaming is not None else None
+        if before is None or before._done:
+            return None
+        if not before._cancelled:
+            Reader().check(before._reader)
+        return before
+
     def _session_call(self, name: str, *args: Any) -> Any:
         self._check_open()
+        if name != "close":  # (closing finishes it wherever it is read, as in-process)
+            self._unfinished()
         edits = self._edits()
         with self._after_failure(edits):
             value, messages = self._model.call("session_call", self._key, edits, name, args)
@@ -198,7 +211,8 @@ class WorkerStream(Stream):
         self.session = self._owner = session  # None for Model.chat_stream: its session is the worker's own
         self._model, self._key, self._schema_class = model, key, schema_class
         self._reply: Reply | None = None
-        self._done = False
+        self._done = self._cancelled = False
+        self._reader = Reader()  # (who made it, or took its latest step: ``readers``)
         self._drop = weakref.finalize(self, _dropped, model.worker, session, key)
 
     @property
@@ -208,6 +222,7 @@ class WorkerStream(Stream):
     def __next__(self) -> Snapshot:
         if self._done:
             raise StopIteration
+        self._reader.note()
         try:
             kind, *rest = self._model.call("next", self._key)
         except KeyboardInterrupt:  # as in-process: the decode stops, the transcript stays
@@ -241,6 +256,7 @@ class WorkerStream(Stream):
         self._reply = reply
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._model.worker.tell("cancel", self._key)
 
     def close(self) -> None:

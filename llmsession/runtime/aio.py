@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from llmsession.replies import Reply, Snapshot
+from llmsession.runtime.readers import reading_task
 
 
 class Steps(Protocol):
@@ -59,6 +60,9 @@ class Pump:
         self.loop = asyncio.get_running_loop()
         self.queue, self.ended = asyncio.Queue(), asyncio.Event()
         context = contextvars.copy_context()  # (as asyncio.to_thread: the caller's context)
+        task = asyncio.current_task()
+        if task is not None:  # (the stream it makes is the task's: ``readers``)
+            context.run(reading_task, task)
         pump = threading.Thread(target=context.run, args=(self.run,), name="llmsession-astream", daemon=True)
         try:
             pump.start()
@@ -155,8 +159,10 @@ class AsyncStream:
         pump = self._pump
         if not self._started:
             self._started = True
-            pump.begin()
-        assert pump.queue is not None
+            if not pump.cancelled:  # (cancelled or closed before its first step: it never starts)
+                pump.begin()
+        if pump.queue is None:
+            raise StopAsyncIteration
         pump.ask()
         try:
             item = await pump.queue.get()

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -36,6 +36,8 @@ from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.exiting import STEPPING_HERE
 from llmsession.runtime.face import Session
 from llmsession.runtime.place import Carry, Place
+from llmsession.runtime.readers import Reader
+from llmsession.runtime.said import editable, said_messages
 from llmsession.runtime.stream import CLOSE_WAIT_S, Finishing, Guard, LocalStream
 from llmsession.runtime.thinking import thinking
 from llmsession.text.messages import check_messages
@@ -43,37 +45,8 @@ from llmsession.text.splice import ReplyTokens
 from llmsession.text.templates import reads_effort
 from llmsession.text.tool_formats import CallIds
 from llmsession.text.tools import Tools, options_tools
-from llmsession.text.transcript import Transcript
 
 MAX_CALLS = 8  # calls in one reply, where the format writes their ids
-
-
-def said_messages(content: Any) -> list[Message]:
-    """What ``stream`` sends: a message (a mapping with a ``role``: a tool result, say), a list of
-    them, or else a user message's content."""
-    if isinstance(content, Transcript):
-        return cast(list[Message], content.messages())
-    if isinstance(content, Mapping) and "role" in content:
-        return [cast(Message, dict(content))]
-    if (
-        isinstance(content, list | tuple)
-        and content
-        and all(isinstance(m, Mapping) and "role" in m for m in content)
-    ):
-        return [cast(Message, dict(m)) for m in content]
-    return [{"role": "user", "content": content}]
-
-
-def editable(messages: Any) -> list[Message]:
-    """A session's ``messages`` as the list it keeps (the reply is added to it): a Transcript or
-    a tuple a caller set becomes one, anything else is a TypeError before any work."""
-    if isinstance(messages, list):
-        return messages
-    if isinstance(messages, Transcript):
-        return cast(list[Message], messages.messages())
-    if isinstance(messages, tuple):
-        return list(messages)
-    raise TypeError(f"session.messages must be a list of messages, got {type(messages).__name__}")
 
 
 def too_many(config: MemoryPlan, most: int) -> str:
@@ -135,6 +108,7 @@ class LocalSession(Session):
         self._latest: Exchange | None = None  # the latest stream's exchange
         self._ended = Finishing()  # its stream's finishing (``LocalStream.ended``)
         self._abandon: Callable[[], object] | None = None  # finishes it, once (not holding its stream)
+        self._reader = Reader()  # its stream's maker (``readers``)
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: anticipate.Ahead | None = None  # the next prompt's opening, decoding now
         self._tools: tuple[Tools | None, str | None] = (None, None)  # the latest exchange's, for its prompts
@@ -160,7 +134,7 @@ class LocalSession(Session):
         latest = self._latest  # (cancelled, a stream dropped in another thread ends its step: waited)
         cancelled = latest is not None and not latest.done and latest.cancelled.is_set()
         with self._guard.waiting(CLOSE_WAIT_S if cancelled else 0):
-            if self._abandon is not None:  # an unfinished stream of this thread: finish it first
+            if self._abandon is not None:  # an unfinished stream of this caller's: finish it first
                 self._supersede()
                 began = time.perf_counter()
             checked = options_tools(options) if prompt is None else tools
@@ -178,6 +152,7 @@ class LocalSession(Session):
                 raise
             stream = LocalStream(self, exchange, self._guard)
             self._latest, self._abandon, self._ended = exchange, stream.abandon, stream.ended
+            self._reader = stream.reader
             return stream
 
     def clear_cached_context(self) -> None:
@@ -353,13 +328,17 @@ class LocalSession(Session):
         if prefill is not None:
             text, tokens, reply = prefill.text + text, [*prefill.tokens, *tokens], prefill.whole(reply)
         self.model.remember_reply(text, tokens, self.replies, self.share_prefix, exchange.block)
+        self.messages = editable(self.messages)  # (a Transcript or tuple set while it ran)
         self.messages += [*exchange.said, cast(Message, assistant_message(reply))]
         if not (self._superseded or exchange.model_closed or not self.looks_ahead):
             self._look_ahead()
 
     def _supersede(self) -> None:
-        """Finish the latest stream for a new call (so no anticipation starts after it)."""
-        assert self._abandon is not None
+        """Finish the latest stream for a new call (so no anticipation starts after it): this
+        caller's, or one ended, cancelled or no one's; another's is busy (``readers``)."""
+        assert self._abandon is not None and self._latest is not None
+        if not (self._latest.done or self._latest.cancelled.is_set()):
+            Reader().check(self._reader)
         abandon, self._abandon, self._superseded = self._abandon, None, True
         try:
             abandon()  # (or, dropped in another thread, it finishes there: waited for)

@@ -14,6 +14,7 @@ from llmsession.replies import Reply, Snapshot
 from llmsession.runtime import dropped
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session, Stream
+from llmsession.runtime.readers import Reader
 
 
 class Guard:
@@ -68,6 +69,7 @@ class LocalStream(Stream):
     def __init__(self, session: Session, exchange: Exchange, guard: Guard) -> None:
         self.session = session
         self.exchange = exchange
+        self.reader = Reader()  # (who made it, or took its latest step: ``readers``)
         self._guard = guard
         self._steps = exchange.run()
         # Runs once: on close(), when the session moves on, or when the stream is dropped (then
@@ -88,6 +90,7 @@ class LocalStream(Stream):
         if self.exchange.done:
             raise StopIteration
         with self._guard:
+            self.reader.note()
             try:
                 return next(self._steps)
             except StopIteration:
