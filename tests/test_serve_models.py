@@ -444,6 +444,11 @@ def test_with_operator_keys_a_tenant_neither_unloads_nor_reads_what_others_do(sm
             assert refused.status_code == 403 and "operator key" in refused.text, (path, refused.text)
             assert ask(None, method, path, **body).status_code == 401
         assert served_models.served(url, OTHER_KEY) == 0  # (``llmsession models``: /api/ps is optional)
+        listed = ask(OTHER_KEY, "GET", "/v1/models").json()["data"]  # (loaded, loading: others' doing)
+        assert [card["id"] for card in listed] == ["smol"] and "status" not in listed[0], listed
+        assert "status" not in ask(OTHER_KEY, "GET", "/v1/models/smol").json()
+        assert ask(OPERATOR, "GET", "/v1/models").json()["data"][0]["status"] == {"value": "loaded"}
+        assert ask(None, "GET", "/health").json() == {"status": "ok"}  # (no model named to anyone)
         assert ask(OPERATOR, "GET", "/api/ps").json()["models"][0]["name"] == "smol"
         assert "llmsession_requests_total" in ask(OPERATOR, "GET", "/metrics").text
         assert ask(OPERATOR, "POST", "/v1/chat/completions", **said, keep_alive=0).status_code == 200

@@ -273,10 +273,11 @@ class Models:
             entry.busy = True
         return doomed
 
-    def _surplus(self) -> list[Entry]:
+    def _surplus(self, *, warn: bool = True) -> list[Entry]:
         """The idle models to unload (least recently used first, marked busy) so that the ones
         held are within the memory limit again, once a load measured a model larger than its
-        files counted (the lock held)."""
+        files counted (the lock held): right after that load, and by the sweeper once those in
+        use are idle (a model over the limit by itself served its first uses, then goes)."""
         if self.memory_limit is None:
             return []
         held = [e for _, e in self._holding() if not e.unloading]
@@ -287,7 +288,7 @@ class Models:
                 break
             doomed.append(entry)
             entry.busy, total = True, total - entry.footprint
-        if total > self.memory_limit:
+        if total > self.memory_limit and warn:
             log.warning("the models loaded take %d MiB, over the memory limit; none is idle", total >> 20)
         return doomed
 
@@ -374,10 +375,11 @@ class Models:
         if self._closed:
             return -1
         due, wait = _sweeper.due(self._entries.values(), self._keep, time.monotonic())
-        if not due:
-            return wait
         for entry in due:
             entry.busy = True
+        due += self._surplus(warn=False)  # (over the memory limit: the idle go, even one alone)
+        if not due:
+            return wait
         self._changed.release()
         try:
             for entry in due:

@@ -130,12 +130,14 @@ class Server:
         if self.hosts.closed:
             return JSONResponse({"status": "closed"}, 503)
         several = {"models": self.hosts.names} if isinstance(self.hosts, ManyModels) else {}
+        if self.access.tenants or self.access.operators:  # (open: what is served is the keys')
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "model": self.model_name, **several})
 
     async def models(self, request: Request) -> Response:
         """The models, as OpenAI's list and Anthropic's page at once (each client reads its own
         fields: ``anthropic``'s ``models.list()`` needs ``has_more`` and each ``display_name``)."""
-        cards = [self._card(c) for c in await asyncio.to_thread(self.hosts.cards)]
+        cards = [self._card(c, request) for c in await asyncio.to_thread(self.hosts.cards)]
         first, last = (cards[0]["id"], cards[-1]["id"]) if cards else (None, None)
         return JSONResponse(
             {"object": "list", "data": cards, "has_more": False, "first_id": first, "last_id": last}
@@ -147,12 +149,15 @@ class Server:
         chosen = next((c for c in cards if c["id"] == name), None)
         if chosen is None:
             raise ApiError(f"no model {name!r:.80}", "model", "model_not_found", 404)
-        return JSONResponse(self._card(chosen))
+        return JSONResponse(self._card(chosen, request))
 
-    def _card(self, card: dict[str, Any]) -> dict[str, Any]:
+    def _card(self, card: dict[str, Any], request: Request) -> dict[str, Any]:
         """A model's card with OpenAI's ``created`` and Anthropic's ``type``, ``display_name`` and
-        ``created_at``."""
+        ``created_at``; its ``status`` (loaded, loading now: another tenant's doing) only to an
+        operator, on a server with operator keys (as ``/api/ps``)."""
         made = datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat()
+        if not request.state.operator:
+            card = {key: value for key, value in card.items() if key != "status"}
         return {
             **card,
             "created": self.created,
