@@ -1,0 +1,46 @@
+"""Files a caller hands the library that are broken or hostile: a model whose metadata makes its
+logits NaN, images past the pixel bound, session files that claim more than they hold, model
+and projector files whose metadata llama.cpp asserts on (an abort of the whole process)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+
+from llmsession import GenerationOptions, Model, ModelOutputError
+
+
+def edited(source: Path, target: Path, key: str, value: float | int) -> Path:
+    """A copy of ``source`` with one number of its metadata changed in place."""
+    shutil.copyfile(source, target)
+    reader = gguf.GGUFReader(target, "r+")
+    field = reader.fields[key]
+    field.parts[field.data[0]][0] = value
+    del reader  # (its memory map written back)
+    return target
+
+
+def test_logits_that_are_not_finite_are_a_model_output_error(smollm2_path: Path, tmp_path: Path) -> None:
+    """A model whose rope base is NaN computes NaN logits: its greedy pick was the first NaN's
+    token (an end of turn), a silently empty reply that ``stop``ped; sampled, dots. A sample from
+    logits that are not finite is a ``ModelOutputError`` (the server's 500
+    ``model_output_invalid``), as a NaN embedding is."""
+    broken = edited(smollm2_path, tmp_path / "nan.gguf", "llama.rope.freq_base", float("nan"))
+    with Model(broken, kv_tokens=512, max_live_sessions=1, threads=1, anticipate=False) as model:
+        for options in (
+            GenerationOptions(max_tokens=4, temperature=0),
+            GenerationOptions(max_tokens=4, temperature=0, logprobs=2),
+            GenerationOptions(max_tokens=4, temperature=0.8, seed=1),
+        ):
+            with pytest.raises(ModelOutputError, match="not finite"):
+                model.chat([{"role": "user", "content": "Hi"}], options)
+        session = model.session()
+        with pytest.raises(ModelOutputError):
+            session.respond("Hi", GenerationOptions(max_tokens=4, temperature=0))
+    with Model(smollm2_path, kv_tokens=512, max_live_sessions=1, threads=1, anticipate=False) as model:
+        assert model.chat(
+            [{"role": "user", "content": "Hi"}], GenerationOptions(max_tokens=4, temperature=0)
+        ).text
