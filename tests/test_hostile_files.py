@@ -44,3 +44,29 @@ def test_logits_that_are_not_finite_are_a_model_output_error(smollm2_path: Path,
         assert model.chat(
             [{"role": "user", "content": "Hi"}], GenerationOptions(max_tokens=4, temperature=0)
         ).text
+
+
+def test_an_image_past_the_pixel_bound_is_refused_from_its_header() -> None:
+    """A 12,000 × 12,000 PNG of one colour is a few hundred kilobytes and 432 MB of pixels (2 GB
+    at its peak, decoded): the library decoded it (the server refused it, by its header). Now
+    an encoded or PIL image past ``Image.MAX_PIXELS`` is an ``ImageError`` before any decode;
+    one at the bound is read."""
+    import io
+
+    import PIL.Image
+
+    from llmsession import Image, ImageError
+
+    side = 4096
+    for width, height, refused in ((side, side + 1, True), (side, side, False)):
+        data = io.BytesIO()
+        PIL.Image.new("RGB", (width, height), (200, 10, 10)).save(data, format="PNG")
+        assert len(data.getvalue()) < 1 << 20
+        if refused:
+            with pytest.raises(ImageError, match="at most"):
+                Image(data.getvalue())
+            with pytest.raises(ImageError, match="at most"):
+                Image(PIL.Image.open(io.BytesIO(data.getvalue())))
+        else:
+            assert Image(data.getvalue()).width == side
+    assert side * side == Image.MAX_PIXELS  # (as the server bounds a request's images)

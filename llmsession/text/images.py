@@ -27,6 +27,7 @@ from llmsession.text.messages import image_parts as image_parts  # (beside is_im
 # try each of its plugins on hostile bytes, EPS among them (Ghostscript, where it is installed).
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_FILE_BYTES = 1 << 28  # an image file read from a path, at most (16.8 MP as BMP is 50 MB)
+MAX_PIXELS = 4096 * 4096  # an encoded image's, read from its header before it is decoded (~16.8 MP)
 
 # PIL loads when the first encoded image is decoded (a PIL image passed in has loaded it already).
 if TYPE_CHECKING:
@@ -38,9 +39,11 @@ if TYPE_CHECKING:
 class Image:
     """An image part: ``Image(source)`` with encoded bytes (in one of ``FORMATS``), a file
     path, a ``PIL.Image.Image`` or an H×W×3 uint8 array. Bad input raises ``ImageError`` at
-    once."""
+    once, and so does an encoded or PIL image of more than ``MAX_PIXELS`` (read from its header,
+    never decoded: a 420 KB PNG may unpack to 2 GB)."""
 
     FORMATS: ClassVar[tuple[str, ...]] = FORMATS  # the encoded formats read (PIL's names)
+    MAX_PIXELS: ClassVar[int] = MAX_PIXELS
 
     def __init__(self, source: ImageSource) -> None:
         self.pixels = _rgb_pixels(source)
@@ -95,6 +98,9 @@ def _decode(data: bytes, what: str) -> np.ndarray:
 
 
 def _from_pil(image: PIL.Image.Image, what: str) -> np.ndarray:
+    width, height = image.size  # (from the header: nothing decoded yet)
+    if width * height > MAX_PIXELS:
+        raise ImageError(f"{what}: an image has at most {MAX_PIXELS} pixels, got {width}x{height}")
     try:
         pixels = np.array(image.convert("RGB"), dtype=np.uint8)
     except Exception as error:  # as above: decoding happens here, lazily
