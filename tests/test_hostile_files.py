@@ -70,3 +70,18 @@ def test_an_image_past_the_pixel_bound_is_refused_from_its_header() -> None:
         else:
             assert Image(data.getvalue()).width == side
     assert side * side == Image.MAX_PIXELS  # (as the server bounds a request's images)
+
+
+def test_a_constraint_past_the_matchers_limits_is_the_requests_fault(smollm2: Model) -> None:
+    """A regex or schema llguidance takes, but outgrows its limits as it is followed (a
+    repetition of a million, a schema that only recurses), failed as a ``ReplyMismatchError``:
+    a reply that failed a valid constraint, the server's 500 "the request was fine". It is a
+    ``GrammarError`` (a 400): sent again it fails again."""
+    from llmsession import GrammarError, ReplyMismatchError
+
+    recursing = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    for constraint in ({"regex": "a{1000000}"}, {"json_schema": recursing}):
+        options = GenerationOptions(max_tokens=4, temperature=0, **constraint)  # type: ignore[arg-type]
+        with pytest.raises(GrammarError, match=r"(?i)too many") as raised:
+            smollm2.chat([{"role": "user", "content": "Hi"}], options)
+        assert not isinstance(raised.value, ReplyMismatchError), raised.value

@@ -298,11 +298,18 @@ class GuidedSampler:
 
     def _check(self, *, reply: bool = False) -> None:
         """A GrammarError if the matcher failed: where no token can go on (the constraint's
-        fault: nothing satisfies it), or a ``reply`` token it refused (ReplyMismatchError)."""
+        fault: nothing satisfies it), or past one of its limits whatever the reply (a constraint
+        too large to follow: a regex's ``a{1000000}``, a schema that only recurses), or a
+        ``reply`` token it refused (ReplyMismatchError: the request was fine)."""
         if self.matcher.is_error():  # (its first line: what follows is llguidance's state, its stats)
             said = self.matcher.get_error().split("\n", 1)[0][:200]
-            failed = ReplyMismatchError if reply else GrammarError
+            failed = ReplyMismatchError if reply and not LIMITS.search(said) else GrammarError
             raise failed(f"the constraint's matcher failed: {said} (no reply can go on from here)")
+
+
+# What llguidance says when a grammar outgrows its limits as it is followed (its lexer's and
+# parser's: expressions, fuel, items, states, sizes), not when a token is refused.
+LIMITS = re.compile(r"too many|fuel|limit|too big|exceeded", re.IGNORECASE)
 
 
 def said(text: str) -> str:
