@@ -5,21 +5,29 @@ and projector files whose metadata llama.cpp asserts on (an abort of the whole p
 from __future__ import annotations
 
 import shutil
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
-import gguf
 import pytest
+from test_defects import run_python
 
 from llmsession import GenerationOptions, Model, ModelOutputError
 
 
 def edited(source: Path, target: Path, key: str, value: float | int) -> Path:
-    """A copy of ``source`` with one number of its metadata changed in place."""
+    """A copy of ``source`` with one number of its metadata changed in place (found by its key,
+    which precedes the vocabulary: ``gguf``'s reader parses all of it, a second a file)."""
     shutil.copyfile(source, target)
-    reader = gguf.GGUFReader(target, "r+")
-    field = reader.fields[key]
-    field.parts[field.data[0]][0] = value
-    del reader  # (its memory map written back)
+    with target.open("r+b") as f:
+        head = f.read(1 << 20)
+        named = struct.pack("<Q", len(key)) + key.encode()
+        at = head.find(named) + len(named)
+        assert at >= len(named), key
+        (kind,) = struct.unpack_from("<I", head, at)
+        form = {4: "<I", 5: "<i", 6: "<f", 10: "<Q"}[kind]
+        f.seek(at + 4)
+        f.write(struct.pack(form, value))
     return target
 
 
@@ -85,3 +93,75 @@ def test_a_constraint_past_the_matchers_limits_is_the_requests_fault(smollm2: Mo
         with pytest.raises(GrammarError, match=r"(?i)too many") as raised:
             smollm2.chat([{"role": "user", "content": "Hi"}], options)
         assert not isinstance(raised.value, ReplyMismatchError), raised.value
+
+
+MODEL_EDITS = [
+    ("llama.block_count", 1000, "1 to 512 layers"),
+    ("llama.block_count", 0, "1 to 512 layers"),
+    ("llama.attention.layer_norm_rms_epsilon", -1.0, "epsilon"),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), "epsilon"),
+]
+PROJECTOR_EDITS = [
+    ("clip.vision.attention.head_count", 3, "does not divide"),
+    ("clip.vision.attention.head_count", 0, "does not divide"),
+    ("clip.vision.image_size", 8, "smaller than one patch"),
+    ("clip.vision.image_size", 0, "smaller than one patch"),
+    ("clip.vision.attention.layer_norm_epsilon", -1.0, "epsilon"),
+]
+
+
+def test_metadata_llama_cpp_aborts_on_is_a_model_load_error(
+    smollm2_path: Path, fixture_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """One edited number in a model's or a projector's metadata aborted the whole process
+    (``GGML_ASSERT``: a layer count past llama.cpp's 512 or 0 as it loads, a negative epsilon at
+    the first decode, a projector's head count that does not divide its width or an image
+    smaller than a patch): a broken file in a served folder took the server down. Each is a
+    ``ModelLoadError`` naming the value, before llama.cpp reads the file (in a child process,
+    so that a regression fails this test, not the run); the files as they are still load."""
+    cases = [(smollm2_path, None, *edit) for edit in MODEL_EDITS]
+    cases += [(smollm2_path, fixture_path("mmproj-tiny.gguf"), *edit) for edit in PROJECTOR_EDITS]
+    loads = []
+    for i, (model, projector, key, value, said) in enumerate(cases):
+        source = model if projector is None else projector
+        broken = edited(source, tmp_path / f"{i}.gguf", key, value)
+        paths = (broken, None) if projector is None else (model, broken)
+        loads.append((str(paths[0]), None if paths[1] is None else str(paths[1]), said))
+    loads.append((str(smollm2_path), str(fixture_path("mmproj-tiny.gguf")), None))
+    ran = run_python(
+        f"""
+        from llmsession import Model, ModelLoadError
+        for model, projector, said in {loads!r}:
+            try:
+                Model(model, mmproj_path=projector, kv_tokens=512, max_live_sessions=1, threads=1).close()
+                print("loaded", said)
+            except ModelLoadError as error:
+                print("refused", said, "|", error)
+        """,
+        timeout=120,
+    )
+    lines = ran.stdout.splitlines()
+    assert ran.returncode == 0 and len(lines) == len(loads), (ran.returncode, ran.stdout, ran.stderr[-2000:])
+    for line, (_, _, said) in zip(lines, loads, strict=True):
+        if said is None:
+            assert line.startswith("loaded"), line
+        else:
+            assert line.startswith(f"refused {said} |") and said in line.split("|", 1)[1], line
+
+
+def test_the_metadata_reader_never_fails_on_what_it_cannot_follow(smollm2_path: Path, tmp_path: Path) -> None:
+    """Pure: a file cut anywhere in its metadata, or with a length or type changed to nonsense,
+    is None (left to llama.cpp, which refuses it itself), never an exception of the reader's;
+    the whole file's values are read (its vocabulary skipped)."""
+    from llmsession.native.metadata import metadata
+
+    whole = metadata(smollm2_path)
+    assert whole is not None and whole["llama.block_count"] == 30 and whole["general.architecture"] == "llama"
+    head = smollm2_path.read_bytes()[: 2 << 20]
+    cut = tmp_path / "cut.gguf"
+    for size in (0, 3, 4, 8, 23, 24, 40, 100, 1000, 5000, 100_000, 1 << 20):
+        cut.write_bytes(head[:size])
+        assert metadata(cut) is None, size
+    for at, junk in ((16, b"\xff" * 8), (24, b"\xff" * 8), (40, b"\xff" * 4), (60, b"\x00" * 16)):
+        cut.write_bytes(head[:at] + junk + head[at + len(junk) :])
+        assert metadata(cut) is None or isinstance(metadata(cut), dict), at

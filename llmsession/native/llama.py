@@ -24,12 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from llmsession.errors import ModelClosedError, ModelLoadError, NativeError, TemplateError
-from llmsession.files import opened_regular
 from llmsession.native.inuse import InUse, free_model, holding
+from llmsession.native.metadata import check_gguf_file
 from llmsession.native.stateblob import Shape
 from llmsession.text.detokenize import shown
-
-GGUF_MAGIC = b"GGUF"
 
 _loaded: tuple[Any, Any] | None = None
 
@@ -369,20 +367,6 @@ class NativeModel(Owner):
 
 def non_negative(code: int) -> bool:
     return code >= 0
-
-
-def check_gguf_file(path: Path, kind: str = "model") -> None:
-    """Clear errors for what llama.cpp would only log: missing, unreadable, not a GGUF."""
-    try:
-        f, _ = opened_regular(path)  # (a FIFO would block here, and in llama.cpp's open)
-        with f:
-            magic = f.read(4)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{kind} file not found: {path}") from None
-    except OSError as error:
-        raise ModelLoadError(f"cannot read {kind} file {path}: {error.strerror or error}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r})")
 
 
 def state_seq_version() -> int:

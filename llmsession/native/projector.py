@@ -23,11 +23,11 @@ from llmsession.native.llama import (
     bindings,
     c_string,
     check,
-    check_gguf_file,
     not_null,
     raise_pending,
 )
 from llmsession.native.machine import within_cores
+from llmsession.native.metadata import check_gguf_file
 from llmsession.native.reports import made_reporting
 from llmsession.text.images import Image
 

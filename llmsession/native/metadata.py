@@ -1,0 +1,164 @@
+"""A GGUF file's metadata, read before llama.cpp reads it: the values llama.cpp asserts on (an
+abort of the whole process) are checked first, so a broken or hostile file is a
+``ModelLoadError``. Pure Python over a read-only memory map; nothing is decoded but the keys'
+scalar values (arrays are skipped, a vocabulary's strings by their lengths).
+
+What is checked is what was seen to abort the pinned llama.cpp: a layer count outside
+``1..MAX_LAYERS`` (llama.cpp's ``LLAMA_MAX_LAYERS``), an epsilon that is negative or not finite
+(``GGML_ASSERT(eps >= 0.0f)`` at the first decode), and in a projector, a head count that does
+not divide its width or an image smaller than one patch. A file this reader cannot follow (an
+unknown value type, a length past its end) is left to llama.cpp, which refuses it itself.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from pathlib import Path
+
+from llmsession.errors import ModelLoadError
+from llmsession.files import opened_regular
+
+GGUF_MAGIC = b"GGUF"
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+MAX_KEYS = 1 << 20  # metadata entries a file may hold here (past it: left to llama.cpp)
+SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+STRING, ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
+Value = int | float | bool | str
+
+
+class _Unreadable(Exception):
+    """The file goes where this reader does not follow (llama.cpp decides)."""
+
+
+class _Cursor:
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, form: str) -> int | float | bool:
+        size = struct.calcsize(form)
+        if self.at + size > len(self.data):
+            raise _Unreadable
+        (value,) = struct.unpack_from(form, self.data, self.at)
+        self.at += size
+        return value  # type: ignore[no-any-return]
+
+    def skip(self, size: int) -> None:
+        if size < 0 or self.at + size > len(self.data):
+            raise _Unreadable
+        self.at += size
+
+    def string(self, keep: bool) -> str | None:
+        size = int(self.take("<Q"))
+        start = self.at
+        self.skip(size)
+        return bytes(self.data[start : self.at]).decode("utf-8", "replace") if keep else None
+
+
+def metadata(path: Path) -> dict[str, Value] | None:
+    """The scalar values of ``path``'s metadata by key (strings of at most 256 bytes); None if
+    the file is not one this reader follows."""
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _read(_Cursor(data))
+    except (OSError, ValueError, _Unreadable):  # (an empty file cannot be mapped: ValueError)
+        return None
+
+
+def _read(cursor: _Cursor) -> dict[str, Value] | None:
+    if bytes(cursor.data[:4]) != GGUF_MAGIC:
+        return None
+    cursor.skip(4)
+    if cursor.take("<I") not in (2, 3):
+        return None
+    cursor.take("<Q")  # (tensors)
+    count = int(cursor.take("<Q"))
+    if count > MAX_KEYS:
+        return None
+    values: dict[str, Value] = {}
+    for _ in range(count):
+        key = cursor.string(keep=True)
+        kind = int(cursor.take("<I"))
+        value = _value(cursor, kind)
+        if key is not None and value is not None:
+            values[key] = value
+    return values
+
+
+def _value(cursor: _Cursor, kind: int) -> Value | None:
+    if kind in SCALARS:
+        return cursor.take(SCALARS[kind])
+    if kind == STRING:
+        size = int(cursor.take("<Q"))
+        start = cursor.at
+        cursor.skip(size)
+        return bytes(cursor.data[start : cursor.at]).decode("utf-8", "replace") if size <= 256 else None
+    if kind != ARRAY:
+        raise _Unreadable
+    item, count = int(cursor.take("<I")), int(cursor.take("<Q"))
+    if item in SCALARS:
+        cursor.skip(count * struct.calcsize(SCALARS[item]))
+    elif item == STRING:  # (a vocabulary: each string's length read, its bytes skipped)
+        data, at, end, length = cursor.data, cursor.at, len(cursor.data), _LENGTH.unpack_from
+        for _ in range(count):
+            if at + 8 > end:
+                raise _Unreadable
+            at += 8 + length(data, at)[0]
+        cursor.skip(at - cursor.at)
+    else:
+        raise _Unreadable  # (arrays of arrays: llama.cpp reads none of those it asserts on)
+    return None
+
+
+def check_gguf_file(path: Path, kind: str = "model") -> None:
+    """Clear errors for what llama.cpp would only log (missing, unreadable, not a GGUF) or abort
+    the process on (a value of the metadata: see the module)."""
+    try:
+        f, _ = opened_regular(path)  # (a FIFO would block here, and in llama.cpp's open)
+        with f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{kind} file not found: {path}") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {kind} file {path}: {error.strerror or error}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r})")
+    values = metadata(path)
+    if values is None:
+        return
+    problem = _problem(values)
+    if problem is not None:
+        raise ModelLoadError(f"{kind} file {path}: {problem}: the file is broken or was edited")
+
+
+def _problem(values: dict[str, Value]) -> str | None:
+    for key, value in values.items():
+        if key.endswith("epsilon") and not (
+            isinstance(value, float | int) and math.isfinite(value) and value >= 0
+        ):
+            return f"{key} is {value!r} (a norm's epsilon is finite and not negative)"
+    layers = f"{values.get('general.architecture')}.block_count"  # (a projector's are its own)
+    count = values.get(layers)
+    if layers in values and not (isinstance(count, int) and 1 <= count <= MAX_LAYERS):
+        return f"{layers} is {count!r} (a model has 1 to {MAX_LAYERS} layers)"
+    heads, width = values.get("clip.vision.attention.head_count"), values.get("clip.vision.embedding_length")
+    if isinstance(heads, int) and isinstance(width, int) and (heads <= 0 or width % heads):
+        return f"clip.vision.attention.head_count {heads} does not divide its embedding length {width}"
+    image, patch = values.get("clip.vision.image_size"), values.get("clip.vision.patch_size")
+    if isinstance(image, int) and isinstance(patch, int) and not 0 < patch <= image:
+        return f"clip.vision.image_size {image} is smaller than one patch ({patch})"
+    return None
