@@ -203,6 +203,11 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
         finally:
             models.release("smol")
         assert http.post("/models/load", json={"model": "nope"}).status_code == 404
+        for named in ({"model": None}, {"model": ["smol"]}, {}):  # (none named: the request's fault)
+            assert http.post("/models/load", json=named).status_code == 400, named
+            said = {**named, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1}
+            answered = http.post("/v1/chat/completions", json=said)
+            assert answered.status_code == 400 and answered.json()["error"]["param"] == "model", answered.text
         padded = b'{"model": "smol", "pad": [' + b",".join([b"1"] * (40 << 10)) + b"]}"  # (80 KiB)
         assert http.post("/models/unload", content=padded).status_code == 413  # (parsed: seconds at 8 MiB)
         assert httpx.post(f"{base}/models/load", json={"model": "smol"}, timeout=10).status_code == 401

@@ -34,9 +34,12 @@ log = logging.getLogger("llmsession.serve")
 
 
 def not_found(name: str | None, names: list[str]) -> ApiError:
-    asked = "no model named" if name else "a model must be named: one of"
-    shown = f" {name!r:.80}; served:" if name else ""
-    return ApiError(f"{asked}{shown} {', '.join(names)}", "model", "model_not_found", 404)
+    """A 404 for a model not served; a 400 for a request that names none (or not as a string)."""
+    if not name:
+        return ApiError(f"a model must be named: one of {', '.join(names)}", "model")
+    return ApiError(
+        f"no model named {name!r:.80}; served: {', '.join(names)}", "model", "model_not_found", 404
+    )
 
 
 def no_room(error: ModelsFullError, name: str) -> ApiError:
