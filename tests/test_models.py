@@ -414,3 +414,29 @@ def test_models_never_closed_are_collected_with_what_they_loaded(smollm2_path: P
     for sweeper in sweepers:
         sweeper.join(5)
     assert len(sweepers) == 1 and not sweepers[0].is_alive()
+
+
+def test_a_load_waits_for_an_unload_under_way_instead_of_unloading_another(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two models may be loaded: ``a`` idle, ``b`` unloading (its ``keep_alive`` 0), then ``c``
+    asked for. ``b``'s unload leaves the room ``c`` needs, but it counted as held, so ``a`` was
+    unloaded too (and ``c`` waited for that park as well). ``c`` now waits for ``b`` alone."""
+    from llmsession.api import _parking
+
+    park = _parking.park
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.5)  # (the unload under way, long enough to ask for ``c`` meanwhile)
+        return park(*args, **kwargs)
+
+    monkeypatch.setattr(_parking, "park", slow)
+    files = {name: smollm2_path for name in "abc"}
+    with Models(files, max_loaded=2, threads=1, max_live_sessions=1, kv_tokens=512) as models:
+        models.load("a")
+        with models.use("b", keep_alive=0):
+            pass
+        assert within(10, lambda: any(s.unloading for s in models.status()))
+        models.load("c")
+        assert loaded(models) == {"a": True, "b": False, "c": True}
+        assert [s.loads for s in models.status()] == [1, 1, 1]

@@ -254,17 +254,19 @@ class Models:
         idle = sorted((e for e in held if e.idle), key=lambda e: e.last_used)
         doomed: list[Entry] = []
 
-        def fits() -> bool:
-            kept = [e for e in held if e not in doomed]
+        def fits(gone: list[Entry]) -> bool:
+            kept = [e for e in held if e not in gone]
             count_ok = self.max_loaded is None or len(kept) + 1 <= self.max_loaded
             total = sum(e.footprint for e in kept) + needed
             return count_ok and (self.memory_limit is None or total <= self.memory_limit)
 
-        while not fits() and idle:
+        if not fits([]) and fits([e for e in held if e.unloading]):
+            return None  # (the unloads under way leave room: no other idle model need go)
+        while not fits(doomed) and idle:
             doomed.append(idle.pop(0))
-        if not fits() and any(e.busy for e in held):
+        if not fits(doomed) and any(e.busy for e in held):
             return None  # (an unload under way may leave room; a load, take it)
-        if not fits():
+        if not fits(doomed):
             held_now = [(other, e.footprint, e.busy) for other, e in self._holding()]
             too_large = self.memory_limit is not None and needed > self.memory_limit
             message = _parking.full_message(name, needed, self.memory_limit, held_now, too_large=too_large)
