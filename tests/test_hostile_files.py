@@ -107,6 +107,8 @@ PROJECTOR_EDITS = [
     ("clip.vision.image_size", 8, "smaller than one patch"),
     ("clip.vision.image_size", 0, "smaller than one patch"),
     ("clip.vision.attention.layer_norm_epsilon", -1.0, "epsilon"),
+    ("clip.vision.patch_size", 3, "patch embedding's 16x16"),
+    ("clip.vision.image_size", 48, "past its 5"),
 ]
 
 
@@ -115,8 +117,9 @@ def test_metadata_llama_cpp_aborts_on_is_a_model_load_error(
 ) -> None:
     """One edited number in a model's or a projector's metadata aborted the whole process
     (``GGML_ASSERT``: a layer count past llama.cpp's 512 or 0 as it loads, a negative epsilon at
-    the first decode, a projector's head count that does not divide its width or an image
-    smaller than a patch): a broken file in a served folder took the server down. Each is a
+    the first decode, a projector's head count that does not divide its width, an image smaller
+    than a patch, a patch size not its convolution's, more patches than positions): a broken
+    file in a served folder took the server down. Each is a
     ``ModelLoadError`` naming the value, before llama.cpp reads the file (in a child process,
     so that a regression fails this test, not the run); the files as they are still load."""
     cases = [(smollm2_path, None, *edit) for edit in MODEL_EDITS]

@@ -6,7 +6,9 @@ scalar values (arrays are skipped, a vocabulary's strings by their lengths).
 What is checked is what was seen to abort the pinned llama.cpp: a layer count outside
 ``1..MAX_LAYERS`` (llama.cpp's ``LLAMA_MAX_LAYERS``), an epsilon that is negative or not finite
 (``GGML_ASSERT(eps >= 0.0f)`` at the first decode), and in a projector, a head count that does
-not divide its width or an image smaller than one patch. A file this reader cannot follow (an
+not divide its width, an image smaller than one patch, a patch size that is not its patch
+embedding's (a convolution's kernel), or a LLaVA-like projector's image of more patches than its
+position table holds. A file this reader cannot follow (an
 unknown value type, a length past its end) is left to llama.cpp, which refuses it itself.
 """
 
@@ -38,7 +40,9 @@ SCALARS = {
 }
 STRING, ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")
-Value = int | float | bool | str
+Value = int | float | bool | str | tuple[int, ...]
+SHAPES = ("v.patch_embd.weight", "v.position_embd.weight", "v.class_embd")  # (tensors checked)
+LLAVA = ("mlp", "mlp_norm", "ldp", "ldpv2")  # projectors whose patches index their position table
 
 
 class _Unreadable(Exception):
@@ -85,9 +89,8 @@ def _read(cursor: _Cursor) -> dict[str, Value] | None:
     cursor.skip(4)
     if cursor.take("<I") not in (2, 3):
         return None
-    cursor.take("<Q")  # (tensors)
-    count = int(cursor.take("<Q"))
-    if count > MAX_KEYS:
+    tensors, count = int(cursor.take("<Q")), int(cursor.take("<Q"))
+    if count > MAX_KEYS or tensors > MAX_KEYS:
         return None
     values: dict[str, Value] = {}
     for _ in range(count):
@@ -96,6 +99,14 @@ def _read(cursor: _Cursor) -> dict[str, Value] | None:
         value = _value(cursor, kind)
         if key is not None and value is not None:
             values[key] = value
+    for _ in range(tensors):  # (the shapes of those checked: "tensor NAME")
+        name, dims = cursor.string(keep=True), int(cursor.take("<I"))
+        if dims > 8:
+            raise _Unreadable
+        shape = tuple(int(cursor.take("<Q")) for _ in range(dims))
+        cursor.skip(12)  # (its type and offset)
+        if name in SHAPES:
+            values[f"tensor {name}"] = shape
     return values
 
 
@@ -161,4 +172,23 @@ def _problem(values: dict[str, Value]) -> str | None:
     image, patch = values.get("clip.vision.image_size"), values.get("clip.vision.patch_size")
     if isinstance(image, int) and isinstance(patch, int) and not 0 < patch <= image:
         return f"clip.vision.image_size {image} is smaller than one patch ({patch})"
+    kernel = values.get("tensor v.patch_embd.weight")  # (a convolution's: width, height, in, out)
+    if (
+        isinstance(kernel, tuple)
+        and len(kernel) == 4
+        and isinstance(patch, int)
+        and kernel[:2] != (patch, patch)
+    ):
+        return f"clip.vision.patch_size {patch} is not its patch embedding's {kernel[0]}x{kernel[1]}"
+    table = values.get("tensor v.position_embd.weight")
+    if (
+        values.get("clip.projector_type") in LLAVA
+        and isinstance(table, tuple)
+        and len(table) == 2
+        and isinstance(image, int)
+        and isinstance(patch, int)  # (else llama.cpp refuses the file)
+    ):
+        positions = (image // patch) ** 2 + ("tensor v.class_embd" in values)
+        if positions > table[1]:
+            return f"clip.vision.image_size {image} makes {positions} positions, past its {table[1]}"
     return None
