@@ -145,8 +145,16 @@ def test_closed_before_its_first_step_it_never_starts(smollm2: Model) -> None:
 
 
 def test_bad_options_fail_at_once(smollm2: Model) -> None:
+    """A bad option is refused where the stream is made, not in its thread at the first step
+    (``achat_stream`` and ``acomplete_stream`` refused it there, as no astream did)."""
+    messages = [{"role": "user", "content": "Hello"}]
     with pytest.raises(TypeError):
         smollm2.session().astream("Hello", {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        smollm2.achat_stream(messages, {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        smollm2.acomplete_stream("Hello", {"max_tokens": 3})  # type: ignore[arg-type]
+    assert astream_threads() == []
 
 
 def astream_threads() -> list[threading.Thread]:

@@ -123,6 +123,16 @@ def test_bad_inputs_are_refused_before_anything_runs(bert: Model, smollm2: Model
         bert.embed([5] * 3000)
     with pytest.raises(UnsupportedFeatureError, match="chat model"):
         smollm2.embed("hello")
+    for flag in ("no", 0, None):  # ("no" normalized: a non-empty string is true)
+        with pytest.raises(TypeError, match="normalize must be a bool"):
+            bert.embed("cat", normalize=flag)  # type: ignore[arg-type]
+    asked = [{"role": "user", "content": "Hi"}]
+    for thinking in ("yes", "hihg", 1):  # (read as true; an effort is "low", "medium" or "high")
+        with pytest.raises(TypeError, match="thinking must be"):
+            smollm2.render(asked, thinking=thinking)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="thinking must be"):
+            smollm2.prompt_tokens(asked, thinking=thinking)  # type: ignore[arg-type]
+    assert smollm2.render(asked, thinking="low") == smollm2.render(asked, thinking=True)  # (no switch)
     with pytest.raises(UnsupportedFeatureError, match="embedding model"):
         bert.chat([{"role": "user", "content": "Hi."}])
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import numpy as np
 
-    from llmsession.config import SessionConfig
+    from llmsession.config import Effort, SessionConfig
     from llmsession.engine.budget import MemoryReport
     from llmsession.options import GenerationOptions
     from llmsession.runtime.choices import Choices
@@ -43,7 +43,7 @@ class Backend(Protocol):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
-        thinking: bool = False,
+        thinking: bool | Effort = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> str: ...
@@ -53,7 +53,7 @@ class Backend(Protocol):
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
-        thinking: bool = False,
+        thinking: bool | Effort = False,
         tools: Tools | None = None,
         tool_format: str | None = None,
     ) -> list[int]: ...

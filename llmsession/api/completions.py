@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmsession.config import SessionConfig, session_config
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Reply
 
 if TYPE_CHECKING:
@@ -88,10 +88,13 @@ class RawCompletions:
         """``complete_stream`` for asyncio."""
         from llmsession.runtime.aio import AsyncStream
 
-        settings = session_config(config, dict(overrides))
+        settings, checked = (
+            session_config(config, dict(overrides)),
+            checked_options(options),
+        )  # (here: not in the loop)
         backend = self._backend
         return AsyncStream(
-            lambda: backend.complete_stream(prompt, options, tenant, settings, conversation=conversation)
+            lambda: backend.complete_stream(prompt, checked, tenant, settings, conversation=conversation)
         )
 
     async def acomplete(

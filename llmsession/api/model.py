@@ -14,7 +14,7 @@ from llmsession.api.completions import RawCompletions
 from llmsession.api.prompts import Prompts
 from llmsession.config import MemoryConfig, ModelConfig, SessionConfig, model_configs, session_config
 from llmsession.errors import UnsupportedFeatureError
-from llmsession.options import GenerationOptions
+from llmsession.options import GenerationOptions, checked_options
 from llmsession.replies import Reply
 
 if TYPE_CHECKING:  # (the backends load when a model is opened, not when this is imported)
@@ -207,9 +207,12 @@ class Model(Prompts, RawCompletions):
         stream runs in a thread of its own, and cancelling the task cancels the exchange."""
         from llmsession.runtime.aio import AsyncStream
 
-        settings = session_config(config, dict(overrides))
+        settings, checked = (
+            session_config(config, dict(overrides)),
+            checked_options(options),
+        )  # (here: not in the loop)
         return AsyncStream(
-            lambda: self._backend.chat_stream(messages, options, tenant, settings, conversation=conversation)
+            lambda: self._backend.chat_stream(messages, checked, tenant, settings, conversation=conversation)
         )
 
     async def achat(
@@ -302,6 +305,8 @@ class Model(Prompts, RawCompletions):
             isinstance(inputs, list | tuple) and any(isinstance(item, bytes_like) for item in inputs)
         ):
             raise ValueError("embed takes text as str (decode bytes first), or token ids")
+        if not isinstance(normalize, bool):  # (a "no" normalized: any non-empty string is true)
+            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         return self._backend.embed(inputs, normalize)
 
     def memory(self) -> MemoryReport:
