@@ -109,6 +109,7 @@ PROJECTOR_EDITS = [
     ("clip.vision.attention.layer_norm_epsilon", -1.0, "epsilon"),
     ("clip.vision.patch_size", 3, "patch embedding's 16x16"),
     ("clip.vision.image_size", 48, "past its 5"),
+    ("clip.vision.embedding_length", 64, "not its patch embedding's 32"),
 ]
 
 

@@ -3,13 +3,14 @@ abort of the whole process) are checked first, so a broken or hostile file is a
 ``ModelLoadError``. Pure Python over a read-only memory map; nothing is decoded but the keys'
 scalar values (arrays are skipped, a vocabulary's strings by their lengths).
 
-What is checked is what was seen to abort the pinned llama.cpp: a layer count outside
-``1..MAX_LAYERS`` (llama.cpp's ``LLAMA_MAX_LAYERS``), an epsilon that is negative or not finite
-(``GGML_ASSERT(eps >= 0.0f)`` at the first decode), and in a projector, a head count that does
-not divide its width, an image smaller than one patch, a patch size that is not its patch
-embedding's (a convolution's kernel), or a LLaVA-like projector's image of more patches than its
-position table holds. A file this reader cannot follow (an
-unknown value type, a length past its end) is left to llama.cpp, which refuses it itself.
+What is checked is what was seen to abort the pinned llama.cpp (a sweep of every number of
+SmolLM2's and a projector's metadata, 2026-12-07): a layer count outside ``1..MAX_LAYERS``
+(llama.cpp's ``LLAMA_MAX_LAYERS``), an epsilon that is negative or not finite
+(``GGML_ASSERT(eps >= 0.0f)`` at the first decode), and in a projector a head count that does
+not divide its width, an image smaller than one patch, a patch size or width that is not its
+patch embedding's (a convolution's kernel), or a LLaVA-like projector's width or image that its
+position table does not hold. A file this reader cannot follow (an unknown value type, a length
+past its end) is left to llama.cpp, which refuses it itself.
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ def _problem(values: dict[str, Value]) -> str | None:
         and kernel[:2] != (patch, patch)
     ):
         return f"clip.vision.patch_size {patch} is not its patch embedding's {kernel[0]}x{kernel[1]}"
+    if isinstance(kernel, tuple) and len(kernel) == 4 and isinstance(width, int) and kernel[3] != width:
+        return f"clip.vision.embedding_length {width} is not its patch embedding's {kernel[3]}"
     table = values.get("tensor v.position_embd.weight")
     if (
         values.get("clip.projector_type") in LLAVA
@@ -188,6 +191,8 @@ def _problem(values: dict[str, Value]) -> str | None:
         and isinstance(image, int)
         and isinstance(patch, int)  # (else llama.cpp refuses the file)
     ):
+        if table[0] != width:
+            return f"clip.vision.embedding_length {width} is not its position table's {table[0]}"
         positions = (image // patch) ** 2 + ("tensor v.class_embd" in values)
         if positions > table[1]:
             return f"clip.vision.image_size {image} makes {positions} positions, past its {table[1]}"
