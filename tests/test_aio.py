@@ -251,11 +251,11 @@ def test_a_stream_whose_thread_cannot_start_fails_and_closes_at_once(
     assert session.respond("Hi", GenerationOptions(max_tokens=2)).text is not None  # (the session is free)
 
 
-def test_another_tasks_unfinished_stream_is_busy_and_a_tasks_own_gives_way(smollm2: Model) -> None:
+def test_another_tasks_stream_finished_for_a_call_tells_its_reader(smollm2: Model) -> None:
     """Two tasks on one session: a call from the second while the first reads its stream
-    between two steps cut the first's reply short with no error; it is busy now. A task's own
-    stream left unfinished (a ``break``, the stream kept) gives way to its next call, as in a
-    thread."""
+    between two steps finishes that stream (as always); the first's ``async for`` ended as if
+    the reply were over, and now raises ``SessionBusyError``. A task's own stream left
+    unfinished (a ``break``, the stream kept) ends quietly for its next call, as in a thread."""
     session = smollm2.session()
     options = GenerationOptions(max_tokens=6, temperature=0)
 
@@ -271,18 +271,19 @@ def test_another_tasks_unfinished_stream_is_busy_and_a_tasks_own_gives_way(smoll
         reading = asyncio.create_task(read())
         await stepped.wait()
         try:
-            with pytest.raises(SessionBusyError):
-                await session.arespond("Hi", options)
+            assert (await session.arespond("Hi", options)).text
         finally:
             go.set()
+        with pytest.raises(SessionBusyError, match="finished by another call"):
             await reading
-        assert stream.reply is not None and stream.reply.finish_reason == "length", stream.reply
+        assert stream.reply is not None and stream.reply.finish_reason == "cancelled"
         kept = session.astream("Again.", options)
         async for _ in kept:
             break
         assert (await session.arespond("More.", options)).text
+        assert [snapshot async for snapshot in kept] == []  # (its own: ended quietly)
         assert kept.reply is not None and kept.reply.finish_reason == "cancelled"
 
     asyncio.run(main())
     said = [m["content"] for m in session.messages if m["role"] == "user"]
-    assert said == ["Tell me about Paris.", "Again.", "More."], said
+    assert said == ["Tell me about Paris.", "Hi", "Again.", "More."], said

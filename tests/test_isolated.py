@@ -547,3 +547,26 @@ def test_a_worker_that_cannot_start_leaves_no_socket_open(monkeypatch: pytest.Mo
             WorkerProcess(timeout=1)
         kept.append(failed.value)  # (as a caller that reports it later keeps it)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_stream_another_threads_call_finished_tells_its_reader_as_in_process(isolated: Model) -> None:
+    """As in-process (``test_session``): a worker session's stream read by another thread is
+    finished for this thread's call, and its reader's next step raises ``SessionBusyError``
+    (it ended as if the reply were over); a stream of the caller's own ends quietly."""
+    from llmsession import SessionBusyError
+
+    session = isolated.session()
+    options = GenerationOptions(max_tokens=6, temperature=0)
+    stream = session.stream("Tell me about Paris.", options)
+    reader = threading.Thread(target=next, args=(stream,))
+    reader.start()
+    reader.join()
+    assert session.respond("Hi", options).text
+    with pytest.raises(SessionBusyError, match="finished by another call"):
+        next(stream)
+    own = session.stream("Once more.", options)
+    next(own)
+    assert session.respond("And again.", options).text
+    assert list(own) == []
+    said = [m["content"] for m in session.messages if m["role"] == "user"]
+    assert said == ["Tell me about Paris.", "Hi", "Once more.", "And again."], said

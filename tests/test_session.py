@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import itertools
 import threading
@@ -569,46 +570,55 @@ def test_messages_set_to_a_transcript_or_a_tuple_take_the_reply_and_others_fail_
         assert not (tmp_path / "s.llms").exists()
 
 
-def test_another_threads_unfinished_stream_is_busy_not_cut_short(smollm2: Model) -> None:
-    """A call from a thread while another thread reads a stream of the session between two
-    steps finished that stream: its reader's reply was cut short (``cancelled``) with no error
-    on either side. It is busy now (as a step in flight is); the stream's own thread may still
-    move on from it, and one no live thread reads any more is finished for the next call."""
+def test_another_threads_stream_finished_for_a_call_tells_its_reader(smollm2: Model) -> None:
+    """A call from one thread while another reads a stream of the session between two steps
+    finishes that stream first (as it always did), and its reader was not told: its loop ended
+    as if the reply were over. Its next step now raises ``SessionBusyError``; the reply is kept
+    as far as it got, and the call goes on. A stream set aside by its own thread, or made on one
+    pool thread and left for a call from another (each step of a pool's caller may run on any
+    of its threads), is finished for the next call as before."""
     session = smollm2.session()
     options = GenerationOptions(max_tokens=6, temperature=0)
     stream = session.stream("Tell me about Paris.", options)
-    stepped, tried = threading.Event(), threading.Event()
+    stepped, called = threading.Event(), threading.Event()
+    told: list[BaseException] = []
 
     def read() -> None:
         next(stream)
         stepped.set()
-        assert tried.wait(60)
-        for _ in stream:
-            pass
+        assert called.wait(60)
+        try:
+            for _ in stream:
+                pass
+        except SessionBusyError as error:
+            told.append(error)
 
     reader = threading.Thread(target=read)
     reader.start()
     assert stepped.wait(60)
     try:
-        for busy in (lambda: session.respond("Hi", options), session.fork, session.clear_cached_context):
-            with pytest.raises(SessionBusyError):
-                busy()
+        assert session.respond("Hi", options).text
     finally:
-        tried.set()
+        called.set()
         reader.join()
-    assert stream.reply is not None and stream.reply.finish_reason == "length", stream.reply
-    left: list[Any] = []
-    ended = threading.Thread(target=lambda: left.append(session.stream("Bye.", options)) or next(left[0]))
-    ended.start()
-    ended.join()  # (its thread ended, its stream unfinished: no one reads it)
-    assert session.respond("Again.", options).text
-    assert left[0].reply.finish_reason == "cancelled"
+    assert told and "finished by another call" in str(told[0]), told
+    assert stream.reply is not None and stream.reply.finish_reason == "cancelled"
+    with pytest.raises(SessionBusyError):  # (each later step says it too)
+        next(stream)
     set_aside = session.stream("Once more.", options)
     next(set_aside)
-    assert session.respond("And again.", options).text  # (this thread's own: finished first)
-    assert set_aside.reply is not None and set_aside.reply.finish_reason == "cancelled"
+    assert session.respond("And again.", options).text  # (this thread's own: finished quietly)
+    assert list(set_aside) == [] and set_aside.reply is not None
+    with (  # (a pool's threads, each step on any of them: none is ever gone)
+        concurrent.futures.ThreadPoolExecutor(1) as one,
+        concurrent.futures.ThreadPoolExecutor(1) as another,
+    ):
+        pooled = one.submit(session.stream, "Bye.", options).result()
+        one.submit(next, pooled).result()
+        assert another.submit(session.respond, "Again.", options).result().text
+    assert pooled.reply is not None and pooled.reply.finish_reason == "cancelled"
     said = [m["content"] for m in session.messages if m["role"] == "user"]
-    assert said == ["Tell me about Paris.", "Bye.", "Again.", "Once more.", "And again."], said
+    assert said == ["Tell me about Paris.", "Hi", "Once more.", "And again.", "Bye.", "Again."], said
 
 
 @pytest.mark.parametrize("kind", [tuple, Transcript])

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llmsession.config import SessionConfig
-from llmsession.errors import BackendError, ModelClosedError, ReplyMismatchError
+from llmsession.errors import BackendError, ModelClosedError, ReplyMismatchError, SessionBusyError
 from llmsession.options import GenerationOptions, checked_options
 from llmsession.remote.process import WorkerProcess
 from llmsession.replies import Reply, Snapshot
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.readers import Reader
+from llmsession.runtime.readers import CUT, Reader
 from llmsession.runtime.said import editable, said_messages
 from llmsession.text.messages import check_messages
 from llmsession.text.schemas import schema_document
@@ -143,13 +143,12 @@ class WorkerSession(Session):
     _synced: list[Any] | None
 
     def _unfinished(self) -> WorkerStream | None:
-        """Its last stream, if unfinished (the worker finishes it before the next call): busy if
-        another live thread or task reads it (``readers``)."""
+        """Its last stream, if unfinished (the worker finishes it before the next call): one
+        another thread or task reads is told so at its next step (``readers``)."""
         before = self._streaming() if self._streaming is not None else None
         if before is None or before._done:
             return None
-        if not before._cancelled:
-            Reader().check(before._reader)
+        before._cut = not (before._cancelled or Reader().same(before._reader))
         return before
 
     def _session_call(self, name: str, *args: Any) -> Any:
@@ -185,6 +184,7 @@ class WorkerSession(Session):
         if self._model is not model:
             raise ValueError("keep_conversation takes a session of this model")
         self._check_open()
+        self._unfinished()  # (the worker finishes it: its reader, if another, is told)
         model.call("keep_conversation", self._key, tenant, conversation)
         self._closed = True
         self._refusal = "this session was handed to its model (keep_conversation): the model keeps it"
@@ -211,7 +211,7 @@ class WorkerStream(Stream):
         self.session = self._owner = session  # None for Model.chat_stream: its session is the worker's own
         self._model, self._key, self._schema_class = model, key, schema_class
         self._reply: Reply | None = None
-        self._done = self._cancelled = False
+        self._done = self._cancelled = self._cut = False
         self._reader = Reader()  # (who made it, or took its latest step: ``readers``)
         self._drop = weakref.finalize(self, _dropped, model.worker, session, key)
 
@@ -220,6 +220,8 @@ class WorkerStream(Stream):
         return self._reply
 
     def __next__(self) -> Snapshot:
+        if self._cut:
+            raise SessionBusyError(CUT)
         if self._done:
             raise StopIteration
         self._reader.note()

@@ -1,11 +1,13 @@
 """Who reads a session's stream: the thread that made it or took its latest step, or the asyncio
 task whose ``AsyncStream`` does (in its pump's thread: ``aio`` names the task there).
 
-A new exchange (or a fork, a save, a clear) finishes an unfinished stream first when it is its
-own reader's (a loop left with ``break``, an iterator set aside), or no one reads it any more (its
-thread ended, its task is done, it was cancelled); another live reader's stream is busy
-(``SessionBusyError``), as a step in flight is. Finishing it anyway cut that reader's reply short
-between two of its steps, with no error on either side.
+A new exchange (or a fork, a save, a clear) finishes an unfinished stream first, as it always
+did. When the stream was another reader's (another thread, another task) that reader is told:
+its next step raises ``SessionBusyError`` instead of ending as if the reply were over (its reply
+was cut short between two of its steps with no error on either side). A reader's own stream (a
+loop left with ``break``, an iterator set aside) ends quietly, as before. Refusing the new call
+instead would refuse for good a caller whose steps run on a thread pool's threads (each step on
+another, none of them ever gone).
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import threading
 import weakref
 from typing import Any
 
-from llmsession.errors import SessionBusyError
-
 _TASK: contextvars.ContextVar[weakref.ref[asyncio.Task[Any]] | None] = contextvars.ContextVar(
     "llmsession_reading_task", default=None
+)
+
+
+CUT = (
+    "this stream was finished by another call on its session (from another thread or task): "
+    "its reply ends where it got, as the session's transcript holds it"
 )
 
 
@@ -55,17 +61,7 @@ class Reader:
             self._task() if self._task is not None else self._thread() if self._thread is not None else None
         )
 
-    def gone(self) -> bool:
+    def same(self, other: Reader) -> bool:
+        """Whether ``other`` is this caller (a reader gone is no one's)."""
         who = self._who()
-        if isinstance(who, asyncio.Task):
-            return who.done()
-        return not (isinstance(who, threading.Thread) and who.is_alive())
-
-    def check(self, latest: Reader) -> None:
-        """Refuse to finish ``latest``'s unfinished stream for this caller unless it is this
-        caller's, or its reader is gone."""
-        if latest._who() is not self._who() and not latest.gone():
-            raise SessionBusyError(
-                "this session's last stream is still being read by another thread or task: "
-                "read it to its end, or cancel or close it, first"
-            )
+        return who is not None and who is other._who()

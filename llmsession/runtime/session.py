@@ -108,7 +108,7 @@ class LocalSession(Session):
         self._latest: Exchange | None = None  # the latest stream's exchange
         self._ended = Finishing()  # its stream's finishing (``LocalStream.ended``)
         self._abandon: Callable[[], object] | None = None  # finishes it, once (not holding its stream)
-        self._reader = Reader()  # its stream's maker (``readers``)
+        self._stream: weakref.ref[LocalStream] | None = None  # (to tell its reader it was cut)
         self._superseded = False  # the latest stream is being finished for a new call
         self._ahead: anticipate.Ahead | None = None  # the next prompt's opening, decoding now
         self._tools: tuple[Tools | None, str | None] = (None, None)  # the latest exchange's, for its prompts
@@ -152,7 +152,7 @@ class LocalSession(Session):
                 raise
             stream = LocalStream(self, exchange, self._guard)
             self._latest, self._abandon, self._ended = exchange, stream.abandon, stream.ended
-            self._reader = stream.reader
+            self._stream = weakref.ref(stream)
             return stream
 
     def clear_cached_context(self) -> None:
@@ -334,11 +334,12 @@ class LocalSession(Session):
             self._look_ahead()
 
     def _supersede(self) -> None:
-        """Finish the latest stream for a new call (so no anticipation starts after it): this
-        caller's, or one ended, cancelled or no one's; another's is busy (``readers``)."""
+        """Finish the latest stream for a new call (so no anticipation starts after it); one
+        another reader reads is told so at its next step (``readers``)."""
         assert self._abandon is not None and self._latest is not None
-        if not (self._latest.done or self._latest.cancelled.is_set()):
-            Reader().check(self._reader)
+        stream = self._stream() if self._stream is not None else None
+        if stream is not None and not (self._latest.done or self._latest.cancelled.is_set()):
+            stream.cut = not Reader().same(stream.reader)
         abandon, self._abandon, self._superseded = self._abandon, None, True
         try:
             abandon()  # (or, dropped in another thread, it finishes there: waited for)

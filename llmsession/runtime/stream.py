@@ -14,7 +14,7 @@ from llmsession.replies import Reply, Snapshot
 from llmsession.runtime import dropped
 from llmsession.runtime.exchange import Exchange
 from llmsession.runtime.face import Session, Stream
-from llmsession.runtime.readers import Reader
+from llmsession.runtime.readers import CUT, Reader
 
 
 class Guard:
@@ -70,6 +70,7 @@ class LocalStream(Stream):
         self.session = session
         self.exchange = exchange
         self.reader = Reader()  # (who made it, or took its latest step: ``readers``)
+        self.cut = False  # finished for another reader's call: its next step says so
         self._guard = guard
         self._steps = exchange.run()
         # Runs once: on close(), when the session moves on, or when the stream is dropped (then
@@ -88,6 +89,8 @@ class LocalStream(Stream):
         if self.exchange.model_closed:
             raise ModelClosedError("the model was closed while this stream was open")
         if self.exchange.done:
+            if self.cut:
+                raise SessionBusyError(CUT)
             raise StopIteration
         with self._guard:
             self.reader.note()
@@ -96,6 +99,8 @@ class LocalStream(Stream):
             except StopIteration:
                 if self.exchange.model_closed:  # cancelled by the model's close()
                     raise ModelClosedError("the model was closed while this stream was open") from None
+                if self.cut:  # (finished for another's call between the check above and this step)
+                    raise SessionBusyError(CUT) from None
                 raise
 
     def cancel(self) -> None:
