@@ -309,7 +309,11 @@ class GuidedSampler:
 
 # What llguidance says when a grammar outgrows its limits as it is followed (its lexer's and
 # parser's: expressions, fuel, items, states, sizes), not when a token is refused.
-LIMITS = re.compile(r"too many|fuel|limit|too big|exceeded", re.IGNORECASE)
+# (Its own phrases only: a refused token is quoted in the message, and may spell "limit".)
+LIMITS = re.compile(
+    r"too many expressions constructed|Too many items \(limit|fuel exhausted|too big \(limit"
+    r"|too many states|exceeded the maximum number"
+)
 
 
 def said(text: str) -> str:
