@@ -8,6 +8,7 @@ import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_defects import run_python
@@ -93,6 +94,9 @@ def test_a_constraint_past_the_matchers_limits_is_the_requests_fault(smollm2: Mo
         with pytest.raises(GrammarError, match=r"(?i)too many") as raised:
             smollm2.chat([{"role": "user", "content": "Hi"}], options)
         assert not isinstance(raised.value, ReplyMismatchError), raised.value
+    from llmsession.native.constraints import LIMITS  # (a refused token is quoted: not a limit)
+
+    assert not LIMITS.search('token " limit exceeded fuel" doesn\'t satisfy the grammar; byte 32')
 
 
 MODEL_EDITS = [
@@ -169,3 +173,68 @@ def test_the_metadata_reader_never_fails_on_what_it_cannot_follow(smollm2_path: 
     for at, junk in ((16, b"\xff" * 8), (24, b"\xff" * 8), (40, b"\xff" * 4), (60, b"\x00" * 16)):
         cut.write_bytes(head[:at] + junk + head[at + len(junk) :])
         assert metadata(cut) is None or isinstance(metadata(cut), dict), at
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"expert_count": 2000, "expert_used_count": 2}, True),  # (past LLAMA_MAX_EXPERTS)
+        ({"expert_count": 8, "expert_used_count": 0}, True),
+        ({"expert_count": 8, "expert_used_count": 9}, True),
+        ({"expert_count": 0, "expert_used_count": 2}, True),
+        ({"expert_count": 8, "expert_used_count": 2, "expert_group_count": 8}, True),
+        (
+            {
+                "expert_count": 8,
+                "expert_used_count": 2,
+                "expert_group_count": 3,
+                "expert_group_used_count": 1,
+            },
+            True,
+        ),
+        ({"expert_count": 8, "expert_used_count": 2, "expert_group_count": 4}, True),  # (none used)
+        ({"nextn_predict_layers": 5}, True),
+        ({"expert_count": 8, "expert_used_count": 2}, False),
+        (
+            {
+                "expert_count": 8,
+                "expert_used_count": 2,
+                "expert_group_count": 4,
+                "expert_group_used_count": 2,
+            },
+            False,
+        ),
+        ({"expert_count": 8, "expert_used_count": ()}, False),  # (an array per layer: llama.cpp's)
+        ({"nextn_predict_layers": 1}, False),
+        ({}, False),
+    ],
+)
+def test_expert_counts_llama_cpp_asserts_on_are_refused(fields: dict[str, Any], refused: bool) -> None:
+    """Pure: what ``llama_model::load_hparams`` asserts of a model's experts and next-token
+    layers (each an abort of the process), on a model of 4 layers."""
+    from llmsession.native.metadata import _model_problem
+
+    values = {"general.architecture": "x", "x.block_count": 4, **{f"x.{k}": v for k, v in fields.items()}}
+    assert (_model_problem(values) is not None) is refused, _model_problem(values)
+    hunyuan = {
+        "general.architecture": "hunyuan_vl",
+        "hunyuan_vl.block_count": 4,
+        "hunyuan_vl.expert_count": 1,
+    }
+    assert _model_problem({**hunyuan, "hunyuan_vl.expert_used_count": 1}) is None  # (read as none)
+
+
+def test_a_projector_without_a_vision_transformer_is_left_to_llama_cpp() -> None:
+    """Pure: the head, patch and position checks are a vision transformer's (its graph reshapes
+    by them); a projector of another encoder (a ConvNeXt, a MobileNet: no attention heads) whose
+    converter writes other values is not refused for them."""
+    from llmsession.native.metadata import _projector_problem
+
+    odd = {"clip.vision.attention.head_count": 0, "clip.vision.embedding_length": 32}
+    odd |= {
+        "clip.vision.image_size": 8,
+        "clip.vision.patch_size": 16,
+        "tensor v.patch_embd.weight": (4, 4, 3, 96),
+    }
+    assert _projector_problem(odd) is None
+    assert _projector_problem({**odd, "tensor v.blk.0.attn_q.weight": (32, 32)}) is not None
