@@ -480,7 +480,7 @@ def test_a_response_is_stored_before_its_client_reads_that_it_ended(finish: str)
     the server stopping (``cancelled``) is stored never, and says so in its status."""
     reply = Reply("Hi", finish, Usage(), Timings())  # type: ignore[arg-type]
     stored: list[dict[str, Any]] = []
-    door = ResponsesDoor(ResponseObject("m", {}), lambda body, _: stored.append(body))
+    door = ResponsesDoor(ResponseObject("m", {}), lambda body, _, __: stored.append(body))
 
     async def read() -> list[str]:
         kinds: list[str] = []
@@ -497,7 +497,7 @@ def test_a_response_is_stored_before_its_client_reads_that_it_ended(finish: str)
     status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[finish]
     assert kinds[-1] == ("response.completed" if finish == "stop" else "response.incomplete")
     whole = door.whole([reply], None)  # (made off the event loop, then settled on it)
-    door.settle(whole, [reply])
+    door.settle(whole, [reply], rendered(whole))
     assert whole["status"] == status and whole["store"] is (finish != "cancelled")
     assert len(stored) == 2 * (finish != "cancelled")
     assert all(item["status"] in ("completed", "incomplete") for item in door.whole([reply], None)["output"])
@@ -695,12 +695,23 @@ def test_logprobs_asked_by_include_score_the_output_text(
         threads["put"] = threading.current_thread().name
         return put(self, *args, **kwargs)
 
+    from llmsession.serve import store
+
+    rendered_here: list[str] = []
+    render = store.rendered
+
+    def counted(value: Any) -> bytes:
+        rendered_here.append(threading.current_thread().name)
+        return render(value)
+
     monkeypatch.setattr(ResponseObject, "whole", whole)
     monkeypatch.setattr(responding.ResponseStore, "put", kept)
+    monkeypatch.setattr(store, "rendered", counted)
     asked: Any = {"model": "m", "input": "Say hello to Paris.", "max_output_tokens": 120, **GREEDY}
     scored = {**asked, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
     made = client(served).responses.create(**scored)
     assert threads["whole"] != threads["put"], threads  # (the store is the loop's; the body not)
+    assert rendered_here == []  # (kept as it was rendered off the loop: not again on it)
     (part,) = made.output[0].content  # type: ignore[union-attr]
     entries = part.logprobs or []  # type: ignore[union-attr]
     assert entries and b"".join(bytes(e.bytes) for e in entries).decode() == made.output_text

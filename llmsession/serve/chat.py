@@ -150,9 +150,10 @@ class Door(Protocol):
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         """The whole body (made off the event loop)."""
 
-    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
-        """What the door does with a whole body before it is sent, on the event loop (a
-        stored response is kept in the loop's store)."""
+    def settle(self, body: dict[str, Any], replies: list[Reply], text: bytes) -> bool:
+        """What the door does with a whole body (and ``text``, its rendering) before it is
+        sent, on the event loop (a stored response is kept in the loop's store); True if it
+        changed ``body`` (rendered again)."""
 
     def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]: ...
 
@@ -276,15 +277,16 @@ class Call:
     async def _answer(self, choices: Choices, first: list[Event], *, retried: bool) -> Response:
         """The whole reply, or a stream of it from the first events on (one begun before any,
         past the door's patience, may still find the memory budget full: ``Relay``). A whole
-        body is made and rendered off the event loop, in slices (``rendering``), and settled on
-        it (``Door.settle``) in between."""
+        body is made and rendered off the event loop, in slices (``rendering``), then settled on
+        it (``Door.settle``: a stored response keeps that rendering)."""
         if not self.asked.stream:
             ended = sorted((e for e in first if e.reply is not None), key=lambda e: e.index)
             replies = [e.reply for e in ended if e.reply is not None]
             prompt = choices.forks.prompt if choices.forks is not None else None
             body = await asyncio.to_thread(self.door.whole, replies, prompt)
-            self.door.settle(body, replies)
             text = await asyncio.to_thread(rendered, body)
+            if self.door.settle(body, replies, text):  # (it says it was not stored: rare)
+                text = await asyncio.to_thread(rendered, body)
             return Response(text, media_type="application/json")
         flow: Choices | Relay = choices
         if not first and not retried:

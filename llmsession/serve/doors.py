@@ -34,8 +34,8 @@ class CompletionDoor:
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return dataclasses.replace(self.completion, prompt=prompt).body(replies)
 
-    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
-        pass
+    def settle(self, body: dict[str, Any], replies: list[Reply], text: bytes) -> bool:
+        return False
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         """Every choice's role, then its pieces as they come, its finish, the usage if asked,
@@ -82,8 +82,8 @@ class MessagesDoor:
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return self.message.body(replies[0])
 
-    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
-        pass
+    def settle(self, body: dict[str, Any], replies: list[Reply], text: bytes) -> bool:
+        return False
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         message, blocks, loop = self.message, Blocks(), asyncio.get_running_loop()
@@ -137,7 +137,7 @@ def prompt_usage(first: list[Event]) -> Usage | None:
     return None
 
 
-Keep = Callable[[dict[str, Any], Reply], None]  # a finished response, to store
+Keep = Callable[[dict[str, Any], Reply, "bytes | None"], None]  # a finished response, to store
 
 
 def kept(reply: Reply) -> bool:
@@ -161,19 +161,22 @@ class ResponsesDoor:
     def whole(self, replies: list[Reply], prompt: Usage | None) -> dict[str, Any]:
         return self.response.whole(replies[0])
 
-    def settle(self, body: dict[str, Any], replies: list[Reply]) -> None:
-        """``body`` kept (the store is the event loop's)."""
-        self._store(body, replies[0])
+    def settle(self, body: dict[str, Any], replies: list[Reply], text: bytes) -> bool:
+        """``body`` kept as ``text`` renders it (the store is the event loop's; the body was
+        rendered off it); True if it changed (it says it is not stored)."""
+        return self._store(body, replies[0], text)
 
-    def _store(self, body: dict[str, Any], reply: Reply) -> None:
-        """``body`` kept (``store: true``), or saying it is not (a reply cut short by its
-        client or the server stopping; one the store does not take says so in ``keep``)."""
+    def _store(self, body: dict[str, Any], reply: Reply, text: bytes | None = None) -> bool:
+        """``body`` kept (``store: true``; ``text``: it rendered, else rendered to be kept), or
+        saying it is not (a reply cut short by its client or the server stopping; one the store
+        does not take says so in ``keep``): True then."""
         if self.keep is None:
-            return
+            return False
         if kept(reply):
-            self.keep(body, reply)
+            self.keep(body, reply, text)
         else:
             body["store"] = False
+        return body["store"] is False
 
     async def stream(self, choices: Choices | Relay, first: list[Event]) -> AsyncIterator[bytes]:
         response, items = self.response, Items()

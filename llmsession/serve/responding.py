@@ -113,9 +113,9 @@ async def create(server: Serving, request: Request) -> Response:
     if not ask.store:
         return await server.answer(request, asked, ResponsesDoor(response))
 
-    def keep(body: dict[str, Any], reply: Reply) -> None:
+    def keep(body: dict[str, Any], reply: Reply, text: bytes | None) -> None:
         whole = [*transcript, assistant_message(reply)]
-        if not store.put(key, body, whole, after=stored if shared else None):
+        if not store.put(key, body, whole, after=stored if shared else None, text=text):
             body["store"] = False  # (what the response not streamed says; a stream's is sent)
             log.warning(
                 "response %s was not stored: larger than the store takes, or than its key may hold", ident

@@ -255,7 +255,7 @@ class ResponseObject:
         return out
 
     def finish(
-        self, reply: Reply, items: Items, stored: Callable[[dict[str, Any]], None] | None = None
+        self, reply: Reply, items: Items, stored: Callable[[dict[str, Any]], object] | None = None
     ) -> tuple[list[bytes], dict[str, Any]]:
         """The open item closed (an empty message if the reply said nothing), the last event;
         and the response it holds. A call the stream began that the reply does not make (cut

@@ -4,7 +4,8 @@ returns and what a ``previous_response_id`` continues. Pure.
 Each is kept with the digest of the key that made it: another key's id is unknown (a 404, never
 continued, never retrieved). Bounded by count and by bytes (the response's body and its
 transcript, as JSON); one larger than the byte bound is not kept. Its body is kept as the JSON
-a ``GET`` answers, rendered once (on the event loop, where every ``GET`` rendered it). Past a
+a ``GET`` answers, rendered once (off the event loop for a response not streamed: the rendering
+it is sent as). Past a
 bound, the key holding the most (bytes, or responses when only the count is over) forgets its
 least recently used first: a key that floods the store evicts its own responses, never a
 smaller key's, and a lone key may use it all. A response that would make its key the largest
@@ -65,13 +66,15 @@ class ResponseStore:
         body: dict[str, Any],
         transcript: list[dict[str, Any]],
         after: Stored | None = None,
+        text: bytes | None = None,
     ) -> bool:
         """Keep a response (False: not kept, the module says when). ``after``: the stored
-        response it continues, whose transcript begins this one's (only the rest is sized)."""
+        response it continues, whose transcript begins this one's (only the rest is sized);
+        ``text``: ``body`` rendered already (off the event loop), else rendered here."""
         base = 0 if after is None else len(after.transcript)
         rest = transcript[base:]
         spent = (after.transcript_size if after is not None else 0) + json_size(rest)
-        whole = rendered(body)
+        whole = rendered(body) if text is None else text
         size = len(whole) + spent
         ident = body["id"]
         if size > self.size or ident in self._forgotten:
