@@ -14,7 +14,7 @@ from typing import Any
 import internals
 from fuzz_env import STATS, env
 from fuzz_inputs import GREEDY_ONE, TYPED, Message
-from fuzz_oracle import Pending, Taken, check_reply, check_settled, copy_message, expect
+from fuzz_oracle import Pending, Taken, check_ended, check_reply, check_settled, copy_message, expect
 
 from llmsession import ContextOverflowError, GenerationOptions, MemoryBudgetError, Reply, Session, Stream
 
@@ -103,7 +103,7 @@ class ShadowedSessions:
         pending = self.settle(i)
         if pending is not None:
             pending.stream.close()
-            check_settled(pending)
+            check_settled(pending, closed=True)
 
     def exchange(
         self,
@@ -230,7 +230,7 @@ class ShadowedSessions:
                         call()
                     else:
                         in_threads(call)
-                    assert list(stream) == [], "a superseded stream yielded more"
+                    check_ended(stream, told=mode != "supersede")
                     return None
             elif mode == "clear mid-stream":
                 session.clear_cached_context()

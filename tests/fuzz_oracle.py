@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import internals
@@ -22,7 +23,7 @@ from fuzz_env import STATS, env
 from fuzz_inputs import GREEDY_ONE, TYPED, Message
 from test_reuse import tolerance_for
 
-from llmsession import GenerationOptions, Reply, Session, Stream
+from llmsession import GenerationOptions, Reply, Session, SessionBusyError, Stream
 
 
 def copy_message(message: Message) -> Message:
@@ -168,17 +169,32 @@ class Pending:
     options: GenerationOptions
     expectation: Expectation
     cached_before: int
+    reader: threading.Thread = field(default_factory=threading.current_thread)  # (its steps' thread)
 
 
-def check_settled(pending: Pending | None) -> None:
-    """A call that finished a pending stream first finished it as cancelled, as far as it got."""
+def check_settled(pending: Pending | None, *, closed: bool = False) -> None:
+    """A call that finished a pending stream first finished it as cancelled, as far as it got;
+    its next step ends it, or, for a call from another thread than the one that read it, says
+    so (``SessionBusyError``); ``closed``: its reader closed it instead."""
     if pending is None:
         return
     reply = pending.stream.reply
     assert reply is not None, "the session did not finish the stream its new call superseded"
     assert reply.finish_reason == "cancelled", reply
     assert reply.text == pending.text, (reply.text, pending.text)
-    assert list(pending.stream) == [], "a finished stream yielded more"
+    check_ended(pending.stream, told=not closed and threading.current_thread() is not pending.reader)
+
+
+def check_ended(stream: Stream, *, told: bool) -> None:
+    """A finished stream yields nothing more: it ends, or (``told``: finished for another
+    thread's call) raises ``SessionBusyError`` at each step."""
+    try:
+        rest = list(stream)
+    except SessionBusyError:
+        assert told, "a stream finished for its own thread's call said it was another's"
+        return
+    assert not told, "a stream finished for another thread's call ended as if the reply were over"
+    assert rest == [], "a finished stream yielded more"
 
 
 class Taken:

@@ -287,3 +287,32 @@ def test_another_tasks_stream_finished_for_a_call_tells_its_reader(smollm2: Mode
     asyncio.run(main())
     said = [m["content"] for m in session.messages if m["role"] == "user"]
     assert said == ["Tell me about Paris.", "Hi", "Again.", "More."], said
+
+
+def test_a_stream_handed_to_another_task_is_that_tasks(smollm2: Model) -> None:
+    """A stream one task began and another reads on: its steps are the reader's (the task that
+    asks for them), so the first task's call tells the reader, whose stream it cut; it was
+    taken for the first task's own and ended quietly."""
+    session = smollm2.session()
+    options = GenerationOptions(max_tokens=6, temperature=0)
+
+    async def main() -> None:
+        stream = session.astream("Tell me about Paris.", options)
+        await stream.__anext__()  # (this task's step)
+        stepped, go = asyncio.Event(), asyncio.Event()
+
+        async def read_on() -> None:
+            async for _ in stream:
+                stepped.set()
+                await go.wait()
+
+        reading = asyncio.create_task(read_on())
+        await stepped.wait()
+        try:
+            assert (await session.arespond("Hi", options)).text
+        finally:
+            go.set()
+        with pytest.raises(SessionBusyError, match="finished by another call"):
+            await reading
+
+    asyncio.run(main())

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from llmsession.replies import Reply, Snapshot
-from llmsession.runtime.readers import reading_task
+from llmsession.runtime.readers import Asking, reading_for
 
 
 class Steps(Protocol):
@@ -53,6 +53,7 @@ class Pump:
         self.taken = 0
         self.turn = threading.Condition()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.asking = Asking()  # the task that asked for the latest step
         self.queue: asyncio.Queue[object] | None = None
         self.ended: asyncio.Event | None = None
 
@@ -60,9 +61,8 @@ class Pump:
         self.loop = asyncio.get_running_loop()
         self.queue, self.ended = asyncio.Queue(), asyncio.Event()
         context = contextvars.copy_context()  # (as asyncio.to_thread: the caller's context)
-        task = asyncio.current_task()
-        if task is not None:  # (the stream it makes is the task's: ``readers``)
-            context.run(reading_task, task)
+        context.run(reading_for, self.asking)  # (its steps are the asking task's: ``readers``)
+        self.asking.now()  # (the stream is made before the first ask: this task's)
         pump = threading.Thread(target=context.run, args=(self.run,), name="llmsession-astream", daemon=True)
         try:
             pump.start()
@@ -73,6 +73,7 @@ class Pump:
             raise
 
     def ask(self) -> None:
+        self.asking.now()  # (on the loop, in the task that asks)
         with self.turn:
             self.asked += 1
             self.turn.notify()

@@ -18,9 +18,23 @@ import threading
 import weakref
 from typing import Any
 
-_TASK: contextvars.ContextVar[weakref.ref[asyncio.Task[Any]] | None] = contextvars.ContextVar(
-    "llmsession_reading_task", default=None
-)
+
+class Asking:
+    """The task that asks an ``AsyncStream`` for its steps, as its last ``__anext__`` found it
+    (its pump's thread takes the steps: they are that task's)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self) -> None:
+        self.task: weakref.ref[asyncio.Task[Any]] | None = None
+
+    def now(self) -> None:
+        """The task running this (on the loop) asks now."""
+        task = asyncio.current_task()
+        self.task = weakref.ref(task) if task is not None else None
+
+
+_ASKING: contextvars.ContextVar[Asking | None] = contextvars.ContextVar("llmsession_asking", default=None)
 
 
 CUT = (
@@ -29,9 +43,10 @@ CUT = (
 )
 
 
-def reading_task(task: asyncio.Task[Any]) -> None:
-    """The streams made in this context are ``task``'s (run in the context a pump's thread runs)."""
-    _TASK.set(weakref.ref(task))
+def reading_for(asking: Asking) -> None:
+    """The steps taken in this context are ``asking``'s task's (run in the context a pump's
+    thread runs)."""
+    _ASKING.set(asking)
 
 
 def _running_task() -> weakref.ref[asyncio.Task[Any]] | None:
@@ -53,7 +68,8 @@ class Reader:
 
     def note(self) -> None:
         """The caller is the reader now."""
-        self._task = _TASK.get() or _running_task()  # (a plain call from a task is the task's)
+        asking = _ASKING.get()
+        self._task = asking.task if asking is not None else _running_task()  # (a call from a task: its)
         self._thread = None if self._task is not None else weakref.ref(threading.current_thread())
 
     def _who(self) -> object | None:
