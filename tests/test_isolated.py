@@ -553,7 +553,7 @@ def test_a_stream_another_threads_call_finished_tells_its_reader_as_in_process(i
     """As in-process (``test_session``): a worker session's stream read by another thread is
     finished for this thread's call, and its reader's next step raises ``SessionBusyError``
     (it ended as if the reply were over); a stream of the caller's own ends quietly."""
-    from llmsession import SessionBusyError
+    from llmsession import SessionBusyError, SessionFileError
 
     session = isolated.session()
     options = GenerationOptions(max_tokens=6, temperature=0)
@@ -564,9 +564,19 @@ def test_a_stream_another_threads_call_finished_tells_its_reader_as_in_process(i
     assert session.respond("Hi", options).text
     with pytest.raises(SessionBusyError, match="finished by another call"):
         next(stream)
+    assert stream.reply is not None and stream.reply.finish_reason == "cancelled"  # (as far as it got)
+    with pytest.raises(SessionBusyError):  # (each later step says it too)
+        next(stream)
+    read = session.stream("Count to ten.", options)
+    reader = threading.Thread(target=next, args=(read,))
+    reader.start()
+    reader.join()
+    with pytest.raises(SessionFileError):  # (refused before it finished the stream: cut nothing)
+        session.save("/no/such/folder/x.llmsession")
+    assert list(read) and read.reply is not None and read.reply.finish_reason == "length"
     own = session.stream("Once more.", options)
     next(own)
     assert session.respond("And again.", options).text
     assert list(own) == []
     said = [m["content"] for m in session.messages if m["role"] == "user"]
-    assert said == ["Tell me about Paris.", "Hi", "Once more.", "And again."], said
+    assert said == ["Tell me about Paris.", "Hi", "Count to ten.", "Once more.", "And again."], said

@@ -144,7 +144,8 @@ class WorkerSession(Session):
 
     def _unfinished(self) -> WorkerStream | None:
         """Its last stream, if unfinished (the worker finishes it before the next call): one
-        another thread or task reads is told so at its next step (``readers``)."""
+        another thread or task reads is told so, if its end says it was cut short then
+        (``WorkerStream.__next__``: a call that failed before finishing it cut nothing)."""
         before = self._streaming() if self._streaming is not None else None
         if before is None or before._done:
             return None
@@ -211,7 +212,7 @@ class WorkerStream(Stream):
         self.session = self._owner = session  # None for Model.chat_stream: its session is the worker's own
         self._model, self._key, self._schema_class = model, key, schema_class
         self._reply: Reply | None = None
-        self._done = self._cancelled = self._cut = False
+        self._done = self._cancelled = self._cut = self._told = False  # (``_cut``: maybe; ``_told``: so)
         self._reader = Reader()  # (who made it, or took its latest step: ``readers``)
         self._drop = weakref.finalize(self, _dropped, model.worker, session, key)
 
@@ -220,9 +221,9 @@ class WorkerStream(Stream):
         return self._reply
 
     def __next__(self) -> Snapshot:
-        if self._cut:
-            raise SessionBusyError(CUT)
         if self._done:
+            if self._told:
+                raise SessionBusyError(CUT)
             raise StopIteration
         self._reader.note()
         try:
@@ -236,6 +237,9 @@ class WorkerStream(Stream):
             snapshot: Snapshot = rest[0]
             return snapshot
         self._end(*rest[:2])
+        self._told = self._cut and rest[0].finish_reason == "cancelled"  # (another's call ended it)
+        if self._told:
+            raise SessionBusyError(CUT)
         if len(rest) > 2:  # (raised once the exchange was recorded: the reply is here too)
             raise rest[2]
         raise StopIteration
