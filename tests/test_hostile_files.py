@@ -237,4 +237,9 @@ def test_a_projector_without_a_vision_transformer_is_left_to_llama_cpp() -> None
         "tensor v.patch_embd.weight": (4, 4, 3, 96),
     }
     assert _projector_problem(odd) is None
-    assert _projector_problem({**odd, "tensor v.blk.0.attn_q.weight": (32, 32)}) is not None
+    vit = {**odd, "tensor v.blk.0.attn_q.weight": (32, 32)}
+    assert _projector_problem(vit) is not None
+    fine = {**vit, "clip.vision.attention.head_count": 3, "clip.vision.attention.head_dim": 8}
+    fine |= {"clip.vision.image_size": 0, "clip.projector_type": "qwen2vl_merger"}  # (0: dynamic)
+    assert _projector_problem(fine) is None, _projector_problem(fine)  # (as clip.cpp takes them)
+    assert _projector_problem({**fine, "clip.projector_type": "mlp"}) is not None  # (fixed: 0 aborts)

@@ -240,15 +240,20 @@ def _projector_problem(values: dict[str, Value]) -> str | None:
         and isinstance(patch, int)
     ):
         return None
-    if heads <= 0 or width % heads:
+    head = values.get("clip.vision.attention.head_dim")  # (given, it is the heads' size instead)
+    if heads <= 0 or (width % heads and not (isinstance(head, int) and head > 0)):
         return f"clip.vision.attention.head_count {heads} does not divide its embedding length {width}"
-    if not 0 < patch <= image:
+    if patch <= 0 or 0 < image < patch:  # (an image size of 0: a dynamic one)
+        return f"clip.vision.image_size {image} is smaller than one patch ({patch})"
+    if values.get("clip.projector_type") not in LLAVA:  # (other graphs may set their own sizes)
+        return None
+    if image < patch:  # (a LLaVA-like graph's image is fixed: 0 aborted, as any less than a patch)
         return f"clip.vision.image_size {image} is smaller than one patch ({patch})"
     if isinstance(kernel, tuple) and len(kernel) == 4 and kernel[:2] != (patch, patch):
         return f"clip.vision.patch_size {patch} is not its patch embedding's {kernel[0]}x{kernel[1]}"
     if isinstance(kernel, tuple) and len(kernel) == 4 and kernel[3] != width:
         return f"clip.vision.embedding_length {width} is not its patch embedding's {kernel[3]}"
-    if values.get("clip.projector_type") in LLAVA and isinstance(table, tuple) and len(table) == 2:
+    if isinstance(table, tuple) and len(table) == 2:
         if table[0] != width:
             return f"clip.vision.embedding_length {width} is not its position table's {table[0]}"
         positions = (image // patch) ** 2 + ("tensor v.class_embd" in values)
