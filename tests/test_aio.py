@@ -7,11 +7,13 @@ import asyncio
 import gc
 import threading
 import time
+from typing import Any
 
 import pytest
 from near_ties import assert_same_within_noise, scored
 
 from llmsession import GenerationOptions, Model, Reply, SessionBusyError
+from llmsession.runtime.aio import AsyncStream
 
 GREEDY = GenerationOptions(max_tokens=24, temperature=0)
 
@@ -261,21 +263,7 @@ def test_another_tasks_stream_finished_for_a_call_tells_its_reader(smollm2: Mode
 
     async def main() -> None:
         stream = session.astream("Tell me about Paris.", options)
-        stepped, go = asyncio.Event(), asyncio.Event()
-
-        async def read() -> None:
-            async for _ in stream:
-                stepped.set()
-                await go.wait()
-
-        reading = asyncio.create_task(read())
-        await stepped.wait()
-        try:
-            assert (await session.arespond("Hi", options)).text
-        finally:
-            go.set()
-        with pytest.raises(SessionBusyError, match="finished by another call"):
-            await reading
+        await cut_while_read(session, stream, options)
         assert stream.reply is not None and stream.reply.finish_reason == "cancelled"
         kept = session.astream("Again.", options)
         async for _ in kept:
@@ -299,20 +287,26 @@ def test_a_stream_handed_to_another_task_is_that_tasks(smollm2: Model) -> None:
     async def main() -> None:
         stream = session.astream("Tell me about Paris.", options)
         await stream.__anext__()  # (this task's step)
-        stepped, go = asyncio.Event(), asyncio.Event()
-
-        async def read_on() -> None:
-            async for _ in stream:
-                stepped.set()
-                await go.wait()
-
-        reading = asyncio.create_task(read_on())
-        await stepped.wait()
-        try:
-            assert (await session.arespond("Hi", options)).text
-        finally:
-            go.set()
-        with pytest.raises(SessionBusyError, match="finished by another call"):
-            await reading
+        await cut_while_read(session, stream, options)
 
     asyncio.run(main())
+
+
+async def cut_while_read(session: Any, stream: AsyncStream, options: GenerationOptions) -> None:
+    """``stream`` read on by a task of its own, which waits between two steps while this task's
+    call finishes the stream: the reader's next step raises ``SessionBusyError``."""
+    stepped, go = asyncio.Event(), asyncio.Event()
+
+    async def read() -> None:
+        async for _ in stream:
+            stepped.set()
+            await go.wait()
+
+    reading = asyncio.create_task(read())
+    await stepped.wait()
+    try:
+        assert (await session.arespond("Hi", options)).text
+    finally:
+        go.set()
+    with pytest.raises(SessionBusyError, match="finished by another call"):
+        await reading
