@@ -134,7 +134,7 @@ class LocalSession(Session):
         latest = self._latest  # (cancelled, a stream dropped in another thread ends its step: waited)
         cancelled = latest is not None and not latest.done and latest.cancelled.is_set()
         with self._guard.waiting(CLOSE_WAIT_S if cancelled else 0):
-            if self._abandon is not None:  # an unfinished stream of this caller's: finish it first
+            if self._abandon is not None:  # an unfinished stream: finished first (another reader is told)
                 self._supersede()
                 began = time.perf_counter()
             checked = options_tools(options) if prompt is None else tools
