@@ -28,6 +28,7 @@ GGUF_MAGIC = b"GGUF"
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 MAX_KEYS = 1 << 20  # metadata entries a file may hold here (past it: left to llama.cpp)
 MAX_NAME = 1 << 16  # bytes of a key's or a tensor's name kept (a longer one is skipped)
+MAX_VALUE = 256  # bytes of a string value kept (an architecture's name; a template is skipped)
 MAX_ITEMS = 1 << 24  # strings of an array walked (a vocabulary has at most ~1M)
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 SCALARS = {
@@ -72,14 +73,12 @@ class _Cursor:
             raise _Unreadable
         self.at += size
 
-    def string(self, keep: bool) -> str | None:
-        """A string (a key's or a tensor's name), kept if asked and at most ``MAX_NAME`` bytes."""
+    def string(self, most: int) -> str | None:
+        """A string, kept if it is at most ``most`` bytes (else None: skipped)."""
         size = int(self.take("<Q"))
         start = self.at
         self.skip(size)
-        if not keep or size > MAX_NAME:
-            return None
-        return bytes(self.data[start : self.at]).decode("utf-8", "replace")
+        return bytes(self.data[start : self.at]).decode("utf-8", "replace") if size <= most else None
 
 
 def metadata(path: Path) -> dict[str, Value] | None:
@@ -113,13 +112,13 @@ def _read(cursor: _Cursor) -> dict[str, Value] | None:
         return None
     values: dict[str, Value] = {}
     for _ in range(count):
-        key = cursor.string(keep=True)
+        key = cursor.string(MAX_NAME)
         kind = int(cursor.take("<I"))
         value = _value(cursor, kind)
         if key is not None and value is not None:
             values[key] = value
     for _ in range(tensors):  # (the shapes of those checked: "tensor NAME")
-        name, dims = cursor.string(keep=True), int(cursor.take("<I"))
+        name, dims = cursor.string(MAX_NAME), int(cursor.take("<I"))
         if dims > 8:
             raise _Unreadable
         shape = tuple(int(cursor.take("<Q")) for _ in range(dims))
@@ -133,10 +132,7 @@ def _value(cursor: _Cursor, kind: int) -> Value | None:
     if kind in SCALARS:
         return cursor.take(SCALARS[kind])
     if kind == STRING:
-        size = int(cursor.take("<Q"))
-        start = cursor.at
-        cursor.skip(size)
-        return bytes(cursor.data[start : cursor.at]).decode("utf-8", "replace") if size <= 256 else None
+        return cursor.string(MAX_VALUE)
     if kind != ARRAY:
         raise _Unreadable
     item, count = int(cursor.take("<I")), int(cursor.take("<Q"))

@@ -30,8 +30,7 @@ class Asking:
 
     def now(self) -> None:
         """The task running this (on the loop) asks now."""
-        task = asyncio.current_task()
-        self.task = weakref.ref(task) if task is not None else None
+        self.task = _running_task()
 
 
 _ASKING: contextvars.ContextVar[Asking | None] = contextvars.ContextVar("llmsession_asking", default=None)

@@ -137,7 +137,7 @@ def prompt_usage(first: list[Event]) -> Usage | None:
     return None
 
 
-Keep = Callable[[dict[str, Any], Reply, "bytes | None"], None]  # a finished response, to store
+Keep = Callable[[dict[str, Any], Reply, bytes | None], None]  # a finished response, to store
 
 
 def kept(reply: Reply) -> bool:
