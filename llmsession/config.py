@@ -32,6 +32,13 @@ Effort = Literal["low", "medium", "high"]
 EFFORTS: tuple[Effort, ...] = get_args(Effort)
 
 
+def check_thinking(value: object) -> None:
+    """A thinking setting: a bool or an effort (a "yes", or an effort misspelled, would be read
+    as true); a TypeError otherwise."""
+    if not (isinstance(value, bool) or value in EFFORTS):
+        raise TypeError(f"thinking must be a bool or one of {list(EFFORTS)}, got {value!r:.40}")
+
+
 def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
     if not (isinstance(value, bool) or (optional and value is None)):
         allowed = "True, False or None" if optional else "a bool"
@@ -215,8 +222,7 @@ class SessionConfig:
         if self.context_size is not None:
             check_int("context_size", self.context_size, 16, MAX_POSITIONS)
         check_int("batch_size", self.batch_size, 1, MAX_POSITIONS)
-        if not (isinstance(self.thinking, bool) or self.thinking in EFFORTS):
-            raise TypeError(f"thinking must be a bool or one of {list(EFFORTS)}, got {self.thinking!r:.40}")
+        check_thinking(self.thinking)
         for name in ("swa_full", "share_prefix"):
             _check_bool(name, getattr(self, name))
 

@@ -88,10 +88,8 @@ class RawCompletions:
         """``complete_stream`` for asyncio."""
         from llmsession.runtime.aio import AsyncStream
 
-        settings, checked = (
-            session_config(config, dict(overrides)),
-            checked_options(options),
-        )  # (here: not in the loop)
+        settings = session_config(config, dict(overrides))
+        checked = checked_options(options)  # (here: not in the stream's thread at its first step)
         backend = self._backend
         return AsyncStream(
             lambda: backend.complete_stream(prompt, checked, tenant, settings, conversation=conversation)

@@ -207,10 +207,8 @@ class Model(Prompts, RawCompletions):
         stream runs in a thread of its own, and cancelling the task cancels the exchange."""
         from llmsession.runtime.aio import AsyncStream
 
-        settings, checked = (
-            session_config(config, dict(overrides)),
-            checked_options(options),
-        )  # (here: not in the loop)
+        settings = session_config(config, dict(overrides))
+        checked = checked_options(options)  # (here: not in the stream's thread at its first step)
         return AsyncStream(
             lambda: self._backend.chat_stream(messages, checked, tenant, settings, conversation=conversation)
         )

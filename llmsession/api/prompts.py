@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llmsession.config import EFFORTS, Effort, SessionConfig, session_config
+from llmsession.config import Effort, SessionConfig, check_thinking, session_config
 from llmsession.errors import UnsupportedFeatureError
 from llmsession.options import check_tool_format
 from llmsession.text.messages import image_parts
@@ -38,7 +38,7 @@ class Prompts:
         Face's ``apply_chat_template(conversation, tools=...)`` does."""
         checked = checked_tools(tools, tool_choice)
         check_tool_format(tool_format)
-        _check_thinking(thinking)
+        check_thinking(thinking)
         return self._backend.render(
             messages, add_generation_prompt, thinking=thinking, tools=checked, tool_format=tool_format
         )
@@ -74,7 +74,7 @@ class Prompts:
         ``UnsupportedFeatureError`` (their positions are the projector's, counted as it decodes)."""
         checked = checked_tools(tools, tool_choice)
         check_tool_format(tool_format)
-        _check_thinking(thinking)
+        check_thinking(thinking)
         messages = Transcript(messages)  # (checked once, here: not again below)
         if next(image_parts(messages), None) is not None:
             raise UnsupportedFeatureError("prompt_tokens counts text-only transcripts; this one holds images")
@@ -102,12 +102,6 @@ class Prompts:
         encoded); a model without a projector refuses images (``UnsupportedFeatureError``)."""
         checked = checked_tools(tools, tool_choice)
         check_tool_format(tool_format)
+        check_thinking(thinking)
         settings = session_config(config, {"thinking": True} if thinking else {})
         return self._backend.call_size(Transcript(messages), tenant, settings, checked, tool_format)
-
-
-def _check_thinking(value: object) -> None:
-    """``thinking`` as ``SessionConfig.thinking`` takes it: a bool or an effort (a "yes", or an
-    effort misspelled, was read as true)."""
-    if not (isinstance(value, bool) or value in EFFORTS):
-        raise TypeError(f"thinking must be a bool or one of {list(EFFORTS)}, got {value!r:.40}")

@@ -129,9 +129,9 @@ class Server:
     async def health(self, request: Request) -> Response:
         if self.hosts.closed:
             return JSONResponse({"status": "closed"}, 503)
-        several = {"models": self.hosts.names} if isinstance(self.hosts, ManyModels) else {}
         if self.access.tenants or self.access.operators:  # (open: what is served is the keys')
             return JSONResponse({"status": "ok"})
+        several = {"models": self.hosts.names} if isinstance(self.hosts, ManyModels) else {}
         return JSONResponse({"status": "ok", "model": self.model_name, **several})
 
     async def models(self, request: Request) -> Response:
