@@ -40,6 +40,7 @@ PURE = (  # decisions without effects: no path to the native layer
     "llmsession.engine.attention",
     "llmsession.engine.drafting",
     "llmsession.engine.sessionfile",
+    "llmsession.engine.sessionread",
     "llmsession.engine.checkpoints",
     "llmsession.runtime.keeping",
     "llmsession.options",

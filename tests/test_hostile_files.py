@@ -4,16 +4,25 @@ and projector files whose metadata llama.cpp asserts on (an abort of the whole p
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import struct
+import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import internals
 import pytest
 from test_defects import run_python
+from test_hostile import forge, saved_header
 
-from llmsession import GenerationOptions, Model, ModelOutputError
+from llmsession import GenerationOptions, Model, ModelOutputError, SessionFileError
+from llmsession.engine import sessionfile
+from llmsession.engine.sessionread import read
+from llmsession.runtime import persistence
 
 
 def edited(source: Path, target: Path, key: str, value: float | int) -> Path:
@@ -243,3 +252,77 @@ def test_a_projector_without_a_vision_transformer_is_left_to_llama_cpp() -> None
     fine |= {"clip.vision.image_size": 0, "clip.projector_type": "qwen2vl_merger"}  # (0: dynamic)
     assert _projector_problem(fine) is None, _projector_problem(fine)  # (as clip.cpp takes them)
     assert _projector_problem({**fine, "clip.projector_type": "mlp"}) is not None  # (fixed: 0 aborts)
+
+
+def holes(path: Path, header: dict[str, Any], tail: int) -> Path:
+    """A session file of ``header`` and then ``tail`` bytes it does not hold (a sparse file: a
+    few KiB on disk whatever its blob table says; its checksum is zeros)."""
+    head = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(sessionfile.MAGIC + struct.pack("<Q", len(head)) + head)
+        f.truncate(len(sessionfile.MAGIC) + 8 + len(head) + tail)
+    return path
+
+
+def peak_while(call: Callable[[], object]) -> tuple[int, float, BaseException | None]:
+    """The most memory Python held above its level before ``call``, its time, what it raised."""
+    tracemalloc.start()
+    began, raised = time.monotonic(), None
+    try:
+        call()
+    except BaseException as error:  # (returned for the test's own check)
+        raised = error
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak, time.monotonic() - began, raised
+
+
+def test_a_session_files_sizes_cost_memory_only_as_far_as_they_can_be_true(
+    smollm2: Model, tmp_path: Path
+) -> None:
+    """A file's sizes are its word: a sparse file of 4 KiB whose table said its state had 3 GiB
+    was read whole, into 3 GiB of memory, before its checksum refused it. The header comes first
+    now: a state larger than this model's cells could write is refused unread, another model's
+    state is read through in chunks and never held, an image's blob must be its table's pixels,
+    and what a file holds must fit in the memory the caller says is free."""
+    header, state = saved_header(smollm2, tmp_path)
+    size = len(sessionfile.MAGIC) + 8 + len(json.dumps(header)) + len(state)  # (and its checksum)
+    huge = {**header, "blobs": [{"name": "state", "size": 3 << 30, "sha256": "0" * 64}]}
+    sparse = holes(tmp_path / "sparse.llms", huge, (3 << 30) + 32)
+    peak, took, raised = peak_while(lambda: smollm2.load_session(sparse))
+    assert isinstance(raised, SessionFileError) and "cells hold" in str(raised), raised
+    assert peak < 32 << 20 and took < 2, (peak, took)
+
+    foreign = {**huge, "compat": {**header["compat"], "model_sha256": "0" * 64}}
+    sparse = holes(
+        tmp_path / "foreign.llms",
+        {**foreign, "blobs": [{**huge["blobs"][0], "size": 1 << 30}]},
+        (1 << 30) + 32,
+    )
+    peak, took, raised = peak_while(lambda: smollm2.load_session(sparse))
+    assert isinstance(raised, SessionFileError) and "'state' is corrupt" in str(raised), raised
+    assert peak < 32 << 20, peak  # (read through, 1 GiB of it, a chunk at a time)
+
+    real = forge(tmp_path / "other.llms", {**header, "compat": foreign["compat"]}, (state,))
+    saved, _ = persistence.read_saved(internals.local(smollm2), real)
+    assert "state" not in saved.blobs and "another model" in saved.dropped["state"], saved.dropped
+    reply = smollm2.load_session(real).respond("And?", GenerationOptions(max_tokens=2, temperature=0))
+    assert reply.usage.restored_tokens == 0 and "model_sha256 differs" in reply.usage.cache_note, reply.usage
+    assert persistence.read_saved(internals.local(smollm2), forge(tmp_path / "own.llms", header, (state,)))[
+        0
+    ].blobs
+
+    image = {"name": "image:ab", "size": 12, "sha256": hashlib.sha256(bytes(12)).hexdigest()}
+    for table, blob in (({"ab": [2, 2]}, bytes(12)), ({"ab": [2, 3]}, bytes(12)), ({}, bytes(12))):
+        path = forge(tmp_path / "image.llms", {**header, "images": table, "blobs": [image]}, (blob,))
+        if table == {"ab": [2, 2]}:
+            assert read(path).images == {"ab": (2, 2)}
+        else:
+            with pytest.raises(SessionFileError, match="not an image of the file's image table"):
+                read(path)
+    big = {**header, "images": {"ab": [5000, 5000]}, "blobs": [{**image, "size": 75_000_000}]}
+    with pytest.raises(SessionFileError, match="not an image of"):  # (past MAX_PIXELS: refused unread)
+        read(holes(tmp_path / "big.llms", big, 75_000_032))
+    with pytest.raises(SessionFileError, match=f"takes {size:,} bytes of memory, and 1,000 are free"):
+        read(forge(tmp_path / "own.llms", header, (state,)), max_bytes=1000)

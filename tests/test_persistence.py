@@ -20,7 +20,8 @@ import pytest
 from near_ties import assert_same_within_noise, scored
 
 from llmsession import GenerationOptions, Image, Model, SessionConfig, SessionFileError, TemplateError
-from llmsession.engine.sessionfile import read, write
+from llmsession.engine.sessionfile import write
+from llmsession.engine.sessionread import read
 from llmsession.runtime.persistence import IMAGE_KEY
 
 GREEDY = GenerationOptions(max_tokens=16, temperature=0)

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmsession import GenerationOptions, Model, Reply
-from llmsession.engine.sessionfile import read, write
+from llmsession.engine.sessionfile import write
+from llmsession.engine.sessionread import read
 from llmsession.native.stateblob import StateLayout, refusal
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0)

@@ -2,10 +2,10 @@
 
 A live session holds one sequence of a shared context: cells of its own (llama.cpp's
 per-sequence streams, ``kv_layout="per_session"``), or as many as it keeps of one pool
-(``kv_unified``, "shared"). When an exchange
-needs a sequence or cells that are not free, ``Residency`` (pure) picks idle sessions to park
-(their state copied to host RAM by ``llama_state_seq_get_data``; past the RAM budget to disk, or
-forgotten) or drop cold, and the engine applies its steps. A session's record (its
+(``kv_unified``, "shared"). When an exchange needs a sequence or cells that are not free,
+``Residency`` (pure) picks idle sessions to park (their state copied to host RAM by
+``llama_state_seq_get_data``; past the RAM budget to disk, or forgotten) or drop cold, and the
+engine applies its steps. A session's record (its
 ``PrefixCache``) follows its state: a restore must give back exactly that many positions, else
 the session goes cold. One lock per engine serializes every native call on the shared contexts,
 and a decode and the sampling of its logits happen under one hold.
@@ -39,7 +39,7 @@ from llmsession.engine.lease import Lease, SharedContext
 from llmsession.engine.moves import Mover
 from llmsession.engine.parking import ParkingLot
 from llmsession.engine.prefix import Item
-from llmsession.engine.residency import Move, State
+from llmsession.engine.residency import State
 from llmsession.engine.seat import Seat
 from llmsession.engine.work import Gate
 from llmsession.errors import MemoryBudgetError, ModelClosedError
@@ -82,6 +82,7 @@ class Engine:
         self.lot = ParkingLot(config.disk_cache_dir)
         self.counters = Counters()
         self.moves = Mover(self.lot, self.counters)  # carries out the ledger's steps
+        self.apply = self.moves.apply  # (home, steps)
         self._shared_contexts: dict[bool, SharedContext] = {}  # by swa_full: one a layout
         self._single_use: set[NativeContext] = set()  # an encoder-decoder's exchanges' own contexts
         self._keys = itertools.count()
@@ -279,12 +280,8 @@ class Engine:
         live or parked (``sharing``); how many positions it gave (the caller holds the lock)."""
         if lease.cache.items or not lease.shares or self.native.is_recurrent:
             return 0
-        parked = sharing.Parked(self.lot.holds, self.parked_state, self.native.n_swa)
+        parked = sharing.Parked(self.lot.holds, lambda lease: self.lot.peek(lease.key), self.native.n_swa)
         return sharing.share(lease, seq, prompt, can_cut, parked)
-
-    def parked_state(self, lease: Lease) -> Buffer | None:
-        """A parked session's state, left parked."""
-        return self.lot.peek(lease.key)
 
     def state(self, lease: Lease) -> Buffer | None:
         """A copy of the session's state (for saving): a parked one as it is, a live one from
@@ -297,6 +294,11 @@ class Engine:
                 return self.lot.peek(lease.key)
             with self.seat(lease, len(lease.cache.items), threading.Event()) as seat:
                 return seat.context.state_get(seat.seq) if lease.cache.items else None
+
+    def most_state_bytes(self) -> int | None:
+        """The most bytes one session's state may have here (``stateblob.most_bytes``)."""
+        with self.hold():
+            return self._shared_context(True).context.most_state_bytes
 
     def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item], *, foreign: bool = True) -> bool:
         """Load a saved state (a file's: ``foreign``, its cells no other session's prefix) into a cold
@@ -378,10 +380,7 @@ class Engine:
                 context.close()
             self.lot.close()
 
-    # -- the ledger's steps (``moves``) ---------------------------------------------------------
-    def apply(self, home: SharedContext, steps: list[Move]) -> None:
-        self.moves.apply(home, steps)
-
+    # -- the ledger's steps (``moves``: ``apply``) ---------------------------------------------
     def _reap(self) -> None:
         while self._dead:
             self._forget(self._dead.pop())

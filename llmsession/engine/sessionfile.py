@@ -4,10 +4,10 @@
 
 The header holds the format version, what the KV state depends on (llama.cpp commit, state
 format version, model and projector digests, context parameters), the item record and the
-transcript; images in the transcript are blobs of RGB pixels. ``read`` checks the magic, sizes,
-JSON shape and every checksum before anything is returned, so a truncated, corrupt or hostile
-file is a ``SessionFileError`` and never reaches llama.cpp's state loaders (which abort the
-process on bad input). Pure: no native calls.
+transcript; images in the transcript are blobs of RGB pixels. ``sessionread.read`` checks the
+magic, sizes, JSON shape and every checksum before anything is returned, so a truncated, corrupt
+or hostile file is a ``SessionFileError`` and never reaches llama.cpp's state loaders (which
+abort the process on bad input). Pure: no native calls.
 """
 
 from __future__ import annotations
@@ -28,15 +28,12 @@ if TYPE_CHECKING:
 
 from llmsession.engine.prefix import ImagePosition, Item
 from llmsession.errors import SessionFileError
-from llmsession.files import opened_regular
 from llmsession.options import MAX_POSITIONS
 
 MAGIC = b"LLMSESS1"
 FORMAT_VERSION = 1
-_LENGTH = struct.Struct("<Q")
-_DIGEST = 32
-MAX_HEADER_BYTES = 1 << 30
-MAX_FILE_BYTES = 1 << 40  # a sanity bound: a state of 2**24 positions of a large model fits
+LENGTH = struct.Struct("<Q")
+DIGEST_BYTES = 32
 
 
 @dataclass
@@ -51,6 +48,7 @@ class SavedSession:
     images: dict[str, tuple[int, int]] = field(default_factory=dict)  # digest -> (width, height)
     blobs: Mapping[str, Buffer] = field(default_factory=dict)
     replies: list[tuple[str, list[int]]] = field(default_factory=list)  # (text, tokens as generated)
+    dropped: dict[str, str] = field(default_factory=dict)  # a blob read through, not kept: why
 
 
 def encode_record(items: Sequence[Item]) -> list[Any]:
@@ -157,7 +155,7 @@ def write(path: str | Path, saved: SavedSession) -> None:
     temporary = Path(name)
     try:
         with os.fdopen(handle, "wb") as f:
-            for chunk in (MAGIC, _LENGTH.pack(len(head)), head, *(b for _, b in blobs)):
+            for chunk in (MAGIC, LENGTH.pack(len(head)), head, *(b for _, b in blobs)):
                 digest.update(chunk)
                 f.write(chunk)
             f.write(digest.digest())
@@ -191,103 +189,6 @@ def target_file(path: str | Path) -> Path:
     if not resolved.parent.is_dir():
         raise SessionFileError(f"cannot write {path}: {resolved.parent} is not a directory")
     return resolved
-
-
-def read(path: str | Path, max_positions: int = MAX_POSITIONS) -> SavedSession:
-    """Read and verify a file; any defect is a SessionFileError naming it, a record of more than
-    ``max_positions`` (a loading model's ``kv_tokens``) too."""
-    path = Path(path)
-    data = memoryview(_read_regular(path, header_bytes(max_positions)))  # (its slices copy nothing)
-    body, checksum = data[:-_DIGEST], bytes(data[-_DIGEST:])
-    if hashlib.sha256(body).digest() != checksum:
-        raise SessionFileError(f"{path} is corrupt or truncated (checksum mismatch)")
-    (length,) = _LENGTH.unpack_from(body, len(MAGIC))
-    start = len(MAGIC) + _LENGTH.size
-    if length > len(body) - start:
-        raise SessionFileError(f"{path}: the header length {length} is out of range")
-    try:
-        header = json.loads(bytes(body[start : start + length]).decode("utf-8"))
-    except (ValueError, RecursionError) as error:  # (ValueError: an int past CPython's digit limit too)
-        raise SessionFileError(f"{path}: the header is not valid JSON: {error}") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
-        version = header.get("format") if isinstance(header, dict) else None
-        raise SessionFileError(
-            f"{path}: unsupported format {version!r} (this version reads {FORMAT_VERSION})"
-        )
-    blobs = _blobs(header, body, start + length, path)
-    compat, settings, messages, images = (header.get(k) for k in ("compat", "settings", "messages", "images"))
-    if not (isinstance(compat, dict) and isinstance(settings, dict) and isinstance(messages, list)):
-        raise SessionFileError(f"{path}: the header is missing compat, settings or messages")
-    if not isinstance(images, dict) or not all(_is_size(v) for v in images.values()):
-        raise SessionFileError(f"{path}: the image table is malformed")
-    return SavedSession(
-        compat=compat,
-        settings=settings,
-        record=decode_record(header.get("record"), limit=max_positions),
-        messages=messages,
-        images={digest: (size[0], size[1]) for digest, size in images.items()},
-        blobs=blobs,
-        replies=decode_replies(header.get("replies", []), limit=max_positions),
-    )
-
-
-def header_bytes(max_positions: int) -> int:
-    """The longest header a file of a record of ``max_positions`` may have (its tokens, the
-    transcript's text and settings: a header bound to them, as its parse costs memory)."""
-    return min(MAX_HEADER_BYTES, (16 << 20) + 64 * max_positions)
-
-
-def _read_regular(path: Path, max_header: int) -> bytearray:
-    """The bytes of a regular file, checked before reading: a FIFO would block forever and a
-    device (``/dev/zero``) would never end; and whose opening is an llmsession file's with a
-    header of at most ``max_header`` bytes before the rest is read (a model's file, or a
-    sparse one of 100 GB, is refused unread)."""
-    try:
-        f, size = opened_regular(path)
-    except OSError as error:
-        raise SessionFileError(f"cannot read {path}: {error.strerror or error}") from None
-    with f:
-        if size > MAX_FILE_BYTES:
-            raise SessionFileError(f"{path} has {size} bytes; a session file has at most {MAX_FILE_BYTES}")
-        opening = f.read(len(MAGIC) + _LENGTH.size)
-        if size < len(opening) + _DIGEST or opening[: len(MAGIC)] != MAGIC:
-            raise SessionFileError(f"{path} is not an llmsession file (or is truncated)")
-        if _LENGTH.unpack_from(opening, len(MAGIC))[0] > max_header:
-            raise SessionFileError(f"{path}: its header is longer than {max_header} bytes")
-        try:
-            data = bytearray(size)
-        except MemoryError:
-            raise SessionFileError(f"{path}: its {size} bytes do not fit in memory") from None
-        data[: len(opening)] = opening
-        if f.readinto(memoryview(data)[len(opening) :]) != len(data) - len(opening) or f.read(1):
-            raise SessionFileError(f"{path} changed while it was read")
-    return data
-
-
-def _is_size(value: Any) -> bool:
-    return isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)
-
-
-def _blobs(header: dict[str, Any], body: memoryview, offset: int, path: Path) -> dict[str, Buffer]:
-    table = header.get("blobs")
-    if not isinstance(table, list):
-        raise SessionFileError(f"{path}: the blob table is missing")
-    blobs: dict[str, Buffer] = {}
-    for entry in table:
-        try:
-            name, size, digest = entry["name"], entry["size"], entry["sha256"]
-        except (TypeError, KeyError):
-            raise SessionFileError(f"{path}: a blob entry is malformed") from None
-        if not (isinstance(name, str) and isinstance(size, int) and isinstance(digest, str)) or size < 0:
-            raise SessionFileError(f"{path}: a blob entry is malformed")
-        blob = body[offset : offset + size]
-        if len(blob) != size or hashlib.sha256(blob).hexdigest() != digest:
-            raise SessionFileError(f"{path}: blob {name!r} is corrupt or truncated")
-        blobs[name] = blob
-        offset += size
-    if offset != len(body):
-        raise SessionFileError(f"{path}: {len(body) - offset} bytes follow the last blob")
-    return blobs
 
 
 def file_digest(path: str | Path) -> str:

@@ -25,8 +25,8 @@ from llmsession.native.llama import (
     raise_pending,
 )
 from llmsession.native.machine import within_cores
-from llmsession.native.reports import made_reporting
-from llmsession.native.stateblob import UNCHECKABLE, StateLayout, layout, learned, refusal
+from llmsession.native.reports import cell_bytes, made_logging, reported_bytes
+from llmsession.native.stateblob import UNCHECKABLE, StateLayout, layout, learned, most_bytes, refusal
 from llmsession.native.threadpool import POOLED, ThreadPool
 
 if TYPE_CHECKING:
@@ -51,16 +51,17 @@ def _params(lib: Any, n_ctx: int, n_batch: int, threads: int, n_seq_max: int, ro
     return params
 
 
-def _made(lib: Any, ffi: Any, model: NativeModel, params: Any, *, cells: bool) -> tuple[Any, int, int]:
+def _made(lib: Any, ffi: Any, model: NativeModel, params: Any, *, cells: bool) -> tuple[Any, int, int, int]:
     """A new llama context (or NULL), the compute buffers llama.cpp reported making for it
-    (``cells``: and its KV cells), and the rows of logits it reserves. A model without cells
-    (BERT's kind) decodes through its encoder, every token an output: llama.cpp would abort
-    past fewer rows, so such a context is made again reserving a batch of them."""
+    (``cells``: and its KV cells), its cells' buffers (``reports.cell_bytes``) and the rows of
+    logits it reserves. A model without cells (BERT's kind) decodes through its encoder, every
+    token an output: llama.cpp would abort past fewer rows, so such a context is made again
+    reserving a batch of them."""
     while True:
-        pointer, reported = made_reporting(lambda: lib.llama_init_from_model(model.ptr, params), cells=cells)
+        pointer, lines = made_logging(lambda: lib.llama_init_from_model(model.ptr, params))
         whole = params.n_outputs_max >= params.n_batch
         if pointer == ffi.NULL or whole or lib.llama_get_memory(pointer) != ffi.NULL:
-            return pointer, reported, int(params.n_outputs_max)
+            return pointer, reported_bytes(lines, cells=cells), cell_bytes(lines), int(params.n_outputs_max)
         lib.llama_free(pointer)
         params.n_outputs_max = params.n_batch
 
@@ -110,7 +111,7 @@ class NativeContext(Owner):
             params.embeddings, params.pooling_type = True, lib.LLAMA_POOLING_TYPE_UNSPECIFIED
         pool = ThreadPool(params.n_threads)
         try:
-            pointer, reported, rows = _made(lib, ffi, model, params, cells=embeddings)
+            pointer, reported, cells_made, rows = _made(lib, ffi, model, params, cells=embeddings)
         except BaseException:
             pool.free()  # (its worker threads: no context holds it)
             raise
@@ -124,6 +125,7 @@ class NativeContext(Owner):
             if pointer != ffi.NULL:
                 self._free()
             raise
+        self.most_state_bytes = most_bytes(self.state_layout, cells_made)  # (a file's state: ``sessionread``)
         model.adopt(self)
         self._flag = AbortFlag()
         self._abort_cb = abort_callback(self._flag)

@@ -337,3 +337,17 @@ def _recurrent_part(reader: _Reader, part: Part, layout: StateLayout, seq: int) 
         raise _Refused(f"its recurrent part has {len(rows)} rows of state, of sizes {sorted({*rows})}")
     reader.rows.append(tuple(rows))
     return held
+
+
+def most_bytes(layout: StateLayout | None, buffers: int) -> int | None:
+    """The most bytes a state of one sequence in ``layout`` can have, in a context whose cells'
+    buffers (KV cells, recurrent states: ``reports.cell_bytes``) take ``buffers``: at most all
+    their values, and each part's meta (a cell's position, sequence and M-RoPE ext; a layer's
+    type and row size); None where that is not known (an unchecked layout, buffers unreported)."""
+    if layout is None or (layout.parts and not buffers):
+        return None
+    meta = sum(
+        64 + 4 * part.streams + (8 + 4 + CELL_EXT + 4) * layout.cells + 32 * layout.n_layer
+        for part in layout.parts
+    )
+    return 8 + buffers + meta

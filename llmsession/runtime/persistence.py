@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from llmsession.engine.lease import Lease
-from llmsession.engine.sessionfile import SavedSession, read, write
+from llmsession.engine.sessionfile import SavedSession, write
+from llmsession.engine.sessionread import MAX_FILE_BYTES, read
 from llmsession.errors import MemoryBudgetError, SessionFileError
 from llmsession.native.layout import context_layout, kv_ggml_type
 from llmsession.native.llama import build_commit, state_seq_version
 from llmsession.options import KV_TYPES
 from llmsession.replies import Message
 from llmsession.runtime.core import ModelCore
+from llmsession.runtime.loading import available_memory
 from llmsession.text.images import Image, image_from_part
 from llmsession.text.messages import is_image_part
 from llmsession.text.splice import ReplyTokens
@@ -112,8 +114,23 @@ def remember_replies(model: ModelCore, saved: SavedSession, own: ReplyTokens, sh
 
 
 def read_saved(model: ModelCore, path: str | Path) -> tuple[SavedSession, dict[str, Any]]:
-    """A saved session and its ``session()`` settings (the file's own)."""
-    saved = read(path, max_positions=model.engine.config.kv_tokens)
+    """A saved session and its ``session()`` settings (the file's own). Its state is held only
+    if this model could load it, and only up to what this model's cells could write; what the
+    file holds must fit in the memory free now (``sessionread``: a file's sizes are its word)."""
+
+    def state_bytes(saved: Mapping[str, Any]) -> int | None:
+        here, layout = compat(model, True), saved.get("context")
+        cells = layout.get("type_k") if isinstance(layout, dict) else None
+        if (
+            model.native.has_encoder
+            or any(saved.get(k) != here[k] for k in here if k != "context")
+            or cells != here["context"]["type_k"]
+        ):
+            return None  # (another model's, build's or cell type's: read through, never held)
+        most = model.engine.most_state_bytes()
+        return MAX_FILE_BYTES if most is None else most
+
+    saved = read(path, model.engine.config.kv_tokens, state_bytes=state_bytes, max_bytes=available_memory())
     return saved, {name: saved.settings[name] for name in SETTINGS if name in saved.settings}
 
 
@@ -149,13 +166,15 @@ def restore(
 
 
 def _mismatch(saved: SavedSession, current: dict[str, Any], context_size: int, n_vocab: int) -> str:
-    if "state" not in saved.blobs or not saved.record:
+    if not saved.record or ("state" not in saved.blobs and "state" not in saved.dropped):
         return "the file holds no KV state"
     for key, value in current.items():
         if saved.compat.get(key) != value:
             was = saved.compat.get(key)
             differs = f"{key} differs (saved {was!r}, now {value!r})"
             return _cell_types(was, value) or _streams(was, value) or differs
+    if "state" in saved.dropped:
+        return saved.dropped["state"]
     if len(saved.record) >= context_size:
         return f"the state holds {len(saved.record)} positions; the session's context is {context_size}"
     if not all(0 <= item < n_vocab for item in saved.record if isinstance(item, int)):
