@@ -90,7 +90,11 @@ class Handoff:
             session.close()
             self.moves.refused += 1
             return False
-        self.model.keep_conversation(session, tenant=claimed.tenant, conversation=key)
+        try:
+            self.model.keep_conversation(session, tenant=claimed.tenant, conversation=key)
+        except Exception:  # (a model closing as an abandoned restore ends: the session is freed)
+            session.close()
+            raise
         if key not in self.model.conversations():  # (calls like its keep no session here)
             self.moves.refused += 1
             return False
