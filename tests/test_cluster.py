@@ -758,6 +758,8 @@ def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
         sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:
+            if len(received) == len(pieces):  # (as ASGI's past the body: nothing until a disconnect)
+                await asyncio.Event().wait()
             received.append(1)
             return {"type": "http.request", "body": pieces[len(received) - 1], "more_body": len(received) < 5}
 
@@ -774,7 +776,9 @@ def test_the_front_reads_no_body_of_a_caller_without_a_key() -> None:
     for key in (KEY, "sk-operator"):
         assert post(front, key) == (5, 401) and handed[-1] == body
     small = Front(Engine(), 1 << 19, board=None, access=Access(KEY, "sk-operator"))
-    assert post(small, "sk-wrong") == (3, 401) and handed[-1] == b""  # (past the size: its 401 all the same)
+    # (past the size: its 401 all the same; 3 pieces read for the body, a 4th by the front's
+    # watch for the client leaving, which a piece ends)
+    assert post(small, "sk-wrong") == (4, 401) and handed[-1] == b""
     assert post(small, KEY)[1] == 413
     open_front = Front(Engine(), 8 << 20, board=None, access=Access(None, "sk-operator"))
     post(open_front, "sk-wrong")
@@ -947,3 +951,63 @@ def test_the_router_makes_a_replicas_held_set_once_a_report() -> None:
     assert router._held(replica) == {"new"}
     replica.routing_stats = {"conversations": "not a list"}
     assert router._held(replica) == frozenset()
+
+
+def test_a_client_that_leaves_is_heard_when_its_request_asked_ray_not_to() -> None:
+    """A client's ``x-request-disconnect-disabled: ?1`` turns off Ray's proxy's cancel of the
+    front for a client gone (the proxy reads it before the front sees the request): a reply
+    then decoded on to the end for nobody. The front hears the disconnect itself, past the
+    body, and cancels the replica's stream. (Stand-ins: an endless replica stream that records
+    its cancel, a receive that says the client left after the body.)"""
+    from llmsession.cluster.front import Front
+
+    class Endless:
+        cancelled = 0
+
+        def __aiter__(self) -> Endless:
+            return self
+
+        async def __anext__(self) -> dict[str, Any]:
+            await asyncio.sleep(0.01)
+            return (
+                {"type": "http.response.start", "status": 200, "headers": []}
+                if not sent
+                else {
+                    "type": "http.response.body",
+                    "body": b"data: x\n\n",
+                    "more_body": True,
+                }
+            )
+
+        def cancel(self) -> None:
+            self.cancelled += 1
+
+    stream, sent = Endless(), []
+
+    class Engine:
+        def options(self, **_: Any) -> Any:
+            answer = type("Answer", (), {"remote": staticmethod(lambda *_: stream)})()
+            return type("Handle", (), {"answer": answer})()
+
+    bodies = iter([{"type": "http.request", "body": b"{}", "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        message = next(bodies, None)
+        if message is None:
+            await asyncio.sleep(0.3)  # (the client reads a while, then leaves)
+            return {"type": "http.disconnect"}
+        return message
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def asked() -> None:
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        await asyncio.wait_for(Front(Engine(), 1 << 20, board=None).asgi(scope, receive, send), 5)
+
+    began = time.monotonic()
+    asyncio.run(asked())
+    assert time.monotonic() - began < 2 and stream.cancelled == 1 and len(sent) > 3, (
+        len(sent),
+        stream.cancelled,
+    )

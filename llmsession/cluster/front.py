@@ -12,6 +12,7 @@ the board's, every replica's merged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import OrderedDict
@@ -87,8 +88,13 @@ class Front:
         for name, value in forwarded["headers"]:  # (the first of a repeated header, as the server reads it)
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
         body = await self._read(receive, send, headers)
-        if body is None:
-            return
+        if body is not None:
+            await _unless_gone(receive, self._answer(scope, forwarded, headers, body, send))
+
+    async def _answer(
+        self, scope: Scope, forwarded: dict[str, Any], headers: Mapping[str, str], body: bytes, send: Send
+    ) -> None:
+        """Find the request's conversation and relay a replica's answer to it."""
         path = scope.get("path", "/")
         async with self.parsing:  # (a large body's parse, a few at once: 128 could run together)
             key, pinned = await asyncio.to_thread(routing, path, headers, body)
@@ -187,6 +193,27 @@ class Front:
         await send({**first, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
         return True
+
+
+async def _unless_gone(receive: Receive, answering: Awaitable[None]) -> None:
+    """Run ``answering`` until it ends or the client leaves (then it is cancelled, the replica's
+    stream with it). Ray's proxy cancels the front for a client that left unless the client's
+    request said not to (its ``x-request-disconnect-disabled`` header, read before the front
+    sees it): then a reply decoded on to the end for nobody. (Past the body, ASGI's ``receive``
+    says only a disconnect; anything else ends the watch, never the answer.)"""
+    task, left = asyncio.ensure_future(answering), asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        gone = left.done() and not left.cancelled() and left.exception() is None
+        if gone and left.result().get("type") == "http.disconnect" and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return
+        await task
+    finally:
+        left.cancel()
+        task.cancel()
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
