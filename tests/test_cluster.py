@@ -1011,3 +1011,59 @@ def test_a_client_that_leaves_is_heard_when_its_request_asked_ray_not_to() -> No
         len(sent),
         stream.cancelled,
     )
+
+
+def test_keyless_uploads_never_hold_the_places_keyed_requests_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front's places in Ray were the replicas' (64 each) and a keyless body held one while
+    it was read (5 s): 128 slow keyless uploads every 5 s held them all. Keyless bodies are read
+    beside the answers now (``UNKEYED_READERS`` of them, places of their own in Ray), one past
+    them not read at all, and a keyed request never waits for them."""
+    from llmsession.cluster import front as front_module
+    from llmsession.cluster.front import Front
+    from llmsession.serve.access import Access
+
+    monkeypatch.setattr(front_module, "UNKEYED_READERS", 2)
+    handed: list[bytes] = []
+
+    class Engine:
+        def options(self, **_: Any) -> Any:
+            class Answer:
+                @staticmethod
+                def remote(scope: Any, body: bytes, *_: Any) -> Any:
+                    handed.append(body)
+
+                    async def messages() -> Any:
+                        yield {"type": "http.response.start", "status": 401, "headers": []}
+                        yield {"type": "http.response.body", "body": b"{}"}
+
+                    return Relayed(messages())
+
+            return type("Handle", (), {"answer": Answer()})()
+
+    async def request(front: Front, key: str, trickle: bool) -> float:
+        async def receive() -> dict[str, Any]:
+            if trickle:
+                await asyncio.sleep(0.05)  # (a byte now and then, never the end)
+                return {"type": "http.request", "body": b" ", "more_body": True}
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(_: Any) -> None:
+            pass
+
+        headers = [(b"authorization", f"Bearer {key}".encode())]
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+        began = time.monotonic()
+        await asyncio.wait_for(front.asgi(scope, receive, send), 30)
+        return time.monotonic() - began
+
+    async def flooded() -> tuple[list[float], float, float]:
+        front = Front(Engine(), 1 << 20, board=None, access=Access(KEY), answers=1)
+        slow = [asyncio.ensure_future(request(front, "sk-wrong", trickle=True)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        past = await request(front, "sk-wrong", trickle=True)  # (a third: not read)
+        keyed = await request(front, KEY, trickle=False)  # (the one answer's place is free)
+        return await asyncio.gather(*slow), past, keyed
+
+    slow, past, keyed = asyncio.run(flooded())
+    assert past < 0.5 and keyed < 0.5 and all(took > 4 for took in slow), (slow, past, keyed)
+    assert sorted(handed) == [b"", b"", b"", b"{}"], handed

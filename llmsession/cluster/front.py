@@ -38,6 +38,10 @@ RETRIES = 1  # another replica tries a request whose replica died holding it, be
 BODY_TIMEOUT_S = 60.0  # for a request's body to arrive (a slow upload holds the front)
 UNKEYED_BODY_S = 5.0  # for the body of a caller without a key, read only to be dropped
 PARSERS = 4  # bodies the front reads for their conversation at once (a thread each)
+# Keyless bodies read (to drop) at once, beside the requests a replica is asked: past them one is
+# not read (its 401 at once). Ray's slots for the front are the answers', these and a margin.
+UNKEYED_READERS = 256
+FRONT_MARGIN = 64
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -55,13 +59,17 @@ class Front:
         board: Any,
         router: str = "conversation",
         access: Access | None = None,
+        answers: int = 64,
     ) -> None:
         """``router``: ours (``conversation``: the session id names the replica a request must
         reach or answered last, ``keys.session_id``), else one of Ray's, for comparison: the
         session id is the conversation's key alone, and the prefix router gets its text.
         ``access``: the servers' keys; a request that presents none of them is passed on
         without its body (dropped as it is read: the replica answers its 401 in its door's
-        words), so that no caller without a key has the front hold, parse or ship a body."""
+        words), so that no caller without a key has the front hold, parse or ship a body.
+        ``answers``: the requests replicas are asked at once (a keyed one's body is held from
+        before it is read); a keyless body is read beside them (``UNKEYED_READERS``), so that
+        slow keyless uploads never hold the places keyed requests need (128 of them did)."""
         self.engine = engine
         self.access = access
         self.max_body_bytes = max_body_bytes
@@ -70,6 +78,8 @@ class Front:
         self.by_text = router == "prefix-affinity"
         self.last: OrderedDict[str, str] = OrderedDict()  # key -> the replica that answered it last
         self.parsing = asyncio.Semaphore(PARSERS)
+        self.answering = asyncio.Semaphore(answers)
+        self.unkeyed = asyncio.Semaphore(UNKEYED_READERS)
 
     def __serve_build_asgi_app__(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:  # (a function: ASGI 3)
@@ -87,9 +97,15 @@ class Front:
         headers: dict[str, str] = {}
         for name, value in forwarded["headers"]:  # (the first of a repeated header, as the server reads it)
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-        body = await self._read(receive, send, headers)
-        if body is not None:
-            await _unless_gone(receive, self._answer(scope, forwarded, headers, body, send))
+        if self.access is None or self.access.admits(headers):
+            async with self.answering:  # (its body held: as many as replicas are asked)
+                body = await self._read(receive, send, keyed=True)
+                if body is not None:
+                    await _unless_gone(receive, self._answer(scope, forwarded, headers, body, send))
+            return
+        if await self._read(receive, send, keyed=False) is not None:
+            async with self.answering:
+                await _unless_gone(receive, self._answer(scope, forwarded, headers, b"", send))
 
     async def _answer(
         self, scope: Scope, forwarded: dict[str, Any], headers: Mapping[str, str], body: bytes, send: Send
@@ -146,18 +162,21 @@ class Front:
             raise
         return True
 
-    async def _read(self, receive: Receive, send: Send, headers: Mapping[str, str]) -> bytes | None:
+    async def _read(self, receive: Receive, send: Send, *, keyed: bool) -> bytes | None:
         """The request's body, bounded in size and time; None once the request is answered
         (408, 413) or its client has left. A caller who presents none of the servers' keys has
         its body read and dropped, never kept or parsed, and b"" passed on to the replica (its
         401, or what it answers without a key: a probe, a 404), past the size or the time too
         (``UNKEYED_BODY_S``: a trickle of bytes held one of the front's places for a minute).
         (Read, not left: Ray's proxy queues what the app has not read, unbounded, and a client
-        that asked for the connection to close would be reset before it read its 401.)"""
-        keyed = self.access is None or self.access.admits(headers)
+        that asked for the connection to close would be reset before it read its 401.) Past
+        ``UNKEYED_READERS`` keyless bodies being read, one is not read at all."""
+        if not keyed and self.unkeyed.locked():
+            return b""
         waits = BODY_TIMEOUT_S if keyed else UNKEYED_BODY_S  # (a trickle without a key: not a minute)
         try:
-            body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), waits)
+            async with contextlib.nullcontext() if keyed else self.unkeyed:
+                body = await asyncio.wait_for(_body(receive, self.max_body_bytes, keep=keyed), waits)
         except asyncio.TimeoutError:  # (on 3.10, not the builtin)
             if not keyed:
                 return b""

@@ -114,7 +114,7 @@ def application(cluster: Cluster) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from llmsession.cluster.deployment import Board, Engine
-    from llmsession.cluster.front import Front
+    from llmsession.cluster.front import FRONT_MARGIN, UNKEYED_READERS, Front
     from llmsession.serve.access import Access
 
     routing: Any = RequestRouterConfig  # (a pydantic model its stubs mistype)
@@ -128,7 +128,8 @@ def application(cluster: Cluster) -> Any:
     front = serve.deployment(
         name="front",
         ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=cluster.most_replicas * ENGINE_ONGOING,  # (every request passes through it)
+        # (every request passes through it: the replicas', keyless bodies read beside them, a margin)
+        max_ongoing_requests=cluster.most_replicas * ENGINE_ONGOING + UNKEYED_READERS + FRONT_MARGIN,
         graceful_shutdown_timeout_s=cluster.shutdown_timeout,
     )(serve.ingress()(Front))
     board = cast(Any, Board).remote()  # (this process owns it: it ends with the command)
@@ -143,7 +144,8 @@ def application(cluster: Cluster) -> Any:
         cluster.router == "conversation",
     )
     access = Access(cluster.app_settings.get("api_key"), cluster.app_settings.get("operator_key"))
-    return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router, access)
+    answers = cluster.most_replicas * ENGINE_ONGOING
+    return front.bind(bound_engine, cluster.max_body_bytes, board, cluster.router, access, answers)
 
 
 def run(cluster: Cluster) -> None:
