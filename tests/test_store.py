@@ -1,6 +1,7 @@
-"""The Responses store's bounds (pure): a key that floods it evicts its own responses, never a
-smaller key's; a lone key may use all of it; what is kept is counted exactly; a continuation is
-sized from its predecessor without serializing the whole chain again."""
+"""The Responses store's bounds (pure): each key keeps a share of its own and forgets only its
+own responses, so nothing one key does changes what another sees; a lone key has all of it;
+what is kept is counted exactly; a continuation is sized from its predecessor without
+serializing the whole chain again."""
 
 from __future__ import annotations
 
@@ -22,50 +23,27 @@ def said(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-def test_a_flooding_key_evicts_its_own_and_a_lone_key_uses_it_all() -> None:
-    store = ResponseStore(count=10, size=10_000)
+def test_each_key_keeps_its_share_and_forgets_only_its_own() -> None:
+    store = ResponseStore(count=10, size=10_000, owners=2)  # (5 responses, 5,000 bytes a key)
     for i in range(3):
         assert store.put("b", body(f"b{i}"), said("small"))
     for i in range(50):  # (over the count and, with its text, over the bytes)
         assert store.put("a", body(f"a{i}", "x" * 400), said("flood"))
     assert all(store.get(f"b{i}", "b") is not None for i in range(3))
     assert store.get("a49", "a") is not None and store.get("a0", "a") is None
-    assert len(store) <= 10 and store.used <= 10_000
+    assert store.held("a")[0] <= 5 and store.held("a")[1] <= 5_000 and store.held("b")[0] == 3
+    assert not store.put("a", body("big", "x" * 5_000), said("a"))  # (past the share: not kept)
+    assert store.get("a49", "a") is not None  # (and nothing of its own went for it)
     lone = ResponseStore(count=10, size=10_000)
     for i in range(30):
         lone.put("a", body(f"a{i}"), said("hi"))
-    assert len(lone) == 10 and lone.held("a")[0] == 10  # (the whole count: nobody else needs it)
+    assert len(lone) == 10 and lone.held("a")[0] == 10  # (one key: the whole bound is its share)
 
 
-def test_a_response_that_would_make_its_key_the_largest_evicts_nobody_smaller() -> None:
-    store = ResponseStore(count=100, size=5_000)
-    for i in range(4):
-        store.put("b", body(f"b{i}", "y" * 800), said("b"))  # (about 3,400 bytes)
-    assert store.put("a", body("big", "x" * 1_700), said("a"))  # (b holds the most: b gives way)
-    assert store.get("big", "a") is not None and store.used <= 5_000 and store.held("b")[0] < 4
-    kept_b = store.held("b")
-    assert not store.put("a", body("bigger", "x" * 4_000), said("a"))  # (a would hold the most)
-    assert store.held("b") == kept_b and store.get("bigger", "a") is None
-    assert store.get("big", "a") is not None  # (a refused response changes nothing)
-    assert not store.put("a", body("huge", "x" * 6_000), said("a"))  # (over the whole bound)
-
-
-def test_a_refused_response_evicts_nothing_on_its_way() -> None:
-    """The smaller key gives way first, then the putter's key would be the largest with only
-    the new response: refused, and the smaller key keeps everything it had."""
-    store = ResponseStore(count=100, size=5_000)
-    for i in range(4):
-        store.put("b", body(f"b{i}", "y" * 800), said("b"))  # (about 3,440 bytes)
-    before = store.held("b")
-    assert not store.put("a", body("big", "x" * 3_000), said("a"))
-    assert store.held("b") == before and store.held("a") == (0, 0)
-    assert all(store.get(f"b{i}", "b") is not None for i in range(4))
-
-
-def test_a_chain_of_continuations_never_evicts_a_smaller_key() -> None:
-    """Each continuation is sized with its predecessor: a key growing one response toward the
-    whole bound gives way itself."""
-    store = ResponseStore(count=1_000, size=100_000)
+def test_a_chain_of_continuations_gives_way_itself() -> None:
+    """Each continuation is sized with its predecessor: a key growing one response toward its
+    share forgets its own older ones, never another key's."""
+    store = ResponseStore(count=2_000, size=200_000, owners=2)
     for i in range(50):
         store.put("a", body(f"a{i}", "x" * 1_000), said("a"))
     transcript: list[dict[str, Any]] = []
@@ -74,7 +52,13 @@ def test_a_chain_of_continuations_never_evicts_a_smaller_key() -> None:
         transcript = [*transcript, *said("y" * 9_000)]
         store.put("b", body(f"b{turn}"), transcript, after=previous)
         previous = store.get(f"b{turn}", "b") or previous
-    assert store.held("a")[0] == 50 and store.used <= 100_000
+    assert store.held("a")[0] == 50 and store.held("b")[1] <= 100_000
+
+
+def test_text_is_sized_at_least_as_it_takes_memory() -> None:
+    """Counted as characters of unescaped JSON, an emoji was 1 (4 bytes held): 2M of them were
+    2 MB of a 64 MiB bound and held 8 MiB."""
+    assert json_size("\U0001f600" * 1000) >= 4 * 1000 and json_size("é" * 1000) >= 2 * 1000
 
 
 def test_another_keys_ids_are_unknown() -> None:
@@ -105,25 +89,32 @@ def test_a_chain_is_sized_from_its_predecessor() -> None:
         max_size=60,
     )
 )
-def test_the_bounds_and_the_counts_hold_and_smaller_keys_are_spared(
+def test_the_bounds_hold_and_what_a_key_sees_never_depends_on_another(
     steps: list[tuple[str | None, int, int]],
 ) -> None:
-    store = ResponseStore(count=8, size=6_000)
+    """Each key's share holds, the counts are exact, and what key "a" is told and keeps is what
+    it would be with no other key's step in between."""
+    store, alone = ResponseStore(count=8, size=6_000, owners=2), ResponseStore(count=8, size=6_000, owners=2)
+    told: list[object] = []
     for n, (owner, kind, length) in enumerate(steps):
         ident = f"r{n}"
         if kind == 3 and n:  # (a delete, of an earlier id, by this key)
-            store.delete(f"r{n - 1}", owner)
+            deleted = store.delete(f"r{n - 1}", owner)
+            if owner == "a":
+                told.append((deleted, alone.delete(f"r{n - 1}", owner)))
             continue
-        before = {o: store.held(o) for o in ("a", "b", "c", None)}
         kept = store.put(owner, body(ident, "x" * length), said("hi"))
         assert kept == (store.get(ident, owner) is not None)
-        assert len(store) <= 8 and store.used <= 6_000
+        if owner == "a":
+            told.append((kept, alone.put(owner, body(ident, "x" * length), said("hi"))))
+        for o in ("a", "b", "c", None):
+            assert store.held(o)[0] <= 4 and store.held(o)[1] <= 3_000
         held = [store.held(o) for o in ("a", "b", "c", None)]
         assert store.used == sum(size for _, size in held) and len(store) == sum(c for c, _ in held)
-        mine = store.held(owner)
-        for other, (count, size) in before.items():  # a key that lost one held at least as much
-            if other != owner and store.held(other)[0] < count:
-                assert kept and (size >= mine[1] or count >= mine[0]), (other, before, owner, mine)
+        assert store.held("a") == alone.held("a")
+    assert all(mine == theirs for mine, theirs in told), told
+    ids = [f"r{n}" for n in range(len(steps))]
+    assert [store.get(i, "a") is None for i in ids] == [alone.get(i, "a") is None for i in ids]
 
 
 def test_a_response_in_progress_is_its_owners_until_it_ends_and_deleted_it_is_not_kept() -> None:

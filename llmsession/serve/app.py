@@ -83,11 +83,12 @@ class Server:
     ) -> None:
         self.hosts = hosts
         self.volatile = volatile or Volatile(())
-        self.store = ResponseStore()
         self.draft = draft  # every request's drafted tokens (the API has no field for them)
         self.metrics = hosts.metrics
         self.model_name = hosts.names[0]  # (the one model's, or the first of several)
         self.access = Access(api_keys, operator_keys)
+        access = self.access  # (each key keeps a share of the stored responses: one more for no key)
+        self.store = ResponseStore(owners=max(1, len(access.tenants)) + len(access.operators))
         self.authorize, self.authorize_operator = self.access.authorize, self.access.authorize_operator
         self.max_body_bytes = max_body_bytes
         self.bodies = Bodies(max_body_bytes)

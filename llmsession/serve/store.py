@@ -2,16 +2,14 @@
 returns and what a ``previous_response_id`` continues. Pure.
 
 Each is kept with the digest of the key that made it: another key's id is unknown (a 404, never
-continued, never retrieved). Bounded by count and by bytes (the response's body and its
-transcript, as JSON); one larger than the byte bound is not kept. Its body is kept as the JSON
-a ``GET`` answers, rendered once (off the event loop for a response not streamed: the rendering
-it is sent as). Past a
-bound, the key holding the most (bytes, or responses when only the count is over) forgets its
-least recently used first: a key that floods the store evicts its own responses, never a
-smaller key's, and a lone key may use it all. A response that would make its key the largest
-with nothing else of its own left to forget is not kept (``put`` is False) rather than evict a
-smaller key's. A continuation's transcript is sized as its predecessor's size and its new
-part's, so a long chain is never serialized whole on the event loop. The engine state behind a
+continued, never retrieved). Each key has a share of its own, by count and by bytes (the
+response's body and its transcript, as JSON: non-ASCII escaped, so never less than the text
+takes in memory), the bounds over the server's keys: past its share a key forgets its own least
+recently used first, and one response larger than the share is not kept (``put`` is False).
+Nothing one key does changes what another keeps or sees (a shared pool let a key count the
+others' responses by its own that went, and evict them). A continuation's transcript is sized
+as its predecessor's size and its new part's, so a long chain is never serialized whole on the
+event loop. The engine state behind a
 response is not here: a continuation resends the transcript to the stateless sessions, whose
 kept session still holds it (or its parked state), so only the new input is decoded. A response
 in progress is known by its owner from its start (``begin``, ``end``): retrieved as it began,
@@ -41,15 +39,19 @@ class Stored:
 
 
 def json_size(value: object) -> int:
-    return len(json.dumps(value, ensure_ascii=False))
+    """Its JSON's length with non-ASCII escaped: at least what its text takes in memory (an emoji
+    is 4 bytes and 12 characters escaped; counted unescaped, 1)."""
+    return len(json.dumps(value))
 
 
 class ResponseStore:
     """Responses by id, each key's least recently used first. Used on the event loop's thread
     only."""
 
-    def __init__(self, count: int = MAX_RESPONSES, size: int = MAX_BYTES) -> None:
-        self.count, self.size = count, size
+    def __init__(self, count: int = MAX_RESPONSES, size: int = MAX_BYTES, owners: int = 1) -> None:
+        """``count`` and ``size`` bound all that is kept, each of the server's ``owners`` (its
+        keys; 1 without keys) keeping an equal share."""
+        self.count, self.size = max(1, count // max(1, owners)), size // max(1, owners)  # (a key's)
         self.used = 0
         self._kept: dict[str, Stored] = {}
         self._lru: dict[str | None, OrderedDict[str, None]] = {}  # each key's ids, oldest first
@@ -84,12 +86,9 @@ class ResponseStore:
         self._lru.setdefault(owner, OrderedDict())[ident] = None
         self._bytes[owner] = self._bytes.get(owner, 0) + size
         self.used += size
-        victims = self._victims(ident, owner)
-        if victims is None:
-            self._drop(ident)
-            return False
-        for victim in victims:
-            self._drop(victim)
+        mine = self._lru[owner]
+        while len(mine) > self.count or self._bytes[owner] > self.size:  # (never the one just kept:
+            self._drop(next(iter(mine)))  # it is the newest, and alone it is within the share)
         return True
 
     def get(self, ident: str, owner: str | None) -> Stored | None:
@@ -129,28 +128,6 @@ class ResponseStore:
     def held(self, owner: str | None) -> tuple[int, int]:
         """How many responses ``owner`` keeps here, and their bytes."""
         return len(self._lru.get(owner, ())), self._bytes.get(owner, 0)
-
-    def _victims(self, but: str, putter: str | None) -> list[str] | None:
-        """What goes to bring the store within its bounds, planned before anything goes: each
-        time the least recently used response of the key holding the most (on a tie, not the
-        ``putter``'s), never ``but`` (the one just kept). None if that key would hold nothing
-        else: then the one just kept gives way, and nothing else goes."""
-        count, used = len(self._kept), self.used
-        counts = {owner: len(ids) for owner, ids in self._lru.items()}
-        sizes = dict(self._bytes)
-        oldest = {owner: iter(ids) for owner, ids in self._lru.items()}
-        victims: list[str] = []
-        while count > self.count or used > self.size:
-            by = sizes if used > self.size else counts  # (bytes when they are over, else responses)
-            largest = max((o for o in counts if counts[o]), key=lambda o: (by[o], o != putter))
-            victim = next((ident for ident in oldest[largest] if ident != but), None)
-            if victim is None:
-                return None
-            victims.append(victim)
-            size = self._kept[victim].size
-            count, used = count - 1, used - size
-            counts[largest], sizes[largest] = counts[largest] - 1, sizes[largest] - size
-        return victims
 
     def _drop(self, ident: str) -> None:
         stored = self._kept.pop(ident, None)
