@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
+from llmsession.serve.rendering import rendered
 from llmsession.serve.store import ResponseStore, json_size
 
 
@@ -119,19 +120,19 @@ def test_the_bounds_hold_and_what_a_key_sees_never_depends_on_another(
 
 def test_a_response_in_progress_is_its_owners_until_it_ends_and_deleted_it_is_not_kept() -> None:
     store = ResponseStore(count=10, size=10_000)
-    store.begin("r1", "a", body("r1", "started"))
-    assert store.running("r1", "a") == body("r1", "started") and store.get("r1", "a") is None
+    store.begin("r1", "a", rendered(body("r1", "started")))
+    assert store.running("r1", "a") == rendered(body("r1", "started")) and store.get("r1", "a") is None
     assert store.running("r1", "b") is None and not store.delete("r1", "b")  # (another key's: unknown)
     assert store.put("a", body("r1", "done"), said("hi"))
     store.end("r1")
     assert store.running("r1", "a") is None and store.get("r1", "a") is not None
-    store.begin("r2", "a", body("r2"))
+    store.begin("r2", "a", rendered(body("r2")))
     assert store.delete("r2", "a") and store.running("r2", "a") is None
     assert not store.delete("r2", "a")
     assert not store.put("a", body("r2", "done"), said("hi"))  # (deleted while it ran)
     store.end("r2")
     assert store.get("r2", "a") is None and len(store) == 1
-    store.begin("r2", "a", body("r2"))  # (ended, the id is forgotten: nothing of it lingers)
+    store.begin("r2", "a", rendered(body("r2")))  # (ended, the id is forgotten: nothing of it lingers)
     assert store.put("a", body("r2", "again"), said("hi"))
     assert store.delete("r2", "a")  # (kept, its stream not closed yet: deleted, it goes)
     store.end("r2")
@@ -150,3 +151,28 @@ def test_a_kept_body_is_rendered_once_as_it_was_when_kept() -> None:
         "store": True,
     }
     assert stored.rendered == JSONResponse({**json.loads(stored.rendered)}).body
+
+
+def test_a_kept_body_is_sent_a_piece_at_a_time() -> None:
+    """A ``GET`` handed uvicorn a stored body whole, and a client that did not read had a copy
+    of it all in its connection's buffer (17 MB of logprobs, as many times as connections asked).
+    It is sent ``PIECE`` bytes at a time now, the server waiting for the client between pieces."""
+    import asyncio
+
+    from llmsession.serve.responding import PIECE, in_pieces
+
+    data = rendered({"id": "r", "output": "x" * (3 * PIECE)})
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # (a client that never leaves)
+        return {}
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "asgi": {"spec_version": "2.3"}}
+    asyncio.run(in_pieces(data)(scope, receive, send))
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert b"".join(bodies) == data and max(len(b) for b in bodies) == PIECE and len(bodies) >= 4
+    assert (b"content-length", str(len(data)).encode()) in sent[0]["headers"]

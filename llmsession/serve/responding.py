@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmsession.replies import Reply, assistant_message
 from llmsession.serve.body import parse_json
@@ -25,6 +26,7 @@ from llmsession.serve.chat import Door, EventStream
 from llmsession.serve.doors import ResponsesDoor
 from llmsession.serve.errors import ApiError
 from llmsession.serve.hosts import ManyModels, OneModel
+from llmsession.serve.rendering import rendered
 from llmsession.serve.responses import ResponsesAsk, responses_ask, responses_request
 from llmsession.serve.responses_sse import ResponseObject, response_id
 from llmsession.serve.schema import ChatRequest
@@ -32,6 +34,7 @@ from llmsession.serve.store import ResponseStore
 from llmsession.serve.translation import Volatile
 
 log = logging.getLogger("llmsession.serve")
+PIECE = 1 << 16  # a stored body is sent this much at a time (``in_pieces``)
 
 
 class Serving(Protocol):
@@ -121,7 +124,7 @@ async def create(server: Serving, request: Request) -> Response:
                 "response %s was not stored: larger than the store takes, or than its key may hold", ident
             )
 
-    store.begin(ident, key, response.body("in_progress", [], None))
+    store.begin(ident, key, await asyncio.to_thread(rendered, response.body("in_progress", [], None)))
     try:
         answered = await server.answer(request, asked, ResponsesDoor(response, keep))
     except BaseException:
@@ -145,6 +148,19 @@ async def stored(server: Serving, request: Request) -> Response:
     if request.method == "DELETE":
         server.store.delete(ident, key)
         return JSONResponse({"id": ident, "object": "response", "deleted": True})
-    if kept is not None:  # (as it was rendered when kept)
-        return Response(kept.rendered, media_type="application/json")
-    return JSONResponse(running)
+    return in_pieces(
+        kept.rendered if kept is not None else running or b""
+    )  # (as rendered when kept, or begun)
+
+
+def in_pieces(data: bytes) -> Response:
+    """A JSON body sent ``PIECE`` bytes at a time: the server waits for its client between
+    pieces, so one that does not read holds a piece in its connection's buffer, not a copy of
+    it all (a stored response of 17 MB, asked for by many connections that never read)."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for at in range(0, len(data), PIECE):
+            yield data[at : at + PIECE]
+
+    length = {"content-length": str(len(data))}
+    return StreamingResponse(pieces(), media_type="application/json", headers=length)

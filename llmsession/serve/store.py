@@ -56,7 +56,7 @@ class ResponseStore:
         self._kept: dict[str, Stored] = {}
         self._lru: dict[str | None, OrderedDict[str, None]] = {}  # each key's ids, oldest first
         self._bytes: dict[str | None, int] = {}
-        self._running: dict[str, tuple[str | None, dict[str, Any]]] = {}  # (owner, body in progress)
+        self._running: dict[str, tuple[str | None, bytes]] = {}  # (owner, body in progress, rendered)
         self._forgotten: set[str] = set()  # deleted while in progress: not kept when they end
 
     def __len__(self) -> int:
@@ -111,17 +111,18 @@ class ResponseStore:
         self._drop(ident)
         return True
 
-    def begin(self, ident: str, owner: str | None, body: dict[str, Any]) -> None:
-        """A response of ``owner``'s is in progress (``body``, as its stream began) until ``end``."""
-        self._running[ident] = (owner, body)
+    def begin(self, ident: str, owner: str | None, text: bytes) -> None:
+        """A response of ``owner``'s is in progress until ``end``: ``text``, its body as its
+        stream began, rendered (a ``GET`` sends that: it rendered the body, 8 MB, each time)."""
+        self._running[ident] = (owner, text)
 
     def end(self, ident: str) -> None:
         """It ended, however (kept with ``put`` before this, or not)."""
         self._running.pop(ident, None)
         self._forgotten.discard(ident)
 
-    def running(self, ident: str, owner: str | None) -> dict[str, Any] | None:
-        """The body of ``owner``'s response in progress under ``ident`` (None: none)."""
+    def running(self, ident: str, owner: str | None) -> bytes | None:
+        """The body of ``owner``'s response in progress under ``ident``, rendered (None: none)."""
         running = self._running.get(ident)
         return running[1] if running is not None and running[0] == owner else None
 
