@@ -1196,3 +1196,56 @@ def test_a_place_granted_as_its_caller_is_cancelled_is_given_back() -> None:
         return admission.used
 
     assert [asyncio.run(scenario(turns)) for turns in range(6)] == [0] * 6
+
+
+def test_what_an_answer_would_lack_and_parts_past_the_bound_are_refused() -> None:
+    """A Responses ``conversation``, stored ``prompt``, ``background`` or ``truncation: auto``,
+    and Anthropic's ``mcp_servers``, were dropped: answered without the context, instructions
+    or tools they add (and ``truncation`` echoed "disabled"). They are a 400 naming the field.
+    A message of more than ``MAX_PARTS`` parts (an 8 MiB body held 290,000 empty ones, 56 MB as
+    objects kept with its transcript) is refused on every door."""
+    from llmsession.serve.chat_messages import MAX_PARTS
+    from llmsession.serve.messages import chat_body
+    from llmsession.serve.responses import responses_ask
+
+    for name, value in (
+        ("conversation", "conv_1"),
+        ("prompt", {"id": "pmpt_1"}),
+        ("background", True),
+        ("truncation", "auto"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            responses_ask({"model": "m", "input": "Hi", name: value})
+        assert refused.value.param == name and refused.value.status == 400, refused.value
+    for quiet in ({"background": False}, {"truncation": "disabled"}, {"conversation": None}):
+        assert responses_ask({"model": "m", "input": "Hi", **quiet}).items
+    with pytest.raises(ApiError) as refused:
+        chat_body(
+            {
+                "model": "m",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "mcp_servers": [{}],
+            }
+        )
+    assert refused.value.param == "mcp_servers"
+    assert chat_body(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "mcp_servers": []}
+    )
+
+    many = [{"type": "text", "text": ""}] * (MAX_PARTS + 1)
+    for ask in (
+        lambda: chat_request({"model": "m", "messages": [{"role": "user", "content": many}]}),
+        lambda: responses_ask(
+            {
+                "model": "m",
+                "input": [
+                    {"role": "user", "content": [{"type": "input_text", "text": ""}] * (MAX_PARTS + 1)}
+                ],
+            }
+        ),
+        lambda: chat_body({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": many}]}),
+    ):
+        with pytest.raises(ApiError, match=f"at most {MAX_PARTS} parts"):
+            ask()
+    assert chat_request({"model": "m", "messages": [{"role": "user", "content": many[:MAX_PARTS]}]}).messages

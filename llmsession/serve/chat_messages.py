@@ -15,6 +15,7 @@ from llmsession.serve.errors import ApiError
 from llmsession.serve.images import ImageCount
 from llmsession.text.transcript import Transcript
 
+MAX_PARTS = 1024  # parts of one message's content
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -104,12 +105,20 @@ def _message(i: int, raw: object, images: ImageCount) -> dict[str, Any]:
     return message
 
 
+def check_parts(content: list[Any], where: str) -> None:
+    """At most ``MAX_PARTS`` parts in one message (a body of 8 MiB held 290,000 empty ones: 56 MB
+    as objects, kept with its transcript)."""
+    if len(content) > MAX_PARTS:
+        raise ApiError(f"{where}: at most {MAX_PARTS} parts in a message, got {len(content)}", where)
+
+
 def _content(content: object, where: str, images: ImageCount | None) -> str | list[Any]:
     """A str, or a list of text parts (and ``data:`` image parts in a user message)."""
     if isinstance(content, str):
         return plain_text(content, where)
     if not isinstance(content, list):
         raise ApiError(f"{where} must be a string or a list of parts, got {kind_of(content)}", where)
+    check_parts(content, where)
     parts: list[Any] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"

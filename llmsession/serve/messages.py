@@ -14,7 +14,8 @@ or dropped), ``redacted_thinking`` ones are dropped (nothing here can read them)
 does; ``thinking`` turns the template's thinking on or off, with its budget;
 ``output_config.format`` (a JSON schema) holds the reply to it as ``response_format`` does. An image is a
 base64 block only: a URL is never fetched. Fields the engine has no use for (``service_tier``,
-``container``, ...) are accepted and ignored, as unknown ones.
+``container``, ...) are accepted and ignored, as unknown ones; ``mcp_servers`` (tools the
+answer would lack) is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from llmsession.options import INT32_MAX
 from llmsession.serve.body import kind_of, string
+from llmsession.serve.chat_messages import check_parts
 from llmsession.serve.errors import ApiError
 from llmsession.serve.messages_pairs import Pairs
 from llmsession.serve.schema import MAX_MESSAGES, MAX_USER, ChatRequest, chat_request
@@ -94,6 +96,10 @@ def chat_body(
     """The OpenAI chat body a Messages body asks the same of, and where each of its messages
     came from (``system``, ``messages[3]``)."""
     model = string(body.get("model"), "model")
+    if body.get("mcp_servers"):  # (dropped, its tools were missing from the answer unsaid)
+        raise ApiError(
+            "mcp_servers: MCP servers are not supported here: send their tools as tools", "mcp_servers"
+        )
     system = _system(body.get("system"))
     said, origins = _messages(body, images)
     if len(system) + len(said) > MAX_MESSAGES:
@@ -168,6 +174,7 @@ def _messages(body: Mapping[str, Any], images: bool) -> tuple[list[dict[str, Any
         if isinstance(content, str):
             made = [{"role": role, "content": content}]
         elif isinstance(content, list):
+            check_parts(content, f"{where}.content")
             made = _user(content, where, images) if role == "user" else [_assistant(content, where)]
         else:
             raise ApiError(f"{where}.content must be a string or a list of blocks", f"{where}.content")

@@ -52,6 +52,7 @@ def responses_ask(body: Mapping[str, Any], *, images: bool = True) -> ResponsesA
     """A ``/v1/responses`` body, checked; ``ApiError`` names the first bad field. ``images``: the
     model takes images (else a function call output's image is a line of text that says so)."""
     model = string(body.get("model"), "model")
+    _unsupported(body)
     instructions = _optional(body, "instructions", str)
     previous = _optional(body, "previous_response_id", str)
     if previous is not None and not 0 < len(previous) <= MAX_ID:
@@ -243,6 +244,24 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
     ):
         raise ApiError("metadata holds strings: keys of at most 64 characters, values of 512", "metadata")
     return metadata
+
+
+# What a response would be without, were these dropped: refused rather than answered unsaid.
+UNSUPPORTED = {
+    "conversation": "a stored conversation is not kept here: continue with previous_response_id",
+    "prompt": "a stored prompt is not kept here: send its text as instructions",
+    "background": "a response runs in the foreground here: stream it instead",
+}
+
+
+def _unsupported(body: Mapping[str, Any]) -> None:
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) not in (None, False):
+            raise ApiError(f"{name}: {why}", name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise ApiError(
+            'truncation: only "disabled" (a prompt past the context is refused, not cut)', "truncation"
+        )
 
 
 def _optional(body: Mapping[str, Any], name: str, kind: type) -> Any:

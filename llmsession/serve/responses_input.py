@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmsession.serve.body import kind_of, string
+from llmsession.serve.chat_messages import check_parts
 from llmsession.serve.errors import ApiError
 from llmsession.serve.schema import MAX_MESSAGES
 
@@ -99,6 +100,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         return {"role": ROLES[role], "content": content}
     if not isinstance(content, list):
         raise ApiError(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    check_parts(content, f"{where}.content")
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
