@@ -783,3 +783,35 @@ def test_scores_go_with_their_message_when_a_call_follows_or_they_come_late() ->
     assert scores[0]["top_logprobs"] == [{"token": "Sure", "logprob": -0.5, "bytes": list(b"Sure")}]
     unscored = ResponseObject("m", {}).whole(reply)
     assert unscored["output"][0]["content"][0]["logprobs"] == []  # (not asked: none)
+
+
+def test_a_stored_responses_new_input_is_sized_off_the_event_loop(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store sized a response's new input (its images' base64: up to 8 MiB) as JSON on the
+    event loop as it kept it; it is sized with the transcript, off the loop, and only the reply
+    is sized on it."""
+    from llmsession.serve import store
+
+    sized: list[tuple[str, int]] = []
+    size = store.json_size
+
+    def counted(value: Any) -> int:
+        sized.append((threading.current_thread().name, n := size(value)))
+        return n
+
+    put = store.ResponseStore.put
+    loop: list[str] = []
+
+    def kept(self: Any, *args: Any, **kwargs: Any) -> bool:
+        loop.append(threading.current_thread().name)
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(store, "json_size", counted)
+    monkeypatch.setattr(store.ResponseStore, "put", kept)
+    words = "a long input, " * 400
+    made = client(served).responses.create(model="m", input=words, max_output_tokens=2, **GREEDY)
+    assert client(served).responses.retrieve(made.id).id == made.id
+    (on_loop,) = set(loop)
+    assert max(n for thread, n in sized if thread != on_loop) > len(words)  # (the input: off it)
+    assert all(n < 1_000 for thread, n in sized if thread == on_loop), sized  # (the reply alone)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
 from llmsession.serve.rendering import rendered
-from llmsession.serve.store import ResponseStore, json_size
+from llmsession.serve.store import ResponseStore, json_size, sized_transcript
 
 
 def body(ident: str, text: str = "") -> dict[str, Any]:
@@ -51,7 +51,7 @@ def test_a_chain_of_continuations_gives_way_itself() -> None:
     previous = None
     for turn in range(12):
         transcript = [*transcript, *said("y" * 9_000)]
-        store.put("b", body(f"b{turn}"), transcript, after=previous)
+        store.put("b", body(f"b{turn}"), transcript, sized=sized_transcript(transcript, previous))
         previous = store.get(f"b{turn}", "b") or previous
     assert store.held("a")[0] == 50 and store.held("b")[1] <= 100_000
 
@@ -76,7 +76,7 @@ def test_a_chain_is_sized_from_its_predecessor() -> None:
     previous = None
     for turn in range(6):
         transcript = [*transcript, *said(f"turn {turn} " * 50), {"role": "assistant", "content": "ok"}]
-        assert store.put("a", body(f"r{turn}"), transcript, after=previous)
+        assert store.put("a", body(f"r{turn}"), transcript, sized=sized_transcript(transcript, previous))
         previous = store.get(f"r{turn}", "a")
         assert previous is not None
         whole = json_size(transcript)  # (what sizing it whole gives: within a few bytes a link)

@@ -30,7 +30,7 @@ from llmsession.serve.rendering import rendered
 from llmsession.serve.responses import ResponsesAsk, responses_ask, responses_request
 from llmsession.serve.responses_sse import ResponseObject, response_id
 from llmsession.serve.schema import ChatRequest
-from llmsession.serve.store import ResponseStore
+from llmsession.serve.store import ResponseStore, Stored, sized_transcript
 from llmsession.serve.translation import Volatile
 
 log = logging.getLogger("llmsession.serve")
@@ -64,15 +64,16 @@ def unknown_previous(ident: str) -> ApiError:
 
 
 def continued(
-    history: list[dict[str, Any]], fresh: list[dict[str, Any]]
-) -> tuple[list[dict[str, Any]], bool]:
-    """The transcript a response keeps: its predecessor's own messages (the same objects: a
-    chain of N responses holds each message once, as the store sizes it) and the new ones; and
-    whether it shares them (else it is the checked transcript's copy, sized whole)."""
+    history: list[dict[str, Any]], fresh: list[dict[str, Any]], after: Stored | None
+) -> tuple[list[dict[str, Any]], tuple[int, int]]:
+    """The transcript a response keeps: its predecessor's (``after``'s) own messages (the same
+    objects: a chain of N responses holds each message once, as the store sizes it) and the new
+    ones, else the checked transcript's copy, sized whole; and its size (``sized_transcript``)."""
     n = len(history)
     if fresh[:n] == history:
-        return [*history, *fresh[n:]], True
-    return fresh, False
+        transcript = [*history, *fresh[n:]]
+        return transcript, sized_transcript(transcript, after)
+    return fresh, sized_transcript(fresh, None)
 
 
 def _read(server: Serving, body: bytes) -> ResponsesAsk:
@@ -105,8 +106,8 @@ async def create(server: Serving, request: Request) -> Response:
             history = stored.transcript
         asked = await asyncio.to_thread(responses_request, ask, history)
         start = 1 if ask.instructions else 0  # (the checked transcript's copy, made off the event loop)
-        transcript, shared = await asyncio.to_thread(
-            lambda: continued(history, asked.messages.messages()[start:])
+        transcript, sized = await asyncio.to_thread(
+            lambda: continued(history, asked.messages.messages()[start:], stored)
         )
         dropped = await asyncio.to_thread(server.volatile.dropped, asked.messages)
     asked = dataclasses.replace(asked, messages=dropped)
@@ -118,7 +119,7 @@ async def create(server: Serving, request: Request) -> Response:
 
     def keep(body: dict[str, Any], reply: Reply, text: bytes | None) -> None:
         whole = [*transcript, assistant_message(reply)]
-        if not store.put(key, body, whole, after=stored if shared else None, text=text):
+        if not store.put(key, body, whole, sized=sized, text=text):
             body["store"] = False  # (what the response not streamed says; a stream's is sent)
             log.warning(
                 "response %s was not stored: larger than the store takes, or than its key may hold", ident

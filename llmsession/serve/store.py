@@ -44,6 +44,15 @@ def json_size(value: object) -> int:
     return len(json.dumps(value))
 
 
+def sized_transcript(transcript: list[dict[str, Any]], after: Stored | None) -> tuple[int, int]:
+    """``put``'s ``sized`` of a transcript (its messages, not yet its reply) continuing ``after``
+    (the stored response whose transcript begins it, or None: sized whole). Slow for a large new
+    input (its images' base64): run it off the event loop."""
+    base = 0 if after is None else len(after.transcript)
+    known = 0 if after is None else after.transcript_size
+    return len(transcript), known + json_size(transcript[base:])
+
+
 class ResponseStore:
     """Responses by id, each key's least recently used first. Used on the event loop's thread
     only."""
@@ -67,15 +76,15 @@ class ResponseStore:
         owner: str | None,
         body: dict[str, Any],
         transcript: list[dict[str, Any]],
-        after: Stored | None = None,
+        sized: tuple[int, int] = (0, 0),
         text: bytes | None = None,
     ) -> bool:
-        """Keep a response (False: not kept, the module says when). ``after``: the stored
-        response it continues, whose transcript begins this one's (only the rest is sized);
-        ``text``: ``body`` rendered already (off the event loop), else rendered here."""
-        base = 0 if after is None else len(after.transcript)
-        rest = transcript[base:]
-        spent = (after.transcript_size if after is not None else 0) + json_size(rest)
+        """Keep a response (False: not kept, the module says when). ``sized``: how many of the
+        transcript's first messages are sized already, and their size (``sized_transcript``:
+        off the event loop; only the rest is sized here, its reply); ``text``: ``body``
+        rendered already (off the event loop), else rendered here."""
+        base, known = sized
+        spent = known + json_size(transcript[base:])
         whole = rendered(body) if text is None else text
         size = len(whole) + spent
         ident = body["id"]
