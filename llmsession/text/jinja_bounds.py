@@ -129,10 +129,28 @@ def _joined_up(parts: tuple[Any, ...]) -> str:
     return "".join(texts)
 
 
+def _concat(pieces: Iterable[str]) -> str:
+    """What jinja joins a render's, a macro's or a ``{% set %}`` block's output with, bounded
+    as it goes (a macro that writes its argument twice, called on its own output 30 times)."""
+    kept, total = [], 0
+    for piece in pieces:
+        total += len(piece)
+        _bounded(total, "output")
+        kept.append(piece)
+    return "".join(kept)
+
+
+def _chars(value: Any) -> int:
+    """The characters a string holds, or a list's or tuple's items (``_length`` each)."""
+    if isinstance(value, list | tuple):
+        return sum(map(_length, value)) + len(value)
+    return _length(value)
+
+
 def _plus(left: Any, right: Any) -> Any:
-    sized = (str, list, tuple, bytes)  # (a list's items, each at least a character)
+    sized = (str, list, tuple, bytes)  # (a list's items as they are written: ``a = a + a``)
     if isinstance(left, sized) and isinstance(right, sized):
-        _bounded(len(left) + len(right), "joining (+)")
+        _bounded(_chars(left) + _chars(right), "joining (+)")
     return operator.add(left, right)
 
 
@@ -251,6 +269,17 @@ FILTERS: dict[str, Callable[..., int]] = {
     "replace": lambda ctx, s, old, new, *_, **__: _replaced(s, old, new) if isinstance(s, str) else 0,
     "wordwrap": _wrapped,
     "batch": lambda value, linecount, *_, **__: linecount if isinstance(linecount, int) else 0,
+    # (what they make of their value, at most: ``&`` escaped is ``&amp;``, a control character
+    # in JSON ``\u0001``; a string as a list is an item a character)
+    "escape": lambda value, *_, **__: 5 * _length(value),
+    "e": lambda value, *_, **__: 5 * _length(value),
+    "forceescape": lambda value, *_, **__: 5 * _length(value),
+    "tojson": lambda ctx, value, *_, **__: 6 * _chars(value),
+    "string": lambda value, *_, **__: _chars(value),
+    "list": lambda value, *_, **__: len(value) if isinstance(value, str | bytes | list | tuple) else 0,
+    "pprint": lambda value, *_, **__: 2 * _chars(value),
+    "urlencode": lambda value, *_, **__: 9 * _chars(value),
+    "xmlattr": lambda ctx, value, *_, **__: 6 * _chars(value),
 }
 
 
@@ -270,6 +299,7 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**", "%", "+"})
     code_generator_class = _Generator
+    concat = staticmethod(_concat)
     joined_up = staticmethod(_joined_up)
     iterated = staticmethod(_iterated)
 
