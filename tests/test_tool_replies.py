@@ -125,6 +125,37 @@ def test_stop_strings_end_the_text_never_a_call(fixture_path: Any, monkeypatch: 
     assert before.text == "Let me " and not before.tool_calls
 
 
+def test_a_stop_string_inside_the_calls_opening_waits_to_see_it_whole(
+    fixture_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop string met inside what may yet be the calls' opening (``<tool`` in ``<tool_call>``;
+    Hermes writes a line break before its calls, so ``\n`` too) cut the reply there: the call
+    was lost, and the line break before it went out as text. The stop waits until the opening is
+    whole (a call: the stop is let go) or cannot be (the stop stands where it was found)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    with Model(fixture_path("smollm2-qwen25-template.gguf"), threads=2, use_jinja=True) as model:
+
+        def reply(steer: str, stop: list[str]) -> Any:
+            steered(monkeypatch, model, steer)
+            options = GenerationOptions(
+                max_tokens=64, temperature=0, tools=[WEATHER], stop=stop, parallel_tool_calls=False
+            )
+            stream = model.session().stream("Weather in Oslo?", options)
+            snapshots = list(stream)
+            assert stream.reply is not None and stream.reply.text == "".join(s.delta for s in snapshots)
+            return stream.reply
+
+        for stop in (["<tool"], ["\n"], ["_call>"]):
+            made = reply(f"Let me check.\n{call}", stop)
+            assert made.finish_reason == "tool_calls" and made.stop_sequence is None, (stop, made)
+            assert made.text == "Let me check." and [c.name for c in made.tool_calls] == ["get_weather"]
+        diverged = reply("Let me check.\n<toolbox> is empty.", ["<tool"])
+        assert diverged.finish_reason == "stop" and diverged.stop_sequence == "<tool", diverged
+        assert diverged.text == "Let me check.\n" and not diverged.tool_calls
+        lines = reply("Line one.\nLine two.", ["\n"])
+        assert (lines.text, lines.stop_sequence, lines.finish_reason) == ("Line one.", "\n", "stop")
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_is_never_cut_by_a_stop_string(
     fixture_path: Any, monkeypatch: pytest.MonkeyPatch, choice: Any

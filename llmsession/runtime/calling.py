@@ -19,20 +19,56 @@ from llmsession.text.tools import Tools
 class TextStops(StopMatcher):
     """The user's stop strings over a reply that may call tools: they end its text, never its
     calls. One found where the calls have begun is let go, and the stop strings with it (what
-    follows is calls): a call is whole or cut only by ``length``, as its stream showed it."""
+    follows is calls): a call is whole or cut only by ``length``, as its stream showed it. One
+    found inside what may yet be the calls' opening (a stop ``<tool`` in ``<tool_call>``) is
+    undecided until the opening is whole (a call: let go) or cannot be (the stop stands): it cut
+    the call, which was lost."""
 
     def __init__(self, stops: Sequence[str], stream: CallStream) -> None:
         super().__init__(stops)
         self.stream = stream  # (it has read all this has released: the exchange feeds it first)
+        self.pending: str | None = None  # what follows a stop that may be inside the opening
+
+    @property
+    def stopped(self) -> bool:
+        return super().stopped and self.pending is None
 
     def push(self, text: str) -> str:
-        return self.disarm() + text if self.stream.begun else self._unless_in_calls(super().push(text))
+        if self.stream.begun:
+            return self.disarm() + text
+        if self.pending is not None:
+            return self._decided(self.pending + text)
+        return self._unless_in_calls(super().push(text))
 
     def flush(self) -> str:
-        return self.disarm() if self.stream.begun else self._unless_in_calls(super().flush())
+        if self.stream.begun:
+            return self.disarm()
+        if self.pending is not None:  # (the reply ended with the opening unfinished: the stop stands)
+            self.pending = None
+            return ""
+        return self._unless_in_calls(super().flush())
 
     def _unless_in_calls(self, released: str) -> str:
-        return released + self.disarm() if self.stopped and self.stream.begins(released) else released
+        """``released`` (the text before a stop found, if one was: the stream reads it next),
+        and the rest too if the calls begin in it; the stop undecided (``pending``) while what
+        follows it may yet open them."""
+        if not super().stopped:
+            return released
+        rest = self.held()
+        if self.stream.begins(released + rest):
+            return released + self.disarm()
+        self.pending = rest if self.stream.may_open(released, rest) else None
+        return released
+
+    def _decided(self, rest: str) -> str:
+        """An undecided stop's ``rest`` (from the stop on), once the calls begin in it; "" while
+        it may yet open them; else "" and the stop stands."""
+        if self.stream.begins(rest):
+            self.pending = None
+            self.disarm()
+            return rest
+        self.pending = rest if self.stream.may_open("", rest) else None
+        return ""
 
 
 def stop_matcher(stops: Sequence[str], calling: Calling | None) -> StopMatcher:

@@ -110,6 +110,10 @@ class StopMatcher:
         self._state = [0] * len(self._stops)  # as before: a partial match does not span a flush
         return text
 
+    def held(self) -> str:
+        """The text held back (from the stop found, once ``stopped``), left held."""
+        return "".join(self._held)[self._skip :]
+
     def disarm(self) -> str:
         """Stop looking for stops: the text held back (from the stop found, if one was: it is
         not a stop after all), and every later push passed through as it is."""

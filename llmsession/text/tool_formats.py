@@ -259,6 +259,20 @@ class CallStream:
         raw = self.raw + opened
         return not self.fmt.never_calls(raw) and self.fmt.trigger in raw
 
+    def may_open(self, before: str, rest: str) -> bool:
+        """Whether the calls may yet begin at or before where ``rest`` begins, after
+        ``before`` (both text not pushed yet): what follows some point up to there is the start
+        of the opening (``before`` and the trigger, or the trigger), not yet all of it."""
+        if self.plain or self.cut >= 0 or self.fmt.never_calls(self.raw + before + rest):
+            return False
+        for opening in {self.fmt.trigger, self.fmt.before + self.fmt.trigger}:
+            text = (self.raw + before)[-len(opening) :] + rest
+            start = len(text) - len(rest)
+            earliest = max(0, len(text) - len(opening) + 1)
+            if any(opening.startswith(text[at:]) for at in range(earliest, start + 1)):
+                return True
+        return False
+
     def flush(self) -> str:
         """The text held back, at the end of a reply that made no call."""
         if self.opening is not None:
