@@ -118,14 +118,15 @@ def app_settings(args: argparse.Namespace, default_volatile: tuple[str, ...]) ->
 
 
 def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
-    """The host names a server bound to a loopback address answers to (its own, ``localhost``
-    and the loopback addresses, and ``--allowed-host``): a web page that rebinds its name to
-    127.0.0.1 names another. None (any) for a server bound elsewhere."""
+    """The host names the server answers to besides IP addresses: bound to a loopback address,
+    or without keys, its own, ``localhost`` and the loopback addresses, and ``--allowed-host``
+    (a web page that rebinds its name to the server's address names another); None (any) for a
+    server with keys bound elsewhere (a page has no key)."""
     from llmsession.serve.origins import LOOPBACK_NAMES, is_loopback
 
     if any(not name or "/" in name or name.strip() != name for name in args.allowed_host or ()):
         raise ValueError("--allowed-host takes a host name (and a port if need be), not a URL")
-    if not is_loopback(args.host):
+    if not is_loopback(args.host) and args.api_key:
         return None
     return [*LOOPBACK_NAMES, args.host, *(args.allowed_host or ())]
 

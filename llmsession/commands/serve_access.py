@@ -52,7 +52,7 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME",
         help="a host name requests may name this server by when it is bound to a loopback address "
-        "(repeatable; default: localhost and the loopback addresses; against DNS rebinding)",
+        "or has no --api-key (repeatable; default: localhost and IP addresses; against DNS rebinding)",
     )
 
 

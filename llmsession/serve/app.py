@@ -44,7 +44,7 @@ from llmsession.serve.messages import messages_request
 from llmsession.serve.messages_sse import error_body
 from llmsession.serve.metrics import Metrics
 from llmsession.serve.naming import named_conversation, tenant_name
-from llmsession.serve.origins import Origins
+from llmsession.serve.origins import ANY_HOST, Origins, normal_origins
 from llmsession.serve.page import routes as page_routes
 from llmsession.serve.runner import Admission
 from llmsession.serve.schema import ChatRequest, chat_request, completion_request
@@ -340,8 +340,9 @@ def create_app(
     ``queue``: requests that may wait for room before a 503.
     ``cors_origins``: the web origins whose pages may call the API (none by default: a request
     a browser sends from another origin is refused, ``origins``). ``allowed_hosts``: the host
-    names requests may name the server by (None: any; ``llmsession serve`` bound to a loopback
-    address gives ``origins.LOOPBACK_NAMES``, against DNS rebinding). ``draft``: drafted tokens
+    names requests may name the server by, besides IP addresses and ``origins.LOOPBACK_NAMES``
+    (against DNS rebinding: a page that points its own name at the server); ``["*"]``: any;
+    None (the default): any on a server with keys (a page has none), else no other. ``draft``: drafted tokens
     for every request (``GenerationOptions.draft``).
     ``session``: every stateless session's settings (``context_size``, ...; its ``system``
     must be None: a request's system prompt is in its messages).
@@ -365,14 +366,19 @@ def create_app(
     server.draft, server.volatile = draft, volatile
     refused = refusing({"/v1/messages": error_body})  # (Anthropic's paths: its error bodies)
     app = Starlette(routes=routes(server), exception_handlers={ApiError: refused, HTTPException: refused})
+    _guarded(app, cors_origins, [ANY_HOST] if allowed_hosts is None and api_key else allowed_hosts or ())
+    app.add_middleware(Counting, metrics=server.metrics)
+    app.state.server = server
+    return app
+
+
+def _guarded(app: Starlette, cors_origins: Sequence[str], allowed_hosts: Sequence[str]) -> None:
+    """The web origins and host names the app answers to (``origins``; CORS for those given)."""
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(cors_origins),
+            allow_origins=sorted(normal_origins(cors_origins)),
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", *ANTHROPIC_HEADERS],
         )
     app.add_middleware(Origins, cors_origins=list(cors_origins), allowed_hosts=allowed_hosts)
-    app.add_middleware(Counting, metrics=server.metrics)
-    app.state.server = server
-    return app

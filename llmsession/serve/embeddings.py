@@ -167,7 +167,7 @@ async def run(
             "too many of this key's embedding requests are waiting",
         ),
     ):
-        host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive))
+        host, held = await server.hosts.held(ask.model, heeded(request, ask.keep_alive), key)
         try:
             await server.embedding.acquire()  # (one run at a time: the rest wait here, not in threads)
         except BaseException:

@@ -7,8 +7,9 @@ default, on 127.0.0.1) that is a chat, a load or an unload on the visitor's mach
 names the page's origin in ``Origin`` on every such request; clients that are not browsers
 (curl, the SDKs, agents) send none and are not affected. A page that rebinds its own DNS name
 to 127.0.0.1 is, to the browser, same-origin: its requests name that host in ``Host``, which a
-server bound to a loopback address does not answer to (``LOOPBACK_NAMES``, and the names given,
-``allowed_hosts``). As Ollama guards its local server (CVE-2024-28224).
+server without keys does not answer to (only to ``LOOPBACK_NAMES``, IP addresses, which no page
+can rebind, and the names given, ``allowed_hosts``). As Ollama guards its local server
+(CVE-2024-28224).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmsession.serve.http import drain
 from llmsession.serve.messages_sse import error_body
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+ANY_HOST = "*"  # in ``allowed_hosts``: any host name
 
 
 def is_loopback(host: str) -> bool:
@@ -47,14 +49,16 @@ def host_name(netloc: str) -> str:
 
 class Origins:
     """ASGI middleware: a request with an ``Origin`` that is neither the server's own (the chat
-    page) nor one of ``cors_origins`` is refused; so is one whose ``Host`` is not among
-    ``allowed_hosts`` (None: any host, for a server bound to a public address)."""
+    page) nor one of ``cors_origins`` is refused; so is one whose ``Host`` is neither an IP
+    address, a loopback name nor one of ``allowed_hosts`` (None, or ``ANY_HOST`` among them:
+    any host)."""
 
     def __init__(
         self, app: ASGIApp, cors_origins: Sequence[str], allowed_hosts: Sequence[str] | None
     ) -> None:
-        self.app, self.cors = app, {origin.rstrip("/").lower() for origin in cors_origins}
-        self.hosts = None if allowed_hosts is None else {host_name(h) for h in allowed_hosts}
+        self.app, self.cors = app, normal_origins(cors_origins)
+        anyone = allowed_hosts is None or ANY_HOST in allowed_hosts
+        self.hosts = None if anyone else {host_name(h) for h in (*LOOPBACK_NAMES, *(allowed_hosts or ()))}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -74,8 +78,10 @@ class Origins:
 
     def _refused(self, headers: dict[str, str]) -> str | None:
         host, origin = headers.get("host", ""), headers.get("origin")
-        if self.hosts is not None and host and host_name(host) not in self.hosts:  # (none: no browser)
+        if self.hosts is not None and host and not self._answers(host_name(host)):  # (none: no browser)
             return "this server does not answer to that host name (--allowed-host adds one)"
+        if origin is None and headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            origin = "null"  # (a browser's request from another origin, its Origin stripped)
         if origin is None or origin.rstrip("/").lower() in self.cors or "*" in self.cors:
             return None
         if headers.get("sec-fetch-site") == "same-origin":  # (a browser's word: no page can set it)
@@ -84,6 +90,22 @@ class Origins:
         if parts.scheme in ("http", "https") and _netloc(origin) == _netloc(f"{parts.scheme}://{host}"):
             return None  # (the server's own page)
         return "a page on another web origin may not call this server (--cors-origin names one)"
+
+    def _answers(self, name: str) -> bool:
+        """Whether a ``Host`` names this server: an IP address (a page cannot rebind one: its
+        origin would be that address, not a name its owner points anywhere), or a name allowed."""
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return self.hosts is not None and name in self.hosts
+        return True
+
+
+def normal_origins(origins: Sequence[str]) -> set[str]:
+    """Web origins as requests name them (lower case, no trailing ``/``): what ``Origins`` and
+    the CORS middleware compare alike (a ``--cors-origin https://App.example/`` let its page's
+    requests run, but CORS never matched it: its answers were never readable)."""
+    return {origin.rstrip("/").lower() for origin in origins}
 
 
 def _netloc(url: str) -> tuple[str, int | None]:
