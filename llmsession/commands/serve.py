@@ -96,8 +96,15 @@ def serve(args: argparse.Namespace) -> int:
 
 def run(uvicorn: Any, app: Any, args: argparse.Namespace) -> None:
     """``app`` on uvicorn until SIGTERM or Ctrl-C (streams given ``--shutdown-timeout``)."""
+    from llmsession.commands.serve_http import bounded_protocol
+
     server = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        http=bounded_protocol(),  # (a request's head in time and in size)
     )
     quiet_exit(uvicorn.Server)(server).run()
 
