@@ -184,8 +184,8 @@ class Engine:
         return thread
 
     def bury(self, lease: Lease) -> None:
-        """Its session was collected: free its memory at the next safe point (this may run
-        inside a garbage collection, in any thread, even while the lock is held)."""
+        """Its session was collected: free its memory at the next safe point (this may run in a
+        garbage collection, in any thread, even while the lock is held)."""
         self._dead.append(lease)
 
     def discard(self, lease: Lease) -> None:
@@ -195,8 +195,7 @@ class Engine:
             lease.cache.reset()
 
     def release(self, lease: Lease) -> None:
-        """Its session was closed: forget its state and the session itself, as a collected one
-        is (``bury``), at once."""
+        """Its session was closed: forget it and its state at once (as ``bury``, later)."""
         with self.hold():
             if not self._closed:
                 self._forget(lease)
@@ -280,12 +279,15 @@ class Engine:
         live or parked (``sharing``); how many positions it gave (the caller holds the lock)."""
         if lease.cache.items or not lease.shares or self.native.is_recurrent:
             return 0
-        parked = sharing.Parked(self.lot.holds, lambda lease: self.lot.peek(lease.key), self.native.n_swa)
+        parked = sharing.Parked(self.lot.holds, self.parked_state, self.native.n_swa)
         return sharing.share(lease, seq, prompt, can_cut, parked)
 
+    def parked_state(self, lease: Lease) -> Buffer | None:
+        """A parked session's state, left parked."""
+        return self.lot.peek(lease.key)
+
     def state(self, lease: Lease) -> Buffer | None:
-        """A copy of the session's state (for saving): a parked one as it is, a live one from
-        its sequence."""
+        """A copy of the session's state (for saving): parked, as it is; live, from its sequence."""
         with self.hold():
             if not lease.cache.items:
                 return None
@@ -297,7 +299,7 @@ class Engine:
 
     def most_state_bytes(self) -> int | None:
         """The most bytes one session's state may have here (``stateblob.most_bytes``)."""
-        with self.hold():
+        with self.hold():  # (the default layout's context: its cells hold the most)
             return self._shared_context(True).context.most_state_bytes
 
     def adopt(self, lease: Lease, blob: Buffer, record: Sequence[Item], *, foreign: bool = True) -> bool:
@@ -345,11 +347,10 @@ class Engine:
             for home in self._shared_contexts.values():
                 for key, lease in home.leases.items():
                     entry = home.residency.entry(key)
-                    held = len(lease.cache.items)
                     where = self.lot.holds(key) if entry.state is not State.LIVE else "live"
                     state = {"host": "parked", "disk": "disk", "": "cold", "live": "live"}[where]
-                    size = self.lot.size(key)
-                    sessions.append(SessionMemory(key, state, held if state != "cold" else 0, size))
+                    held = len(lease.cache.items) if state != "cold" else 0
+                    sessions.append(SessionMemory(key, state, held, self.lot.size(key)))
                     checkpoints += lease.cache.checkpoint_bytes
                 live += home.residency.live_count
                 parked += home.residency.parked_bytes

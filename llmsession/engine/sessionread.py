@@ -5,10 +5,11 @@ it was held in memory before its checksum could refuse it. Here the opening and 
 (bounded by the record a model's positions could need) are read first; the blob table must
 fill the file exactly and each blob must be what its name says it can be (an image's pixels as
 the image table sizes them, a state at most what the loading model's cells could write), and
-all that is kept must fit in the memory the caller says is free; then the blobs are read in
-order, every byte into the file's checksum and its blob's, a state the loading model cannot
-use (another model's or build's) read through in chunks and never held. Nothing is returned
-before the file's checksum matches. Pure: no native calls.
+all that is kept must fit in the memory the caller says is free (else the state is not kept,
+if that is enough); then the blobs are read in order, every byte into the file's checksum and
+its blob's, a state the loading model cannot use (another model's or build's) read through in
+chunks and never held. Nothing is returned before the file's checksum matches. Pure: no native
+calls.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import hashlib
 import io
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,6 @@ from llmsession.engine.sessionfile import (
 from llmsession.errors import SessionFileError
 from llmsession.files import opened_regular
 from llmsession.options import MAX_POSITIONS
-from llmsession.text.images import MAX_PIXELS
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -74,11 +74,8 @@ def read(
         header = reading.header(size, header_bytes(max_positions))
         images = _images(header, path)
         plan = _plan(header, images, size - reading.at - DIGEST_BYTES, path, state_bytes)
-        kept = reading.at + sum(blob.size for blob in plan if not blob.dropped)
-        if max_bytes is not None and kept > max_bytes:
-            raise SessionFileError(
-                f"{path}: loading it takes {kept:,} bytes of memory, and {max_bytes:,} are free"
-            )
+        if max_bytes is not None:
+            plan = _within(plan, reading.at, max_bytes, path)
         blobs = {blob.name: reading.blob(blob) for blob in plan}
         reading.end()
     return SavedSession(
@@ -218,6 +215,28 @@ def _plan(
     return plan
 
 
+def _within(plan: list[_Blob], header: int, max_bytes: int, path: Path) -> list[_Blob]:
+    """``plan`` within ``max_bytes`` of memory: its state read through, not kept, if that is
+    enough (the transcript still loads, its next exchange decodes it), else a refusal."""
+
+    def kept(blobs: list[_Blob]) -> int:
+        return header + sum(blob.size for blob in blobs if not blob.dropped)
+
+    if kept(plan) <= max_bytes:
+        return plan
+    lighter = [
+        replace(blob, dropped=f"no memory was free to hold it ({blob.size:,} bytes)")
+        if blob.name == "state" and not blob.dropped
+        else blob
+        for blob in plan
+    ]
+    if kept(lighter) > max_bytes:
+        raise SessionFileError(
+            f"{path}: loading it takes {kept(lighter):,} bytes of memory, and {max_bytes:,} are free"
+        )
+    return lighter
+
+
 def _dropped(
     name: str,
     size: int,
@@ -227,11 +246,11 @@ def _dropped(
     state_bytes: StateBytes | None,
 ) -> str:
     """Why a blob is read through and not kept ("": kept); a blob that cannot be what its name
-    says is refused. An image is its table's pixels (RGB) within ``MAX_PIXELS``; a state is at
+    says is refused. An image is its table's pixels (RGB); a state is at
     most ``state_bytes(compat)`` (None: not kept); a name this version does not write is not kept."""
-    if name.startswith("image:"):
+    if name.startswith("image:"):  # (an ndarray image has no pixel bound: memory bounds it, ``_within``)
         width, height = images.get(name[len("image:") :], (0, 0))
-        if not 0 < width * height <= MAX_PIXELS or size != width * height * 3:
+        if size != width * height * 3 or not size:
             raise SessionFileError(f"{path}: blob {name!r:.80} is not an image of the file's image table")
         return ""
     if name != "state":
