@@ -124,7 +124,8 @@ HOSTILE = [
     "{% macro d(s) %}{{ s }}{{ s }}{% endmacro %}{% set a = 'x' * 1000000 %}{{ d(d(d(d(d(d(a)))))) }}",
     "{% set a = 'x' * 9000000 %}{% set b %}{{ a }}{{ a }}{% endset %}{{ b|length }}",
     "{{ ('&' * 4000000)|e }}",
-    "{{ ('\x01' * 3000000)|tojson }}",
+    "{% set b = ('\\x01' * 3000000)|tojson %}{{ b|length }}",  # (the filter's bound, not the output's)
+    "{% set b = [[[[[[[[1] * 30000] * 2] * 2] * 2] * 2] * 2] * 2]|tojson(indent=64) %}{{ b|length }}",
     "{% set a = ['x' * 1000000] %}" + "{% set a = a + a %}" * 5 + "{{ a|string|length }}",
 ]
 

@@ -48,10 +48,13 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     """transformers' ``tojson``: plain ``json.dumps``, keeping non-ASCII and ``<>&`` as they are
-    (an indent of at most 64: each level of each line takes it)."""
+    (an indent of at most 64: each level of each line takes it), bounded as what it makes
+    (``jinja_bounds.bounded_json``)."""
     if (isinstance(indent, int) and indent > 64) or (isinstance(indent, str) and len(indent) > 64):
         raise TemplateError("the chat template's tojson indents by at most 64")
-    return json.dumps(
+    from llmsession.text.jinja_bounds import bounded_json  # (with jinja2, as the environment)
+
+    return bounded_json(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
 

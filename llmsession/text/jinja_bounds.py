@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import operator
 import re
 import threading
@@ -129,22 +130,32 @@ def _joined_up(parts: tuple[Any, ...]) -> str:
     return "".join(texts)
 
 
-def _concat(pieces: Iterable[str]) -> str:
+def _concat(pieces: Iterable[str], what: str = "output") -> str:
     """What jinja joins a render's, a macro's or a ``{% set %}`` block's output with, bounded
     as it goes (a macro that writes its argument twice, called on its own output 30 times)."""
     kept, total = [], 0
     for piece in pieces:
         total += len(piece)
-        _bounded(total, "output")
+        _bounded(total, what)
         kept.append(piece)
     return "".join(kept)
 
 
+def bounded_json(value: Any, **options: Any) -> str:
+    """``json.dumps(value, **options)`` within ``MOST_CHARS``: at once where it cannot be past
+    them (a character is at most 12 of JSON: an escaped astral one), else written piece by
+    piece and refused once past them (an indent's width times each line's depth has no other
+    bound)."""
+    if not options.get("indent") and 12 * _length(value) <= MOST_CHARS:
+        return json.dumps(value, **options)
+    return _concat(json.JSONEncoder(**options).iterencode(value), "tojson filter")
+
+
 def _chars(value: Any) -> int:
     """The characters a string holds, or a list's or tuple's items (``_length`` each)."""
-    if isinstance(value, list | tuple):
-        return sum(map(_length, value)) + len(value)
-    return _length(value)
+    if isinstance(value, list | tuple):  # (a string item by its length, another as one: a
+        return sum(len(v) if isinstance(v, str | bytes) else 1 for v in value) + len(value)
+    return _length(value)  # list grown a message at a time must not write each one out each time)
 
 
 def _plus(left: Any, right: Any) -> Any:
@@ -274,12 +285,11 @@ FILTERS: dict[str, Callable[..., int]] = {
     "escape": lambda value, *_, **__: 5 * _length(value),
     "e": lambda value, *_, **__: 5 * _length(value),
     "forceescape": lambda value, *_, **__: 5 * _length(value),
-    "tojson": lambda ctx, value, *_, **__: 6 * _chars(value),
-    "string": lambda value, *_, **__: _chars(value),
+    "string": lambda value, *_, **__: _length(value),
     "list": lambda value, *_, **__: len(value) if isinstance(value, str | bytes | list | tuple) else 0,
-    "pprint": lambda value, *_, **__: 2 * _chars(value),
-    "urlencode": lambda value, *_, **__: 9 * _chars(value),
-    "xmlattr": lambda ctx, value, *_, **__: 6 * _chars(value),
+    "pprint": lambda value, *_, **__: 2 * _length(value),
+    "urlencode": lambda value, *_, **__: 9 * _length(value),
+    "xmlattr": lambda ctx, value, *_, **__: 6 * _length(value),
 }
 
 
