@@ -5,6 +5,7 @@ sockets, on uvicorn with the protocol ``serve`` gives it; the app answers ``ok``
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -25,7 +26,11 @@ def served(http: str) -> Iterator[int]:
     async def ok(_: object) -> PlainTextResponse:
         return PlainTextResponse("ok")
 
-    app = Starlette(routes=[Route("/", ok)])
+    async def slow(_: object) -> PlainTextResponse:
+        await asyncio.sleep(2)
+        return PlainTextResponse("slow")
+
+    app = Starlette(routes=[Route("/", ok), Route("/slow", slow)])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="warning", http=serve_http.bounded_protocol(http))
@@ -77,6 +82,12 @@ def test_a_head_that_does_not_come_in_time_or_in_size_closes_its_connection(
         kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # (the next one on it, in time)
         time.sleep(0.3)
         assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        pipelined = socket.create_connection(("127.0.0.1", port))  # (two heads at once: the second's
+        heads = b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+        pipelined.sendall(heads)  # is whole as the first ends; its answer takes past the head's time)
+        time.sleep(2.5)
+        assert pipelined.recv(4096).count(b"HTTP/1.1 200") == 2
+        pipelined.close()
         huge = socket.create_connection(("127.0.0.1", port))
         huge.sendall(b"GET / HTTP/1.1\r\nX-A: ")
         with contextlib.suppress(OSError):

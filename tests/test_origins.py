@@ -62,6 +62,8 @@ def test_pages_elsewhere_and_rebound_names_are_refused(url: str) -> None:
         stripped = {"Sec-Fetch-Site": "cross-site"}  # (a browser's, its Origin taken off by an extension)
         assert http.post(chat, json=CHAT, headers=stripped).status_code == 403
         assert http.post(chat, json=CHAT, headers={"Sec-Fetch-Site": "none"}).status_code == 200  # (typed in)
+        followed = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}  # (a link: no Origin)
+        assert http.get(f"{url}/models", headers=followed).status_code == 200
         messages = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
         anthropic = http.post(f"{url}/messages", json=messages, headers={"Origin": "https://evil.example"})
         assert anthropic.status_code == 403 and anthropic.json()["type"] == "error"  # (Anthropic's body)

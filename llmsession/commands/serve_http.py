@@ -26,32 +26,44 @@ def bounded_protocol(http: str = "auto") -> type[asyncio.Protocol]:
     base: Any = import_from_string(HTTP_PROTOCOLS[http])
 
     class HeadBounded(base):  # type: ignore[misc]
-        """A request whose head is not whole in time, or in size, closes its connection: the
-        head awaited is the one after ``before`` (the cycle of the last request; None at first),
-        whole once the protocol made the next request's cycle."""
+        """A request whose head is not whole in time, or in size, closes its connection. A head
+        is awaited while no request is under way (no cycle yet, or the last one's response
+        complete: a pipelined request's cycle is made as the one before it ends, its head whole)."""
 
         def connection_made(self, transport: Any) -> None:
+            self.timer: asyncio.TimerHandle | None = None
             super().connection_made(transport)
             self._await_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.timer is not None:
+                self.timer.cancel()
+            super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._await_head()
 
         def data_received(self, data: bytes) -> None:
-            if self.cycle is self.before:
+            if self._awaiting():
                 self.head_bytes += len(data)
                 if self.head_bytes > MAX_HEAD_BYTES:
                     self.transport.close()
                     return
             super().data_received(data)
 
+        def _awaiting(self) -> bool:
+            return bool(self.cycle is None or self.cycle.response_complete)
+
         def _await_head(self) -> None:
-            self.before, self.head_bytes = self.cycle, 0
-            self.loop.call_later(HEAD_SECONDS, self._late, self.cycle)
+            if self.timer is not None:
+                self.timer.cancel()
+            self.head_bytes, self.timer = 0, None
+            if self._awaiting():
+                self.timer = self.loop.call_later(HEAD_SECONDS, self._late, self.cycle)
 
         def _late(self, before: Any) -> None:
-            if self.cycle is before and not self.transport.is_closing():
+            if self.cycle is before and self._awaiting() and not self.transport.is_closing():
                 self.transport.close()
 
     return HeadBounded

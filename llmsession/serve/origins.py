@@ -28,6 +28,7 @@ from llmsession.serve.messages_sse import error_body
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 ANY_HOST = "*"  # in ``allowed_hosts``: any host name
+SAFE = ("GET", "HEAD", "OPTIONS")  # methods that change nothing here
 
 
 def is_loopback(host: str) -> bool:
@@ -65,7 +66,7 @@ class Origins:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        why = self._refused(headers)
+        why = self._refused(headers, str(scope.get("method", "GET")))
         if why is None:
             await self.app(scope, receive, send)
             return
@@ -76,12 +77,13 @@ class Origins:
         answer = JSONResponse(body, 403, headers=None if whole else {"connection": "close"})
         await answer(scope, receive, send)
 
-    def _refused(self, headers: dict[str, str]) -> str | None:
+    def _refused(self, headers: dict[str, str], method: str) -> str | None:
         host, origin = headers.get("host", ""), headers.get("origin")
         if self.hosts is not None and host and not self._answers(host_name(host)):  # (none: no browser)
             return "this server does not answer to that host name (--allowed-host adds one)"
-        if origin is None and headers.get("sec-fetch-site") in ("cross-site", "same-site"):
-            origin = "null"  # (a browser's request from another origin, its Origin stripped)
+        stripped = headers.get("sec-fetch-site") in ("cross-site", "same-site") and method not in SAFE
+        if origin is None and stripped:  # (a browser's request from another origin, Origin taken off;
+            origin = "null"  # a link followed sends none: it reads nothing and changes nothing)
         if origin is None or origin.rstrip("/").lower() in self.cors or "*" in self.cors:
             return None
         if headers.get("sec-fetch-site") == "same-origin":  # (a browser's word: no page can set it)
