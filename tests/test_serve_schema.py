@@ -1199,9 +1199,10 @@ def test_a_place_granted_as_its_caller_is_cancelled_is_given_back() -> None:
 
 
 def test_what_an_answer_would_lack_and_parts_past_the_bound_are_refused() -> None:
-    """A Responses ``conversation``, stored ``prompt``, ``background`` or ``truncation: auto``,
-    and Anthropic's ``mcp_servers``, were dropped: answered without the context, instructions
-    or tools they add (and ``truncation`` echoed "disabled"). They are a 400 naming the field.
+    """A Responses ``conversation``, stored ``prompt`` or ``background``, and Anthropic's
+    ``mcp_servers``, were dropped: answered without the context, instructions or tools they
+    add. They are a 400 naming the field; ``truncation`` "auto" (alike here: a prompt past the
+    context is refused) is echoed as asked, another value refused.
     A message of more than ``MAX_PARTS`` parts (an 8 MiB body held 290,000 empty ones, 56 MB as
     objects kept with its transcript) is refused on every door."""
     from llmsession.serve.chat_messages import MAX_PARTS
@@ -1212,13 +1213,14 @@ def test_what_an_answer_would_lack_and_parts_past_the_bound_are_refused() -> Non
         ("conversation", "conv_1"),
         ("prompt", {"id": "pmpt_1"}),
         ("background", True),
-        ("truncation", "auto"),
+        ("truncation", "middle"),
     ):
         with pytest.raises(ApiError) as refused:
             responses_ask({"model": "m", "input": "Hi", name: value})
         assert refused.value.param == name and refused.value.status == 400, refused.value
     for quiet in ({"background": False}, {"truncation": "disabled"}, {"conversation": None}):
         assert responses_ask({"model": "m", "input": "Hi", **quiet}).items
+    assert responses_ask({"model": "m", "input": "Hi", "truncation": "auto"}).echo["truncation"] == "auto"
     with pytest.raises(ApiError) as refused:
         chat_body(
             {

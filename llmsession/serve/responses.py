@@ -12,9 +12,11 @@ an encrypted one alone is dropped), which the template renders or drops as it do
 ``responses_input``). ``tools`` are flat function tools; ``text.format`` is a
 ``response_format``; ``max_output_tokens`` is ``max_tokens``; ``reasoning.effort`` is
 ``reasoning_effort``; ``include`` naming the output text's logprobs, or ``top_logprobs``, are
-chat's ``logprobs``; ``stop`` and ``seed`` are taken when a client sends them. Fields the engine
-has no use for (``truncation``, ``reasoning.summary``, ``service_tier``, ...) are accepted and
-ignored, as unknown ones.
+chat's ``logprobs``; ``stop`` and ``seed`` are taken when a client sends them; ``truncation``
+("auto" or "disabled": alike here, a prompt past the context is refused) is echoed. Fields the
+engine has no use for (``reasoning.summary``, ``service_tier``, ...) are accepted and ignored,
+as unknown ones; those without which the answer would be made otherwise than asked
+(``UNSUPPORTED``) are refused.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def responses_ask(body: Mapping[str, Any], *, images: bool = True) -> ResponsesA
         "user": chat.get("user"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
         "top_logprobs": chat.get("top_logprobs"),
+        "truncation": body.get("truncation") or "disabled",  # (a prompt past the context: a 400 either way)
     }
     for name in ("tools", "tool_choice", "text"):  # (the rest it echoes is flat, or checked flat)
         if nests_deeper(echo[name], MAX_ECHOED_DEPTH):
@@ -258,10 +261,8 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, False):
             raise ApiError(f"{name}: {why}", name)
-    if body.get("truncation") not in (None, "disabled"):
-        raise ApiError(
-            'truncation: only "disabled" (a prompt past the context is refused, not cut)', "truncation"
-        )
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise ApiError('truncation must be "auto" or "disabled"', "truncation")
 
 
 def _optional(body: Mapping[str, Any], name: str, kind: type) -> Any:
