@@ -230,9 +230,12 @@ async def _unless_gone(receive: Receive, answering: Awaitable[None]) -> None:
                 await task
             return
         await task
-    finally:
+    finally:  # (cancelled itself, it waits for the answer to unwind: its stream cancelled)
         left.cancel()
-        task.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

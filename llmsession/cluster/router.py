@@ -113,6 +113,7 @@ class ConversationRouter(ConsistentHashRouter):
             return made[1]
         held = stats.get("conversations", ())
         keys = frozenset(held) if isinstance(held, list | tuple | set | frozenset) else frozenset()
+        self._sets.pop(replica.replica_id, None)  # (the newest last: the oldest go first)
         self._sets[replica.replica_id] = (stats, keys)
         while len(self._sets) > MAX_REPLICA_SETS:  # (replicas gone: the oldest reports go first)
             del self._sets[next(iter(self._sets))]
