@@ -463,6 +463,24 @@ def test_with_operator_keys_a_tenant_neither_unloads_nor_reads_what_others_do(sm
         assert not any(s.loaded for s in models.status())  # (an operator's keep_alive: heeded)
 
 
+def test_a_tenants_model_card_is_the_same_loaded_or_not(smollm2_path: Path) -> None:
+    """Without the server's own context size, a card's ``context_size`` was the model's while
+    it was loaded and null after: a tenant's ``/v1/models`` showed the others' loads and
+    unloads. Once known it is kept (its first load still shows, as its kind does)."""
+    models = Models({"smol": smollm2_path}, threads=2)
+    with models, running(create_app(models, api_key=[KEY, OTHER_KEY], operator_key="sk-op")) as url:
+        headers = {"Authorization": f"Bearer {OTHER_KEY}"}
+        said = {"model": "smol", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        assert (
+            httpx.post(f"{url}/chat/completions", json=said, headers=headers, timeout=60).status_code == 200
+        )
+        loaded = httpx.get(f"{url}/models/smol", headers=headers, timeout=60).json()
+        models.unload("smol")
+        assert not any(s.loaded for s in models.status())
+        assert httpx.get(f"{url}/models/smol", headers=headers, timeout=60).json() == loaded
+        assert loaded["context_size"] == 8192 and "status" not in loaded, loaded
+
+
 def test_a_model_that_cannot_load_now_tells_a_tenant_nothing_of_the_others() -> None:
     """Why a model cannot load now is which others are held, their sizes and whether in use:
     another tenant's activity, the operators' to read (``/api/ps``, the log), not the 503's."""

@@ -98,6 +98,7 @@ class ManyModels:
         # memory may have made it smaller): refused without loading while those stay loaded.
         self._misfits: dict[str, tuple[ApiError, frozenset[str]]] = {}
         self._failures: dict[str, tuple[str, float]] = {}  # (the load failure logged last, and when)
+        self._contexts: dict[str, int] = {}  # each model's own context, once it loaded
         self._lock = threading.Lock()
         # One thread a model waits for its load; the other requests for it wait in the event
         # loop (``_turns``), so loads never take the threads that parse bodies and answer.
@@ -222,10 +223,12 @@ class ManyModels:
     def context_size(self, status: ModelStatus) -> int | None:
         """The context a request of this model gets: the server's setting where it has one (not
         an embedding model's: its inputs take the model's own), else the model's own (None until
-        it first loaded)."""
-        if status.kind == "embedding":
-            return status.context_size
-        return self.settings.context_size or status.context_size
+        it first loaded; then kept: had it gone with each unload, a tenant's ``/v1/models`` would
+        have shown the others' loads and unloads)."""
+        if status.context_size is not None:
+            self._contexts[status.name] = status.context_size
+        own = self._contexts.get(status.name)
+        return own if status.kind == "embedding" else self.settings.context_size or own
 
     def loaded(self) -> list[Model]:
         with self._lock:
