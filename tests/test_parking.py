@@ -33,6 +33,11 @@ def open_fds(under: Path) -> int:
     return found
 
 
+def states(folder: Path) -> list[Path]:
+    """The state files in a lot's folder (not its lock, ``parking.ALIVE``)."""
+    return [path for path in folder.iterdir() if path.name != parking.ALIVE]
+
+
 def test_spilled_states_come_back_equal_and_leave_nothing(tmp_path: Path) -> None:
     lot = ParkingLot(tmp_path)
     blobs = {key: os.urandom(1000 + key) for key in range(40)}
@@ -44,7 +49,7 @@ def test_spilled_states_come_back_equal_and_leave_nothing(tmp_path: Path) -> Non
     assert lot.holds(3) == "disk" and bytes(lot.take(3) or b"") == blobs[3] and lot.holds(3) == ""
     (folder,) = tmp_path.iterdir()
     assert folder.name.startswith(f"llmsession-{os.getpid()}@{host_name()}-")
-    assert open_fds(tmp_path) == 0, "no descriptor is held per state on disk"
+    assert open_fds(tmp_path) == 1, "no descriptor is held per state on disk (one: the folder's lock)"
     lot.discard(4)
     lot.close()
     assert lot.disk_entries == 0 and list(tmp_path.iterdir()) == [] and open_fds(tmp_path) == 0
@@ -106,7 +111,7 @@ def test_a_state_file_that_changed_is_a_miss_never_handed_over(tmp_path: Path, d
     assert lot._writer is not None
     lot._writer.submit(lambda: None).result()  # the write has ended
     (folder,) = tmp_path.iterdir()
-    (path,) = folder.iterdir()
+    (path,) = states(folder)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[2500] ^= 0x40
@@ -139,10 +144,10 @@ def test_states_go_only_into_a_private_folder_and_come_back_only_from_files(
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
     spilled("c", b"charlie")
-    assert "not a private folder" in caplog.text and lot.holds("c") == "" and not list(folder.iterdir())
+    assert "not a private folder" in caplog.text and lot.holds("c") == "" and not states(folder)
     folder.chmod(0o700)
     spilled("d", b"delta")
-    (path,) = folder.iterdir()
+    (path,) = states(folder)
     path.unlink()
     os.mkfifo(path)
     began = time.monotonic()
@@ -172,6 +177,31 @@ def test_a_killed_process_folder_is_swept(tmp_path: Path) -> None:
     assert not dead.exists() and not here.exists() and not gone.exists()
     assert mine.exists() and elsewhere.exists()
     lot.close()
+
+
+def test_a_folder_is_swept_when_its_lock_is_free_whatever_its_name_says(tmp_path: Path) -> None:
+    """A server in a container, killed and restarted, has another pid namespace (its old folder
+    looked like another host's: kept for a week) or its old pid again (its own: never swept);
+    its spilled states, gigabytes a crash, filled the disk. A folder's lock tells now: the system
+    lets it go when its process ends. And a name a local user left in /tmp that reads as a pid
+    and is none (20 digits, a superscript two) failed every ``Models()`` and spill (an
+    OverflowError, a ValueError): such a name is let be."""
+    owner, other = ParkingLot(), ParkingLot()  # (what owns a folder: it goes when they do)
+    folder, remove = parking.own_folder(tmp_path, owner)  # (this process's: locked)
+    assert (folder / parking.ALIVE).exists() and parking.abandoned(folder) is False
+    crashed = tmp_path / f"llmsession-{os.getpid()}@{host_name()}.999-x"  # (restarted: its pid again)
+    crashed.mkdir()
+    (crashed / parking.ALIVE).touch()  # (its lock went with its process)
+    (crashed / "1.state").write_bytes(b"left by a crash")
+    odd = [tmp_path / "llmsession-99999999999999999999-x", tmp_path / "llmsession-\u00b2-x"]
+    for name in odd:
+        name.touch()
+    parking.sweep(tmp_path)
+    assert not crashed.exists() and folder.exists() and all(name.exists() for name in odd)
+    again, remove_again = parking.own_folder(tmp_path, other)  # (the sweep it runs first: fine)
+    remove()
+    remove_again()
+    assert not folder.exists() and not again.exists()
 
 
 def test_a_container_of_the_same_host_name_is_another_host() -> None:

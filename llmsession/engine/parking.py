@@ -16,6 +16,7 @@ Pure Python: no bindings.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -45,13 +46,33 @@ FOLDER_PREFIX = "llmsession-"
 FOREIGN_AGE_S = 7 * 24 * 3600.0  # another host's folder untouched this long: that host is gone
 
 
+ALIVE = ".alive"  # in a state folder: locked (flock) for as long as its process lives
+
+
 def running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's: alive
+    except (PermissionError, OverflowError, ValueError):  # someone else's, or not a pid: let be
         return True
+    return True
+
+
+def abandoned(folder: Path) -> bool | None:
+    """Whether ``folder``'s process has ended, told by its lock (which the system lets go when
+    the process ends however: killed, crashed, in a container since restarted with the same pid
+    or another pid namespace); None if the folder has no lock this user can read."""
+    try:
+        fd = os.open(folder / ALIVE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # (held: its process is alive)
+    finally:
+        os.close(fd)  # (a lock taken goes with it)
     return True
 
 
@@ -68,18 +89,29 @@ def host_name() -> str:
 
 
 def sweep(directory: Path) -> None:
-    """Remove the state folders of this host's processes that ended without closing their
-    models (``llmsession-<pid>@<host>-*``; a folder of another host's is that host's to sweep)."""
+    """Remove the state folders of processes that ended without closing their models
+    (``llmsession-<pid>@<host>-*``): one whose lock (``ALIVE``) is free, whatever its host; one
+    without (an earlier version's) of this host's ended processes, or of another host's long
+    untouched. A name not of that pattern is let be (another user's, anything)."""
     for folder in directory.glob(f"{FOLDER_PREFIX}*-*"):
-        owner = folder.name.removeprefix(FOLDER_PREFIX).rpartition("-")[0]
-        pid, at, host = owner.partition("@")
-        if at and host != host_name():  # (its host's to sweep, unless that host is long gone)
-            with contextlib.suppress(OSError):
-                if time.time() - folder.stat().st_mtime > FOREIGN_AGE_S:
-                    shutil.rmtree(folder, ignore_errors=True)
-            continue
-        if pid.isdigit() and int(pid) != os.getpid() and not running(int(pid)):
+        with contextlib.suppress(Exception):  # (one entry's trouble is not the sweep's)
+            _swept(folder)
+
+
+def _swept(folder: Path) -> None:
+    ended = abandoned(folder)
+    if ended is not None:
+        if ended:
             shutil.rmtree(folder, ignore_errors=True)
+        return
+    owner = folder.name.removeprefix(FOLDER_PREFIX).rpartition("-")[0]
+    pid, at, host = owner.partition("@")
+    if at and host != host_name():  # (its host's to sweep, unless that host is long gone)
+        if time.time() - folder.stat().st_mtime > FOREIGN_AGE_S:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not running(int(pid)):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def own_folder(directory: Path, owner: object) -> tuple[Path, Callable[[], object]]:
@@ -90,7 +122,21 @@ def own_folder(directory: Path, owner: object) -> tuple[Path, Callable[[], objec
     sweep(directory)
     prefix = f"{FOLDER_PREFIX}{os.getpid()}@{host_name()}-"
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
-    return folder, weakref.finalize(owner, shutil.rmtree, folder, True)
+    try:
+        alive = os.open(
+            folder / ALIVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (held until the folder goes, or the process)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder, weakref.finalize(owner, _remove, folder, alive)
+
+
+def _remove(folder: Path, alive: int) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(alive)
 
 
 def private_folder(folder: Path) -> None:
