@@ -16,6 +16,7 @@ from llmsession.errors import (
     ModelLoadError,
     UnsupportedFeatureError,
 )
+from llmsession.native.cancel import ACTIVITY
 from llmsession.native.context import NativeContext, interrupted_by
 from llmsession.native.llama import (
     NativeModel,
@@ -197,7 +198,7 @@ class Projector(Owner):
         context.check_seq(seq)
         context.set_abortable(True)
         next_pos = ffi.new("llama_pos *", start)
-        with self.lock:
+        with self.lock, ACTIVITY:  # (a decode: over RPC, a stuck one is a worker's timeout)
             code = lib.mtmd_helper_eval_chunk_single(
                 self.ptr, context.ptr, chunk.ptr, start, seq, context.n_batch, logits_last, next_pos
             )
