@@ -122,21 +122,23 @@ def own_folder(directory: Path, owner: object) -> tuple[Path, Callable[[], objec
     sweep(directory)
     prefix = f"{FOLDER_PREFIX}{os.getpid()}@{host_name()}-"
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
-    try:
-        alive = os.open(
-            folder / ALIVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+    alive = -1
+    try:  # (locked before it is named: a sweep never finds it free while this process lives)
+        made = folder / f"{ALIVE}.new"
+        alive = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         fcntl.flock(alive, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (held until the folder goes, or the process)
+        os.rename(made, folder / ALIVE)
     except OSError:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove(folder, alive)
         raise
     return folder, weakref.finalize(owner, _remove, folder, alive)
 
 
 def _remove(folder: Path, alive: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.close(alive)
+    if alive >= 0:
+        with contextlib.suppress(OSError):
+            os.close(alive)
 
 
 def private_folder(folder: Path) -> None:
