@@ -853,16 +853,9 @@ def test_a_client_that_leaves_mid_answer_cancels_the_replicas_run() -> None:
     assert asyncio.run(asked(leaves=False)) == 3 and streams[1].cancelled == 1  # (ended: a no-op)
 
 
-def test_a_caller_without_a_key_is_not_waited_for_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The front read a keyless caller's body (to drop it) for as long as a keyed one's, a
-    minute: a trickle of bytes on each connection held every place of the front. It is read
-    for ``UNKEYED_BODY_S`` at most, then passed on without it (the replica's 401)."""
-    from llmsession.cluster import front as front_module
-    from llmsession.cluster.front import Front
-    from llmsession.serve.access import Access
-
-    monkeypatch.setattr(front_module, "UNKEYED_BODY_S", 0.3)
-    handed: list[bytes] = []
+def handing(handed: list[bytes]) -> Any:
+    """An engine deployment's stand-in whose replica answers every request a 401, keeping the
+    bodies it was handed in ``handed``."""
 
     class Engine:
         def options(self, **_: Any) -> Any:
@@ -878,6 +871,22 @@ def test_a_caller_without_a_key_is_not_waited_for_a_minute(monkeypatch: pytest.M
                     return Relayed(messages())
 
             return type("Handle", (), {"answer": Answer()})()
+
+    return Engine
+
+
+def test_a_caller_without_a_key_is_not_waited_for_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front read a keyless caller's body (to drop it) for as long as a keyed one's, a
+    minute: a trickle of bytes on each connection held every place of the front. It is read
+    for ``UNKEYED_BODY_S`` at most, then passed on without it (the replica's 401)."""
+    from llmsession.cluster import front as front_module
+    from llmsession.cluster.front import Front
+    from llmsession.serve.access import Access
+
+    monkeypatch.setattr(front_module, "UNKEYED_BODY_S", 0.3)
+    handed: list[bytes] = []
+
+    Engine = handing(handed)
 
     async def trickled(key: str) -> tuple[float, int]:
         sent: list[Any] = []
@@ -1025,20 +1034,7 @@ def test_keyless_uploads_never_hold_the_places_keyed_requests_need(monkeypatch: 
     monkeypatch.setattr(front_module, "UNKEYED_READERS", 2)
     handed: list[bytes] = []
 
-    class Engine:
-        def options(self, **_: Any) -> Any:
-            class Answer:
-                @staticmethod
-                def remote(scope: Any, body: bytes, *_: Any) -> Any:
-                    handed.append(body)
-
-                    async def messages() -> Any:
-                        yield {"type": "http.response.start", "status": 401, "headers": []}
-                        yield {"type": "http.response.body", "body": b"{}"}
-
-                    return Relayed(messages())
-
-            return type("Handle", (), {"answer": Answer()})()
+    Engine = handing(handed)
 
     async def request(front: Front, key: str, trickle: bool) -> float:
         async def receive() -> dict[str, Any]:
