@@ -696,7 +696,7 @@ def test_a_client_that_leaves_the_queue_gives_its_place_up(
         held = post_in_thread(narrow, results, "held", messages=said("HOLD: hello"), user="a")
         wait_for(lambda: fault.holding == 1)
         body = json.dumps({"messages": said("Hi"), "max_tokens": 2}).encode()
-        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         with socket.create_connection(("127.0.0.1", narrow.port)) as client:
             client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
             wait_for(lambda: admission.waiting == 1)
