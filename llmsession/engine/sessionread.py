@@ -61,9 +61,10 @@ def read(
 ) -> SavedSession:
     """Read and verify a file; any defect is a ``SessionFileError`` naming it, a record of more
     than ``max_positions`` (a loading model's ``kv_tokens``) too. ``state_bytes(compat)``: the
-    most bytes a state saved under ``compat`` (the header's) may have for the loading model, or
-    None if that model cannot use it at all; a state past it is not kept (``SavedSession.dropped``
-    says why). ``max_bytes``: the memory free to hold what is kept (None: not checked)."""
+    most bytes a state saved under ``compat`` (the header's) may have for the loading model (a
+    larger one is refused unread), or None if that model cannot use it at all (then it is read
+    through, never held: ``SavedSession.dropped`` says why). ``max_bytes``: the memory free to
+    hold what is kept (None: not checked; past it the state is dropped if that is enough)."""
     path = Path(path)
     try:
         f, size = opened_regular(path)  # (a FIFO would block forever, a device never end)
