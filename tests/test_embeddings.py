@@ -332,13 +332,19 @@ def test_an_embedding_context_is_sized_whatever_length_the_file_says() -> None:
     assert context_size(-1, 250_000) == MIN_BATCH == context_size(2**31 - 1, 10**9)
 
 
+class Unknown:
+    """An object of a class the worker cannot import (pickled by reference to this module)."""
+
+
 def test_bad_inputs_are_the_same_value_error_in_a_worker(bert: Model, bert_path: Path) -> None:
     """An isolated model turned what it was given into plain lists before checking it: a numpy
-    array of ids or a bare int was a TypeError there, a ValueError in-process."""
+    array of ids or a bare int was a TypeError there, a ValueError in-process. An object the
+    worker could not unpickle ended the worker (the model closed, "died"): refused before it
+    is sent, the model goes on."""
     with Model(bert_path, threads=1, isolated=True) as isolated:
-        for bad in (np.array([1, 2]), 5):
+        for bad in (np.array([1, 2]), 5, [Unknown()], [[1, Unknown()]]):
             for model in (bert, isolated):
-                with pytest.raises(ValueError, match="embed takes"):
+                with pytest.raises(ValueError, match=r"embed takes|a str or a list of token ids"):
                     model.embed(bad)  # type: ignore[arg-type]
         assert np.allclose(isolated.embed(["cat"]), bert.embed(["cat"]), atol=1e-6)
 

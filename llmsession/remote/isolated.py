@@ -27,6 +27,7 @@ from llmsession.remote.process import WorkerProcess
 from llmsession.remote.proxies import WorkerSession, WorkerStream, absolute, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.continuing import check_choices
+from llmsession.runtime.embedding import is_token
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.stateless_calls import check_answerable, check_stateless, check_tenant, checked_label
 from llmsession.text.renderer import Renderer
@@ -37,6 +38,21 @@ if TYPE_CHECKING:
     from llmsession.runtime.embedding import Inputs
 
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
+
+
+EMBED_INPUTS = "embed takes a non-empty str, list of str, list of token ids, or list of those"
+
+
+def _plain(index: int, item: Any) -> Any:
+    """An input's item as the pipe carries it: a str or an int as it is, a sequence of token
+    ids (a numpy one's too) as a list; anything else is the in-process ValueError (an object of
+    a class the worker cannot import failed its unpickling there, which ended the worker: the
+    model closed)."""
+    if isinstance(item, str | int):
+        return item
+    if isinstance(item, Sequence) and all(is_token(x) for x in item):
+        return list(item)
+    raise ValueError(f"input {index}: a str or a list of token ids, got {type(item).__name__}")
 
 
 class IsolatedModel:
@@ -126,12 +142,10 @@ class IsolatedModel:
         if isinstance(inputs, str):
             items: Any = inputs
         elif isinstance(inputs, Sequence) and not isinstance(inputs, np.ndarray):
-            items = [
-                x if isinstance(x, str | int) else list(x) if isinstance(x, Sequence) else x for x in inputs
-            ]
+            items = [_plain(index, x) for index, x in enumerate(inputs)]
         else:
-            raise ValueError("embed takes a non-empty str, list of str, list of token ids, or list of those")
-        # (plain lists and str: what the worker's pipe carries; the worker checks the rest)
+            raise ValueError(EMBED_INPUTS)
+        # (plain lists, str and ints: what the worker's pipe carries; the worker checks the rest)
         return np.asarray(self._model_call("embed", items, normalize), dtype=np.float32)
 
     def identity(self) -> str:
