@@ -487,3 +487,17 @@ def test_a_holder_counts_the_askers_wait_from_the_ask(smollm2: Model, tmp_path: 
     assert KEY in smollm2.conversations()
     assert here.surrender(KEY, "a", "b", time.time() + 20, Tenant("alice")) is True
     assert smollm2.conversations() == []
+
+
+def test_a_copys_name_that_reads_as_a_pid_and_is_none_is_let_be() -> None:
+    """A name in the temporary folder that ``str.isdigit`` reads as a pid and ``int`` does not (a
+    superscript two, anyone's in /tmp) raised out of the sweep of orphaned copies; it is let be,
+    as the parking folders' sweep lets such a name be."""
+    from llmsession.cluster.moving import COPY, _orphaned_copies
+
+    odd = Path(tempfile.gettempdir()) / f"{COPY}\u00b2-x"
+    odd.touch()
+    try:
+        assert _orphaned_copies(time.time() + 10**6) >= 0 and odd.exists()
+    finally:
+        odd.unlink()

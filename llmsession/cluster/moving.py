@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from llmsession.engine.parking import running
+
 log = logging.getLogger("llmsession.cluster")
 FOLDER = "conversations"  # under the disk cache directory
 SUFFIX = ".conversation"
@@ -355,7 +357,7 @@ def _orphaned_copies(now: float) -> int:
     for entry in os.scandir(tempfile.gettempdir()):
         name = entry.name.removeprefix(".")
         owner = name.removeprefix(COPY).partition("-")[0]
-        if not name.startswith(COPY) or not owner.isdigit() or _alive(int(owner)):
+        if not name.startswith(COPY) or not (owner.isascii() and owner.isdigit()) or running(int(owner)):
             continue
         with contextlib.suppress(OSError):  # (another's, or removed meanwhile)
             stat = entry.stat(follow_symlinks=False)
@@ -367,16 +369,6 @@ def _orphaned_copies(now: float) -> int:
                 os.unlink(entry.path)
                 removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # (another user's, or no pid at all: left alone)
-    return True
 
 
 def _name(replica: str) -> str:
