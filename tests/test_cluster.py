@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from plain_http import HTTP
 
 from llmsession.cluster.keys import conversation_key, preferred, ranked, routing
 from llmsession.cluster.metrics import merged
@@ -65,7 +66,7 @@ class Cluster:
         """Engine replicas up and answering (each posts its metrics every second)."""
         auth = {"Authorization": f"Bearer {KEY}"}
         try:
-            text = httpx.get(f"{self.url}/metrics", headers=auth, timeout=30).text
+            text = HTTP.get(f"{self.url}/metrics", headers=auth, timeout=30).text
         except httpx.TransportError:
             return 0
         return sum(1 for name in replica_names(text) if alive(name))
@@ -75,7 +76,7 @@ class Cluster:
         if session is not None:
             headers["x-session-id"] = session
         body = {"messages": messages, "max_tokens": 6, "temperature": 0}
-        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+        return HTTP.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
 @contextlib.contextmanager
@@ -121,7 +122,7 @@ def _running(path: Path, folder: Path, *options: str) -> Iterator[Cluster]:
     def up() -> bool:
         assert process.poll() is None, log.read_text()[-4000:]
         try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            return HTTP.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -178,13 +179,13 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
     for index in range(6):  # (by chance, all six second turns would find their replica once in 64)
         body = {"model": "m", "input": f"Chain {index}: name a colour.", "max_output_tokens": 6}
         forged = {**auth, "x-llmsession-conversation": "0" * 32}  # (dropped by the front)
-        first = httpx.post(
+        first = HTTP.post(
             f"{cluster.url}/v1/responses", json={**body, "temperature": 0}, headers=forged, timeout=120
         )
         assert first.status_code == 200, first.text
         ident = first.json()["id"]
         assert not ident.startswith("resp_" + "0" * 32) and ident.endswith("_" + first.headers[REPLICA])
-        stored = httpx.get(f"{cluster.url}/v1/responses/{ident}", headers=auth, timeout=30)
+        stored = HTTP.get(f"{cluster.url}/v1/responses/{ident}", headers=auth, timeout=30)
         assert stored.status_code == 200 and stored.headers[REPLICA] == first.headers[REPLICA]
         follow = {
             **body,
@@ -192,7 +193,7 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
             "previous_response_id": first.json()["id"],
             "temperature": 0,
         }
-        second = httpx.post(f"{cluster.url}/v1/responses", json=follow, headers=auth, timeout=120)
+        second = HTTP.post(f"{cluster.url}/v1/responses", json=follow, headers=auth, timeout=120)
         assert second.status_code == 200, second.text  # (a 404 on a replica that did not store it)
         assert second.headers[REPLICA] == first.headers[REPLICA]
         assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
@@ -202,7 +203,7 @@ def test_a_response_chain_and_a_claude_session_stay_on_their_replica(cluster: Cl
     for turn in range(3):
         said.append({"role": "user", "content": f"Turn {turn}: name a colour."})
         body = {"model": "m", "max_tokens": 6, "messages": said, "system": "Be brief.", "temperature": 0}
-        response = httpx.post(f"{cluster.url}/v1/messages", json=body, headers=claude, timeout=120)
+        response = HTTP.post(f"{cluster.url}/v1/messages", json=body, headers=claude, timeout=120)
         assert response.status_code == 200, response.text
         said.append({"role": "assistant", "content": response.json()["content"]})
         replicas.add(response.headers[REPLICA])
@@ -216,7 +217,7 @@ def test_probes_and_listings_are_never_held_conversations(cluster: Cluster) -> N
     auth = {"Authorization": f"Bearer {KEY}"}
 
     def counted() -> float:
-        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        text = HTTP.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
         lines = [line for line in text.splitlines() if line.startswith("llmsession_cluster_requests_total{")]
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
@@ -230,8 +231,8 @@ def test_probes_and_listings_are_never_held_conversations(cluster: Cluster) -> N
 
     before = settled()
     for i in range(6):
-        assert httpx.get(f"{cluster.url}/health", headers={"x-session-id": f"probe {i}"}).status_code == 200
-        listed = httpx.get(f"{cluster.url}/v1/models", headers={**auth, "x-session-id": f"list {i}"})
+        assert HTTP.get(f"{cluster.url}/health", headers={"x-session-id": f"probe {i}"}).status_code == 200
+        listed = HTTP.get(f"{cluster.url}/v1/models", headers={**auth, "x-session-id": f"list {i}"})
         assert listed.status_code == 200
     converse(cluster, "probed", 1, "probed")
     wait_for(lambda: counted() > before, 30)
@@ -247,15 +248,15 @@ def test_metrics_show_every_replica(cluster: Cluster) -> None:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
     def reported() -> bool:  # (replicas post theirs every second)
-        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        text = HTTP.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
         return "llmsession_cluster_replicas 2" in text and held(text) >= 1
 
     wait_for(reported, 30)
-    text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+    text = HTTP.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
     replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
     assert len(replicas) == 2
     assert text.count("# TYPE llmsession_requests_total counter") == 1
-    assert httpx.get(f"{cluster.url}/metrics", timeout=30).status_code == 401  # (a replica refuses)
+    assert HTTP.get(f"{cluster.url}/metrics", timeout=30).status_code == 401  # (a replica refuses)
 
 
 def metric(text: str, name: str) -> float:
@@ -276,8 +277,8 @@ def test_a_turn_sent_from_a_busy_replica_takes_its_state_along(cluster: Cluster)
     first = cluster.chat(said, "moving")
     assert first.status_code == 200, first.text
     holder, used = first.headers[REPLICA], first.json()["usage"]
-    wait_for(lambda: len(replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text)) == 2, 30)
-    names = sorted(replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text))
+    wait_for(lambda: len(replica_names(HTTP.get(f"{cluster.url}/metrics", headers=auth).text)) == 2, 30)
+    names = sorted(replica_names(HTTP.get(f"{cluster.url}/metrics", headers=auth).text))
     busy = [f"busy-{i}" for i in range(200) if ranked(_key(f"busy-{i}"), names)[0] == holder][:10]
     done = threading.Event()
     streams = [threading.Thread(target=_long_stream, args=(cluster, session, done)) for session in busy]
@@ -299,7 +300,7 @@ def test_a_turn_sent_from_a_busy_replica_takes_its_state_along(cluster: Cluster)
         stream.join(60)
 
     def counted() -> bool:
-        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        text = HTTP.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
         handed = 'llmsession_cluster_conversations_moved_total{why="handed"'
         moved = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(handed))
         restored = metric(text, "llmsession_cluster_conversations_restored_total")
@@ -317,14 +318,14 @@ def test_a_response_id_moves_its_conversation_only_for_its_own_tenant(cluster: C
     auth = {"Authorization": f"Bearer {KEY}"}
     said = [{"role": "user", "content": "Tenant check: name three colours. " * 8}]
     body = {"model": "m", "max_output_tokens": 6, "temperature": 0, "store": False, "user": "alice"}
-    first = httpx.post(f"{cluster.url}/v1/responses", json={**body, "input": said}, headers=auth, timeout=120)
+    first = HTTP.post(f"{cluster.url}/v1/responses", json={**body, "input": said}, headers=auth, timeout=120)
     assert first.status_code == 200, first.text
     ident, holder = first.json()["id"], first.headers[REPLICA]
-    wait_for(lambda: len(replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text)) == 2, 30)
-    (other,) = replica_names(httpx.get(f"{cluster.url}/metrics", headers=auth).text) - {holder}
+    wait_for(lambda: len(replica_names(HTTP.get(f"{cluster.url}/metrics", headers=auth).text)) == 2, 30)
+    (other,) = replica_names(HTTP.get(f"{cluster.url}/metrics", headers=auth).text) - {holder}
 
     def moves() -> float:
-        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        text = HTTP.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
         return metric(text, "llmsession_cluster_conversations_moved_total")
 
     def settled() -> float:  # (earlier tests' moves all posted: two readings two periods apart agree)
@@ -337,16 +338,16 @@ def test_a_response_id_moves_its_conversation_only_for_its_own_tenant(cluster: C
 
     before = settled()
     pointed = {**body, "input": "And another?", "previous_response_id": ident.rsplit("_", 1)[0] + "_" + other}
-    moved = httpx.post(f"{cluster.url}/v1/responses", json=pointed, headers=auth, timeout=120)
+    moved = HTTP.post(f"{cluster.url}/v1/responses", json=pointed, headers=auth, timeout=120)
     assert moved.status_code == 400 and moved.headers[REPLICA] == other, moved.text  # (not found)
     wait_for(lambda: moves() == before + 1, 30)  # (alice's: the conversation went with it)
     for user in ("bob", None):  # (another user; no user at all: another tenant too)
         back = {**body, "input": "And another?", "previous_response_id": ident, "user": user}
-        refused = httpx.post(f"{cluster.url}/v1/responses", json=back, headers=auth, timeout=120)
+        refused = HTTP.post(f"{cluster.url}/v1/responses", json=back, headers=auth, timeout=120)
         assert refused.status_code == 400 and refused.headers[REPLICA] == holder, refused.text
         assert refused.json()["error"]["code"] == "previous_response_not_found", refused.text
     resent = [*said, *first.json()["output"], {"role": "user", "content": "And another?"}]
-    again = httpx.post(
+    again = HTTP.post(
         f"{cluster.url}/v1/responses", json={**body, "input": resent}, headers=auth, timeout=120
     )
     assert again.status_code == 200 and again.headers[REPLICA] == other, again.text
@@ -364,7 +365,7 @@ def _long_stream(cluster: Cluster, session: str, done: threading.Event) -> None:
     said = [{"role": "user", "content": f"Write a long story about {session}."}]
     body = {"messages": said, "max_tokens": 300, "temperature": 1.0, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}", "x-session-id": session}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", f"{cluster.url}/v1/chat/completions", json=body, headers=headers, timeout=180
     ) as r:
         for _ in r.iter_lines():
@@ -374,18 +375,18 @@ def _long_stream(cluster: Cluster, session: str, done: threading.Event) -> None:
 
 def test_a_client_cannot_name_the_replica(cluster: Cluster) -> None:
     headers = {"Authorization": f"Bearer {KEY}", REPLICA: "forged", "x-llmsession-anything": "x"}
-    response = httpx.get(f"{cluster.url}/v1/models", headers=headers, timeout=30)
+    response = HTTP.get(f"{cluster.url}/v1/models", headers=headers, timeout=30)
     assert response.status_code == 200 and response.headers[REPLICA] != "forged"
     assert response.headers.get_list(REPLICA) == [response.headers[REPLICA]]
-    assert httpx.get(f"{cluster.url}/v1/models", timeout=30).status_code == 401  # (auth still holds)
+    assert HTTP.get(f"{cluster.url}/v1/models", timeout=30).status_code == 401  # (auth still holds)
     # A body without a key is dropped by the front as it comes: the replica's 401, in each
     # door's words, to a client that asked for the connection to close too (its body all read).
     body = {"messages": [{"role": "user", "content": "Hi " * 500_000}], "max_tokens": 1}
     closing = {"Connection": "close"}
-    refused = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, headers=closing, timeout=30)
+    refused = HTTP.post(f"{cluster.url}/v1/chat/completions", json=body, headers=closing, timeout=30)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     wrong = {"x-api-key": "sk-wrong", "anthropic-version": "2023-06-01"}
-    refused = httpx.post(f"{cluster.url}/v1/messages", json=body, headers=wrong, timeout=30)
+    refused = HTTP.post(f"{cluster.url}/v1/messages", json=body, headers=wrong, timeout=30)
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
 
 
@@ -419,7 +420,7 @@ def test_a_replica_killed_mid_stream_cuts_that_stream(cluster: Cluster) -> None:
     headers = {"Authorization": f"Bearer {KEY}", "x-session-id": "killed-mid-stream"}
     began = time.monotonic()
     rest: list[str] = []
-    with httpx.stream(
+    with HTTP.stream(
         "POST", f"{cluster.url}/v1/chat/completions", json=body, headers=headers, timeout=120
     ) as r:
         lines = r.iter_lines()

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from plain_http import HTTP
 from test_cluster import KEY, REPLICA, Cluster, metric, ray_processes, running, wait_for
 
 from llmsession.cluster.keys import conversation_key, ranked
@@ -61,7 +62,7 @@ def test_a_scale_down_moves_conversations_with_their_state(scaling: Cluster, sha
     first_replicas = {response.headers[REPLICA] for response in firsts.values()}
 
     def scaled_down() -> bool:
-        text = httpx.get(f"{scaling.url}/metrics", headers=auth, timeout=30).text
+        text = HTTP.get(f"{scaling.url}/metrics", headers=auth, timeout=30).text
         return "llmsession_cluster_replicas 1\n" in text
 
     wait_for(scaled_down, 180)
@@ -86,7 +87,7 @@ def test_a_scale_down_moves_conversations_with_their_state(scaling: Cluster, sha
             assert 0 < decoded <= new + 1, (name, name in moved, before, usage)
 
     def counted() -> bool:  # (replicas post their metrics every second)
-        text = httpx.get(f"{scaling.url}/metrics", headers=auth, timeout=30).text
+        text = HTTP.get(f"{scaling.url}/metrics", headers=auth, timeout=30).text
         restored = metric(text, "llmsession_cluster_conversations_restored_total")
         refused = metric(text, "llmsession_cluster_conversations_refused_total")
         return restored == len(moved) - 1 and refused == 1
@@ -101,7 +102,7 @@ def _key(session: str) -> str:
 
 
 def _serving(cluster: Cluster) -> set[str]:
-    text = httpx.get(f"{cluster.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    text = HTTP.get(f"{cluster.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
     return {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
 
 

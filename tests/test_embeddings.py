@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 from llama_cffi import include_dir, lib_dir
+from plain_http import HTTP
 from serve_helpers import KEY, OTHER_KEY, running
 
 from llmsession import (
@@ -220,7 +221,6 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
     holds its inputs, up to 2,048 of them): the key's next is refused with a 503 the client may
     retry, another key's waits, and the waiting ones are answered once the run ends (one key's
     requests took every place: ``MAX_WAITING``, the bound of all, is theirs and another's)."""
-    import httpx
 
     from llmsession.serve import embeddings
 
@@ -239,7 +239,7 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
             statuses: list[int] = []
 
             def ask(key: str = KEY) -> None:
-                answer = httpx.post(
+                answer = HTTP.post(
                     f"{url}/embeddings",
                     json={"model": "bert", "input": "cat"},
                     headers={"Authorization": f"Bearer {key}"},
@@ -360,7 +360,7 @@ def test_a_client_gone_stops_its_embedding_run_and_a_piece_names_inputs_as_sent(
     client.embeddings.create(model="bert", input="cat")  # (the model loaded)
     big = {"model": "bert", "input": [[5, 6, 7, 8] * 35] * 2048}  # (286,720 tokens: ~5 s on one core)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{served}/embeddings", json=big, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+        HTTP.post(f"{served}/embeddings", json=big, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
     begun = time.monotonic()
     client.embeddings.create(model="bert", input="cat")  # (waits for the run before it to stop)
     assert time.monotonic() - begun < 1.5

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anthropic
-import httpx
 import openai
 import pydantic
 import pytest
+from plain_http import HTTP
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, running, serving
 from starlette.applications import Starlette
 from starlette.routing import Mount
@@ -257,7 +257,7 @@ def test_keys_errors_and_tenants(served: Served) -> None:
     for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
         headers = {**headers, "anthropic-version": "2023-06-01", "anthropic-beta": "x"}
         asked = {"model": "m", "max_tokens": 2, "messages": said}
-        got = httpx.post(f"{base}/v1/messages?beta=true", json=asked, headers=headers, timeout=60)
+        got = HTTP.post(f"{base}/v1/messages?beta=true", json=asked, headers=headers, timeout=60)
         assert got.status_code == 200 and got.json()["type"] == "message"
     with pytest.raises(anthropic.BadRequestError) as bad:
         client(served).messages.create(model="m", messages=said, max_tokens=None)
@@ -301,7 +301,7 @@ def test_an_over_long_prompt_is_refused_in_anthropics_words(served: Served) -> N
         client(served).messages.stream(model="m", max_tokens=2, messages=said) as stream,
     ):
         stream.get_final_message()
-    chat = httpx.post(
+    chat = HTTP.post(
         f"{served.url}/chat/completions",
         json={"model": "m", "max_tokens": 2, "messages": said},
         headers={"Authorization": f"Bearer {KEY}"},
@@ -321,7 +321,7 @@ def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
     base = served.url.removesuffix("/v1")
     body = {"model": "m", "max_tokens": 4, "messages": said, "stream": True}
     url, keyed = f"{base}/v1/messages", {"x-api-key": KEY}
-    with httpx.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
+    with HTTP.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
         assert response.status_code == 200
         names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
@@ -333,7 +333,7 @@ def test_a_slow_prompt_streams_pings_then_its_answer_or_error(
     monkeypatch.setattr(doors, "PING_SECONDS", 0.001)  # (begun at once: the error comes after)
     huge = [{"role": "user", "content": "word " * 9000}]
     body = {"model": "m", "max_tokens": 4, "messages": huge, "stream": True}
-    with httpx.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
+    with HTTP.stream("POST", url, json=body, headers=keyed, timeout=60) as response:
         assert response.status_code == 200  # (begun before the prompt was tried)
         lines = list(response.iter_lines())
     assert "event: error" in lines and "event: message_stop" not in lines
@@ -564,7 +564,7 @@ def test_message_start_carries_the_prompt_usage(served: Served) -> None:
     said = [{"role": "user", "content": "Name a fruit."}]
     body = {"model": "m", "max_tokens": 4, "messages": said, "stream": True, "system": SYSTEM}
     url = served.url.removesuffix("/v1") + "/v1/messages"
-    with httpx.stream("POST", url, json=body, headers={"x-api-key": KEY}, timeout=60) as response:
+    with HTTP.stream("POST", url, json=body, headers={"x-api-key": KEY}, timeout=60) as response:
         data = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     start, delta = data[0], next(d for d in data if d["type"] == "message_delta")
     used = start["message"]["usage"]
@@ -591,20 +591,20 @@ def test_what_no_route_answers_under_anthropics_paths_is_in_its_error_body(serve
         ("PUT", "/v1/messages"),
         ("GET", "/v1/messages/count_tokens"),
     ):
-        got = httpx.request(method, f"{base}{path}", headers=auth, timeout=60)
+        got = HTTP.request(method, f"{base}{path}", headers=auth, timeout=60)
         assert got.status_code == 405, (method, path)
         assert got.headers["allow"] == "POST", (method, path)  # (RFC 9110: a 405 says what is)
         assert got.json() == {
             "type": "error",
             "error": {"type": "invalid_request_error", "message": "Method Not Allowed"},
         }
-    elsewhere = httpx.get(f"{base}/v1/nowhere", headers=auth, timeout=60)  # (OpenAI's paths: its body)
+    elsewhere = HTTP.get(f"{base}/v1/nowhere", headers=auth, timeout=60)  # (OpenAI's paths: its body)
     assert elsewhere.status_code == 404 and set(elsewhere.json()) == {"error"}
     outer = Starlette(
         routes=[Mount("/llm", app=create_app(served.model, api_key=KEY))]
     )  # (mounted in another)
     with running(outer) as url:
-        mounted = httpx.get(f"{url.removesuffix('/v1')}/llm/v1/messages", headers=auth, timeout=60)
+        mounted = HTTP.get(f"{url.removesuffix('/v1')}/llm/v1/messages", headers=auth, timeout=60)
     assert mounted.status_code == 405 and mounted.json()["type"] == "error", mounted.text
 
 
@@ -734,7 +734,7 @@ def test_a_keys_token_counts_past_its_share_are_a_503_and_another_keys_wait(
         def count(key: str = KEY) -> None:
             body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
             headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
-            answer = httpx.post(f"{url}/messages/count_tokens", json=body, headers=headers, timeout=60)
+            answer = HTTP.post(f"{url}/messages/count_tokens", json=body, headers=headers, timeout=60)
             statuses.append(answer.status_code)
 
         def under_way(n: int) -> None:

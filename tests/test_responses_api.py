@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from plain_http import HTTP
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, serving
 
 from llmsession.replies import (
@@ -225,7 +226,7 @@ def test_bad_requests_are_400s_with_openai_bodies(served: Served) -> None:
         ({"model": "m", "input": "Hi", "safety_identifier": "s" * 300}, "safety_identifier"),
         ({"model": "m", "input": "Hi", "user": "u" * 300, "safety_identifier": "s"}, "user"),
     ):
-        got = httpx.post(f"{base}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        got = HTTP.post(f"{base}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert got.status_code == 400, (body, got.text)
         assert got.json()["error"]["param"] == param, got.json()
 
@@ -351,7 +352,7 @@ def test_what_a_response_echoes_nested_too_deep_is_a_400(served: Served, field: 
     }[field]
     text = json.dumps(body).replace('"DEEP"', '{"k": ' * 975 + '"x"' + "}" * 975)
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    answer = httpx.post(f"{served.url}/responses", content=text, headers=auth, timeout=60)
+    answer = HTTP.post(f"{served.url}/responses", content=text, headers=auth, timeout=60)
     assert answer.status_code == 400, answer.text[:300]
     assert answer.json()["error"]["param"] == field
 

@@ -29,6 +29,7 @@ import jsonschema
 import openai
 import pytest
 from near_ties import assert_entries_within_noise
+from plain_http import HTTP
 from serve_helpers import KEY, OTHER_KEY, WEATHER, Served, metric, running
 from test_reuse import batch_noise
 
@@ -1031,7 +1032,7 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
 
     def up() -> bool:
         try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            return HTTP.get(f"{url}/health", timeout=1).status_code == 200
         except httpx.TransportError:
             assert server.poll() is None, server.stdout.read() if server.stdout else ""
             return False
@@ -1039,13 +1040,13 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
     try:
         wait_for(up, 60)
         hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-        assert httpx.post(f"{url}/v1/chat/completions", json=hi, timeout=60).status_code == 401
+        assert HTTP.post(f"{url}/v1/chat/completions", json=hi, timeout=60).status_code == 401
         wrong = {"Authorization": "Bearer # the tenants' keys"}
-        assert httpx.post(f"{url}/v1/chat/completions", json=hi, headers=wrong, timeout=60).status_code == 401
+        assert HTTP.post(f"{url}/v1/chat/completions", json=hi, headers=wrong, timeout=60).status_code == 401
         for key in ("sk-file-one", "sk-file-two"):  # (two tenants)
             auth = {"Authorization": f"Bearer {key}"}
             assert (
-                httpx.post(f"{url}/v1/chat/completions", json=hi, headers=auth, timeout=60).status_code == 200
+                HTTP.post(f"{url}/v1/chat/completions", json=hi, headers=auth, timeout=60).status_code == 200
             )
         assert list(tmp_path.iterdir()), "nothing was spilled: the test proves nothing"
         body = {
@@ -1053,7 +1054,7 @@ def test_sigterm_with_a_stream_open_exits_0_and_leaves_no_spill_folder(
             "max_tokens": 500,
             "stream": True,
         }
-        with httpx.stream(
+        with HTTP.stream(
             "POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60
         ) as response:
             next(response.iter_lines())

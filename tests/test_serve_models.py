@@ -17,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from plain_http import HTTP
 from serve_helpers import KEY, OTHER_KEY, running, three_models
 from starlette.requests import Request
 
@@ -54,12 +55,12 @@ def chat(url: str, model: str, text: str, **extra: Any) -> Any:
 
 
 def abilities(url: str) -> dict[str, dict[str, Any]]:
-    listed = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    listed = HTTP.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
     return {card["id"]: card["capabilities"] for card in listed["data"]}
 
 
 def states(url: str) -> dict[str, str]:
-    listed = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    listed = HTTP.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
     return {card["id"]: card["status"]["value"] for card in listed["data"]}
 
 
@@ -134,7 +135,7 @@ def test_keep_alive_zero_unloads_once_the_request_is_done(served: tuple[Models, 
     ]
     for path, body in asks:
         chat(url, "smol", "Hi.", extra_body={"keep_alive": -1})  # (loaded, kept)
-        answered = httpx.post(
+        answered = HTTP.post(
             f"{base}{path}", json={**body, "model": "smol", "keep_alive": 0}, headers=auth, timeout=60
         )
         assert answered.status_code == 200, (path, answered.text)
@@ -142,7 +143,7 @@ def test_keep_alive_zero_unloads_once_the_request_is_done(served: tuple[Models, 
         while states(url)["smol"] != "unloaded" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert states(url)["smol"] == "unloaded", path
-        refused = httpx.post(
+        refused = HTTP.post(
             f"{base}{path}", json={**body, "model": "smol", "keep_alive": "soon"}, headers=auth, timeout=60
         )
         assert refused.status_code == 400 and "keep_alive" in refused.text, (path, refused.text)
@@ -158,7 +159,7 @@ def test_a_load_with_no_room_is_a_503_and_the_server_stays_up(smollm2_path: Path
             chat(url, "gemma", "Hi.")
         assert raised.value.status_code == 503 and "memory limit" in raised.value.message
         assert raised.value.code == "model_too_large" and "retry-after" not in raised.value.response.headers
-        assert httpx.get(f"{url.removesuffix('/v1')}/health", timeout=10).json()["status"] == "ok"
+        assert HTTP.get(f"{url.removesuffix('/v1')}/health", timeout=10).json()["status"] == "ok"
         assert states(url) == {"smol": "unloaded", "gemma": "unloaded"}
 
 
@@ -210,7 +211,7 @@ def test_operators_load_unload_and_list_what_is_loaded(served: tuple[Models, str
             assert answered.status_code == 400 and answered.json()["error"]["param"] == "model", answered.text
         padded = b'{"model": "smol", "pad": [' + b",".join([b"1"] * (40 << 10)) + b"]}"  # (80 KiB)
         assert http.post("/models/unload", content=padded).status_code == 413  # (parsed: seconds at 8 MiB)
-        assert httpx.post(f"{base}/models/load", json={"model": "smol"}, timeout=10).status_code == 401
+        assert HTTP.post(f"{base}/models/load", json={"model": "smol"}, timeout=10).status_code == 401
     assert states(url)["smol"] == "loaded"
 
 
@@ -262,7 +263,7 @@ def test_a_server_of_one_model_neither_loads_nor_unloads(smollm2_path: Path) -> 
     from llmsession import Model
 
     with Model(smollm2_path, threads=1) as model, running(create_app(model)) as url:
-        refused = httpx.post(f"{url.removesuffix('/v1')}/models/unload", json={"model": "x"}, timeout=10)
+        refused = HTTP.post(f"{url.removesuffix('/v1')}/models/unload", json={"model": "x"}, timeout=10)
         assert refused.status_code == 400 and "one model" in refused.json()["error"]["message"]
 
 
@@ -346,7 +347,7 @@ def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tu
         assert ".gguf" not in said and "SmolLM2" not in said, said
     capabilities = {
         c["id"]: c["capabilities"]
-        for c in httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()[
+        for c in HTTP.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()[
             "data"
         ]
     }
@@ -433,7 +434,7 @@ def test_with_operator_keys_a_tenant_neither_unloads_nor_reads_what_others_do(sm
 
         def ask(key: str | None, method: str, path: str, **body: Any) -> httpx.Response:
             headers = {"Authorization": f"Bearer {key}"} if key else {}
-            return httpx.request(method, f"{base}{path}", json=body or None, headers=headers, timeout=60)
+            return HTTP.request(method, f"{base}{path}", json=body or None, headers=headers, timeout=60)
 
         said = {"model": "smol", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
         assert ask(OTHER_KEY, "POST", "/v1/chat/completions", **said, keep_alive=0).status_code == 200
@@ -471,13 +472,11 @@ def test_a_tenants_model_card_is_the_same_loaded_or_not(smollm2_path: Path) -> N
     with models, running(create_app(models, api_key=[KEY, OTHER_KEY], operator_key="sk-op")) as url:
         headers = {"Authorization": f"Bearer {OTHER_KEY}"}
         said = {"model": "smol", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
-        assert (
-            httpx.post(f"{url}/chat/completions", json=said, headers=headers, timeout=60).status_code == 200
-        )
-        loaded = httpx.get(f"{url}/models/smol", headers=headers, timeout=60).json()
+        assert HTTP.post(f"{url}/chat/completions", json=said, headers=headers, timeout=60).status_code == 200
+        loaded = HTTP.get(f"{url}/models/smol", headers=headers, timeout=60).json()
         models.unload("smol")
         assert not any(s.loaded for s in models.status())
-        assert httpx.get(f"{url}/models/smol", headers=headers, timeout=60).json() == loaded
+        assert HTTP.get(f"{url}/models/smol", headers=headers, timeout=60).json() == loaded
         assert loaded["context_size"] == 8192 and "status" not in loaded, loaded
 
 

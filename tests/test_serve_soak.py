@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from plain_http import HTTP
 from serve_helpers import metric
 
 CLIENTS, REQUESTS, WARM_UP = 8, 50, 6
@@ -207,7 +208,7 @@ def server(smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Pope
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if HTTP.get(f"{url}/health", timeout=1).status_code == 200:
                 break
         except httpx.TransportError:
             pass
@@ -233,7 +234,7 @@ def test_eight_clients_fifty_requests_each(server: tuple[subprocess.Popen[str], 
     text = ""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # (a client that left is noticed within a token)
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        text = HTTP.get(f"{url}/metrics", timeout=10).text
         if metric(text, "llmsession_requests_in_flight") == 0:
             break
         time.sleep(0.1)
@@ -242,7 +243,7 @@ def test_eight_clients_fifty_requests_each(server: tuple[subprocess.Popen[str], 
     assert not [s for s in statuses if 'status="5' in s], statuses
     assert rss(process.pid) - warm < RSS_GROWTH, (warm, rss(process.pid))
     body = {"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 4}
-    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0
     said = (tmp_path / "server.log").read_text()

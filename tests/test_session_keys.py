@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
 from near_ties import assert_same_within_noise, scored
+from plain_http import HTTP
 from serve_helpers import KEY, OTHER_KEY, running
 
 from llmsession import GenerationOptions, Model
@@ -211,7 +211,7 @@ def test_a_plain_server_takes_no_conversation_key_from_a_client(served: tuple[Mo
         asked.messages.create(model="m", max_tokens=4, system=MAIN, messages=hi, extra_body=GREEDY_BODY)  # type: ignore[arg-type]
     assert "0" * 32 not in model.conversations()
     body = {"model": "m", "input": "Hi.", "max_output_tokens": 4, "temperature": 0}
-    response = httpx.post(
+    response = HTTP.post(
         f"{url}/v1/responses", json=body, headers={**forged, "Authorization": f"Bearer {KEY}"}, timeout=120
     )
     assert response.status_code == 200, response.text
