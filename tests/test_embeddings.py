@@ -221,7 +221,6 @@ def test_embedding_requests_past_the_waiting_bound_are_a_503(
     holds its inputs, up to 2,048 of them): the key's next is refused with a 503 the client may
     retry, another key's waits, and the waiting ones are answered once the run ends (one key's
     requests took every place: ``MAX_WAITING``, the bound of all, is theirs and another's)."""
-
     from llmsession.serve import embeddings
 
     release = threading.Event()
