@@ -332,6 +332,38 @@ def test_the_models_command_follows_no_redirect_and_reads_odd_answers_as_errors(
             server.shutdown()
 
 
+def test_the_models_command_reads_a_port_that_is_not_http_or_a_bad_address_as_an_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``llmsession models --url`` at a port that answers something else (an SSH server's
+    banner; an answer cut short) or at an address urllib cannot parse (a port that is no
+    number): "cannot read", exit 1, never a traceback (http.client's errors are no OSError)."""
+    import socket
+
+    from llmsession.commands.cli import main
+
+    replies = [b"SSH-2.0-OpenSSH_9.2\r\n", b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"da']
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def answer() -> None:
+            for reply in replies:
+                connection, _ = listener.accept()
+                with connection:
+                    connection.recv(65536)
+                    connection.sendall(reply)
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        for _ in replies:
+            assert main(["models", "--url", f"http://127.0.0.1:{port}"]) == 1
+            assert "cannot read" in capsys.readouterr().err
+        thread.join(10)
+    for address in ("http://localhost:abc", "http://exa mple"):
+        assert main(["models", "--url", address]) == 1, address
+        assert "cannot read" in capsys.readouterr().err
+
+
 def test_an_embedding_model_beside_the_chat_models_embeds_and_says_so(served: tuple[Models, str]) -> None:
     _, url = served
     client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)

@@ -4,6 +4,7 @@ standard library's HTTP client: no dependency beyond the package's own."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import urllib.error
@@ -50,8 +51,8 @@ def served(url: str, key: str | None) -> int:
     try:
         listed = fetch(f"{base}/v1/models", key)
         held = fetch(f"{base}/api/ps", key, optional=True)  # (a server of one model has none)
-    except (urllib.error.URLError, OSError, ValueError) as failed:
-        print(f"error: cannot read {base}: {failed}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as failed:
+        print(f"error: cannot read {base}: {failed!s:.300}", file=sys.stderr)  # (a port's banner, say)
         return 1
     try:
         cards, models = _objects(listed, "data"), _objects(held, "models")
