@@ -340,6 +340,27 @@ def test_an_ambiguous_model_name_lists_the_candidates(tmp_path: Path) -> None:
     assert out.returncode == 1 and "alpha-two.gguf is not a GGUF file" in out.stderr, out.stderr
 
 
+def test_a_dangling_link_in_the_cache_and_an_unreadable_model_path_are_errors_not_tracebacks(
+    tmp_path: Path,
+) -> None:
+    """A link in the models folder whose file is gone (a drive unmounted) is not listed (it was
+    a traceback from ``models`` and ``doctor``); a ``--model`` path the system refuses to check
+    (a name longer than a file name may be) is an error naming why, exit 2."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "kept.gguf").write_bytes(b"not a model")
+    (tmp_path / "models" / "gone.gguf").symlink_to(tmp_path / "unmounted" / "gone.gguf")
+    env = {"LLMSESSION_CACHE": str(tmp_path)}
+    out = run("models", env=env)
+    assert out.returncode == 0 and "kept.gguf" in out.stdout and "gone" not in out.stdout, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    out = run("chat", "--model", str(tmp_path / ("x" * 300 + ".gguf")), env=env, stdin="Hi\n")
+    assert out.returncode == 2 and "cannot be read" in out.stderr and "Traceback" not in out.stderr, (
+        out.stderr
+    )
+    out = run("chat", "--model", "gone", env=env, stdin="Hi\n")  # (not a candidate: not found)
+    assert out.returncode == 2 and "not a file or a cached model" in out.stderr, out.stderr
+
+
 def test_doctor_reports_the_build(smollm2_path: Path) -> None:
     out = run("doctor")
     assert out.returncode == 0, out.stderr

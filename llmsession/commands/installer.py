@@ -33,8 +33,11 @@ def find_model(name: str | None) -> Path:
     """The model a ``--model PATH|NAME`` argument means (the default model without one); else
     FileNotFoundError saying why and how to get one."""
     path = paths.resolve_model(name) if name else paths.default_model_path()
-    if path.exists():
-        return path
+    try:
+        if path.exists():
+            return path
+    except OSError as error:  # (a folder it may not search, a name too long: not a traceback)
+        raise FileNotFoundError(f"the model {str(path)!r:.300} cannot be read: {error.strerror}") from None
     several = [m.name for m in paths.model_candidates(str(name))] if name else []
     which = (
         f"the model {name!r} is not a file or a cached model"

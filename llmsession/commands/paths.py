@@ -39,7 +39,17 @@ def llama_source_dir() -> Path:
 
 
 def cached_models() -> list[Path]:
-    return sorted(models_dir().glob("*.gguf"))
+    """The cache's model files (not a link whose file is gone: a drive unmounted, say)."""
+    return sorted(m for m in models_dir().glob("*.gguf") if is_file(m))
+
+
+def is_file(path: Path) -> bool:
+    """Whether ``path`` is a file this process can see: False where it cannot be checked (a
+    folder it may not search, a name too long), as where it is not (``Path.is_file`` raises)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def model_candidates(name: str) -> list[Path]:
@@ -53,7 +63,7 @@ def resolve_model(name: str | Path) -> Path:
     """A model path as given, or the one cached model it names (``smollm2``); the name itself
     when it names none, or several (``model_candidates`` says which)."""
     path = Path(name)
-    if path.exists() or path.parent != Path("."):
+    if path.parent != Path(".") or is_file(path):
         return path
     found = model_candidates(str(name))
     return found[0] if len(found) == 1 else path
