@@ -39,6 +39,7 @@ from llmsession.commands.llama_cache import (
     replace_with_copy,
     write_info,
 )
+from llmsession.native.machine import usable_cores
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_REQ = "llama-cpp-python==0.3.36"
@@ -207,7 +208,7 @@ def build(
         ["cmake", "-S", str(src), "-B", str(build_dir), *defines],
         log=build_dir.parent / "cmake-configure.log",
     )
-    jobs = str(os.cpu_count() or 2)
+    jobs = str(usable_cores())  # (os.cpu_count ignores a container's quota and pin: -j64 on 2 CPUs)
     for target in targets:
         step(f"building {target} (-j{jobs}; everything takes about 4 minutes on 2 cores)")
         run(["cmake", "--build", str(build_dir), "-j", jobs, "--target", target],
