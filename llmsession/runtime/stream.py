@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -19,26 +20,47 @@ from llmsession.runtime.readers import CUT, Reader
 
 class Guard:
     """A session's busy guard, held for each step of its exchanges: one thread at a time (a
-    second gets ``SessionBusyError`` at once), and none once the session is ``closed`` (a
-    ``ModelClosedError`` saying ``refusal``)."""
+    second gets ``SessionBusyError`` at once while the first steps a live exchange), and none
+    once the session is ``closed`` (a ``ModelClosedError`` saying ``refusal``). A holder that
+    steps no live exchange holds it for an instant (a stream's close, or a step of a stream
+    whose exchange another call finished meanwhile): it is waited for, up to ``BRIEF_S`` (a
+    stream broken out of with ``async for`` left its pump thread to close it, and the next
+    stream's first step found the guard taken a third of the time)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.owner: int | None = None  # the thread holding the lock (set once it holds it)
+        self.stepping: Exchange | None = None  # the exchange its holder steps, if any
         self.closed = False
         self.refusal = "this session is closed (or its model is)"
 
     def __enter__(self) -> None:
-        if not self.lock.acquire(blocking=False):
-            raise SessionBusyError("this session is already generating in another thread")
+        self._take(0.0)
         if self.closed:
             self.lock.release()
             raise ModelClosedError(self.refusal)
         self.owner = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
-        self.owner = None
+        self.owner = self.stepping = None
         self.lock.release()
+
+    def _take(self, seconds: float) -> None:
+        """The lock within ``seconds`` (0: at once), or within ``BRIEF_S`` if its holder steps
+        no live exchange; else SessionBusyError."""
+        if self.lock.acquire(timeout=seconds) if seconds > 0 else self.lock.acquire(blocking=False):
+            return
+        live = self.stepping
+        if (live is None or live.done) and self.lock.acquire(timeout=BRIEF_S):
+            return
+        raise SessionBusyError("this session is already generating in another thread")
+
+    @contextmanager
+    def step(self, exchange: Exchange) -> Iterator[None]:
+        """As ``with guard:``, for a step of ``exchange``."""
+        with self:
+            self.stepping = exchange
+            yield
 
     @property
     def held_here(self) -> bool:
@@ -50,16 +72,18 @@ class Guard:
     def waiting(self, seconds: float) -> Iterator[None]:
         """As ``with guard:``, but waiting up to ``seconds`` for another thread's step to end
         (a cancelled stream's: it ends within a graph node, then lets go)."""
-        if not self.lock.acquire(timeout=seconds):
-            raise SessionBusyError("this session is already generating in another thread")
+        self._take(seconds)
         try:
             if self.closed:
                 raise ModelClosedError(self.refusal)
             self.owner = threading.get_ident()
             yield
         finally:
-            self.owner = None
+            self.owner = self.stepping = None
             self.lock.release()
+
+
+BRIEF_S = 1.0  # the longest wait for a guard held by no live exchange's step
 
 
 class LocalStream(Stream):
@@ -92,7 +116,7 @@ class LocalStream(Stream):
             if self.cut:
                 raise SessionBusyError(CUT)
             raise StopIteration
-        with self._guard:
+        with self._guard.step(self.exchange):
             self.reader.note()
             try:
                 return next(self._steps)
@@ -112,8 +136,14 @@ class LocalStream(Stream):
             return  # finished, or ended by its model's close()
         # A step in flight in another thread ends first (it was cancelled); bounded, in case this
         # thread is the one holding the guard (a collected object's close, say): busy, as before.
-        if not self._guard.lock.acquire(timeout=CLOSE_WAIT_S):
-            raise SessionBusyError("this session is generating in another thread")
+        # Finished meanwhile (by the call that moved the session on), it is left alone: taken
+        # then, the guard would be the next stream's first step's to wait for.
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not self._guard.lock.acquire(timeout=CLOSE_POLL_S):
+            if self.exchange.done:
+                return
+            if time.monotonic() > deadline:
+                raise SessionBusyError("this session is generating in another thread")
         self._guard.owner = threading.get_ident()
         try:
             self.abandon()
@@ -123,6 +153,7 @@ class LocalStream(Stream):
 
 
 CLOSE_WAIT_S = 10.0
+CLOSE_POLL_S = 0.02  # (how often a waiting close looks whether its exchange finished)
 
 
 class Finishing(threading.Event):
