@@ -223,3 +223,62 @@ def test_a_damaged_build_record_is_built_again_and_libraries_are_replaced_not_re
         llama_cache.replace_with_copy(new, old)
         assert mapped.read() == b"old" and old.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["build-info.json", "libx.so", "new.so"]
+
+
+def test_a_second_setup_at_once_waits_for_the_first_and_finds_its_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `llmsession setup` at once on one cache (two terminals, two CI jobs): the second waits
+    for the first, then finds its build complete and does nothing (both extracted into the same
+    temporary folder and built in the same one, each deleting what the other made)."""
+    import threading
+    import time
+
+    from llama_cffi import ABORT_CHECK
+
+    from llmsession.commands import paths, setup_llama
+
+    dest = tmp_path / "llama"
+    (dest / "lib").mkdir(parents=True)
+    (dest / "lib" / ABORT_CHECK).touch()
+    built, installed, results = threading.Event(), list[Path](), list[int]()
+    monkeypatch.setattr(paths, "llama_dir", lambda: dest)
+    monkeypatch.setattr(setup_llama, "complete", lambda _: built.is_set())
+    monkeypatch.setattr(setup_llama, "install", lambda folder, _: installed.append(folder))
+    with setup_llama.alone_in(dest):  # (the first setup, still building)
+        second = threading.Thread(target=lambda: results.append(setup_llama.main([])))
+        second.start()
+        time.sleep(0.5)
+        assert second.is_alive() and not installed
+        built.set()  # (the first's build is complete as it lets go)
+    second.join(10)
+    assert results == [0] and not installed
+
+
+def test_the_abort_check_is_linked_beside_and_put_in_place_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link stopped on the way (a full disk, a Ctrl-C) leaves the library as it was, and no
+    part of the new one: linked in place, a file cut short was there for every later load to
+    fail on, `--force` too."""
+    import shutil
+
+    from llama_cffi import ABORT_CHECK
+
+    from llmsession.commands import setup_llama
+
+    if shutil.which("cc") is None:
+        pytest.fail("no C compiler (cc): `make setup` builds the abort check with it")
+    setup_llama.build_abort_check(tmp_path)
+    built = (tmp_path / ABORT_CHECK).read_bytes()
+    assert built.startswith(b"\x7fELF") and sorted(p.name for p in tmp_path.iterdir()) == [ABORT_CHECK]
+
+    def cut_short(command: list[str], **_: object) -> None:
+        Path(command[command.index("-o") + 1]).write_bytes(built[:100])
+        raise setup_llama.SetupError("the disk filled")
+
+    monkeypatch.setattr(setup_llama, "run", cut_short)
+    with pytest.raises(setup_llama.SetupError):
+        setup_llama.build_abort_check(tmp_path)
+    assert (tmp_path / ABORT_CHECK).read_bytes() == built
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ABORT_CHECK]

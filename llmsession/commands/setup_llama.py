@@ -11,6 +11,8 @@ test in a subprocess ends the build: a bad build fails now, not at first use.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -280,8 +282,11 @@ def build_bench(dest: Path) -> None:
     build(project, project / "build", list(BENCH_TOOLS), common=True, extra=extra)
     (bin_dir := dest / "bin").mkdir(exist_ok=True)
     out = {tool: project / "build" / Path(folder).name for tool, folder in BENCH_TOOLS.items()}
-    built = [out[tool] / name for tool in BENCH_TOOLS for name in (tool, f"lib{tool}-impl.so")]
-    for path in [*built, *sorted((project / "build/bin").glob("libllama-common.so*"))]:
+    libraries = [out[tool] / f"lib{tool}-impl.so" for tool in BENCH_TOOLS]
+    libraries += sorted((project / "build/bin").glob("libllama-common.so*"))
+    # The programs last: a setup stopped on the way leaves one missing, and it is built again
+    # (their presence is what says the tools are there).
+    for path in [*libraries, *(out[tool] / tool for tool in BENCH_TOOLS)]:
         replace_with_copy(path, bin_dir / path.name)
     step(f"ready: {', '.join(str(bin_dir / tool) for tool in BENCH_TOOLS)}")
 
@@ -294,7 +299,12 @@ def build_abort_check(lib_dir: Path) -> None:
         step(f"no C compiler (cc): {target.name} not built, cancels are checked in Python")
         return
     step(f"building {target.name}")
-    run(["cc", "-O2", "-shared", "-fPIC", "-o", str(target), str(source)])
+    partial = target.with_name(target.name + ".partial")  # (linked whole, then put in place:
+    try:  # a file cut short by a stop was there for every later load to fail on)
+        run(["cc", "-O2", "-shared", "-fPIC", "-o", str(partial), str(source)])
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def adopt(dest: Path, lib_dir: Path, include_dir: Path) -> None:
@@ -307,6 +317,21 @@ def adopt(dest: Path, lib_dir: Path, include_dir: Path) -> None:
     install_headers([include_dir], dest / "include")
 
 
+@contextlib.contextmanager
+def alone_in(dest: Path) -> Iterator[None]:
+    """The cache ``dest`` to this setup alone: another one running (a second terminal, two CI
+    jobs sharing a cache) is waited for, so that neither extracts, builds or installs over the
+    other's work (their temporary folders had the same names)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with open(dest / ".setup.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            step(f"another setup is running in {dest}: waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # (the lock goes with the file's closing, however this ends)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--lib-dir", type=Path, default=os.environ.get("LLAMA_CPP_LIB_DIR"))
@@ -315,16 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is complete")
     args = parser.parse_args(argv)
     dest = paths.llama_dir()
-    bench_missing = args.bench and not all((dest / "bin" / tool).exists() for tool in BENCH_TOOLS)
     try:
-        if not args.force and complete(dest):
-            print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
-        else:
-            install(dest, args)
-        if not (dest / "lib" / ABORT_CHECK).exists():
-            build_abort_check(dest / "lib")
-        if bench_missing:
-            build_bench(dest)
+        with alone_in(dest):  # (a second setup at once waits, then finds the first's build)
+            if not args.force and complete(dest):
+                print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
+            else:
+                install(dest, args)
+            if args.force or not (dest / "lib" / ABORT_CHECK).exists():
+                build_abort_check(dest / "lib")
+            if args.bench and (args.force or not all((dest / "bin" / tool).exists() for tool in BENCH_TOOLS)):
+                build_bench(dest)
     except SetupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
