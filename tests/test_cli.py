@@ -361,6 +361,16 @@ def test_a_dangling_link_in_the_cache_and_an_unreadable_model_path_are_errors_no
     assert out.returncode == 2 and "not a file or a cached model" in out.stderr, out.stderr
 
 
+def test_serve_given_paths_the_system_refuses_to_check_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    """``serve --model NAME=PATH`` or ``--models-dir`` naming what the system will not look at
+    (a name longer than a file name may be; a folder it may not read is alike): an error line."""
+    long = str(tmp_path / ("x" * 300))
+    for given in (["--model", "smol=" + "x" * 300 + ".gguf"], ["--models-dir", long]):
+        out = run("serve", *given, "--port", "1")
+        assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith("error:") and "too long" in out.stderr, out.stderr
+
+
 def test_doctor_reports_the_build(smollm2_path: Path) -> None:
     out = run("doctor")
     assert out.returncode == 0, out.stderr

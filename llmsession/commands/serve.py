@@ -88,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
             print(memory_line(model.memory(), args.disk_cache_dir, model.flash_attention), flush=True)
             print(f"prompts: {model.renderer}", flush=True)
             run(uvicorn, app, args)
-    except (LlmSessionError, ValueError, FileNotFoundError) as e:
+    except (LlmSessionError, ValueError, OSError) as e:  # (a --models-dir it may not read, say)
         error(str(e))
         return 1
     return 0
