@@ -27,6 +27,7 @@ from llmsession import (
     GrammarError,
     Model,
     ReplyMismatchError,
+    SessionBusyError,
     SessionConfig,
     SessionFileError,
     TemplateError,
@@ -617,6 +618,39 @@ def test_closing_from_inside_a_step_is_a_busy_error_not_a_hang(smollm2_path: Pat
     assert out.returncode == 0, out.stderr[-3000:]
     busy = [line for line in out.stdout.splitlines() if line.startswith("busy")]
     assert len(busy) == 2 and all("from inside its own step" in line for line in busy), out.stdout
+
+
+def test_a_stream_closed_from_inside_its_own_step_is_refused_at_once(smollm2: Model) -> None:
+    """A validator (a signal handler, a finalizer) run inside a stream's step that closes that
+    stream waited 10 s for the step's own guard, then was busy: refused at once now, nothing
+    cancelled, and the stream goes on to its end."""
+    from pydantic import BaseModel, Field, field_validator
+
+    streams: list[Any] = []
+    refused: list[tuple[float, str]] = []
+
+    class Answer(BaseModel):
+        word: str = Field(max_length=12)  # (whole within max_tokens: the validator runs)
+
+        @field_validator("word")
+        @classmethod
+        def closing(cls, value: str) -> str:
+            began = time.perf_counter()
+            try:
+                streams[0].close()
+            except SessionBusyError as error:
+                refused.append((time.perf_counter() - began, str(error)))
+            return value
+
+    session = smollm2.session()
+    options = GenerationOptions(max_tokens=64, temperature=0.0, json_schema=Answer)
+    streams.append(session.stream("Say a word.", options))
+    for _snapshot in streams[0]:
+        pass
+    assert len(refused) == 1 and refused[0][0] < 1.0, refused
+    assert "from inside its own step" in refused[0][1]
+    assert streams[0].reply is not None and streams[0].reply.finish_reason == "complete"  # (not cancelled)
+    streams[0].close()  # (once the step has returned: closed)
 
 
 def test_a_regular_file_is_read_up_to_its_bound_and_no_further(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from llmsession.errors import ModelClosedError, SessionBusyError
 from llmsession.replies import Reply, Snapshot
 from llmsession.runtime import dropped
 from llmsession.runtime.exchange import Exchange
+from llmsession.runtime.exiting import STEPPING_HERE
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.readers import CUT, Reader
 
@@ -131,11 +132,12 @@ class LocalStream(Stream):
         self.exchange.cancelled.set()
 
     def close(self) -> None:
+        if self._guard.held_here and not self.exchange.done:  # (from inside its own step: the
+            raise SessionBusyError(STEPPING_HERE)  # step it would wait for is its caller's)
         self.cancel()
         if self.exchange.done:
             return  # finished, or ended by its model's close()
-        # A step in flight in another thread ends first (it was cancelled); bounded, in case this
-        # thread is the one holding the guard (a collected object's close, say): busy, as before.
+        # A step in flight in another thread ends first (it was cancelled); bounded.
         # Finished meanwhile (by the call that moved the session on), it is left alone: taken
         # then, the guard would be the next stream's first step's to wait for.
         deadline = time.monotonic() + CLOSE_WAIT_S
