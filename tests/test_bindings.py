@@ -282,3 +282,34 @@ def test_the_abort_check_is_linked_beside_and_put_in_place_whole(
         setup_llama.build_abort_check(tmp_path)
     assert (tmp_path / ABORT_CHECK).read_bytes() == built
     assert sorted(p.name for p in tmp_path.iterdir()) == [ABORT_CHECK]
+
+
+def test_a_setup_with_nothing_to_do_writes_nothing_and_one_without_locks_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A complete cache is left as it is, no lock file made (it may be read-only: an image run
+    by another user); where the file system has no locks (NFS without lockd), setup says so and
+    builds, not fails."""
+    import errno
+    import fcntl
+
+    from llama_cffi import ABORT_CHECK
+
+    from llmsession.commands import paths, setup_llama
+
+    dest = tmp_path / "llama"
+    (dest / "lib").mkdir(parents=True)
+    (dest / "lib" / ABORT_CHECK).touch()
+    installed: list[Path] = []
+    monkeypatch.setattr(paths, "llama_dir", lambda: dest)
+    monkeypatch.setattr(setup_llama, "complete", lambda _: True)
+    monkeypatch.setattr(setup_llama, "install", lambda folder, _: installed.append(folder))
+    assert setup_llama.main([]) == 0
+    assert sorted(p.name for p in dest.rglob("*")) == ["lib", ABORT_CHECK] and not installed
+
+    def no_locks(*_: object) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(setup_llama, "complete", lambda _: False)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert setup_llama.main([]) == 0 and installed == [dest]

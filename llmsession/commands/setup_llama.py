@@ -329,7 +329,18 @@ def alone_in(dest: Path) -> Iterator[None]:
         except BlockingIOError:
             step(f"another setup is running in {dest}: waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as error:  # (a file system without locks: NFS without lockd, say)
+            step(f"{dest} cannot be locked ({error.strerror}): going on without waiting for others")
         yield  # (the lock goes with the file's closing, however this ends)
+
+
+def _todo(dest: Path, args: argparse.Namespace) -> tuple[bool, bool, bool]:
+    """Whether this setup must install llama.cpp, build the abort check, build the bench tools."""
+    return (
+        args.force or not complete(dest),
+        args.force or not (dest / "lib" / ABORT_CHECK).exists(),
+        args.bench and (args.force or not all((dest / "bin" / tool).exists() for tool in BENCH_TOOLS)),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,14 +352,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dest = paths.llama_dir()
     try:
-        with alone_in(dest):  # (a second setup at once waits, then finds the first's build)
-            if not args.force and complete(dest):
-                print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
-            else:
+        # A second setup at once waits, then finds the first's build; one with nothing to do
+        # takes no lock (a complete cache may be read-only, in an image run by another user).
+        with alone_in(dest) if any(_todo(dest, args)) else contextlib.nullcontext():
+            installing, checking, benching = _todo(dest, args)  # (again, under the lock)
+            if installing:
                 install(dest, args)
-            if args.force or not (dest / "lib" / ABORT_CHECK).exists():
+            else:
+                print(f"llama.cpp {paths.LLAMA_CPP_COMMIT} is already built in {dest} (nothing to do)")
+            if checking:
                 build_abort_check(dest / "lib")
-            if args.bench and (args.force or not all((dest / "bin" / tool).exists() for tool in BENCH_TOOLS)):
+            if benching:
                 build_bench(dest)
     except SetupError as error:
         print(f"error: {error}", file=sys.stderr)
