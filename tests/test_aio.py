@@ -230,6 +230,33 @@ def test_a_stream_broken_out_of_leaves_the_next_streams_steps_free(smollm2: Mode
     assert len(ends) == 20 and set(ends) <= {"stop", "length"}, ends
 
 
+def test_a_close_from_another_thread_returns_once_the_reply_is_recorded(
+    smollm2: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream closed from another thread while its own step finishes the reply: close returns
+    once the transcript holds the turn (its step is waited for), not as soon as the reply is
+    done (the variant that returned then read the transcript without it)."""
+    from llmsession.runtime.session import LocalSession
+
+    recording = threading.Event()
+    real = LocalSession._record
+
+    def slow(self: LocalSession, *args: Any, **kwargs: Any) -> None:
+        recording.set()
+        time.sleep(0.3)  # (the window between the reply done and the turn in the transcript)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalSession, "_record", slow)
+    session = smollm2.session()
+    stream = session.stream("Name a colour.", GenerationOptions(max_tokens=2, temperature=0))
+    reader = threading.Thread(target=lambda: [None for _ in stream])
+    reader.start()
+    assert recording.wait(30)
+    stream.close()
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    reader.join(30)
+
+
 def test_the_server_side_of_the_bridge_decodes_on_without_asking(smollm2: Model) -> None:
     """``ahead=None``: the thread decodes to the end while the loop has asked for one snapshot
     only (the server forwards snapshots as they come); ``ahead=0`` waits (the variant)."""

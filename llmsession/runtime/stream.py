@@ -21,17 +21,19 @@ from llmsession.runtime.readers import CUT, Reader
 
 class Guard:
     """A session's busy guard, held for each step of its exchanges: one thread at a time (a
-    second gets ``SessionBusyError`` at once while the first steps a live exchange), and none
-    once the session is ``closed`` (a ``ModelClosedError`` saying ``refusal``). A holder that
-    steps no live exchange holds it for an instant (a stream's close, or a step of a stream
-    whose exchange another call finished meanwhile): it is waited for, up to ``BRIEF_S`` (a
-    stream broken out of with ``async for`` left its pump thread to close it, and the next
-    stream's first step found the guard taken a third of the time)."""
+    second gets ``SessionBusyError`` at once while the first steps a live exchange, or does
+    anything else with the session), and none once the session is ``closed`` (a
+    ``ModelClosedError`` saying ``refusal``). A holder that only lets go of a stream (its
+    ``brief`` close, or a step of a stream whose exchange another call finished meanwhile) holds
+    it for an instant: it is waited for, up to ``BRIEF_S`` (a stream broken out of with
+    ``async for`` left its pump thread to close it, and the next stream's first step found the
+    guard taken a third of the time)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.owner: int | None = None  # the thread holding the lock (set once it holds it)
         self.stepping: Exchange | None = None  # the exchange its holder steps, if any
+        self.brief = False  # its holder only closes a stream
         self.closed = False
         self.refusal = "this session is closed (or its model is)"
 
@@ -47,13 +49,20 @@ class Guard:
         self.lock.release()
 
     def _take(self, seconds: float) -> None:
-        """The lock within ``seconds`` (0: at once), or within ``BRIEF_S`` if its holder steps
-        no live exchange; else SessionBusyError."""
+        """The lock within ``seconds`` (0: at once), or as long as its holder only lets go of
+        a stream (up to ``BRIEF_S``); else SessionBusyError."""
+        if self.held_here:  # (a handler run inside this thread's own step: never free)
+            raise SessionBusyError("this session is already generating in this thread")
         if self.lock.acquire(timeout=seconds) if seconds > 0 else self.lock.acquire(blocking=False):
             return
-        live = self.stepping
-        if (live is None or live.done) and self.lock.acquire(timeout=BRIEF_S):
-            return
+        began = time.monotonic()
+        while (waited := time.monotonic() - began) < BRIEF_S:
+            live = self.stepping  # (None just after a step took the lock: looked at again)
+            letting_go = self.brief or (live is not None and live.done)
+            if not letting_go and (live is not None or waited > UNSEEN_S):
+                break
+            if self.lock.acquire(timeout=0.005):
+                return
         raise SessionBusyError("this session is already generating in another thread")
 
     @contextmanager
@@ -84,7 +93,8 @@ class Guard:
             self.lock.release()
 
 
-BRIEF_S = 1.0  # the longest wait for a guard held by no live exchange's step
+BRIEF_S = 1.0  # the longest wait for a guard whose holder only lets go of a stream
+UNSEEN_S = 0.02  # how long a holder that has not said what it does yet is given to say it
 
 
 class LocalStream(Stream):
@@ -132,26 +142,30 @@ class LocalStream(Stream):
         self.exchange.cancelled.set()
 
     def close(self) -> None:
-        if self._guard.held_here and not self.exchange.done:  # (from inside its own step: the
-            raise SessionBusyError(STEPPING_HERE)  # step it would wait for is its caller's)
-        self.cancel()
-        if self.exchange.done:
-            return  # finished, or ended by its model's close()
-        # A step in flight in another thread ends first (it was cancelled); bounded.
-        # Finished meanwhile (by the call that moved the session on), it is left alone: taken
-        # then, the guard would be the next stream's first step's to wait for.
-        deadline = time.monotonic() + CLOSE_WAIT_S
-        while not self._guard.lock.acquire(timeout=CLOSE_POLL_S):
+        guard = self._guard
+        if guard.held_here:  # (from inside its own step: the step it would wait for is its caller's)
             if self.exchange.done:
                 return
+            raise SessionBusyError(STEPPING_HERE)
+        self.cancel()
+        # A step in flight in another thread ends first (it was cancelled; one that finished the
+        # reply records it): bounded. Finished and let go of (by its own last step, or by the
+        # call that moved the session on), it is left alone: taken then, the guard would be the
+        # next stream's first step's to wait for.
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not (self.exchange.done and guard.stepping is not self.exchange):
+            if guard.lock.acquire(timeout=CLOSE_POLL_S):
+                break
             if time.monotonic() > deadline:
                 raise SessionBusyError("this session is generating in another thread")
-        self._guard.owner = threading.get_ident()
+        else:
+            return
+        guard.owner, guard.brief = threading.get_ident(), True
         try:
             self.abandon()
         finally:
-            self._guard.owner = None
-            self._guard.lock.release()
+            guard.owner, guard.brief = None, False
+            guard.lock.release()
 
 
 CLOSE_WAIT_S = 10.0
