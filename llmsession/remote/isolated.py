@@ -27,7 +27,7 @@ from llmsession.remote.process import WorkerProcess
 from llmsession.remote.proxies import WorkerSession, WorkerStream, absolute, portable
 from llmsession.runtime.choices import Choices, separate
 from llmsession.runtime.continuing import check_choices
-from llmsession.runtime.embedding import is_token
+from llmsession.runtime.embedding import EMBED_INPUTS, is_token, wrong_item
 from llmsession.runtime.face import Session, Stream
 from llmsession.runtime.stateless_calls import check_answerable, check_stateless, check_tenant, checked_label
 from llmsession.text.renderer import Renderer
@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 LOAD_TIMEOUT_S = 600.0  # a load sends the weights to the servers: allow for a slow network
 
 
-EMBED_INPUTS = "embed takes a non-empty str, list of str, list of token ids, or list of those"
-
-
 def _plain(index: int, item: Any) -> Any:
     """An input's item as the pipe carries it: a str or an int as it is, a sequence of token
     ids (a numpy one's too) as a list; anything else is the in-process ValueError (an object of
@@ -52,7 +49,7 @@ def _plain(index: int, item: Any) -> Any:
         return item
     if isinstance(item, Sequence) and all(is_token(x) for x in item):
         return list(item)
-    raise ValueError(f"input {index}: a str or a list of token ids, got {type(item).__name__}")
+    raise wrong_item(index, item)
 
 
 class IsolatedModel:

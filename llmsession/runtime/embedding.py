@@ -42,6 +42,15 @@ def pooling_of(model: NativeModel) -> str | None:
 Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
 
+EMBED_INPUTS = "embed takes a non-empty str, list of str, list of token ids, or list of those"
+
+
+def wrong_item(index: int, item: object) -> ValueError:
+    """What an input that is neither a str nor a list of token ids is told (in process, and by
+    the worker's proxy before its pipe)."""
+    return ValueError(f"input {index}: a str or a list of token ids, got {type(item).__name__}")
+
+
 def is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -123,7 +132,7 @@ class Embedder:
         as llama-server does), token ids within the vocabulary, none empty."""
         items: Sequence[object] = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(items, Sequence) or not items:
-            raise ValueError("embed takes a non-empty str, list of str, list of token ids, or list of those")
+            raise ValueError(EMBED_INPUTS)
         if all(is_token(x) for x in items):
             items = [items]  # (one input, as token ids)
         if len(items) > MAX_INPUTS:
@@ -140,7 +149,7 @@ class Embedder:
                 if any(not 0 <= t < n_vocab for t in tokens):
                     raise ValueError(f"input {index}: token ids must be in 0..{n_vocab - 1}")
             else:
-                raise ValueError(f"input {index}: a str or a list of token ids, got {type(item).__name__}")
+                raise wrong_item(index, item)
             if not tokens:
                 raise ValueError(f"input {index} has no tokens")
             lists.append(tokens)
