@@ -52,6 +52,14 @@ def is_file(path: Path) -> bool:
         return False
 
 
+def exists(path: Path) -> bool:
+    """Whether ``path`` exists, as ``is_file`` tells a file: False where it cannot be checked."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def model_candidates(name: str) -> list[Path]:
     """Cached models a name may mean: its file name or stem exactly, else those it begins."""
     key = name.lower()

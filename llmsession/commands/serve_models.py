@@ -10,7 +10,7 @@ from pathlib import Path
 
 from llmsession.api.modelfiles import ModelFile
 from llmsession.api.models import Models
-from llmsession.commands import installer
+from llmsession.commands import installer, paths
 from llmsession.commands.argtypes import positive_int, seconds
 from llmsession.config import MemoryConfig, ModelConfig
 
@@ -58,17 +58,9 @@ def named(value: str) -> tuple[str | None, str]:
     """A ``--model`` value's name (``NAME=PATH``) and where the model is; a path that exists as
     given is a path, whatever it holds."""
     name, sep, where = value.partition("=")
-    if sep and Models.is_name(name) and not _exists(Path(value).expanduser()):
+    if sep and Models.is_name(name) and not paths.exists(Path(value).expanduser()):
         return name, where
     return None, value
-
-
-def _exists(path: Path) -> bool:
-    """Whether ``path`` exists, as far as this process may tell (a name too long: it does not)."""
-    try:
-        return path.exists()
-    except OSError:
-        return False
 
 
 def model_files(args: argparse.Namespace) -> dict[str, ModelFile]:
